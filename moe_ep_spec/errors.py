@@ -1,0 +1,181 @@
+"""The one error hierarchy of moe-ep-spec.
+
+Every error a conforming backend raises for bad input is a subclass of
+:class:`MoeEpError`. The subclasses also derive from the matching builtin
+(``ValueError``, ``TypeError``, ``LookupError`` ...) so callers that already
+catch those keep working.
+
+Messages follow one rule: name the rule, the value seen and what is allowed,
+e.g. ``topk_idx must have shape (num_tokens, num_topk) = (64, 2); got (64, 3)``.
+The offending values are also kept as attributes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = [
+    "MoeEpError",
+    "ConfigError",
+    "ShapeError",
+    "DTypeError",
+    "FormatError",
+    "RoutingIndexError",
+    "CapacityError",
+    "StashError",
+    "DeviceError",
+    "CapabilityError",
+    "BackendError",
+    "BackendNotFoundError",
+    "BackendUnavailableError",
+]
+
+
+class MoeEpError(Exception):
+    """Root of every error raised by moe-ep-spec and its backends."""
+
+
+class ConfigError(MoeEpError, ValueError):
+    """A :class:`~moe_ep_spec.MoeEpConfig` field breaks a rule of the spec.
+
+    Attributes: ``field`` (the field name) and ``value`` (what was given).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+
+
+class ShapeError(MoeEpError, ValueError):
+    """An array has the wrong number of dimensions or the wrong extent.
+
+    Attributes: ``name`` (the argument), ``expected`` and ``got`` (shapes).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str | None = None,
+        expected: Any = None,
+        got: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.name = name
+        self.expected = expected
+        self.got = got
+
+
+class DTypeError(MoeEpError, TypeError):
+    """An array has a dtype the spec does not allow for that argument.
+
+    Attributes: ``name``, ``expected`` (the allowed dtypes, as text) and ``got``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str | None = None,
+        expected: Any = None,
+        got: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.name = name
+        self.expected = expected
+        self.got = got
+
+
+class FormatError(MoeEpError, ValueError):
+    """A block-scaled tensor is inconsistent (data and scale disagree, bad axis,
+    unknown format name)."""
+
+
+class RoutingIndexError(MoeEpError, ValueError):
+    """``topk_idx`` holds an expert id outside ``[-1, num_experts)``.
+
+    Attributes: ``rank`` (which rank's input, or None), ``position`` (the first
+    offending ``(token, slot)``), ``value`` (the id found) and ``num_experts``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        position: tuple[int, int] | None = None,
+        value: int | None = None,
+        num_experts: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.position = position
+        self.value = value
+        self.num_experts = num_experts
+
+
+class CapacityError(MoeEpError, ValueError):
+    """A static bound was exceeded: more tokens than ``max_tokens_per_rank``, or
+    more received rows than ``recv_capacity``.
+
+    Attributes: ``limit`` (the bound) and ``got`` (the count seen).
+    """
+
+    def __init__(self, message: str, *, limit: int | None = None, got: int | None = None) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.got = got
+
+
+class StashError(MoeEpError, ValueError):
+    """The training stash handed to the backward does not match the forward's
+    routing (``route_metadata`` rows differ from the plan of ``topk_idx``)."""
+
+
+class DeviceError(MoeEpError, ValueError):
+    """Inputs live on different devices, or on a device the backend cannot use."""
+
+
+class CapabilityError(MoeEpError, NotImplementedError):
+    """The backend does not support this feature; it declared so in its
+    :class:`~moe_ep_spec.Capabilities`. Attribute ``feature`` names it."""
+
+    def __init__(self, message: str, *, feature: str | None = None) -> None:
+        super().__init__(message)
+        self.feature = feature
+
+
+class BackendError(MoeEpError):
+    """Problems finding or loading a backend."""
+
+
+class BackendNotFoundError(BackendError, LookupError):
+    """No backend is registered under ``name``.
+
+    Attributes: ``name``, ``registered`` (the names that are) and ``suggestion``
+    (the closest registered name, or None).
+    """
+
+    def __init__(self, name: str, registered: Sequence[str], suggestion: str | None) -> None:
+        listing = ", ".join(sorted(registered)) or "(none)"
+        message = f"no MoeEp backend named {name!r}; registered backends: {listing}"
+        if suggestion is not None:
+            message += f". Did you mean {suggestion!r}?"
+        super().__init__(message)
+        self.name = name
+        self.registered = tuple(sorted(registered))
+        self.suggestion = suggestion
+
+    def __str__(self) -> str:  # LookupError would quote the message otherwise
+        return str(self.args[0])
+
+
+class BackendUnavailableError(BackendError, RuntimeError):
+    """The backend is registered but cannot run here. Attributes: ``name`` and
+    ``reason`` (the backend's own explanation)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"MoeEp backend {name!r} is not available: {reason}")
+        self.name = name
+        self.reason = reason

@@ -1,0 +1,218 @@
+"""``reference``: the shared numpy reference, registered like any other backend."""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import numpy as np
+
+from moe_ep_spec import validation as v
+from moe_ep_spec.api import (
+    BackwardResult,
+    DispatchGrads,
+    DispatchHandle,
+    DispatchInputs,
+    DispatchResult,
+    ForwardResult,
+    RankInputs,
+    Stash,
+    Tensor,
+)
+from moe_ep_spec.backend import Capabilities, Launch, MoeEpBackend
+from moe_ep_spec.config import MoeEpConfig
+from moe_ep_spec.errors import DTypeError, ShapeError, StashError
+from moe_ep_spec.formats import round_to_bf16, round_trip
+
+from . import world as W
+
+__all__ = ["ReferenceBackend"]
+
+__version__ = "0.1.0"
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+class ReferenceBackend(MoeEpBackend):
+    """The spec, executed: a whole EP world in one process, float64 throughout.
+
+    Supports everything: every format combination, block-scaled inputs, both
+    router-weight placements, the clamp, ``generate_c``, the backward, and the
+    layered primitives in the dynamic and the static layout, at any EP size.
+    """
+
+    name = "reference"
+    version = __version__
+    capabilities = Capabilities(launch=Launch.WORLD, devices=("cpu",))
+
+    # ---------------------------------------------------------------- checks
+
+    def _check_world_inputs(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> None:
+        v.validate_world(config, inputs, "inputs")
+        for r, inp in enumerate(inputs):
+            v.validate_rank_inputs(config, inp, r)
+
+    def _check_handles(self, config: MoeEpConfig, handles: Sequence[DispatchHandle]) -> None:
+        v.validate_world(config, handles, "handles")
+        for r, h in enumerate(handles):
+            if not isinstance(h, DispatchHandle):
+                raise DTypeError(f"handles[{r}] must be a DispatchHandle; got {type(h).__name__}", name="handles")
+            if h.rank != r or h.num_ranks != config.num_ranks or h.num_topk != config.num_topk:
+                raise ShapeError(
+                    f"handles[{r}] must be rank {r}'s handle of a dispatch with num_ranks = {config.num_ranks} and "
+                    f"num_topk = {config.num_topk}; got rank {h.rank}, num_ranks {h.num_ranks}, num_topk {h.num_topk}",
+                    name="handles",
+                )
+
+    # ----------------------------------------------------------------- fused
+
+    def forward(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> List[ForwardResult]:
+        self.require(config, "forward")
+        self._check_world_inputs(config, inputs)
+        handles = W.plan(config, [inp.topk_idx for inp in inputs])
+        x = W.gather(handles, [W.decode(inp.activation) for inp in inputs])
+        w = W.gather(handles, [_read_weights(inp.topk_weights) for inp in inputs], by_slot=True)
+        ys, cs = [], []
+        for d, h in enumerate(handles):
+            y, c = W.expert_forward(
+                config, h, x[d], w[d], W.decode(inputs[d].fc1_weight), W.decode(inputs[d].fc2_weight)
+            )
+            ys.append(y)
+            cs.append(c)
+        per_slot = W.scatter_slots(config, handles, ys)
+        results = []
+        for r, h in enumerate(handles):
+            out = W.encode_output(config, W.sum_slots(per_slot[r]))
+            if config.generate_c:
+                results.append(ForwardResult(out, round_to_bf16(cs[r]), h.route_metadata.copy()))
+            else:
+                results.append(ForwardResult(out))
+        return results
+
+    def backward(
+        self,
+        config: MoeEpConfig,
+        inputs: Sequence[RankInputs],
+        grad_output: Sequence[np.ndarray],
+        stash: Sequence[Stash],
+    ) -> List[BackwardResult]:
+        self.require(config, "backward")
+        self._check_world_inputs(config, inputs)
+        v.validate_world(config, grad_output, "grad_output")
+        v.validate_world(config, stash, "stash")
+        handles = W.plan(config, [inp.topk_idx for inp in inputs])
+        for r, (inp, h) in enumerate(zip(inputs, handles)):
+            v.validate_grad(
+                "grad_output", grad_output[r], (h.num_tokens, config.hidden), "(num_tokens, hidden)", r
+            )
+            v.validate_stash(config, stash[r], h.num_recv_rows, r)
+            _check_metadata(r, stash[r].route_metadata, h.route_metadata)
+        x = W.gather(handles, [W.decode(inp.activation) for inp in inputs])
+        w = W.gather(handles, [_read_weights(inp.topk_weights) for inp in inputs], by_slot=True)
+        dy = W.gather(handles, [np.asarray(g, dtype=np.float64) for g in grad_output])
+        dxs, dws, grads_w = [], [], []
+        for d, h in enumerate(handles):
+            dx, dw, dfc1, dfc2 = W.expert_backward(
+                config,
+                h,
+                x[d],
+                w[d],
+                W.decode(inputs[d].fc1_weight),
+                W.decode(inputs[d].fc2_weight),
+                stash[d].fc1_c.astype(np.float64),
+                dy[d],
+            )
+            dxs.append(dx)
+            dws.append(dw)
+            grads_w.append((dfc1, dfc2))
+        dx_slots = W.scatter_slots(config, handles, dxs)
+        dw_slots = W.scatter_slots(config, handles, dws)
+        return [
+            BackwardResult(
+                grad_activation=_f32(W.sum_slots(dx_slots[r])),
+                grad_fc1_weight=_f32(grads_w[r][0]),
+                grad_fc2_weight=_f32(grads_w[r][1]),
+                grad_topk_weights=_f32(dw_slots[r]),
+            )
+            for r in range(config.num_ranks)
+        ]
+
+    # --------------------------------------------------------------- layered
+
+    def dispatch(self, config: MoeEpConfig, inputs: Sequence[DispatchInputs]) -> List[DispatchResult]:
+        self.require(config, "dispatch")
+        v.validate_world(config, inputs, "inputs")
+        for r, inp in enumerate(inputs):
+            v.validate_dispatch_inputs(config, inp, r)
+        mismatch = W.stack_tokens([inp.tokens for inp in inputs])
+        if mismatch is not None:
+            raise DTypeError(f"tokens must have the same encoding on every rank: {mismatch}", name="tokens")
+        handles = W.plan(config, [inp.topk_idx for inp in inputs])
+        tokens = W.gather_tokens(handles, [inp.tokens for inp in inputs])
+        weights = W.gather(handles, [_read_weights(inp.topk_weights) for inp in inputs], by_slot=True)
+        return [DispatchResult(tokens[r], _f32(weights[r]), handles[r]) for r in range(config.num_ranks)]
+
+    def combine(
+        self, config: MoeEpConfig, handles: Sequence[DispatchHandle], expert_out: Sequence[np.ndarray]
+    ) -> List[Tensor]:
+        self.require(config, "combine")
+        self._check_handles(config, handles)
+        v.validate_world(config, expert_out, "expert_out")
+        rows = []
+        for h, y in zip(handles, expert_out):
+            v.validate_expert_out(config, y, h)
+            yy = np.where(h.valid_rows[:, None], np.asarray(y, dtype=np.float64), 0.0)  # padding never read
+            rows.append(round_trip(yy, config.combine_format, axis=-1))
+        per_slot = W.scatter_slots(config, handles, rows)
+        return [W.encode_output(config, W.sum_slots(p)) for p in per_slot]
+
+    def combine_backward(
+        self, config: MoeEpConfig, handles: Sequence[DispatchHandle], grad_output: Sequence[np.ndarray]
+    ) -> List[np.ndarray]:
+        self.require(config, "combine_backward")
+        self._check_handles(config, handles)
+        v.validate_world(config, grad_output, "grad_output")
+        for r, (h, g) in enumerate(zip(handles, grad_output)):
+            v.validate_grad("grad_output", g, (h.num_tokens, config.hidden), "(num_tokens, hidden)", r)
+        return [_f32(g) for g in W.gather(handles, [np.asarray(g, dtype=np.float64) for g in grad_output])]
+
+    def dispatch_backward(
+        self,
+        config: MoeEpConfig,
+        handles: Sequence[DispatchHandle],
+        grad_tokens: Sequence[np.ndarray],
+        grad_topk_weights: Sequence[np.ndarray],
+    ) -> List[DispatchGrads]:
+        self.require(config, "dispatch_backward")
+        self._check_handles(config, handles)
+        v.validate_world(config, grad_tokens, "grad_tokens")
+        v.validate_world(config, grad_topk_weights, "grad_topk_weights")
+        gts, gws = [], []
+        for r, (h, gt, gw) in enumerate(zip(handles, grad_tokens, grad_topk_weights)):
+            v.validate_grad("grad_tokens", gt, (h.num_recv_rows, config.hidden), "(received rows, hidden)", r)
+            v.validate_grad("grad_topk_weights", gw, (h.num_recv_rows,), "(received rows,)", r)
+            valid = h.valid_rows
+            gts.append(np.where(valid[:, None], np.asarray(gt, dtype=np.float64), 0.0))
+            gws.append(np.where(valid, np.asarray(gw, dtype=np.float64), 0.0))
+        tok_slots = W.scatter_slots(config, handles, gts)
+        w_slots = W.scatter_slots(config, handles, gws)
+        return [
+            DispatchGrads(grad_tokens=_f32(W.sum_slots(tok_slots[r])), grad_topk_weights=_f32(w_slots[r]))
+            for r in range(config.num_ranks)
+        ]
+
+
+def _read_weights(topk_weights: np.ndarray) -> np.ndarray:
+    """Router weights are read as float32 (exact for float32/float16/bfloat16)."""
+    return np.asarray(topk_weights).astype(np.float32).astype(np.float64)
+
+
+def _check_metadata(rank: int, got: np.ndarray, expected: np.ndarray) -> None:
+    diff = np.nonzero((got != expected).any(axis=1))[0]
+    if diff.size:
+        row = int(diff[0])
+        raise StashError(
+            f"rank {rank}: route_metadata must equal the forward's routing of topk_idx; row {row} is "
+            f"{tuple(int(x) for x in got[row])}, the routing gives {tuple(int(x) for x in expected[row])}"
+        )

@@ -1,0 +1,299 @@
+"""The MoeEp reference: a whole EP world of ``num_ranks`` ranks in one process.
+
+Everything is computed in float64 from exactly decoded inputs; the spec's
+rounding points (input decode, the optional FC2-operand rounding, the per-route
+combine round trip, the final output encode, and the bf16 ``fc1_c`` stash) are
+applied exactly where the spec puts them and nowhere else. float64 makes the
+reference the exact-arithmetic limit for every practical shape: its own error
+(about ``n * 2^-53`` relative for a reduction of length n) is millions of times
+below the float32 accumulation a backend is allowed, so a tolerance budget
+measures the backend's error alone.
+
+The functions take and return per-rank lists; they validate nothing (the
+backend class does) and never modify their inputs.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from moe_ep_spec.api import DispatchHandle, Tensor
+from moe_ep_spec.config import MoeEpConfig
+from moe_ep_spec.errors import CapacityError
+from moe_ep_spec.formats import BlockScaledTensor, MoeFormat, dequantize, quantize, round_to_bf16, round_trip
+
+__all__ = [
+    "plan",
+    "gather",
+    "scatter_slots",
+    "encode_output",
+    "decode",
+    "expert_forward",
+    "expert_backward",
+    "sum_slots",
+]
+
+
+def decode(t: Tensor) -> np.ndarray:
+    """Exact float64 value of a plain array or a BlockScaledTensor."""
+    return dequantize(t, np.float64)
+
+
+def plan(config: MoeEpConfig, topk_idx: Sequence[np.ndarray]) -> List[DispatchHandle]:
+    """The routing plan of every rank, as the handle each rank's dispatch returns.
+
+    Valid (token, slot) pairs of every source rank, in token-major order, go to
+    the rank that holds their expert; every destination orders its rows
+    expert-major: local expert, then source rank, then source token, then slot.
+    Static layout: each expert's slab starts at a multiple of
+    ``expert_alignment``, the buffer has ``recv_capacity`` rows, and padding
+    rows have metadata -1. Raises :class:`CapacityError` when the aligned rows
+    do not fit ``recv_capacity``.
+    """
+    el, n_ranks = config.num_local_experts, config.num_ranks
+    per_dest: List[List[np.ndarray]] = [[] for _ in range(n_ranks)]
+    for src, idx in enumerate(topk_idx):
+        idx = np.asarray(idx, dtype=np.int64)
+        t, k = np.nonzero(idx >= 0)  # row-major: token-major order
+        e = idx[t, k]
+        dest = e // el
+        rows = np.stack([e % el, np.full_like(t, src), t, k], axis=1)
+        for d in range(n_ranks):
+            per_dest[d].append(rows[dest == d])
+    handles = []
+    for d in range(n_ranks):
+        rows = np.concatenate(per_dest[d], axis=0) if per_dest[d] else np.zeros((0, 4), np.int64)
+        rows = rows[np.argsort(rows[:, 0], kind="stable")]  # already (src, token, slot) ordered
+        counts = np.bincount(rows[:, 0], minlength=el).astype(np.int64)
+        if config.static_layout:
+            align = config.expert_alignment
+            slabs = -(-counts // align) * align
+            offsets = np.concatenate([[0], np.cumsum(slabs)]).astype(np.int64)
+            if offsets[-1] > config.recv_capacity:
+                raise CapacityError(
+                    f"rank {d}: received rows after aligning every expert's slab to expert_alignment = {align} "
+                    f"must be <= recv_capacity = {config.recv_capacity}; got {int(offsets[-1])} "
+                    f"({len(rows)} routes, per local expert {counts.tolist()})",
+                    limit=config.recv_capacity,
+                    got=int(offsets[-1]),
+                )
+            meta = np.full((config.recv_capacity, 4), -1, dtype=np.int32)
+            for e in range(el):
+                meta[offsets[e] : offsets[e] + counts[e]] = rows[rows[:, 0] == e]
+        else:
+            offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            meta = rows.astype(np.int32)
+        handles.append(
+            DispatchHandle(
+                rank=d,
+                num_ranks=n_ranks,
+                num_tokens=int(np.shape(topk_idx[d])[0]),
+                num_topk=config.num_topk,
+                route_metadata=meta,
+                tokens_per_expert=counts,
+                expert_offsets=offsets,
+            )
+        )
+    return handles
+
+
+def gather(handles: Sequence[DispatchHandle], per_src: Sequence[np.ndarray], by_slot: bool = False) -> List[np.ndarray]:
+    """Rows of per-source arrays, placed at every destination's received rows.
+
+    ``per_src[r]`` is ``[T_r, ...]`` (indexed by source token) or, with
+    ``by_slot``, ``[T_r, K, ...]`` (indexed by token and slot). Padding rows are
+    zero. Returns one ``[R_d, ...]`` array per destination.
+    """
+    out = []
+    for h in handles:
+        meta = h.route_metadata
+        valid = meta[:, 0] >= 0
+        tail = per_src[0].shape[2:] if by_slot else per_src[0].shape[1:]
+        rows = np.zeros((meta.shape[0],) + tail, dtype=per_src[0].dtype)
+        for src in range(len(per_src)):
+            sel = valid & (meta[:, 1] == src)
+            if not sel.any():
+                continue
+            t = meta[sel, 2]
+            rows[sel] = per_src[src][t, meta[sel, 3]] if by_slot else per_src[src][t]
+        out.append(rows)
+    return out
+
+
+def scatter_slots(
+    config: MoeEpConfig, handles: Sequence[DispatchHandle], rows: Sequence[np.ndarray]
+) -> List[np.ndarray]:
+    """Send every received row back to its (source token, slot).
+
+    ``rows[d]`` is ``[R_d, ...]``. Returns per source rank ``[T, K, ...]`` float64;
+    slots that carry no route (``-1``) are exactly zero. Padding rows are never read.
+    """
+    tail = rows[0].shape[1:]
+    out = [np.zeros((h.num_tokens, config.num_topk) + tail, dtype=np.float64) for h in handles]
+    for h, r in zip(handles, rows):
+        meta = h.route_metadata
+        valid = meta[:, 0] >= 0
+        for src in range(len(handles)):
+            sel = valid & (meta[:, 1] == src)
+            if sel.any():
+                out[src][meta[sel, 2], meta[sel, 3]] = r[sel]
+    return out
+
+
+def sum_slots(per_slot: np.ndarray) -> np.ndarray:
+    """Sum ``[T, K, H]`` over K in slot order (the Form-A reduction)."""
+    acc = np.zeros((per_slot.shape[0],) + per_slot.shape[2:], dtype=np.float64)
+    for k in range(per_slot.shape[1]):
+        acc = acc + per_slot[:, k]
+    return acc
+
+
+def encode_output(config: MoeEpConfig, values: np.ndarray) -> Tensor:
+    """The final ``[T, H]`` encode in ``config.output_format`` (blocked along H)."""
+    if config.output_format is MoeFormat.BF16:
+        return round_to_bf16(values)
+    return quantize(values, config.output_format, axis=1)
+
+
+def _silu_parts(g: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    with np.errstate(over="ignore"):
+        sig = 1.0 / (1.0 + np.exp(-g))
+    return sig, g * sig
+
+
+def _clamp(config: MoeEpConfig, g: np.ndarray, u: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    limit = config.gate_up_clamp
+    if limit is None:
+        return g, u
+    return np.minimum(g, limit), np.clip(u, -limit, limit)
+
+
+def expert_forward(
+    config: MoeEpConfig,
+    handle: DispatchHandle,
+    x: np.ndarray,
+    w: np.ndarray,
+    fc1: np.ndarray,
+    fc2: np.ndarray,
+) -> Tuple[np.ndarray, np.ndarray]:
+    """The SwiGLU experts of one rank on its received rows.
+
+    Args:
+        x: ``[R, H]`` float64 received rows (padding rows zero).
+        w: ``[R]`` float64 router weights.
+        fc1: ``[E_local, H, 2I]`` float64; fc2: ``[E_local, I, H]`` float64.
+
+    Returns:
+        ``y`` ``[R, H]`` float64 (after the combine-format round trip; padding
+        rows zero) and ``c`` ``[R, 2I]`` float64 (the FC1 output; padding zero).
+    """
+    i_size = config.intermediate
+    y = np.zeros((x.shape[0], config.hidden), dtype=np.float64)
+    c_all = np.zeros((x.shape[0], 2 * i_size), dtype=np.float64)
+    for e in range(config.num_local_experts):
+        lo = int(handle.expert_offsets[e])
+        sl = slice(lo, lo + int(handle.tokens_per_expert[e]))
+        if sl.start == sl.stop:
+            continue
+        c = x[sl] @ fc1[e]
+        c_all[sl] = c
+        g, u = _clamp(config, c[:, :i_size], c[:, i_size:])
+        _, s = _silu_parts(g)
+        h = s * u
+        we = w[sl, None]
+        if config.apply_topk_in_fc1:
+            ye = round_trip(we * h, config.intermediate_format, axis=-1) @ fc2[e]
+        else:
+            ye = we * (round_trip(h, config.intermediate_format, axis=-1) @ fc2[e])
+        y[sl] = round_trip(ye, config.combine_format, axis=-1)
+    return y, c_all
+
+
+def expert_backward(
+    config: MoeEpConfig,
+    handle: DispatchHandle,
+    x: np.ndarray,
+    w: np.ndarray,
+    fc1: np.ndarray,
+    fc2: np.ndarray,
+    c: np.ndarray,
+    dy: np.ndarray,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The spec backward of one rank's experts (straight-through roundings).
+
+    Args:
+        x, w, fc1, fc2: as :func:`expert_forward`.
+        c: ``[R, 2I]`` float64, the stash ``fc1_c`` decoded (pre-clamp, unweighted).
+        dy: ``[R, H]`` float64, the output cotangent of every route's token.
+
+    Returns:
+        ``dx`` ``[R, H]``, ``dw`` ``[R]``, ``dfc1`` ``[E_local, H, 2I]`` and
+        ``dfc2`` ``[E_local, I, H]``, float64; padding rows zero.
+    """
+    i_size, limit = config.intermediate, config.gate_up_clamp
+    dx = np.zeros_like(x)
+    dw = np.zeros_like(w)
+    dfc1 = np.zeros_like(fc1)
+    dfc2 = np.zeros_like(fc2)
+    for e in range(config.num_local_experts):
+        lo = int(handle.expert_offsets[e])
+        sl = slice(lo, lo + int(handle.tokens_per_expert[e]))
+        if sl.start == sl.stop:
+            continue
+        g_raw, u_raw = c[sl, :i_size], c[sl, i_size:]
+        if limit is None:
+            gate_mask = up_mask = np.ones_like(g_raw)
+        else:
+            gate_mask = (g_raw <= limit).astype(np.float64)
+            up_mask = ((u_raw >= -limit) & (u_raw <= limit)).astype(np.float64)
+        g, u = _clamp(config, g_raw, u_raw)
+        sig, s = _silu_parts(g)
+        h = s * u
+        we = w[sl, None]
+        dye = dy[sl]
+        dy_w2t = dye @ fc2[e].T
+        if config.apply_topk_in_fc1:
+            dfc2[e] = (we * h).T @ dye
+            dw[sl] = np.sum(dy_w2t * h, axis=1)
+        else:
+            dfc2[e] = h.T @ (we * dye)
+            dw[sl] = np.sum(dye * (h @ fc2[e]), axis=1)
+        dh = dy_w2t * we
+        dg = dh * u * sig * (1.0 + g * (1.0 - sig)) * gate_mask
+        du = dh * s * up_mask
+        dc = np.concatenate([dg, du], axis=1)
+        dfc1[e] = x[sl].T @ dc
+        dx[sl] = dc @ fc1[e].T
+    return dx, dw, dfc1, dfc2
+
+
+def stack_tokens(tokens: Sequence[Tensor]) -> Optional[str]:
+    """Why the ranks' tokens cannot travel together (different encodings), or None."""
+    first = tokens[0]
+    for r, t in enumerate(tokens[1:], start=1):
+        if isinstance(first, BlockScaledTensor) != isinstance(t, BlockScaledTensor):
+            return f"rank {r} passes {_encoding(t)} while rank 0 passes {_encoding(first)}"
+        if _encoding(first) != _encoding(t):
+            return f"rank {r} passes {_encoding(t)} while rank 0 passes {_encoding(first)}"
+    return None
+
+
+def _encoding(t: Tensor) -> str:
+    return t.format.value if isinstance(t, BlockScaledTensor) else t.dtype.name
+
+
+def gather_tokens(handles: Sequence[DispatchHandle], tokens: Sequence[Tensor]) -> List[Tensor]:
+    """Dispatch's data movement: received rows in the tokens' own encoding
+    (block-scaled codes and scales move unchanged); padding rows zero codes."""
+    if not isinstance(tokens[0], BlockScaledTensor):
+        return gather(handles, tokens)
+    fmt = tokens[0].format
+    datas = gather(handles, [t.data for t in tokens])
+    scales = gather(handles, [t.scale.view(np.uint8) for t in tokens])
+    hidden = tokens[0].shape[1]
+    return [
+        BlockScaledTensor(data=d, scale=s.view(fmt.scale_dtype), format=fmt, shape=(d.shape[0], hidden), axis=1)
+        for d, s in zip(datas, scales)
+    ]
