@@ -45,6 +45,7 @@ from .errors import (
 )
 from .formats import BlockScaledTensor, MoeFormat, dequantize, parse_format, quantize, round_to_bf16, round_trip
 from .hookspecs import ENTRY_POINT_GROUP, hookimpl, hookspec
+from . import inputs, tolerance, validation
 from .registry import (
     PluginFailure,
     Registry,
@@ -59,6 +60,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    # submodules
+    "inputs",
+    "tolerance",
+    "validation",
     # config and formats
     "MoeEpConfig",
     "MoeFormat",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from moe_ep_spec.backend import Capabilities, Launch, MoeEpBackend
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import DTypeError, ShapeError, StashError
 from moe_ep_spec.formats import round_to_bf16, round_trip
+from moe_ep_spec.tolerance import gamma, rounding_allowance
 
 from . import world as W
 
@@ -68,27 +69,47 @@ class ReferenceBackend(MoeEpBackend):
     # ----------------------------------------------------------------- fused
 
     def forward(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> List[ForwardResult]:
+        return self._forward(config, inputs, with_bound=False)[0]
+
+    def forward_budget(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> List[np.ndarray]:
+        """Per rank ``[T, H]`` float64: the error budget of a conforming backend's
+        decoded ``output`` (see :mod:`moe_ep_spec.tolerance`)."""
+        return self._forward(config, inputs, with_bound=True)[1]
+
+    def _forward(
+        self, config: MoeEpConfig, inputs: Sequence[RankInputs], with_bound: bool
+    ) -> Tuple[List[ForwardResult], List[np.ndarray]]:
         self.require(config, "forward")
         self._check_world_inputs(config, inputs)
         handles = W.plan(config, [inp.topk_idx for inp in inputs])
         x = W.gather(handles, [W.decode(inp.activation) for inp in inputs])
         w = W.gather(handles, [_read_weights(inp.topk_weights) for inp in inputs], by_slot=True)
-        ys, cs = [], []
+        ys, cs, bs = [], [], []
         for d, h in enumerate(handles):
-            y, c = W.expert_forward(
-                config, h, x[d], w[d], W.decode(inputs[d].fc1_weight), W.decode(inputs[d].fc2_weight)
-            )
+            fc1, fc2 = W.decode(inputs[d].fc1_weight), W.decode(inputs[d].fc2_weight)
+            y, c, b = W.expert_forward(config, h, x[d], w[d], fc1, fc2, with_bound=with_bound)
             ys.append(y)
             cs.append(c)
+            bs.append(b)
         per_slot = W.scatter_slots(config, handles, ys)
-        results = []
+        results, budgets = [], []
         for r, h in enumerate(handles):
-            out = W.encode_output(config, W.sum_slots(per_slot[r]))
+            summed = W.sum_slots(per_slot[r])
+            out = W.encode_output(config, summed)
             if config.generate_c:
                 results.append(ForwardResult(out, round_to_bf16(cs[r]), h.route_metadata.copy()))
             else:
                 results.append(ForwardResult(out))
-        return results
+        if with_bound:
+            bound_slots = W.scatter_slots(config, handles, bs)
+            for r in range(config.num_ranks):
+                summed = W.sum_slots(per_slot[r])
+                budgets.append(
+                    W.sum_slots(bound_slots[r])
+                    + gamma(config.num_topk) * W.sum_slots(np.abs(per_slot[r]))
+                    + rounding_allowance(summed, config.output_format, axis=1)
+                )
+        return results, budgets
 
     def backward(
         self,
@@ -97,46 +118,58 @@ class ReferenceBackend(MoeEpBackend):
         grad_output: Sequence[np.ndarray],
         stash: Sequence[Stash],
     ) -> List[BackwardResult]:
+        return self._backward(config, inputs, grad_output, stash, with_bound=False)[0]
+
+    def backward_budget(
+        self,
+        config: MoeEpConfig,
+        inputs: Sequence[RankInputs],
+        grad_output: Sequence[np.ndarray],
+        stash: Sequence[Stash],
+    ) -> List[BackwardResult]:
+        """Per rank, float64 budgets shaped like the four gradients of :meth:`backward`."""
+        return self._backward(config, inputs, grad_output, stash, with_bound=True)[1]
+
+    def _backward(
+        self,
+        config: MoeEpConfig,
+        inputs: Sequence[RankInputs],
+        grad_output: Sequence[np.ndarray],
+        stash: Sequence[Stash],
+        with_bound: bool,
+    ) -> Tuple[List[BackwardResult], List[BackwardResult]]:
         self.require(config, "backward")
         self._check_world_inputs(config, inputs)
         v.validate_world(config, grad_output, "grad_output")
         v.validate_world(config, stash, "stash")
         handles = W.plan(config, [inp.topk_idx for inp in inputs])
-        for r, (inp, h) in enumerate(zip(inputs, handles)):
-            v.validate_grad(
-                "grad_output", grad_output[r], (h.num_tokens, config.hidden), "(num_tokens, hidden)", r
-            )
+        for r, h in enumerate(handles):
+            v.validate_grad("grad_output", grad_output[r], (h.num_tokens, config.hidden), "(num_tokens, hidden)", r)
             v.validate_stash(config, stash[r], h.num_recv_rows, r)
             _check_metadata(r, stash[r].route_metadata, h.route_metadata)
         x = W.gather(handles, [W.decode(inp.activation) for inp in inputs])
         w = W.gather(handles, [_read_weights(inp.topk_weights) for inp in inputs], by_slot=True)
         dy = W.gather(handles, [np.asarray(g, dtype=np.float64) for g in grad_output])
-        dxs, dws, grads_w = [], [], []
+        grads, bounds = [], []
         for d, h in enumerate(handles):
-            dx, dw, dfc1, dfc2 = W.expert_backward(
-                config,
-                h,
-                x[d],
-                w[d],
-                W.decode(inputs[d].fc1_weight),
-                W.decode(inputs[d].fc2_weight),
-                stash[d].fc1_c.astype(np.float64),
-                dy[d],
-            )
-            dxs.append(dx)
-            dws.append(dw)
-            grads_w.append((dfc1, dfc2))
-        dx_slots = W.scatter_slots(config, handles, dxs)
-        dw_slots = W.scatter_slots(config, handles, dws)
-        return [
-            BackwardResult(
-                grad_activation=_f32(W.sum_slots(dx_slots[r])),
-                grad_fc1_weight=_f32(grads_w[r][0]),
-                grad_fc2_weight=_f32(grads_w[r][1]),
-                grad_topk_weights=_f32(dw_slots[r]),
-            )
-            for r in range(config.num_ranks)
-        ]
+            fc1, fc2 = W.decode(inputs[d].fc1_weight), W.decode(inputs[d].fc2_weight)
+            c = stash[d].fc1_c.astype(np.float64)
+            g, b = W.expert_backward(config, h, x[d], w[d], fc1, fc2, c, dy[d], with_bound=with_bound)
+            grads.append(g)
+            bounds.append(b)
+        results = _assemble_backward(config, handles, grads)
+        budgets: List[BackwardResult] = []
+        if with_bound:
+            budgets = _assemble_backward(config, handles, bounds, as_float32=False)
+            abs_slots = W.scatter_slots(config, handles, [np.abs(gr[0]) for gr in grads])
+            for r, bud in enumerate(budgets):
+                budgets[r] = BackwardResult(
+                    grad_activation=bud.grad_activation + gamma(config.num_topk) * W.sum_slots(abs_slots[r]),
+                    grad_fc1_weight=bud.grad_fc1_weight,
+                    grad_fc2_weight=bud.grad_fc2_weight,
+                    grad_topk_weights=bud.grad_topk_weights,
+                )
+        return results, budgets
 
     # --------------------------------------------------------------- layered
 
@@ -156,6 +189,23 @@ class ReferenceBackend(MoeEpBackend):
     def combine(
         self, config: MoeEpConfig, handles: Sequence[DispatchHandle], expert_out: Sequence[np.ndarray]
     ) -> List[Tensor]:
+        return [W.encode_output(config, W.sum_slots(p)) for p in self._combine_slots(config, handles, expert_out)]
+
+    def combine_budget(
+        self, config: MoeEpConfig, handles: Sequence[DispatchHandle], expert_out: Sequence[np.ndarray]
+    ) -> List[np.ndarray]:
+        """Per rank ``[T, H]`` float64: the error budget of a conforming combine
+        (float32 slot sum plus the output encode; the combine round trip of a
+        given row is exact and must match)."""
+        return [
+            gamma(config.num_topk) * W.sum_slots(np.abs(p))
+            + rounding_allowance(W.sum_slots(p), config.output_format, axis=1)
+            for p in self._combine_slots(config, handles, expert_out)
+        ]
+
+    def _combine_slots(
+        self, config: MoeEpConfig, handles: Sequence[DispatchHandle], expert_out: Sequence[np.ndarray]
+    ) -> List[np.ndarray]:
         self.require(config, "combine")
         self._check_handles(config, handles)
         v.validate_world(config, expert_out, "expert_out")
@@ -164,8 +214,7 @@ class ReferenceBackend(MoeEpBackend):
             v.validate_expert_out(config, y, h)
             yy = np.where(h.valid_rows[:, None], np.asarray(y, dtype=np.float64), 0.0)  # padding never read
             rows.append(round_trip(yy, config.combine_format, axis=-1))
-        per_slot = W.scatter_slots(config, handles, rows)
-        return [W.encode_output(config, W.sum_slots(p)) for p in per_slot]
+        return W.scatter_slots(config, handles, rows)
 
     def combine_backward(
         self, config: MoeEpConfig, handles: Sequence[DispatchHandle], grad_output: Sequence[np.ndarray]
@@ -201,6 +250,27 @@ class ReferenceBackend(MoeEpBackend):
             DispatchGrads(grad_tokens=_f32(W.sum_slots(tok_slots[r])), grad_topk_weights=_f32(w_slots[r]))
             for r in range(config.num_ranks)
         ]
+
+
+def _assemble_backward(
+    config: MoeEpConfig,
+    handles: Sequence[DispatchHandle],
+    per_dest: Sequence[Tuple[np.ndarray, ...]],
+    as_float32: bool = True,
+) -> List[BackwardResult]:
+    """Route-level (dx, dw) back to their tokens; weight gradients stay put."""
+    dx_slots = W.scatter_slots(config, handles, [p[0] for p in per_dest])
+    dw_slots = W.scatter_slots(config, handles, [p[1] for p in per_dest])
+    cast = _f32 if as_float32 else (lambda a: a)
+    return [
+        BackwardResult(
+            grad_activation=cast(W.sum_slots(dx_slots[r])),
+            grad_fc1_weight=cast(per_dest[r][2]),
+            grad_fc2_weight=cast(per_dest[r][3]),
+            grad_topk_weights=cast(dw_slots[r]),
+        )
+        for r in range(config.num_ranks)
+    ]
 
 
 def _read_weights(topk_weights: np.ndarray) -> np.ndarray:

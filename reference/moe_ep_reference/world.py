@@ -23,6 +23,7 @@ from moe_ep_spec.api import DispatchHandle, Tensor
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import CapacityError
 from moe_ep_spec.formats import BlockScaledTensor, MoeFormat, dequantize, quantize, round_to_bf16, round_trip
+from moe_ep_spec.tolerance import FP32_UNIT_ROUNDOFF, SAFETY, gamma, rounding_allowance
 
 __all__ = [
     "plan",
@@ -177,21 +178,28 @@ def expert_forward(
     w: np.ndarray,
     fc1: np.ndarray,
     fc2: np.ndarray,
-) -> Tuple[np.ndarray, np.ndarray]:
+    with_bound: bool = False,
+) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
     """The SwiGLU experts of one rank on its received rows.
 
     Args:
         x: ``[R, H]`` float64 received rows (padding rows zero).
         w: ``[R]`` float64 router weights.
         fc1: ``[E_local, H, 2I]`` float64; fc2: ``[E_local, I, H]`` float64.
+        with_bound: also return the error budget of every route's ``y``.
 
     Returns:
         ``y`` ``[R, H]`` float64 (after the combine-format round trip; padding
-        rows zero) and ``c`` ``[R, 2I]`` float64 (the FC1 output; padding zero).
+        rows zero), ``c`` ``[R, 2I]`` float64 (the FC1 output; padding zero) and,
+        with ``with_bound``, ``[R, H]``: how far a float32-accumulating
+        implementation's ``y`` may be from this one (see :mod:`moe_ep_spec.tolerance`),
+        else None.
     """
-    i_size = config.intermediate
-    y = np.zeros((x.shape[0], config.hidden), dtype=np.float64)
+    i_size, h_size = config.intermediate, config.hidden
+    y = np.zeros((x.shape[0], h_size), dtype=np.float64)
     c_all = np.zeros((x.shape[0], 2 * i_size), dtype=np.float64)
+    bound = np.zeros_like(y) if with_bound else None
+    u32 = FP32_UNIT_ROUNDOFF * SAFETY
     for e in range(config.num_local_experts):
         lo = int(handle.expert_offsets[e])
         sl = slice(lo, lo + int(handle.tokens_per_expert[e]))
@@ -200,15 +208,26 @@ def expert_forward(
         c = x[sl] @ fc1[e]
         c_all[sl] = c
         g, u = _clamp(config, c[:, :i_size], c[:, i_size:])
-        _, s = _silu_parts(g)
+        sig, s = _silu_parts(g)
         h = s * u
         we = w[sl, None]
-        if config.apply_topk_in_fc1:
-            ye = round_trip(we * h, config.intermediate_format, axis=-1) @ fc2[e]
-        else:
-            ye = we * (round_trip(h, config.intermediate_format, axis=-1) @ fc2[e])
+        op = we * h if config.apply_topk_in_fc1 else h
+        op_r = round_trip(op, config.intermediate_format, axis=-1)
+        z = op_r @ fc2[e]
+        ye = z if config.apply_topk_in_fc1 else we * z
         y[sl] = round_trip(ye, config.combine_format, axis=-1)
-    return y, c_all
+        if bound is None:
+            continue
+        # First-order propagation of float32 accumulation error (tolerance module).
+        dc = gamma(h_size) * (np.abs(x[sl]) @ np.abs(fc1[e]))
+        dh_dg = np.abs(u * sig * (1.0 + g * (1.0 - sig)))
+        dh = dh_dg * dc[:, :i_size] + np.abs(s) * dc[:, i_size:] + 4 * u32 * np.abs(h)
+        d_op = np.abs(we) * dh + u32 * np.abs(op) if config.apply_topk_in_fc1 else dh
+        d_op = d_op + rounding_allowance(op, config.intermediate_format, axis=-1)
+        dz = d_op @ np.abs(fc2[e]) + gamma(i_size) * (np.abs(op_r) @ np.abs(fc2[e]))
+        dy = dz if config.apply_topk_in_fc1 else np.abs(we) * dz + u32 * np.abs(ye)
+        bound[sl] = dy + rounding_allowance(ye, config.combine_format, axis=-1)
+    return y, c_all, bound
 
 
 def expert_backward(
@@ -220,27 +239,30 @@ def expert_backward(
     fc2: np.ndarray,
     c: np.ndarray,
     dy: np.ndarray,
-) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    with_bound: bool = False,
+) -> Tuple[Tuple[np.ndarray, ...], Optional[Tuple[np.ndarray, ...]]]:
     """The spec backward of one rank's experts (straight-through roundings).
 
     Args:
         x, w, fc1, fc2: as :func:`expert_forward`.
         c: ``[R, 2I]`` float64, the stash ``fc1_c`` decoded (pre-clamp, unweighted).
         dy: ``[R, H]`` float64, the output cotangent of every route's token.
+        with_bound: also return error budgets of the four results.
 
     Returns:
-        ``dx`` ``[R, H]``, ``dw`` ``[R]``, ``dfc1`` ``[E_local, H, 2I]`` and
-        ``dfc2`` ``[E_local, I, H]``, float64; padding rows zero.
+        ``(dx [R, H], dw [R], dfc1 [E_local, H, 2I], dfc2 [E_local, I, H])``
+        float64 with padding rows zero, and the same four budgets (or None).
     """
-    i_size, limit = config.intermediate, config.gate_up_clamp
-    dx = np.zeros_like(x)
-    dw = np.zeros_like(w)
-    dfc1 = np.zeros_like(fc1)
-    dfc2 = np.zeros_like(fc2)
+    i_size, h_size, limit = config.intermediate, config.hidden, config.gate_up_clamp
+    dx, dw = np.zeros_like(x), np.zeros_like(w)
+    dfc1, dfc2 = np.zeros_like(fc1), np.zeros_like(fc2)
+    bounds = (np.zeros_like(dx), np.zeros_like(dw), np.zeros_like(dfc1), np.zeros_like(dfc2)) if with_bound else None
+    u32 = FP32_UNIT_ROUNDOFF * SAFETY
     for e in range(config.num_local_experts):
         lo = int(handle.expert_offsets[e])
-        sl = slice(lo, lo + int(handle.tokens_per_expert[e]))
-        if sl.start == sl.stop:
+        n_e = int(handle.tokens_per_expert[e])
+        sl = slice(lo, lo + n_e)
+        if n_e == 0:
             continue
         g_raw, u_raw = c[sl, :i_size], c[sl, i_size:]
         if limit is None:
@@ -254,19 +276,38 @@ def expert_backward(
         we = w[sl, None]
         dye = dy[sl]
         dy_w2t = dye @ fc2[e].T
+        hw2 = h @ fc2[e]
         if config.apply_topk_in_fc1:
             dfc2[e] = (we * h).T @ dye
             dw[sl] = np.sum(dy_w2t * h, axis=1)
         else:
             dfc2[e] = h.T @ (we * dye)
-            dw[sl] = np.sum(dye * (h @ fc2[e]), axis=1)
+            dw[sl] = np.sum(dye * hw2, axis=1)
         dh = dy_w2t * we
-        dg = dh * u * sig * (1.0 + g * (1.0 - sig)) * gate_mask
-        du = dh * s * up_mask
-        dc = np.concatenate([dg, du], axis=1)
+        fg = u * sig * (1.0 + g * (1.0 - sig)) * gate_mask
+        fu = s * up_mask
+        dc = np.concatenate([dh * fg, dh * fu], axis=1)
         dfc1[e] = x[sl].T @ dc
         dx[sl] = dc @ fc1[e].T
-    return dx, dw, dfc1, dfc2
+        if bounds is None:
+            continue
+        b_dx, b_dw, b_dfc1, b_dfc2 = bounds
+        a_dyw = np.abs(dye) @ np.abs(fc2[e]).T  # bounds |dY W2^T|
+        e_dh = (gamma(h_size) * a_dyw + u32 * a_dyw) * np.abs(we)
+        a_dh = a_dyw * np.abs(we)
+        a_fg, a_fu = np.abs(fg), np.abs(fu)
+        e_dc = np.concatenate([e_dh * a_fg + 8 * u32 * a_dh * a_fg, e_dh * a_fu + 4 * u32 * a_dh * a_fu], axis=1)
+        a_dc = np.concatenate([a_dh * a_fg, a_dh * a_fu], axis=1)
+        b_dfc1[e] = np.abs(x[sl]).T @ e_dc + gamma(n_e) * (np.abs(x[sl]).T @ a_dc)
+        b_dx[sl] = e_dc @ np.abs(fc1[e]).T + gamma(2 * i_size) * (a_dc @ np.abs(fc1[e]).T)
+        a_wh = np.abs(we * h)
+        b_dfc2[e] = (gamma(n_e) + 4 * u32) * (a_wh.T @ np.abs(dye))
+        if config.apply_topk_in_fc1:
+            b_dw[sl] = np.sum((gamma(h_size) * a_dyw + gamma(i_size) * a_dyw + 4 * u32 * a_dyw) * np.abs(h), axis=1)
+        else:
+            a_hw2 = np.abs(h) @ np.abs(fc2[e])
+            b_dw[sl] = np.sum(np.abs(dye) * (gamma(i_size) + gamma(h_size) + 4 * u32) * a_hw2, axis=1)
+    return (dx, dw, dfc1, dfc2), bounds
 
 
 def stack_tokens(tokens: Sequence[Tensor]) -> Optional[str]:
