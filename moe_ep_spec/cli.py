@@ -19,11 +19,12 @@ import numpy as np
 
 from . import __version__
 from .api import ForwardResult
-from .backend import Launch, MoeEpBackend
+from .backend import MoeEpBackend
 from .config import MoeEpConfig
 from .errors import MoeEpError
 from .formats import MoeFormat
 from .inputs import INPUT_FORMATS, ROUTINGS, random_world
+from .launch import call_world
 from .registry import get_registry
 from .tolerance import Comparison, compare
 
@@ -93,13 +94,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     registry = get_registry()
     backend = registry.get_backend(args.backend)
     reference = registry.get_backend("reference")
-    if backend.capabilities.launch is not Launch.WORLD:
-        print(
-            f"backend {backend.name!r} runs one process per rank; `moe-ep run` drives world-launch backends only. "
-            f"Use `moe-ep conformance --backend {backend.name}` where that command is installed.",
-            file=sys.stderr,
-        )
-        return 2
     config = MoeEpConfig(
         num_experts=args.experts,
         hidden=args.hidden,
@@ -136,7 +130,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     comparisons: List[Comparison] = []
 
     t0 = time.perf_counter()
-    got = backend.forward(config, inputs)
+    got = call_world(backend, "forward", config, inputs, timeout_s=args.timeout)
     report["forward_seconds"] = time.perf_counter() - t0
     ref = reference.forward(config, inputs)
     budgets = reference.forward_budget(config, inputs)  # type: ignore[attr-defined]
@@ -148,7 +142,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         grads = [rng.standard_normal((args.tokens, config.hidden)).astype(np.float32) for _ in range(config.num_ranks)]
         stash = _stash_list(ref)  # both backward passes see the same stash
         t0 = time.perf_counter()
-        got_b = backend.backward(config, inputs, grads, stash)
+        got_b = call_world(backend, "backward", config, inputs, grads, stash, timeout_s=args.timeout)
         report["backward_seconds"] = time.perf_counter() - t0
         ref_b = reference.backward(config, inputs, grads, stash)
         bud_b = reference.backward_budget(config, inputs, grads, stash)  # type: ignore[attr-defined]
@@ -218,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-in-fc2", action="store_true", help="apply_topk_in_fc1=False")
     p.add_argument("--no-backward", action="store_true", help="forward only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a process-per-rank run may take")
     p.add_argument("--json", action="store_true", help="print a JSON report")
     p.set_defaults(func=_cmd_run)
 

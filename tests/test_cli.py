@@ -106,3 +106,17 @@ def test_console_script_entry_point() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "PASS" in proc.stdout
+
+
+def test_run_drives_a_process_per_rank_backend(capsys: pytest.CaptureFixture) -> None:
+    from rank_backends import LoopbackReference
+
+    registry = moe_ep_spec.get_registry()
+    registry.register(LoopbackReference())
+    try:
+        code = main(["run", "--backend", "loopback-reference", "--tokens", "4", "--timeout", "120"])
+    finally:
+        registry.unregister("loopback-reference")
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "backend loopback-reference" in out and "PASS" in out
