@@ -74,11 +74,16 @@ class ReferenceBackend(MoeEpBackend):
     def forward_budget(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> List[np.ndarray]:
         """Per rank ``[T, H]`` float64: the error budget of a conforming backend's
         decoded ``output`` (see :mod:`moe_ep_spec.tolerance`)."""
-        return self._forward(config, inputs, with_bound=True)[1]
+        return [b[0] for b in self._forward(config, inputs, with_bound=True)[1]]
+
+    def stash_budget(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> List[np.ndarray]:
+        """Per rank ``[R, 2I]`` float64: the error budget of a conforming backend's
+        ``fc1_c`` (float32 FC1 accumulation, then the bf16 rounding). Padding rows 0."""
+        return [b[1] for b in self._forward(config, inputs, with_bound=True)[1]]
 
     def _forward(
         self, config: MoeEpConfig, inputs: Sequence[RankInputs], with_bound: bool
-    ) -> Tuple[List[ForwardResult], List[np.ndarray]]:
+    ) -> Tuple[List[ForwardResult], List[Tuple[np.ndarray, np.ndarray]]]:
         self.require(config, "forward")
         self._check_world_inputs(config, inputs)
         handles = W.plan(config, [inp.topk_idx for inp in inputs])
@@ -101,14 +106,15 @@ class ReferenceBackend(MoeEpBackend):
             else:
                 results.append(ForwardResult(out))
         if with_bound:
-            bound_slots = W.scatter_slots(config, handles, bs)
+            bound_slots = W.scatter_slots(config, handles, [b[0] for b in bs])
             for r in range(config.num_ranks):
                 summed = W.sum_slots(per_slot[r])
-                budgets.append(
+                out_budget = (
                     W.sum_slots(bound_slots[r])
                     + gamma(config.num_topk) * W.sum_slots(np.abs(per_slot[r]))
                     + rounding_allowance(summed, config.output_format, axis=1)
                 )
+                budgets.append((out_budget, bs[r][1]))
         return results, budgets
 
     def backward(

@@ -179,7 +179,7 @@ def expert_forward(
     fc1: np.ndarray,
     fc2: np.ndarray,
     with_bound: bool = False,
-) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+) -> Tuple[np.ndarray, np.ndarray, Optional[Tuple[np.ndarray, np.ndarray]]]:
     """The SwiGLU experts of one rank on its received rows.
 
     Args:
@@ -191,14 +191,15 @@ def expert_forward(
     Returns:
         ``y`` ``[R, H]`` float64 (after the combine-format round trip; padding
         rows zero), ``c`` ``[R, 2I]`` float64 (the FC1 output; padding zero) and,
-        with ``with_bound``, ``[R, H]``: how far a float32-accumulating
-        implementation's ``y`` may be from this one (see :mod:`moe_ep_spec.tolerance`),
-        else None.
+        with ``with_bound``, the budgets ``([R, H], [R, 2I])``: how far a
+        float32-accumulating implementation's ``y`` and bf16 ``fc1_c`` may be
+        from these (see :mod:`moe_ep_spec.tolerance`), else None.
     """
     i_size, h_size = config.intermediate, config.hidden
     y = np.zeros((x.shape[0], h_size), dtype=np.float64)
     c_all = np.zeros((x.shape[0], 2 * i_size), dtype=np.float64)
     bound = np.zeros_like(y) if with_bound else None
+    c_bound = np.zeros_like(c_all) if with_bound else None
     u32 = FP32_UNIT_ROUNDOFF * SAFETY
     for e in range(config.num_local_experts):
         lo = int(handle.expert_offsets[e])
@@ -220,6 +221,7 @@ def expert_forward(
             continue
         # First-order propagation of float32 accumulation error (tolerance module).
         dc = gamma(h_size) * (np.abs(x[sl]) @ np.abs(fc1[e]))
+        c_bound[sl] = dc + rounding_allowance(c, MoeFormat.BF16)
         dh_dg = np.abs(u * sig * (1.0 + g * (1.0 - sig)))
         dh = dh_dg * dc[:, :i_size] + np.abs(s) * dc[:, i_size:] + 4 * u32 * np.abs(h)
         d_op = np.abs(we) * dh + u32 * np.abs(op) if config.apply_topk_in_fc1 else dh
@@ -227,7 +229,7 @@ def expert_forward(
         dz = d_op @ np.abs(fc2[e]) + gamma(i_size) * (np.abs(op_r) @ np.abs(fc2[e]))
         dy = dz if config.apply_topk_in_fc1 else np.abs(we) * dz + u32 * np.abs(ye)
         bound[sl] = dy + rounding_allowance(ye, config.combine_format, axis=-1)
-    return y, c_all, bound
+    return y, c_all, None if bound is None else (bound, c_bound)
 
 
 def expert_backward(
