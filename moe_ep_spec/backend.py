@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import FrozenSet, List, Optional, Sequence, Tuple
+from typing import FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -92,11 +92,17 @@ class Capabilities:
     launch: Launch = Launch.WORLD
     num_ranks: Optional[Tuple[int, ...]] = None
 
-    def unsupported(self, config: MoeEpConfig, operation: str = "forward") -> Optional[str]:
+    def unsupported(
+        self, config: MoeEpConfig, operation: str = "forward", input_formats: Iterable[MoeFormat] = ()
+    ) -> Optional[str]:
         """Why ``config`` cannot run ``operation`` here, as ``"capability: ..."``
         text, or None when it can. ``operation`` is one of ``forward``,
         ``backward``, ``dispatch``, ``combine``, ``dispatch_backward``,
-        ``combine_backward``."""
+        ``combine_backward``; ``input_formats`` are the encodings of the inputs
+        (bf16 standing for any plain float array)."""
+        for fmt in input_formats:
+            if fmt not in self.input_formats:
+                return f"capability: {fmt.value} inputs not supported"
         if self.num_ranks is not None and config.num_ranks not in self.num_ranks:
             return f"capability: num_ranks {config.num_ranks} not in {sorted(self.num_ranks)}"
         for name in ("output_format", "combine_format", "intermediate_format"):

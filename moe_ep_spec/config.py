@@ -10,8 +10,16 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .errors import ConfigError
-from .formats import MoeFormat, parse_format
+from .errors import ConfigError, FormatError
+from .formats import MoeFormat
+from .formats import parse_format as _parse_format
+
+
+def parse_format(value: Any, name: str) -> MoeFormat:
+    try:
+        return _parse_format(value, name=name)
+    except FormatError as exc:
+        raise ConfigError(str(exc), field=name, value=value) from None
 
 __all__ = ["MoeEpConfig"]
 

@@ -298,7 +298,10 @@ def expert_backward(
         e_dh = (gamma(h_size) * a_dyw + u32 * a_dyw) * np.abs(we)
         a_dh = a_dyw * np.abs(we)
         a_fg, a_fu = np.abs(fg), np.abs(fu)
-        e_dc = np.concatenate([e_dh * a_fg + 8 * u32 * a_dh * a_fg, e_dh * a_fu + 4 * u32 * a_dh * a_fu], axis=1)
+        # Evaluating silu' in float32 errs relative to its terms, not to its value
+        # (1 + g(1 - sig) cancels near g = -1.28): bound it by the terms' magnitudes.
+        a_fg_terms = np.abs(u) * sig * (1.0 + np.abs(g) * (1.0 - sig)) * gate_mask
+        e_dc = np.concatenate([e_dh * a_fg + 8 * u32 * a_dh * a_fg_terms, e_dh * a_fu + 4 * u32 * a_dh * a_fu], axis=1)
         a_dc = np.concatenate([a_dh * a_fg, a_dh * a_fu], axis=1)
         b_dfc1[e] = np.abs(x[sl]).T @ e_dc + gamma(n_e) * (np.abs(x[sl]).T @ a_dc)
         b_dx[sl] = e_dc @ np.abs(fc1[e]).T + gamma(2 * i_size) * (a_dc @ np.abs(fc1[e]).T)
