@@ -150,7 +150,10 @@ class MoeEpConfig:
                     field="gate_up_clamp",
                     value=clamp,
                 )
-            value = abs(float(clamp))
+            try:
+                value = abs(float(clamp))
+            except OverflowError:
+                value = math.inf
             if not math.isfinite(value) or value == 0.0:
                 raise ConfigError(
                     f"gate_up_clamp must be a finite non-zero number or None; got {clamp!r}",

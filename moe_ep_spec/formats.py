@@ -251,7 +251,8 @@ def _as_exact_float64(x: Any, name: str) -> np.ndarray:
     if arr.dtype == np.float64:
         return arr
     if arr.dtype in (np.float32, np.float16, BF16):
-        return arr.astype(np.float64)  # exact
+        with np.errstate(invalid="ignore"):  # NaN payloads convert as NaN
+            return arr.astype(np.float64)  # exact
     raise DTypeError(
         f"{name} must be a real float array (float64, float32, float16 or bfloat16); got dtype {arr.dtype.name}",
         name=name,
@@ -310,12 +311,12 @@ def round_to_bf16(x: Any) -> np.ndarray:
 def _mxfp8_scale_exponent(amax: np.ndarray) -> np.ndarray:
     """Smallest integer e with amax <= 448 * 2^e, clamped to E8M0's [-127, 127]."""
     safe = np.where((amax > 0) & np.isfinite(amax), amax, 448.0)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):
         e = np.ceil(np.log2(safe / 448.0)).astype(np.int64)
-    # log2 is only approximate near binade edges; settle e with exact comparisons.
-    e = np.where(safe > np.ldexp(448.0, e), e + 1, e)
-    e = np.where(safe <= np.ldexp(448.0, e - 1), e - 1, e)
-    e = np.where(safe > np.ldexp(448.0, e), e + 1, e)
+        # log2 is only approximate near binade edges; settle e with exact comparisons.
+        e = np.where(safe > np.ldexp(448.0, e), e + 1, e)
+        e = np.where(safe <= np.ldexp(448.0, e - 1), e - 1, e)
+        e = np.where(safe > np.ldexp(448.0, e), e + 1, e)
     return np.clip(e, -_E8M0_BIAS, _E8M0_BIAS)
 
 

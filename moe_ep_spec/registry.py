@@ -48,7 +48,12 @@ __all__ = [
 DEFAULT_BACKEND = "reference"
 ENV_BACKEND = "MOE_EP_BACKEND"
 ENV_LOAD_PLUGINS = "MOE_EP_LOAD_PLUGINS"
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]*")
+
+
+def _normalize(name: str) -> str:
+    """Distribution names compare as PEP 503 normalises them (``moe_ep.spec`` == ``moe-ep-spec``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @dataclass(frozen=True)
@@ -108,13 +113,13 @@ class Registry:
         raw = self._environ.get(ENV_LOAD_PLUGINS)
         if raw is None:
             return None
-        return {part.strip() for part in raw.split(",") if part.strip()}
+        return {_normalize(part.strip()) for part in raw.split(",") if part.strip()}
 
     def _load_installed(self) -> None:
         allowed = self._allowed()
         for ep in sorted(metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP), key=lambda e: e.name):
             dist = getattr(getattr(ep, "dist", None), "name", None)
-            if allowed is not None and ep.name not in allowed and (dist is None or dist not in allowed):
+            if allowed is not None and _normalize(ep.name) not in allowed and (dist is None or _normalize(dist) not in allowed):
                 continue
             try:
                 plugin = ep.load()
@@ -147,8 +152,8 @@ class Registry:
         if not isinstance(backend, MoeEpBackend):
             raise TypeError(f"register() takes a moe_ep_spec.MoeEpBackend instance; got {type(backend).__name__}")
         name = backend.name
-        if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise ValueError(f"backend name must match {_NAME_RE.pattern}; got {name!r}")
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise ValueError(f"backend name must match {_NAME_RE.pattern} (lowercase); got {name!r}")
         if name in self._backends:
             raise ValueError(f"backend name {name!r} is already registered by {self._sources[name]!r}")
         if dist is not None and backend.distribution is None:

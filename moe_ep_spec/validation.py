@@ -47,6 +47,13 @@ def _dtype_names(dtypes: Sequence[np.dtype]) -> str:
     return ", ".join(d.name for d in dtypes)
 
 
+def _dtype_text(dtype: np.dtype) -> str:
+    """The dtype's name, saying so when its byte order is not the machine's."""
+    if dtype.byteorder not in ("=", "|") and dtype != dtype.newbyteorder("="):
+        return f"{dtype.name} in non-native byte order ({dtype.str}); pass a native-order array"
+    return dtype.name
+
+
 def check_float_array(name: str, arr: Any, shape: Tuple[Any, ...], what: str, rank: Optional[int] = None) -> np.ndarray:
     """``arr`` must be a plain float array (float32/float16/bfloat16) of ``shape``.
 
@@ -63,7 +70,7 @@ def check_float_array(name: str, arr: Any, shape: Tuple[Any, ...], what: str, ra
         )
     if arr.dtype not in PLAIN_FLOAT_DTYPES:
         raise DTypeError(
-            f"{p}{name} must have dtype in ({_dtype_names(PLAIN_FLOAT_DTYPES)}); got {arr.dtype.name}",
+            f"{p}{name} must have dtype in ({_dtype_names(PLAIN_FLOAT_DTYPES)}); got {_dtype_text(arr.dtype)}",
             name=name,
             expected=_dtype_names(PLAIN_FLOAT_DTYPES),
             got=arr.dtype.name,
@@ -107,7 +114,7 @@ def check_topk(
     """``topk_idx`` ``[T, K]`` int32/int64 in ``[-1, E)``; ``topk_weights`` ``[T, K]`` float."""
     p = _prefix(rank)
     if not isinstance(topk_idx, np.ndarray) or topk_idx.dtype not in INDEX_DTYPES:
-        got = topk_idx.dtype.name if isinstance(topk_idx, np.ndarray) else type(topk_idx).__name__
+        got = _dtype_text(topk_idx.dtype) if isinstance(topk_idx, np.ndarray) else type(topk_idx).__name__
         raise DTypeError(
             f"{p}topk_idx must have dtype in ({_dtype_names(INDEX_DTYPES)}); got {got}",
             name="topk_idx",
