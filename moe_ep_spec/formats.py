@@ -48,6 +48,8 @@ __all__ = [
     "dequantize",
     "round_trip",
     "round_to_bf16",
+    "block_scale",
+    "round_with_scale",
     "E4M3_VALUES",
     "E2M1_VALUES",
     "E4M3_MAX",
@@ -334,6 +336,43 @@ def _blocks(v: np.ndarray, axis: int, block: int) -> tuple[np.ndarray, int]:
 def _unblock(b: np.ndarray, n: int, axis: int) -> np.ndarray:
     flat = b.reshape(b.shape[:-2] + (b.shape[-2] * b.shape[-1],))[..., :n]
     return np.moveaxis(flat, -1, axis)
+
+
+def block_scale(amax: Any, fmt: FormatLike) -> np.ndarray:
+    """The scale (float64 value) a block with maximum magnitude ``amax`` gets.
+
+    mxfp8: ``2^e``, e the smallest integer with ``amax <= 448 * 2^e`` (clamped to
+    [-127, 127]; ``2^-127`` for ``amax == 0``). nvfp4: ``E4M3(amax / 6)``, exact,
+    saturating at 448 (0 when it rounds to zero).
+    """
+    fmt = parse_format(fmt)
+    a = np.abs(np.asarray(amax, dtype=np.float64))
+    if fmt is MoeFormat.MXFP8:
+        e = np.where(a == 0, -_E8M0_BIAS, _mxfp8_scale_exponent(a))
+        return np.ldexp(1.0, e)
+    if fmt is MoeFormat.NVFP4:
+        return E4M3_VALUES[_nearest_index(a, _E4M3_MIDS, 6.0)]
+    raise FormatError(f"block_scale needs a block-scaled format ('mxfp8' or 'nvfp4'); got {fmt.value!r}")
+
+
+def round_with_scale(x: Any, scale: Any, fmt: FormatLike) -> np.ndarray:
+    """Round ``x`` elementwise to the element grid of ``fmt`` at a given ``scale``
+    (broadcastable, float64 values as :func:`block_scale` returns): mxfp8
+    ``s * E4M3(clamp(x / s))``, nvfp4 ``s * E2M1(clamp(x / s))`` (0 where s is 0).
+    Exact; returns float64 values with the sign of ``x``."""
+    fmt = parse_format(fmt)
+    v = np.asarray(x, dtype=np.float64)
+    s = np.broadcast_to(np.asarray(scale, dtype=np.float64), v.shape)
+    mag = np.abs(v)
+    if fmt is MoeFormat.MXFP8:
+        idx = _nearest_index(np.minimum(mag / s, E4M3_MAX), _E4M3_MIDS)  # x / s exact: s is a power of two
+        out = E4M3_VALUES[idx] * s
+    elif fmt is MoeFormat.NVFP4:
+        idx = np.where(s > 0, _nearest_index(mag, _E2M1_MIDS, s), 0)
+        out = E2M1_VALUES[idx] * s
+    else:
+        raise FormatError(f"round_with_scale needs a block-scaled format ('mxfp8' or 'nvfp4'); got {fmt.value!r}")
+    return np.where(np.signbit(v), -out, out)
 
 
 def _quantize_mxfp8(v: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,23 +1,22 @@
 """How close a backend must be to the reference, and how that is checked.
 
 A backend's result is compared with the reference element by element against
-an error *budget* of the same shape. The budget is derived, not tuned: it is the
-first-order bound on the error of an implementation that follows the spec with
-float32 accumulation (the least the spec allows), plus one or two quantisation
-steps of every rounding point where the backend and the reference may land on
-neighbouring codes. The same rules apply to every backend; see
-``docs/spec.md`` ("Tolerances") for the table and the derivation.
+an error *budget* of the same shape. The budget is derived, not tuned: it bounds
+the error of an implementation that follows the spec with float32 accumulation
+(the least the spec allows), propagated to first order through every stage, and
+it treats every rounding point exactly:
 
-The building blocks, used by the reference to compute budgets:
+* an accumulation of ``n`` float32 terms errs by at most :func:`gamma` ``(n)``
+  times the sum of the terms' magnitudes;
+* a rounding point maps an error bound ``d`` on its input to
+  :func:`rounding_error_bound`: the largest distance between the rounded
+  reference value and the rounding of any value within ``d`` of it. Rounding is
+  monotonic, so away from rounding boundaries this is 0 (the backend must then
+  produce the same code), and where a boundary lies within ``d`` it is the
+  distance to the neighbouring code(s). For block formats, where ``d`` lets the
+  block maximum cross a scale boundary, the block scale may differ too.
 
-* :func:`gamma` ``(n)``: the relative error bound of a float32 sum of ``n``
-  terms, ``n u / (1 - n u)`` with ``u = 2^-24``, scaled by :data:`SAFETY`.
-* :func:`format_step`: the distance between neighbouring representable values
-  of a format around each reference value (bf16: one ulp; mxfp8/nvfp4: the
-  block scale times the element grid's gap there).
-* :data:`ROUNDING_STEPS`: how many steps a rounding point may differ by
-  (1.5 for bf16; 2 for block formats, whose block scale may also differ by one
-  step when the block maximum sits on a scale boundary).
+Same rules for every backend; see ``docs/spec.md`` ("Tolerances").
 
 :func:`compare` checks a result against the reference with a budget and returns
 a :class:`Comparison` whose ``ratio`` is the worst error as a multiple of the
@@ -27,7 +26,7 @@ budget (``<= 1`` passes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union, cast
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
@@ -36,18 +35,18 @@ from .formats import (
     E4M3_VALUES,
     BlockScaledTensor,
     MoeFormat,
+    block_scale,
     dequantize,
     parse_format,
-    quantize,
+    round_to_bf16,
+    round_with_scale,
 )
 
 __all__ = [
     "FP32_UNIT_ROUNDOFF",
     "SAFETY",
-    "ROUNDING_STEPS",
     "gamma",
-    "format_step",
-    "rounding_allowance",
+    "rounding_error_bound",
     "Comparison",
     "compare",
 ]
@@ -57,14 +56,14 @@ FP32_UNIT_ROUNDOFF = 2.0**-24
 #: Factor on every accumulation bound: covers summation order, fused multiply-add
 #: and the few float32 operations of SiLU (exp, division) per element.
 SAFETY = 2.0
-#: Quantisation steps by which a rounding point may differ from the reference.
-#: bf16: half a step on each side, and the backend's value may sit in the next
-#: binade (step doubled): 1/2 + 1/2 * 2 = 1.5. Block formats: the block scale may
-#: also differ by one step, which doubles the element grid's gap: 2.
-ROUNDING_STEPS = {MoeFormat.BF16: 1.5, MoeFormat.MXFP8: 2.0, MoeFormat.NVFP4: 2.0}
+#: Inflation of an error bound before it is pushed through a rounding, so that a
+#: float64 evaluation of ``v +- d`` can never land exactly on a tie by accident.
+_WIDEN = 1.0 + 2.0**-40
 
-_E4M3_GAPS = np.append(np.diff(E4M3_VALUES), E4M3_VALUES[-1] - E4M3_VALUES[-2])
-_E2M1_GAPS = np.append(np.diff(E2M1_VALUES), E2M1_VALUES[-1] - E2M1_VALUES[-2])
+_GRIDS = {
+    MoeFormat.MXFP8: (E4M3_VALUES, np.append(np.diff(E4M3_VALUES), E4M3_VALUES[-1] - E4M3_VALUES[-2])),
+    MoeFormat.NVFP4: (E2M1_VALUES, np.append(np.diff(E2M1_VALUES), E2M1_VALUES[-1] - E2M1_VALUES[-2])),
+}
 
 
 def gamma(n: int) -> float:
@@ -73,52 +72,77 @@ def gamma(n: int) -> float:
     return SAFETY * nu / (1.0 - nu)
 
 
-def format_step(values: np.ndarray, fmt: Union[MoeFormat, str, None], axis: int = -1) -> np.ndarray:
-    """Per element of ``values`` (float64, exact reference values): the gap to the
-    next representable value of ``fmt`` above ``|value|``, given the block scale
-    ``values`` itself would get. Zero for ``fmt=None`` (no rounding).
+def _half_gap(mag: np.ndarray, scale: np.ndarray, fmt: MoeFormat) -> np.ndarray:
+    """Half the element-grid gap at magnitude ``mag`` under ``scale``: the most a
+    rounding to that grid can move a value of that magnitude."""
+    grid, gaps = _GRIDS[fmt]
+    safe = np.where(scale > 0, scale, 1.0)
+    idx = np.clip(np.searchsorted(grid, mag / safe, side="right") - 1, 0, len(grid) - 1)
+    smallest = 0.5 * 2.0**-9 if fmt is MoeFormat.NVFP4 else 2.0**-9 * 2.0**-127
+    return np.where(scale > 0, 0.5 * gaps[idx] * scale, 0.5 * smallest + mag)
 
-    bf16: ``2^(max(floor(log2|v|), -126) - 7)``. mxfp8: scale times the E4M3 gap
-    at ``|v| / s``. nvfp4: scale times the E2M1 gap at ``|v| / s``, and for a
-    block whose scale rounds to zero, the smallest nvfp4 step there.
+
+def _block_view(v: np.ndarray, axis: int, block: int) -> Tuple[np.ndarray, int]:
+    moved = np.moveaxis(v, axis, -1)
+    n = moved.shape[-1]
+    nb = -(-n // block)
+    pad = nb * block - n
+    if pad:
+        moved = np.concatenate([moved, np.zeros(moved.shape[:-1] + (pad,))], axis=-1)
+    return moved.reshape(moved.shape[:-1] + (nb, block)), n
+
+
+def _unblock(b: np.ndarray, n: int, axis: int) -> np.ndarray:
+    return np.moveaxis(b.reshape(b.shape[:-2] + (b.shape[-2] * b.shape[-1],))[..., :n], -1, axis)
+
+
+def rounding_error_bound(
+    values: np.ndarray, error: np.ndarray, fmt: Union[MoeFormat, str, None], axis: int = -1
+) -> np.ndarray:
+    """Bound on ``|R(b) - R(v)|`` over every ``b`` with ``|b - v| <= error``.
+
+    Args:
+        values: ``[...]`` float64, the reference's exact values before rounding.
+        error: broadcastable to ``values``: a bound on how far a conforming
+            backend's values before rounding are from ``values``.
+        fmt: the rounding (``None``: no rounding, the bound is ``error``).
+        axis: the blocked axis for block formats.
+
+    bf16 rounding is monotonic, so the bound is
+    ``max(R(v + d) - R(v), R(v) - R(v - d))``: 0 unless a rounding boundary lies
+    within ``d``. Block formats: when the block maximum cannot cross a scale
+    boundary within the errors, the block scale is the reference's and the same
+    monotonic bound applies element by element; otherwise the scale may differ,
+    and the bound is ``d`` plus half a grid gap at each of the two scales.
     """
     v = np.asarray(values, dtype=np.float64)
+    d = np.broadcast_to(np.asarray(error, dtype=np.float64), v.shape)
     if fmt is None:
-        return np.zeros_like(v)
+        return np.array(d, copy=True)
+    d = d * _WIDEN
     fmt = parse_format(fmt)
-    mag = np.abs(np.where(np.isfinite(v), v, 0.0))
+    v = np.where(np.isfinite(v), v, 0.0)  # NaN/inf must match exactly; no budget there
     if fmt is MoeFormat.BF16:
-        _, exp = np.frexp(np.where(mag > 0, mag, 1.0))
-        e = np.where(mag > 0, np.maximum(exp - 1, -126), -126)
-        return np.ldexp(1.0, e - 7)
-    q = cast(BlockScaledTensor, quantize(v, fmt, axis=axis))
-    ax = q.axis
-    block = q.block_size
-    n = v.shape[ax]
-    if fmt is MoeFormat.MXFP8:
-        scale = np.ldexp(1.0, q.scale_codes().astype(np.int64) - 127)
-        grid, gaps = E4M3_VALUES, _E4M3_GAPS
-    else:
-        scale = q.scale.astype(np.float64)
-        scale = np.where(np.isnan(scale), 0.0, scale)
-        grid, gaps = E2M1_VALUES, _E2M1_GAPS
-    scale_full = np.take(np.repeat(scale, block, axis=ax), np.arange(n), axis=ax)
-    safe = np.where(scale_full > 0, scale_full, 1.0)
-    idx = np.clip(np.searchsorted(grid, mag / safe, side="right") - 1, 0, len(grid) - 1)
-    step = gaps[idx] * scale_full
-    if fmt is MoeFormat.NVFP4:
-        # A scale that rounded to zero flushed the block; the smallest non-zero
-        # nvfp4 step is 0.5 * 2^-9 (E2M1 0.5 at the smallest E4M3 scale).
-        step = np.where(scale_full > 0, step, 0.5 * 2.0**-9)
-    return step
-
-
-def rounding_allowance(values: np.ndarray, fmt: Union[MoeFormat, str, None], axis: int = -1) -> np.ndarray:
-    """:func:`format_step` times :data:`ROUNDING_STEPS` of the format (0 for None)."""
-    if fmt is None:
-        return np.zeros_like(np.asarray(values, dtype=np.float64))
-    fmt = parse_format(fmt)
-    return ROUNDING_STEPS[fmt] * format_step(values, fmt, axis=axis)
+        with np.errstate(over="ignore", invalid="ignore"):
+            r = round_to_bf16(v).astype(np.float64)
+            up = round_to_bf16(v + d).astype(np.float64) - r
+            down = r - round_to_bf16(v - d).astype(np.float64)
+        return np.maximum(up, down)
+    block = int(fmt.block_size)  # type: ignore[arg-type]
+    vb, n = _block_view(v, axis, block)
+    db, _ = _block_view(np.array(d), axis, block)
+    mag = np.abs(vb)
+    s_ref = block_scale(mag.max(axis=-1), fmt)[..., None]
+    s_lo = block_scale(np.maximum(mag - db, 0.0).max(axis=-1), fmt)[..., None]
+    s_hi = block_scale((mag + db).max(axis=-1), fmt)[..., None]
+    fixed = (s_lo == s_hi) & (s_lo == s_ref)
+    r = round_with_scale(vb, s_ref, fmt)
+    up = round_with_scale(vb + db, s_ref, fmt) - r
+    down = r - round_with_scale(vb - db, s_ref, fmt)
+    same_scale = np.maximum(up, down)
+    moving = db + _half_gap(mag + db, s_hi, fmt) + _half_gap(mag, s_ref, fmt)
+    out = np.where(fixed, same_scale, np.maximum(same_scale, moving))
+    return _unblock(out, n, axis)
 
 
 @dataclass(frozen=True)
@@ -179,7 +203,7 @@ def compare(name: str, got: Any, ref: Any, budget: Union[np.ndarray, float]) -> 
     inf_mismatch = (np.isinf(g) | np.isinf(r)) & ~(nan_g | nan_r) & (g != r)
     bad_special = (nan_g != nan_r) | inf_mismatch
     finite = np.isfinite(g) & np.isfinite(r)
-    err = np.where(finite, np.abs(g - r), 0.0)
+    err = np.abs(np.where(finite, g, 0.0) - np.where(finite, r, 0.0))
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(err == 0, 0.0, err / b)
     ratio = np.where(bad_special, np.inf, ratio)
@@ -191,7 +215,7 @@ def compare(name: str, got: Any, ref: Any, budget: Union[np.ndarray, float]) -> 
         first = tuple(int(i) for i in np.argwhere(bad_special)[0])
         detail = (
             f"{int(bad_special.sum())} element(s) with NaN/inf where the reference differs, first at {first}: "
-            f"got {g[first]!r}, reference {r[first]!r}"
+            f"got {float(g[first])!r}, reference {float(r[first])!r}"
         )
     return Comparison(
         name=name,

@@ -22,7 +22,7 @@ from moe_ep_spec.backend import Capabilities, Launch, MoeEpBackend
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import DTypeError, ShapeError, StashError
 from moe_ep_spec.formats import round_to_bf16, round_trip
-from moe_ep_spec.tolerance import gamma, rounding_allowance
+from moe_ep_spec.tolerance import gamma, rounding_error_bound
 
 from . import world as W
 
@@ -109,11 +109,8 @@ class ReferenceBackend(MoeEpBackend):
             bound_slots = W.scatter_slots(config, handles, [b[0] for b in bs])
             for r in range(config.num_ranks):
                 summed = W.sum_slots(per_slot[r])
-                out_budget = (
-                    W.sum_slots(bound_slots[r])
-                    + gamma(config.num_topk) * W.sum_slots(np.abs(per_slot[r]))
-                    + rounding_allowance(summed, config.output_format, axis=1)
-                )
+                before_encode = W.sum_slots(bound_slots[r]) + gamma(config.num_topk) * W.sum_slots(np.abs(per_slot[r]))
+                out_budget = rounding_error_bound(summed, before_encode, config.output_format, axis=1)
                 budgets.append((out_budget, bs[r][1]))
         return results, budgets
 
@@ -204,8 +201,9 @@ class ReferenceBackend(MoeEpBackend):
         (float32 slot sum plus the output encode; the combine round trip of a
         given row is exact and must match)."""
         return [
-            gamma(config.num_topk) * W.sum_slots(np.abs(p))
-            + rounding_allowance(W.sum_slots(p), config.output_format, axis=1)
+            rounding_error_bound(
+                W.sum_slots(p), gamma(config.num_topk) * W.sum_slots(np.abs(p)), config.output_format, axis=1
+            )
             for p in self._combine_slots(config, handles, expert_out)
         ]
 

@@ -23,7 +23,7 @@ from moe_ep_spec.api import DispatchHandle, Tensor
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import CapacityError
 from moe_ep_spec.formats import BlockScaledTensor, MoeFormat, dequantize, quantize, round_to_bf16, round_trip
-from moe_ep_spec.tolerance import FP32_UNIT_ROUNDOFF, SAFETY, gamma, rounding_allowance
+from moe_ep_spec.tolerance import FP32_UNIT_ROUNDOFF, SAFETY, gamma, rounding_error_bound
 
 __all__ = [
     "plan",
@@ -221,14 +221,14 @@ def expert_forward(
             continue
         # First-order propagation of float32 accumulation error (tolerance module).
         dc = gamma(h_size) * (np.abs(x[sl]) @ np.abs(fc1[e]))
-        c_bound[sl] = dc + rounding_allowance(c, MoeFormat.BF16)
+        c_bound[sl] = rounding_error_bound(c, dc, MoeFormat.BF16)
         dh_dg = np.abs(u * sig * (1.0 + g * (1.0 - sig)))
         dh = dh_dg * dc[:, :i_size] + np.abs(s) * dc[:, i_size:] + 4 * u32 * np.abs(h)
         d_op = np.abs(we) * dh + u32 * np.abs(op) if config.apply_topk_in_fc1 else dh
-        d_op = d_op + rounding_allowance(op, config.intermediate_format, axis=-1)
+        d_op = rounding_error_bound(op, d_op, config.intermediate_format, axis=-1)
         dz = d_op @ np.abs(fc2[e]) + gamma(i_size) * (np.abs(op_r) @ np.abs(fc2[e]))
         dy = dz if config.apply_topk_in_fc1 else np.abs(we) * dz + u32 * np.abs(ye)
-        bound[sl] = dy + rounding_allowance(ye, config.combine_format, axis=-1)
+        bound[sl] = rounding_error_bound(ye, dy, config.combine_format, axis=-1)
     return y, c_all, None if bound is None else (bound, c_bound)
 
 
