@@ -135,7 +135,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     ref = reference.forward(config, inputs)
     budgets = reference.forward_budget(config, inputs)  # type: ignore[attr-defined]
     for r in range(config.num_ranks):
-        comparisons.append(compare(f"rank {r} output", got[r].output, ref[r].output, budgets[r]))
+        comparisons.append(compare(f"rank {r} output", got[r].output, ref[r].output, budgets[r].output))
 
     if want_backward:
         rng = np.random.default_rng(args.seed + 1)

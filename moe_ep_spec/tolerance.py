@@ -47,6 +47,8 @@ __all__ = [
     "SAFETY",
     "gamma",
     "rounding_error_bound",
+    "allowed_scale_codes",
+    "ForwardBudget",
     "Comparison",
     "compare",
 ]
@@ -143,6 +145,62 @@ def rounding_error_bound(
     moving = db + _half_gap(mag + db, s_hi, fmt) + _half_gap(mag, s_ref, fmt)
     out = np.where(fixed, same_scale, np.maximum(same_scale, moving))
     return _unblock(out, n, axis)
+
+
+def _scale_codes(scale: np.ndarray, fmt: MoeFormat) -> np.ndarray:
+    if fmt is MoeFormat.MXFP8:
+        _, exp = np.frexp(scale)  # scale = 2^(exp - 1) exactly
+        return (exp - 1 + 127).astype(np.uint8)
+    return np.searchsorted(E4M3_VALUES, scale).astype(np.uint8)
+
+
+def allowed_scale_codes(
+    values: np.ndarray, error: np.ndarray, fmt: Union[MoeFormat, str], axis: int = -1
+) -> Tuple[np.ndarray, np.ndarray]:
+    """The lowest and highest block scale code a conforming backend may produce.
+
+    Args:
+        values: float64 reference values before the encode; error: their error
+            bound (broadcastable); fmt: mxfp8 or nvfp4; axis: the blocked axis.
+
+    Returns:
+        ``(lowest, highest)`` uint8 codes shaped like the scale: the codes of the
+        smallest and the largest block maximum within the error bound. Where the
+        bound cannot move the block maximum across a scale boundary both equal the
+        reference's code. A block holding NaN or inf allows its NaN code only.
+    """
+    fmt = parse_format(fmt)
+    v = np.asarray(values, dtype=np.float64)
+    d = np.broadcast_to(np.asarray(error, dtype=np.float64), v.shape) * _WIDEN
+    block = int(fmt.block_size)  # type: ignore[arg-type]
+    vb, _ = _block_view(np.where(np.isfinite(v), v, 0.0), axis % v.ndim, block)
+    db, _ = _block_view(np.array(d), axis % v.ndim, block)
+    bad, _ = _block_view(np.where(np.isfinite(v), 0.0, 1.0), axis % v.ndim, block)
+    mag = np.abs(vb)
+    lo = _scale_codes(block_scale(np.maximum(mag - db, 0.0).max(axis=-1), fmt), fmt)
+    hi = _scale_codes(block_scale((mag + db).max(axis=-1), fmt), fmt)
+    nan_code = np.uint8(0xFF if fmt is MoeFormat.MXFP8 else 0x7F)
+    nonfinite = bad.max(axis=-1) > 0
+    lo = np.where(nonfinite, nan_code, lo)
+    hi = np.where(nonfinite, nan_code, hi)
+    return np.moveaxis(lo, -1, axis % v.ndim), np.moveaxis(hi, -1, axis % v.ndim)
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardBudget:
+    """The budgets of one rank's forward results.
+
+    Attributes:
+        output: ``[T, H]`` float64: the budget of the decoded output.
+        scale_codes: for block-scaled outputs, ``(lowest, highest)`` uint8 arrays
+            shaped like the output's scale (see :func:`allowed_scale_codes`); else None.
+        fc1_c: ``[R, 2I]`` float64: the budget of the bf16 stash (0 in padding
+            rows), or None without ``generate_c``.
+    """
+
+    output: np.ndarray
+    scale_codes: Optional[Tuple[np.ndarray, np.ndarray]] = None
+    fc1_c: Optional[np.ndarray] = None
 
 
 @dataclass(frozen=True)

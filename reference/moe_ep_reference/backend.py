@@ -22,7 +22,7 @@ from moe_ep_spec.backend import Capabilities, Launch, MoeEpBackend
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import DTypeError, ShapeError, StashError
 from moe_ep_spec.formats import round_to_bf16, round_trip
-from moe_ep_spec.tolerance import gamma, rounding_error_bound
+from moe_ep_spec.tolerance import ForwardBudget, allowed_scale_codes, gamma, rounding_error_bound
 
 from . import world as W
 
@@ -71,19 +71,15 @@ class ReferenceBackend(MoeEpBackend):
     def forward(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> List[ForwardResult]:
         return self._forward(config, inputs, with_bound=False)[0]
 
-    def forward_budget(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> List[np.ndarray]:
-        """Per rank ``[T, H]`` float64: the error budget of a conforming backend's
-        decoded ``output`` (see :mod:`moe_ep_spec.tolerance`)."""
-        return [b[0] for b in self._forward(config, inputs, with_bound=True)[1]]
-
-    def stash_budget(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> List[np.ndarray]:
-        """Per rank ``[R, 2I]`` float64: the error budget of a conforming backend's
-        ``fc1_c`` (float32 FC1 accumulation, then the bf16 rounding). Padding rows 0."""
-        return [b[1] for b in self._forward(config, inputs, with_bound=True)[1]]
+    def forward_budget(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> List[ForwardBudget]:
+        """Per rank, the budgets of a conforming backend's forward results: the
+        decoded ``output``, the allowed output scale codes (block formats) and,
+        with ``generate_c``, ``fc1_c`` (see :mod:`moe_ep_spec.tolerance`)."""
+        return self._forward(config, inputs, with_bound=True)[1]
 
     def _forward(
         self, config: MoeEpConfig, inputs: Sequence[RankInputs], with_bound: bool
-    ) -> Tuple[List[ForwardResult], List[Tuple[np.ndarray, np.ndarray]]]:
+    ) -> Tuple[List[ForwardResult], List[ForwardBudget]]:
         self.require(config, "forward")
         self._check_world_inputs(config, inputs)
         handles = W.plan(config, [inp.topk_idx for inp in inputs])
@@ -110,8 +106,16 @@ class ReferenceBackend(MoeEpBackend):
             for r in range(config.num_ranks):
                 summed = W.sum_slots(per_slot[r])
                 before_encode = W.sum_slots(bound_slots[r]) + gamma(config.num_topk) * W.sum_slots(np.abs(per_slot[r]))
-                out_budget = rounding_error_bound(summed, before_encode, config.output_format, axis=1)
-                budgets.append((out_budget, bs[r][1]))
+                fmt = config.output_format
+                budgets.append(
+                    ForwardBudget(
+                        output=rounding_error_bound(summed, before_encode, fmt, axis=1),
+                        scale_codes=allowed_scale_codes(summed, before_encode, fmt, axis=1)
+                        if fmt.is_block_scaled
+                        else None,
+                        fc1_c=bs[r][1] if config.generate_c else None,
+                    )
+                )
         return results, budgets
 
     def backward(
@@ -237,6 +241,37 @@ class ReferenceBackend(MoeEpBackend):
         grad_tokens: Sequence[np.ndarray],
         grad_topk_weights: Sequence[np.ndarray],
     ) -> List[DispatchGrads]:
+        tok_slots, w_slots = self._dispatch_backward_slots(config, handles, grad_tokens, grad_topk_weights)
+        return [
+            DispatchGrads(grad_tokens=_f32(W.sum_slots(tok_slots[r])), grad_topk_weights=_f32(w_slots[r]))
+            for r in range(config.num_ranks)
+        ]
+
+    def dispatch_backward_budget(
+        self,
+        config: MoeEpConfig,
+        handles: Sequence[DispatchHandle],
+        grad_tokens: Sequence[np.ndarray],
+        grad_topk_weights: Sequence[np.ndarray],
+    ) -> List[DispatchGrads]:
+        """Per rank, float64 budgets shaped like :meth:`dispatch_backward`'s results:
+        the float32 slot sum for ``grad_tokens``; ``grad_topk_weights`` is exact (0)."""
+        tok_slots, w_slots = self._dispatch_backward_slots(config, handles, grad_tokens, grad_topk_weights)
+        return [
+            DispatchGrads(
+                grad_tokens=gamma(config.num_topk) * W.sum_slots(np.abs(tok_slots[r])),
+                grad_topk_weights=np.zeros_like(w_slots[r]),
+            )
+            for r in range(config.num_ranks)
+        ]
+
+    def _dispatch_backward_slots(
+        self,
+        config: MoeEpConfig,
+        handles: Sequence[DispatchHandle],
+        grad_tokens: Sequence[np.ndarray],
+        grad_topk_weights: Sequence[np.ndarray],
+    ) -> Tuple[List[np.ndarray], List[np.ndarray]]:
         self.require(config, "dispatch_backward")
         self._check_handles(config, handles)
         v.validate_world(config, grad_tokens, "grad_tokens")
@@ -245,15 +280,10 @@ class ReferenceBackend(MoeEpBackend):
         for r, (h, gt, gw) in enumerate(zip(handles, grad_tokens, grad_topk_weights)):
             v.validate_grad("grad_tokens", gt, (h.num_recv_rows, config.hidden), "(received rows, hidden)", r)
             v.validate_grad("grad_topk_weights", gw, (h.num_recv_rows,), "(received rows,)", r)
-            valid = h.valid_rows
+            valid = h.valid_rows  # padding rows are never read
             gts.append(np.where(valid[:, None], np.asarray(gt, dtype=np.float64), 0.0))
             gws.append(np.where(valid, np.asarray(gw, dtype=np.float64), 0.0))
-        tok_slots = W.scatter_slots(config, handles, gts)
-        w_slots = W.scatter_slots(config, handles, gws)
-        return [
-            DispatchGrads(grad_tokens=_f32(W.sum_slots(tok_slots[r])), grad_topk_weights=_f32(w_slots[r]))
-            for r in range(config.num_ranks)
-        ]
+        return W.scatter_slots(config, handles, gts), W.scatter_slots(config, handles, gws)
 
 
 def _assemble_backward(
