@@ -151,6 +151,12 @@ class BlockScaledTensor:
     axis: int = -1
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every rule of the class docstring again; raise on the first
+        broken one. Construction does this; backends call it again because a
+        frozen dataclass can still be altered with ``object.__setattr__``."""
         fmt = parse_format(self.format, name="BlockScaledTensor.format")
         if not fmt.is_block_scaled:
             raise FormatError(

@@ -26,6 +26,7 @@ from .api import RankContext
 from .backend import Launch, MoeEpBackend
 from .config import MoeEpConfig
 from .errors import BackendError
+from .validation import validate_world
 
 __all__ = [
     "OPERATIONS",
@@ -133,8 +134,7 @@ def call_world(
         return list(getattr(backend, operation)(config, *per_rank))
     n = config.num_ranks
     for i, arg in enumerate(per_rank):
-        if len(arg) != n:
-            raise ValueError(f"{operation}: per-rank argument {i} must have num_ranks = {n} entries; got {len(arg)}")
+        validate_world(config, arg, f"{operation} argument {i}")
     devices = list(devices) if devices is not None else ["cpu"] * n
     rendezvous = f"tcp://127.0.0.1:{free_loopback_port()}"
     mpctx = mp.get_context("spawn")

@@ -98,6 +98,12 @@ def check_tensor(
     """``t`` must be a plain float array of ``shape`` or a BlockScaledTensor of that
     logical shape blocked along ``blocked_axis``. Returns the logical shape."""
     if isinstance(t, BlockScaledTensor):
+        try:
+            t.validate()
+        except (FormatError, ShapeError, DTypeError) as exc:
+            renamed = type(exc)(f"{_prefix(rank)}{name}: {exc}")
+            renamed.__dict__.update(exc.__dict__)  # keep name / expected / got
+            raise renamed from None
         _check_shape(name, t.shape, shape, what, rank)
         if t.axis != blocked_axis % len(t.shape):
             raise FormatError(

@@ -88,7 +88,8 @@ class ReferenceBackend(MoeEpBackend):
         ys, cs, bs = [], [], []
         for d, h in enumerate(handles):
             fc1, fc2 = W.decode(inputs[d].fc1_weight), W.decode(inputs[d].fc2_weight)
-            y, c, b = W.expert_forward(config, h, x[d], w[d], fc1, fc2, with_bound=with_bound)
+            with np.errstate(invalid="ignore", over="ignore"):  # a NaN/inf token poisons its own rows only
+                y, c, b = W.expert_forward(config, h, x[d], w[d], fc1, fc2, with_bound=with_bound)
             ys.append(y)
             cs.append(c)
             bs.append(b)
@@ -161,7 +162,8 @@ class ReferenceBackend(MoeEpBackend):
         for d, h in enumerate(handles):
             fc1, fc2 = W.decode(inputs[d].fc1_weight), W.decode(inputs[d].fc2_weight)
             c = stash[d].fc1_c.astype(np.float64)
-            g, b = W.expert_backward(config, h, x[d], w[d], fc1, fc2, c, dy[d], with_bound=with_bound)
+            with np.errstate(invalid="ignore", over="ignore"):
+                g, b = W.expert_backward(config, h, x[d], w[d], fc1, fc2, c, dy[d], with_bound=with_bound)
             grads.append(g)
             bounds.append(b)
         results = _assemble_backward(config, handles, grads)
@@ -200,16 +202,24 @@ class ReferenceBackend(MoeEpBackend):
 
     def combine_budget(
         self, config: MoeEpConfig, handles: Sequence[DispatchHandle], expert_out: Sequence[np.ndarray]
-    ) -> List[np.ndarray]:
-        """Per rank ``[T, H]`` float64: the error budget of a conforming combine
-        (float32 slot sum plus the output encode; the combine round trip of a
-        given row is exact and must match)."""
-        return [
-            rounding_error_bound(
-                W.sum_slots(p), gamma(config.num_topk) * W.sum_slots(np.abs(p)), config.output_format, axis=1
+    ) -> List[ForwardBudget]:
+        """Per rank, the budgets of a conforming combine's ``[T, H]`` output and its
+        scale codes: the float32 slot sum, then the output encode (the combine
+        round trip of a given row is exact and must match)."""
+        budgets = []
+        fmt = config.output_format
+        for p in self._combine_slots(config, handles, expert_out):
+            summed = W.sum_slots(p)
+            before_encode = gamma(config.num_topk) * W.sum_slots(np.abs(p))
+            budgets.append(
+                ForwardBudget(
+                    output=rounding_error_bound(summed, before_encode, fmt, axis=1),
+                    scale_codes=allowed_scale_codes(summed, before_encode, fmt, axis=1)
+                    if fmt.is_block_scaled
+                    else None,
+                )
             )
-            for p in self._combine_slots(config, handles, expert_out)
-        ]
+        return budgets
 
     def _combine_slots(
         self, config: MoeEpConfig, handles: Sequence[DispatchHandle], expert_out: Sequence[np.ndarray]

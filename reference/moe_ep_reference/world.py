@@ -159,9 +159,9 @@ def encode_output(config: MoeEpConfig, values: np.ndarray) -> Tensor:
 
 
 def _silu_parts(g: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # NaN/inf tokens stay in their rows
         sig = 1.0 / (1.0 + np.exp(-g))
-    return sig, g * sig
+        return sig, g * sig
 
 
 def _clamp(config: MoeEpConfig, g: np.ndarray, u: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

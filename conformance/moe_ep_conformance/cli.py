@@ -1,0 +1,77 @@
+"""``moe-ep conformance``: the suite from the command line (runs pytest)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, List
+
+__all__ = ["add_command", "pytest_args", "run"]
+
+
+def add_command(subparsers: Any) -> None:
+    """Entry point of the group ``moe_ep_spec.commands``: adds ``conformance``."""
+    p = subparsers.add_parser(
+        "conformance",
+        help="run the conformance suite on backends against the reference",
+        description="Run the MoeEp conformance suite. With no --backend, every available backend.",
+    )
+    p.add_argument("--backend", action="append", metavar="NAME", help="backend to test (repeatable)")
+    p.add_argument("--ep-size", action="append", type=int, metavar="N", help="only this EP size (repeatable)")
+    p.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression over the test ids")
+    p.add_argument("--quick", action="store_true", help="the representative subset only")
+    p.add_argument("--report-json", metavar="PATH", help="write the JSON report (every case)")
+    p.add_argument("--report-md", metavar="PATH", help="write the markdown report (one table per backend)")
+    p.add_argument("--xfail-file", action="append", metavar="PATH", help="expected failures file (repeatable)")
+    p.add_argument("--tolerance-file", action="append", metavar="PATH", help="tolerance overrides file (repeatable)")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="per-case time limit")
+    p.add_argument("--isolate", action="store_true", help="run world backends' cases in their own processes")
+    p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="list every test")
+    p.add_argument("--junitxml", metavar="PATH", help="also write JUnit XML")
+    p.set_defaults(func=run)
+
+
+def pytest_args(args: argparse.Namespace) -> List[str]:
+    """The pytest command line for ``args``."""
+    from .cases import OPERATIONS
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = [
+        os.path.join(here, "suite.py"),
+        "-p", "moe_ep_conformance.plugin",
+        "-p", "no:cacheprovider",
+        "--rootdir", here,
+        "-c", os.path.join(here, "pytest.ini"),
+        "-o", "python_functions=" + " ".join(OPERATIONS),
+        "-rfE",
+    ]
+    for name in args.backend or []:
+        out += ["--backend", name]
+    for n in args.ep_size or []:
+        out += ["--ep-size", str(n)]
+    if args.keyword:
+        out += ["-k", args.keyword]
+    if args.quick:
+        out.append("--quick")
+    for flag, value in (("--report-json", args.report_json), ("--report-md", args.report_md), ("--junitxml", args.junitxml)):
+        if value:
+            out += [flag, os.path.abspath(value)]
+    for f in args.xfail_file or []:
+        out += ["--xfail-file", os.path.abspath(f)]
+    for f in args.tolerance_file or []:
+        out += ["--tolerance-file", os.path.abspath(f)]
+    out += ["--case-timeout", str(args.timeout)]
+    if args.isolate:
+        out.append("--isolate")
+    if args.exitfirst:
+        out.append("-x")
+    if args.verbose:
+        out.append("-" + "v" * args.verbose)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import pytest
+
+    return int(pytest.main(pytest_args(args)))

@@ -1,0 +1,617 @@
+"""Run one conformance case on a backend and judge it against the reference.
+
+:func:`run_case` is the whole judgement; the pytest plugin and the reports are
+thin layers over it. A case is *skipped* only when the backend declared the
+needed feature unsupported (reason ``capability: ...``); anything else that
+cannot run *fails*: a backend that raises, returns the wrong type, shape or
+dtype, or computes outside the spec's budget.
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import pickle
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+import moe_ep_spec
+from moe_ep_spec import (
+    BlockScaledTensor,
+    DispatchInputs,
+    MoeEpBackend,
+    MoeEpConfig,
+    MoeFormat,
+    RankInputs,
+)
+from moe_ep_spec.formats import BF16
+from moe_ep_spec.inputs import random_world
+from moe_ep_spec.launch import call_world
+from moe_ep_spec.tolerance import ForwardBudget, compare
+
+from .cases import BAD_INPUTS, Case
+
+__all__ = ["Check", "CaseResult", "run_case", "run_case_isolated", "run_cases"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One judged result of a case (e.g. ``rank 1 output``).
+
+    Attributes: ``name``; ``ok``; ``ratio`` (worst error / budget; 0 for exact
+    matches, inf for structural mismatches); ``max_abs_error``; ``message`` (a
+    sentence that makes sense on its own)."""
+
+    name: str
+    ok: bool
+    ratio: float = 0.0
+    max_abs_error: float = 0.0
+    message: str = ""
+
+
+@dataclass
+class CaseResult:
+    """The outcome of one case on one backend.
+
+    Attributes:
+        test_id: ``op[backend-case id]``.
+        backend: the backend's name.
+        case: the :class:`Case`.
+        outcome: ``passed``, ``failed`` or ``skipped``.
+        reason: the skip reason (``capability: ...``) or the first failure's message.
+        ratio: the worst error / budget over all checks (0 when all are exact).
+        checks: every :class:`Check`.
+        duration_s: wall time of the case, reference included.
+        tolerance_factor: the budget multiplier applied (1 unless overridden).
+    """
+
+    test_id: str
+    backend: str
+    case: Case
+    outcome: str
+    reason: str = ""
+    ratio: float = 0.0
+    checks: List[Check] = field(default_factory=list)
+    duration_s: float = 0.0
+    tolerance_factor: float = 1.0
+
+    @property
+    def failures(self) -> List[Check]:
+        return [c for c in self.checks if not c.ok]
+
+    def describe(self) -> str:
+        """A multi-line failure report that makes sense on its own."""
+        lines = [f"{self.test_id}: {self.outcome}"]
+        if self.outcome == "failed":
+            if not self.checks or all(c.ok for c in self.checks):
+                lines.append(f"  {self.reason}")
+            for c in self.failures:
+                lines.append(f"  {c.message}")
+        elif self.reason:
+            lines.append(f"  {self.reason}")
+        return "\n".join(lines)
+
+
+class _Fail(Exception):
+    """A structural failure detected while running a case."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _kind(x: Any) -> str:
+    if isinstance(x, BlockScaledTensor):
+        return f"BlockScaledTensor({x.format.value}, shape={x.shape}, axis={x.axis})"
+    if isinstance(x, np.ndarray):
+        return f"ndarray({x.dtype.name}, shape={x.shape})"
+    return type(x).__name__
+
+
+def _close(name: str, got: Any, ref: Any, budget: Any, factor: float) -> Check:
+    c = compare(name, got, ref, np.asarray(budget, dtype=np.float64) * factor)
+    return Check(name, c.ok, c.ratio, c.max_abs_error, c.describe())
+
+
+def _expect_array(name: str, got: Any, dtype: Any, shape: Sequence[int]) -> Optional[Check]:
+    dtype = np.dtype(dtype)
+    if not isinstance(got, np.ndarray) or got.dtype != dtype or tuple(got.shape) != tuple(shape):
+        return Check(
+            name,
+            False,
+            float("inf"),
+            float("inf"),
+            f"{name}: expected ndarray({dtype.name}, shape={tuple(shape)}); got {_kind(got)}",
+        )
+    return None
+
+
+def _exact_ints(name: str, got: Any, ref: np.ndarray) -> Check:
+    if not isinstance(got, np.ndarray) or got.dtype.kind not in "iu" or got.shape != ref.shape:
+        return Check(name, False, float("inf"), float("inf"), f"{name}: expected integer {ref.shape}; got {_kind(got)}")
+    bad = np.argwhere(got != ref)
+    if bad.size:
+        first = tuple(int(i) for i in bad[0])
+        row = first[0] if ref.ndim > 1 else first
+        return Check(
+            name,
+            False,
+            float("inf"),
+            float(np.abs(got.astype(np.int64) - ref.astype(np.int64)).max()),
+            f"{name}: {len(bad)} element(s) differ, first at {first}: got {got[row].tolist()}, "
+            f"reference {ref[row].tolist()} (integers must be exact)",
+        )
+    return Check(name, True)
+
+
+def _exact_tensor(name: str, got: Any, ref: Any) -> Check:
+    """Data movement: same encoding, same codes (or the same float values)."""
+    if isinstance(ref, BlockScaledTensor):
+        if (
+            not isinstance(got, BlockScaledTensor)
+            or got.format is not ref.format
+            or got.shape != ref.shape
+            or got.axis != ref.axis
+        ):
+            return Check(name, False, float("inf"), float("inf"), f"{name}: expected {_kind(ref)}; got {_kind(got)}")
+        for part, g, r in (("data", got.data_codes(), ref.data_codes()), ("scale", got.scale_codes(), ref.scale_codes())):
+            bad = np.argwhere(g != r)
+            if bad.size:
+                first = tuple(int(i) for i in bad[0])
+                return Check(
+                    name,
+                    False,
+                    float("inf"),
+                    float("inf"),
+                    f"{name}: {len(bad)} {part} code(s) differ, first at {first}: got {int(g[first]):#04x}, "
+                    f"reference {int(r[first]):#04x} (codes must move unchanged)",
+                )
+        return Check(name, True)
+    wrong = _expect_array(name, got, ref.dtype, ref.shape)
+    if wrong is not None:
+        return wrong
+    c = compare(name, got, ref, 0.0)
+    return Check(name, c.ok, c.ratio, c.max_abs_error, c.describe() + ("" if c.ok else " (must be exact)"))
+
+
+def _output_checks(name: str, config: MoeEpConfig, got: Any, ref: Any, budget: ForwardBudget, factor: float) -> List[Check]:
+    fmt = config.output_format
+    if fmt is MoeFormat.BF16:
+        wrong = _expect_array(name, got, BF16, ref.shape)
+        if wrong is not None:
+            return [wrong]
+        return [_close(name, got, ref, budget.output, factor)]
+    if not isinstance(got, BlockScaledTensor) or got.format is not fmt or got.shape != ref.shape or got.axis != 1:
+        return [
+            Check(name, False, float("inf"), float("inf"), f"{name}: expected {_kind(ref)}; got {_kind(got)}")
+        ]
+    checks = [_close(name, got, ref, budget.output, factor)]
+    lo, hi = budget.scale_codes  # type: ignore[misc]
+    codes = got.scale_codes()
+    if fmt is MoeFormat.MXFP8:
+        outside = (codes < lo) | (codes > hi)
+    else:  # E4M3 codes are ordered by magnitude for the non-negative scales nvfp4 uses
+        outside = (codes < lo) | (codes > hi)
+    if outside.any():
+        first = tuple(int(i) for i in np.argwhere(outside)[0])
+        checks.append(
+            Check(
+                f"{name} scale codes",
+                False,
+                float("inf"),
+                float("inf"),
+                f"{name} scale codes: {int(outside.sum())} block(s) outside the allowed range, first block {first}: "
+                f"got {int(codes[first]):#04x}, allowed [{int(lo[first]):#04x}, {int(hi[first]):#04x}] "
+                f"(reference {int(ref.scale_codes()[first]):#04x})",
+            )
+        )
+    else:
+        checks.append(Check(f"{name} scale codes", True))
+    return checks
+
+
+def _snapshot(obj: Any) -> Any:
+    return copy.deepcopy(obj)
+
+
+def _same_inputs(before: Any, after: Any) -> bool:
+    """Whether the inputs are bit for bit what they were (nothing was modified)."""
+    if isinstance(before, (list, tuple)):
+        return len(before) == len(after) and all(_same_inputs(b, a) for b, a in zip(before, after))
+    if isinstance(before, BlockScaledTensor):
+        return _same_inputs(before.data, after.data) and _same_inputs(before.scale, after.scale)
+    if isinstance(before, np.ndarray):
+        return before.shape == after.shape and before.tobytes() == after.tobytes()
+    if hasattr(before, "__dataclass_fields__"):
+        return all(_same_inputs(getattr(before, f), getattr(after, f)) for f in before.__dataclass_fields__)
+    return True
+
+
+def _world(case: Case, config: MoeEpConfig, tokens: Optional[List[int]] = None) -> List[RankInputs]:
+    return random_world(
+        config,
+        num_tokens=tokens if tokens is not None else case.tokens_per_rank(),
+        routing=case.routing,
+        input_format=case.input_format,
+        weight_format=case.weight_format,
+        seed=case.seed,
+    )
+
+
+def _dispatch_world(world: Sequence[RankInputs]) -> List[DispatchInputs]:
+    return [DispatchInputs(w.activation, w.topk_idx, w.topk_weights) for w in world]
+
+
+def _cotangent(rng: np.random.Generator, shape: tuple, poison_rows: Optional[np.ndarray] = None) -> np.ndarray:
+    """Random float32 with NaN in the rows a conforming backend never reads."""
+    g = rng.standard_normal(shape).astype(np.float32)
+    if poison_rows is not None and poison_rows.any():
+        g[poison_rows] = np.nan
+    return g
+
+
+# ----------------------------------------------------------------------------- operations
+
+
+class _Runner:
+    def __init__(self, backend: MoeEpBackend, reference: MoeEpBackend, case: Case, timeout_s: float, factor: float):
+        self.backend = backend
+        self.reference = reference
+        self.case = case
+        self.config = case.config()
+        self.timeout_s = timeout_s
+        self.factor = factor
+        self.rng = np.random.default_rng(case.seed + 1)
+
+    def call(self, op: str, *args: Any) -> List[Any]:
+        return call_world(self.backend, op, self.config, *args, timeout_s=self.timeout_s)
+
+    def call_unchanged(self, op: str, *args: Any) -> List[Any]:
+        before = _snapshot(args)
+        out = self.call(op, *args)
+        if not _same_inputs(before, args):
+            raise _Fail(f"{op} modified its inputs; the spec forbids changing any input")
+        if len(out) != self.config.num_ranks:
+            raise _Fail(f"{op} returned {len(out)} results; expected one per rank ({self.config.num_ranks})")
+        return out
+
+    # -- fused -------------------------------------------------------------
+
+    def forward(self, stash: bool) -> List[Check]:
+        cfg, ref_b = self.config, self.reference
+        world = _world(self.case, cfg)
+        got = self.call_unchanged("forward", world)
+        ref = ref_b.forward(cfg, world)
+        budgets = ref_b.forward_budget(cfg, world)  # type: ignore[attr-defined]
+        checks: List[Check] = []
+        for r in range(cfg.num_ranks):
+            checks += _output_checks(f"rank {r} output", cfg, got[r].output, ref[r].output, budgets[r], self.factor)
+            if stash:
+                wrong = _expect_array(f"rank {r} fc1_c", got[r].fc1_c, BF16, ref[r].fc1_c.shape)
+                checks.append(wrong or _close(f"rank {r} fc1_c", got[r].fc1_c, ref[r].fc1_c, budgets[r].fc1_c, self.factor))
+                checks.append(_exact_ints(f"rank {r} route_metadata", got[r].route_metadata, ref[r].route_metadata))
+                if isinstance(got[r].route_metadata, np.ndarray) and got[r].route_metadata.dtype != np.int32:
+                    checks.append(Check(f"rank {r} route_metadata dtype", False, float("inf"), 0.0,
+                                        f"rank {r} route_metadata: dtype must be int32; got {got[r].route_metadata.dtype.name}"))
+            elif got[r].fc1_c is not None or got[r].route_metadata is not None:
+                checks.append(Check(f"rank {r} stash", False, float("inf"), 0.0,
+                                    f"rank {r}: fc1_c and route_metadata must be None without generate_c"))
+        return checks
+
+    def backward(self) -> List[Check]:
+        cfg, ref_b = self.config, self.reference
+        world = _world(self.case, cfg)
+        stash = [f.stash for f in ref_b.forward(cfg, world)]
+        grads = [_cotangent(self.rng, (w.topk_idx.shape[0], cfg.hidden)) for w in world]
+        got = self.call_unchanged("backward", world, grads, stash)
+        ref = ref_b.backward(cfg, world, grads, stash)
+        budgets = ref_b.backward_budget(cfg, world, grads, stash)  # type: ignore[attr-defined]
+        checks = []
+        for r in range(cfg.num_ranks):
+            for name in ("grad_activation", "grad_fc1_weight", "grad_fc2_weight", "grad_topk_weights"):
+                want = getattr(ref[r], name)
+                wrong = _expect_array(f"rank {r} {name}", getattr(got[r], name, None), np.float32, want.shape)
+                checks.append(wrong or _close(f"rank {r} {name}", getattr(got[r], name), want, getattr(budgets[r], name), self.factor))
+        return checks
+
+    def nan_isolation(self) -> List[Check]:
+        cfg = self.config
+        world = _world(self.case, cfg)
+        poisoned: Dict[int, int] = {0: 1, cfg.num_ranks - 1: 2}
+        new_world = []
+        for r, w in enumerate(world):
+            act = np.array(w.activation, copy=True)
+            if r in poisoned:
+                t = poisoned[r]
+                act[t, 3] = np.nan if r == 0 else np.inf
+                if r == 0 and cfg.num_ranks == 1:
+                    act[2, 5] = -np.inf
+            new_world.append(RankInputs(act, w.fc1_weight, w.fc2_weight, w.topk_idx, w.topk_weights))
+        if cfg.num_ranks == 1:
+            poisoned_rows = {0: [1, 2]}
+        else:
+            poisoned_rows = {0: [1], cfg.num_ranks - 1: [2]}
+        got = self.call_unchanged("forward", new_world)
+        ref = self.reference.forward(cfg, new_world)
+        budgets = self.reference.forward_budget(cfg, new_world)  # type: ignore[attr-defined]
+        checks = []
+        for r in range(cfg.num_ranks):
+            g = got[r].output
+            if cfg.output_format.is_block_scaled and not isinstance(g, BlockScaledTensor):
+                checks.append(Check(f"rank {r} output", False, float("inf"), 0.0, f"rank {r} output: got {_kind(g)}"))
+                continue
+            keep = np.ones(ref[r].output.shape[0], dtype=bool)
+            keep[poisoned_rows.get(r, [])] = False
+            g_dec = moe_ep_spec.dequantize(g, np.float64) if isinstance(g, BlockScaledTensor) else np.asarray(g, np.float64)
+            r_dec = moe_ep_spec.dequantize(ref[r].output, np.float64) if isinstance(ref[r].output, BlockScaledTensor) else ref[r].output.astype(np.float64)
+            if g_dec.shape != r_dec.shape:
+                checks.append(Check(f"rank {r} output", False, float("inf"), 0.0, f"rank {r} output: shape {g_dec.shape}, expected {r_dec.shape}"))
+                continue
+            finite = np.isfinite(g_dec[keep]).all()
+            checks.append(
+                Check(
+                    f"rank {r} clean tokens finite",
+                    bool(finite),
+                    0.0 if finite else float("inf"),
+                    0.0,
+                    "" if finite else f"rank {r}: a NaN/Inf in another token reached tokens "
+                    f"{np.nonzero(~np.isfinite(g_dec).all(axis=1) & keep)[0].tolist()} (must stay in its own token)",
+                )
+            )
+            checks.append(_close(f"rank {r} clean tokens", g_dec[keep], r_dec[keep], budgets[r].output[keep], self.factor))
+        return checks
+
+    # -- layered -----------------------------------------------------------
+
+    def _dispatch_both(self) -> tuple:
+        cfg = self.config
+        world = _world(self.case, cfg)
+        dworld = _dispatch_world(world)
+        got = self.call_unchanged("dispatch", dworld)
+        ref = self.reference.dispatch(cfg, dworld)
+        for r in range(cfg.num_ranks):
+            g_rows = getattr(getattr(got[r], "handle", None), "num_recv_rows", None)
+            if g_rows != ref[r].handle.num_recv_rows:
+                raise _Fail(
+                    f"rank {r}: dispatch made {g_rows} received rows; the spec's plan has {ref[r].handle.num_recv_rows} "
+                    f"(run the dispatch cases first)"
+                )
+        return world, got, ref
+
+    def dispatch(self) -> List[Check]:
+        _, got, ref = self._dispatch_both()
+        checks = []
+        for r, (g, w) in enumerate(zip(got, ref)):
+            checks.append(_exact_tensor(f"rank {r} tokens", g.tokens, w.tokens))
+            checks.append(_exact_tensor(f"rank {r} topk_weights", g.topk_weights, w.topk_weights))
+            checks.append(_exact_ints(f"rank {r} route_metadata", g.route_metadata, w.route_metadata))
+            checks.append(_exact_ints(f"rank {r} tokens_per_expert", g.tokens_per_expert, w.tokens_per_expert))
+            checks.append(_exact_ints(f"rank {r} expert_offsets", g.expert_offsets, w.expert_offsets))
+        return checks
+
+    def combine(self) -> List[Check]:
+        cfg = self.config
+        _, got_d, ref_d = self._dispatch_both()
+        expert_out = [
+            _cotangent(self.rng, (d.handle.num_recv_rows, cfg.hidden), ~d.handle.valid_rows) for d in ref_d
+        ]
+        got = self.call_unchanged("combine", [d.handle for d in got_d], expert_out)
+        ref_handles = [d.handle for d in ref_d]
+        ref = self.reference.combine(cfg, ref_handles, expert_out)
+        budgets = self.reference.combine_budget(cfg, ref_handles, expert_out)  # type: ignore[attr-defined]
+        checks = []
+        for r in range(cfg.num_ranks):
+            checks += _output_checks(f"rank {r} output", cfg, got[r], ref[r], budgets[r], self.factor)
+        return checks
+
+    def dispatch_backward(self) -> List[Check]:
+        cfg = self.config
+        _, got_d, ref_d = self._dispatch_both()
+        g_tok = [_cotangent(self.rng, (d.handle.num_recv_rows, cfg.hidden), ~d.handle.valid_rows) for d in ref_d]
+        g_w = [_cotangent(self.rng, (d.handle.num_recv_rows,), ~d.handle.valid_rows) for d in ref_d]
+        got = self.call_unchanged("dispatch_backward", [d.handle for d in got_d], g_tok, g_w)
+        ref_handles = [d.handle for d in ref_d]
+        ref = self.reference.dispatch_backward(cfg, ref_handles, g_tok, g_w)
+        budgets = self.reference.dispatch_backward_budget(cfg, ref_handles, g_tok, g_w)  # type: ignore[attr-defined]
+        checks = []
+        for r in range(cfg.num_ranks):
+            for name in ("grad_tokens", "grad_topk_weights"):
+                want = getattr(ref[r], name)
+                wrong = _expect_array(f"rank {r} {name}", getattr(got[r], name, None), np.float32, want.shape)
+                checks.append(wrong or _close(f"rank {r} {name}", getattr(got[r], name), want, getattr(budgets[r], name), self.factor))
+        return checks
+
+    def combine_backward(self) -> List[Check]:
+        cfg = self.config
+        world, got_d, ref_d = self._dispatch_both()
+        grads = [_cotangent(self.rng, (w.topk_idx.shape[0], cfg.hidden)) for w in world]
+        got = self.call_unchanged("combine_backward", [d.handle for d in got_d], grads)
+        ref = self.reference.combine_backward(cfg, [d.handle for d in ref_d], grads)
+        checks = []
+        for r in range(cfg.num_ranks):
+            checks.append(_exact_tensor(f"rank {r} grad_expert_out", got[r], ref[r]))
+        return checks
+
+    # -- bad input ---------------------------------------------------------
+
+    def bad_input(self) -> List[Check]:
+        bad = self.case.bad or ""
+        op, error_name = BAD_INPUTS[bad]
+        expected = getattr(moe_ep_spec, error_name)
+        cfg = self.config
+        last = cfg.num_ranks - 1
+        if op == "config":
+            try:
+                MoeEpConfig(
+                    num_experts=cfg.num_experts, hidden=40, intermediate=cfg.intermediate, num_topk=cfg.num_topk,
+                    num_ranks=cfg.num_ranks, output_format=cfg.output_format,
+                )
+            except expected as exc:
+                return [Check("config rejected", True, message=str(exc))]
+            return [Check("config rejected", False, float("inf"), 0.0, "MoeEpConfig(hidden=40, output mxfp8) was accepted")]
+        tokens = self.case.tokens_per_rank()
+        if bad.endswith("too_many_tokens"):
+            tokens[last] = cfg.max_tokens_per_rank + 1  # type: ignore[operator]
+        world = _world(self.case, cfg, tokens)
+        w = world[last]
+        act, fc1, idx, weights = w.activation, w.fc1_weight, w.topk_idx.copy(), w.topk_weights
+        if bad == "activation_shape":
+            act = np.zeros((act.shape[0], cfg.hidden + 1), dtype=act.dtype)
+        elif bad == "activation_dtype":
+            act = np.asarray(act, dtype=np.float64)
+        elif bad == "weight_shape":
+            fc1 = np.zeros((cfg.num_local_experts + 1,) + tuple(fc1.shape[1:]), dtype=np.float32)
+        elif bad == "topk_idx_shape":
+            idx = np.zeros((idx.shape[0], cfg.num_topk + 1), dtype=idx.dtype)
+        elif bad == "topk_idx_dtype":
+            idx = idx.astype(np.float32)
+        elif bad == "topk_weights_dtype":
+            weights = np.ones(weights.shape, dtype=np.int32)
+        elif bad.endswith("expert_id_too_high"):
+            idx[0, 0] = cfg.num_experts
+        elif bad == "expert_id_below_minus_one":
+            idx[0, 0] = -2
+        elif bad.endswith("block_scale_mismatch"):
+            act = copy.deepcopy(act)
+            object.__setattr__(act, "scale", act.scale[:, :-1])
+        world[last] = RankInputs(act, fc1, w.fc2_weight, idx, weights)
+        if bad == "world_size":
+            world = world[:-1]
+        config = cfg
+        if bad == "recv_capacity_overflow":
+            config = cfg.replace(recv_capacity=cfg.expert_alignment)
+            world = _world(self.case, cfg)
+        args: List[Any] = [world] if op == "forward" else [_dispatch_world(world)]
+        before = _snapshot(args)
+        try:
+            call_world(self.backend, op, config, *args, timeout_s=self.timeout_s)
+        except expected as exc:
+            checks = [Check(f"raises {error_name}", True, message=f"{type(exc).__name__}: {exc}")]
+            if not str(exc).strip():
+                checks.append(Check("error message", False, float("inf"), 0.0, f"{error_name} raised with an empty message"))
+        except Exception as exc:  # noqa: BLE001 - the wrong error is a failure, not a crash of the suite
+            checks = [
+                Check(
+                    f"raises {error_name}",
+                    False,
+                    float("inf"),
+                    0.0,
+                    f"bad input '{bad}' on rank {last}: expected moe_ep_spec.{error_name}; got "
+                    f"{type(exc).__module__}.{type(exc).__name__}: {exc}",
+                )
+            ]
+        else:
+            checks = [
+                Check(f"raises {error_name}", False, float("inf"), 0.0,
+                      f"bad input '{bad}' on rank {last} was accepted; expected moe_ep_spec.{error_name}")
+            ]
+        if not _same_inputs(before, args):
+            checks.append(Check("inputs unchanged", False, float("inf"), 0.0, "the rejected call modified its inputs"))
+        return checks
+
+
+_OPS: Dict[str, Callable[[_Runner], List[Check]]] = {
+    "forward": lambda r: r.forward(stash=False),
+    "forward_stash": lambda r: r.forward(stash=True),
+    "backward": _Runner.backward,
+    "dispatch": _Runner.dispatch,
+    "combine": _Runner.combine,
+    "dispatch_backward": _Runner.dispatch_backward,
+    "combine_backward": _Runner.combine_backward,
+    "bad_input": _Runner.bad_input,
+    "nan_isolation": _Runner.nan_isolation,
+}
+
+
+def run_case(
+    backend: MoeEpBackend,
+    case: Case,
+    *,
+    reference: Optional[MoeEpBackend] = None,
+    timeout_s: float = 120.0,
+    tolerance_factor: float = 1.0,
+) -> CaseResult:
+    """Run ``case`` on ``backend``, judge it against the reference, never raise."""
+    reference = reference or moe_ep_spec.get_backend("reference")
+    test_id = case.test_id(backend.name)
+    start = time.perf_counter()
+    result = CaseResult(test_id, backend.name, case, "passed", tolerance_factor=tolerance_factor)
+    try:
+        config = case.config()
+        reason = backend.capabilities.unsupported(config, case.capability_op, case.input_formats())
+        if reason is not None and case.op != "bad_input":
+            result.outcome, result.reason = "skipped", reason
+            return result
+        if reason is not None and BAD_INPUTS[case.bad or ""][0] != "config":
+            result.outcome, result.reason = "skipped", reason
+            return result
+        runner = _Runner(backend, reference, case, timeout_s, tolerance_factor)
+        result.checks = _OPS[case.op](runner)
+    except _Fail as exc:
+        result.checks.append(Check("run", False, float("inf"), 0.0, str(exc)))
+    except Exception as exc:  # noqa: BLE001 - a backend that cannot run the case fails it
+        tb = traceback.format_exc(limit=-3)
+        result.checks.append(
+            Check("run", False, float("inf"), 0.0, f"backend raised {type(exc).__name__}: {exc}\n{tb}")
+        )
+    finally:
+        result.duration_s = time.perf_counter() - start
+    failures = result.failures
+    result.ratio = max((c.ratio for c in result.checks), default=0.0)
+    if failures:
+        result.outcome = "failed"
+        result.reason = failures[0].message
+    return result
+
+
+def _isolated_main(backend: MoeEpBackend, case: Case, timeout_s: float, factor: float, out: Any) -> None:
+    res = run_case(backend, case, timeout_s=timeout_s, tolerance_factor=factor)
+    out.put(pickle.dumps(res))
+
+
+def run_case_isolated(
+    backend: MoeEpBackend, case: Case, *, timeout_s: float = 120.0, tolerance_factor: float = 1.0
+) -> CaseResult:
+    """:func:`run_case` in a fresh process, so that a world backend that hangs or
+    crashes fails its case within ``timeout_s`` instead of stopping the run."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_isolated_main, args=(backend, case, timeout_s, tolerance_factor, out), daemon=True)
+    start = time.perf_counter()
+    proc.start()
+    try:
+        return pickle.loads(out.get(timeout=timeout_s + 30))
+    except Exception:  # noqa: BLE001 - queue.Empty or a dead process
+        alive = proc.is_alive()
+        message = (
+            f"no result within timeout_s = {timeout_s:g}: the backend hung"
+            if alive
+            else f"the case's process died with exit code {proc.exitcode} and no result"
+        )
+        return CaseResult(
+            case.test_id(backend.name),
+            backend.name,
+            case,
+            "failed",
+            reason=message,
+            ratio=float("inf"),
+            checks=[Check("run", False, float("inf"), 0.0, message)],
+            duration_s=time.perf_counter() - start,
+            tolerance_factor=tolerance_factor,
+        )
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(timeout=5)
+
+
+def run_cases(
+    backend: MoeEpBackend, cases: Sequence[Case], *, timeout_s: float = 120.0, isolate: bool = False
+) -> List[CaseResult]:
+    """Run many cases (no pytest): the library entry point, used by the
+    suite's own tests (mutants) and by scripts."""
+    runner = run_case_isolated if isolate else run_case
+    return [runner(backend, c, timeout_s=timeout_s) for c in cases]
