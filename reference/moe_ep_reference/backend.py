@@ -47,6 +47,11 @@ class ReferenceBackend(MoeEpBackend):
     version = __version__
     capabilities = Capabilities(launch=Launch.WORLD, devices=("cpu",))
 
+    def framework_versions(self) -> dict:
+        import ml_dtypes
+
+        return {"numpy": np.__version__, "ml_dtypes": ml_dtypes.__version__}
+
     # ---------------------------------------------------------------- checks
 
     def _check_world_inputs(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> None:
