@@ -1,26 +1,33 @@
 """Run a backend's operation over a whole world, whatever its launch model.
 
-World backends are called directly. Process-per-rank backends get one local
-process per rank (``multiprocessing`` with the ``spawn`` start method), a
-rendezvous address on loopback (``tcp://127.0.0.1:PORT``) and a deadline; each
-process calls the backend's ``<operation>_rank`` method with its rank's
-arguments, and the results come back in rank order.
+World backends are called directly. Process-per-rank backends run in a
+:class:`RankPool`: one local process per rank (``multiprocessing``, ``spawn``
+start method), started once and reused for later calls with the same backend,
+EP size and devices, all sharing one rendezvous address on loopback
+(``tcp://127.0.0.1:PORT``) and so one :class:`~moe_ep_spec.api.RankContext` per
+rank. A backend may therefore set up its communicator on the first call and
+keep it (keyed by ``ctx.rendezvous``). Each call sends every rank its
+arguments; each rank calls the backend's ``<operation>_rank`` method; the
+results come back in rank order.
 
-A rank that raises makes :func:`call_world` stop every rank and raise the same
-exception (or, when the exception cannot be pickled, a :class:`RankFailure`
-that carries its type, message and traceback). A rank that hangs or dies is stopped at the
-deadline and reported as :class:`RankTimeoutError` / :class:`RankCrashError`.
+A rank that raises makes :func:`call_world` raise the same exception (or, when
+the exception cannot be pickled, a :class:`RankFailure` with its type, message
+and traceback). A rank that hangs or dies is reported as
+:class:`RankTimeoutError` / :class:`RankCrashError` at the deadline. After any
+of these the pool is stopped (the other ranks may be stuck in a collective) and
+the next call starts a fresh one.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import pickle
-import queue as queue_module
 import socket
+import threading
 import time
 import traceback
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .api import RankContext
 from .backend import Launch, MoeEpBackend
@@ -33,7 +40,9 @@ __all__ = [
     "RankFailure",
     "RankTimeoutError",
     "RankCrashError",
+    "RankPool",
     "call_world",
+    "close_pools",
     "free_loopback_port",
 ]
 
@@ -88,20 +97,147 @@ def free_loopback_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(
-    backend: MoeEpBackend, operation: str, config: MoeEpConfig, ctx: RankContext, args: tuple, results: Any
-) -> None:
-    try:
-        value = getattr(backend, operation + "_rank")(config, ctx, *args)
-        results.put((ctx.rank, "ok", pickle.dumps(value)))
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        tb = traceback.format_exc()
+def _rank_loop(backend: MoeEpBackend, ctx: RankContext, conn: Any) -> None:
+    """A rank's process: run requests until told to stop or the pipe closes."""
+    while True:
         try:
-            payload = pickle.dumps(exc)
-            pickle.loads(payload)
-            results.put((ctx.rank, "error", (payload, tb)))
-        except Exception:  # noqa: BLE001 - unpicklable exception: send its text
-            results.put((ctx.rank, "failure", (type(exc).__name__, str(exc), tb)))
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        if request is None:
+            return
+        operation, config, args = request
+        try:
+            value = getattr(backend, operation + "_rank")(config, ctx, *args)
+            conn.send(("ok", pickle.dumps(value)))
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+            tb = traceback.format_exc()
+            try:
+                payload = pickle.dumps(exc)
+                pickle.loads(payload)
+                conn.send(("error", (payload, tb)))
+            except Exception:  # noqa: BLE001 - unpicklable exception: send its text
+                conn.send(("failure", (type(exc).__name__, str(exc), tb)))
+
+
+class RankPool:
+    """``num_ranks`` processes of one process-per-rank backend, kept for reuse.
+
+    Args:
+        backend: the backend (pickled into every rank's process).
+        num_ranks: the EP size.
+        devices: the device of every rank (default ``cpu``).
+        timeout_s: the ``RankContext.timeout_s`` the ranks see.
+    """
+
+    def __init__(
+        self, backend: MoeEpBackend, num_ranks: int, devices: Optional[Sequence[str]] = None, timeout_s: float = 120.0
+    ) -> None:
+        self.backend = backend
+        self.num_ranks = num_ranks
+        self.devices = list(devices) if devices is not None else ["cpu"] * num_ranks
+        self.rendezvous = f"tcp://127.0.0.1:{free_loopback_port()}"
+        ctx = mp.get_context("spawn")
+        self._conns: List[Any] = []
+        self._procs: List[Any] = []
+        self._closed = False
+        for r in range(num_ranks):
+            parent, child = ctx.Pipe()
+            rank_ctx = RankContext(
+                rank=r, num_ranks=num_ranks, rendezvous=self.rendezvous, timeout_s=timeout_s, device=self.devices[r]
+            )
+            p = ctx.Process(target=_rank_loop, args=(backend, rank_ctx, child), daemon=True)
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+
+    @property
+    def alive(self) -> bool:
+        """True while the pool is open and every rank's process runs."""
+        return not self._closed and all(p.is_alive() for p in self._procs)
+
+    def call(self, operation: str, config: MoeEpConfig, per_rank: Sequence[Sequence[Any]], timeout_s: float) -> List[Any]:
+        """Run ``operation`` on every rank; see :func:`call_world`. Stops the pool
+        on any failure."""
+        n = self.num_ranks
+        for r in range(n):
+            self._conns[r].send((operation, config, tuple(a[r] for a in per_rank)))
+        got: Dict[int, Tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        failed: Optional[BaseException] = None
+        try:
+            while len(got) < n:
+                if time.monotonic() >= deadline:
+                    failed = RankTimeoutError(operation, [r for r in range(n) if r not in got], timeout_s)
+                    break
+                for r in range(n):
+                    if r in got:
+                        continue
+                    if self._conns[r].poll(0.01):
+                        try:
+                            got[r] = self._conns[r].recv()
+                        except (EOFError, OSError):
+                            self._procs[r].join(timeout=1)
+                            failed = RankCrashError(operation, r, self._procs[r].exitcode)
+                            break
+                        if got[r][0] != "ok":
+                            break
+                    elif not self._procs[r].is_alive():
+                        failed = RankCrashError(operation, r, self._procs[r].exitcode)
+                        break
+                if failed is not None or any(kind != "ok" for kind, _ in got.values()):
+                    break
+        except BaseException:
+            self.close()
+            raise
+        errors = [(r, got[r]) for r in sorted(got) if got[r][0] != "ok"]
+        if failed is not None or errors:
+            self.close()
+        if errors:
+            r, (kind, payload) = errors[0]
+            if kind == "error":
+                raise pickle.loads(payload[0])
+            type_name, message, tb = payload
+            raise RankFailure(r, type_name, message, tb)
+        if failed is not None:
+            raise failed
+        return [pickle.loads(got[r][1]) for r in range(n)]
+
+    def close(self) -> None:
+        """Stop every rank (politely, then by force)."""
+        if self._closed:
+            return
+        self._closed = True
+        for c in self._conns:
+            try:
+                c.send(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 2.0
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for c in self._conns:
+            c.close()
+
+
+_pools: Dict[Tuple[int, int, Tuple[str, ...]], RankPool] = {}
+_pools_lock = threading.Lock()
+
+
+def close_pools() -> None:
+    """Stop every cached :class:`RankPool` (also done at interpreter exit)."""
+    with _pools_lock:
+        for pool in _pools.values():
+            pool.close()
+        _pools.clear()
+
+
+atexit.register(close_pools)
 
 
 def call_world(
@@ -111,6 +247,7 @@ def call_world(
     *per_rank: Sequence[Any],
     timeout_s: float = 120.0,
     devices: Optional[Sequence[str]] = None,
+    reuse: bool = True,
 ) -> List[Any]:
     """Run ``operation`` of ``backend`` over the world of ``config.num_ranks`` ranks.
 
@@ -122,6 +259,9 @@ def call_world(
             (e.g. for ``backward``: inputs, grad_output, stash).
         timeout_s: process-per-rank only: the deadline for all ranks together.
         devices: process-per-rank only: the device of every rank (default cpu).
+        reuse: process-per-rank only: run in the cached :class:`RankPool` for this
+            backend, EP size and devices (started on first use); False starts a
+            pool for this call alone.
 
     Returns:
         one result per rank, in rank order.
@@ -135,63 +275,24 @@ def call_world(
     n = config.num_ranks
     for i, arg in enumerate(per_rank):
         validate_world(config, arg, f"{operation} argument {i}")
-    devices = list(devices) if devices is not None else ["cpu"] * n
-    rendezvous = f"tcp://127.0.0.1:{free_loopback_port()}"
-    mpctx = mp.get_context("spawn")
-    results = mpctx.Queue()
-    procs = []
-    for r in range(n):
-        ctx = RankContext(rank=r, num_ranks=n, rendezvous=rendezvous, timeout_s=timeout_s, device=devices[r])
-        args = tuple(a[r] for a in per_rank)
-        p = mpctx.Process(target=_rank_main, args=(backend, operation, config, ctx, args, results), daemon=True)
-        p.start()
-        procs.append(p)
-    got: dict = {}
-    deadline = time.monotonic() + timeout_s
-    crashed: Optional[int] = None
+    devs = tuple(devices) if devices is not None else ("cpu",) * n
+    if not reuse:
+        pool = RankPool(backend, n, devs, timeout_s)
+        try:
+            return pool.call(operation, config, per_rank, timeout_s)
+        finally:
+            pool.close()
+    key = (id(backend), n, devs)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None or not pool.alive or pool.backend is not backend:
+            if pool is not None:
+                pool.close()
+            pool = _pools[key] = RankPool(backend, n, devs, timeout_s)
     try:
-        while len(got) < n:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                rank, kind, payload = results.get(timeout=min(remaining, 0.2))
-                got[rank] = (kind, payload)
-                if kind != "ok":
-                    break  # the other ranks may wait on this one forever
-                continue
-            except queue_module.Empty:
-                pass
-            for r, p in enumerate(procs):
-                if r not in got and not p.is_alive():
-                    # Give a result already in the pipe a moment to arrive.
-                    try:
-                        rank, kind, payload = results.get(timeout=1.0)
-                        got[rank] = (kind, payload)
-                    except queue_module.Empty:
-                        crashed = r
-                    break
-            if crashed is not None:
-                break
+        return pool.call(operation, config, per_rank, timeout_s)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    for r in range(n):
-        if r in got and got[r][0] != "ok":
-            kind, payload = got[r]
-            if kind == "error":
-                exc_bytes, _tb = payload
-                raise pickle.loads(exc_bytes)
-            type_name, message, tb = payload
-            raise RankFailure(r, type_name, message, tb)
-    if crashed is not None:
-        raise RankCrashError(operation, crashed, procs[crashed].exitcode)
-    if len(got) < n:
-        raise RankTimeoutError(operation, [r for r in range(n) if r not in got], timeout_s)
-    return [pickle.loads(got[r][1]) for r in range(n)]
+        if not pool.alive:
+            with _pools_lock:
+                if _pools.get(key) is pool:
+                    del _pools[key]

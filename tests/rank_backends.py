@@ -27,31 +27,38 @@ def _address(ctx: RankContext) -> tuple:
 
 
 def _exchange(ctx: RankContext, operation: str, config: MoeEpConfig, args: tuple) -> Any:
+    """Rank 0 gathers every rank's arguments, runs the reference, scatters results.
+
+    Ranks live on across calls (moe_ep_spec.launch.RankPool), so rank 0 closes
+    its listener as soon as every rank has connected: a rank that races ahead
+    to the next call can then only reach the next call's listener.
+    """
     address = _address(ctx)
+    deadline = time.monotonic() + ctx.timeout_s
     if ctx.rank == 0:
+        conns = {}
+        per_rank: List[tuple] = [args] + [()] * (ctx.num_ranks - 1)
         with Listener(address, authkey=_AUTH) as listener:
-            conns = {}
-            deadline = time.monotonic() + ctx.timeout_s
-            per_rank: List[tuple] = [args] + [()] * (ctx.num_ranks - 1)
-            while len(conns) < ctx.num_ranks - 1 and time.monotonic() < deadline:
+            while len(conns) < ctx.num_ranks - 1:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank 0: only {len(conns)} of {ctx.num_ranks - 1} ranks connected in time")
                 conn = listener.accept()
                 rank, rank_args = conn.recv()
                 conns[rank] = conn
                 per_rank[rank] = rank_args
-            world_args = list(zip(*per_rank))
-            reference = moe_ep_spec.get_backend("reference")
-            try:
-                results = getattr(reference, operation)(config, *world_args)
-                error = None
-            except moe_ep_spec.MoeEpError as exc:
-                results, error = None, exc
-            for rank, conn in conns.items():
-                conn.send(("error", error) if error is not None else ("ok", results[rank]))
-                conn.close()
-            if error is not None:
-                raise error
-            return results[0]
-    deadline = time.monotonic() + ctx.timeout_s
+        world_args = list(zip(*per_rank))
+        reference = moe_ep_spec.get_backend("reference")
+        try:
+            results = getattr(reference, operation)(config, *world_args)
+            error = None
+        except moe_ep_spec.MoeEpError as exc:
+            results, error = None, exc
+        for rank, conn in conns.items():
+            conn.send(("error", error) if error is not None else ("ok", results[rank]))
+            conn.close()
+        if error is not None:
+            raise error
+        return results[0]
     while True:
         try:
             conn = Client(address, authkey=_AUTH)
@@ -59,7 +66,7 @@ def _exchange(ctx: RankContext, operation: str, config: MoeEpConfig, args: tuple
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.05)
+            time.sleep(0.02)
     with conn:
         conn.send((ctx.rank, args))
         kind, value = conn.recv()
