@@ -12,10 +12,13 @@ results come back in rank order.
 
 A rank that raises makes :func:`call_world` raise the same exception (or, when
 the exception cannot be pickled, a :class:`RankFailure` with its type, message
-and traceback). A rank that hangs or dies is reported as
-:class:`RankTimeoutError` / :class:`RankCrashError` at the deadline. After any
-of these the pool is stopped (the other ranks may be stuck in a collective) and
-the next call starts a fresh one.
+and traceback). Backends that share an input error with every rank (so that
+all raise together instead of leaving the others in a collective) mark the
+copies raised on the other ranks with ``exc.moe_ep_peer_error = True``; the
+originating rank's exception is the one raised. When every rank answered, the
+pool stays up; when some did not (a hang, a crash, a rank left waiting in a
+collective), it is stopped and the next call starts a fresh one. A rank that
+hangs or dies is reported as :class:`RankTimeoutError` / :class:`RankCrashError`.
 """
 
 from __future__ import annotations
@@ -120,6 +123,25 @@ def _rank_loop(backend: MoeEpBackend, ctx: RankContext, conn: Any) -> None:
                 conn.send(("failure", (type(exc).__name__, str(exc), tb)))
 
 
+#: Seconds the other ranks get to answer once one rank has reported an error.
+_ERROR_GRACE_S = 5.0
+
+
+def _originating_error(errors: List[Tuple[int, Tuple[str, Any]]]) -> BaseException:
+    """The exception to raise for the ranks that failed: the first whose error is
+    its own (not marked ``moe_ep_peer_error``: a report of another rank's error)."""
+    decoded = []
+    for r, (kind, payload) in errors:
+        if kind == "error":
+            exc = pickle.loads(payload[0])
+        else:
+            type_name, message, tb = payload
+            exc = RankFailure(r, type_name, message, tb)
+        decoded.append(exc)
+    own = [e for e in decoded if not getattr(e, "moe_ep_peer_error", False)]
+    return (own or decoded)[0]
+
+
 class RankPool:
     """``num_ranks`` processes of one process-per-rank backend, kept for reuse.
 
@@ -182,24 +204,23 @@ class RankPool:
                             failed = RankCrashError(operation, r, self._procs[r].exitcode)
                             break
                         if got[r][0] != "ok":
-                            break
+                            # The others may be stuck in a collective: give them a short grace.
+                            deadline = min(deadline, time.monotonic() + _ERROR_GRACE_S)
                     elif not self._procs[r].is_alive():
                         failed = RankCrashError(operation, r, self._procs[r].exitcode)
                         break
-                if failed is not None or any(kind != "ok" for kind, _ in got.values()):
+                if failed is not None:
                     break
         except BaseException:
             self.close()
             raise
         errors = [(r, got[r]) for r in sorted(got) if got[r][0] != "ok"]
-        if failed is not None or errors:
-            self.close()
+        if failed is not None and errors:
+            failed = None  # a rank's own error explains the others' silence
+        if failed is not None or len(got) < n:
+            self.close()  # some rank did not answer: the pool cannot be trusted
         if errors:
-            r, (kind, payload) = errors[0]
-            if kind == "error":
-                raise pickle.loads(payload[0])
-            type_name, message, tb = payload
-            raise RankFailure(r, type_name, message, tb)
+            raise _originating_error(errors)
         if failed is not None:
             raise failed
         return [pickle.loads(got[r][1]) for r in range(n)]

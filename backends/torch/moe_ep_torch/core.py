@@ -1,0 +1,544 @@
+"""One rank's MoeEp computation in torch over a ``torch.distributed`` process group.
+
+Host synchronisation: exactly one per plan. Every rank all-gathers a small
+int64 vector (its routes per destination rank and local expert, an input-error
+code and a configuration fingerprint) and copies the gathered table to the host
+once. From that table every rank knows every send and receive count, every
+expert's row count, whether any rank's input was rejected, whether the ranks
+agree on the configuration and whether any rank's received rows overflow
+``recv_capacity``; all ranks therefore raise the same error together instead
+of leaving the others blocked in a collective. (An all-gather of the counts
+rather than an all-to-all: it costs ``num_ranks`` times a few hundred bytes and
+buys these consistent errors.) The payloads then move with one
+``all_to_all_single`` of packed byte rows per direction; nothing else waits for
+the host.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from moe_ep_spec import errors as E
+from moe_ep_spec.config import MoeEpConfig
+from moe_ep_spec.formats import MoeFormat
+
+from . import formats as TF
+
+__all__ = ["Plan", "make_plan", "route_payload", "exchange", "exchange_back", "forward", "backward", "ERROR_CODES"]
+
+#: Error classes that travel between ranks as codes (0 = no error).
+ERROR_CODES: Tuple[type, ...] = (
+    type(None),
+    E.ShapeError,
+    E.DTypeError,
+    E.RoutingIndexError,
+    E.CapacityError,
+    E.FormatError,
+    E.DeviceError,
+    E.MoeEpError,
+)
+
+
+def error_code(exc: Optional[BaseException]) -> int:
+    """The code of ``exc``'s class in :data:`ERROR_CODES` (0 for None)."""
+    if exc is None:
+        return 0
+    for i, cls in enumerate(ERROR_CODES[1:], start=1):
+        if type(exc) is cls:
+            return i
+    return len(ERROR_CODES) - 1
+
+
+_ROUTING_CODE = ERROR_CODES.index(E.RoutingIndexError)
+
+
+def fingerprint(config: MoeEpConfig, extra: str = "") -> int:
+    """A 62-bit digest of the configuration every rank must share."""
+    fields = {k: (v.value if isinstance(v, MoeFormat) else v) for k, v in vars(config).items()}
+    text = json.dumps(fields, sort_keys=True, default=str) + "|" + extra
+    return (zlib.crc32(text.encode()) << 30) ^ zlib.crc32(text[::-1].encode())
+
+
+@dataclass
+class Plan:
+    """One rank's routing plan (the torch backend's handle state).
+
+    Attributes:
+        rank, num_ranks, num_tokens, num_topk, num_local_experts: the shape.
+        send_route: ``[S] int64``: route ids ``token * num_topk + slot`` in send
+            order (grouped by destination rank, token-major within).
+        send_counts, recv_counts: rows sent to / received from every rank (host).
+        recv_meta: ``[Rv, 4] int32`` ``(local_expert, src_rank, src_token,
+            src_slot)`` in received order (source rank, then token-major).
+        order: ``[Rv] int64``: received-order index of every expert-major route.
+        rows: ``[Rv] int64``: the buffer row of every expert-major route (static
+            layout: aligned slabs; dynamic: ``arange``).
+        num_rows: R, rows of the received buffer (padding included).
+        tokens_per_expert: host list ``[E_local]``; expert_offsets: host list
+            ``[E_local + 1]``: the slab starts in the buffer.
+        route_metadata: ``[R, 4] int32`` in buffer order, ``-1`` rows for padding.
+    """
+
+    rank: int
+    num_ranks: int
+    num_tokens: int
+    num_topk: int
+    num_local_experts: int
+    send_route: torch.Tensor
+    send_counts: List[int]
+    recv_counts: List[int]
+    recv_meta: torch.Tensor
+    order: torch.Tensor
+    rows: torch.Tensor
+    num_rows: int
+    tokens_per_expert: List[int]
+    expert_offsets: List[int]
+    route_metadata: torch.Tensor
+
+    @property
+    def valid_rows(self) -> torch.Tensor:
+        return self.route_metadata[:, 0] >= 0
+
+
+def _raise_gathered(codes: List[int], my_error: Optional[BaseException], rank: int) -> None:
+    bad = [(r, c) for r, c in enumerate(codes) if c]
+    if not bad:
+        return
+    if my_error is not None:
+        raise my_error
+    first_rank, code = bad[0]
+    cls = ERROR_CODES[code]
+    exc = cls(  # type: ignore[call-arg]
+        f"rank {rank}: rank {first_rank} rejected its inputs with {cls.__name__}; see that rank's error for the details"
+    )
+    exc.moe_ep_peer_error = True  # moe_ep_spec.launch raises the originating rank's error
+    raise exc
+
+
+def _routing_error(config: MoeEpConfig, idx: torch.Tensor, rank: int) -> E.RoutingIndexError:
+    bad = torch.nonzero((idx < -1) | (idx >= config.num_experts))[0].tolist()
+    value = int(idx[bad[0], bad[1]])
+    return E.RoutingIndexError(
+        f"rank {rank}: topk_idx values must be in [-1, num_experts) = [-1, {config.num_experts}); "
+        f"got {value} at (token {bad[0]}, slot {bad[1]})",
+        rank=rank,
+        position=(bad[0], bad[1]),
+        value=value,
+        num_experts=config.num_experts,
+    )
+
+
+def make_plan(
+    config: MoeEpConfig,
+    topk_idx: Optional[torch.Tensor],
+    num_tokens: int,
+    group: Any,
+    device: torch.device,
+    input_error: Optional[BaseException] = None,
+    fingerprint_extra: str = "",
+    payload: Optional[Callable[[torch.Tensor], List[torch.Tensor]]] = None,
+) -> Tuple[Plan, List[torch.Tensor]]:
+    """Plan the routes of this rank and move their payload (collective: one
+    all-gather, one host sync, one all_to_all_single).
+
+    ``input_error`` is this rank's validation failure (or None): it is shared
+    with every rank so that all of them raise. ``topk_idx`` may be None then.
+    ``payload(send_route)`` returns per-route rows in send order that travel
+    with the routes' metadata; their received rows (received order) are
+    returned with the plan.
+    """
+    n, el, k = config.num_ranks, config.num_local_experts, config.num_topk
+    rank = dist.get_rank(group)
+    if input_error is None:
+        idx = topk_idx.to(device=device, dtype=torch.int64)  # type: ignore[union-attr]
+        bad_ids = ((idx < -1) | (idx >= config.num_experts)).any()
+        flat = idx.reshape(-1)
+        route = torch.nonzero(flat >= 0).reshape(-1)  # token-major
+        expert = flat[route]
+        dest = torch.div(expert, el, rounding_mode="floor")
+        local = expert - dest * el
+        order = torch.argsort(dest, stable=True)  # by destination, token-major within
+        send_route = route[order]
+        key = (dest * el + local).clamp(0, n * el - 1)
+        counts = torch.bincount(key, minlength=n * el)[: n * el]
+        counts = torch.where(bad_ids, torch.zeros_like(counts), counts)
+        code = torch.where(bad_ids, torch.tensor(_ROUTING_CODE, device=device), torch.tensor(0, device=device))
+    else:
+        idx = None
+        send_route = torch.zeros(0, dtype=torch.int64, device=device)
+        counts = torch.zeros(n * el, dtype=torch.int64, device=device)
+        code = torch.tensor(error_code(input_error), device=device)
+    mine = torch.cat([counts, code.reshape(1).to(torch.int64), torch.tensor([fingerprint(config, fingerprint_extra)], device=device)])
+    gathered = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).tolist()  # the one host synchronisation
+    codes = [int(row[n * el]) for row in table]
+    prints = [int(row[n * el + 1]) for row in table]
+    if codes[rank] == _ROUTING_CODE and input_error is None:
+        input_error = _routing_error(config, idx, rank)
+    _raise_gathered(codes, input_error, rank)
+    if len(set(prints)) != 1:
+        raise E.ConfigError(
+            f"rank {rank}: the ranks disagree on the configuration (fingerprints {prints}); every rank must pass "
+            f"the same MoeEpConfig and the same hidden size and input encodings"
+        )
+    per = [[int(v) for v in row[: n * el]] for row in table]  # per[src][dest * el + e]
+    send_counts = [sum(per[rank][d * el : (d + 1) * el]) for d in range(n)]
+    recv_counts = [sum(per[s][rank * el : (rank + 1) * el]) for s in range(n)]
+    per_expert = [sum(per[s][rank * el + e] for s in range(n)) for e in range(el)]
+    if config.static_layout:
+        align = config.expert_alignment
+        for d in range(n):
+            slabs = [-(-sum(per[s][d * el + e] for s in range(n)) // align) * align for e in range(el)]
+            if sum(slabs) > config.recv_capacity:  # type: ignore[operator]
+                routes = sum(sum(per[s][d * el : (d + 1) * el]) for s in range(n))
+                raise E.CapacityError(
+                    f"rank {d}: received rows after aligning every expert's slab to expert_alignment = {align} must be "
+                    f"<= recv_capacity = {config.recv_capacity}; got {sum(slabs)} ({routes} routes)",
+                    limit=config.recv_capacity,
+                    got=sum(slabs),
+                )
+        slabs = [-(-c // align) * align for c in per_expert]
+        offsets = [0]
+        for s in slabs:
+            offsets.append(offsets[-1] + s)
+        num_rows = int(config.recv_capacity)  # type: ignore[arg-type]
+    else:
+        offsets = [0]
+        for c in per_expert:
+            offsets.append(offsets[-1] + c)
+        num_rows = offsets[-1]
+    # Exchange (local_expert, token, slot) of every route: part of the dispatch payload.
+    t = torch.div(send_route, k, rounding_mode="floor")
+    s = send_route - t * k
+    if idx is not None:
+        local = idx.reshape(-1)[send_route] % el
+    else:
+        local = torch.zeros_like(send_route)
+    meta_send = torch.stack([local, t, s], dim=1).to(torch.int32)
+    parts = [meta_send] + (payload(send_route) if payload is not None else [])
+    blob, layout = _pack(parts, send_route.numel())
+    received = _unpack(_a2a(blob, send_counts, recv_counts, group), layout)
+    meta_recv = received[0]
+    src = torch.repeat_interleave(
+        torch.arange(n, device=device, dtype=torch.int32), torch.tensor(recv_counts, device=device)
+    )
+    recv_meta = torch.stack([meta_recv[:, 0], src, meta_recv[:, 1], meta_recv[:, 2]], dim=1)
+    order = torch.argsort(recv_meta[:, 0].to(torch.int64), stable=True)
+    # buffer rows of the expert-major routes
+    rv = int(sum(recv_counts))
+    if config.static_layout:
+        starts = torch.tensor(offsets[:-1], device=device, dtype=torch.int64)
+        first = torch.tensor([sum(per_expert[:e]) for e in range(el)], device=device, dtype=torch.int64)
+        le_sorted = recv_meta[order, 0].to(torch.int64)
+        rows = starts[le_sorted] + (torch.arange(rv, device=device) - first[le_sorted])
+    else:
+        rows = torch.arange(rv, device=device, dtype=torch.int64)
+    route_metadata = torch.full((num_rows, 4), -1, dtype=torch.int32, device=device)
+    route_metadata[rows] = recv_meta[order]
+    plan = Plan(
+        rank=rank,
+        num_ranks=n,
+        num_tokens=num_tokens,
+        num_topk=k,
+        num_local_experts=el,
+        send_route=send_route,
+        send_counts=send_counts,
+        recv_counts=recv_counts,
+        recv_meta=recv_meta,
+        order=order,
+        rows=rows,
+        num_rows=num_rows,
+        tokens_per_expert=per_expert,
+        expert_offsets=offsets,
+        route_metadata=route_metadata,
+    )
+    return plan, received[1:]
+
+
+def _a2a(x: torch.Tensor, send_counts: List[int], recv_counts: List[int], group: Any) -> torch.Tensor:
+    out = torch.empty((sum(recv_counts),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    return out
+
+
+def _pack(parts: Sequence[torch.Tensor], rows: int) -> Tuple[torch.Tensor, List[Tuple[torch.dtype, Tuple[int, ...], int]]]:
+    """Concatenate per-row payload parts into one ``[rows, bytes] uint8`` tensor."""
+    blobs, layout = [], []
+    for p in parts:
+        flat = p.contiguous().reshape(rows, _row_elems(p))
+        b = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+        blobs.append(b)
+        layout.append((p.dtype, tuple(p.shape[1:]), b.shape[1]))
+    return torch.cat(blobs, dim=1), layout
+
+
+def _row_elems(p: torch.Tensor) -> int:
+    n = 1
+    for d in p.shape[1:]:
+        n *= int(d)
+    return n
+
+
+def _unpack(blob: torch.Tensor, layout: List[Tuple[torch.dtype, Tuple[int, ...], int]]) -> List[torch.Tensor]:
+    out, col = [], 0
+    rows = blob.shape[0]
+    for dtype, tail, width in layout:
+        piece = blob[:, col : col + width].contiguous()
+        col += width
+        out.append(piece.view(dtype).reshape((rows,) + tail))
+    return out
+
+
+def exchange(plan: Plan, parts: Sequence[torch.Tensor], group: Any) -> List[torch.Tensor]:
+    """Send per-route rows (send order) to their expert's rank; returns the
+    received rows in received order. One all_to_all_single of packed bytes."""
+    blob, layout = _pack(parts, plan.send_route.numel())
+    return _unpack(_a2a(blob, plan.send_counts, plan.recv_counts, group), layout)
+
+
+def exchange_back(plan: Plan, parts: Sequence[torch.Tensor], group: Any) -> List[torch.Tensor]:
+    """The reverse of :func:`exchange`: received-order rows back to their source
+    rank, in send order."""
+    blob, layout = _pack(parts, int(sum(plan.recv_counts)))
+    return _unpack(_a2a(blob, plan.recv_counts, plan.send_counts, group), layout)
+
+
+# ----------------------------------------------------------------------------- experts
+
+
+def _matmul_per_expert(x: torch.Tensor, w: torch.Tensor, offsets: List[int], counts: List[int]) -> torch.Tensor:
+    """``x[slab_e] @ w[e]`` for every local expert; float32 accumulation.
+
+    On CUDA with bfloat16 operands (exact copies of the spec's decoded values),
+    one grouped GEMM (``torch._grouped_mm``, float32 output); otherwise one
+    float32 matmul per expert (TF32 is never used).
+    """
+    out = torch.zeros((x.shape[0], w.shape[-1]), dtype=torch.float32, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        # grouped_mm wants the groups packed: gather the valid rows, run, scatter back.
+        rows = [r for o, c in zip(offsets[:-1], counts) for r in range(o, o + c)]
+        idx = torch.tensor(rows, device=x.device, dtype=torch.int64)
+        offs = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        out[idx] = torch._grouped_mm(x[idx], w, offs=offs, out_dtype=torch.float32)
+        return out
+    xf, wf = x.float(), w.float()
+    for e, (o, c) in enumerate(zip(offsets[:-1], counts)):
+        if c:
+            out[o : o + c] = xf[o : o + c] @ wf[e]
+    return out
+
+
+def _silu_parts(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    sig = torch.sigmoid(g)
+    return sig, g * sig
+
+
+def experts_forward(
+    config: MoeEpConfig,
+    plan: Plan,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU experts on the buffer rows. ``x`` ``[R, H]`` (float32, or bfloat16
+    holding exact values), ``w`` ``[R]`` float32, weights decoded. Returns ``y``
+    ``[R, H]`` float32 after the combine round trip and ``c`` ``[R, 2I]`` float32;
+    padding rows zero."""
+    i = config.intermediate
+    counts, offsets = plan.tokens_per_expert, plan.expert_offsets
+    c = _matmul_per_expert(x, fc1, offsets, counts)
+    g, u = c[:, :i], c[:, i:]
+    if config.gate_up_clamp is not None:
+        lim = config.gate_up_clamp
+        g, u = torch.clamp(g, max=lim), torch.clamp(u, -lim, lim)
+    _, s = _silu_parts(g)
+    h = s * u
+    wc = w.unsqueeze(1)
+    op = wc * h if config.apply_topk_in_fc1 else h
+    op = TF.round_trip(op, config.intermediate_format)
+    exact_bf16 = config.intermediate_format in (MoeFormat.BF16, MoeFormat.NVFP4) and fc2.dtype == torch.bfloat16
+    z = _matmul_per_expert(op.to(torch.bfloat16) if exact_bf16 and op.is_cuda else op, fc2, offsets, counts)
+    y = z if config.apply_topk_in_fc1 else wc * z
+    y = TF.round_trip(y, config.combine_format)
+    valid = plan.valid_rows.unsqueeze(1)
+    return torch.where(valid, y, torch.zeros_like(y)), torch.where(valid, c, torch.zeros_like(c))
+
+
+def experts_backward(
+    config: MoeEpConfig,
+    plan: Plan,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    c: torch.Tensor,
+    dy: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The spec backward on the buffer rows: ``(dx [R, H], dw [R], dfc1, dfc2)``
+    float32, padding rows zero. ``c`` is the decoded stash."""
+    i, lim = config.intermediate, config.gate_up_clamp
+    counts, offsets = plan.tokens_per_expert, plan.expert_offsets
+    xf, w1, w2 = x.float(), fc1.float(), fc2.float()
+    g_raw, u_raw = c[:, :i], c[:, i:]
+    if lim is None:
+        gate_mask = torch.ones_like(g_raw)
+        up_mask = torch.ones_like(u_raw)
+        g, u = g_raw, u_raw
+    else:
+        gate_mask = (g_raw <= lim).float()
+        up_mask = ((u_raw >= -lim) & (u_raw <= lim)).float()
+        g, u = torch.clamp(g_raw, max=lim), torch.clamp(u_raw, -lim, lim)
+    sig, s = _silu_parts(g)
+    h = s * u
+    wc = w.unsqueeze(1)
+    dx = torch.zeros_like(xf)
+    dw = torch.zeros_like(w)
+    dfc1 = torch.zeros_like(w1)
+    dfc2 = torch.zeros_like(w2)
+    for e, (o, cnt) in enumerate(zip(offsets[:-1], counts)):
+        if not cnt:
+            continue
+        sl = slice(o, o + cnt)
+        dye = dy[sl]
+        dy_w2t = dye @ w2[e].T
+        if config.apply_topk_in_fc1:
+            dfc2[e] = (wc[sl] * h[sl]).T @ dye
+            dw[sl] = (dy_w2t * h[sl]).sum(dim=1)
+        else:
+            dfc2[e] = h[sl].T @ (wc[sl] * dye)
+            dw[sl] = (dye * (h[sl] @ w2[e])).sum(dim=1)
+        dh = dy_w2t * wc[sl]
+        dg = dh * u[sl] * sig[sl] * (1.0 + g[sl] * (1.0 - sig[sl])) * gate_mask[sl]
+        du = dh * s[sl] * up_mask[sl]
+        dc = torch.cat([dg, du], dim=1)
+        dfc1[e] = xf[sl].T @ dc
+        dx[sl] = dc @ w1[e].T
+    return dx, dw, dfc1, dfc2
+
+
+def to_buffer(plan: Plan, recv_rows: torch.Tensor) -> torch.Tensor:
+    """Received-order rows into the expert-major buffer (padding rows zero)."""
+    out = torch.zeros((plan.num_rows,) + tuple(recv_rows.shape[1:]), dtype=recv_rows.dtype, device=recv_rows.device)
+    out[plan.rows] = recv_rows[plan.order]
+    return out
+
+
+def from_buffer(plan: Plan, buf: torch.Tensor) -> torch.Tensor:
+    """Expert-major buffer rows back to received order (padding never read)."""
+    out = torch.empty((plan.order.numel(),) + tuple(buf.shape[1:]), dtype=buf.dtype, device=buf.device)
+    out[plan.order] = buf[plan.rows]
+    return out
+
+
+def to_slots(plan: Plan, send_rows: torch.Tensor) -> torch.Tensor:
+    """Send-order rows to ``[T, K, ...]`` by (token, slot); unused slots zero."""
+    out = torch.zeros(
+        (plan.num_tokens * plan.num_topk,) + tuple(send_rows.shape[1:]), dtype=send_rows.dtype, device=send_rows.device
+    )
+    out[plan.send_route] = send_rows
+    return out.reshape((plan.num_tokens, plan.num_topk) + tuple(send_rows.shape[1:]))
+
+
+def sum_slots(per_slot: torch.Tensor) -> torch.Tensor:
+    """Form-A reduction: float32 sum over slots, in slot order."""
+    acc = torch.zeros((per_slot.shape[0],) + tuple(per_slot.shape[2:]), dtype=torch.float32, device=per_slot.device)
+    for k in range(per_slot.shape[1]):
+        acc = acc + per_slot[:, k].float()
+    return acc
+
+
+def encode_output(config: MoeEpConfig, values: torch.Tensor) -> Any:
+    """The final encode of ``[T, H]`` float32 in ``output_format``."""
+    if config.output_format is MoeFormat.BF16:
+        return values.to(torch.bfloat16)
+    return TF.quantize(values, config.output_format)
+
+
+def gather_rows(t: Any, index: torch.Tensor) -> List[torch.Tensor]:
+    """The payload parts of token rows ``index`` (plain: one tensor; block-scaled: data and scale)."""
+    if isinstance(t, TF.TorchBlockScaled):
+        return [t.data[index], t.scale[index]]
+    return [t[index]]
+
+
+def rebuild(t: Any, parts: List[torch.Tensor]) -> Any:
+    if isinstance(t, TF.TorchBlockScaled):
+        return TF.TorchBlockScaled(parts[0], parts[1], t.format, t.n)
+    return parts[0]
+
+
+def buffer_tokens(plan: Plan, t: Any, recv_parts: List[torch.Tensor]) -> Any:
+    """Received token parts into the expert-major buffer, in the tokens' encoding."""
+    return rebuild(t, [to_buffer(plan, p) for p in recv_parts])
+
+
+def route_payload(activation: Any, topk_weights: torch.Tensor, num_topk: int, extra: Sequence[torch.Tensor] = ()):
+    """A payload function for :func:`make_plan`: token rows, router weight and
+    any extra per-token rows (e.g. the output cotangent) of every route."""
+
+    def build(send_route: torch.Tensor) -> List[torch.Tensor]:
+        token_index = torch.div(send_route, num_topk, rounding_mode="floor")
+        weights = topk_weights.float().reshape(-1)[send_route]
+        return gather_rows(activation, token_index) + [weights] + [e[token_index] for e in extra]
+
+    return build
+
+
+def forward(
+    config: MoeEpConfig,
+    plan: Plan,
+    recv: List[torch.Tensor],
+    activation: Any,
+    fc1: Any,
+    fc2: Any,
+    group: Any,
+) -> Dict[str, Any]:
+    """The fused forward of one rank, given its plan and the received payload
+    of :func:`route_payload` (token parts, then weights)."""
+    x_buf = TF.decode(buffer_tokens(plan, activation, recv[:-1]))
+    if isinstance(activation, torch.Tensor) and activation.dtype == torch.bfloat16 and x_buf.is_cuda:
+        x_buf = x_buf.to(torch.bfloat16)  # exact: lets CUDA use the grouped bf16 GEMM
+    w_buf = to_buffer(plan, recv[-1])
+    fc1_d = fc1 if isinstance(fc1, torch.Tensor) and fc1.dtype == torch.bfloat16 and fc1.is_cuda else TF.decode(fc1)
+    fc2_d = fc2 if isinstance(fc2, torch.Tensor) and fc2.dtype == torch.bfloat16 and fc2.is_cuda else TF.decode(fc2)
+    y, c = experts_forward(config, plan, x_buf, w_buf, fc1_d, fc2_d)
+    (back,) = exchange_back(plan, [from_buffer(plan, y)], group)
+    out = encode_output(config, sum_slots(to_slots(plan, back)))
+    return {"output": out, "fc1_c": c.to(torch.bfloat16), "route_metadata": plan.route_metadata}
+
+
+def backward(
+    config: MoeEpConfig,
+    plan: Plan,
+    recv: List[torch.Tensor],
+    activation: Any,
+    fc1: Any,
+    fc2: Any,
+    fc1_c: torch.Tensor,
+    group: Any,
+) -> Dict[str, torch.Tensor]:
+    """The spec backward of one rank, given its plan, the received payload of
+    :func:`route_payload` with the output cotangent as extra, and the stash."""
+    x_buf = TF.decode(buffer_tokens(plan, activation, recv[:-2]))
+    w_buf = to_buffer(plan, recv[-2])
+    dy_buf = to_buffer(plan, recv[-1].float())
+    dx, dw, dfc1, dfc2 = experts_backward(
+        config, plan, x_buf, w_buf, TF.decode(fc1), TF.decode(fc2), fc1_c.float(), dy_buf
+    )
+    dx_back, dw_back = exchange_back(plan, [from_buffer(plan, dx), from_buffer(plan, dw)], group)
+    return {
+        "grad_activation": sum_slots(to_slots(plan, dx_back)),
+        "grad_fc1_weight": dfc1,
+        "grad_fc2_weight": dfc2,
+        "grad_topk_weights": to_slots(plan, dw_back),
+    }
