@@ -83,6 +83,7 @@ def random_world(
     input_format: str = "bf16",
     weight_format: Union[str, None] = None,
     seed: int = 0,
+    topk_weights_format: str = "fp32",
 ) -> List[RankInputs]:
     """One :class:`RankInputs` per rank with reproducible random values.
 
@@ -93,6 +94,7 @@ def random_world(
         input_format: encoding of the activation (one of :data:`INPUT_FORMATS`).
         weight_format: encoding of both weights; default: ``input_format``.
         seed: the random seed.
+        topk_weights_format: ``fp32`` or ``bf16``: the router weights' dtype.
 
     Values: activation ~ N(0, 1); fc1_weight ~ N(0, 1/H); fc2_weight ~ N(0, 1/I),
     so every stage keeps unit scale; topk_weights in (0.05, 1), float32.
@@ -102,6 +104,10 @@ def random_world(
     weight_format = input_format if weight_format is None else weight_format
     if weight_format not in INPUT_FORMATS:
         raise ConfigError(f"weight_format must be one of {INPUT_FORMATS}; got {weight_format!r}", field="weight_format")
+    if topk_weights_format not in ("fp32", "bf16"):
+        raise ConfigError(
+            f"topk_weights_format must be 'fp32' or 'bf16'; got {topk_weights_format!r}", field="topk_weights_format"
+        )
     rng = np.random.default_rng(seed)
     h, i, el = config.hidden, config.intermediate, config.num_local_experts
     world = []
@@ -115,7 +121,7 @@ def random_world(
                 fc1_weight=_encode(fc1, weight_format, axis=1),
                 fc2_weight=_encode(fc2, weight_format, axis=1),
                 topk_idx=random_topk(config, t, routing, rng),
-                topk_weights=rng.uniform(0.05, 1.0, size=(t, config.num_topk)).astype(np.float32),
+                topk_weights=_encode(rng.uniform(0.05, 1.0, size=(t, config.num_topk)), topk_weights_format, axis=1),
             )
         )
     return world

@@ -231,7 +231,9 @@ class Comparison:
     def describe(self) -> str:
         """A sentence that makes sense on its own in a failure report."""
         if self.worst_index is None:
-            return f"{self.name}: empty, nothing to compare"
+            return f"{self.name}: {self.detail or 'empty, nothing to compare'}"
+        if not (np.isfinite(self.worst_got) and np.isfinite(self.worst_ref)) and self.detail:
+            return f"{self.name}: {self.detail}"
         text = (
             f"{self.name}: worst element {self.worst_index}: got {self.worst_got!r}, reference {self.worst_ref!r}, "
             f"error {abs(self.worst_got - self.worst_ref):.3g} = {self.ratio:.3g} x budget {self.worst_budget:.3g}"

@@ -95,6 +95,10 @@ class Case:
         layout: ``dynamic`` or ``static`` (recv_capacity = the worst case,
             expert_alignment = 4).
         bad: for ``bad_input``, a key of :data:`BAD_INPUTS`.
+        router_format: ``fp32`` or ``bf16``: the dtype of ``topk_weights``
+            (named in the id only when ``bf16``: ``tw_bf16``).
+        values: ``random``, or ``edges`` (combine only: expert outputs whose
+            blocks sit on mxfp8 scale boundaries and nvfp4 ties; id ``edges``).
         quick: part of the ``--quick`` subset.
     """
 
@@ -115,6 +119,8 @@ class Case:
     clamp: bool = False
     layout: str = "dynamic"
     bad: Optional[str] = None
+    router_format: str = "fp32"
+    values: str = "random"
     quick: bool = field(default=False, compare=False)
 
     # ------------------------------------------------------------------ naming
@@ -134,12 +140,18 @@ class Case:
         parts += [
             f"in_{self.input_format}",
             f"wt_{self.weight_format}",
+        ]
+        if self.router_format != "fp32":
+            parts.append(f"tw_{self.router_format}")
+        parts += [
             self.routing,
             self.tokens,
             f"w_{self.weights_in}",
             "clamp" if self.clamp else "noclamp",
             self.layout,
         ]
+        if self.values != "random":
+            parts.append(self.values)
         if self.bad is not None:
             parts.append(f"bad_{self.bad}")
         return "-".join(parts)
@@ -174,6 +186,8 @@ class Case:
             "clamp": self.clamp,
             "layout": self.layout,
             "bad": self.bad,
+            "router_format": self.router_format,
+            "values": self.values,
         }
 
     # ------------------------------------------------------------- realising
@@ -269,6 +283,8 @@ def _forward_cases() -> Iterable[Case]:
         yield _k2("forward", 2, input_format=act, weight_format=wt, quick=(act, wt) == ("nvfp4", "mxfp8"))
     for act in ("mxfp8", "nvfp4"):
         yield _k2("forward", 4, input_format=act, weight_format=act)
+    yield _k2("forward", 2, router_format="bf16", routing="unused_mixed", quick=True)
+    yield _k2("forward", 4, router_format="bf16", weights_in="fc2", clamp=True)
     for weights_in in ("fc1", "fc2"):
         for clamp in (False, True):
             for inter in (None, "bf16", "mxfp8", "nvfp4"):
@@ -290,7 +306,10 @@ def _stash_cases() -> Iterable[Case]:
             for routing in ("uniform", "skewed"):
                 yield _k2("forward_stash", n, layout=layout, routing=routing, quick=(n == 2 and routing == "skewed"))
     for layout in ("dynamic", "static"):
-        yield _k2("forward_stash", 2, layout=layout, output_format="mxfp8", combine_format="nvfp4", clamp=True)
+        yield _k2(
+            "forward_stash", 2, layout=layout, output_format="mxfp8", combine_format="nvfp4", clamp=True,
+            quick=(layout == "dynamic"),
+        )
         yield _k2("forward_stash", 2, layout=layout, tokens="zero_rank", routing="unused_mixed")
         yield _k2("forward_stash", 4, layout=layout, routing="all_unused")
     yield Case("forward_stash", 4, 8, 16, layout="static")
@@ -307,6 +326,7 @@ def _backward_cases() -> Iterable[Case]:
     yield _k2("backward", 2, tokens="uneven", layout="static", clamp=True)
     for act in ("mxfp8", "nvfp4"):
         yield _k2("backward", 2, input_format=act, weight_format=act, clamp=True)
+    yield _k2("backward", 2, router_format="bf16", clamp=True, routing="unused_mixed")
     yield Case("backward", 4, 8, 16, clamp=True)
     yield Case("backward", 4, 2, 4, clamp=True, weights_in="fc2")
 
@@ -336,6 +356,14 @@ def _layered_cases() -> Iterable[Case]:
         for op in ("dispatch", "combine", "dispatch_backward", "combine_backward"):
             yield _k2(op, 4, layout=layout, tokens="zero_rank")
     yield Case("dispatch", 4, 8, 16, layout="static")
+    yield _k2("dispatch", 2, router_format="bf16", routing="unused_mixed")
+    for n in (1, 2):
+        for comb in ("mxfp8", "nvfp4"):
+            for out in ("bf16", comb):
+                yield Case(
+                    "combine", n, 1, 2 * n, combine_format=comb, output_format=out, values="edges",
+                    quick=(n == 2 and out == "bf16"),
+                )
     yield Case("combine", 4, 8, 16, layout="static", output_format="nvfp4", combine_format="mxfp8")
 
 
@@ -349,10 +377,13 @@ def _bad_input_cases() -> Iterable[Case]:
 
 
 def _nan_cases() -> Iterable[Case]:
-    for n in (2, 4):
+    for n in (1, 2, 4):
         for out in _FORMATS:
-            yield _k2("nan_isolation", n, output_format=out, combine_format=out, quick=(n == 2 and out == "nvfp4"))
-    yield _k2("nan_isolation", 2, clamp=True, weights_in="fc2", intermediate_format="mxfp8")
+            yield _k2(
+                "nan_isolation", n, output_format=out, combine_format=out, routing="unused_mixed",
+                quick=(n == 2 and out == "nvfp4"),
+            )
+    yield _k2("nan_isolation", 2, clamp=True, weights_in="fc2", intermediate_format="mxfp8", routing="unused_mixed")
 
 
 def _dedupe(cases: Iterable[Case]) -> List[Case]:

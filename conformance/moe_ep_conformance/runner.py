@@ -129,9 +129,14 @@ def _expect_array(name: str, got: Any, dtype: Any, shape: Sequence[int]) -> Opti
     return None
 
 
-def _exact_ints(name: str, got: Any, ref: np.ndarray) -> Check:
-    if not isinstance(got, np.ndarray) or got.dtype.kind not in "iu" or got.shape != ref.shape:
-        return Check(name, False, float("inf"), float("inf"), f"{name}: expected integer {ref.shape}; got {_kind(got)}")
+def _exact_ints(name: str, got: Any, ref: np.ndarray, dtype: Any = None) -> Check:
+    """Integers must be equal, of the spec's dtype (``dtype``, default: the reference's)."""
+    want = np.dtype(dtype) if dtype is not None else ref.dtype
+    if not isinstance(got, np.ndarray) or got.dtype != want or got.shape != ref.shape:
+        return Check(
+            name, False, float("inf"), float("inf"),
+            f"{name}: expected ndarray({want.name}, shape={ref.shape}); got {_kind(got)}",
+        )
     bad = np.argwhere(got != ref)
     if bad.size:
         first = tuple(int(i) for i in bad[0])
@@ -191,10 +196,8 @@ def _output_checks(name: str, config: MoeEpConfig, got: Any, ref: Any, budget: F
     checks = [_close(name, got, ref, budget.output, factor)]
     lo, hi = budget.scale_codes  # type: ignore[misc]
     codes = got.scale_codes()
-    if fmt is MoeFormat.MXFP8:
-        outside = (codes < lo) | (codes > hi)
-    else:  # E4M3 codes are ordered by magnitude for the non-negative scales nvfp4 uses
-        outside = (codes < lo) | (codes > hi)
+    # E8M0 codes and the non-negative E4M3 codes of nvfp4 scales both order like their values
+    outside = (codes < lo) | (codes > hi)
     if outside.any():
         first = tuple(int(i) for i in np.argwhere(outside)[0])
         checks.append(
@@ -238,6 +241,7 @@ def _world(case: Case, config: MoeEpConfig, tokens: Optional[List[int]] = None) 
         input_format=case.input_format,
         weight_format=case.weight_format,
         seed=case.seed,
+        topk_weights_format=case.router_format,
     )
 
 
@@ -251,6 +255,41 @@ def _cotangent(rng: np.random.Generator, shape: tuple, poison_rows: Optional[np.
     if poison_rows is not None and poison_rows.any():
         g[poison_rows] = np.nan
     return g
+
+
+def _edge_rows(rng: np.random.Generator, rows: np.ndarray, padding: np.ndarray, fmt: MoeFormat) -> np.ndarray:
+    """Expert outputs on the formats' hard spots: every mxfp8 block's maximum a few
+    float32 ulps above ``448 * 2^k`` (where a float32 ``log2`` picks the wrong
+    scale) with some elements in the E4M3 subnormal range (where that wrong
+    scale shows); every nvfp4 block's maximum ``6 * s`` with its other elements
+    exact E2M1 midpoints times ``s`` (where a rounded reciprocal breaks ties)."""
+    out = np.array(rows, dtype=np.float32, copy=True)
+    n_rows, hidden = out.shape
+    if fmt is MoeFormat.MXFP8:
+        for r in range(n_rows):
+            for b in range(0, hidden, 32):
+                k = int(rng.integers(-8, 8))
+                top = np.float32(448.0 * 2.0**k)
+                for _ in range(int(rng.integers(0, 6))):
+                    top = np.nextafter(top, np.float32(np.inf))
+                block = rng.uniform(-1, 1, 32) * 448.0 * 2.0**k
+                # E4M3-subnormal elements: they round differently when the scale is one binade off
+                block[:4] = np.array([1.25, 1.75, 2.5, 3.5]) * 2.0 ** (k - 9) * np.where(rng.random(4) < 0.5, -1, 1)
+                block = block[rng.permutation(32)]
+                block[int(rng.integers(0, 32))] = top * (1 if rng.random() < 0.5 else -1)
+                out[r, b : b + 32] = block.astype(np.float32)
+    elif fmt is MoeFormat.NVFP4:
+        ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+        scales = np.array([0.375, 0.75, 1.5, 3.0, 0.5, 1.25, 2.5], dtype=np.float32)  # E4M3 values, odd mantissas too
+        for r in range(n_rows):
+            for b in range(0, hidden, 16):
+                s = scales[int(rng.integers(0, len(scales)))] * np.float32(2.0 ** int(rng.integers(-4, 4)))
+                vals = ties[rng.integers(0, len(ties), 16)] * s * np.where(rng.random(16) < 0.5, -1, 1)
+                vals[int(rng.integers(0, 16))] = 6.0 * s
+                out[r, b : b + 16] = vals.astype(np.float32)
+    if padding.any():
+        out[padding] = np.nan
+    return out
 
 
 # ----------------------------------------------------------------------------- operations
@@ -292,10 +331,9 @@ class _Runner:
             if stash:
                 wrong = _expect_array(f"rank {r} fc1_c", got[r].fc1_c, BF16, ref[r].fc1_c.shape)
                 checks.append(wrong or _close(f"rank {r} fc1_c", got[r].fc1_c, ref[r].fc1_c, budgets[r].fc1_c, self.factor))
-                checks.append(_exact_ints(f"rank {r} route_metadata", got[r].route_metadata, ref[r].route_metadata))
-                if isinstance(got[r].route_metadata, np.ndarray) and got[r].route_metadata.dtype != np.int32:
-                    checks.append(Check(f"rank {r} route_metadata dtype", False, float("inf"), 0.0,
-                                        f"rank {r} route_metadata: dtype must be int32; got {got[r].route_metadata.dtype.name}"))
+                checks.append(
+                    _exact_ints(f"rank {r} route_metadata", got[r].route_metadata, ref[r].route_metadata, np.int32)
+                )
             elif got[r].fc1_c is not None or got[r].route_metadata is not None:
                 checks.append(Check(f"rank {r} stash", False, float("inf"), 0.0,
                                     f"rank {r}: fc1_c and route_metadata must be None without generate_c"))
@@ -318,50 +356,74 @@ class _Runner:
         return checks
 
     def nan_isolation(self) -> List[Check]:
+        """NaN/Inf in one token's activation (and NaN router weights in unused
+        slots) must stay in that token: forward outputs, and with the backward
+        a NaN cotangent, leave every other token finite and within budget."""
         cfg = self.config
         world = _world(self.case, cfg)
-        poisoned: Dict[int, int] = {0: 1, cfg.num_ranks - 1: 2}
+        last = cfg.num_ranks - 1
+        poisoned: Dict[int, List[int]] = {0: [1]}
+        poisoned.setdefault(last, []).append(2)
         new_world = []
         for r, w in enumerate(world):
             act = np.array(w.activation, copy=True)
-            if r in poisoned:
-                t = poisoned[r]
-                act[t, 3] = np.nan if r == 0 else np.inf
-                if r == 0 and cfg.num_ranks == 1:
-                    act[2, 5] = -np.inf
-            new_world.append(RankInputs(act, w.fc1_weight, w.fc2_weight, w.topk_idx, w.topk_weights))
-        if cfg.num_ranks == 1:
-            poisoned_rows = {0: [1, 2]}
-        else:
-            poisoned_rows = {0: [1], cfg.num_ranks - 1: [2]}
+            for t in poisoned.get(r, []):
+                act[t, 3] = np.nan if t == 1 else np.inf
+            weights = np.array(w.topk_weights, copy=True)
+            weights[w.topk_idx < 0] = np.nan  # never read: -1 slots contribute exactly zero
+            new_world.append(RankInputs(act, w.fc1_weight, w.fc2_weight, w.topk_idx, weights))
         got = self.call_unchanged("forward", new_world)
         ref = self.reference.forward(cfg, new_world)
         budgets = self.reference.forward_budget(cfg, new_world)  # type: ignore[attr-defined]
         checks = []
         for r in range(cfg.num_ranks):
-            g = got[r].output
-            if cfg.output_format.is_block_scaled and not isinstance(g, BlockScaledTensor):
-                checks.append(Check(f"rank {r} output", False, float("inf"), 0.0, f"rank {r} output: got {_kind(g)}"))
-                continue
-            keep = np.ones(ref[r].output.shape[0], dtype=bool)
-            keep[poisoned_rows.get(r, [])] = False
-            g_dec = moe_ep_spec.dequantize(g, np.float64) if isinstance(g, BlockScaledTensor) else np.asarray(g, np.float64)
-            r_dec = moe_ep_spec.dequantize(ref[r].output, np.float64) if isinstance(ref[r].output, BlockScaledTensor) else ref[r].output.astype(np.float64)
-            if g_dec.shape != r_dec.shape:
-                checks.append(Check(f"rank {r} output", False, float("inf"), 0.0, f"rank {r} output: shape {g_dec.shape}, expected {r_dec.shape}"))
-                continue
-            finite = np.isfinite(g_dec[keep]).all()
-            checks.append(
-                Check(
-                    f"rank {r} clean tokens finite",
-                    bool(finite),
-                    0.0 if finite else float("inf"),
-                    0.0,
-                    "" if finite else f"rank {r}: a NaN/Inf in another token reached tokens "
-                    f"{np.nonzero(~np.isfinite(g_dec).all(axis=1) & keep)[0].tolist()} (must stay in its own token)",
-                )
+            keep = np.ones(new_world[r].topk_idx.shape[0], dtype=bool)
+            keep[poisoned.get(r, [])] = False
+            checks += self._clean_rows(f"rank {r} output", got[r].output, ref[r].output, budgets[r].output, keep)
+        if self.backend.capabilities.unsupported(cfg.replace(generate_c=True), "backward") is None:
+            cfg_c = cfg.replace(generate_c=True)
+            clean_world = [RankInputs(w.activation, w.fc1_weight, w.fc2_weight, w.topk_idx, nw.topk_weights)
+                           for w, nw in zip(world, new_world)]
+            stash = [f.stash for f in self.reference.forward(cfg_c, clean_world)]
+            grads = []
+            for r, w in enumerate(clean_world):
+                g = _cotangent(self.rng, (w.topk_idx.shape[0], cfg.hidden))
+                for t in poisoned.get(r, []):
+                    g[t, 5] = np.nan
+                grads.append(g)
+            got_b = call_world(self.backend, "backward", cfg_c, clean_world, grads, stash, timeout_s=self.timeout_s)
+            ref_b = self.reference.backward(cfg_c, clean_world, grads, stash)
+            bud_b = self.reference.backward_budget(cfg_c, clean_world, grads, stash)  # type: ignore[attr-defined]
+            for r in range(cfg.num_ranks):
+                keep = np.ones(clean_world[r].topk_idx.shape[0], dtype=bool)
+                keep[poisoned.get(r, [])] = False
+                for name in ("grad_activation", "grad_topk_weights"):
+                    checks += self._clean_rows(
+                        f"rank {r} {name}", getattr(got_b[r], name), getattr(ref_b[r], name), getattr(bud_b[r], name), keep
+                    )
+        return checks
+
+    def _clean_rows(self, name: str, got: Any, ref: Any, budget: np.ndarray, keep: np.ndarray) -> List[Check]:
+        """The rows of the tokens that were not poisoned: finite and within budget."""
+        if isinstance(ref, BlockScaledTensor) and not isinstance(got, BlockScaledTensor):
+            return [Check(name, False, float("inf"), 0.0, f"{name}: expected {_kind(ref)}; got {_kind(got)}")]
+        g_dec = moe_ep_spec.dequantize(got, np.float64) if isinstance(got, BlockScaledTensor) else np.asarray(got, np.float64)
+        r_dec = moe_ep_spec.dequantize(ref, np.float64) if isinstance(ref, BlockScaledTensor) else np.asarray(ref, np.float64)
+        if g_dec.shape != r_dec.shape:
+            return [Check(name, False, float("inf"), 0.0, f"{name}: shape {g_dec.shape}, expected {r_dec.shape}")]
+        axes = tuple(range(1, g_dec.ndim))
+        leaked = ~np.isfinite(g_dec).all(axis=axes) & keep
+        checks = [
+            Check(
+                f"{name} clean tokens finite",
+                not leaked.any(),
+                float("inf") if leaked.any() else 0.0,
+                0.0,
+                f"{name}: a NaN/Inf of another token reached tokens {np.nonzero(leaked)[0].tolist()} "
+                f"(it must stay in its own token)" if leaked.any() else "",
             )
-            checks.append(_close(f"rank {r} clean tokens", g_dec[keep], r_dec[keep], budgets[r].output[keep], self.factor))
+        ]
+        checks.append(_close(f"{name} clean tokens", g_dec[keep], r_dec[keep], np.asarray(budget)[keep], self.factor))
         return checks
 
     # -- layered -----------------------------------------------------------
@@ -387,9 +449,9 @@ class _Runner:
         for r, (g, w) in enumerate(zip(got, ref)):
             checks.append(_exact_tensor(f"rank {r} tokens", g.tokens, w.tokens))
             checks.append(_exact_tensor(f"rank {r} topk_weights", g.topk_weights, w.topk_weights))
-            checks.append(_exact_ints(f"rank {r} route_metadata", g.route_metadata, w.route_metadata))
-            checks.append(_exact_ints(f"rank {r} tokens_per_expert", g.tokens_per_expert, w.tokens_per_expert))
-            checks.append(_exact_ints(f"rank {r} expert_offsets", g.expert_offsets, w.expert_offsets))
+            checks.append(_exact_ints(f"rank {r} route_metadata", g.route_metadata, w.route_metadata, np.int32))
+            checks.append(_exact_ints(f"rank {r} tokens_per_expert", g.tokens_per_expert, w.tokens_per_expert, np.int64))
+            checks.append(_exact_ints(f"rank {r} expert_offsets", g.expert_offsets, w.expert_offsets, np.int64))
         return checks
 
     def combine(self) -> List[Check]:
@@ -398,6 +460,8 @@ class _Runner:
         expert_out = [
             _cotangent(self.rng, (d.handle.num_recv_rows, cfg.hidden), ~d.handle.valid_rows) for d in ref_d
         ]
+        if self.case.values == "edges":
+            expert_out = [_edge_rows(self.rng, y, ~d.handle.valid_rows, cfg.combine_format) for y, d in zip(expert_out, ref_d)]
         got = self.call_unchanged("combine", [d.handle for d in got_d], expert_out)
         ref_handles = [d.handle for d in ref_d]
         ref = self.reference.combine(cfg, ref_handles, expert_out)

@@ -1,0 +1,311 @@
+"""MoeEp for torch users: differentiable, over a ``torch.distributed`` process group.
+
+Example (every rank runs the same code)::
+
+    import torch, torch.distributed as dist
+    from moe_ep_spec import MoeEpConfig
+    from moe_ep_torch.api import moe_ep
+
+    dist.init_process_group("nccl")          # or "gloo" on CPU
+    config = MoeEpConfig(num_experts=64, hidden=4096, intermediate=1024, num_topk=8,
+                         num_ranks=dist.get_world_size())
+    out = moe_ep(x, w1, w2, topk_idx, topk_weights, config=config)   # [T, H] bf16
+    out.float().square().mean().backward()    # grads for x, w1, w2, topk_weights
+
+``moe_ep`` is the custom op ``moe_ep::forward`` (``torch.library.custom_op``)
+with a registered autograd formula (the spec's backward, itself the custom op
+``moe_ep::backward``) and fake kernels, so it works under ``torch.compile``
+tracing and passes ``torch.library.opcheck``.
+
+Host synchronisation: one per call (see :mod:`moe_ep_torch.core`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moe_ep_spec import errors as E
+from moe_ep_spec.config import MoeEpConfig
+from moe_ep_spec.formats import MoeFormat
+
+from . import core
+from .formats import TorchBlockScaled
+
+__all__ = ["moe_ep", "moe_ep_backward", "config_to_json", "config_from_json"]
+
+_PLAIN = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def config_to_json(config: MoeEpConfig) -> str:
+    """The configuration as the string the custom ops take."""
+    return json.dumps({k: (v.value if isinstance(v, MoeFormat) else v) for k, v in vars(config).items()}, sort_keys=True)
+
+
+def config_from_json(text: str) -> MoeEpConfig:
+    return MoeEpConfig(**json.loads(text))
+
+
+def _group(group: Optional[Any]) -> Any:
+    if not dist.is_available() or not dist.is_initialized():
+        raise E.ConfigError("moe_ep needs an initialised torch.distributed process group (dist.init_process_group)")
+    return group if group is not None else dist.group.WORLD
+
+
+def _group_name(group: Any) -> str:
+    return group.group_name
+
+
+def _resolve(name: str) -> Any:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def _check(config: MoeEpConfig, group: Any, activation: Tensor, fc1: Any, fc2: Any, idx: Tensor, weights: Tensor) -> None:
+    """The spec's input rules for torch tensors (messages as moe_ep_spec.validation)."""
+    rank = dist.get_rank(group)
+    p = f"rank {rank}: "
+    h, i, el, k = config.hidden, config.intermediate, config.num_local_experts, config.num_topk
+
+    def shape(name: str, t: Any, want: Tuple[Any, ...], what: str) -> None:
+        got = tuple(t.shape)
+        if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
+            shown = "(" + ", ".join("?" if w is None else str(w) for w in want) + ")"
+            raise E.ShapeError(f"{p}{name} must have shape {what} = {shown}; got {got}", name=name, expected=want, got=got)
+
+    for name, t in (("activation", activation), ("fc1_weight", fc1), ("fc2_weight", fc2)):
+        if isinstance(t, TorchBlockScaled):
+            t.validate()
+        elif not isinstance(t, Tensor) or t.dtype not in _PLAIN:
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise E.DTypeError(f"{p}{name} must have dtype in (float32, float16, bfloat16); got {got}", name=name, got=got)
+    shape("activation", activation, (None, h), "(num_tokens, hidden)")
+    num_tokens = activation.shape[0]
+    fc1_shape = (el, 2 * i, h) if isinstance(fc1, TorchBlockScaled) else (el, h, 2 * i)
+    fc2_shape = (el, h, i) if isinstance(fc2, TorchBlockScaled) else (el, i, h)
+    shape("fc1_weight", fc1, fc1_shape, "(num_local_experts, hidden, 2 * intermediate)")
+    shape("fc2_weight", fc2, fc2_shape, "(num_local_experts, intermediate, hidden)")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise E.DTypeError(f"{p}topk_idx must have dtype in (int32, int64); got {idx.dtype}", name="topk_idx", got=idx.dtype)
+    shape("topk_idx", idx, (num_tokens, k), "(num_tokens, num_topk)")
+    if weights.dtype not in _PLAIN:
+        raise E.DTypeError(f"{p}topk_weights must have dtype in (float32, float16, bfloat16); got {weights.dtype}")
+    shape("topk_weights", weights, (num_tokens, k), "(num_tokens, num_topk)")
+    if config.max_tokens_per_rank is not None and num_tokens > config.max_tokens_per_rank:
+        raise E.CapacityError(
+            f"{p}num_tokens must be <= max_tokens_per_rank = {config.max_tokens_per_rank}; got {num_tokens}",
+            limit=config.max_tokens_per_rank,
+            got=num_tokens,
+        )
+    device = activation.device
+    for name, t in (("fc1_weight", fc1), ("fc2_weight", fc2), ("topk_idx", idx), ("topk_weights", weights)):
+        if t.device != device:
+            raise E.DeviceError(f"{p}{name} must be on the activation's device {device}; got {t.device}")
+    backend = dist.get_backend(group)
+    if backend == "nccl" and device.type != "cuda":
+        raise E.DeviceError(f"{p}an NCCL process group needs CUDA tensors; got tensors on {device}")
+    if backend == "gloo" and device.type != "cpu":
+        raise E.DeviceError(f"{p}a gloo process group here needs CPU tensors; got tensors on {device}")
+
+
+def _encoding(t: Any) -> str:
+    return t.format.value if isinstance(t, TorchBlockScaled) else str(t.dtype)
+
+
+def _decode_weight(w: Any) -> Any:
+    from .formats import dequantize
+
+    if isinstance(w, TorchBlockScaled):
+        return dequantize(w).transpose(1, 2).contiguous()
+    return w
+
+
+def _check_group(config: MoeEpConfig, group: Any) -> None:
+    """Same answer on every rank, so raising here leaves no rank in a collective."""
+    size = dist.get_world_size(group)
+    if size != config.num_ranks:
+        raise E.ConfigError(
+            f"rank {dist.get_rank(group)}: the process group's size must equal num_ranks = {config.num_ranks}; got {size}",
+            field="num_ranks",
+            value=size,
+        )
+
+
+def _run_forward(config: MoeEpConfig, group: Any, activation: Any, fc1: Any, fc2: Any, idx: Tensor, weights: Tensor) -> dict:
+    _check_group(config, group)
+    error: Optional[BaseException] = None
+    try:
+        _check(config, group, activation, fc1, fc2, idx, weights)
+    except E.MoeEpError as exc:
+        error = exc
+    device = activation.device if isinstance(activation, Tensor) else activation.device
+    extra = "|".join(_encoding(t) for t in (activation, fc1, fc2)) if error is None else ""
+    payload = core.route_payload(activation, weights, config.num_topk) if error is None else None
+    num_tokens = int(activation.shape[0]) if error is None else 0
+    plan, recv = core.make_plan(config, idx if error is None else None, num_tokens, group, device, error, extra, payload)
+    return core.forward(config, plan, recv, activation, _decode_weight(fc1), _decode_weight(fc2), group)
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("moe_ep::forward", mutates_args=())
+def _forward_op(
+    activation: Tensor,
+    fc1_weight: Tensor,
+    fc2_weight: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    config_json: str,
+    group_name: str,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(output [T, H] bf16, fc1_c [R, 2I] bf16, route_metadata [R, 4] int32)``."""
+    config = config_from_json(config_json)
+    out = _run_forward(config, _resolve(group_name), activation, fc1_weight, fc2_weight, topk_idx, topk_weights)
+    return out["output"], out["fc1_c"], out["route_metadata"].clone()
+
+
+@_forward_op.register_fake
+def _forward_fake(activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config_json, group_name):
+    config = config_from_json(config_json)
+    rows = torch.library.get_ctx().new_dynamic_size()
+    out = activation.new_empty((activation.shape[0], config.hidden), dtype=torch.bfloat16)
+    fc1_c = activation.new_empty((rows, 2 * config.intermediate), dtype=torch.bfloat16)
+    meta = activation.new_empty((rows, 4), dtype=torch.int32)
+    return out, fc1_c, meta
+
+
+@torch.library.custom_op("moe_ep::backward", mutates_args=())
+def _backward_op(
+    grad_output: Tensor,
+    activation: Tensor,
+    fc1_weight: Tensor,
+    fc2_weight: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    fc1_c: Tensor,
+    config_json: str,
+    group_name: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The spec backward: float32 ``(grad_activation, grad_fc1_weight,
+    grad_fc2_weight, grad_topk_weights)``."""
+    config = config_from_json(config_json)
+    group = _resolve(group_name)
+    _check_group(config, group)
+    _check(config, group, activation, fc1_weight, fc2_weight, topk_idx, topk_weights)
+    payload = core.route_payload(activation, topk_weights, config.num_topk, extra=[grad_output.float()])
+    plan, recv = core.make_plan(
+        config, topk_idx, int(activation.shape[0]), group, activation.device, None,
+        "|".join(_encoding(t) for t in (activation, fc1_weight, fc2_weight)), payload,
+    )
+    if fc1_c.shape[0] != plan.num_rows:
+        raise E.StashError(f"fc1_c must have {plan.num_rows} rows (the routes of topk_idx); got {fc1_c.shape[0]}")
+    g = core.backward(config, plan, recv, activation, fc1_weight, fc2_weight, fc1_c, group)
+    return g["grad_activation"], g["grad_fc1_weight"], g["grad_fc2_weight"], g["grad_topk_weights"]
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c, config_json, group_name):
+    f32 = torch.float32
+    return (
+        activation.new_empty(activation.shape, dtype=f32),
+        fc1_weight.new_empty(fc1_weight.shape, dtype=f32),
+        fc2_weight.new_empty(fc2_weight.shape, dtype=f32),
+        topk_weights.new_empty(topk_weights.shape, dtype=f32),
+    )
+
+
+def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor, Tensor]) -> None:
+    activation, fc1, fc2, idx, weights, config_json, group_name = inputs
+    _, fc1_c, _ = output
+    ctx.save_for_backward(activation, fc1, fc2, idx, weights, fc1_c)
+    ctx.config_json = config_json
+    ctx.group_name = group_name
+
+
+def _autograd_backward(ctx: Any, grad_out: Tensor, _grad_c: Any, _grad_meta: Any) -> Tuple[Any, ...]:
+    activation, fc1, fc2, idx, weights, fc1_c = ctx.saved_tensors
+    gx, g1, g2, gw = _backward_op(grad_out, activation, fc1, fc2, idx, weights, fc1_c, ctx.config_json, ctx.group_name)
+    return gx, g1, g2, None, gw, None, None
+
+
+_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def moe_ep(
+    activation: Any,
+    fc1_weight: Any,
+    fc2_weight: Any,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    *,
+    config: MoeEpConfig,
+    group: Optional[Any] = None,
+) -> Any:
+    """The MoeEp layer on this rank (collective over ``group``).
+
+    Args:
+        activation: ``[T, H]`` float32/float16/bfloat16 (differentiable), or a
+            :class:`~moe_ep_torch.formats.TorchBlockScaled` blocked along H.
+        fc1_weight: ``[E_local, H, 2I]`` float (differentiable), or a
+            TorchBlockScaled of the transposed weight ``[E_local, 2I, H]``
+            blocked along H.
+        fc2_weight: ``[E_local, I, H]`` float (differentiable), or a
+            TorchBlockScaled of ``[E_local, H, I]`` blocked along I.
+        topk_idx: ``[T, K]`` int32/int64 in ``[-1, E)``; -1 marks an unused slot.
+        topk_weights: ``[T, K]`` float (differentiable), read as float32.
+        config: the layer; ``config.num_ranks`` must equal the group's size.
+        group: the process group (default: the world).
+
+    Returns:
+        ``[T, H]`` bfloat16 when ``config.output_format`` is bf16
+        (differentiable: gradients follow the spec's backward, with every
+        rounding straight-through); otherwise a TorchBlockScaled (no autograd).
+        Every rank raises the same error class when any rank's input breaks a rule.
+    """
+    group = _group(group)
+    plain = all(isinstance(t, Tensor) for t in (activation, fc1_weight, fc2_weight))
+    if config.output_format is MoeFormat.BF16 and plain:
+        out, _, _ = _forward_op(
+            activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config_to_json(config), _group_name(group)
+        )
+        return out
+    wants_grad = any(isinstance(t, Tensor) and t.requires_grad for t in (activation, fc1_weight, fc2_weight, topk_weights))
+    if wants_grad and torch.is_grad_enabled():
+        raise E.CapabilityError(
+            "moe_ep is differentiable with plain float inputs and output_format bf16; got "
+            f"output_format {config.output_format.value} / block-scaled inputs with requires_grad",
+            feature="autograd",
+        )
+    with torch.no_grad():
+        return _run_forward(config, group, activation, fc1_weight, fc2_weight, topk_idx, topk_weights)["output"]
+
+
+def moe_ep_backward(
+    grad_output: Tensor,
+    activation: Tensor,
+    fc1_weight: Tensor,
+    fc2_weight: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    fc1_c: Tensor,
+    *,
+    config: MoeEpConfig,
+    group: Optional[Any] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The spec's explicit backward (collective): float32 ``(grad_activation,
+    grad_fc1_weight, grad_fc2_weight, grad_topk_weights)`` from the forward's
+    inputs and its ``fc1_c`` stash."""
+    group = _group(group)
+    return _backward_op(
+        grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c,
+        config_to_json(config), _group_name(group),
+    )

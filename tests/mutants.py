@@ -1,0 +1,808 @@
+"""Deliberately wrong backends: the conformance suite's own test subjects.
+
+Every mutant is the reference (:class:`moe_ep_reference.ReferenceBackend`) with
+exactly one rule of ``docs/spec.md`` broken; its docstring names the rule. The
+suite must fail each of them (``tests/test_mutants.py``).
+
+How a mutant breaks its rule: by overriding a ReferenceBackend method, or by
+replacing functions of ``moe_ep_reference.world`` (or ``moe_ep_spec.formats``,
+``moe_ep_spec.validation``, ``moe_ep_reference.backend``) *only for the
+duration of one of its own world-level calls*: :func:`patched` swaps the
+attributes in, holds a process-wide lock while they are in, and puts the
+originals back in a ``finally``. The runner calls the backend under test and the
+judging reference (``moe_ep_spec.get_backend("reference")``) one after the
+other, never at the same time, so the reference never sees a patch. A mutant
+must not be run concurrently with the reference from another thread.
+
+``MUTANTS`` are the mutants the suite must catch; ``GAP_MUTANTS`` break rules
+that the conformance table does not exercise at all today (see their docstrings);
+the tests mark those as expected failures so that a suite fix shows up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, Type
+
+import numpy as np
+
+import moe_ep_reference.backend as reference_backend_module
+import moe_ep_reference.world as W
+import moe_ep_spec.formats as F
+import moe_ep_spec.validation as V
+from moe_ep_spec.api import DispatchHandle
+from moe_ep_spec.formats import BF16, BlockScaledTensor, MoeFormat, round_to_bf16, round_trip
+from moe_ep_reference import ReferenceBackend
+
+__all__ = ["MUTANTS", "GAP_MUTANTS", "ALL_MUTANTS", "PATCH_TARGETS", "patched", "Mutant"]
+
+#: Every (module, attribute) any mutant may replace; the tests check they are
+#: all back to their originals after the mutants ran.
+PATCH_TARGETS: Tuple[Tuple[Any, str], ...] = (
+    (W, "plan"),
+    (W, "gather"),
+    (W, "scatter_slots"),
+    (W, "sum_slots"),
+    (W, "encode_output"),
+    (W, "expert_forward"),
+    (W, "expert_backward"),
+    (W, "_clamp"),
+    (F, "_mxfp8_scale_exponent"),
+    (V, "check_topk"),
+    (reference_backend_module, "round_trip"),
+    (reference_backend_module, "_read_weights"),
+)
+
+_LOCK = threading.RLock()
+
+#: A patch: (module, attribute, factory); the factory gets the current attribute
+#: and returns its replacement.
+Patch = Tuple[Any, str, Callable[[Any], Any]]
+
+
+@contextlib.contextmanager
+def patched(patches: Sequence[Patch]) -> Iterator[None]:
+    """Replace module attributes for the duration of the ``with`` block only.
+
+    The lock is held the whole time, so no other thread can run the reference
+    while a patch is in; the originals are restored even when the block raises.
+    """
+    with _LOCK:
+        saved: List[Tuple[Any, str, Any]] = []
+        try:
+            for module, attr, factory in patches:
+                original = getattr(module, attr)
+                saved.append((module, attr, original))
+                setattr(module, attr, factory(original))
+            yield
+        finally:
+            for module, attr, original in reversed(saved):
+                setattr(module, attr, original)
+
+
+class _ConfigView:
+    """A read-only view of a MoeEpConfig with some fields overridden (only for
+    the ``world`` functions, which read fields and validate nothing)."""
+
+    def __init__(self, base: Any, **overrides: Any) -> None:
+        self._base = base
+        self._overrides = overrides
+
+    def __getattr__(self, name: str) -> Any:
+        overrides = self.__dict__["_overrides"]
+        if name in overrides:
+            return overrides[name]
+        return getattr(self.__dict__["_base"], name)
+
+
+_OPS = ("forward", "backward", "dispatch", "combine", "dispatch_backward", "combine_backward")
+
+
+class Mutant(ReferenceBackend):
+    """Base of the patching mutants: every world-level operation runs the
+    reference with :meth:`patches` (for that operation) in place."""
+
+    name = "mutant-base"
+    version = "0.0.0+mutant"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        return ()
+
+    def _run(self, op: str, *args: Any) -> Any:
+        with patched(self.patches(op)):
+            return getattr(super(), op)(*args)
+
+    def forward(self, config, inputs):  # type: ignore[override]
+        return self._run("forward", config, inputs)
+
+    def backward(self, config, inputs, grad_output, stash):  # type: ignore[override]
+        return self._run("backward", config, inputs, grad_output, stash)
+
+    def dispatch(self, config, inputs):  # type: ignore[override]
+        return self._run("dispatch", config, inputs)
+
+    def combine(self, config, handles, expert_out):  # type: ignore[override]
+        return self._run("combine", config, handles, expert_out)
+
+    def dispatch_backward(self, config, handles, grad_tokens, grad_topk_weights):  # type: ignore[override]
+        return self._run("dispatch_backward", config, handles, grad_tokens, grad_topk_weights)
+
+    def combine_backward(self, config, handles, grad_output):  # type: ignore[override]
+        return self._run("combine_backward", config, handles, grad_output)
+
+
+def _halves_swapped(a: np.ndarray, i_size: int) -> np.ndarray:
+    return np.concatenate([a[..., i_size:], a[..., :i_size]], axis=-1)
+
+
+# ============================================================================ (a)
+
+
+class GateUpSwapped(Mutant):
+    """Section 3 / 5.1: FC1 columns ``[0, I)`` are gate and ``[I, 2I)`` are up.
+    This backend reads gate from ``[I, 2I)`` and up from ``[0, I)``, consistently
+    in the forward and the backward (the stash ``fc1_c`` keeps the spec's column
+    order)."""
+
+    name = "mutant-gate-up-swapped"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def fwd(orig):
+            def expert_forward(config, handle, x, w, fc1, fc2, with_bound=False):
+                i = config.intermediate
+                y, c, b = orig(config, handle, x, w, _halves_swapped(fc1, i), fc2, with_bound=with_bound)
+                if b is not None:
+                    b = (b[0], _halves_swapped(b[1], i))
+                return y, _halves_swapped(c, i), b
+
+            return expert_forward
+
+        def bwd(orig):
+            def expert_backward(config, handle, x, w, fc1, fc2, c, dy, with_bound=False):
+                i = config.intermediate
+                (dx, dw, dfc1, dfc2), b = orig(
+                    config, handle, x, w, _halves_swapped(fc1, i), fc2, _halves_swapped(c, i), dy, with_bound=with_bound
+                )
+                return (dx, dw, _halves_swapped(dfc1, i), dfc2), b
+
+            return expert_backward
+
+        return [(W, "expert_forward", fwd), (W, "expert_backward", bwd)]
+
+
+# ============================================================================ (b)
+
+
+class ClampGateBothSides(Mutant):
+    """Section 5.2: the clamp bounds the gate from above only, ``g = min(g, L)``.
+    This backend clips the gate to ``[-L, L]`` (in the forward)."""
+
+    name = "mutant-clamp-gate-both-sides"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        if op != "forward":
+            return ()
+
+        def factory(orig):
+            def clamp(config, g, u):
+                g, u = orig(config, g, u)
+                limit = config.gate_up_clamp
+                return (g, u) if limit is None else (np.maximum(g, -limit), u)
+
+            return clamp
+
+        return [(W, "_clamp", factory)]
+
+
+# ============================================================================ (c), (d)
+
+
+class RouterWeightTwice(Mutant):
+    """Section 5.4: the router weight multiplies each route's expert output once.
+    This backend applies it twice (``w^2``) in the forward."""
+
+    name = "mutant-router-weight-twice"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        if op != "forward":
+            return ()
+
+        def factory(orig):
+            def expert_forward(config, handle, x, w, fc1, fc2, with_bound=False):
+                return orig(config, handle, x, w * w, fc1, fc2, with_bound=with_bound)
+
+            return expert_forward
+
+        return [(W, "expert_forward", factory)]
+
+
+class RouterWeightIgnored(Mutant):
+    """Section 5.4 / 9.2: the router weight multiplies each route's expert output.
+    This backend never applies it (computes as if every weight were 1), in the
+    forward and the backward."""
+
+    name = "mutant-router-weight-ignored"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def fwd(orig):
+            def expert_forward(config, handle, x, w, fc1, fc2, with_bound=False):
+                return orig(config, handle, x, np.ones_like(w), fc1, fc2, with_bound=with_bound)
+
+            return expert_forward
+
+        def bwd(orig):
+            def expert_backward(config, handle, x, w, fc1, fc2, c, dy, with_bound=False):
+                return orig(config, handle, x, np.ones_like(w), fc1, fc2, c, dy, with_bound=with_bound)
+
+            return expert_backward
+
+        return [(W, "expert_forward", fwd), (W, "expert_backward", bwd)]
+
+
+# ============================================================================ (e), (f)
+
+
+class UnusedSlotAsExpertZero(Mutant):
+    """Section 4.4: a ``-1`` slot is never sent and contributes exactly zero.
+    This backend treats ``-1`` as expert 0 (the route is sent, computed with the
+    slot's router weight and summed)."""
+
+    name = "mutant-unused-slot-as-expert-0"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def factory(orig):
+            def plan(config, topk_idx):
+                return orig(config, [np.where(np.asarray(i) < 0, 0, i) for i in topk_idx])
+
+            return plan
+
+        return [(W, "plan", factory)]
+
+
+class RoundRobinPlacement(Mutant):
+    """Section 2 (derived values): expert placement is contiguous, expert ``e`` on
+    rank ``e // num_local_experts``. This backend places expert ``e`` on rank
+    ``e % num_ranks`` as local expert ``e // num_ranks`` (round-robin)."""
+
+    name = "mutant-round-robin-placement"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def factory(orig):
+            def plan(config, topk_idx):
+                n, el = config.num_ranks, config.num_local_experts
+                moved = []
+                for idx in topk_idx:
+                    idx = np.asarray(idx, dtype=np.int64)
+                    moved.append(np.where(idx >= 0, (idx % n) * el + idx // n, idx))
+                return orig(config, moved)
+
+            return plan
+
+        return [(W, "plan", factory)]
+
+
+# ============================================================================ (g)
+
+
+class CombineRoundTripSkipped(Mutant):
+    """Section 6.1 / 7: every route's expert output is round-tripped through
+    ``combine_format`` before the slot sum. This backend skips that round trip
+    (fused forward and layered combine); the output encode is kept."""
+
+    name = "mutant-combine-round-trip-skipped"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def fwd(orig):
+            def expert_forward(config, handle, x, w, fc1, fc2, with_bound=False):
+                return orig(_ConfigView(config, combine_format=None), handle, x, w, fc1, fc2, with_bound=with_bound)
+
+            return expert_forward
+
+        def identity(orig):
+            return lambda x, fmt, axis=-1: np.asarray(x, dtype=np.float64)
+
+        return [(W, "expert_forward", fwd), (reference_backend_module, "round_trip", identity)]
+
+
+# ============================================================================ (h)
+
+
+def _mxfp8_exponent_nearest(amax: np.ndarray) -> np.ndarray:
+    safe = np.where((amax > 0) & np.isfinite(amax), amax, 448.0)
+    with np.errstate(divide="ignore", over="ignore"):
+        e = np.floor(np.log2(safe / 448.0) + 0.5).astype(np.int64)
+    return np.clip(e, -127, 127)
+
+
+class Mxfp8ScaleRoundedToNearest(Mutant):
+    """Section 8.3 step 3: the mxfp8 block scale is ``2^ceil(log2(amax / 448))``
+    (rounded *up*, so ``|x| / s <= 448``). This backend rounds the exponent to the
+    nearest integer, so in about half the blocks ``|x| / s`` exceeds 448 and the
+    block maximum saturates. Every mxfp8 encode it does (output, combine round
+    trip, FC2 operand) is affected."""
+
+    name = "mutant-mxfp8-scale-nearest"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        return [(F, "_mxfp8_scale_exponent", lambda orig: _mxfp8_exponent_nearest)]
+
+
+# ============================================================================ (i)
+
+
+class Nvfp4NibblesSwapped(Mutant):
+    """Section 8.4 step 5: element ``2j`` goes in the low nibble of byte ``j``.
+    This backend's nvfp4 *output* packs element ``2j`` in the high nibble (its
+    internal round trips are right)."""
+
+    name = "mutant-nvfp4-nibbles-swapped"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def factory(orig):
+            def encode_output(config, values):
+                out = orig(config, values)
+                if not (isinstance(out, BlockScaledTensor) and out.format is MoeFormat.NVFP4):
+                    return out
+                d = out.data_codes()
+                swapped = (((d & 0x0F) << 4) | (d >> 4)).astype(np.uint8)
+                return BlockScaledTensor(data=swapped, scale=out.scale, format=out.format, shape=out.shape, axis=out.axis)
+
+            return encode_output
+
+        return [(W, "encode_output", factory)]
+
+
+# ============================================================================ (j)
+
+
+def _source_major(handle: DispatchHandle) -> DispatchHandle:
+    """The same routes, rows in (src_rank, src_token, src_slot) order, padding at
+    the end; ``backend_state`` keeps the spec's handle and the row map."""
+    meta = handle.route_metadata
+    valid = np.nonzero(meta[:, 0] >= 0)[0]
+    vm = meta[valid]
+    pos = valid[np.lexsort((vm[:, 3], vm[:, 2], vm[:, 1]))]  # spec row of every mutant row
+    new_meta = np.full_like(meta, -1)
+    new_meta[: len(pos)] = meta[pos]
+    return DispatchHandle(
+        rank=handle.rank,
+        num_ranks=handle.num_ranks,
+        num_tokens=handle.num_tokens,
+        num_topk=handle.num_topk,
+        route_metadata=new_meta,
+        tokens_per_expert=handle.tokens_per_expert,
+        expert_offsets=handle.expert_offsets,
+        backend_state=(handle, pos),
+    )
+
+
+def _to_spec_rows(a: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(a)
+    out[pos] = a[: len(pos)]
+    return out
+
+
+def _to_mutant_rows(a: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(a)
+    out[: len(pos)] = a[pos]
+    return out
+
+
+class SourceMajorRows(Mutant):
+    """Section 4.3: every rank-local per-route array (dispatched tokens and
+    weights, ``route_metadata``, ``fc1_c``, per-row cotangents) is in
+    expert-major order ``(local_expert, src_rank, src_token, src_slot)``. This
+    backend lays its received rows out source-major ``(src_rank, src_token,
+    src_slot)`` (padding last) and groups by expert only inside its expert
+    kernel. It is self-consistent: its combine reads its own dispatch's rows, and
+    its backward checks the stash against its own (source-major) plan."""
+
+    name = "mutant-source-major-rows"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def plan(orig):
+            return lambda config, topk_idx: [_source_major(h) for h in orig(config, topk_idx)]
+
+        def fwd(orig):
+            def expert_forward(config, handle, x, w, fc1, fc2, with_bound=False):
+                spec, pos = handle.backend_state
+                y, c, b = orig(config, spec, _to_spec_rows(x, pos), _to_spec_rows(w, pos), fc1, fc2, with_bound=with_bound)
+                if b is not None:
+                    b = tuple(_to_mutant_rows(z, pos) for z in b)
+                return _to_mutant_rows(y, pos), _to_mutant_rows(c, pos), b
+
+            return expert_forward
+
+        def bwd(orig):
+            def expert_backward(config, handle, x, w, fc1, fc2, c, dy, with_bound=False):
+                spec, pos = handle.backend_state
+                s = lambda a: _to_spec_rows(a, pos)  # noqa: E731
+                (dx, dw, dfc1, dfc2), b = orig(config, spec, s(x), s(w), fc1, fc2, s(c), s(dy), with_bound=with_bound)
+                if b is not None:
+                    b = (_to_mutant_rows(b[0], pos), _to_mutant_rows(b[1], pos), b[2], b[3])
+                return (_to_mutant_rows(dx, pos), _to_mutant_rows(dw, pos), dfc1, dfc2), b
+
+            return expert_backward
+
+        return [(W, "plan", plan), (W, "expert_forward", fwd), (W, "expert_backward", bwd)]
+
+
+# ============================================================================ (k)
+
+
+class BackwardWithoutClampMask(Mutant):
+    """Section 9.2: with a clamp, ``dg`` is masked by ``m_g = [g~ <= L]`` and
+    ``du`` by ``m_u = [-L <= u~ <= L]``. This backend's backward uses the clamped
+    values but no masks (gradient flows through the clamp)."""
+
+    name = "mutant-backward-no-clamp-mask"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        if op != "backward":
+            return ()
+
+        def factory(orig):
+            def expert_backward(config, handle, x, w, fc1, fc2, c, dy, with_bound=False):
+                # Clamping the stash first gives the same clamped g, u but masks of all ones.
+                i = config.intermediate
+                g, u = W._clamp(config, c[:, :i], c[:, i:])
+                return orig(config, handle, x, w, fc1, fc2, np.concatenate([g, u], axis=1), dy, with_bound=with_bound)
+
+            return expert_backward
+
+        return [(W, "expert_backward", factory)]
+
+
+# ============================================================================ (l)
+
+
+def _poison_padding(rows: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    rows = np.array(rows, copy=True)
+    if rows.dtype.kind in "iu":
+        rows[~valid] = np.iinfo(rows.dtype).max  # uint8 codes 0xFF: NaN scales, -6 nibbles
+    else:
+        with np.errstate(invalid="ignore"):
+            rows[~valid] = np.nan  # float8_e4m3fn gets its NaN code 0x7F
+    return rows
+
+
+def _dense_padding_read(config, handles, rows, slots):
+    """Add ``0 * (every padding row of every destination)`` to slot 0 of every
+    token: what a combine that multiplies by a dense 0/1 scatter matrix does."""
+    pads = [r[~h.valid_rows].sum(axis=0) for h, r in zip(handles, rows) if (~h.valid_rows).any()]
+    if not pads:
+        return slots
+    with np.errstate(invalid="ignore"):
+        leak = 0.0 * np.sum(pads, axis=0)
+    out = []
+    for s in slots:
+        s = np.array(s, copy=True)
+        if s.shape[0]:
+            with np.errstate(invalid="ignore"):
+                s[:, 0] = s[:, 0] + leak
+        out.append(s)
+    return out
+
+
+def _dense_scatter(orig):
+    def scatter_slots(config, handles, rows):
+        return _dense_padding_read(config, handles, rows, orig(config, handles, rows))
+
+    return scatter_slots
+
+
+class PaddingNanLeak(Mutant):
+    """Sections 10.4 / 10.5: in the static layout padding rows are defined (tokens
+    zero, weights 0, ``fc1_c`` zero, cotangent rows zero) and never read, so a NaN
+    cannot travel through them. This backend leaves padding as garbage (NaN
+    tokens and weights, NaN scale codes), runs its expert GEMMs over whole aligned
+    slabs (so ``fc1_c`` padding is garbage too), and its combine and
+    dispatch_backward read every row with a dense 0/1 matrix (padding weighted 0,
+    but ``0 * NaN = NaN`` reaches every token)."""
+
+    name = "mutant-padding-nan-leak"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def gather(orig):
+            def gather_rows(handles, per_src, by_slot=False):
+                return [_poison_padding(r, h.valid_rows) for h, r in zip(handles, orig(handles, per_src, by_slot=by_slot))]
+
+            return gather_rows
+
+        def slabs(handle: DispatchHandle) -> DispatchHandle:
+            return DispatchHandle(
+                rank=handle.rank,
+                num_ranks=handle.num_ranks,
+                num_tokens=handle.num_tokens,
+                num_topk=handle.num_topk,
+                route_metadata=handle.route_metadata,
+                tokens_per_expert=np.diff(handle.expert_offsets),  # the aligned slab, padding included
+                expert_offsets=handle.expert_offsets,
+            )
+
+        def fwd(orig):
+            def expert_forward(config, handle, x, w, fc1, fc2, with_bound=False):
+                return orig(config, slabs(handle), x, w, fc1, fc2, with_bound=with_bound)
+
+            return expert_forward
+
+        return [(W, "gather", gather), (W, "expert_forward", fwd), (W, "scatter_slots", _dense_scatter)]
+
+    def _combine_slots(self, config, handles, expert_out):
+        self.require(config, "combine")
+        self._check_handles(config, handles)
+        V.validate_world(config, expert_out, "expert_out")
+        rows = []
+        for h, y in zip(handles, expert_out):
+            V.validate_expert_out(config, y, h)
+            rows.append(round_trip(np.asarray(y, dtype=np.float64), config.combine_format, axis=-1))  # padding kept
+        return W.scatter_slots(config, handles, rows)
+
+    def _dispatch_backward_slots(self, config, handles, grad_tokens, grad_topk_weights):
+        self.require(config, "dispatch_backward")
+        self._check_handles(config, handles)
+        V.validate_world(config, grad_tokens, "grad_tokens")
+        V.validate_world(config, grad_topk_weights, "grad_topk_weights")
+        for r, (h, gt, gw) in enumerate(zip(handles, grad_tokens, grad_topk_weights)):
+            V.validate_grad("grad_tokens", gt, (h.num_recv_rows, config.hidden), "(received rows, hidden)", r)
+            V.validate_grad("grad_topk_weights", gw, (h.num_recv_rows,), "(received rows,)", r)
+        gts = [np.asarray(g, dtype=np.float64) for g in grad_tokens]  # padding kept
+        gws = [np.asarray(g, dtype=np.float64) for g in grad_topk_weights]
+        return W.scatter_slots(config, handles, gts), W.scatter_slots(config, handles, gws)
+
+
+class CombineReadsPadding(PaddingNanLeak):
+    """Section 10.2 / 10.3: combine and dispatch_backward never read padding rows
+    ("their content, NaN included, has no effect"). This backend's dispatch and
+    forward are correct (padding zero), but its combine and dispatch_backward read
+    every row through a dense 0/1 scatter matrix, so a NaN in a padding row
+    reaches every token."""
+
+    name = "mutant-combine-reads-padding"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        if op not in ("combine", "dispatch_backward"):
+            return ()
+        return [(W, "scatter_slots", _dense_scatter)]
+
+
+# ============================================================================ extras
+
+
+def _check_topk_without_range(config, topk_idx, topk_weights, num_tokens, rank=None):
+    """validation.check_topk minus the ``[-1, num_experts)`` range check."""
+    p = V._prefix(rank)
+    if not isinstance(topk_idx, np.ndarray) or topk_idx.dtype not in V.INDEX_DTYPES:
+        got = V._dtype_text(topk_idx.dtype) if isinstance(topk_idx, np.ndarray) else type(topk_idx).__name__
+        raise V.DTypeError(f"{p}topk_idx must have dtype in ({V._dtype_names(V.INDEX_DTYPES)}); got {got}", name="topk_idx")
+    shape = (num_tokens, config.num_topk)
+    V._check_shape("topk_idx", tuple(topk_idx.shape), shape, "(num_tokens, num_topk)", rank)
+    V.check_float_array("topk_weights", topk_weights, shape, "(num_tokens, num_topk)", rank)
+
+
+class NoTopkRangeCheck(Mutant):
+    """Sections 3 / 4.6 / 12: a ``topk_idx`` value outside ``[-1, num_experts)``
+    raises RoutingIndexError before anything is computed. This backend does not
+    check the range (out-of-range routes silently go nowhere)."""
+
+    name = "mutant-no-topk-range-check"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        return [(V, "check_topk", lambda orig: _check_topk_without_range)]
+
+
+def _truncate_to_bf16(values: np.ndarray) -> np.ndarray:
+    v = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(v) & (v != 0)
+    _, exp = np.frexp(np.where(finite, v, 1.0))
+    quantum = np.ldexp(1.0, np.maximum(exp - 1, -126) - 7)
+    out = np.where(finite, np.trunc(np.where(finite, v, 0.0) / quantum) * quantum, v)
+    return out.astype(np.float32).astype(BF16)  # exact: out is on the bf16 grid
+
+
+class Bf16OutputTruncated(Mutant):
+    """Section 8.2: bf16 rounds to nearest, ties to even. This backend's bf16
+    output encode truncates toward zero."""
+
+    name = "mutant-bf16-output-truncated"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def factory(orig):
+            def encode_output(config, values):
+                if config.output_format is MoeFormat.BF16:
+                    return _truncate_to_bf16(values)
+                return orig(config, values)
+
+            return encode_output
+
+        return [(W, "encode_output", factory)]
+
+
+def _sum_slots_bf16(per_slot: np.ndarray) -> np.ndarray:
+    acc = np.zeros((per_slot.shape[0],) + per_slot.shape[2:], dtype=np.float64)
+    for k in range(per_slot.shape[1]):
+        acc = round_to_bf16(acc + per_slot[:, k]).astype(np.float64)
+    return acc
+
+
+class SlotSumInBf16(Mutant):
+    """Sections 6.3 / 9.2 / 10.3: slot sums accumulate in float32 or wider. This
+    backend accumulates every slot sum (combine, grad_activation, dispatch
+    backward) in bfloat16."""
+
+    name = "mutant-slot-sum-bf16"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        return [(W, "sum_slots", lambda orig: _sum_slots_bf16)]
+
+
+class TopkPlacementIgnored(Mutant):
+    """Section 5.4: with ``apply_topk_in_fc1 = True`` the FC2 operand is
+    ``R_int(w * h)``. This backend always applies the router weight after FC2,
+    ``w * (R_int(h) * W2)``, whatever ``apply_topk_in_fc1`` says (equal in exact
+    arithmetic, different once ``intermediate_format`` rounds)."""
+
+    name = "mutant-topk-placement-ignored"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        if op != "forward":
+            return ()
+
+        def factory(orig):
+            def expert_forward(config, handle, x, w, fc1, fc2, with_bound=False):
+                return orig(_ConfigView(config, apply_topk_in_fc1=False), handle, x, w, fc1, fc2, with_bound=with_bound)
+
+            return expert_forward
+
+        return [(W, "expert_forward", factory)]
+
+
+class StashAfterClamp(Mutant):
+    """Sections 7 / 9.1: ``fc1_c`` is the bf16 rounding of ``c`` *before* the clamp.
+    This backend stashes the clamped FC1 output."""
+
+    name = "mutant-stash-after-clamp"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        if op != "forward":
+            return ()
+
+        def factory(orig):
+            def expert_forward(config, handle, x, w, fc1, fc2, with_bound=False):
+                y, c, b = orig(config, handle, x, w, fc1, fc2, with_bound=with_bound)
+                i = config.intermediate
+                g, u = W._clamp(config, c[:, :i], c[:, i:])
+                return y, np.concatenate([g, u], axis=1), b
+
+            return expert_forward
+
+        return [(W, "expert_forward", factory)]
+
+
+class ModifiesInputs(ReferenceBackend):
+    """Section 3 ("Inputs are read-only") / 12: no operation may modify its
+    inputs. This backend's forward zeroes the router weights of ``-1`` slots in
+    place (its results are the reference's)."""
+
+    name = "mutant-modifies-inputs"
+    version = "0.0.0+mutant"
+
+    def forward(self, config, inputs):  # type: ignore[override]
+        out = super().forward(config, inputs)
+        for inp in inputs:
+            if isinstance(inp.topk_weights, np.ndarray) and inp.topk_weights.flags.writeable:
+                inp.topk_weights[np.asarray(inp.topk_idx) < 0] = 0
+        return out
+
+
+# ============================================================================ gaps
+
+
+def _read_weights_bf16_as_bits(topk_weights: np.ndarray) -> np.ndarray:
+    w = np.asarray(topk_weights)
+    if w.dtype == BF16:  # the bf16 bits land in the low half of a float32: tiny denormals
+        return w.view(np.uint16).astype(np.uint32).view(np.float32).astype(np.float64)
+    return w.astype(np.float32).astype(np.float64)
+
+
+class Bf16RouterWeightAsBits(Mutant):
+    """Section 3: bf16 ``topk_weights`` are converted *by value*; "a bf16 router
+    weight must never be reinterpreted as float32 bits". This backend puts the
+    bf16 bits in the low half of a float32. SUITE GAP: every conformance case uses
+    float32 router weights (``random_world``), so no case can catch it."""
+
+    name = "mutant-bf16-router-weight-bits"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        return [(reference_backend_module, "_read_weights", lambda orig: _read_weights_bf16_as_bits)]
+
+
+class UnusedSlotWeightProduct(ReferenceBackend):
+    """Section 4.4: a ``-1`` slot contributes exactly zero, "not a product with zero
+    (a NaN router weight in a -1 slot changes nothing)". This backend adds
+    ``w * 0`` for -1 slots, so a NaN/inf router weight there makes the token NaN.
+    SUITE GAP: no conformance case puts a non-finite router weight in a -1 slot."""
+
+    name = "mutant-unused-slot-weight-product"
+    version = "0.0.0+mutant"
+
+    def forward(self, config, inputs):  # type: ignore[override]
+        results = super().forward(config, inputs)
+        out = []
+        for res, inp in zip(results, inputs):
+            w = np.asarray(inp.topk_weights).astype(np.float64)
+            unused = np.asarray(inp.topk_idx) < 0
+            bad_rows = (unused & ~np.isfinite(w)).any(axis=1)
+            if bad_rows.any():
+                vals = W.decode(res.output)
+                vals[bad_rows] = np.nan
+                res = type(res)(W.encode_output(config, vals), res.fc1_c, res.route_metadata)
+            out.append(res)
+        return out
+
+
+def _mxfp8_exponent_float32_log2(amax: np.ndarray) -> np.ndarray:
+    safe = np.where((amax > 0) & np.isfinite(amax), amax, 448.0)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        e = np.ceil(np.log2(safe.astype(np.float32) / np.float32(448.0))).astype(np.int64)
+    return np.clip(e, -127, 127)
+
+
+class Mxfp8ScaleFloat32Log2(Mutant):
+    """Section 8.3: the exponent ``ceil(log2(amax / 448))`` must be evaluated
+    exactly; float32 ``log2`` picks a scale one binade too small a few ulps above
+    ``448 * 2^k`` (the bug the spec names). The scale code is one too small and
+    the block's elements in the E4M3 subnormal range round differently (normal
+    elements and the saturated maximum decode to the same values). SUITE GAP:
+    random conformance data essentially never lands within a few ulps of a
+    binade edge, and where the budget is non-zero (output encode) both scale
+    codes are allowed anyway; only an exact round trip (combine's
+    ``combine_format``) of a crafted row would catch it. The golden vectors of
+    ``tests/test_formats.py`` cover ``moe_ep_spec.formats``, not backends."""
+
+    name = "mutant-mxfp8-scale-float32-log2"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        return [(F, "_mxfp8_scale_exponent", lambda orig: _mxfp8_exponent_float32_log2)]
+
+
+#: The mutants the conformance suite must catch.
+MUTANTS: Tuple[Type[ReferenceBackend], ...] = (
+    GateUpSwapped,
+    ClampGateBothSides,
+    RouterWeightTwice,
+    RouterWeightIgnored,
+    UnusedSlotAsExpertZero,
+    RoundRobinPlacement,
+    CombineRoundTripSkipped,
+    Mxfp8ScaleRoundedToNearest,
+    Nvfp4NibblesSwapped,
+    SourceMajorRows,
+    BackwardWithoutClampMask,
+    PaddingNanLeak,
+    CombineReadsPadding,
+    NoTopkRangeCheck,
+    Bf16OutputTruncated,
+    SlotSumInBf16,
+    TopkPlacementIgnored,
+    StashAfterClamp,
+    ModifiesInputs,
+    # Found as suite gaps by these mutants; caught since the table grew cases for them
+    # (bf16 router weights, NaN weights in -1 slots, combine edge values).
+    Bf16RouterWeightAsBits,
+    UnusedSlotWeightProduct,
+    Mxfp8ScaleFloat32Log2,
+)
+
+#: Mutants of rules the conformance table does not exercise (known suite gaps): none.
+GAP_MUTANTS: Tuple[Type[ReferenceBackend], ...] = ()
+
+ALL_MUTANTS = MUTANTS + GAP_MUTANTS
+
+_names: Dict[str, Type[ReferenceBackend]] = {}
+for _cls in ALL_MUTANTS:
+    assert _cls.name not in _names and _cls.name.startswith("mutant-"), _cls.name
+    assert (_cls.__doc__ or "").strip(), f"{_cls.name} needs a docstring naming its rule"
+    _names[_cls.name] = _cls
+del _names, _cls

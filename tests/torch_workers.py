@@ -1,0 +1,135 @@
+"""Functions that run in spawned rank processes for tests/test_torch_backend.py."""
+
+from __future__ import annotations
+
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List
+
+import numpy as np
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, out: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        _init(rank, world, port)
+        out.put((rank, "ok", fn(rank, *args)))
+    except BaseException as exc:  # noqa: BLE001
+        out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> List[Any]:
+    """Run ``fn(rank, *args)`` in ``world`` spawned processes with a gloo group on
+    loopback; return the per-rank results (or ``("error", text)``)."""
+    import multiprocessing as mp
+
+    from moe_ep_spec.launch import free_loopback_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_loopback_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, out), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    try:
+        for _ in range(world):
+            rank, kind, value = out.get(timeout=timeout)
+            results[rank] = value if kind == "ok" else ("error", value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+def _torch_inputs(world_inputs, rank: int):
+    import torch
+
+    w = world_inputs[rank]
+    act = torch.from_numpy(np.asarray(w.activation, dtype=np.float32)).requires_grad_()
+    fc1 = torch.from_numpy(np.asarray(w.fc1_weight, dtype=np.float32)).requires_grad_()
+    fc2 = torch.from_numpy(np.asarray(w.fc2_weight, dtype=np.float32)).requires_grad_()
+    idx = torch.from_numpy(w.topk_idx.astype(np.int64))
+    tw = torch.from_numpy(w.topk_weights.astype(np.float32)).requires_grad_()
+    return act, fc1, fc2, idx, tw
+
+
+def training_step(rank: int, config, world_inputs, grad_outputs) -> dict:
+    """One forward + loss.backward() through moe_ep; returns output and grads."""
+    import torch
+
+    from moe_ep_torch.api import moe_ep
+
+    act, fc1, fc2, idx, tw = _torch_inputs(world_inputs, rank)
+    out = moe_ep(act, fc1, fc2, idx, tw, config=config)
+    g = torch.from_numpy(grad_outputs[rank].astype(np.float32))
+    loss = (out.float() * g).sum()
+    loss.backward()
+    return {
+        "output": out.detach().view(torch.int16).numpy(),
+        "grad_activation": act.grad.numpy(),
+        "grad_fc1_weight": fc1.grad.numpy(),
+        "grad_fc2_weight": fc2.grad.numpy(),
+        "grad_topk_weights": tw.grad.numpy(),
+    }
+
+
+def autograd_grad(rank: int, config, world_inputs, grad_outputs) -> dict:
+    """torch.autograd.grad of the same loss."""
+    import torch
+
+    from moe_ep_torch.api import moe_ep
+
+    act, fc1, fc2, idx, tw = _torch_inputs(world_inputs, rank)
+    out = moe_ep(act, fc1, fc2, idx, tw, config=config)
+    g = torch.from_numpy(grad_outputs[rank].astype(np.float32))
+    grads = torch.autograd.grad((out.float() * g).sum(), [act, fc1, fc2, tw])
+    return {k: v.numpy() for k, v in zip(("grad_activation", "grad_fc1_weight", "grad_fc2_weight", "grad_topk_weights"), grads)}
+
+
+def opcheck(rank: int, config, world_inputs) -> str:
+    import torch
+
+    from moe_ep_torch import api
+
+    act, fc1, fc2, idx, tw = _torch_inputs(world_inputs, rank)
+    args = (act, fc1, fc2, idx, tw, api.config_to_json(config), torch.distributed.group.WORLD.group_name)
+    torch.library.opcheck(torch.ops.moe_ep.forward.default, args)
+    return "ok"
+
+
+def expect_error(rank: int, config, world_inputs, bad_rank: int, mutate: str) -> str:
+    """Call moe_ep with a defect on ``bad_rank``; return the error class name and message."""
+    import torch
+
+    from moe_ep_torch.api import moe_ep
+
+    act, fc1, fc2, idx, tw = _torch_inputs(world_inputs, rank)
+    if rank == bad_rank:
+        if mutate == "expert_id":
+            idx = idx.clone()
+            idx[0, 0] = config.num_experts
+        elif mutate == "shape":
+            act = torch.zeros(act.shape[0], config.hidden + 1, requires_grad=True)
+        elif mutate == "config":
+            config = config.replace(gate_up_clamp=3.0)
+    try:
+        with torch.no_grad():
+            moe_ep(act.detach(), fc1.detach(), fc2.detach(), idx, tw.detach(), config=config)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
