@@ -170,6 +170,9 @@ class BackendNotFoundError(BackendError, LookupError):
     def __str__(self) -> str:  # LookupError would quote the message otherwise
         return str(self.args[0])
 
+    def __reduce__(self) -> tuple:  # survive pickling between rank processes
+        return (type(self), (self.name, self.registered, self.suggestion))
+
 
 class BackendUnavailableError(BackendError, RuntimeError):
     """The backend is registered but cannot run here. Attributes: ``name`` and
@@ -179,3 +182,6 @@ class BackendUnavailableError(BackendError, RuntimeError):
         super().__init__(f"MoeEp backend {name!r} is not available: {reason}")
         self.name = name
         self.reason = reason
+
+    def __reduce__(self) -> tuple:  # survive pickling between rank processes
+        return (type(self), (self.name, self.reason))

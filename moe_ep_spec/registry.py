@@ -224,7 +224,7 @@ class Registry:
         backend = self._backends.get(name)
         if backend is None:
             names = sorted(self._backends)
-            close = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.5)
+            close = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.6)
             raise BackendNotFoundError(name, names, close[0] if close else None)
         if require_available:
             availability = backend.availability()

@@ -25,6 +25,8 @@ def add_command(subparsers: Any) -> None:
     p.add_argument("--xfail-file", action="append", metavar="PATH", help="expected failures file (repeatable)")
     p.add_argument("--tolerance-file", action="append", metavar="PATH", help="tolerance overrides file (repeatable)")
     p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="per-case time limit")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where process-per-rank backends run their ranks (cuda: rank r on cuda:r)")
     p.add_argument("--isolate", action="store_true", help="run world backends' cases in their own processes")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     p.add_argument("-v", "--verbose", action="count", default=0, help="list every test")
@@ -61,7 +63,7 @@ def pytest_args(args: argparse.Namespace) -> List[str]:
         out += ["--xfail-file", os.path.abspath(f)]
     for f in args.tolerance_file or []:
         out += ["--tolerance-file", os.path.abspath(f)]
-    out += ["--case-timeout", str(args.timeout)]
+    out += ["--case-timeout", str(args.timeout), "--device", args.device]
     if args.isolate:
         out.append("--isolate")
     if args.exitfirst:
@@ -74,4 +76,8 @@ def pytest_args(args: argparse.Namespace) -> List[str]:
 def run(args: argparse.Namespace) -> int:
     import pytest
 
+    import moe_ep_spec
+
+    for name in args.backend or []:
+        moe_ep_spec.get_backend(name)  # unknown or unavailable: `moe-ep: error: ...`, exit 2
     return int(pytest.main(pytest_args(args)))

@@ -47,6 +47,7 @@ class _State:
         self.expectations = Expectations.load(opt("moe_ep_xfail_file") or (), opt("moe_ep_tolerance_file") or ())
         self.timeout_s: float = opt("moe_ep_timeout")
         self.isolate: bool = opt("moe_ep_isolate")
+        self.device: str = opt("moe_ep_device")
         self.report_json: Optional[str] = opt("moe_ep_report_json")
         self.report_md: Optional[str] = opt("moe_ep_report_md")
         self.results: Dict[str, CaseResult] = {}
@@ -89,19 +90,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="tolerance overrides: 'PATTERN FACTOR' per line (repeatable)")
     group.addoption("--case-timeout", dest="moe_ep_timeout", type=float, default=120.0, metavar="SECONDS",
                     help="a case that takes longer fails (process-per-rank backends, or with --isolate)")
+    group.addoption("--device", dest="moe_ep_device", choices=("cpu", "cuda"), default="cpu",
+                    help="where process-per-rank backends run their ranks (cuda: rank r on cuda:r)")
     group.addoption("--isolate", dest="moe_ep_isolate", action="store_true",
                     help="run every case of a world backend in its own process (hangs and crashes fail the case)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_STATE] = _State(config)
+    try:
+        config.stash[_STATE] = _State(config)
+    except moe_ep_spec.MoeEpError as exc:  # unknown or unavailable backend: a usage error, not a crash
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_report_header(config: pytest.Config) -> List[str]:
     state = config.stash[_STATE]
     lines = [
         f"moe-ep-spec {moe_ep_spec.__version__}; python {platform.python_version()}; "
-        f"cases per backend: {len(state.cases)}",
+        f"cases per backend: {len(state.cases)}; process-per-rank device: {state.device}",
     ]
     for b in state.backends:
         fw = ", ".join(f"{k} {v}" for k, v in _framework_versions(b).items())
@@ -145,7 +151,7 @@ def run(request: pytest.FixtureRequest, backend: moe_ep_spec.MoeEpBackend, case:
     test_id = case.test_id(backend.name)
     factor = state.expectations.factor_for(test_id)
     runner = run_case_isolated if state.isolate else run_case
-    result = runner(backend, case, timeout_s=state.timeout_s, tolerance_factor=factor)
+    result = runner(backend, case, timeout_s=state.timeout_s, tolerance_factor=factor, device=state.device)
     state.results[request.node.nodeid] = result
     if result.outcome == "skipped":
         pytest.skip(result.reason)

@@ -296,8 +296,11 @@ def _edge_rows(rng: np.random.Generator, rows: np.ndarray, padding: np.ndarray, 
 
 
 class _Runner:
-    def __init__(self, backend: MoeEpBackend, reference: MoeEpBackend, case: Case, timeout_s: float, factor: float):
+    def __init__(
+        self, backend: MoeEpBackend, reference: MoeEpBackend, case: Case, timeout_s: float, factor: float, device: str
+    ):
         self.backend = backend
+        self.devices = _devices(device, case.num_ranks)
         self.reference = reference
         self.case = case
         self.config = case.config()
@@ -306,7 +309,7 @@ class _Runner:
         self.rng = np.random.default_rng(case.seed + 1)
 
     def call(self, op: str, *args: Any) -> List[Any]:
-        return call_world(self.backend, op, self.config, *args, timeout_s=self.timeout_s)
+        return call_world(self.backend, op, self.config, *args, timeout_s=self.timeout_s, devices=self.devices)
 
     def call_unchanged(self, op: str, *args: Any) -> List[Any]:
         before = _snapshot(args)
@@ -391,7 +394,9 @@ class _Runner:
                 for t in poisoned.get(r, []):
                     g[t, 5] = np.nan
                 grads.append(g)
-            got_b = call_world(self.backend, "backward", cfg_c, clean_world, grads, stash, timeout_s=self.timeout_s)
+            got_b = call_world(
+                self.backend, "backward", cfg_c, clean_world, grads, stash, timeout_s=self.timeout_s, devices=self.devices
+            )
             ref_b = self.reference.backward(cfg_c, clean_world, grads, stash)
             bud_b = self.reference.backward_budget(cfg_c, clean_world, grads, stash)  # type: ignore[attr-defined]
             for r in range(cfg.num_ranks):
@@ -551,7 +556,7 @@ class _Runner:
         args: List[Any] = [world] if op == "forward" else [_dispatch_world(world)]
         before = _snapshot(args)
         try:
-            call_world(self.backend, op, config, *args, timeout_s=self.timeout_s)
+            call_world(self.backend, op, config, *args, timeout_s=self.timeout_s, devices=self.devices)
         except expected as exc:
             checks = [Check(f"raises {error_name}", True, message=f"{type(exc).__name__}: {exc}")]
             if not str(exc).strip():
@@ -590,6 +595,15 @@ _OPS: Dict[str, Callable[[_Runner], List[Check]]] = {
 }
 
 
+def _devices(device: str, num_ranks: int) -> List[str]:
+    """Per-rank devices: ``cpu`` for all, or ``cuda`` -> ``cuda:0 .. cuda:n-1``."""
+    if device == "cpu":
+        return ["cpu"] * num_ranks
+    if device == "cuda":
+        return [f"cuda:{r}" for r in range(num_ranks)]
+    raise ValueError(f"device must be 'cpu' or 'cuda'; got {device!r}")
+
+
 def run_case(
     backend: MoeEpBackend,
     case: Case,
@@ -597,8 +611,12 @@ def run_case(
     reference: Optional[MoeEpBackend] = None,
     timeout_s: float = 120.0,
     tolerance_factor: float = 1.0,
+    device: str = "cpu",
 ) -> CaseResult:
-    """Run ``case`` on ``backend``, judge it against the reference, never raise."""
+    """Run ``case`` on ``backend``, judge it against the reference, never raise.
+
+    ``device``: where a process-per-rank backend's ranks run (``cpu``, or
+    ``cuda``: rank r on ``cuda:r``). World backends choose their own device."""
     reference = reference or moe_ep_spec.get_backend("reference")
     test_id = case.test_id(backend.name)
     start = time.perf_counter()
@@ -612,7 +630,7 @@ def run_case(
         if reason is not None and BAD_INPUTS[case.bad or ""][0] != "config":
             result.outcome, result.reason = "skipped", reason
             return result
-        runner = _Runner(backend, reference, case, timeout_s, tolerance_factor)
+        runner = _Runner(backend, reference, case, timeout_s, tolerance_factor, device)
         result.checks = _OPS[case.op](runner)
     except _Fail as exc:
         result.checks.append(Check("run", False, float("inf"), 0.0, str(exc)))
@@ -631,19 +649,21 @@ def run_case(
     return result
 
 
-def _isolated_main(backend: MoeEpBackend, case: Case, timeout_s: float, factor: float, out: Any) -> None:
-    res = run_case(backend, case, timeout_s=timeout_s, tolerance_factor=factor)
+def _isolated_main(backend: MoeEpBackend, case: Case, timeout_s: float, factor: float, device: str, out: Any) -> None:
+    res = run_case(backend, case, timeout_s=timeout_s, tolerance_factor=factor, device=device)
     out.put(pickle.dumps(res))
 
 
 def run_case_isolated(
-    backend: MoeEpBackend, case: Case, *, timeout_s: float = 120.0, tolerance_factor: float = 1.0
+    backend: MoeEpBackend, case: Case, *, timeout_s: float = 120.0, tolerance_factor: float = 1.0, device: str = "cpu"
 ) -> CaseResult:
     """:func:`run_case` in a fresh process, so that a world backend that hangs or
     crashes fails its case within ``timeout_s`` instead of stopping the run."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_isolated_main, args=(backend, case, timeout_s, tolerance_factor, out), daemon=True)
+    proc = ctx.Process(
+        target=_isolated_main, args=(backend, case, timeout_s, tolerance_factor, device, out), daemon=True
+    )
     start = time.perf_counter()
     proc.start()
     try:
@@ -673,9 +693,14 @@ def run_case_isolated(
 
 
 def run_cases(
-    backend: MoeEpBackend, cases: Sequence[Case], *, timeout_s: float = 120.0, isolate: bool = False
+    backend: MoeEpBackend,
+    cases: Sequence[Case],
+    *,
+    timeout_s: float = 120.0,
+    isolate: bool = False,
+    device: str = "cpu",
 ) -> List[CaseResult]:
     """Run many cases (no pytest): the library entry point, used by the
     suite's own tests (mutants) and by scripts."""
     runner = run_case_isolated if isolate else run_case
-    return [runner(backend, c, timeout_s=timeout_s) for c in cases]
+    return [runner(backend, c, timeout_s=timeout_s, device=device) for c in cases]

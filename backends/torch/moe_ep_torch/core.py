@@ -313,6 +313,10 @@ def exchange_back(plan: Plan, parts: Sequence[torch.Tensor], group: Any) -> List
 # ----------------------------------------------------------------------------- experts
 
 
+#: Whether torch._grouped_mm is usable here (set False, with the reason, on its first failure).
+_GROUPED: Dict[str, Any] = {"ok": hasattr(torch, "_grouped_mm"), "reason": ""}
+
+
 def _matmul_per_expert(x: torch.Tensor, w: torch.Tensor, offsets: List[int], counts: List[int]) -> torch.Tensor:
     """``x[slab_e] @ w[e]`` for every local expert; float32 accumulation.
 
@@ -323,13 +327,17 @@ def _matmul_per_expert(x: torch.Tensor, w: torch.Tensor, offsets: List[int], cou
     out = torch.zeros((x.shape[0], w.shape[-1]), dtype=torch.float32, device=x.device)
     if x.shape[0] == 0:
         return out
-    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and _GROUPED["ok"]:
         # grouped_mm wants the groups packed: gather the valid rows, run, scatter back.
         rows = [r for o, c in zip(offsets[:-1], counts) for r in range(o, o + c)]
         idx = torch.tensor(rows, device=x.device, dtype=torch.int64)
         offs = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        out[idx] = torch._grouped_mm(x[idx], w, offs=offs, out_dtype=torch.float32)
-        return out
+        try:
+            out[idx] = torch._grouped_mm(x[idx], w, offs=offs, out_dtype=torch.float32)
+            return out
+        except (RuntimeError, TypeError, AttributeError) as exc:  # shape/arch limits: per-expert matmuls below
+            _GROUPED["ok"] = False
+            _GROUPED["reason"] = f"{type(exc).__name__}: {exc}"
     xf, wf = x.float(), w.float()
     for e, (o, c) in enumerate(zip(offsets[:-1], counts)):
         if c:
