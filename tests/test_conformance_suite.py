@@ -115,8 +115,16 @@ def test_case_ids_and_seeds_are_unique() -> None:
             Case("bad_input", 2, 2, 8, layout="static", bad="recv_capacity_overflow"),
             "bad_input[reference-ep2-k2-e8-out_bf16-comb_bf16-in_bf16-wt_bf16-uniform-even-w_fc1-noclamp-static-bad_recv_capacity_overflow]",
         ),
+        (
+            Case("forward", 2, 2, 8, router_format="bf16", routing="unused_mixed"),
+            "forward[reference-ep2-k2-e8-out_bf16-comb_bf16-in_bf16-wt_bf16-tw_bf16-unused_mixed-even-w_fc1-noclamp-dynamic]",
+        ),
+        (
+            Case("combine", 2, 1, 4, combine_format="nvfp4", values="edges"),
+            "combine[reference-ep2-k1-e4-out_bf16-comb_nvfp4-in_bf16-wt_bf16-uniform-even-w_fc1-noclamp-dynamic-edges]",
+        ),
     ],
-    ids=["base", "intermediate", "stash-k8", "combine-k8", "zero-rank", "bad-input"],
+    ids=["base", "intermediate", "stash-k8", "combine-k8", "zero-rank", "bad-input", "bf16-router", "edges"],
 )
 def test_pinned_ids(case: Case, test_id: str) -> None:
     assert case.test_id("reference") == test_id
@@ -138,8 +146,9 @@ def test_ids_are_stable() -> None:
 def test_full_table_covers_every_operation_and_ep_size() -> None:
     assert {c.op for c in FULL} == set(OPERATIONS)
     assert {c.num_ranks for c in FULL} == {1, 2, 4}
-    for op in ("forward", "forward_stash", "backward", *LAYERED):
+    for op in ("forward", "forward_stash", "backward", *LAYERED, "nan_isolation"):
         assert {c.num_ranks for c in FULL if c.op == op} == {1, 2, 4}, op
+    assert {c.num_ranks for c in FULL if c.op == "bad_input"} == {1, 2}
     assert {c.bad for c in FULL if c.op == "bad_input"} == set(BAD_INPUTS)
     for fmt in ("bf16", "mxfp8", "nvfp4"):
         assert any(c.output_format == fmt for c in FULL)
@@ -152,6 +161,8 @@ def test_full_table_covers_every_operation_and_ep_size() -> None:
         ("weights_in", {"fc1", "fc2"}),
         ("clamp", {False, True}),
         ("layout", {"dynamic", "static"}),
+        ("router_format", {"fp32", "bf16"}),
+        ("values", {"random", "edges"}),
     ):
         assert {getattr(c, axis) for c in FULL} == values, axis
 
@@ -300,6 +311,21 @@ class NudgedDispatchWeights(ReferenceBackend):
         return [dataclasses.replace(d, topk_weights=np.nextafter(d.topk_weights, np.float32(np.inf))) for d in out]
 
 
+class Int32Counts(ReferenceBackend):
+    """Wrong on purpose: tokens_per_expert as int32 (the spec says int64)."""
+
+    name = "int32-counts"
+
+    def dispatch(self, config, inputs):
+        out = super().dispatch(config, inputs)
+        return [
+            dataclasses.replace(
+                d, handle=dataclasses.replace(d.handle, tokens_per_expert=d.handle.tokens_per_expert.astype(np.int32))
+            )
+            for d in out
+        ]
+
+
 class ScrubsNaN(ReferenceBackend):
     """Wrong on purpose: replaces non-finite outputs by 0 (section 13.5 says NaN must
     appear exactly where the reference has NaN)."""
@@ -405,8 +431,13 @@ def test_a_raising_backend_fails_the_case() -> None:
             Case("backward", 2, 2, 8, clamp=True),
             "rank 0 grad_activation: expected ndarray(float32, shape=(6, 64)); got ndarray(float64, shape=(6, 64))",
         ),
+        (
+            Int32Counts(),
+            Case("dispatch", 2, 2, 8),
+            "rank 0 tokens_per_expert: expected ndarray(int64, shape=(4,)); got ndarray(int32, shape=(4,))",
+        ),
     ],
-    ids=["float32-for-bf16", "short", "plain-for-mxfp8", "float64-grad"],
+    ids=["float32-for-bf16", "short", "plain-for-mxfp8", "float64-grad", "int32-counts"],
 )
 def test_wrong_type_shape_or_dtype_names_expected_and_got(backend: MoeEpBackend, case: Case, message: str) -> None:
     r = run_case(backend, _in_table(case))
@@ -473,15 +504,11 @@ def test_bad_input_needs_the_spec_error_class() -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="conformance gap: nan_isolation leaves the poisoned tokens' own rows unchecked and no other case "
-    "feeds non-finite inputs, so a backend that turns NaN/inf outputs into 0 (against spec 13.5) passes",
-)
 def test_a_nan_scrubbing_backend_is_caught() -> None:
-    case = _in_table(Case("nan_isolation", 2, 2, 8))
+    case = _in_table(Case("nan_isolation", 2, 2, 8, routing="unused_mixed"))
     r = run_case(ScrubsNaN(), case)
     assert r.outcome == "failed", r.describe()
+    assert "of the poisoned tokens are finite where the reference is NaN/inf" in r.reason
 
 
 # ===================================================================== process-per-rank
@@ -525,12 +552,6 @@ def test_crashing_rank_fails(close_rank_pools: None) -> None:
     assert r.reason.startswith("backend raised RankCrashError: forward: rank 1 ended with exit code 17")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="run_case_isolated runs the case in a daemonic process, which may not start the rank processes "
-    "of a process-per-rank backend: every case fails with 'daemonic processes are not allowed to have "
-    "children' (so `moe-ep conformance --isolate` fails every case of such a backend)",
-)
 def test_isolated_process_per_rank_backend_passes() -> None:
     r = run_case_isolated(LOOPBACK, _in_table(BASE), timeout_s=60)
     assert r.outcome == "passed", r.describe()
@@ -576,10 +597,10 @@ def test_tolerance_file(tmp_path: Path) -> None:
         ("xfail", "forward[a-*]\nforward[b-*] 2\n", "{path}:2: an expected-failure entry is one test-id pattern; got 'forward[b-*] 2'"),
         ("tolerance", "forward[a-*]\n", "{path}:1: a tolerance entry is 'PATTERN FACTOR'; got 'forward[a-*]'"),
         ("tolerance", "# c\nforward[a-*] 2 3\n", "{path}:2: a tolerance entry is 'PATTERN FACTOR'; got 'forward[a-*] 2 3'"),
-        ("tolerance", "forward[a-*] two\n", "{path}:1: FACTOR must be a number > 0; got 'two'"),
-        ("tolerance", "forward[a-*] 0\n", "{path}:1: FACTOR must be a number > 0; got 0.0"),
-        ("tolerance", "forward[a-*] -2\n", "{path}:1: FACTOR must be a number > 0; got -2.0"),
-        ("tolerance", "forward[a-*] nan\n", "{path}:1: FACTOR must be a number > 0; got nan"),
+        ("tolerance", "forward[a-*] two\n", "{path}:1: FACTOR must be a finite number > 0; got 'two'"),
+        ("tolerance", "forward[a-*] 0\n", "{path}:1: FACTOR must be a finite number > 0; got 0.0"),
+        ("tolerance", "forward[a-*] -2\n", "{path}:1: FACTOR must be a finite number > 0; got -2.0"),
+        ("tolerance", "forward[a-*] nan\n", "{path}:1: FACTOR must be a finite number > 0; got nan"),
     ],
 )
 def test_malformed_expectation_files(tmp_path: Path, kind: str, text: str, message: str) -> None:
@@ -815,12 +836,6 @@ def test_cli_keyword_selection(tmp_path: Path) -> None:
     assert f'tests="{len(wanted)}"' in (tmp_path / "junit.xml").read_text()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stale tolerance entries are decided by the tests that ran, stale expected-failure entries by the "
-    "tests collected before -k/-x deselection: a tolerance entry whose tests are only deselected (or not "
-    "reached after -x) is reported STALE, an expected-failure entry in the same position is not",
-)
 def test_cli_deselected_tolerance_entry_is_not_stale(tmp_path: Path) -> None:
     (tmp_path / "tol.txt").write_text("forward[reference-*]  2\n")
     (tmp_path / "xfail.txt").write_text("backward[reference-*]\n")
@@ -890,8 +905,6 @@ class _Background:
 _BACKGROUND = _Background()
 
 
-
-
 def test_isolated_world_backend_passes() -> None:
     r = run_case_isolated(REFERENCE, _in_table(BASE), timeout_s=60)
     assert r.outcome == "passed", r.describe()
@@ -911,12 +924,6 @@ def test_isolated_crash_becomes_a_failed_case() -> None:
     assert result.reason == "the case's process died with exit code 3 and no result"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="run_case_isolated waits timeout_s + 30 s for the result (out.get(timeout=timeout_s + 30)) and does "
-    "not watch the process, so a hang or crash is reported ~30 s after timeout_s, not 'within timeout_s' as "
-    "its docstring and --case-timeout's help say",
-)
 def test_isolated_hang_is_reported_within_timeout_s() -> None:
     _, elapsed = _BACKGROUND.get("hang")
     assert elapsed < ISOLATED_TIMEOUT_S + 15  # 15 s for spawning the process and importing numpy

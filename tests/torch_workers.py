@@ -69,18 +69,23 @@ def _torch_inputs(world_inputs, rank: int):
 
 
 def training_step(rank: int, config, world_inputs, grad_outputs) -> dict:
-    """One forward + loss.backward() through moe_ep; returns output and grads."""
+    """One forward + loss.backward() through the differentiable op; returns the
+    output, the op's own stash (what its backward used) and the grads."""
     import torch
 
-    from moe_ep_torch.api import moe_ep
+    from moe_ep_torch import api
 
     act, fc1, fc2, idx, tw = _torch_inputs(world_inputs, rank)
-    out = moe_ep(act, fc1, fc2, idx, tw, config=config)
+    out, fc1_c, meta = torch.ops.moe_ep.forward(
+        act, fc1, fc2, idx, tw, api.config_to_json(config), torch.distributed.group.WORLD.group_name
+    )
     g = torch.from_numpy(grad_outputs[rank].astype(np.float32))
     loss = (out.float() * g).sum()
     loss.backward()
     return {
         "output": out.detach().view(torch.int16).numpy(),
+        "fc1_c": fc1_c.view(torch.int16).numpy(),
+        "route_metadata": meta.numpy(),
         "grad_activation": act.grad.numpy(),
         "grad_fc1_weight": fc1.grad.numpy(),
         "grad_fc2_weight": fc2.grad.numpy(),

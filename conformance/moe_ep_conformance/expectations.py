@@ -80,9 +80,9 @@ def load_tolerance_file(path: str) -> List[Entry]:
         try:
             factor = float(parts[1])
         except ValueError:
-            raise ExpectationError(f"{path}:{number}: FACTOR must be a number > 0; got {parts[1]!r}") from None
-        if not factor > 0:
-            raise ExpectationError(f"{path}:{number}: FACTOR must be a number > 0; got {factor}")
+            raise ExpectationError(f"{path}:{number}: FACTOR must be a finite number > 0; got {parts[1]!r}") from None
+        if not (factor > 0 and factor != float("inf")):
+            raise ExpectationError(f"{path}:{number}: FACTOR must be a finite number > 0; got {factor}")
         entries.append(Entry(parts[0], comment, f"{path}:{number}", factor))
     return entries
 

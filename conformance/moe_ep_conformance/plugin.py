@@ -22,7 +22,7 @@ import pytest
 import moe_ep_spec
 
 from .cases import Case, all_cases
-from .expectations import Expectations
+from .expectations import ExpectationError, Expectations
 from .report import Record, Report
 from .runner import CaseResult, run_case, run_case_isolated
 
@@ -99,7 +99,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     try:
         config.stash[_STATE] = _State(config)
-    except moe_ep_spec.MoeEpError as exc:  # unknown or unavailable backend: a usage error, not a crash
+    except (moe_ep_spec.MoeEpError, ExpectationError) as exc:  # a usage error, not a crash
         raise pytest.UsageError(str(exc)) from None
 
 
@@ -139,6 +139,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     state = config.stash[_STATE]
     for item in items:
+        state.expectations.factor_for(item.name)  # an entry matching a collected test is not stale
         entry = state.expectations.xfail_for(item.name)
         if entry is not None:
             state.xfail_reasons[item.name] = entry.reason
@@ -150,7 +151,9 @@ def run(request: pytest.FixtureRequest, backend: moe_ep_spec.MoeEpBackend, case:
     state = request.config.stash[_STATE]
     test_id = case.test_id(backend.name)
     factor = state.expectations.factor_for(test_id)
-    runner = run_case_isolated if state.isolate else run_case
+    # Process-per-rank backends already run in their own processes (with deadlines).
+    isolate = state.isolate and backend.capabilities.launch is moe_ep_spec.Launch.WORLD
+    runner = run_case_isolated if isolate else run_case
     result = runner(backend, case, timeout_s=state.timeout_s, tolerance_factor=factor, device=state.device)
     state.results[request.node.nodeid] = result
     if result.outcome == "skipped":
@@ -173,6 +176,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Any:
         final = rep.outcome
     if final == "failed" and result.outcome == "passed":  # e.g. strict xpass
         final = "xpassed"
+    if final == "xpassed" and not result.reason:
+        result.reason = f"passed, but an expected-failure entry names it: {state.xfail_reasons.get(item.name, '')}"
     state.report.records.append(Record(result, final, state.xfail_reasons.get(item.name, "")))
 
 

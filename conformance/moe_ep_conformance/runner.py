@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import pickle
+import queue as queue_module
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import moe_ep_spec
 from moe_ep_spec import (
     BlockScaledTensor,
     DispatchInputs,
+    Launch,
     MoeEpBackend,
     MoeEpConfig,
     MoeFormat,
@@ -418,7 +420,17 @@ class _Runner:
             return [Check(name, False, float("inf"), 0.0, f"{name}: shape {g_dec.shape}, expected {r_dec.shape}")]
         axes = tuple(range(1, g_dec.ndim))
         leaked = ~np.isfinite(g_dec).all(axis=axes) & keep
+        g_bad, r_bad = g_dec[~keep], r_dec[~keep]
+        scrubbed = ~np.isfinite(r_bad) & np.isfinite(g_bad)
         checks = [
+            Check(
+                f"{name} poisoned tokens",
+                not scrubbed.any(),
+                float("inf") if scrubbed.any() else 0.0,
+                0.0,
+                f"{name}: {int(scrubbed.sum())} element(s) of the poisoned tokens are finite where the reference is "
+                f"NaN/inf (a NaN must propagate, not be replaced)" if scrubbed.any() else "",
+            ),
             Check(
                 f"{name} clean tokens finite",
                 not leaked.any(),
@@ -649,6 +661,10 @@ def run_case(
     return result
 
 
+#: Seconds an isolated case's process gets to start (spawn, imports) on top of timeout_s.
+_STARTUP_S = 10.0
+
+
 def _isolated_main(backend: MoeEpBackend, case: Case, timeout_s: float, factor: float, device: str, out: Any) -> None:
     res = run_case(backend, case, timeout_s=timeout_s, tolerance_factor=factor, device=device)
     out.put(pickle.dumps(res))
@@ -658,7 +674,12 @@ def run_case_isolated(
     backend: MoeEpBackend, case: Case, *, timeout_s: float = 120.0, tolerance_factor: float = 1.0, device: str = "cpu"
 ) -> CaseResult:
     """:func:`run_case` in a fresh process, so that a world backend that hangs or
-    crashes fails its case within ``timeout_s`` instead of stopping the run."""
+    crashes fails its case within ``timeout_s`` (plus 10 s for the process to
+    start) instead of stopping the run.
+    Process-per-rank backends already run in their own processes with a
+    deadline: for them this is :func:`run_case`."""
+    if backend.capabilities.launch is not Launch.WORLD:
+        return run_case(backend, case, timeout_s=timeout_s, tolerance_factor=tolerance_factor, device=device)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(
@@ -666,15 +687,22 @@ def run_case_isolated(
     )
     start = time.perf_counter()
     proc.start()
+    deadline = start + timeout_s + _STARTUP_S
     try:
-        return pickle.loads(out.get(timeout=timeout_s + 30))
-    except Exception:  # noqa: BLE001 - queue.Empty or a dead process
-        alive = proc.is_alive()
-        message = (
-            f"no result within timeout_s = {timeout_s:g}: the backend hung"
-            if alive
-            else f"the case's process died with exit code {proc.exitcode} and no result"
-        )
+        while True:
+            try:
+                return pickle.loads(out.get(timeout=0.1))
+            except queue_module.Empty:
+                if not proc.is_alive():  # a result may still be in the pipe
+                    try:
+                        return pickle.loads(out.get(timeout=1.0))
+                    except queue_module.Empty:
+                        pass
+                    message = f"the case's process died with exit code {proc.exitcode} and no result"
+                    break
+                if time.perf_counter() > deadline:
+                    message = f"no result within timeout_s = {timeout_s:g}: the backend hung"
+                    break
         return CaseResult(
             case.test_id(backend.name),
             backend.name,
