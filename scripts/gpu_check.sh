@@ -38,4 +38,6 @@ if [ "$gpus" -ge 2 ]; then
   echo "== autograd training step over NCCL, 2 ranks"
   "$py" scripts/gpu_training_step.py 2 | tee "$out/training-step-nccl.txt" || status=1
 fi
+echo "== torch backend tests (the CUDA ones run here only)"
+"$py" -m pytest -q -p no:cacheprovider tests/test_torch_backend.py 2>&1 | tail -n 15 | tee "$out/test-torch-backend.txt" || status=1
 exit $status

@@ -117,3 +117,31 @@ def test_process_group_size_must_match_num_ranks() -> None:
     one_rank = config.replace(num_ranks=1, num_experts=2)
     got = W.run_ranks(W.expect_error, 2, one_rank, world, -1, "none")
     assert all(g.startswith("ConfigError: rank ") and "the process group's size must equal num_ranks = 1; got 2" in g for g in got), got
+
+
+CUDA2 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (run on the device machine)"
+)
+
+
+@CUDA2
+def test_nccl_rejects_tensors_on_the_wrong_device() -> None:
+    config = MoeEpConfig(num_experts=4, hidden=32, intermediate=16, num_topk=2, num_ranks=2)
+    world = _world(config, [4, 4], seed=9)
+    got = W.run_ranks(W.cuda_device_errors, 2, config, world, backend="nccl")
+    for r, lines in enumerate(got):
+        assert lines[0] == f"cpu tensors: DeviceError: rank {r}: an NCCL process group needs CUDA tensors; got tensors on cpu", lines
+        assert lines[1].startswith(f"weight on cpu: DeviceError: rank {r}: fc1_weight must be on the activation's device cuda:{r}; got cpu"), lines
+
+
+@CUDA2
+def test_cuda_bf16_forward_uses_the_grouped_gemm_and_matches_the_reference() -> None:
+    config = MoeEpConfig(num_experts=8, hidden=128, intermediate=64, num_topk=2, num_ranks=2)
+    world = random_world(config, num_tokens=[33, 20], seed=10)  # bf16 activation and weights
+    got = W.run_ranks(W.cuda_grouped_gemm_used, 2, config, world, backend="nccl")
+    ref = REF.forward(config, world)
+    budget = REF.forward_budget(config, world)
+    for r in range(2):
+        assert got[r]["grouped"], got[r]["reason"]
+        c = compare(f"rank {r} output", got[r]["output"].view(BF16), ref[r].output, budget[r].output)
+        assert c.ok, c.describe()

@@ -9,19 +9,25 @@ from typing import Any, Callable, List
 import numpy as np
 
 
-def _init(rank: int, world: int, port: int) -> None:
+def _init(rank: int, world: int, port: int, backend: str) -> None:
+    import torch
     import torch.distributed as dist
 
+    extra = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device(f"cuda:{rank}")
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60),
+        **extra,
     )
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, out: Any) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, backend: str, args: tuple, out: Any) -> None:
     import torch.distributed as dist
 
     try:
-        _init(rank, world, port)
+        _init(rank, world, port, backend)
         out.put((rank, "ok", fn(rank, *args)))
     except BaseException as exc:  # noqa: BLE001
         out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -30,9 +36,10 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> List[Any]:
-    """Run ``fn(rank, *args)`` in ``world`` spawned processes with a gloo group on
-    loopback; return the per-rank results (or ``("error", text)``)."""
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0, backend: str = "gloo") -> List[Any]:
+    """Run ``fn(rank, *args)`` in ``world`` spawned processes with a process group
+    (gloo, or nccl with rank r on cuda:r) on loopback; return the per-rank results
+    (or ``("error", text)``)."""
     import multiprocessing as mp
 
     from moe_ep_spec.launch import free_loopback_port
@@ -40,7 +47,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_loopback_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, out), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, backend, args, out), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict = {}
@@ -138,3 +145,42 @@ def expect_error(rank: int, config, world_inputs, bad_rank: int, mutate: str) ->
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def cuda_device_errors(rank: int, config, world_inputs) -> List[str]:
+    """Under NCCL: CPU tensors, and a weight on another device, are rejected."""
+    import torch
+
+    from moe_ep_torch.api import moe_ep
+
+    act, fc1, fc2, idx, tw = (t.detach() for t in _torch_inputs(world_inputs, rank))
+    dev = torch.device(f"cuda:{rank}")
+    out = []
+    for case in ("cpu tensors", "weight on cpu"):
+        args = [act, fc1, fc2, idx, tw] if case == "cpu tensors" else [act.to(dev), fc1, fc2.to(dev), idx.to(dev), tw.to(dev)]
+        try:
+            moe_ep(*args, config=config)
+            out.append(f"{case}: no error")
+        except Exception as exc:  # noqa: BLE001
+            out.append(f"{case}: {type(exc).__name__}: {exc}")
+    return out
+
+
+def cuda_grouped_gemm_used(rank: int, config, world_inputs) -> dict:
+    """A bf16 forward on CUDA: did FC1 run as one torch._grouped_mm, and does the
+    output match the CPU float32 path bit for bit?"""
+    import torch
+
+    from moe_ep_torch import core
+    from moe_ep_torch.api import moe_ep
+
+    w = world_inputs[rank]
+    dev = torch.device(f"cuda:{rank}")
+
+    def t(a):
+        return torch.from_numpy(np.asarray(a).view(np.int16)).view(torch.bfloat16).to(dev)
+
+    idx = torch.from_numpy(w.topk_idx.astype(np.int64)).to(dev)
+    tw = torch.from_numpy(w.topk_weights.astype(np.float32)).to(dev)
+    y = moe_ep(t(w.activation), t(w.fc1_weight), t(w.fc2_weight), idx, tw, config=config)
+    return {"grouped": core._GROUPED["ok"], "reason": core._GROUPED["reason"], "output": y.view(torch.int16).cpu().numpy()}

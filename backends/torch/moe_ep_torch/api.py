@@ -113,6 +113,14 @@ def _check(config: MoeEpConfig, group: Any, activation: Tensor, fc1: Any, fc2: A
         raise E.DeviceError(f"{p}a gloo process group here needs CPU tensors; got tensors on {device}")
 
 
+def _comm_device(group: Any) -> torch.device:
+    """Where this group's collectives take tensors: the current CUDA device for
+    NCCL, the CPU otherwise."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _encoding(t: Any) -> str:
     return t.format.value if isinstance(t, TorchBlockScaled) else str(t.dtype)
 
@@ -143,7 +151,7 @@ def _run_forward(config: MoeEpConfig, group: Any, activation: Any, fc1: Any, fc2
         _check(config, group, activation, fc1, fc2, idx, weights)
     except E.MoeEpError as exc:
         error = exc
-    device = activation.device if isinstance(activation, Tensor) else activation.device
+    device = _comm_device(group)  # the plan's collectives run where the group can reach, whatever the inputs
     extra = "|".join(_encoding(t) for t in (activation, fc1, fc2)) if error is None else ""
     payload = core.route_payload(activation, weights, config.num_topk) if error is None else None
     num_tokens = int(activation.shape[0]) if error is None else 0

@@ -78,7 +78,7 @@ def to_torch(x: Any, device: Any, weight: bool = False) -> Any:
     :func:`moe_ep_torch.core` decodes and transposes back."""
     import torch
 
-    from .formats import TorchBlockScaled
+    from .formats import from_raw
 
     if isinstance(x, BlockScaledTensor):
         data, scale = x.data_codes(), x.scale_codes()
@@ -86,11 +86,7 @@ def to_torch(x: Any, device: Any, weight: bool = False) -> Any:
             data, scale = np.moveaxis(data, 1, -1), np.moveaxis(scale, 1, -1)
         data_t = torch.from_numpy(np.ascontiguousarray(data)).to(device)
         scale_t = torch.from_numpy(np.ascontiguousarray(scale)).to(device)
-        if x.format is MoeFormat.MXFP8:
-            data_t = data_t.view(torch.float8_e4m3fn)
-        else:
-            scale_t = scale_t.view(torch.float8_e4m3fn)
-        return TorchBlockScaled(data_t, scale_t, x.format, x.shape[x.axis])
+        return from_raw(data_t, scale_t, x.format, x.shape[x.axis])
     a = np.asarray(x)
     if a.dtype == BF16:
         return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).to(device)
@@ -101,11 +97,11 @@ def to_numpy(x: Any) -> Any:
     """torch tensor / TorchBlockScaled -> numpy (ml_dtypes) / BlockScaledTensor blocked along axis 1."""
     import torch
 
-    from .formats import TorchBlockScaled
+    from .formats import TorchBlockScaled, raw
 
     if isinstance(x, TorchBlockScaled):
-        data = x.data.view(torch.uint8).cpu().numpy()
-        scale = x.scale.view(torch.uint8).cpu().numpy()
+        data_u8, scale_u8 = raw(x)
+        data, scale = data_u8.cpu().numpy(), scale_u8.cpu().numpy()
         fmt = x.format
         return BlockScaledTensor(
             data=data.view(fmt.data_dtype),

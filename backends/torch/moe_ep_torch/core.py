@@ -475,13 +475,15 @@ def encode_output(config: MoeEpConfig, values: torch.Tensor) -> Any:
 def gather_rows(t: Any, index: torch.Tensor) -> List[torch.Tensor]:
     """The payload parts of token rows ``index`` (plain: one tensor; block-scaled: data and scale)."""
     if isinstance(t, TF.TorchBlockScaled):
-        return [t.data[index], t.scale[index]]
+        data, scale = TF.raw(t)
+        return [data[index], scale[index]]
     return [t[index]]
 
 
 def rebuild(t: Any, parts: List[torch.Tensor]) -> Any:
+    """The tokens' encoding around moved parts (uint8 codes for block-scaled)."""
     if isinstance(t, TF.TorchBlockScaled):
-        return TF.TorchBlockScaled(parts[0], parts[1], t.format, t.n)
+        return TF.from_raw(parts[0], parts[1], t.format, t.n)
     return parts[0]
 
 

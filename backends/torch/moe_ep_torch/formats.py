@@ -18,7 +18,11 @@ import torch
 from moe_ep_spec.errors import DTypeError, FormatError, ShapeError
 from moe_ep_spec.formats import E2M1_VALUES, MoeFormat, parse_format
 
-__all__ = ["TorchBlockScaled", "quantize", "dequantize", "round_trip", "decode"]
+__all__ = ["TorchBlockScaled", "quantize", "dequantize", "round_trip", "decode", "from_raw", "raw"]
+
+#: torch's E8M0 and packed-FP4 dtypes where the installed torch has them (uint8 otherwise).
+E8M0 = getattr(torch, "float8_e8m0fnu", torch.uint8)
+FP4X2 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
 
 _E2M1 = torch.tensor(E2M1_VALUES, dtype=torch.float32)
 _E2M1_MIDS = (_E2M1[:-1] + _E2M1[1:]) / 2
@@ -30,10 +34,11 @@ class TorchBlockScaled:
     """A block-scaled tensor in torch, blocked along the LAST axis.
 
     Attributes:
-        data: mxfp8: ``[..., n] float8_e4m3fn``; nvfp4: ``[..., ceil(n/2)] uint8``
-            (two E2M1 codes a byte, element ``2j`` in the low nibble).
-        scale: ``[..., ceil(n/B)]``: mxfp8 ``uint8`` E8M0 codes, nvfp4
-            ``float8_e4m3fn``.
+        data: mxfp8: ``[..., n] float8_e4m3fn``; nvfp4: ``[..., ceil(n/2)]
+            float4_e2m1fn_x2`` (uint8 on a torch without it): two E2M1 codes a
+            byte, element ``2j`` in the low nibble.
+        scale: ``[..., ceil(n/B)]``: mxfp8 ``float8_e8m0fnu`` (uint8 on a torch
+            without it), nvfp4 ``float8_e4m3fn``.
         format: :class:`MoeFormat` ``MXFP8`` or ``NVFP4``.
         n: the logical extent of the last axis.
     """
@@ -56,8 +61,8 @@ class TorchBlockScaled:
         block = _BLOCK.get(fmt)
         if block is None:
             raise FormatError(f"TorchBlockScaled.format must be mxfp8 or nvfp4; got {fmt}")
-        want_data = torch.float8_e4m3fn if fmt is MoeFormat.MXFP8 else torch.uint8
-        want_scale = torch.uint8 if fmt is MoeFormat.MXFP8 else torch.float8_e4m3fn
+        want_data = torch.float8_e4m3fn if fmt is MoeFormat.MXFP8 else FP4X2
+        want_scale = E8M0 if fmt is MoeFormat.MXFP8 else torch.float8_e4m3fn
         if self.data.dtype != want_data or self.scale.dtype != want_scale:
             raise DTypeError(
                 f"{fmt.value} data/scale must have dtypes {want_data}/{want_scale}; got {self.data.dtype}/{self.scale.dtype}"
@@ -114,7 +119,7 @@ def quantize(x: torch.Tensor, fmt: MoeFormat) -> TorchBlockScaled:
         codes = torch.where(block_bad.unsqueeze(-1), torch.full_like(codes, 0x7F), codes)
         codes = codes.reshape(codes.shape[:-2] + (-1,))[..., :n].contiguous()
         scale = torch.where(block_bad, torch.full_like(e, 0xFF), e + 127).to(torch.uint8)
-        return TorchBlockScaled(codes.view(torch.float8_e4m3fn), scale, fmt, n)
+        return from_raw(codes, scale, fmt, n)
     # nvfp4: scale E4M3(amax / 6), saturating at 448
     s = torch.clamp(amax / 6.0, max=448.0).to(torch.float8_e4m3fn)
     s32 = s.float().unsqueeze(-1)
@@ -132,27 +137,41 @@ def quantize(x: torch.Tensor, fmt: MoeFormat) -> TorchBlockScaled:
         codes = torch.nn.functional.pad(codes, (0, 1))
     packed = (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
     scale_codes = torch.where(block_bad, torch.full_like(s.view(torch.uint8), 0x7F), s.view(torch.uint8))
-    return TorchBlockScaled(packed.contiguous(), scale_codes.view(torch.float8_e4m3fn), fmt, n)
+    return from_raw(packed.contiguous(), scale_codes, fmt, n)
+
+
+def raw(t: TorchBlockScaled) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The data and scale codes as ``uint8`` views (what moves and what indexing
+    handles on every torch)."""
+    return t.data.view(torch.uint8), t.scale.view(torch.uint8)
+
+
+def from_raw(data: torch.Tensor, scale: torch.Tensor, fmt: MoeFormat, n: int) -> TorchBlockScaled:
+    """A TorchBlockScaled from ``uint8`` data and scale codes, in torch's dtypes."""
+    if fmt is MoeFormat.MXFP8:
+        return TorchBlockScaled(data.view(torch.float8_e4m3fn), scale.view(E8M0), fmt, n)
+    return TorchBlockScaled(data.view(FP4X2), scale.view(torch.float8_e4m3fn), fmt, n)
 
 
 def dequantize(t: TorchBlockScaled) -> torch.Tensor:
     """Decode to float32 (exact, except float32 overflow for scales near 2^127)."""
     block = _BLOCK[t.format]
+    data, scale_codes = raw(t)
     if t.format is MoeFormat.MXFP8:
-        vals = t.data.float()
-        codes = t.scale.to(torch.int32)
+        vals = data.view(torch.float8_e4m3fn).float()
+        codes = scale_codes.to(torch.int32)
         scale = torch.where(
             codes == 0xFF,
             torch.full(codes.shape, float("nan"), device=codes.device),
             torch.ldexp(torch.ones(codes.shape, device=codes.device), (codes - 127).float()),
         )
     else:
-        lut = _E2M1.to(t.data.device)
-        lo = t.data & 0xF
-        hi = t.data >> 4
-        nib = torch.stack([lo, hi], dim=-1).reshape(t.data.shape[:-1] + (-1,))[..., : t.n].long()
+        lut = _E2M1.to(data.device)
+        lo = data & 0xF
+        hi = data >> 4
+        nib = torch.stack([lo, hi], dim=-1).reshape(data.shape[:-1] + (-1,))[..., : t.n].long()
         vals = lut[nib & 7] * torch.where(nib & 8 > 0, -1.0, 1.0)
-        scale = t.scale.float()
+        scale = scale_codes.view(torch.float8_e4m3fn).float()
     full = scale.repeat_interleave(block, dim=-1)[..., : t.n]
     return vals * full
 
