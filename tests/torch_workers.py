@@ -167,8 +167,8 @@ def cuda_device_errors(rank: int, config, world_inputs) -> List[str]:
 
 
 def cuda_grouped_gemm_used(rank: int, config, world_inputs) -> dict:
-    """A bf16 forward on CUDA: did FC1 run as one torch._grouped_mm, and does the
-    output match the CPU float32 path bit for bit?"""
+    """A bf16 forward on CUDA: which GEMM path FC1 took (moe_ep_torch.core.GEMM_PATH),
+    and its output."""
     import torch
 
     from moe_ep_torch import core
@@ -183,4 +183,4 @@ def cuda_grouped_gemm_used(rank: int, config, world_inputs) -> dict:
     idx = torch.from_numpy(w.topk_idx.astype(np.int64)).to(dev)
     tw = torch.from_numpy(w.topk_weights.astype(np.float32)).to(dev)
     y = moe_ep(t(w.activation), t(w.fc1_weight), t(w.fc2_weight), idx, tw, config=config)
-    return {"grouped": core._GROUPED["ok"], "reason": core._GROUPED["reason"], "output": y.view(torch.int16).cpu().numpy()}
+    return {"path": core.GEMM_PATH["path"], "reason": core.GEMM_PATH["reason"], "output": y.view(torch.int16).cpu().numpy()}

@@ -313,35 +313,55 @@ def exchange_back(plan: Plan, parts: Sequence[torch.Tensor], group: Any) -> List
 # ----------------------------------------------------------------------------- experts
 
 
-#: Whether torch._grouped_mm is usable here (set False, with the reason, on its first failure).
-_GROUPED: Dict[str, Any] = {"ok": hasattr(torch, "_grouped_mm"), "reason": ""}
+#: How the last GEMM with bfloat16 operands on CUDA ran in this process:
+#: "grouped_mm" (torch._grouped_mm, float32 output), "mm_out_fp32" (one torch.mm
+#: per expert with float32 output) or "fp32" (float32 matmuls); "reason" says why
+#: a faster path was left.
+GEMM_PATH: Dict[str, Any] = {"path": "", "reason": ""}
+_GROUPED_OK = {"grouped_mm": hasattr(torch, "_grouped_mm"), "mm_out_fp32": True}
 
 
 def _matmul_per_expert(x: torch.Tensor, w: torch.Tensor, offsets: List[int], counts: List[int]) -> torch.Tensor:
-    """``x[slab_e] @ w[e]`` for every local expert; float32 accumulation.
+    """``x[slab_e] @ w[e]`` for every local expert; float32 accumulation and output.
 
-    On CUDA with bfloat16 operands (exact copies of the spec's decoded values),
-    one grouped GEMM (``torch._grouped_mm``, float32 output); otherwise one
-    float32 matmul per expert (TF32 is never used).
+    On CUDA with bfloat16 operands (exact copies of the spec's decoded values):
+    one grouped GEMM (``torch._grouped_mm`` with float32 output) where this torch
+    offers it, else one bf16 tensor-core GEMM per expert with float32 output
+    (``torch.mm(..., out_dtype=torch.float32)``). Otherwise float32 matmuls per
+    expert (TF32 is never used). :data:`GEMM_PATH` records the path taken.
     """
     out = torch.zeros((x.shape[0], w.shape[-1]), dtype=torch.float32, device=x.device)
     if x.shape[0] == 0:
         return out
-    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and _GROUPED["ok"]:
+    bf16_cuda = x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+    if bf16_cuda and _GROUPED_OK["grouped_mm"]:
         # grouped_mm wants the groups packed: gather the valid rows, run, scatter back.
         rows = [r for o, c in zip(offsets[:-1], counts) for r in range(o, o + c)]
         idx = torch.tensor(rows, device=x.device, dtype=torch.int64)
         offs = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         try:
             out[idx] = torch._grouped_mm(x[idx], w, offs=offs, out_dtype=torch.float32)
+            GEMM_PATH["path"] = "grouped_mm"
             return out
-        except (RuntimeError, TypeError, AttributeError) as exc:  # shape/arch limits: per-expert matmuls below
-            _GROUPED["ok"] = False
-            _GROUPED["reason"] = f"{type(exc).__name__}: {exc}"
+        except (RuntimeError, TypeError, AttributeError) as exc:  # e.g. no float32 output in this torch
+            _GROUPED_OK["grouped_mm"] = False
+            GEMM_PATH["reason"] = f"torch._grouped_mm: {type(exc).__name__}: {exc}"
+    if bf16_cuda and _GROUPED_OK["mm_out_fp32"]:
+        try:
+            for e, (o, c) in enumerate(zip(offsets[:-1], counts)):
+                if c:
+                    out[o : o + c] = torch.mm(x[o : o + c], w[e], out_dtype=torch.float32)
+            GEMM_PATH["path"] = "mm_out_fp32"
+            return out
+        except (RuntimeError, TypeError) as exc:
+            _GROUPED_OK["mm_out_fp32"] = False
+            GEMM_PATH["reason"] += f"; torch.mm(out_dtype=float32): {type(exc).__name__}: {exc}"
     xf, wf = x.float(), w.float()
     for e, (o, c) in enumerate(zip(offsets[:-1], counts)):
         if c:
             out[o : o + c] = xf[o : o + c] @ wf[e]
+    if bf16_cuda:
+        GEMM_PATH["path"] = "fp32"
     return out
 
 
