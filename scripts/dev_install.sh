@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install moe-ep-spec for development into the active Python environment:
-# the core and reference (with test tools), the conformance package, and every
-# backend distribution under backends/, all editable. (examples/plugin is a
+# the core and reference (with test tools), the conformance package, the
+# benchmark harness, and every backend distribution under backends/, all editable. (examples/plugin is a
 # third-party example; tests/test_example_plugin.py installs it in a fresh venv.)
 #
 #   python3 -m venv .venv && . .venv/bin/activate && bash scripts/dev_install.sh
@@ -11,6 +11,7 @@ cd "$root"
 pip_install() { python -m pip install --disable-pip-version-check -q -c "$root/constraints.txt" "$@"; }
 
 pip_install -e ".[test]"
+pip_install -e "bench[plot,progress]"
 for dir in conformance backends/*/; do
   if [ -f "$dir/pyproject.toml" ]; then
     echo "installing $dir"

@@ -1,0 +1,549 @@
+"""One rank's MoeEp in JAX, written once: routing plan, exchange, expert-major layout.
+
+Everything here runs inside ``jax.shard_map`` over one mesh axis (the EP axis,
+``LayerSpec.axis_name``), with static shapes: ``T`` tokens per rank (the
+shard's extent; callers pad ranks with fewer tokens with ``-1`` slots) and a
+receive buffer of ``C`` rows (``recv_capacity``, or the worst case
+``num_ranks * T * num_topk`` for the dynamic layout).
+
+Collectives, and nothing else:
+
+- the plan: one ``all_gather`` of a tiny ``[E + 1] int32`` vector per rank (its
+  routes per global expert and an input-error flag). From the gathered table
+  every rank knows every send and receive count, every destination's
+  expert-major slab offsets and whether any rank's input is bad or any
+  destination overflows its capacity, without a host round trip;
+- every payload: ONE all-to-all per direction, of byte-packed rows (tokens in
+  their own encoding, router weights, route ids; or expert outputs in the
+  combine format; or gradients).
+
+Two interchangeable exchanges move the payload (``LayerSpec.exchange``):
+
+``ragged``
+    ``jax.lax.ragged_all_to_all`` with one chunk per (destination, local expert):
+    rows land directly at their final expert-major position on the receiver
+    (local expert, then source rank, then source token and slot). GPU/TPU only:
+    XLA:CPU does not implement it.
+``capacity``
+    ``jax.lax.all_to_all`` of ``[num_ranks, P, bytes]`` buffers with a fixed
+    per-peer capacity ``P = min(T * num_topk, C)`` (always enough), then a local
+    scatter into the expert-major buffer. Runs on every platform.
+
+Both produce identical buffers, bit for bit.
+
+Data-dependent errors cannot raise inside ``jit``: an expert id outside
+``[-1, num_experts)`` on any rank, or an aligned receive count above ``C`` on
+any rank, sets the plan's error flag on every rank (the table is global), moves
+nothing, and turns every rank's outputs and gradients to NaN. The world-level
+backend checks both on the host first and raises the spec's errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, List, NamedTuple, Sequence, Tuple, Union
+
+from .devices import prepare_environment as _prepare_environment
+
+_prepare_environment()  # XLA_FLAGS must ask for enough CPU devices before jax's first import
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moe_ep_spec.config import MoeEpConfig
+from moe_ep_spec.formats import MoeFormat
+
+from . import formats as F
+
+__all__ = [
+    "EXCHANGES",
+    "LayerSpec",
+    "Plan",
+    "Layout",
+    "make_plan",
+    "layout",
+    "to_experts",
+    "to_sources",
+    "forward",
+    "backward_from_buffers",
+    "slot_sum",
+]
+
+#: The exchange implementations.
+EXCHANGES = ("ragged", "capacity")
+
+Tensor = Union[jax.Array, F.BlockScaled]
+_I32 = jnp.int32
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """The static description of one rank's computation (hashable: it is a
+    ``nondiff_argnums`` argument of the custom_vjp functions).
+
+    Attributes:
+        config: the layer.
+        axis_name: the mesh axis the ranks live on.
+        num_tokens: T, the per-rank token rows (static shard extent).
+        capacity: C, rows of the receive buffer.
+        exchange: ``ragged`` or ``capacity``.
+        kernels: the :class:`~moe_ep_jax.kernels.ExpertKernels` provider.
+    """
+
+    config: MoeEpConfig
+    axis_name: str
+    num_tokens: int
+    capacity: int
+    exchange: str
+    kernels: Any
+
+    @property
+    def num_ranks(self) -> int:
+        return self.config.num_ranks
+
+    @property
+    def num_topk(self) -> int:
+        return self.config.num_topk
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.config.num_local_experts
+
+    @property
+    def num_routes(self) -> int:
+        """T * K: the (token, slot) pairs of one rank."""
+        return self.num_tokens * self.num_topk
+
+    @property
+    def peer_capacity(self) -> int:
+        """P: rows per peer of the capacity exchange (one source sends at most
+        T * K routes anywhere, and a destination holds at most C)."""
+        return max(1, min(self.num_routes, self.capacity))
+
+
+def buffer_rows(config: MoeEpConfig, num_tokens: int) -> int:
+    """C for ``config`` with ``num_tokens`` rows per rank: ``recv_capacity`` in
+    the static layout, else the worst case ``num_ranks * T * num_topk`` (at least 1)."""
+    if config.recv_capacity is not None:
+        return int(config.recv_capacity)
+    return max(1, config.num_ranks * num_tokens * config.num_topk)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Plan:
+    """One rank's routing state (every leaf an array; lives in the handle and in
+    the custom_vjp residuals).
+
+    Attributes:
+        send_route: ``[T*K] int32``: route ids ``token * K + slot`` sorted by
+            (global expert, route id): the send order. The first
+            ``sum(counts)`` entries are routes; the rest are -1 slots (never sent).
+        route_pos: ``[T*K] int32``: the send position of every route id, -1 for
+            a slot that is not sent (-1 expert id, or an invalid one).
+        route_expert: ``[T*K] int32``: the global expert of every route id, -1
+            when it is not sent.
+        table: ``[num_ranks, E + 1] int32``: row s = source rank s's routes per
+            global expert, then its input-error flag (1: an expert id outside
+            ``[-1, E)``). The same on every rank.
+    """
+
+    send_route: jax.Array
+    route_pos: jax.Array
+    route_expert: jax.Array
+    table: jax.Array
+
+
+class Layout(NamedTuple):
+    """Quantities derived from a :class:`Plan` (recomputed where needed; cheap)."""
+
+    me: jax.Array  # [] int32: this rank
+    my_counts: jax.Array  # [E]: my routes per global expert
+    send_first: jax.Array  # [E]: send position of my first route to each global expert
+    dest_count: jax.Array  # [n]: my routes per destination rank
+    dest_first: jax.Array  # [n]: send position of my first route to each destination
+    recv_counts: jax.Array  # [n, El]: routes from each source to each of my local experts
+    src_prefix_me: jax.Array  # [n, El]: routes to my expert e from sources < s
+    offsets: jax.Array  # [El + 1]: my slab starts (aligned), then the end of the last slab
+    tokens_per_expert: jax.Array  # [El]
+    group_sizes: jax.Array  # [El]: my slab sizes (alignment padding included)
+    my_base: jax.Array  # [E]: where my first route to each global expert lands on its rank
+    send_first_all: jax.Array  # [n, E]: every source's send position of its first route per expert
+    error: jax.Array  # [] bool: a bad expert id on some rank, or some rank overflows C
+
+
+def make_plan(spec: LayerSpec, topk_idx: jax.Array) -> Plan:
+    """Plan this rank's routes (collective: one all-gather of ``[E + 1] int32``).
+
+    Args:
+        topk_idx: ``[T, K]`` int: expert ids; -1 marks an unused slot. Ids
+            outside ``[-1, E)`` are not routed and set the error flag.
+    """
+    e = spec.config.num_experts
+    flat = topk_idx.reshape(-1).astype(_I32)
+    bad = (flat < -1) | (flat >= e)
+    routed = (flat >= 0) & ~bad
+    key = jnp.where(routed, flat, e)
+    send_route = jnp.argsort(key, stable=True).astype(_I32)
+    counts = jnp.bincount(key, length=e + 1)[:e].astype(_I32)
+    positions = jnp.zeros_like(send_route).at[send_route].set(jnp.arange(spec.num_routes, dtype=_I32))
+    route_pos = jnp.where(routed, positions, -1)
+    route_expert = jnp.where(routed, flat, -1)
+    mine = jnp.concatenate([counts, jnp.any(bad).astype(_I32)[None]])
+    table = lax.all_gather(mine, spec.axis_name)
+    return Plan(send_route=send_route, route_pos=route_pos, route_expert=route_expert, table=table)
+
+
+def _excl_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def layout(spec: LayerSpec, plan: Plan) -> Layout:
+    """Everything the exchanges and the buffer need, from the gathered table."""
+    n, el, cap = spec.num_ranks, spec.num_local_experts, spec.capacity
+    align = spec.config.expert_alignment
+    e = n * el
+    me = lax.axis_index(spec.axis_name).astype(_I32)
+    counts = plan.table[:, :e]  # [n, E]
+    flags = plan.table[:, e]
+    my_counts = counts[me]
+    send_first = _excl_cumsum(my_counts)
+    per_dest = my_counts.reshape(n, el).sum(axis=1)
+    tot = counts.sum(axis=0).reshape(n, el)  # [dest, local expert]
+    slabs = -(-tot // align) * align
+    ends = jnp.cumsum(slabs, axis=1)
+    offsets_all = jnp.concatenate([jnp.zeros((n, 1), _I32), ends], axis=1)  # [n, El + 1]
+    overflow = jnp.any(ends[:, -1] > cap)
+    error = overflow | jnp.any(flags > 0)
+    src_prefix = _excl_cumsum(counts, axis=0)  # [n, E]: over sources
+    recv_counts = lax.dynamic_slice_in_dim(counts, me * el, el, axis=1)
+    src_prefix_me = lax.dynamic_slice_in_dim(src_prefix, me * el, el, axis=1)
+    my_base = offsets_all[:, :el].reshape(e) + src_prefix[me]
+    offsets = offsets_all[me]
+    return Layout(
+        me=me,
+        my_counts=my_counts,
+        send_first=send_first,
+        dest_count=per_dest,
+        dest_first=_excl_cumsum(per_dest),
+        recv_counts=recv_counts,
+        src_prefix_me=src_prefix_me,
+        offsets=offsets,
+        tokens_per_expert=tot[me],
+        group_sizes=slabs[me],
+        my_base=my_base,
+        send_first_all=_excl_cumsum(counts, axis=1),
+        error=error,
+    )
+
+
+def valid_rows(spec: LayerSpec, lay: Layout) -> Tuple[jax.Array, jax.Array, jax.Array]:
+    """``([C] bool valid, [C] int32 local expert, [C] int32 row within the slab)``."""
+    el = spec.num_local_experts
+    i = jnp.arange(spec.capacity, dtype=_I32)
+    e = jnp.sum(lay.offsets[1:][None, :] <= i[:, None], axis=1).astype(_I32)
+    ec = jnp.minimum(e, el - 1)
+    j = i - lay.offsets[ec]
+    return (e < el) & (j < lay.tokens_per_expert[ec]), ec, j
+
+
+def route_metadata(spec: LayerSpec, lay: Layout, recv_route: jax.Array) -> jax.Array:
+    """``[C, 4] int32`` ``(local_expert, src_rank, src_token, src_slot)`` of every
+    buffer row, -1 rows for padding. ``recv_route``: ``[C]`` received route ids."""
+    valid, e, j = valid_rows(spec, lay)
+    cum_src = jnp.cumsum(lay.recv_counts, axis=0)  # [n, El]
+    src = jnp.sum(cum_src[:, e].T <= j[:, None], axis=1).astype(_I32)
+    k = spec.num_topk
+    meta = jnp.stack([e, src, recv_route // k, recv_route % k], axis=1)
+    return jnp.where(valid[:, None], meta, -1)
+
+
+# ----------------------------------------------------------------------------- payload packing
+
+_Part = Tuple[Any, Tuple[int, ...], int]
+
+
+def _pack(parts: Sequence[jax.Array]) -> Tuple[jax.Array, List[_Part]]:
+    """Per-row parts ``[rows, ...]`` -> one ``[rows, bytes] uint8`` array."""
+    rows = parts[0].shape[0]
+    blobs, spec = [], []
+    for p in parts:
+        b = p if p.dtype == jnp.uint8 else lax.bitcast_convert_type(p, jnp.uint8)
+        b = b.reshape(rows, -1)
+        blobs.append(b)
+        spec.append((p.dtype, tuple(p.shape[1:]), b.shape[1]))
+    return jnp.concatenate(blobs, axis=1), spec
+
+
+def _unpack(blob: jax.Array, spec: List[_Part]) -> List[jax.Array]:
+    out, col = [], 0
+    rows = blob.shape[0]
+    for dtype, tail, width in spec:
+        piece = blob[:, col : col + width]
+        col += width
+        itemsize = jnp.dtype(dtype).itemsize
+        if itemsize == 1:
+            piece = piece.reshape((rows,) + tail)
+            out.append(piece if dtype == jnp.uint8 else lax.bitcast_convert_type(piece, dtype))
+        else:
+            out.append(lax.bitcast_convert_type(piece.reshape((rows,) + tail + (itemsize,)), dtype))
+    return out
+
+
+def tensor_parts(t: Tensor) -> List[jax.Array]:
+    """The row arrays of a token tensor (plain: itself; block-scaled: data, scale)."""
+    if isinstance(t, F.BlockScaled):
+        return [t.data, t.scale]
+    return [t]
+
+
+def rebuild(like: Tensor, parts: Sequence[jax.Array]) -> Tensor:
+    if isinstance(like, F.BlockScaled):
+        return F.BlockScaled(parts[0], parts[1], like.format, like.n, like.axis)
+    return parts[0]
+
+
+# ----------------------------------------------------------------------------- the exchanges
+
+
+def _recv_rows(spec: LayerSpec, lay: Layout) -> Tuple[jax.Array, jax.Array]:
+    """Capacity exchange: the buffer row of every received slot ``(s, q)``
+    (``[n, P] int32``, ``C`` where the slot carries nothing) and its validity."""
+    el, p = spec.num_local_experts, spec.peer_capacity
+    q = jnp.arange(p, dtype=_I32)
+    rc = lay.recv_counts  # [n, El]
+    rc_cum = jnp.cumsum(rc, axis=1)
+    e = jnp.sum(rc_cum[:, None, :] <= q[None, :, None], axis=2).astype(_I32)  # [n, P]
+    valid = e < el
+    ec = jnp.minimum(e, el - 1)
+    start = jnp.take_along_axis(rc_cum - rc, ec, axis=1)
+    prefix = jnp.take_along_axis(lay.src_prefix_me, ec, axis=1)
+    row = lay.offsets[ec] + prefix + q[None, :] - start
+    valid = valid & (row < spec.capacity) & ~lay.error
+    return jnp.where(valid, row, spec.capacity), valid
+
+
+def _varying(x: jax.Array, axis_name: str) -> jax.Array:
+    """Type a rank-local buffer as varying over the EP axis (under ``check_vma``
+    a fresh ``zeros`` is invariant, and ``ragged_all_to_all``'s result takes the
+    type of its ``output`` operand although every rank receives other rows)."""
+    pcast = getattr(lax, "pcast", None)
+    if pcast is not None:
+        try:
+            return pcast(x, axis_name, to="varying")
+        except (TypeError, ValueError, NameError):  # already varying, or check_vma off
+            return x
+    pvary = getattr(lax, "pvary", None)
+    return pvary(x, axis_name) if pvary is not None else x
+
+
+def _a2a(x: jax.Array, axis_name: str) -> jax.Array:
+    return lax.all_to_all(x, axis_name, 0, 0, tiled=False)
+
+
+def to_experts(spec: LayerSpec, plan: Plan, lay: Layout, parts: Sequence[jax.Array]) -> List[jax.Array]:
+    """Move per-route rows to their expert's rank (collective: one all-to-all).
+
+    Args:
+        parts: arrays ``[T*K, ...]`` indexed by SEND POSITION (row ``p`` belongs
+            to route ``plan.send_route[p]``); rows past the routes are ignored.
+
+    Returns:
+        the same parts as ``[C, ...]`` expert-major buffers; padding rows zero.
+    """
+    blob, pspec = _pack(parts)
+    cap = spec.capacity
+    width = blob.shape[1]
+    if spec.exchange == "ragged":
+        ok = ~lay.error
+        send_sizes = jnp.where(ok, lay.my_counts, 0)
+        recv_sizes = jnp.where(ok, lay.recv_counts.reshape(-1), 0)
+        out = _varying(jnp.zeros((cap, width), jnp.uint8), spec.axis_name)
+        buf = lax.ragged_all_to_all(
+            blob, out, lay.send_first, send_sizes, lay.my_base, recv_sizes, axis_name=spec.axis_name
+        )
+    else:
+        n, p, tk = spec.num_ranks, spec.peer_capacity, spec.num_routes
+        q = jnp.arange(p, dtype=_I32)
+        src = lay.dest_first[:, None] + q[None, :]
+        ok = (q[None, :] < lay.dest_count[:, None]) & ~lay.error
+        send = jnp.where(ok[..., None], blob[jnp.clip(src, 0, max(tk - 1, 0))], 0).astype(jnp.uint8)
+        recv = _a2a(send, spec.axis_name)
+        rows, _ = _recv_rows(spec, lay)
+        buf = jnp.zeros((cap, width), jnp.uint8).at[rows.reshape(-1)].set(
+            recv.reshape(n * p, width), mode="drop", unique_indices=True
+        )
+    return _unpack(buf, pspec)
+
+
+def to_sources(spec: LayerSpec, plan: Plan, lay: Layout, parts: Sequence[jax.Array]) -> List[jax.Array]:
+    """The reverse of :func:`to_experts` (collective: one all-to-all).
+
+    Args:
+        parts: ``[C, ...]`` buffers (padding rows are never read).
+
+    Returns:
+        the parts as ``[T*K, ...]`` indexed by ROUTE ID ``token * K + slot``;
+        rows of slots without a route are zero.
+    """
+    blob, pspec = _pack(parts)
+    el = spec.num_local_experts
+    tk = spec.num_routes
+    width = blob.shape[1]
+    sent = plan.route_pos >= 0
+    if spec.exchange == "ragged":
+        ok = ~lay.error
+        input_offsets = (lay.offsets[:el][None, :] + lay.src_prefix_me).reshape(-1)
+        send_sizes = jnp.where(ok, lay.recv_counts.reshape(-1), 0)
+        output_offsets = lax.dynamic_slice_in_dim(lay.send_first_all, lay.me * el, el, axis=1).reshape(-1)
+        recv_sizes = jnp.where(ok, lay.my_counts, 0)
+        out = _varying(jnp.zeros((max(tk, 1), width), jnp.uint8), spec.axis_name)
+        back = lax.ragged_all_to_all(
+            blob, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=spec.axis_name
+        )
+        rows = back[jnp.clip(plan.route_pos, 0, max(tk - 1, 0))]
+    else:
+        n, p = spec.num_ranks, spec.peer_capacity
+        recv_row, valid = _recv_rows(spec, lay)
+        send = jnp.where(valid[..., None], blob[jnp.clip(recv_row, 0, spec.capacity - 1)], 0).astype(jnp.uint8)
+        back = _a2a(send, spec.axis_name).reshape(n * p, width)  # [d * P + q]: d's answer to my q-th route to d
+        dest = jnp.maximum(plan.route_expert, 0) // el
+        q = plan.route_pos - lay.dest_first[dest]
+        rows = back[jnp.clip(dest * p + q, 0, n * p - 1)]
+    rows = jnp.where(sent[:, None], rows, 0).astype(jnp.uint8)
+    return _unpack(rows, pspec)
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+def send_rows(spec: LayerSpec, plan: Plan, per_token: Sequence[jax.Array]) -> List[jax.Array]:
+    """Rows of per-token arrays ``[T, ...]`` in send order ``[T*K, ...]``."""
+    token = plan.send_route // spec.num_topk
+    return [a[token] for a in per_token]
+
+
+def route_weights(spec: LayerSpec, plan: Plan, topk_weights: jax.Array) -> jax.Array:
+    """``[T*K] float32``: the router weight of every send position (read as float32)."""
+    return topk_weights.astype(jnp.float32).reshape(-1)[plan.send_route]
+
+
+def slot_sum(spec: LayerSpec, rows: jax.Array) -> jax.Array:
+    """Form-A reduction: ``[T*K, H]`` rows by route id -> ``[T, H]`` float32,
+    summed in slot order from +0 (a slot without a route adds an exact 0)."""
+    per_slot = rows.astype(jnp.float32).reshape(spec.num_tokens, spec.num_topk, -1)
+    acc = jnp.zeros((spec.num_tokens, per_slot.shape[-1]), jnp.float32)
+    for k in range(spec.num_topk):
+        acc = acc + per_slot[:, k]
+    return acc
+
+
+def encode_output(spec: LayerSpec, values: jax.Array) -> Tensor:
+    """The final ``[T, H]`` encode in ``output_format`` (the only rounding of the sum)."""
+    fmt = spec.config.output_format
+    if fmt is MoeFormat.BF16:
+        return F.round_to_bf16(values)
+    return spec.kernels.quantize(values, fmt)
+
+
+def poison(error: jax.Array, x: jax.Array) -> jax.Array:
+    """NaN everywhere when ``error`` (a data-dependent input error inside jit)."""
+    return jnp.where(error, jnp.float32(jnp.nan), x)
+
+
+def combine_rows(spec: LayerSpec, plan: Plan, lay: Layout, y: jax.Array) -> Tuple[Tensor, jax.Array]:
+    """Combine of ``[C, H] float32`` expert outputs: per-row ``combine_format``
+    round trip (the rows travel ENCODED: bf16, or mxfp8/nvfp4 codes and
+    scales), return, slot-order sum, output encode. Returns the ``[T, H]``
+    output and the unrounded sum."""
+    kern = spec.kernels
+    fmt = spec.config.combine_format
+    valid, _, _ = valid_rows(spec, lay)
+    y = jnp.where(valid[:, None], y, 0.0)
+    enc = F.round_to_bf16(y) if fmt is MoeFormat.BF16 else kern.quantize(y, fmt)
+    back = to_sources(spec, plan, lay, tensor_parts(enc))
+    dec = kern.dequantize(rebuild(enc, back))
+    dec = jnp.where((plan.route_pos >= 0)[:, None], dec, 0.0)
+    summed = poison(lay.error, slot_sum(spec, dec))
+    return encode_output(spec, summed), summed
+
+
+class Dispatched(NamedTuple):
+    """A dispatch's buffers: tokens ``[C, H]`` (input encoding), weights
+    ``[C] float32``, route ids ``[C] int32``, and any extra rows."""
+
+    tokens: Tensor
+    weights: jax.Array
+    route: jax.Array
+    extra: List[jax.Array]
+
+
+def dispatch(
+    spec: LayerSpec, plan: Plan, lay: Layout, tokens: Tensor, topk_weights: jax.Array, extra: Sequence[jax.Array] = ()
+) -> Dispatched:
+    """Move every route's token row (codes unchanged), router weight, route id
+    and any ``extra`` per-token rows to its expert (one all-to-all)."""
+    tok = tensor_parts(tokens)
+    parts = send_rows(spec, plan, tok) + [route_weights(spec, plan, topk_weights), plan.send_route]
+    parts += send_rows(spec, plan, list(extra))
+    bufs = to_experts(spec, plan, lay, parts)
+    nt = len(tok)
+    return Dispatched(rebuild(tokens, bufs[:nt]), bufs[nt], bufs[nt + 1], bufs[nt + 2 :])
+
+
+def forward(
+    spec: LayerSpec, activation: Tensor, fc1: Tensor, fc2: Tensor, topk_idx: jax.Array, topk_weights: jax.Array
+) -> Tuple[Tensor, jax.Array, jax.Array, Plan, Dispatched]:
+    """The fused forward of one rank: ``(output, fc1_c [C, 2I] bf16,
+    route_metadata [C, 4] int32, plan, dispatched buffers)``.
+    Collectives: one all-gather (plan), two all-to-alls."""
+    plan = make_plan(spec, topk_idx)
+    lay = layout(spec, plan)
+    d = dispatch(spec, plan, lay, activation, topk_weights)
+    valid, _, _ = valid_rows(spec, lay)
+    y, c = spec.kernels.expert_forward(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes)
+    out, _ = combine_rows(spec, plan, lay, y)
+    c = jnp.where(valid[:, None], c.astype(jnp.float32), 0.0)
+    fc1_c = F.round_to_bf16(c)
+    meta = route_metadata(spec, lay, d.route)
+    return out, fc1_c, meta, plan, d
+
+
+def backward_from_buffers(
+    spec: LayerSpec,
+    plan: Plan,
+    lay: Layout,
+    x_buf: Tensor,
+    w_buf: jax.Array,
+    fc1: Tensor,
+    fc2: Tensor,
+    fc1_c: jax.Array,
+    dy_buf: jax.Array,
+) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The spec backward from dispatched buffers: ``(grad_activation [T, H],
+    grad_fc1_weight, grad_fc2_weight, grad_topk_weights [T, K])`` float32.
+    Collectives: one all-to-all (``dx`` and ``dw`` back to their tokens)."""
+    valid, _, _ = valid_rows(spec, lay)
+    dy_buf = jnp.where(valid[:, None], dy_buf.astype(jnp.float32), 0.0)
+    dx, dw, dfc1, dfc2 = spec.kernels.expert_backward(
+        spec.config, x_buf, w_buf, fc1, fc2, fc1_c, dy_buf, lay.group_sizes
+    )
+    dx = jnp.where(valid[:, None], dx, 0.0)
+    dw = jnp.where(valid, dw, 0.0)
+    dx_r, dw_r = to_sources(spec, plan, lay, [dx.astype(jnp.float32), dw.astype(jnp.float32)])
+    grad_x = poison(lay.error, slot_sum(spec, dx_r))
+    grad_w = poison(lay.error, dw_r.reshape(spec.num_tokens, spec.num_topk))
+    return grad_x, poison(lay.error, dfc1), poison(lay.error, dfc2), grad_w
+
+
+def replace_spec(spec: LayerSpec, **changes: Any) -> LayerSpec:
+    return dataclasses.replace(spec, **changes)
+
+
+__all__ += ["buffer_rows", "valid_rows", "route_metadata", "tensor_parts", "rebuild", "Dispatched", "dispatch",
+            "combine_rows", "encode_output", "send_rows", "route_weights", "poison", "replace_spec"]

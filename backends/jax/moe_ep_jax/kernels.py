@@ -1,0 +1,219 @@
+"""The local expert computation of one rank, behind a small protocol.
+
+The layer (:mod:`moe_ep_jax.core`: plan, exchange, layout, custom_vjp wiring)
+is written once and calls a *kernel provider* for everything that touches the
+numbers of one rank's received rows:
+
+- :meth:`ExpertKernels.expert_forward`: section 5 of the spec on the
+  expert-major buffer (FC1, clamp, SwiGLU, router weight, ``R_int``, FC2);
+- :meth:`ExpertKernels.expert_backward`: section 9.2 (recomputation from the
+  bf16 stash, the four gradients);
+- :meth:`ExpertKernels.quantize` / :meth:`ExpertKernels.dequantize`: the
+  formats (the combine round trip and the output encode run through them).
+
+:class:`XlaKernels` (the default, name ``xla``) does this with XLA-native ops:
+``jax.lax.ragged_dot`` / ``ragged_dot_general`` over the expert slabs with
+float32 accumulation (``Precision.HIGHEST``: no TF32/bf16 passes), and the
+bit-exact formats of :mod:`moe_ep_jax.formats`. A second provider (say a native
+core reached through XLA FFI) implements the same four methods and is passed as
+``kernels=`` to the API functions or to :class:`~moe_ep_jax.backend.JaxBackend`;
+nothing else changes.
+
+Buffer conventions every provider sees (``C`` rows, expert-major):
+
+- local expert ``e`` owns rows ``[offset_e, offset_e + group_sizes[e])`` with
+  ``offset_e = sum(group_sizes[:e])``: ``group_sizes`` are the slab sizes,
+  alignment padding included (static layout), so slabs are contiguous. Rows
+  after ``sum(group_sizes)`` belong to no expert.
+- padding rows (alignment padding and the tail) hold zero tokens (zero codes),
+  weight 0, zero stash and zero cotangent. The layer masks every result row that
+  carries no route afterwards, so a provider need not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Tuple, Union, runtime_checkable
+
+from .devices import prepare_environment as _prepare_environment
+
+_prepare_environment()  # XLA_FLAGS must ask for enough CPU devices before jax's first import
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moe_ep_spec.config import MoeEpConfig
+from moe_ep_spec.formats import MoeFormat
+
+from . import formats as F
+
+__all__ = ["ExpertKernels", "XlaKernels", "DEFAULT_KERNELS"]
+
+Tensor = Union[jax.Array, F.BlockScaled]
+
+
+@runtime_checkable
+class ExpertKernels(Protocol):
+    """What a kernel provider implements. Every method is traced inside
+    ``jax.shard_map`` (one rank's view, static shapes) and may be called under
+    ``jax.jit``; it must not communicate."""
+
+    #: A short name for reports (``xla``, ``ffi-...``).
+    name: str
+
+    def expert_forward(
+        self,
+        config: MoeEpConfig,
+        x: Tensor,
+        w: jax.Array,
+        fc1: Tensor,
+        fc2: Tensor,
+        group_sizes: jax.Array,
+    ) -> Tuple[jax.Array, jax.Array]:
+        """Section 5 on the buffer rows.
+
+        Args:
+            x: ``[C, H]``: received tokens in their input encoding (plain
+                float32/float16/bfloat16, or a :class:`~moe_ep_jax.formats.BlockScaled`
+                blocked along H).
+            w: ``[C] float32``: router weight of every row (0 in padding).
+            fc1: ``[E_local, H, 2I]`` plain, or block-scaled along axis 1 (H).
+            fc2: ``[E_local, I, H]`` plain, or block-scaled along axis 1 (I).
+            group_sizes: ``[E_local] int32``: slab sizes (see the module doc).
+
+        Returns:
+            ``y`` ``[C, H] float32``: the expert output before the combine
+            round trip; ``c`` ``[C, 2I] float32``: the FC1 output before the
+            clamp (the stash is its bf16 rounding).
+        """
+        ...
+
+    def expert_backward(
+        self,
+        config: MoeEpConfig,
+        x: Tensor,
+        w: jax.Array,
+        fc1: Tensor,
+        fc2: Tensor,
+        fc1_c: jax.Array,
+        dy: jax.Array,
+        group_sizes: jax.Array,
+    ) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """Section 9.2 on the buffer rows (every rounding point straight-through).
+
+        Args:
+            x, w, fc1, fc2, group_sizes: as :meth:`expert_forward`.
+            fc1_c: ``[C, 2I] bfloat16``: the stash (pre-clamp, unweighted).
+            dy: ``[C, H]`` float: the output cotangent of every row's token.
+
+        Returns:
+            ``dx [C, H]``, ``dw [C]``, ``dfc1 [E_local, H, 2I]``,
+            ``dfc2 [E_local, I, H]``, all float32.
+        """
+        ...
+
+    def quantize(self, x: jax.Array, fmt: MoeFormat) -> Tensor:
+        """Encode float32 ``[..., n]`` along the last axis: bf16 array or BlockScaled (bit-exact)."""
+        ...
+
+    def dequantize(self, x: Tensor) -> jax.Array:
+        """Decode a plain array or BlockScaled to float32 (exact)."""
+        ...
+
+
+_HIGHEST = lax.Precision.HIGHEST
+_F32 = jnp.float32
+
+
+def _gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``lhs[slab_e] @ rhs[e]`` for every expert: ``[C, K] x [G, K, N] -> [C, N]`` float32."""
+    return lax.ragged_dot(lhs, rhs, group_sizes, precision=_HIGHEST, preferred_element_type=_F32)
+
+
+_CONTRACT_ROWS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+
+
+def _gemm_t(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``lhs[slab_e]^T @ rhs[slab_e]`` for every expert: ``[C, K], [C, N] -> [G, K, N]`` float32."""
+    return lax.ragged_dot_general(
+        lhs, rhs, group_sizes, _CONTRACT_ROWS, precision=_HIGHEST, preferred_element_type=_F32
+    )
+
+
+class XlaKernels:
+    """The XLA-native provider: grouped GEMMs with ``jax.lax.ragged_dot`` in
+    float32 on the exactly decoded operands, elementwise SwiGLU in float32, and
+    the bit-exact formats of :mod:`moe_ep_jax.formats`."""
+
+    name = "xla"
+
+    def __repr__(self) -> str:
+        return "XlaKernels()"
+
+    # formats -----------------------------------------------------------------
+
+    def quantize(self, x: jax.Array, fmt: MoeFormat) -> Tensor:
+        return F.quantize(x, fmt, axis=-1)
+
+    def dequantize(self, x: Tensor) -> jax.Array:
+        return F.decode(x)
+
+    # experts -----------------------------------------------------------------
+
+    def expert_forward(self, config, x, w, fc1, fc2, group_sizes):  # type: ignore[override]
+        i = config.intermediate
+        xf = F.decode(x)
+        c = _gemm(xf, F.decode(fc1), group_sizes)
+        g, u = c[:, :i], c[:, i:]
+        if config.gate_up_clamp is not None:
+            lim = jnp.float32(config.gate_up_clamp)
+            g, u = jnp.minimum(g, lim), jnp.clip(u, -lim, lim)
+        s = g * jax.nn.sigmoid(g)
+        h = s * u
+        wc = w[:, None]
+        op = wc * h if config.apply_topk_in_fc1 else h
+        op = F.round_trip(op, config.intermediate_format)
+        z = _gemm(op, F.decode(fc2), group_sizes)
+        y = z if config.apply_topk_in_fc1 else wc * z
+        return y, c
+
+    def expert_backward(self, config, x, w, fc1, fc2, fc1_c, dy, group_sizes):  # type: ignore[override]
+        i, lim = config.intermediate, config.gate_up_clamp
+        xf, w1, w2 = F.decode(x), F.decode(fc1), F.decode(fc2)
+        c = fc1_c.astype(_F32)
+        g_raw, u_raw = c[:, :i], c[:, i:]
+        if lim is None:
+            g, u = g_raw, u_raw
+            gate_mask = up_mask = None
+        else:
+            lim32 = jnp.float32(lim)
+            gate_mask = (g_raw <= lim32).astype(_F32)
+            up_mask = ((u_raw >= -lim32) & (u_raw <= lim32)).astype(_F32)
+            g, u = jnp.minimum(g_raw, lim32), jnp.clip(u_raw, -lim32, lim32)
+        sig = jax.nn.sigmoid(g)
+        s = g * sig
+        h = s * u
+        wc = w[:, None]
+        dyf = dy.astype(_F32)
+        a = _gemm(dyf, jnp.swapaxes(w2, 1, 2), group_sizes)  # dY W2^T  [C, I]
+        if config.apply_topk_in_fc1:
+            dfc2 = _gemm_t(wc * h, dyf, group_sizes)
+            dw = jnp.sum(a * h, axis=1)
+        else:
+            dfc2 = _gemm_t(h, wc * dyf, group_sizes)
+            dw = jnp.sum(dyf * _gemm(h, w2, group_sizes), axis=1)
+        dh = a * wc
+        dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+        du = dh * s
+        if gate_mask is not None:
+            dg, du = dg * gate_mask, du * up_mask
+        dc = jnp.concatenate([dg, du], axis=1)
+        dfc1 = _gemm_t(xf, dc, group_sizes)
+        dx = _gemm(dc, jnp.swapaxes(w1, 1, 2), group_sizes)
+        return dx, dw, dfc1, dfc2
+
+
+#: The provider used when none is given.
+DEFAULT_KERNELS: Any = XlaKernels()

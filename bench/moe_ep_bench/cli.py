@@ -1,0 +1,353 @@
+"""``moe-ep bench``: every backend side by side, against NCCL, the copy ceiling
+and the grouped-GEMM roofline; a table, JSON and PNG plots.
+
+Added to the ``moe-ep`` command through the entry-point group
+``moe_ep_spec.commands`` (:func:`add_command`); ``python -m moe_ep_bench`` runs
+the same command on its own (:func:`main`). Imports no torch: the torch driver
+does, in the rank processes it spawns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import shlex
+import sys
+import traceback
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from . import __version__
+from .model import FORMATS, OPS, BenchSettings, auto_experts, combine_bytes, defaults, dispatch_bytes, gemm_flops, make_routing
+from .progress import make_progress
+from .results import Row, add_ratios, dumps, finish, format_table, report
+
+__all__ = ["add_command", "build_parser", "main", "run", "settings_from_args"]
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {text}")
+    return value
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", action="append", metavar="NAME",
+                   help="backend to time (repeatable; default: every available backend with a bench driver)")
+    p.add_argument("--ep-size", type=_positive, default=None, metavar="N",
+                   help="EP size: ranks (default 2 on cpu, 1 on cuda; cuda needs N GPUs, rank r on cuda:r)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where process-per-rank backends and the baselines run (cuda: rank r on cuda:r)")
+    p.add_argument("--tokens", action="append", type=_positive, metavar="N",
+                   help="tokens per rank (repeatable; default 128 and 4096 on cuda, 32, 128 and 512 on cpu)")
+    p.add_argument("--hidden", type=_positive, default=None, help="hidden H (default 7168 on cuda, 512 on cpu)")
+    p.add_argument("--intermediate", type=_positive, default=None, help="intermediate I (default 2048 on cuda, 256 on cpu)")
+    p.add_argument("--experts", type=_positive, default=None,
+                   help="experts E (default on cuda: 256, or as many as fit --memory-budget-gb at this EP size; 16 on cpu)")
+    p.add_argument("--topk", type=_positive, default=None, help="top-k K (default 8 on cuda, 4 on cpu)")
+    p.add_argument("--format", action="append", choices=FORMATS, metavar="FMT",
+                   help="bf16 or mxfp8 (repeatable; default both)")
+    p.add_argument("--op", action="append", choices=OPS, metavar="OP",
+                   help="dispatch, combine, forward, forward_backward (repeatable; default all)")
+    p.add_argument("--repeats", type=_positive, default=None, help="timed calls per measurement (default 20 cuda, 5 cpu)")
+    p.add_argument("--warmup", type=_non_negative, default=None, help="untimed calls first (default 3 cuda, 1 cpu)")
+    p.add_argument("--input-sets", type=_positive, default=None,
+                   help="random input sets used in turn (default 4 cuda, 2 cpu)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of routing and inputs (default 0)")
+    p.add_argument("--json", metavar="PATH", help="write the JSON report here")
+    p.add_argument("--plot-dir", metavar="DIR", help="write PNG plots here (needs matplotlib)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes for smoke tests: H=64 I=32 E=8 K=2, tokens 8 and 32, 3 repeats")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="seconds one measurement may take before every rank is stopped (default 300)")
+    p.add_argument("--no-baselines", action="store_true", help="skip NCCL/gloo, copy and GEMM baselines")
+    p.add_argument("--include-slow", action="store_true", help="time world backends (numpy) at any size")
+    p.add_argument("--memory-budget-gb", type=float, default=80.0, metavar="GB",
+                   help="per-GPU memory the default expert count may use (default 80)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_command(subparsers: Any) -> None:
+    """Entry point of the group ``moe_ep_spec.commands``: adds ``bench``."""
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark backends: dispatch, combine, fused forward and forward+backward against NCCL and GEMM baselines",
+        description=(
+            "Time dispatch, combine and the fused layer (forward, forward+backward) on every backend, with the "
+            "baselines of the same run: all_to_all_single moving the same bytes, a peer copy (the link ceiling) "
+            "and the grouped GEMM on the same expert rows (the compute roofline). Prints a table; --json and "
+            "--plot-dir write the report and PNG plots. See docs/benchmarks.md."
+        ),
+    )
+    _add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m moe_ep_bench``: the bench command alone."""
+    p = argparse.ArgumentParser(prog="moe-ep bench", description="Benchmark MoeEp backends (see docs/benchmarks.md).")
+    _add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    """The run's settings: the options given, the device's defaults for the rest."""
+    device = args.device
+    d = defaults(device, args.quick)
+    ep = args.ep_size or (1 if device == "cuda" else 2)
+    hidden = args.hidden or int(d["hidden"])  # type: ignore[arg-type]
+    inter = args.intermediate or int(d["intermediate"])  # type: ignore[arg-type]
+    topk = args.topk or int(d["topk"])  # type: ignore[arg-type]
+    if args.experts:
+        experts = args.experts
+    elif d["experts"] is None:
+        experts = auto_experts(ep, hidden, inter, topk, args.memory_budget_gb)
+    else:
+        experts = -(-max(int(d["experts"]), topk) // ep) * ep  # type: ignore[arg-type]
+    tokens = tuple(dict.fromkeys(args.tokens)) if args.tokens else tuple(d["tokens"])  # type: ignore[arg-type]
+    formats = tuple(dict.fromkeys(args.format)) if args.format else FORMATS
+    ops = tuple(op for op in OPS if op in args.op) if args.op else OPS
+    settings = BenchSettings(
+        device=device,
+        ep_size=ep,
+        hidden=hidden,
+        intermediate=inter,
+        experts=experts,
+        topk=topk,
+        tokens=tuple(sorted(tokens)),
+        formats=formats,
+        ops=ops,
+        repeats=args.repeats or int(d["repeats"]),  # type: ignore[arg-type]
+        warmup=int(d["warmup"]) if args.warmup is None else args.warmup,  # type: ignore[arg-type]
+        input_sets=args.input_sets or int(d["input_sets"]),  # type: ignore[arg-type]
+        seed=args.seed,
+        timeout_s=args.timeout,
+        baselines=not args.no_baselines,
+        include_slow=args.include_slow,
+    )
+    for fmt in formats:
+        settings.config(fmt, max(tokens))  # raises ConfigError on a bad shape
+    return settings
+
+
+def _command(settings: BenchSettings, backends: Sequence[str]) -> str:
+    """The command line that repeats this run."""
+    parts = ["moe-ep", "bench", "--device", settings.device, "--ep-size", str(settings.ep_size)]
+    for b in backends:
+        parts += ["--backend", b]
+    for t in settings.tokens:
+        parts += ["--tokens", str(t)]
+    parts += ["--hidden", str(settings.hidden), "--intermediate", str(settings.intermediate),
+              "--experts", str(settings.experts), "--topk", str(settings.topk)]
+    for f in settings.formats:
+        parts += ["--format", f]
+    if settings.ops != OPS:
+        for op in settings.ops:
+            parts += ["--op", op]
+    parts += ["--repeats", str(settings.repeats), "--warmup", str(settings.warmup),
+              "--input-sets", str(settings.input_sets), "--seed", str(settings.seed)]
+    if not settings.baselines:
+        parts.append("--no-baselines")
+    if settings.include_slow:
+        parts.append("--include-slow")
+    return shlex.join(parts)
+
+
+def _attach_counts(rows: List[Row], settings: BenchSettings, routings: Dict[int, Any]) -> None:
+    """Bytes and operations of every row (the same for every backend and baseline of a case)."""
+    for row in rows:
+        routing = routings.get(row.tokens)
+        if routing is None:
+            continue
+        if row.op == "dispatch":
+            row.bytes, row.bytes_remote = dispatch_bytes(settings, routing, row.format)
+        elif row.op == "combine":
+            row.bytes, row.bytes_remote = combine_bytes(settings, routing, row.format)
+        else:
+            if row.backend not in ("grouped-gemm", "matmul"):
+                d, dr = dispatch_bytes(settings, routing, row.format)
+                c, cr = combine_bytes(settings, routing, row.format)
+                row.bytes, row.bytes_remote = d + c, dr + cr
+            row.flops = gemm_flops(settings, routing, backward=row.op == "forward_backward")
+        finish(row)
+
+
+def _environment(backends: Sequence[Any]) -> Dict[str, Any]:
+    import moe_ep_spec
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "numpy": np.__version__,
+        "moe_ep_spec": moe_ep_spec.__version__,
+        "moe_ep_bench": __version__,
+        "backends": {b.name: b.version for b in backends},
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _unavailable(backend: Any) -> Optional[str]:
+    """Why ``backend`` cannot run here, or None. The torch driver's backend is
+    checked without importing torch here (its rank processes call the backend's
+    own availability check before any job); every other backend is asked."""
+    from .drivers import BUILTIN
+
+    if BUILTIN.get(backend.name) == "torch":
+        return None if importlib.util.find_spec("torch") is not None else "torch is not installed (pip install torch)"
+    availability = backend.availability()
+    return None if availability else availability.reason
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_ep_spec.errors import BackendUnavailableError
+    from moe_ep_spec.registry import get_registry
+
+    from .drivers import driver_for
+    from .drivers.torch_driver import make_jobs, rows_from_results, run_jobs, torch_unsupported
+    from .drivers.world import run_world, world_cases
+
+    settings = settings_from_args(args)
+    registry = get_registry()
+    if args.backend:
+        backends = [registry.get_backend(name, require_available=False) for name in dict.fromkeys(args.backend)]
+        for b in backends:  # unknown: BackendNotFoundError above; unavailable: here; both exit 2
+            reason = _unavailable(b)
+            if reason is not None:
+                raise BackendUnavailableError(b.name, reason)
+    else:
+        backends = [b for b in registry.list_backends() if _unavailable(b) is None]
+    drivers = {b.name: driver_for(b.name) for b in backends}
+    rows: List[Row] = []
+    skipped_notes: List[str] = []
+
+    torch_installed = importlib.util.find_spec("torch") is not None
+    use_torch = any(kind == "torch" for kind in drivers.values())
+    baselines = settings.baselines and torch_installed
+    if settings.baselines and not torch_installed:
+        skipped_notes.append("baselines skipped: torch is not installed (pip install torch, or moe-ep-bench[torch])")
+
+    routings = {t: make_routing(settings, t) for t in settings.tokens}
+    jobs = make_jobs(settings, use_torch, baselines)
+    world_rows: Dict[str, List[Row]] = {}
+    for b in backends:
+        if drivers[b.name] == "world":
+            world_rows[b.name] = world_cases(b, settings)
+    total = len(jobs) + sum(1 for rs in world_rows.values() for r in rs if r.status == "ok")
+    header = (
+        f"moe-ep bench: device={settings.device} ep_size={settings.ep_size} hidden={settings.hidden} "
+        f"intermediate={settings.intermediate} experts={settings.experts} (local {settings.num_local_experts}) "
+        f"topk={settings.topk} tokens={','.join(map(str, settings.tokens))} formats={','.join(settings.formats)} "
+        f"repeats={settings.repeats} warmup={settings.warmup} input_sets={settings.input_sets}"
+    )
+    env = _environment(backends)
+    progress = make_progress(total, enabled=not args.no_progress)
+    try:
+        if jobs:
+            results, torch_env = run_jobs(settings, routings, jobs, progress)
+            env.update(torch_env)
+            label = "torch backend functions in its rank processes"
+            rows += rows_from_results(settings, jobs, results, label)
+        if use_torch:
+            for fmt in settings.formats:
+                for t in settings.tokens:
+                    for op in settings.ops:
+                        why = torch_unsupported(op, fmt)
+                        if why is not None:
+                            rows.append(Row(backend="torch", kind="backend", op=op, tokens=t, format=fmt,
+                                            ep_size=settings.ep_size, device=settings.device,
+                                            status="unsupported", reason=why))
+        for b in backends:
+            kind = drivers[b.name]
+            if kind == "world":
+                run_world(b, settings, routings, world_rows[b.name], progress)
+                rows += world_rows[b.name]
+            elif callable(kind):
+                rows += list(kind(b, settings, routings, progress))
+            elif kind is None:
+                for fmt in settings.formats:
+                    for t in settings.tokens:
+                        for op in settings.ops:
+                            rows.append(Row(backend=b.name, kind="backend", op=op, tokens=t, format=fmt,
+                                            ep_size=settings.ep_size, device=settings.device, status="no bench driver",
+                                            reason=f"no bench driver for backend {b.name!r} (launch model "
+                                            f"{b.capabilities.launch.value}); see docs/benchmarks.md, Drivers"))
+    finally:
+        progress.close()
+
+    # The GEMM roofline is measured once in bf16 and stands for every format.
+    gemm = [r for r in rows if r.backend in ("grouped-gemm", "matmul")]
+    rows = [r for r in rows if r.backend not in ("grouped-gemm", "matmul")]
+    for r in gemm:
+        for fmt in settings.formats:
+            copy = Row(**{**r.as_dict(), "format": fmt})
+            if fmt != "bf16":
+                copy.label = (copy.label + "; " if copy.label else "") + "bf16 GEMM rate"
+            rows.append(copy)
+    _attach_counts(rows, settings, routings)
+    add_ratios(rows)
+
+    names = [b.name for b in backends] if args.backend else []
+    print(format_table(rows, header))
+    for note in skipped_notes:
+        print(note)
+    if "gpus" in env:
+        gpus = env["gpus"]
+        print(f"torch {env.get('torch')} cuda {env.get('cuda')} nccl {env.get('nccl')}; "
+              + ", ".join(f"cuda:{g['index']} {g['name']}" for g in gpus))
+    elif "torch" in env:
+        print(f"torch {env['torch']} on {env.get('cpu', 'cpu')}, {env.get('torch_threads')} threads per rank")
+    plots: List[str] = []
+    if args.plot_dir:
+        try:
+            plots = write_plots_safe(rows, settings, args.plot_dir)
+        except ImportError:
+            print("plots skipped: matplotlib is not installed (pip install matplotlib, or moe-ep-bench[plot])",
+                  file=sys.stderr)
+        for p in plots:
+            print(f"wrote {p}")
+    if args.json:
+        doc = report(settings.as_dict(), env, rows, _command(settings, names), plots)
+        folder = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(folder, exist_ok=True)
+        with open(args.json, "w") as fh:
+            fh.write(dumps(doc) + "\n")
+        print(f"wrote {args.json}")
+    errors = [r for r in rows if r.status == "error"]
+    return 1 if errors else 0
+
+
+def write_plots_safe(rows: Sequence[Row], settings: BenchSettings, plot_dir: str) -> List[str]:
+    from .plots import write_plots
+
+    return write_plots(rows, settings.as_dict(), plot_dir)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m moe_ep_bench [options]``: exit 0 when every case ran or was
+    skipped, 1 when some failed, 2 on a usage or configuration error."""
+    from moe_ep_spec.errors import MoeEpError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except MoeEpError as exc:
+        print(f"moe-ep: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        return 3
