@@ -28,7 +28,7 @@ from .launch import call_world
 from .registry import get_registry
 from .tolerance import Comparison, compare
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "run_parsed"]
 
 COMMANDS_GROUP = "moe_ep_spec.commands"
 _FORMATS = [f.value for f in MoeFormat]
@@ -225,8 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    return run_parsed(build_parser().parse_args(argv))
+
+
+def run_parsed(args: argparse.Namespace) -> int:
+    """Run a parsed command: its exit status; 2 with ``moe-ep: error: ...`` for a
+    MoeEpError, 130 on Ctrl-C, 3 with a traceback for anything else."""
     try:
         return int(args.func(args))
     except MoeEpError as exc:

@@ -15,7 +15,6 @@ import os
 import platform
 import shlex
 import sys
-import traceback
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -337,17 +336,6 @@ def write_plots_safe(rows: Sequence[Row], settings: BenchSettings, plot_dir: str
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m moe_ep_bench [options]``: exit 0 when every case ran or was
     skipped, 1 when some failed, 2 on a usage or configuration error."""
-    from moe_ep_spec.errors import MoeEpError
+    from moe_ep_spec.cli import run_parsed
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except MoeEpError as exc:
-        print(f"moe-ep: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-        return 3
+    return run_parsed(build_parser().parse_args(argv))

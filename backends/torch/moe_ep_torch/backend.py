@@ -208,64 +208,69 @@ class TorchBackend(MoeEpBackend):
 
     # ------------------------------------------------------------------ fused
 
+    def _planned(
+        self,
+        config: MoeEpConfig,
+        ctx: RankContext,
+        inputs: RankInputs,
+        check: Any = None,
+        extra_rows: Any = None,
+    ) -> Tuple[Any, Any, list, Any, Any, Any]:
+        """Validate one rank's inputs (and ``check()``), move them to the device,
+        plan and move the routes' payload (collective). A validation error is
+        shared with every rank, so that all of them raise it together.
+        Returns ``(group, plan, received payload, activation, fc1, fc2)``; the
+        payload carries ``extra_rows(device)`` per token after the weights."""
+        from . import core
+
+        group, device = self._prepare(config, ctx)
+        error: Optional[BaseException] = None
+        try:
+            num_tokens = v.validate_rank_inputs(config, inputs, ctx.rank)
+            if check is not None:
+                check(num_tokens)
+        except MoeEpError as exc:
+            error, num_tokens = exc, 0
+        act = fc1 = fc2 = idx = payload = None
+        extra = ""
+        if error is None:
+            act = to_torch(inputs.activation, device)
+            fc1 = _weight(to_torch(inputs.fc1_weight, device, weight=True))
+            fc2 = _weight(to_torch(inputs.fc2_weight, device, weight=True))
+            idx = to_torch(inputs.topk_idx, device)
+            rows = [] if extra_rows is None else extra_rows(device)
+            payload = core.route_payload(act, to_torch(inputs.topk_weights, device), config.num_topk, extra=rows)
+            extra = "|".join(_encoding(x) for x in (inputs.activation, inputs.fc1_weight, inputs.fc2_weight))
+        plan, recv = core.make_plan(config, idx, num_tokens, group, device, error, extra, payload)
+        return group, plan, recv, act, fc1, fc2
+
     def forward_rank(self, config: MoeEpConfig, ctx: RankContext, inputs: RankInputs) -> ForwardResult:
         from . import core
 
         self.require(config, "forward")
-        group, device = self._prepare(config, ctx)
-        error: Optional[BaseException] = None
-        try:
-            num_tokens = v.validate_rank_inputs(config, inputs, ctx.rank)
-        except MoeEpError as exc:
-            error, num_tokens = exc, 0
-        if error is None:
-            act = to_torch(inputs.activation, device)
-            fc1 = to_torch(inputs.fc1_weight, device, weight=True)
-            fc2 = to_torch(inputs.fc2_weight, device, weight=True)
-            weights = to_torch(inputs.topk_weights, device)
-            idx = to_torch(inputs.topk_idx, device)
-            payload = core.route_payload(act, weights, config.num_topk)
-        else:
-            act = fc1 = fc2 = idx = payload = None
-        extra = "|".join(_encoding(x) for x in (inputs.activation, inputs.fc1_weight, inputs.fc2_weight)) if error is None else ""
-        plan, recv = core.make_plan(config, idx, num_tokens, group, device, error, extra, payload)
-        out = core.forward(config, plan, recv, act, _weight(fc1), _weight(fc2), group)
-        result = ForwardResult(to_numpy(out["output"]))
-        if config.generate_c:
-            result = ForwardResult(
-                result.output, to_numpy(out["fc1_c"]), out["route_metadata"].cpu().numpy().astype(np.int32)
-            )
-        return result
+        group, plan, recv, act, fc1, fc2 = self._planned(config, ctx, inputs)
+        out = core.forward(config, plan, recv, act, fc1, fc2, group)
+        if not config.generate_c:
+            return ForwardResult(to_numpy(out["output"]))
+        return ForwardResult(
+            to_numpy(out["output"]), to_numpy(out["fc1_c"]), out["route_metadata"].cpu().numpy().astype(np.int32)
+        )
 
     def backward_rank(
         self, config: MoeEpConfig, ctx: RankContext, inputs: RankInputs, grad_output: np.ndarray, stash: Stash
     ) -> BackwardResult:
-        import torch
-
         from . import core
 
         self.require(config, "backward")
-        group, device = self._prepare(config, ctx)
-        error: Optional[BaseException] = None
-        try:
-            num_tokens = v.validate_rank_inputs(config, inputs, ctx.rank)
+
+        def check(num_tokens: int) -> None:
             v.validate_grad("grad_output", grad_output, (num_tokens, config.hidden), "(num_tokens, hidden)", ctx.rank)
             if not isinstance(stash, Stash):
                 raise StashError(f"rank {ctx.rank}: stash must be a Stash; got {type(stash).__name__}")
-        except MoeEpError as exc:
-            error, num_tokens = exc, 0
-        if error is None:
-            act = to_torch(inputs.activation, device)
-            fc1 = to_torch(inputs.fc1_weight, device, weight=True)
-            fc2 = to_torch(inputs.fc2_weight, device, weight=True)
-            weights = to_torch(inputs.topk_weights, device)
-            idx = to_torch(inputs.topk_idx, device)
-            dy = to_torch(grad_output, device).float()
-            payload = core.route_payload(act, weights, config.num_topk, extra=[dy])
-        else:
-            act = fc1 = fc2 = idx = payload = None
-        extra = "|".join(_encoding(x) for x in (inputs.activation, inputs.fc1_weight, inputs.fc2_weight)) if error is None else ""
-        plan, recv = core.make_plan(config, idx, num_tokens, group, device, error, extra, payload)
+
+        group, plan, recv, act, fc1, fc2 = self._planned(
+            config, ctx, inputs, check, lambda device: [to_torch(grad_output, device).float()]
+        )
         v.validate_stash(config, stash, plan.num_rows, ctx.rank)
         expected = plan.route_metadata.cpu().numpy()
         diff = np.nonzero((stash.route_metadata != expected).any(axis=1))[0]
@@ -275,14 +280,9 @@ class TorchBackend(MoeEpBackend):
                 f"rank {ctx.rank}: route_metadata must equal the forward's routing of topk_idx; row {row} is "
                 f"{tuple(int(x) for x in stash.route_metadata[row])}, the routing gives {tuple(int(x) for x in expected[row])}"
             )
-        fc1_c = to_torch(stash.fc1_c, device)
-        grads = core.backward(config, plan, recv, act, _weight(fc1), _weight(fc2), fc1_c, group)
-        return BackwardResult(
-            grad_activation=grads["grad_activation"].cpu().numpy(),
-            grad_fc1_weight=grads["grad_fc1_weight"].cpu().numpy(),
-            grad_fc2_weight=grads["grad_fc2_weight"].cpu().numpy(),
-            grad_topk_weights=grads["grad_topk_weights"].to(torch.float32).cpu().numpy(),
-        )
+        fc1_c = to_torch(stash.fc1_c, act.device)
+        grads = core.backward(config, plan, recv, act, fc1, fc2, fc1_c, group)
+        return BackwardResult(**{name: t.float().cpu().numpy() for name, t in grads.items()})
 
     # ---------------------------------------------------------------- layered
 
