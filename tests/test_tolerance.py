@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from moe_ep_spec import MoeEpConfig, MoeFormat, tolerance
+from moe_ep_spec import MoeEpConfig
 from moe_ep_spec.formats import BF16, dequantize, quantize, round_trip
 from moe_ep_spec.tolerance import compare, gamma, rounding_error_bound
 from moe_ep_reference import ReferenceBackend

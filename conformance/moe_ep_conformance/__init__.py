@@ -6,7 +6,7 @@ Library use (no pytest)::
     from moe_ep_conformance import all_cases, run_cases
 
     results = run_cases(moe_ep_spec.get_backend("reference"), all_cases(quick=True))
-    assert all(r.outcome != "failed" for r in results)
+    failed = [r.describe() for r in results if r.outcome == "failed"]
 
 From the command line: ``moe-ep conformance --backend NAME [--quick]``.
 """

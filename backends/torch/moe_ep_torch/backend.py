@@ -30,7 +30,7 @@ from moe_ep_spec.api import (
 from moe_ep_spec.backend import Availability, Capabilities, Launch, MoeEpBackend
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import MoeEpError, StashError
-from moe_ep_spec.formats import BF16, BlockScaledTensor, MoeFormat
+from moe_ep_spec.formats import BF16, BlockScaledTensor
 
 __all__ = ["TorchBackend"]
 
