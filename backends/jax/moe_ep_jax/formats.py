@@ -282,16 +282,22 @@ def _e4m3_codes(mag: jax.Array, e: jax.Array) -> jax.Array:
     return jnp.where(m == 0, 0, jnp.minimum(code, 0x7E)).astype(_U32)
 
 
-def _quantize_mxfp8_last(u: jax.Array) -> Tuple[jax.Array, jax.Array]:
-    """float32 bits ``[..., n]`` -> (data codes ``[..., n]`` uint8, E8M0 codes ``[..., ceil(n/32)]`` uint8)."""
-    n = u.shape[-1]
-    b = _blocks(u, 32)
+def _block_parts(u: jax.Array, block: int) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """float32 bits ``[..., n]`` in blocks: (magnitude bits ``[..., nb, block]`` with
+    non-finite elements zeroed, sign bits, ``[..., nb]`` whether the block holds NaN
+    or inf, ``[..., nb]`` the largest finite magnitude)."""
+    b = _blocks(u, block)
     mag = b & _ABS
     sign = lax.shift_right_logical(b, np.uint32(31))
     nonfinite = mag >= _INF
-    bad = jnp.any(nonfinite, axis=-1)
     mag = jnp.where(nonfinite, np.uint32(0), mag)
-    amax = jnp.max(mag, axis=-1)
+    return mag, sign, jnp.any(nonfinite, axis=-1), jnp.max(mag, axis=-1)
+
+
+def _quantize_mxfp8_last(u: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """float32 bits ``[..., n]`` -> (data codes ``[..., n]`` uint8, E8M0 codes ``[..., ceil(n/32)]`` uint8)."""
+    n = u.shape[-1]
+    mag, sign, bad, amax = _block_parts(u, 32)
     ea = lax.shift_right_logical(amax, np.uint32(23)).astype(_I32)
     frac = amax & np.uint32(0x7FFFFF)
     # amax = 1.f * 2^(ea - 127); 448 = 1.75 * 2^8: e = k - 8, plus one when 1.f > 1.75.
@@ -345,20 +351,12 @@ def _count_above(mag: jax.Array, bounds_bits: jax.Array, tie_up: np.ndarray) -> 
 def _quantize_nvfp4_last(u: jax.Array) -> Tuple[jax.Array, jax.Array]:
     """float32 bits ``[..., n]`` -> (packed data ``[..., ceil(n/2)]`` uint8, E4M3 scale codes ``[..., ceil(n/16)]`` uint8)."""
     n = u.shape[-1]
-    b = _blocks(u, 16)
-    mag = b & _ABS
-    sign = lax.shift_right_logical(b, np.uint32(31))
-    nonfinite = mag >= _INF
-    bad = jnp.any(nonfinite, axis=-1)
-    mag = jnp.where(nonfinite, np.uint32(0), mag)
-    amax = jnp.max(mag, axis=-1)
+    mag, sign, bad, amax = _block_parts(u, 16)
     sidx = _count_above(amax, jnp.asarray(_NV_SCALE_BOUNDS), _TIE_UP_126)  # saturates at 0x7E (448)
     s = jnp.asarray(_E4M3_POS)[sidx]
     # E2M1(|x| / s) against the exact thresholds midpoint * s (normal float32, exact).
     thresholds = _bits(jnp.asarray(_E2M1_MIDS) * s[..., None])  # [..., nb, 7]
-    above = (mag[..., None] > thresholds[..., None, :]).astype(_I32)
-    tie = ((mag[..., None] == thresholds[..., None, :]) & jnp.asarray(_TIE_UP_7)).astype(_I32)
-    idx = jnp.sum(above + tie, axis=-1)
+    idx = _count_above(mag, thresholds[..., None, :], _TIE_UP_7)
     idx = jnp.where((s == 0)[..., None], 0, idx)  # a zero scale zeroes its block (signs kept)
     codes = idx.astype(_U32) | lax.shift_left(sign, np.uint32(3))
     flat = _unblock(codes, n)
