@@ -132,8 +132,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     got = call_world(backend, "forward", config, inputs, timeout_s=args.timeout)
     report["forward_seconds"] = time.perf_counter() - t0
-    ref = reference.forward(config, inputs)
-    budgets = reference.forward_budget(config, inputs)  # type: ignore[attr-defined]
+    ref, budgets = reference.forward_and_budget(config, inputs)  # type: ignore[attr-defined]
     for r in range(config.num_ranks):
         comparisons.append(compare(f"rank {r} output", got[r].output, ref[r].output, budgets[r].output))
 
@@ -144,8 +143,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         got_b = call_world(backend, "backward", config, inputs, grads, stash, timeout_s=args.timeout)
         report["backward_seconds"] = time.perf_counter() - t0
-        ref_b = reference.backward(config, inputs, grads, stash)
-        bud_b = reference.backward_budget(config, inputs, grads, stash)  # type: ignore[attr-defined]
+        ref_b, bud_b = reference.backward_and_budget(config, inputs, grads, stash)  # type: ignore[attr-defined]
         for r in range(config.num_ranks):
             for field in ("grad_activation", "grad_fc1_weight", "grad_fc2_weight", "grad_topk_weights"):
                 comparisons.append(

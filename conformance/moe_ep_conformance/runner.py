@@ -310,12 +310,16 @@ class _Runner:
         self.factor = factor
         self.rng = np.random.default_rng(case.seed + 1)
 
-    def call(self, op: str, *args: Any) -> List[Any]:
-        return call_world(self.backend, op, self.config, *args, timeout_s=self.timeout_s, devices=self.devices)
+    def call(self, op: str, *args: Any, config: Optional[MoeEpConfig] = None) -> List[Any]:
+        return call_world(
+            self.backend, op, config or self.config, *args, timeout_s=self.timeout_s, devices=self.devices
+        )
 
-    def call_unchanged(self, op: str, *args: Any) -> List[Any]:
+    def call_unchanged(self, op: str, *args: Any, config: Optional[MoeEpConfig] = None) -> List[Any]:
+        """Call the backend; fail the case if it modified its inputs or did not
+        return one result per rank."""
         before = _snapshot(args)
-        out = self.call(op, *args)
+        out = self.call(op, *args, config=config)
         if not _same_inputs(before, args):
             raise _Fail(f"{op} modified its inputs; the spec forbids changing any input")
         if len(out) != self.config.num_ranks:
@@ -328,8 +332,7 @@ class _Runner:
         cfg, ref_b = self.config, self.reference
         world = _world(self.case, cfg)
         got = self.call_unchanged("forward", world)
-        ref = ref_b.forward(cfg, world)
-        budgets = ref_b.forward_budget(cfg, world)  # type: ignore[attr-defined]
+        ref, budgets = ref_b.forward_and_budget(cfg, world)  # type: ignore[attr-defined]
         checks: List[Check] = []
         for r in range(cfg.num_ranks):
             checks += _output_checks(f"rank {r} output", cfg, got[r].output, ref[r].output, budgets[r], self.factor)
@@ -350,8 +353,7 @@ class _Runner:
         stash = [f.stash for f in ref_b.forward(cfg, world)]
         grads = [_cotangent(self.rng, (w.topk_idx.shape[0], cfg.hidden)) for w in world]
         got = self.call_unchanged("backward", world, grads, stash)
-        ref = ref_b.backward(cfg, world, grads, stash)
-        budgets = ref_b.backward_budget(cfg, world, grads, stash)  # type: ignore[attr-defined]
+        ref, budgets = ref_b.backward_and_budget(cfg, world, grads, stash)  # type: ignore[attr-defined]
         checks = []
         for r in range(cfg.num_ranks):
             for name in ("grad_activation", "grad_fc1_weight", "grad_fc2_weight", "grad_topk_weights"):
@@ -378,8 +380,7 @@ class _Runner:
             weights[w.topk_idx < 0] = np.nan  # never read: -1 slots contribute exactly zero
             new_world.append(RankInputs(act, w.fc1_weight, w.fc2_weight, w.topk_idx, weights))
         got = self.call_unchanged("forward", new_world)
-        ref = self.reference.forward(cfg, new_world)
-        budgets = self.reference.forward_budget(cfg, new_world)  # type: ignore[attr-defined]
+        ref, budgets = self.reference.forward_and_budget(cfg, new_world)  # type: ignore[attr-defined]
         checks = []
         for r in range(cfg.num_ranks):
             keep = np.ones(new_world[r].topk_idx.shape[0], dtype=bool)
@@ -396,11 +397,8 @@ class _Runner:
                 for t in poisoned.get(r, []):
                     g[t, 5] = np.nan
                 grads.append(g)
-            got_b = call_world(
-                self.backend, "backward", cfg_c, clean_world, grads, stash, timeout_s=self.timeout_s, devices=self.devices
-            )
-            ref_b = self.reference.backward(cfg_c, clean_world, grads, stash)
-            bud_b = self.reference.backward_budget(cfg_c, clean_world, grads, stash)  # type: ignore[attr-defined]
+            got_b = self.call_unchanged("backward", clean_world, grads, stash, config=cfg_c)
+            ref_b, bud_b = self.reference.backward_and_budget(cfg_c, clean_world, grads, stash)  # type: ignore[attr-defined]
             for r in range(cfg.num_ranks):
                 keep = np.ones(clean_world[r].topk_idx.shape[0], dtype=bool)
                 keep[poisoned.get(r, [])] = False

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -76,6 +76,12 @@ class ReferenceBackend(MoeEpBackend):
     def forward(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> List[ForwardResult]:
         return self._forward(config, inputs, with_bound=False)[0]
 
+    def forward_and_budget(
+        self, config: MoeEpConfig, inputs: Sequence[RankInputs]
+    ) -> Tuple[List[ForwardResult], List[ForwardBudget]]:
+        """:meth:`forward` and :meth:`forward_budget` from one computation."""
+        return self._forward(config, inputs, with_bound=True)
+
     def forward_budget(self, config: MoeEpConfig, inputs: Sequence[RankInputs]) -> List[ForwardBudget]:
         """Per rank, the budgets of a conforming backend's forward results: the
         decoded ``output``, the allowed output scale codes (block formats) and,
@@ -99,6 +105,7 @@ class ReferenceBackend(MoeEpBackend):
             cs.append(c)
             bs.append(b)
         per_slot = W.scatter_slots(config, handles, ys)
+        bound_slots = W.scatter_slots(config, handles, [b[0] for b in bs]) if with_bound else None
         results, budgets = [], []
         for r, h in enumerate(handles):
             summed = W.sum_slots(per_slot[r])
@@ -107,19 +114,10 @@ class ReferenceBackend(MoeEpBackend):
                 results.append(ForwardResult(out, round_to_bf16(cs[r]), h.route_metadata.copy()))
             else:
                 results.append(ForwardResult(out))
-        if with_bound:
-            bound_slots = W.scatter_slots(config, handles, [b[0] for b in bs])
-            for r in range(config.num_ranks):
-                summed = W.sum_slots(per_slot[r])
-                before_encode = W.sum_slots(bound_slots[r]) + gamma(config.num_topk) * W.sum_slots(np.abs(per_slot[r]))
-                fmt = config.output_format
+            if bound_slots is not None:
                 budgets.append(
-                    ForwardBudget(
-                        output=rounding_error_bound(summed, before_encode, fmt, axis=1),
-                        scale_codes=allowed_scale_codes(summed, before_encode, fmt, axis=1)
-                        if fmt.is_block_scaled
-                        else None,
-                        fc1_c=bs[r][1] if config.generate_c else None,
+                    _output_budget(
+                        config, summed, W.sum_slots(bound_slots[r]), per_slot[r], bs[r][1] if config.generate_c else None
                     )
                 )
         return results, budgets
@@ -132,6 +130,16 @@ class ReferenceBackend(MoeEpBackend):
         stash: Sequence[Stash],
     ) -> List[BackwardResult]:
         return self._backward(config, inputs, grad_output, stash, with_bound=False)[0]
+
+    def backward_and_budget(
+        self,
+        config: MoeEpConfig,
+        inputs: Sequence[RankInputs],
+        grad_output: Sequence[np.ndarray],
+        stash: Sequence[Stash],
+    ) -> Tuple[List[BackwardResult], List[BackwardResult]]:
+        """:meth:`backward` and :meth:`backward_budget` from one computation."""
+        return self._backward(config, inputs, grad_output, stash, with_bound=True)
 
     def backward_budget(
         self,
@@ -211,20 +219,10 @@ class ReferenceBackend(MoeEpBackend):
         """Per rank, the budgets of a conforming combine's ``[T, H]`` output and its
         scale codes: the float32 slot sum, then the output encode (the combine
         round trip of a given row is exact and must match)."""
-        budgets = []
-        fmt = config.output_format
-        for p in self._combine_slots(config, handles, expert_out):
-            summed = W.sum_slots(p)
-            before_encode = gamma(config.num_topk) * W.sum_slots(np.abs(p))
-            budgets.append(
-                ForwardBudget(
-                    output=rounding_error_bound(summed, before_encode, fmt, axis=1),
-                    scale_codes=allowed_scale_codes(summed, before_encode, fmt, axis=1)
-                    if fmt.is_block_scaled
-                    else None,
-                )
-            )
-        return budgets
+        return [
+            _output_budget(config, W.sum_slots(p), 0.0, p)
+            for p in self._combine_slots(config, handles, expert_out)
+        ]
 
     def _combine_slots(
         self, config: MoeEpConfig, handles: Sequence[DispatchHandle], expert_out: Sequence[np.ndarray]
@@ -299,6 +297,24 @@ class ReferenceBackend(MoeEpBackend):
             gts.append(np.where(valid[:, None], np.asarray(gt, dtype=np.float64), 0.0))
             gws.append(np.where(valid, np.asarray(gw, dtype=np.float64), 0.0))
         return W.scatter_slots(config, handles, gts), W.scatter_slots(config, handles, gws)
+
+
+def _output_budget(
+    config: MoeEpConfig,
+    summed: np.ndarray,
+    route_error: Any,
+    per_slot: np.ndarray,
+    fc1_c: Optional[np.ndarray] = None,
+) -> ForwardBudget:
+    """The budget of a ``[T, H]`` output: the routes' errors (``route_error``,
+    summed over slots) plus the float32 slot sum, pushed through the output encode."""
+    fmt = config.output_format
+    before_encode = route_error + gamma(config.num_topk) * W.sum_slots(np.abs(per_slot))
+    return ForwardBudget(
+        output=rounding_error_bound(summed, before_encode, fmt, axis=1),
+        scale_codes=allowed_scale_codes(summed, before_encode, fmt, axis=1) if fmt.is_block_scaled else None,
+        fc1_c=fc1_c,
+    )
 
 
 def _assemble_backward(
