@@ -22,6 +22,7 @@ __all__ = [
     "PLAIN_FLOAT_DTYPES",
     "INDEX_DTYPES",
     "check_tensor",
+    "check_shape",
     "check_float_array",
     "check_topk",
     "check_num_tokens",
@@ -75,11 +76,15 @@ def check_float_array(name: str, arr: Any, shape: Tuple[Any, ...], what: str, ra
             expected=_dtype_names(PLAIN_FLOAT_DTYPES),
             got=arr.dtype.name,
         )
-    _check_shape(name, tuple(arr.shape), shape, what, rank)
+    check_shape(name, tuple(arr.shape), shape, what, rank)
     return arr
 
 
-def _check_shape(name: str, got: Tuple[int, ...], shape: Tuple[Any, ...], what: str, rank: Optional[int]) -> None:
+def check_shape(name: str, got: Tuple[int, ...], shape: Tuple[Any, ...], what: str, rank: Optional[int] = None) -> None:
+    """``got`` must equal ``shape`` (None entries match anything); raises
+    :class:`ShapeError` with the spec's message, e.g. ``topk_idx must have shape
+    (num_tokens, num_topk) = (64, 2); got (64, 3)``. Framework backends call it
+    with their tensors' shapes so their messages are the same."""
     ok = len(got) == len(shape) and all(e is None or e == g for e, g in zip(shape, got))
     if not ok:
         shown = tuple("?" if e is None else e for e in shape)
@@ -104,7 +109,7 @@ def check_tensor(
             renamed = type(exc)(f"{_prefix(rank)}{name}: {exc}")
             renamed.__dict__.update(exc.__dict__)  # keep name / expected / got
             raise renamed from None
-        _check_shape(name, t.shape, shape, what, rank)
+        check_shape(name, t.shape, shape, what, rank)
         if t.axis != blocked_axis % len(t.shape):
             raise FormatError(
                 f"{_prefix(rank)}{name} must be blocked along axis {blocked_axis} (its reduction axis); "
@@ -128,7 +133,7 @@ def check_topk(
             got=got,
         )
     shape = (num_tokens, config.num_topk)
-    _check_shape("topk_idx", tuple(topk_idx.shape), shape, "(num_tokens, num_topk)", rank)
+    check_shape("topk_idx", tuple(topk_idx.shape), shape, "(num_tokens, num_topk)", rank)
     check_float_array("topk_weights", topk_weights, shape, "(num_tokens, num_topk)", rank)
     bad = (topk_idx < -1) | (topk_idx >= config.num_experts)
     if bad.any():
@@ -228,8 +233,8 @@ def validate_stash(config: MoeEpConfig, stash: Stash, expected_rows: int, rank: 
         raise DTypeError(
             f"{p}route_metadata must have dtype int32; got {got}", name="route_metadata", expected="int32", got=got
         )
-    _check_shape("fc1_c", tuple(fc1_c.shape), (expected_rows, 2 * config.intermediate), "(rows, 2 * intermediate)", rank)
-    _check_shape("route_metadata", tuple(meta.shape), (expected_rows, 4), "(rows, 4)", rank)
+    check_shape("fc1_c", tuple(fc1_c.shape), (expected_rows, 2 * config.intermediate), "(rows, 2 * intermediate)", rank)
+    check_shape("route_metadata", tuple(meta.shape), (expected_rows, 4), "(rows, 4)", rank)
 
 
 def validate_expert_out(config: MoeEpConfig, expert_out: Any, handle: DispatchHandle) -> np.ndarray:

@@ -577,7 +577,7 @@ def _check_topk_without_range(config, topk_idx, topk_weights, num_tokens, rank=N
         got = V._dtype_text(topk_idx.dtype) if isinstance(topk_idx, np.ndarray) else type(topk_idx).__name__
         raise V.DTypeError(f"{p}topk_idx must have dtype in ({V._dtype_names(V.INDEX_DTYPES)}); got {got}", name="topk_idx")
     shape = (num_tokens, config.num_topk)
-    V._check_shape("topk_idx", tuple(topk_idx.shape), shape, "(num_tokens, num_topk)", rank)
+    V.check_shape("topk_idx", tuple(topk_idx.shape), shape, "(num_tokens, num_topk)", rank)
     V.check_float_array("topk_weights", topk_weights, shape, "(num_tokens, num_topk)", rank)
 
 

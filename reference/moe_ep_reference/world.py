@@ -319,8 +319,6 @@ def stack_tokens(tokens: Sequence[Tensor]) -> Optional[str]:
     """Why the ranks' tokens cannot travel together (different encodings), or None."""
     first = tokens[0]
     for r, t in enumerate(tokens[1:], start=1):
-        if isinstance(first, BlockScaledTensor) != isinstance(t, BlockScaledTensor):
-            return f"rank {r} passes {_encoding(t)} while rank 0 passes {_encoding(first)}"
         if _encoding(first) != _encoding(t):
             return f"rank {r} passes {_encoding(t)} while rank 0 passes {_encoding(first)}"
     return None

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from moe_ep_spec.validation import check_shape
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import CapabilityError, CapacityError, ConfigError, DTypeError, FormatError, RoutingIndexError, ShapeError
 from moe_ep_spec.formats import MoeFormat
@@ -139,14 +140,9 @@ def _check_plain(name: str, x: Any) -> None:
 
 
 def _check_shape(name: str, got: Tuple[int, ...], want: Tuple[Optional[int], ...], what: str) -> None:
-    if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
-        shown = "(" + ", ".join("?" if w is None else str(w) for w in want) + ("," if len(want) == 1 else "") + ")"
-        raise ShapeError(
-            f"{name} must have shape {what} = {shown} (one rank's shard); got {tuple(got)}",
-            name=name,
-            expected=want,
-            got=tuple(got),
-        )
+    """One rank's shard must have ``want``: the spec's rule and message
+    (``moe_ep_spec.validation.check_shape``)."""
+    check_shape(name, tuple(got), want, what)
 
 
 def _check_tensor(name: str, t: Any, want: Tuple[Optional[int], ...], what: str, blocked_axis: int) -> Tuple[int, ...]:

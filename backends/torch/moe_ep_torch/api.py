@@ -32,9 +32,10 @@ from torch import Tensor
 from moe_ep_spec import errors as E
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.formats import MoeFormat
+from moe_ep_spec.validation import check_shape
 
 from . import core
-from .formats import TorchBlockScaled
+from .formats import TorchBlockScaled, decode_weight
 
 __all__ = ["moe_ep", "moe_ep_backward", "config_to_json", "config_from_json"]
 
@@ -73,10 +74,7 @@ def _check(config: MoeEpConfig, group: Any, activation: Tensor, fc1: Any, fc2: A
     h, i, el, k = config.hidden, config.intermediate, config.num_local_experts, config.num_topk
 
     def shape(name: str, t: Any, want: Tuple[Any, ...], what: str) -> None:
-        got = tuple(t.shape)
-        if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
-            shown = "(" + ", ".join("?" if w is None else str(w) for w in want) + ")"
-            raise E.ShapeError(f"{p}{name} must have shape {what} = {shown}; got {got}", name=name, expected=want, got=got)
+        check_shape(name, tuple(t.shape), want, what, rank)
 
     for name, t in (("activation", activation), ("fc1_weight", fc1), ("fc2_weight", fc2)):
         if isinstance(t, TorchBlockScaled):
@@ -125,14 +123,6 @@ def _encoding(t: Any) -> str:
     return t.format.value if isinstance(t, TorchBlockScaled) else str(t.dtype)
 
 
-def _decode_weight(w: Any) -> Any:
-    from .formats import dequantize
-
-    if isinstance(w, TorchBlockScaled):
-        return dequantize(w).transpose(1, 2).contiguous()
-    return w
-
-
 def _check_group(config: MoeEpConfig, group: Any) -> None:
     """Same answer on every rank, so raising here leaves no rank in a collective."""
     size = dist.get_world_size(group)
@@ -156,7 +146,7 @@ def _run_forward(config: MoeEpConfig, group: Any, activation: Any, fc1: Any, fc2
     payload = core.route_payload(activation, weights, config.num_topk) if error is None else None
     num_tokens = int(activation.shape[0]) if error is None else 0
     plan, recv = core.make_plan(config, idx if error is None else None, num_tokens, group, device, error, extra, payload)
-    return core.forward(config, plan, recv, activation, _decode_weight(fc1), _decode_weight(fc2), group)
+    return core.forward(config, plan, recv, activation, decode_weight(fc1), decode_weight(fc2), group)
 
 
 # ----------------------------------------------------------------------------- custom ops

@@ -222,6 +222,7 @@ class TorchBackend(MoeEpBackend):
         Returns ``(group, plan, received payload, activation, fc1, fc2)``; the
         payload carries ``extra_rows(device)`` per token after the weights."""
         from . import core
+        from .formats import decode_weight
 
         group, device = self._prepare(config, ctx)
         error: Optional[BaseException] = None
@@ -235,8 +236,8 @@ class TorchBackend(MoeEpBackend):
         extra = ""
         if error is None:
             act = to_torch(inputs.activation, device)
-            fc1 = _weight(to_torch(inputs.fc1_weight, device, weight=True))
-            fc2 = _weight(to_torch(inputs.fc2_weight, device, weight=True))
+            fc1 = decode_weight(to_torch(inputs.fc1_weight, device, weight=True))
+            fc2 = decode_weight(to_torch(inputs.fc2_weight, device, weight=True))
             idx = to_torch(inputs.topk_idx, device)
             rows = [] if extra_rows is None else extra_rows(device)
             payload = core.route_payload(act, to_torch(inputs.topk_weights, device), config.num_topk, extra=rows)
@@ -375,13 +376,3 @@ class TorchBackend(MoeEpBackend):
             grad_tokens=core.sum_slots(core.to_slots(plan, gt_back)).cpu().numpy(),
             grad_topk_weights=core.to_slots(plan, gw_back).cpu().numpy(),
         )
-
-
-def _weight(w: Any) -> Any:
-    """Block-scaled weights arrive transposed ([E, N, K] blocked along K): decode
-    and transpose back; plain weights pass through."""
-    from .formats import TorchBlockScaled, dequantize
-
-    if isinstance(w, TorchBlockScaled):
-        return dequantize(w).transpose(1, 2).contiguous()
-    return w

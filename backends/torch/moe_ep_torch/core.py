@@ -162,11 +162,9 @@ def make_plan(
         route = torch.nonzero(flat >= 0).reshape(-1)  # token-major
         expert = flat[route]
         dest = torch.div(expert, el, rounding_mode="floor")
-        local = expert - dest * el
         order = torch.argsort(dest, stable=True)  # by destination, token-major within
         send_route = route[order]
-        key = (dest * el + local).clamp(0, n * el - 1)
-        counts = torch.bincount(key, minlength=n * el)[: n * el]
+        counts = torch.bincount(expert.clamp(0, n * el - 1), minlength=n * el)[: n * el]  # per (dest, local expert)
         counts = torch.where(bad_ids, torch.zeros_like(counts), counts)
         code = torch.where(bad_ids, torch.tensor(_ROUTING_CODE, device=device), torch.tensor(0, device=device))
     else:

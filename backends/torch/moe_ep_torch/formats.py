@@ -18,7 +18,7 @@ import torch
 from moe_ep_spec.errors import DTypeError, FormatError, ShapeError
 from moe_ep_spec.formats import E2M1_VALUES, MoeFormat, parse_format
 
-__all__ = ["TorchBlockScaled", "quantize", "dequantize", "round_trip", "decode", "from_raw", "raw"]
+__all__ = ["TorchBlockScaled", "quantize", "dequantize", "round_trip", "decode", "decode_weight", "from_raw", "raw"]
 
 #: torch's E8M0 and packed-FP4 dtypes where the installed torch has them (uint8 otherwise).
 E8M0 = getattr(torch, "float8_e8m0fnu", torch.uint8)
@@ -191,3 +191,13 @@ def decode(x: "torch.Tensor | TorchBlockScaled") -> torch.Tensor:
     if isinstance(x, TorchBlockScaled):
         return dequantize(x)
     return x.float()
+
+
+def decode_weight(w: "torch.Tensor | TorchBlockScaled") -> torch.Tensor:
+    """An expert weight ready for the GEMMs: a block-scaled weight arrives
+    transposed (``[E, N, K]`` blocked along its last axis K, the reduction axis)
+    and is decoded and transposed back to ``[E, K, N]``; a plain one passes
+    through unchanged (its dtype kept, so CUDA can use the bf16 GEMMs)."""
+    if isinstance(w, TorchBlockScaled):
+        return dequantize(w).transpose(1, 2).contiguous()
+    return w
