@@ -61,7 +61,7 @@ from jax import lax
 
 from moe_ep_spec.validation import check_shape
 from moe_ep_spec.config import MoeEpConfig
-from moe_ep_spec.errors import CapabilityError, CapacityError, ConfigError, DTypeError, FormatError, RoutingIndexError, ShapeError
+from moe_ep_spec.errors import CapabilityError, CapacityError, ConfigError, DTypeError, FormatError, RoutingIndexError
 from moe_ep_spec.formats import MoeFormat
 
 from . import core
