@@ -39,6 +39,8 @@ from .errors import (
     DTypeError,
     FormatError,
     MoeEpError,
+    NativeArgumentError,
+    NativeError,
     RoutingIndexError,
     ShapeError,
     StashError,
@@ -114,4 +116,6 @@ __all__ = [
     "BackendError",
     "BackendNotFoundError",
     "BackendUnavailableError",
+    "NativeError",
+    "NativeArgumentError",
 ]

@@ -28,6 +28,8 @@ __all__ = [
     "BackendError",
     "BackendNotFoundError",
     "BackendUnavailableError",
+    "NativeError",
+    "NativeArgumentError",
 ]
 
 
@@ -185,3 +187,29 @@ class BackendUnavailableError(BackendError, RuntimeError):
 
     def __reduce__(self) -> tuple:  # survive pickling between rank processes
         return (type(self), (self.name, self.reason))
+
+
+class NativeError(MoeEpError, RuntimeError):
+    """A native kernel library (the C ABI of ``backends/native``) returned a
+    failure status. Attributes: ``op`` (the entry point), ``status`` (the
+    integer ``moe_ep_status``) and ``status_name`` (e.g. ``MOE_EP_ERR_CUDA``);
+    the message is the library's own (rule, value seen, what is allowed)."""
+
+    def __init__(self, message: str, *, op: str = "", status: int = 0, status_name: str = "") -> None:
+        super().__init__(message)
+        self.op = op
+        self.status = status
+        self.status_name = status_name
+
+    def __reduce__(self) -> tuple:  # survive pickling between rank processes
+        return (_rebuild_native_error, (type(self), self.args[0], self.op, self.status, self.status_name))
+
+
+class NativeArgumentError(NativeError, ValueError):
+    """The native library rejected an argument (``MOE_EP_ERR_INVALID_ARGUMENT``):
+    a size, pointer, enum or index broke the rule its message states. Nothing
+    was written."""
+
+
+def _rebuild_native_error(cls: type, message: str, op: str, status: int, status_name: str) -> NativeError:
+    return cls(message, op=op, status=status, status_name=status_name)

@@ -1,0 +1,235 @@
+/*
+ * moe_ep_native.h: the C ABI of the MoeEp native kernel core.
+ *
+ * The numerics of one rank of the MoeEp operator (docs/spec.md) as plain C
+ * entry points over raw pointers, for any framework binding (the JAX FFI
+ * backend `jax-ffi`, ctypes, a PyTorch extension). Nothing here communicates:
+ * the exchange between ranks is the binding's (or a transport's) job.
+ *
+ * Conventions
+ * - Every entry point returns a moe_ep_status. On anything but MOE_EP_OK,
+ *   moe_ep_last_error() gives a message for the calling thread that states the
+ *   rule, the value seen and what is allowed; no output has been written when a
+ *   size check fails (checks run before any work).
+ * - `device` picks the implementation: MOE_EP_DEVICE_CPU (host pointers,
+ *   `stream` must be NULL) or MOE_EP_DEVICE_CUDA (device pointers, `stream` a
+ *   cudaStream_t, NULL for the legacy default stream; the call only enqueues
+ *   work). A build without CUDA answers MOE_EP_ERR_UNSUPPORTED to CUDA calls.
+ * - Arrays are dense and row-major; shapes are given as `[dims] dtype: meaning`.
+ *   bf16 is passed as its 16-bit pattern (uint16_t), float8 codes as uint8_t.
+ * - Sizes are int64_t and must be >= 0 (row counts may be 0); every size check
+ *   happens on the host, before any work. Values inside device arrays cannot
+ *   be checked by the CUDA implementation without a synchronisation: where the
+ *   CPU implementation rejects a bad value (an index out of range), the CUDA one
+ *   documents what it does instead.
+ * - Routes: route id r = token * num_topk + slot. -1 in topk_idx marks an unused
+ *   slot. Expert ids outside [-1, num_experts) are input errors.
+ * - Numerics follow docs/spec.md: float32 accumulation (no TF32, no reduced
+ *   precision), the formats bit-exact (round to nearest, ties to even), and no
+ *   rounding point beyond the ones the spec names.
+ */
+#ifndef MOE_EP_NATIVE_H_
+#define MOE_EP_NATIVE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define MOE_EP_API __declspec(dllexport)
+#else
+#define MOE_EP_API __attribute__((visibility("default")))
+#endif
+
+/** Bumped on any incompatible change of a signature or a struct below. */
+#define MOE_EP_NATIVE_ABI_VERSION 1
+
+typedef enum {
+  MOE_EP_OK = 0,
+  MOE_EP_ERR_INVALID_ARGUMENT = 1, /* a size, pointer, enum or index breaks a rule */
+  MOE_EP_ERR_UNSUPPORTED = 2,      /* e.g. a CUDA call in a build without CUDA */
+  MOE_EP_ERR_CUDA = 3,             /* the CUDA runtime reported an error */
+  MOE_EP_ERR_INTERNAL = 4,         /* a bug in this library (out of memory included) */
+} moe_ep_status;
+
+typedef enum {
+  MOE_EP_DEVICE_CPU = 0,
+  MOE_EP_DEVICE_CUDA = 1,
+} moe_ep_device;
+
+/** Number formats (docs/spec.md section 8). NONE: plain float32, no rounding. */
+typedef enum {
+  MOE_EP_FORMAT_NONE = 0,
+  MOE_EP_FORMAT_BF16 = 1,
+  MOE_EP_FORMAT_MXFP8 = 2, /* E4M3 codes, one E8M0 scale per 32 elements (0xFF: NaN) */
+  MOE_EP_FORMAT_NVFP4 = 3, /* E2M1 codes two a byte, one E4M3 scale per 16 elements (0x7F: NaN) */
+} moe_ep_format;
+
+/* ------------------------------------------------------------------ library */
+
+/** MOE_EP_NATIVE_ABI_VERSION of the library actually loaded. */
+MOE_EP_API int moe_ep_abi_version(void);
+/** 1 when the library was built with the CUDA implementation, else 0. */
+MOE_EP_API int moe_ep_has_cuda(void);
+/** A static string: version, compiler, CUDA architectures (or "no CUDA"). */
+MOE_EP_API const char* moe_ep_build_info(void);
+/** The message of the last failing call on this thread ("" when none). */
+MOE_EP_API const char* moe_ep_last_error(void);
+/** A static name for a status ("MOE_EP_ERR_INVALID_ARGUMENT", ...). */
+MOE_EP_API const char* moe_ep_status_name(moe_ep_status status);
+
+/* ------------------------------------------------------------------ formats */
+
+/*
+ * Tensors are viewed as [outer, n, inner]: the format's blocks run along the
+ * middle axis (extent n, need not be a multiple of the block size: the last
+ * block is partial). A last-axis encoding has inner = 1.
+ *
+ * Encoded storage (the layout of moe_ep_spec.formats.BlockScaledTensor):
+ *   BF16:  data [outer, n, inner] uint16 bf16 bits; scale unused (NULL).
+ *   MXFP8: data [outer, n, inner] uint8 E4M3 codes;
+ *          scale [outer, ceil(n/32), inner] uint8 E8M0 codes.
+ *   NVFP4: data [outer, ceil(n/2), inner] uint8: element 2j in the low nibble,
+ *          2j+1 in the high nibble (odd n: the last high nibble is 0);
+ *          scale [outer, ceil(n/16), inner] uint8 E4M3 codes.
+ * A block holding NaN or +-Inf gets the NaN scale code and decodes to NaN
+ * throughout; other blocks are unaffected. Zeros keep their sign bit.
+ */
+
+/**
+ * Encode x in fmt (BF16, MXFP8 or NVFP4; NONE is rejected).
+ *   x:     [outer, n, inner] float32: the values.
+ *   data:  encoded codes (layout above).
+ *   scale: block scales (layout above); NULL for BF16.
+ */
+MOE_EP_API moe_ep_status moe_ep_quantize(moe_ep_device device, void* stream, moe_ep_format fmt, const float* x,
+                                         int64_t outer, int64_t n, int64_t inner, void* data, void* scale);
+
+/**
+ * Decode to float32, exactly (a decoded value beyond float32 range becomes +-Inf).
+ *   data, scale: as moe_ep_quantize writes them (scale NULL for BF16).
+ *   out:   [outer, n, inner] float32.
+ */
+MOE_EP_API moe_ep_status moe_ep_dequantize(moe_ep_device device, void* stream, moe_ep_format fmt, const void* data,
+                                           const void* scale, int64_t outer, int64_t n, int64_t inner, float* out);
+
+/* ------------------------------------------------------------- plan/permute */
+
+/**
+ * Plan one rank's routes (docs/spec.md section 4), stable by route id.
+ *   topk_idx:     [num_tokens, num_topk] int32: expert ids, -1 = unused slot.
+ *   send_route:   [num_tokens * num_topk] int32 out: route ids sorted by
+ *                 (expert, route id); the first sum(counts[0:num_experts])
+ *                 entries are routed, the rest hold the unrouted route ids
+ *                 (-1 slots and bad ids) in route order.
+ *   route_pos:    [num_tokens * num_topk] int32 out: the position of each route
+ *                 id in send_route, -1 for an unrouted slot.
+ *   route_expert: [num_tokens * num_topk] int32 out: the expert of each routed
+ *                 id, -1 for an unrouted slot.
+ *   counts:       [num_experts + 1] int32 out: routes per expert, then the
+ *                 number of expert ids outside [-1, num_experts) (input errors:
+ *                 such slots are not routed; the caller raises).
+ * num_experts >= 1, num_topk >= 1, num_tokens * num_topk < 2^31.
+ */
+MOE_EP_API moe_ep_status moe_ep_plan_routes(moe_ep_device device, void* stream, const int32_t* topk_idx,
+                                            int64_t num_tokens, int64_t num_topk, int64_t num_experts,
+                                            int32_t* send_route, int32_t* route_pos, int32_t* route_expert,
+                                            int32_t* counts);
+
+/**
+ * Permute token rows into send order: dst[i] = tokens[send_route[i] / num_topk]
+ * for i < num_rows, a zero row where send_route[i] is -1.
+ *   tokens:     [num_tokens, row_bytes] bytes (any element type: codes move unchanged).
+ *   send_route: [num_rows] int32: route ids in [0, num_tokens * num_topk) or -1.
+ *   dst:        [num_rows, row_bytes] bytes out.
+ * CPU rejects a route id out of range; CUDA writes a zero row for it.
+ */
+MOE_EP_API moe_ep_status moe_ep_permute_rows(moe_ep_device device, void* stream, const void* tokens,
+                                             int64_t num_tokens, int64_t num_topk, int64_t row_bytes,
+                                             const int32_t* send_route, int64_t num_rows, void* dst);
+
+/* ------------------------------------------------------------------ combine */
+
+/**
+ * Form-A combine reduction (docs/spec.md section 6, step 3):
+ *   out[t] = (((+0 + Y[t,0]) + Y[t,1]) + ...) + Y[t,K-1] in float32, slot order,
+ * with Y[t,k] = rows[route_pos[t*K+k]], or nothing added where route_pos is -1
+ * (a NaN in an unused row never reaches the sum).
+ *   rows:      [num_rows, hidden] float32: the returned (decoded) expert outputs.
+ *   route_pos: [num_tokens * num_topk] int32: row of each route, -1 = none; NULL
+ *              means the identity (row t*K+k, num_rows must be num_tokens*num_topk).
+ *   out:       [num_tokens, hidden] float32.
+ * CPU rejects a row index out of range; CUDA adds nothing for it.
+ */
+MOE_EP_API moe_ep_status moe_ep_combine_reduce(moe_ep_device device, void* stream, const float* rows, int64_t num_rows,
+                                               const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
+                                               int64_t hidden, float* out);
+
+/* ------------------------------------------------------------------ experts */
+
+/**
+ * The static description of one rank's expert buffer (docs/spec.md section 5).
+ * Rows are expert-major: local expert e owns rows [off_e, off_e + group_sizes[e])
+ * with off_e = group_sizes[0] + ... + group_sizes[e-1]; rows after the last
+ * slab belong to no expert and get zero outputs (and no gradient).
+ */
+typedef struct {
+  int64_t num_rows;           /* C >= 0: rows of the buffer */
+  int64_t hidden;             /* H >= 1 */
+  int64_t intermediate;       /* I >= 1 */
+  int64_t num_local_experts;  /* E_local >= 1 */
+  int32_t apply_topk_in_fc1;  /* 1: y = R_int(w*h) W2; 0: y = w * (R_int(h) W2) */
+  int32_t has_clamp;          /* 1: the SwiGLU clamp with limit gate_up_clamp */
+  float gate_up_clamp;        /* L > 0, finite (the stored absolute value) */
+  int32_t intermediate_format; /* a moe_ep_format: R_int along I (NONE: identity) */
+} moe_ep_expert_desc;
+
+/** Bytes of float32 scratch moe_ep_expert_forward needs for desc (>= 0). */
+MOE_EP_API size_t moe_ep_expert_forward_workspace(const moe_ep_expert_desc* desc);
+/** Bytes of float32 scratch moe_ep_expert_backward needs for desc (>= 0). */
+MOE_EP_API size_t moe_ep_expert_backward_workspace(const moe_ep_expert_desc* desc);
+
+/**
+ * Grouped SwiGLU expert MLP, forward (FC1, clamp, SwiGLU, router weight, R_int, FC2).
+ *   x:           [C, H] float32: decoded input rows (padding rows zero).
+ *   w:           [C] float32: router weight of every row (0 in padding).
+ *   fc1:         [E_local, H, 2I] float32: decoded FC1 weights (gate columns 0..I-1, up I..2I-1).
+ *   fc2:         [E_local, I, H] float32: decoded FC2 weights.
+ *   group_sizes: [E_local] int32: slab sizes, each >= 0, sum <= C. CPU rejects
+ *                others; CUDA counts a negative size as 0 and ends slabs at C.
+ *   y:           [C, H] float32 out: the expert output before the combine round trip.
+ *   c:           [C, 2I] float32 out: the FC1 output before the clamp (the stash
+ *                is its bf16 rounding).
+ *   workspace:   scratch of moe_ep_expert_forward_workspace(desc) bytes, device
+ *                memory for CUDA (NULL allowed when that is 0).
+ */
+MOE_EP_API moe_ep_status moe_ep_expert_forward(moe_ep_device device, void* stream, const moe_ep_expert_desc* desc,
+                                               const float* x, const float* w, const float* fc1, const float* fc2,
+                                               const int32_t* group_sizes, float* y, float* c, void* workspace,
+                                               size_t workspace_bytes);
+
+/**
+ * Grouped SwiGLU expert MLP, backward (docs/spec.md section 9.2: recomputation
+ * from the bf16 stash; every rounding point straight-through).
+ *   x, w, fc1, fc2, group_sizes: as moe_ep_expert_forward.
+ *   fc1_c: [C, 2I] uint16 bf16 bits: the stash (pre-clamp FC1 output).
+ *   dy:    [C, H] float32: the output cotangent of every row.
+ *   dx:    [C, H] float32 out;  dw: [C] float32 out;
+ *   dfc1:  [E_local, H, 2I] float32 out;  dfc2: [E_local, I, H] float32 out
+ *          (zero for an expert with no rows).
+ *   workspace: scratch of moe_ep_expert_backward_workspace(desc) bytes.
+ */
+MOE_EP_API moe_ep_status moe_ep_expert_backward(moe_ep_device device, void* stream, const moe_ep_expert_desc* desc,
+                                                const float* x, const float* w, const float* fc1, const float* fc2,
+                                                const uint16_t* fc1_c, const float* dy, const int32_t* group_sizes,
+                                                float* dx, float* dw, float* dfc1, float* dfc2, void* workspace,
+                                                size_t workspace_bytes);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* MOE_EP_NATIVE_H_ */

@@ -1,0 +1,161 @@
+"""ctypes prototypes of the C ABI (``include/moe_ep_native.h``) and its error mapping."""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from moe_ep_spec.errors import NativeArgumentError, NativeError
+
+__all__ = ["ABI_VERSION", "Format", "Status", "ExpertDesc", "library_path", "include_dir", "load", "call",
+           "abi_version", "has_cuda", "build_info"]
+
+#: The ABI this binding was written for (MOE_EP_NATIVE_ABI_VERSION).
+ABI_VERSION = 1
+
+#: Set to a file path to load that library instead of the installed one.
+LIBRARY_ENV = "MOE_EP_NATIVE_LIBRARY"
+
+_LIB_NAMES = {"linux": "libmoe_ep_native.so", "darwin": "libmoe_ep_native.dylib", "win32": "moe_ep_native.dll"}
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    INVALID_ARGUMENT = 1
+    UNSUPPORTED = 2
+    CUDA = 3
+    INTERNAL = 4
+
+
+class Format(enum.IntEnum):
+    NONE = 0
+    BF16 = 1
+    MXFP8 = 2
+    NVFP4 = 3
+
+
+class ExpertDesc(ctypes.Structure):
+    """``moe_ep_expert_desc``."""
+
+    _fields_ = [
+        ("num_rows", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("num_local_experts", ctypes.c_int64),
+        ("apply_topk_in_fc1", ctypes.c_int32),
+        ("has_clamp", ctypes.c_int32),
+        ("gate_up_clamp", ctypes.c_float),
+        ("intermediate_format", ctypes.c_int32),
+    ]
+
+
+def _lib_name() -> str:
+    return _LIB_NAMES.get(sys.platform, _LIB_NAMES["linux"])
+
+
+def library_path() -> Path:
+    """The path of the installed ``libmoe_ep_native`` (or of ``$MOE_EP_NATIVE_LIBRARY``).
+
+    Raises:
+        FileNotFoundError: when the library was not built, naming where it looked.
+    """
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise FileNotFoundError(f"{LIBRARY_ENV}={override!r} does not name a file")
+        return path
+    here = Path(__file__).resolve().parent
+    candidates = [here / "lib" / _lib_name()]
+    # An editable install keeps the Python sources here and the built library in site-packages.
+    candidates += [Path(p) / "moe_ep_native" / "lib" / _lib_name() for p in sys.path if p]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"the native library {_lib_name()} is not built: install the package with "
+        f"'pip install backends/native' (needs cmake >= 3.21 and a C++17 compiler); looked in "
+        + ", ".join(str(c.parent) for c in candidates[:3])
+    )
+
+
+def include_dir() -> Path:
+    """The directory holding ``moe_ep_native.h``."""
+    here = Path(__file__).resolve().parent
+    for path in (here / "include", here.parent / "include"):
+        if (path / "moe_ep_native.h").is_file():
+            return path
+    raise FileNotFoundError(f"moe_ep_native.h not found next to {here}")
+
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I32 = ctypes.c_int
+_DESC = ctypes.POINTER(ExpertDesc)
+
+_PROTOTYPES = {
+    "moe_ep_abi_version": (ctypes.c_int, []),
+    "moe_ep_has_cuda": (ctypes.c_int, []),
+    "moe_ep_build_info": (ctypes.c_char_p, []),
+    "moe_ep_last_error": (ctypes.c_char_p, []),
+    "moe_ep_status_name": (ctypes.c_char_p, [_I32]),
+    "moe_ep_quantize": (_I32, [_I32, _P, _I32, _P, _I64, _I64, _I64, _P, _P]),
+    "moe_ep_dequantize": (_I32, [_I32, _P, _I32, _P, _P, _I64, _I64, _I64, _P]),
+    "moe_ep_plan_routes": (_I32, [_I32, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P]),
+    "moe_ep_permute_rows": (_I32, [_I32, _P, _P, _I64, _I64, _I64, _P, _I64, _P]),
+    "moe_ep_combine_reduce": (_I32, [_I32, _P, _P, _I64, _P, _I64, _I64, _I64, _P]),
+    "moe_ep_expert_forward_workspace": (ctypes.c_size_t, [_DESC]),
+    "moe_ep_expert_backward_workspace": (ctypes.c_size_t, [_DESC]),
+    "moe_ep_expert_forward": (_I32, [_I32, _P, _DESC, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_size_t]),
+    "moe_ep_expert_backward": (_I32, [_I32, _P, _DESC, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_size_t]),
+}
+
+_LIB: Optional[ctypes.CDLL] = None
+
+
+def load() -> ctypes.CDLL:
+    """Load the library once (prototypes set) and check its ABI version."""
+    global _LIB
+    if _LIB is None:
+        lib = ctypes.CDLL(str(library_path()))
+        for name, (res, args) in _PROTOTYPES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        got = lib.moe_ep_abi_version()
+        if got != ABI_VERSION:
+            raise NativeError(
+                f"libmoe_ep_native ABI version must be {ABI_VERSION} (this binding); got {got}: rebuild the package",
+                op="moe_ep_abi_version",
+            )
+        _LIB = lib
+    return _LIB
+
+
+def call(name: str, *args: Any) -> None:
+    """Call a status-returning entry point; raise :class:`NativeArgumentError`
+    (invalid argument) or :class:`NativeError` (anything else) on failure."""
+    lib = load()
+    status = getattr(lib, name)(*args)
+    if status == Status.OK:
+        return
+    message = lib.moe_ep_last_error().decode("utf-8", "replace")
+    status_name = lib.moe_ep_status_name(status).decode()
+    cls = NativeArgumentError if status == Status.INVALID_ARGUMENT else NativeError
+    raise cls(message, op=name, status=int(status), status_name=status_name)
+
+
+def abi_version() -> int:
+    return int(load().moe_ep_abi_version())
+
+
+def has_cuda() -> bool:
+    """Whether the loaded library was built with the CUDA implementation."""
+    return bool(load().moe_ep_has_cuda())
+
+
+def build_info() -> str:
+    return load().moe_ep_build_info().decode()

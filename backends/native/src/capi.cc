@@ -1,0 +1,354 @@
+// The C ABI: checks every size, pointer and enum once (the same rules for
+// every device), then calls the CPU or CUDA implementation.
+#include <limits>
+#include <new>
+#include <sstream>
+#include <string>
+
+#include "internal.h"
+
+#ifndef MOE_EP_NATIVE_VERSION
+#define MOE_EP_NATIVE_VERSION "dev"
+#endif
+
+namespace moe_ep {
+namespace {
+
+thread_local std::string g_last_error;
+
+// A failed check: formats "<op>: <rule>; got <value>" and returns INVALID_ARGUMENT.
+struct Check {
+  const char* op;
+  moe_ep_status bad(const std::string& rule, const std::string& got) const {
+    return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(op) + ": " + rule + "; got " + got);
+  }
+  moe_ep_status nonneg(const char* name, int64_t v) const {
+    return v >= 0 ? MOE_EP_OK : bad(std::string(name) + " must be >= 0", std::to_string(v));
+  }
+  moe_ep_status positive(const char* name, int64_t v) const {
+    return v >= 1 ? MOE_EP_OK : bad(std::string(name) + " must be >= 1", std::to_string(v));
+  }
+  // A pointer may be NULL only when the array it points to is empty.
+  moe_ep_status ptr(const char* name, const void* p, int64_t count) const {
+    return (p != nullptr || count == 0) ? MOE_EP_OK : bad(std::string(name) + " must not be NULL", "NULL");
+  }
+  moe_ep_status product(const char* what, int64_t a, int64_t b, int64_t limit) const {
+    if (a != 0 && b > limit / a)
+      return bad(std::string(what) + " must be < " + std::to_string(limit), std::to_string(a) + " * " + std::to_string(b));
+    return MOE_EP_OK;
+  }
+};
+
+#define MOE_EP_TRY(expr)                        \
+  do {                                          \
+    moe_ep_status _st = (expr);                 \
+    if (_st != MOE_EP_OK) return _st;           \
+  } while (0)
+
+}  // namespace
+constexpr int64_t kInt32Limit = std::numeric_limits<int32_t>::max();
+constexpr int64_t kElemLimit = std::numeric_limits<int64_t>::max() / 16;
+namespace {
+
+moe_ep_status check_device(const Check& ck, moe_ep_device device, void* stream) {
+  if (device == MOE_EP_DEVICE_CPU) {
+    if (stream != nullptr) return ck.bad("stream must be NULL for MOE_EP_DEVICE_CPU", "a non-NULL stream");
+    return MOE_EP_OK;
+  }
+  if (device == MOE_EP_DEVICE_CUDA) {
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+    return MOE_EP_OK;
+#else
+    return fail(MOE_EP_ERR_UNSUPPORTED, std::string(ck.op) +
+                                            ": this build of the native core has no CUDA implementation "
+                                            "(rebuild with MOE_EP_NATIVE_CUDA=ON)");
+#endif
+  }
+  return ck.bad("device must be MOE_EP_DEVICE_CPU (0) or MOE_EP_DEVICE_CUDA (1)", std::to_string(static_cast<int>(device)));
+}
+
+moe_ep_status check_view(const Check& ck, int64_t outer, int64_t n, int64_t inner) {
+  MOE_EP_TRY(ck.nonneg("outer", outer));
+  MOE_EP_TRY(ck.nonneg("n", n));
+  MOE_EP_TRY(ck.nonneg("inner", inner));
+  MOE_EP_TRY(ck.product("outer * n", outer, n, kElemLimit));
+  return ck.product("outer * n * inner", outer * n, inner, kElemLimit);
+}
+
+moe_ep_status check_format(const Check& ck, moe_ep_format fmt, const void* data, const void* scale, int64_t count) {
+  if (fmt != MOE_EP_FORMAT_BF16 && fmt != MOE_EP_FORMAT_MXFP8 && fmt != MOE_EP_FORMAT_NVFP4)
+    return ck.bad("fmt must be MOE_EP_FORMAT_BF16 (1), MOE_EP_FORMAT_MXFP8 (2) or MOE_EP_FORMAT_NVFP4 (3)",
+                  std::to_string(static_cast<int>(fmt)));
+  MOE_EP_TRY(ck.ptr("data", data, count));
+  if (fmt == MOE_EP_FORMAT_BF16) {
+    if (scale != nullptr) return ck.bad("scale must be NULL for MOE_EP_FORMAT_BF16", "a non-NULL pointer");
+    return MOE_EP_OK;
+  }
+  return ck.ptr("scale", scale, count);
+}
+
+moe_ep_status check_desc(const Check& ck, const moe_ep_expert_desc* d) {
+  if (d == nullptr) return ck.bad("desc must not be NULL", "NULL");
+  MOE_EP_TRY(ck.nonneg("desc.num_rows", d->num_rows));
+  MOE_EP_TRY(ck.positive("desc.hidden", d->hidden));
+  MOE_EP_TRY(ck.positive("desc.intermediate", d->intermediate));
+  MOE_EP_TRY(ck.positive("desc.num_local_experts", d->num_local_experts));
+  MOE_EP_TRY(ck.product("desc.num_rows * (desc.hidden + 4 * desc.intermediate)", d->num_rows, d->hidden + 4 * d->intermediate,
+                        kElemLimit));
+  MOE_EP_TRY(ck.product("desc.num_local_experts * desc.hidden * 2 * desc.intermediate", d->num_local_experts,
+                        d->hidden * 2 * d->intermediate, kElemLimit));
+  if (d->apply_topk_in_fc1 != 0 && d->apply_topk_in_fc1 != 1)
+    return ck.bad("desc.apply_topk_in_fc1 must be 0 or 1", std::to_string(d->apply_topk_in_fc1));
+  if (d->has_clamp != 0 && d->has_clamp != 1) return ck.bad("desc.has_clamp must be 0 or 1", std::to_string(d->has_clamp));
+  if (d->has_clamp && !(d->gate_up_clamp > 0.0f && d->gate_up_clamp <= std::numeric_limits<float>::max())) {
+    std::ostringstream os;
+    os << d->gate_up_clamp;
+    return ck.bad("desc.gate_up_clamp must be finite and > 0 when desc.has_clamp is 1", os.str());
+  }
+  const int32_t f = d->intermediate_format;
+  if (f < MOE_EP_FORMAT_NONE || f > MOE_EP_FORMAT_NVFP4)
+    return ck.bad("desc.intermediate_format must be a moe_ep_format (0 NONE, 1 BF16, 2 MXFP8, 3 NVFP4)", std::to_string(f));
+  return MOE_EP_OK;
+}
+
+size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+moe_ep_status check_workspace(const Check& ck, const void* workspace, size_t have, size_t need) {
+  if (have < need) return ck.bad("workspace_bytes must be >= " + std::to_string(need), std::to_string(have));
+  if (need > 0 && workspace == nullptr) return ck.bad("workspace must not be NULL", "NULL");
+  return MOE_EP_OK;
+}
+
+}  // namespace
+
+moe_ep_status fail(moe_ep_status status, const std::string& message) {
+  g_last_error = message;
+  return status;
+}
+
+size_t forward_workspace_bytes(const moe_ep_expert_desc& d) {
+  const size_t C = static_cast<size_t>(d.num_rows), I = static_cast<size_t>(d.intermediate);
+  return align256(C * I * sizeof(float)) + align256((static_cast<size_t>(d.num_local_experts) + 1) * sizeof(int64_t));
+}
+
+size_t backward_workspace_bytes(const moe_ep_expert_desc& d) {
+  const size_t C = static_cast<size_t>(d.num_rows), I = static_cast<size_t>(d.intermediate),
+               H = static_cast<size_t>(d.hidden);
+  return 2 * align256(C * I * sizeof(float)) + align256(C * 2 * I * sizeof(float)) + align256(C * H * sizeof(float)) +
+         align256((static_cast<size_t>(d.num_local_experts) + 1) * sizeof(int64_t));
+}
+
+}  // namespace moe_ep
+
+using moe_ep::Check;
+using moe_ep::kElemLimit;
+using moe_ep::kInt32Limit;
+
+// Runs `call` on the chosen implementation, turning exceptions into statuses.
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+#define MOE_EP_DISPATCH(device, call)                                                       \
+  try {                                                                                    \
+    return (device) == MOE_EP_DEVICE_CUDA ? moe_ep::cuda::call : moe_ep::cpu::call;         \
+  } catch (const std::bad_alloc&) {                                                        \
+    return moe_ep::fail(MOE_EP_ERR_INTERNAL, "out of host memory");                         \
+  } catch (const std::exception& ex) {                                                     \
+    return moe_ep::fail(MOE_EP_ERR_INTERNAL, ex.what());                                    \
+  }
+#else
+#define MOE_EP_DISPATCH(device, call)                                                       \
+  try {                                                                                    \
+    (void)(device);                                                                        \
+    return moe_ep::cpu::call;                                                              \
+  } catch (const std::bad_alloc&) {                                                        \
+    return moe_ep::fail(MOE_EP_ERR_INTERNAL, "out of host memory");                         \
+  } catch (const std::exception& ex) {                                                     \
+    return moe_ep::fail(MOE_EP_ERR_INTERNAL, ex.what());                                    \
+  }
+#endif
+
+extern "C" {
+
+int moe_ep_abi_version(void) { return MOE_EP_NATIVE_ABI_VERSION; }
+
+int moe_ep_has_cuda(void) {
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+const char* moe_ep_build_info(void) {
+  static const std::string info = [] {
+    std::ostringstream os;
+    os << "moe_ep_native " << MOE_EP_NATIVE_VERSION << " (ABI " << MOE_EP_NATIVE_ABI_VERSION << "), ";
+#if defined(__clang__)
+    os << "clang " << __clang_major__ << "." << __clang_minor__;
+#elif defined(__GNUC__)
+    os << "gcc " << __GNUC__ << "." << __GNUC_MINOR__;
+#else
+    os << "unknown compiler";
+#endif
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+    os << ", CUDA archs " << moe_ep::cuda::arch_list();
+#else
+    os << ", no CUDA";
+#endif
+    return os.str();
+  }();
+  return info.c_str();
+}
+
+const char* moe_ep_last_error(void) { return moe_ep::g_last_error.c_str(); }
+
+const char* moe_ep_status_name(moe_ep_status status) {
+  switch (status) {
+    case MOE_EP_OK: return "MOE_EP_OK";
+    case MOE_EP_ERR_INVALID_ARGUMENT: return "MOE_EP_ERR_INVALID_ARGUMENT";
+    case MOE_EP_ERR_UNSUPPORTED: return "MOE_EP_ERR_UNSUPPORTED";
+    case MOE_EP_ERR_CUDA: return "MOE_EP_ERR_CUDA";
+    case MOE_EP_ERR_INTERNAL: return "MOE_EP_ERR_INTERNAL";
+  }
+  return "MOE_EP_ERR_UNKNOWN";
+}
+
+moe_ep_status moe_ep_quantize(moe_ep_device device, void* stream, moe_ep_format fmt, const float* x, int64_t outer,
+                              int64_t n, int64_t inner, void* data, void* scale) {
+  const Check ck{"moe_ep_quantize"};
+  MOE_EP_TRY(check_device(ck, device, stream));
+  MOE_EP_TRY(check_view(ck, outer, n, inner));
+  const int64_t count = outer * n * inner;
+  MOE_EP_TRY(check_format(ck, fmt, data, scale, count));
+  MOE_EP_TRY(ck.ptr("x", x, count));
+  if (count == 0) return MOE_EP_OK;
+  MOE_EP_DISPATCH(device, quantize(stream, fmt, x, outer, n, inner, data, scale))
+}
+
+moe_ep_status moe_ep_dequantize(moe_ep_device device, void* stream, moe_ep_format fmt, const void* data,
+                                const void* scale, int64_t outer, int64_t n, int64_t inner, float* out) {
+  const Check ck{"moe_ep_dequantize"};
+  MOE_EP_TRY(check_device(ck, device, stream));
+  MOE_EP_TRY(check_view(ck, outer, n, inner));
+  const int64_t count = outer * n * inner;
+  MOE_EP_TRY(check_format(ck, fmt, data, scale, count));
+  MOE_EP_TRY(ck.ptr("out", out, count));
+  if (count == 0) return MOE_EP_OK;
+  MOE_EP_DISPATCH(device, dequantize(stream, fmt, data, scale, outer, n, inner, out))
+}
+
+moe_ep_status moe_ep_plan_routes(moe_ep_device device, void* stream, const int32_t* topk_idx, int64_t num_tokens,
+                                 int64_t num_topk, int64_t num_experts, int32_t* send_route, int32_t* route_pos,
+                                 int32_t* route_expert, int32_t* counts) {
+  const Check ck{"moe_ep_plan_routes"};
+  MOE_EP_TRY(check_device(ck, device, stream));
+  MOE_EP_TRY(ck.nonneg("num_tokens", num_tokens));
+  MOE_EP_TRY(ck.positive("num_topk", num_topk));
+  MOE_EP_TRY(ck.positive("num_experts", num_experts));
+  if (num_experts >= kInt32Limit) return ck.bad("num_experts must be < 2^31 - 1", std::to_string(num_experts));
+  MOE_EP_TRY(ck.product("num_tokens * num_topk", num_tokens, num_topk, kInt32Limit));
+  const int64_t routes = num_tokens * num_topk;
+  MOE_EP_TRY(ck.ptr("topk_idx", topk_idx, routes));
+  MOE_EP_TRY(ck.ptr("send_route", send_route, routes));
+  MOE_EP_TRY(ck.ptr("route_pos", route_pos, routes));
+  MOE_EP_TRY(ck.ptr("route_expert", route_expert, routes));
+  MOE_EP_TRY(ck.ptr("counts", counts, num_experts + 1));
+  MOE_EP_DISPATCH(device, plan_routes(stream, topk_idx, num_tokens, num_topk, num_experts, send_route, route_pos,
+                                      route_expert, counts))
+}
+
+moe_ep_status moe_ep_permute_rows(moe_ep_device device, void* stream, const void* tokens, int64_t num_tokens,
+                                  int64_t num_topk, int64_t row_bytes, const int32_t* send_route, int64_t num_rows,
+                                  void* dst) {
+  const Check ck{"moe_ep_permute_rows"};
+  MOE_EP_TRY(check_device(ck, device, stream));
+  MOE_EP_TRY(ck.nonneg("num_tokens", num_tokens));
+  MOE_EP_TRY(ck.positive("num_topk", num_topk));
+  MOE_EP_TRY(ck.nonneg("row_bytes", row_bytes));
+  MOE_EP_TRY(ck.nonneg("num_rows", num_rows));
+  MOE_EP_TRY(ck.product("num_tokens * num_topk", num_tokens, num_topk, kInt32Limit));
+  MOE_EP_TRY(ck.product("num_tokens * row_bytes", num_tokens, row_bytes, kElemLimit));
+  MOE_EP_TRY(ck.product("num_rows * row_bytes", num_rows, row_bytes, kElemLimit));
+  MOE_EP_TRY(ck.ptr("tokens", tokens, num_tokens * row_bytes));
+  MOE_EP_TRY(ck.ptr("send_route", send_route, num_rows));
+  MOE_EP_TRY(ck.ptr("dst", dst, num_rows * row_bytes));
+  if (num_rows == 0) return MOE_EP_OK;
+  MOE_EP_DISPATCH(device, permute_rows(stream, tokens, num_tokens, num_topk, row_bytes, send_route, num_rows, dst))
+}
+
+moe_ep_status moe_ep_combine_reduce(moe_ep_device device, void* stream, const float* rows, int64_t num_rows,
+                                    const int32_t* route_pos, int64_t num_tokens, int64_t num_topk, int64_t hidden,
+                                    float* out) {
+  const Check ck{"moe_ep_combine_reduce"};
+  MOE_EP_TRY(check_device(ck, device, stream));
+  MOE_EP_TRY(ck.nonneg("num_rows", num_rows));
+  MOE_EP_TRY(ck.nonneg("num_tokens", num_tokens));
+  MOE_EP_TRY(ck.positive("num_topk", num_topk));
+  MOE_EP_TRY(ck.nonneg("hidden", hidden));
+  MOE_EP_TRY(ck.product("num_tokens * num_topk", num_tokens, num_topk, kInt32Limit));
+  MOE_EP_TRY(ck.product("num_rows * hidden", num_rows, hidden, kElemLimit));
+  MOE_EP_TRY(ck.product("num_tokens * hidden", num_tokens, hidden, kElemLimit));
+  if (route_pos == nullptr && num_rows != num_tokens * num_topk)
+    return ck.bad("num_rows must be num_tokens * num_topk = " + std::to_string(num_tokens * num_topk) +
+                      " when route_pos is NULL",
+                  std::to_string(num_rows));
+  MOE_EP_TRY(ck.ptr("rows", rows, num_rows * hidden));
+  MOE_EP_TRY(ck.ptr("out", out, num_tokens * hidden));
+  if (num_tokens == 0 || hidden == 0) return MOE_EP_OK;
+  MOE_EP_DISPATCH(device, combine_reduce(stream, rows, num_rows, route_pos, num_tokens, num_topk, hidden, out))
+}
+
+size_t moe_ep_expert_forward_workspace(const moe_ep_expert_desc* desc) {
+  if (check_desc(Check{"moe_ep_expert_forward_workspace"}, desc) != MOE_EP_OK) return 0;
+  return moe_ep::forward_workspace_bytes(*desc);
+}
+
+size_t moe_ep_expert_backward_workspace(const moe_ep_expert_desc* desc) {
+  if (check_desc(Check{"moe_ep_expert_backward_workspace"}, desc) != MOE_EP_OK) return 0;
+  return moe_ep::backward_workspace_bytes(*desc);
+}
+
+moe_ep_status moe_ep_expert_forward(moe_ep_device device, void* stream, const moe_ep_expert_desc* desc, const float* x,
+                                    const float* w, const float* fc1, const float* fc2, const int32_t* group_sizes,
+                                    float* y, float* c, void* workspace, size_t workspace_bytes) {
+  const Check ck{"moe_ep_expert_forward"};
+  MOE_EP_TRY(check_device(ck, device, stream));
+  MOE_EP_TRY(check_desc(ck, desc));
+  const moe_ep_expert_desc& d = *desc;
+  const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E = d.num_local_experts;
+  MOE_EP_TRY(ck.ptr("x", x, C * H));
+  MOE_EP_TRY(ck.ptr("w", w, C));
+  MOE_EP_TRY(ck.ptr("fc1", fc1, E * H * 2 * I));
+  MOE_EP_TRY(ck.ptr("fc2", fc2, E * I * H));
+  MOE_EP_TRY(ck.ptr("group_sizes", group_sizes, E));
+  MOE_EP_TRY(ck.ptr("y", y, C * H));
+  MOE_EP_TRY(ck.ptr("c", c, C * 2 * I));
+  MOE_EP_TRY(check_workspace(ck, workspace, workspace_bytes, moe_ep::forward_workspace_bytes(d)));
+  MOE_EP_DISPATCH(device, expert_forward(stream, d, x, w, fc1, fc2, group_sizes, y, c, workspace))
+}
+
+moe_ep_status moe_ep_expert_backward(moe_ep_device device, void* stream, const moe_ep_expert_desc* desc, const float* x,
+                                     const float* w, const float* fc1, const float* fc2, const uint16_t* fc1_c,
+                                     const float* dy, const int32_t* group_sizes, float* dx, float* dw, float* dfc1,
+                                     float* dfc2, void* workspace, size_t workspace_bytes) {
+  const Check ck{"moe_ep_expert_backward"};
+  MOE_EP_TRY(check_device(ck, device, stream));
+  MOE_EP_TRY(check_desc(ck, desc));
+  const moe_ep_expert_desc& d = *desc;
+  const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E = d.num_local_experts;
+  MOE_EP_TRY(ck.ptr("x", x, C * H));
+  MOE_EP_TRY(ck.ptr("w", w, C));
+  MOE_EP_TRY(ck.ptr("fc1", fc1, E * H * 2 * I));
+  MOE_EP_TRY(ck.ptr("fc2", fc2, E * I * H));
+  MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, C * 2 * I));
+  MOE_EP_TRY(ck.ptr("dy", dy, C * H));
+  MOE_EP_TRY(ck.ptr("group_sizes", group_sizes, E));
+  MOE_EP_TRY(ck.ptr("dx", dx, C * H));
+  MOE_EP_TRY(ck.ptr("dw", dw, C));
+  MOE_EP_TRY(ck.ptr("dfc1", dfc1, E * H * 2 * I));
+  MOE_EP_TRY(ck.ptr("dfc2", dfc2, E * I * H));
+  MOE_EP_TRY(check_workspace(ck, workspace, workspace_bytes, moe_ep::backward_workspace_bytes(d)));
+  MOE_EP_DISPATCH(device, expert_backward(stream, d, x, w, fc1, fc2, fc1_c, dy, group_sizes, dx, dw, dfc1, dfc2,
+                                          workspace))
+}
+
+}  // extern "C"

@@ -1,0 +1,194 @@
+// CPU grouped SwiGLU expert MLP, forward and backward (docs/spec.md 5 and 9.2).
+// Every product and sum is float32 (compiled with -ffp-contract=off: no fused
+// multiply-add, so each product rounds on its own); GEMMs accumulate in
+// ascending order of the contracted index.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cpu/formats.h"
+#include "internal.h"
+
+namespace moe_ep {
+namespace cpu {
+namespace {
+
+// Slab offsets [E + 1] from group_sizes; rejects a negative size or a sum past num_rows.
+moe_ep_status slab_offsets(const moe_ep_expert_desc& d, const int32_t* group_sizes, std::vector<int64_t>* off) {
+  off->assign(static_cast<size_t>(d.num_local_experts) + 1, 0);
+  for (int64_t e = 0; e < d.num_local_experts; ++e) {
+    if (group_sizes[e] < 0)
+      return fail(MOE_EP_ERR_INVALID_ARGUMENT, "group_sizes[" + std::to_string(e) + "] must be >= 0; got " +
+                                                   std::to_string(group_sizes[e]));
+    (*off)[e + 1] = (*off)[e] + group_sizes[e];
+  }
+  if (off->back() > d.num_rows)
+    return fail(MOE_EP_ERR_INVALID_ARGUMENT, "sum(group_sizes) must be <= num_rows = " + std::to_string(d.num_rows) +
+                                                 "; got " + std::to_string(off->back()));
+  return MOE_EP_OK;
+}
+
+// out[r, :] = a[r, :] @ b  for one row: a [K], b [K, N] row-major, out [N].
+void row_gemm(const float* a, const float* b, int64_t K, int64_t N, float* out) {
+  std::fill(out, out + N, 0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    const float av = a[k];
+    const float* brow = b + k * N;
+    for (int64_t j = 0; j < N; ++j) out[j] = out[j] + av * brow[j];
+  }
+}
+
+// out[r, :] = a[r, :] @ b^T for one row: a [N], b [K, N] row-major, out [K].
+void row_gemm_t(const float* a, const float* b, int64_t K, int64_t N, float* out) {
+  for (int64_t k = 0; k < K; ++k) {
+    const float* brow = b + k * N;
+    float acc = 0.0f;
+    for (int64_t j = 0; j < N; ++j) acc = acc + a[j] * brow[j];
+    out[k] = acc;
+  }
+}
+
+// out [K, N] += a[r, :]^T b[r, :] over rows r0..r1 (a [*, K], b [*, N]), accumulated row by row.
+void slab_outer(const float* a, const float* b, int64_t r0, int64_t r1, int64_t K, int64_t N, float* out) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* ar = a + r * K;
+    const float* br = b + r * N;
+    for (int64_t k = 0; k < K; ++k) {
+      const float av = ar[k];
+      float* orow = out + k * N;
+      for (int64_t j = 0; j < N; ++j) orow[j] = orow[j] + av * br[j];
+    }
+  }
+}
+
+inline float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
+
+// R_int: the intermediate_format round trip of one row of length I, in place.
+moe_ep_status round_trip_row(int32_t fmt, float* row, int64_t n, std::vector<uint8_t>* data, std::vector<uint8_t>* scale) {
+  if (fmt == MOE_EP_FORMAT_NONE) return MOE_EP_OK;
+  const moe_ep_format f = static_cast<moe_ep_format>(fmt);
+  data->resize(static_cast<size_t>(2 * n + 2));
+  scale->resize(static_cast<size_t>(ceil_div(n, 16) + 1));
+  moe_ep_status st = quantize(nullptr, f, row, 1, n, 1, data->data(), scale->data());
+  if (st != MOE_EP_OK) return st;
+  return dequantize(nullptr, f, data->data(), scale->data(), 1, n, 1, row);
+}
+
+}  // namespace
+
+moe_ep_status expert_forward(void*, const moe_ep_expert_desc& d, const float* x, const float* w, const float* fc1,
+                             const float* fc2, const int32_t* group_sizes, float* y, float* c, void* workspace) {
+  std::vector<int64_t> off;
+  moe_ep_status st = slab_offsets(d, group_sizes, &off);
+  if (st != MOE_EP_OK) return st;
+  const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
+  float* op = static_cast<float*>(workspace);  // [C, I]: the FC2 operand
+  std::vector<uint8_t> qdata, qscale;
+  const float lim = d.gate_up_clamp;
+  for (int64_t e = 0; e < d.num_local_experts; ++e) {
+    const float* w1 = fc1 + e * H * 2 * I;
+    const float* w2 = fc2 + e * I * H;
+    for (int64_t r = off[e]; r < off[e + 1]; ++r) {
+      float* cr = c + r * 2 * I;
+      row_gemm(x + r * H, w1, H, 2 * I, cr);  // FC1
+      float* opr = op + r * I;
+      for (int64_t i = 0; i < I; ++i) {
+        float g = cr[i], u = cr[I + i];
+        if (d.has_clamp) {
+          g = std::min(g, lim);
+          u = std::min(std::max(u, -lim), lim);
+        }
+        const float s = g * sigmoid(g);
+        const float h = s * u;
+        opr[i] = d.apply_topk_in_fc1 ? w[r] * h : h;
+      }
+      st = round_trip_row(d.intermediate_format, opr, I, &qdata, &qscale);
+      if (st != MOE_EP_OK) return st;
+      float* yr = y + r * H;
+      row_gemm(opr, w2, I, H, yr);  // FC2
+      if (!d.apply_topk_in_fc1)
+        for (int64_t j = 0; j < H; ++j) yr[j] = w[r] * yr[j];
+    }
+  }
+  for (int64_t r = off.back(); r < C; ++r) {  // rows of no expert: zero
+    std::fill(y + r * H, y + (r + 1) * H, 0.0f);
+    std::fill(c + r * 2 * I, c + (r + 1) * 2 * I, 0.0f);
+  }
+  return MOE_EP_OK;
+}
+
+moe_ep_status expert_backward(void*, const moe_ep_expert_desc& d, const float* x, const float* w, const float* fc1,
+                              const float* fc2, const uint16_t* fc1_c, const float* dy, const int32_t* group_sizes,
+                              float* dx, float* dw, float* dfc1, float* dfc2, void* workspace) {
+  std::vector<int64_t> off;
+  moe_ep_status st = slab_offsets(d, group_sizes, &off);
+  if (st != MOE_EP_OK) return st;
+  const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E = d.num_local_experts;
+  const float lim = d.gate_up_clamp;
+  // Workspace: lhs of the dfc2 GEMM [C, I], rhs of it [C, H], dc [C, 2I], a row of z [H].
+  float* p_lhs = static_cast<float*>(workspace);
+  float* p_rhs = p_lhs + C * I;
+  float* dc = p_rhs + C * H;
+  std::vector<float> a(static_cast<size_t>(I)), h(static_cast<size_t>(I)), z(static_cast<size_t>(H));
+  std::fill(dfc1, dfc1 + E * H * 2 * I, 0.0f);
+  std::fill(dfc2, dfc2 + E * I * H, 0.0f);
+  for (int64_t e = 0; e < E; ++e) {
+    const float* w1 = fc1 + e * H * 2 * I;
+    const float* w2 = fc2 + e * I * H;
+    for (int64_t r = off[e]; r < off[e + 1]; ++r) {
+      const float* dyr = dy + r * H;
+      const float wr = w[r];
+      row_gemm_t(dyr, w2, I, H, a.data());  // a = dY W2^T  [I]
+      float* dcr = dc + r * 2 * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float g_raw = bf16_to_float(fc1_c[r * 2 * I + i]);
+        const float u_raw = bf16_to_float(fc1_c[r * 2 * I + I + i]);
+        float g = g_raw, u = u_raw, gate_mask = 1.0f, up_mask = 1.0f;
+        if (d.has_clamp) {
+          gate_mask = g_raw <= lim ? 1.0f : 0.0f;
+          up_mask = (u_raw >= -lim && u_raw <= lim) ? 1.0f : 0.0f;
+          g = std::min(g_raw, lim);
+          u = std::min(std::max(u_raw, -lim), lim);
+        }
+        const float sig = sigmoid(g);
+        const float s = g * sig;
+        h[i] = s * u;
+        const float dh = a[i] * wr;
+        float dg = dh * u * sig * (1.0f + g * (1.0f - sig));
+        float du = dh * s;
+        if (d.has_clamp) {
+          dg = dg * gate_mask;
+          du = du * up_mask;
+        }
+        dcr[i] = dg;
+        dcr[I + i] = du;
+      }
+      float* lhs = p_lhs + r * I;
+      float* rhs = p_rhs + r * H;
+      float dwr = 0.0f;
+      if (d.apply_topk_in_fc1) {  // dfc2 += (w h)^T dY;  dw = sum(a * h)
+        for (int64_t i = 0; i < I; ++i) lhs[i] = wr * h[i];
+        std::copy(dyr, dyr + H, rhs);
+        for (int64_t i = 0; i < I; ++i) dwr = dwr + a[i] * h[i];
+      } else {  // dfc2 += h^T (w dY);  dw = sum(dY * (h W2))
+        std::copy(h.begin(), h.end(), lhs);
+        for (int64_t j = 0; j < H; ++j) rhs[j] = wr * dyr[j];
+        row_gemm(h.data(), w2, I, H, z.data());
+        for (int64_t j = 0; j < H; ++j) dwr = dwr + dyr[j] * z[j];
+      }
+      dw[r] = dwr;
+      row_gemm_t(dcr, w1, H, 2 * I, dx + r * H);  // dx = dc W1^T
+    }
+    slab_outer(x, dc, off[e], off[e + 1], H, 2 * I, dfc1 + e * H * 2 * I);
+    slab_outer(p_lhs, p_rhs, off[e], off[e + 1], I, H, dfc2 + e * I * H);
+  }
+  for (int64_t r = off.back(); r < C; ++r) {  // rows of no expert: zero
+    std::fill(dx + r * H, dx + (r + 1) * H, 0.0f);
+    dw[r] = 0.0f;
+  }
+  return MOE_EP_OK;
+}
+
+}  // namespace cpu
+}  // namespace moe_ep

@@ -1,0 +1,134 @@
+// CPU block quantize / dequantize over the [outer, n, inner] view (blocks along n).
+#include "cpu/formats.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "internal.h"
+
+namespace moe_ep {
+namespace cpu {
+namespace {
+
+inline int64_t at(int64_t o, int64_t i, int64_t k, int64_t n, int64_t inner) { return (o * n + i) * inner + k; }
+
+// One mxfp8 block: elements [b0, b1) of column (o, k).
+void quantize_mxfp8_block(const float* x, int64_t o, int64_t k, int64_t b0, int64_t b1, int64_t n, int64_t inner,
+                          uint8_t* data, uint8_t* scale_code) {
+  bool nonfinite = false;
+  double amax = 0.0;
+  for (int64_t i = b0; i < b1; ++i) {
+    float v = x[at(o, i, k, n, inner)];
+    if (!std::isfinite(v)) nonfinite = true;
+    else amax = std::max(amax, std::fabs(static_cast<double>(v)));
+  }
+  if (nonfinite) {  // no finite scale: the whole block decodes to NaN
+    for (int64_t i = b0; i < b1; ++i) data[at(o, i, k, n, inner)] = 0x7F;
+    *scale_code = 0xFF;
+    return;
+  }
+  int e = mxfp8_scale_exponent(amax);
+  double s = std::ldexp(1.0, e);
+  for (int64_t i = b0; i < b1; ++i) {
+    float v = x[at(o, i, k, n, inner)];
+    double scaled = std::min(std::fabs(static_cast<double>(v)) / s, 448.0);  // exact: s is a power of two
+    int idx = e4m3_nearest(scaled, 1.0);
+    data[at(o, i, k, n, inner)] = static_cast<uint8_t>(idx | (std::signbit(v) ? 0x80 : 0));
+  }
+  *scale_code = static_cast<uint8_t>(e + 127);
+}
+
+// One nvfp4 block: writes the E2M1 code of each element to codes[i - b0].
+uint8_t quantize_nvfp4_block(const float* x, int64_t o, int64_t k, int64_t b0, int64_t b1, int64_t n, int64_t inner,
+                             uint8_t* codes) {
+  bool nonfinite = false;
+  double amax = 0.0;
+  for (int64_t i = b0; i < b1; ++i) {
+    float v = x[at(o, i, k, n, inner)];
+    if (!std::isfinite(v)) nonfinite = true;
+    else amax = std::max(amax, std::fabs(static_cast<double>(v)));
+  }
+  int sidx = e4m3_nearest(amax, 6.0);  // E4M3(amax / 6), saturating at 448
+  double s = e4m3_magnitude(sidx);
+  for (int64_t i = b0; i < b1; ++i) {
+    float v = x[at(o, i, k, n, inner)];
+    double mag = std::isfinite(v) ? std::fabs(static_cast<double>(v)) : 0.0;
+    int idx = s > 0 ? e2m1_nearest(mag, s) : 0;  // a zero scale zeroes its block
+    codes[i - b0] = static_cast<uint8_t>(idx | (std::signbit(v) ? 0x8 : 0));
+  }
+  return nonfinite ? 0x7F : static_cast<uint8_t>(sidx);  // NaN scale: the block decodes to NaN
+}
+
+}  // namespace
+
+moe_ep_status quantize(void*, moe_ep_format fmt, const float* x, int64_t outer, int64_t n, int64_t inner, void* data,
+                       void* scale) {
+  if (fmt == MOE_EP_FORMAT_BF16) {
+    uint16_t* out = static_cast<uint16_t*>(data);
+    const int64_t total = outer * n * inner;
+    for (int64_t i = 0; i < total; ++i) out[i] = bf16_from_float(x[i]);
+    return MOE_EP_OK;
+  }
+  uint8_t* d = static_cast<uint8_t*>(data);
+  uint8_t* sc = static_cast<uint8_t*>(scale);
+  if (fmt == MOE_EP_FORMAT_MXFP8) {
+    const int64_t nb = ceil_div(n, kMxfp8Block);
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t k = 0; k < inner; ++k)
+          quantize_mxfp8_block(x, o, k, b * kMxfp8Block, std::min(n, (b + 1) * kMxfp8Block), n, inner, d,
+                               &sc[(o * nb + b) * inner + k]);
+    return MOE_EP_OK;
+  }
+  // NVFP4: codes of a block, then packed two a byte along n.
+  const int64_t nb = ceil_div(n, kNvfp4Block), np = ceil_div(n, 2);
+  uint8_t codes[kNvfp4Block];
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t k = 0; k < inner; ++k) {
+        const int64_t b0 = b * kNvfp4Block, b1 = std::min(n, b0 + kNvfp4Block);
+        sc[(o * nb + b) * inner + k] = quantize_nvfp4_block(x, o, k, b0, b1, n, inner, codes);
+        for (int64_t i = b0; i < b1; i += 2) {  // b0 is even: pairs never straddle blocks
+          uint8_t lo = codes[i - b0], hi = (i + 1 < b1) ? codes[i + 1 - b0] : 0;
+          d[(o * np + i / 2) * inner + k] = static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4));
+        }
+      }
+  return MOE_EP_OK;
+}
+
+moe_ep_status dequantize(void*, moe_ep_format fmt, const void* data, const void* scale, int64_t outer, int64_t n,
+                         int64_t inner, float* out) {
+  if (fmt == MOE_EP_FORMAT_BF16) {
+    const uint16_t* in = static_cast<const uint16_t*>(data);
+    const int64_t total = outer * n * inner;
+    for (int64_t i = 0; i < total; ++i) out[i] = bf16_to_float(in[i]);
+    return MOE_EP_OK;
+  }
+  const uint8_t* d = static_cast<const uint8_t*>(data);
+  const uint8_t* sc = static_cast<const uint8_t*>(scale);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  if (fmt == MOE_EP_FORMAT_MXFP8) {
+    const int64_t nb = ceil_div(n, kMxfp8Block);
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t k = 0; k < inner; ++k) {
+          uint8_t s = sc[(o * nb + i / kMxfp8Block) * inner + k];
+          double sv = s == 0xFF ? nan : std::ldexp(1.0, static_cast<int>(s) - 127);
+          out[at(o, i, k, n, inner)] = static_cast<float>(e4m3_value(d[at(o, i, k, n, inner)]) * sv);
+        }
+    return MOE_EP_OK;
+  }
+  const int64_t nb = ceil_div(n, kNvfp4Block), np = ceil_div(n, 2);
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t k = 0; k < inner; ++k) {
+        double sv = e4m3_value(sc[(o * nb + i / kNvfp4Block) * inner + k]);
+        uint8_t byte = d[(o * np + i / 2) * inner + k];
+        uint8_t nib = (i % 2) ? static_cast<uint8_t>(byte >> 4) : static_cast<uint8_t>(byte & 0xF);
+        out[at(o, i, k, n, inner)] = static_cast<float>(e2m1_value(nib) * sv);
+      }
+  return MOE_EP_OK;
+}
+
+}  // namespace cpu
+}  // namespace moe_ep

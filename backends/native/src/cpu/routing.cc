@@ -1,0 +1,94 @@
+// CPU routing: the plan (stable counting sort of route ids by expert), the
+// permutation of token rows into send order, and the Form-A combine reduction.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "internal.h"
+
+namespace moe_ep {
+namespace cpu {
+
+moe_ep_status plan_routes(void*, const int32_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
+                          int32_t* send_route, int32_t* route_pos, int32_t* route_expert, int32_t* counts) {
+  const int64_t routes = num_tokens * num_topk;
+  std::vector<int64_t> next(static_cast<size_t>(num_experts) + 1, 0);
+  int32_t bad = 0;
+  for (int64_t r = 0; r < routes; ++r) {
+    const int32_t e = topk_idx[r];
+    if (e >= 0 && e < num_experts) ++next[e];
+    else if (e != -1) ++bad;
+  }
+  for (int64_t e = 0; e < num_experts; ++e) counts[e] = static_cast<int32_t>(next[e]);
+  counts[num_experts] = bad;
+  // Exclusive prefix: the first send position of each expert; the unrouted tail after them.
+  int64_t run = 0;
+  for (int64_t e = 0; e <= num_experts; ++e) {
+    const int64_t c = e < num_experts ? next[e] : 0;
+    next[e] = run;
+    run += c;
+  }
+  int64_t tail = run;
+  for (int64_t r = 0; r < routes; ++r) {
+    const int32_t e = topk_idx[r];
+    if (e >= 0 && e < num_experts) {
+      const int64_t p = next[e]++;
+      send_route[p] = static_cast<int32_t>(r);
+      route_pos[r] = static_cast<int32_t>(p);
+      route_expert[r] = e;
+    } else {
+      send_route[tail++] = static_cast<int32_t>(r);
+      route_pos[r] = -1;
+      route_expert[r] = -1;
+    }
+  }
+  return MOE_EP_OK;
+}
+
+moe_ep_status permute_rows(void*, const void* tokens, int64_t num_tokens, int64_t num_topk, int64_t row_bytes,
+                           const int32_t* send_route, int64_t num_rows, void* dst) {
+  const int64_t routes = num_tokens * num_topk;
+  for (int64_t i = 0; i < num_rows; ++i) {  // check first: a bad id changes nothing
+    const int32_t r = send_route[i];
+    if (r < -1 || r >= routes)
+      return fail(MOE_EP_ERR_INVALID_ARGUMENT, "permute_rows: send_route[" + std::to_string(i) + "] must be -1 or in [0, " +
+                                                   std::to_string(routes) + "); got " + std::to_string(r));
+  }
+  const char* src = static_cast<const char*>(tokens);
+  char* out = static_cast<char*>(dst);
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const int32_t r = send_route[i];
+    if (r < 0) std::memset(out + i * row_bytes, 0, static_cast<size_t>(row_bytes));
+    else std::memcpy(out + i * row_bytes, src + (r / num_topk) * row_bytes, static_cast<size_t>(row_bytes));
+  }
+  return MOE_EP_OK;
+}
+
+moe_ep_status combine_reduce(void*, const float* rows, int64_t num_rows, const int32_t* route_pos, int64_t num_tokens,
+                             int64_t num_topk, int64_t hidden, float* out) {
+  const int64_t routes = num_tokens * num_topk;
+  if (route_pos != nullptr) {
+    for (int64_t r = 0; r < routes; ++r) {
+      const int32_t p = route_pos[r];
+      if (p < -1 || p >= num_rows)
+        return fail(MOE_EP_ERR_INVALID_ARGUMENT, "combine_reduce: route_pos[" + std::to_string(r) +
+                                                     "] must be -1 or in [0, num_rows) = [0, " +
+                                                     std::to_string(num_rows) + "); got " + std::to_string(p));
+    }
+  }
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    float* acc = out + t * hidden;
+    for (int64_t h = 0; h < hidden; ++h) acc[h] = 0.0f;  // +0
+    for (int64_t k = 0; k < num_topk; ++k) {  // slot order
+      const int64_t r = t * num_topk + k;
+      const int64_t p = route_pos != nullptr ? route_pos[r] : r;
+      if (p < 0) continue;  // an unused slot adds nothing
+      const float* row = rows + p * hidden;
+      for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + row[h];
+    }
+  }
+  return MOE_EP_OK;
+}
+
+}  // namespace cpu
+}  // namespace moe_ep

@@ -1,0 +1,109 @@
+// Shared host/device helpers of the CUDA implementation: launch sizing, the
+// launch check, the workspace layout (mirrors forward_workspace_bytes /
+// backward_workspace_bytes of capi.cc) and float32 arithmetic that never
+// contracts into a fused multiply-add.
+#ifndef MOE_EP_NATIVE_CUDA_COMMON_CUH_
+#define MOE_EP_NATIVE_CUDA_COMMON_CUH_
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "internal.h"
+
+namespace moe_ep {
+namespace cuda {
+namespace detail {
+
+// ------------------------------------------------------------------ launches
+
+// Elementwise kernels use grid-stride loops; the grid is capped so that any
+// 64-bit element count is covered without overflowing gridDim.x.
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = int64_t{1} << 20;
+
+inline unsigned blocks_for(int64_t total, int threads = kThreads) {
+  const int64_t b = (total + threads - 1) / threads;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, kMaxBlocks)));
+}
+
+inline cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// After each launch: a launch failure (bad configuration, no device, a sticky
+// error of an earlier kernel) becomes MOE_EP_ERR_CUDA naming the kernel.
+inline moe_ep_status check_launch(const char* kernel) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    return fail(MOE_EP_ERR_CUDA, std::string("CUDA kernel ") + kernel + " failed: " + cudaGetErrorName(err) + ": " +
+                                     cudaGetErrorString(err));
+  return MOE_EP_OK;
+}
+
+#define MOE_EP_CUDA_CHECK_LAUNCH(kernel_name)                         \
+  do {                                                               \
+    const moe_ep_status _st = ::moe_ep::cuda::detail::check_launch(kernel_name); \
+    if (_st != MOE_EP_OK) return _st;                                \
+  } while (0)
+
+// ------------------------------------------------------------------ workspace
+
+// Each piece starts at a 256-byte aligned offset from the workspace base, in
+// the order capi.cc sizes them (forward_workspace_bytes / backward_workspace_bytes).
+inline size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+struct ForwardWorkspace {
+  float* op;        // [C, I] the FC2 operand (after R_int)
+  int64_t* offsets; // [E_local + 1] slab offsets
+};
+
+struct BackwardWorkspace {
+  float* h;         // [C, I]  h = s * u, recomputed from the stash
+  float* a;         // [C, I]  a = dY W2^T
+  float* dc;        // [C, 2I] [dg, du]
+  float* z;         // [C, H]  z = h W2 (apply_topk_in_fc1 = 0 only)
+  int64_t* offsets; // [E_local + 1] slab offsets
+};
+
+inline ForwardWorkspace forward_workspace(const moe_ep_expert_desc& d, void* workspace) {
+  const size_t C = static_cast<size_t>(d.num_rows), I = static_cast<size_t>(d.intermediate);
+  char* base = static_cast<char*>(workspace);
+  ForwardWorkspace ws;
+  ws.op = reinterpret_cast<float*>(base);
+  ws.offsets = reinterpret_cast<int64_t*>(base + align256(C * I * sizeof(float)));
+  return ws;
+}
+
+inline BackwardWorkspace backward_workspace(const moe_ep_expert_desc& d, void* workspace) {
+  const size_t C = static_cast<size_t>(d.num_rows), I = static_cast<size_t>(d.intermediate),
+               H = static_cast<size_t>(d.hidden);
+  char* base = static_cast<char*>(workspace);
+  size_t at = 0;
+  BackwardWorkspace ws;
+  ws.h = reinterpret_cast<float*>(base + at);
+  at += align256(C * I * sizeof(float));
+  ws.a = reinterpret_cast<float*>(base + at);
+  at += align256(C * I * sizeof(float));
+  ws.dc = reinterpret_cast<float*>(base + at);
+  at += align256(C * 2 * I * sizeof(float));
+  ws.z = reinterpret_cast<float*>(base + at);
+  at += align256(C * H * sizeof(float));
+  ws.offsets = reinterpret_cast<int64_t*>(base + at);
+  return ws;
+}
+
+// ------------------------------------------------------------------ arithmetic
+
+// Products and sums round separately, as on the CPU (the build also passes
+// --fmad=false; the intrinsics make it independent of that flag).
+__device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float fadd(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float fsub(float a, float b) { return __fsub_rn(a, b); }
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace moe_ep
+
+#endif  // MOE_EP_NATIVE_CUDA_COMMON_CUH_
