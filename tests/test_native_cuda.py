@@ -1,0 +1,189 @@
+"""The native core's CUDA implementation against its CPU implementation,
+kernel by kernel, through the C ABI (device memory and the stream come from
+torch, used here only as a CUDA allocator). Formats, plan, permutation and the
+combine reduction must agree bit for bit; the expert GEMMs within float32
+rounding. Skipped without a GPU or a CUDA build (CI); run on the device
+machine by scripts/gpu_native_check.sh, also under compute-sanitizer."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+moe_ep_native = pytest.importorskip("moe_ep_native", reason="moe-ep-native is not installed")
+torch = pytest.importorskip("torch", reason="torch allocates the device buffers of this test")
+try:
+    _HAS_CUDA_BUILD = moe_ep_native.has_cuda()
+except FileNotFoundError:  # pragma: no cover
+    _HAS_CUDA_BUILD = False
+if not (_HAS_CUDA_BUILD and torch.cuda.is_available()):
+    pytest.skip("needs a GPU and moe-ep-native built with MOE_EP_NATIVE_CUDA=1", allow_module_level=True)
+
+from moe_ep_native import host  # noqa: E402
+from moe_ep_native._capi import Format, call, load  # noqa: E402
+from moe_ep_spec import MoeEpConfig, NativeArgumentError  # noqa: E402
+from moe_ep_spec import formats as F  # noqa: E402
+
+CUDA = 1
+_FMT = {"bf16": Format.BF16, "mxfp8": Format.MXFP8, "nvfp4": Format.NVFP4}
+
+
+def dev(a: np.ndarray) -> "torch.Tensor":
+    a = np.ascontiguousarray(a)
+    t = torch.from_numpy(a.view(np.uint8).reshape(-1).copy()).cuda()
+    return t
+
+
+def empty(nbytes: int, fill: int = 0xCD) -> "torch.Tensor":
+    """Device bytes pre-filled with a sentinel, so that an unwritten output shows."""
+    return torch.full((max(1, nbytes),), fill, dtype=torch.uint8, device="cuda")
+
+
+def host_of(t: "torch.Tensor", dtype, shape) -> np.ndarray:
+    torch.cuda.synchronize()
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return t[:n].cpu().numpy().view(dtype).reshape(shape)
+
+
+def stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def _special_values(rng, shape):
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-30, 30, shape))
+    flat = x.reshape(-1)
+    if flat.size:
+        for k, v in ((13, 0.0), (17, -0.0), (29, 448.0 * 1.0625), (31, 2.5), (97, np.nan), (101, -np.inf)):
+            flat[rng.choice(flat.size, max(1, flat.size // k), replace=False)] = v
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("shape,axis", [((33, 64), 1), ((5, 45), 1), ((3, 33, 4), 1), ((4, 6, 31), 2), ((0, 32), 1)])
+def test_formats_cuda_equal_cpu(fmt, shape, axis):
+    rng = np.random.default_rng(abs(hash((fmt, shape))) % 2**32)
+    x = _special_values(rng, shape)
+    want = host.quantize(x, fmt, axis=axis)
+    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    n = shape[axis]
+    inner = int(np.prod(shape[axis + 1 :], dtype=np.int64))
+    if fmt == "bf16":
+        data_shape, scale_shape = (x.size,), None
+        wd = np.asarray(want).view(np.uint16)
+    else:
+        wd, ws = want.data.view(np.uint8), want.scale.view(np.uint8)
+        data_shape, scale_shape = wd.shape, ws.shape
+    xd = dev(x)
+    dd = empty(wd.nbytes)
+    sd = None if scale_shape is None else empty(int(np.prod(scale_shape)))
+    call("moe_ep_quantize", CUDA, stream(), _FMT[fmt], xd.data_ptr(), outer, n, inner, dd.data_ptr(),
+         None if sd is None else sd.data_ptr())
+    got_d = host_of(dd, wd.dtype, wd.shape)
+    np.testing.assert_array_equal(got_d, wd, err_msg=f"CUDA {fmt} data codes differ from CPU")
+    if sd is not None:
+        np.testing.assert_array_equal(host_of(sd, np.uint8, ws.shape), ws, err_msg=f"CUDA {fmt} scale codes differ")
+    out = empty(x.nbytes)
+    call("moe_ep_dequantize", CUDA, stream(), _FMT[fmt], dd.data_ptr(), None if sd is None else sd.data_ptr(), outer,
+         n, inner, out.data_ptr())
+    got = host_of(out, np.float32, x.shape)
+    ref = host.dequantize(want)
+    assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.array_equal(np.nan_to_num(got), np.nan_to_num(ref))
+
+
+@pytest.mark.parametrize("t,k,e", [(0, 2, 4), (1, 1, 1), (257, 4, 16), (1024, 8, 256)])
+def test_plan_routes_cuda_equal_cpu(t, k, e):
+    rng = np.random.default_rng(t + e)
+    idx = rng.integers(-1, e, size=(t, k)).astype(np.int32)
+    if idx.size > 2:
+        idx.reshape(-1)[:2] = [e + 3, -5]
+    want = host.plan_routes(idx, e)
+    outs = [empty(4 * t * k) for _ in range(3)] + [empty(4 * (e + 1))]
+    call("moe_ep_plan_routes", CUDA, stream(), dev(idx).data_ptr(), t, k, e, *[o.data_ptr() for o in outs])
+    send, pos, exp = (host_of(o, np.int32, (t * k,)) for o in outs[:3])
+    counts = host_of(outs[3], np.int32, (e + 1,))
+    np.testing.assert_array_equal(send, want.send_route)
+    np.testing.assert_array_equal(pos, want.route_pos)
+    np.testing.assert_array_equal(exp, want.route_expert)
+    np.testing.assert_array_equal(counts[:e], want.counts)
+    assert counts[e] == want.num_bad
+
+
+def test_permute_and_combine_cuda_equal_cpu():
+    rng = np.random.default_rng(5)
+    t, k, h = 300, 4, 130
+    tokens = rng.integers(0, 256, size=(t, 2 * h + 3), dtype=np.uint8)
+    plan = host.plan_routes(rng.integers(-1, 32, size=(t, k)).astype(np.int32), 32)
+    want = host.permute_rows(tokens, plan.send_route, k)
+    out = empty(want.nbytes)
+    call("moe_ep_permute_rows", CUDA, stream(), dev(tokens).data_ptr(), t, k, tokens.shape[1],
+         dev(plan.send_route).data_ptr(), t * k, out.data_ptr())
+    np.testing.assert_array_equal(host_of(out, np.uint8, want.shape), want)
+
+    rows = rng.standard_normal((t * k, h)).astype(np.float32)
+    for pos in (plan.route_pos, None):
+        want = host.combine_reduce(rows, pos, t, k)
+        out = empty(want.nbytes)
+        call("moe_ep_combine_reduce", CUDA, stream(), dev(rows).data_ptr(), t * k,
+             None if pos is None else dev(pos).data_ptr(), t, k, h, out.data_ptr())
+        np.testing.assert_array_equal(host_of(out, np.float32, want.shape), want, err_msg="combine_reduce")
+
+
+def _config(**kw):
+    return MoeEpConfig(num_experts=8, hidden=96, intermediate=64, num_topk=2, num_ranks=2, max_tokens_per_rank=64, **kw)
+
+
+CASES = [dict(), dict(apply_topk_in_fc1=False), dict(gate_up_clamp=0.4), dict(apply_topk_in_fc1=False, gate_up_clamp=0.4),
+         dict(intermediate_format="bf16"), dict(intermediate_format="mxfp8"), dict(intermediate_format="nvfp4"),
+         dict(apply_topk_in_fc1=False, intermediate_format="mxfp8")]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(f"{a}={b}" for a, b in kw.items()) or "default")
+def test_experts_cuda_match_cpu(kw):
+    config = _config(**kw)
+    rng = np.random.default_rng(11)
+    gs = np.array([37, 0, 70, 5], np.int32)
+    c_rows = int(gs.sum()) + 9  # rows of no expert at the end
+    e, h, i = len(gs), config.hidden, config.intermediate
+    x = (rng.standard_normal((c_rows, h)) / 4).astype(np.float32)
+    w = rng.uniform(0.1, 1, c_rows).astype(np.float32)
+    fc1 = (rng.standard_normal((e, h, 2 * i)) / np.sqrt(h)).astype(np.float32)
+    fc2 = (rng.standard_normal((e, i, h)) / np.sqrt(i)).astype(np.float32)
+    want = host.expert_forward(config, x, w, fc1, fc2, gs)
+    desc = host.expert_desc(config, c_rows, e)
+    lib = load()
+    fwd_ws = lib.moe_ep_expert_forward_workspace(ctypes.byref(desc))
+    y, c, ws = empty(4 * c_rows * h), empty(4 * c_rows * 2 * i), empty(fwd_ws)
+    args = [dev(a).data_ptr() for a in (x, w, fc1, fc2, gs)]
+    call("moe_ep_expert_forward", CUDA, stream(), ctypes.byref(desc), *args, y.data_ptr(), c.data_ptr(), ws.data_ptr(),
+         fwd_ws)
+    got_y, got_c = host_of(y, np.float32, (c_rows, h)), host_of(c, np.float32, (c_rows, 2 * i))
+    np.testing.assert_allclose(got_c, want.c, rtol=0, atol=2e-5, err_msg="c")
+    atol = 2e-5 if config.intermediate_format is None else 0.05  # a near-tie may round to the other code
+    np.testing.assert_allclose(got_y, want.y, rtol=0, atol=atol, err_msg="y")
+    if config.intermediate_format is not None:
+        frac = np.mean(np.abs(got_y - want.y) > 2e-5)
+        assert frac < 0.01, f"{frac:.2%} of y differ beyond float32 noise: the {config.intermediate_format} round trip disagrees"
+    assert not got_y[-9:].any() and not got_c[-9:].any(), "rows of no expert must be zero"
+
+    stash = F.round_to_bf16(want.c)
+    dy = rng.standard_normal((c_rows, h)).astype(np.float32)
+    gw = host.expert_backward(config, x, w, fc1, fc2, stash, dy, gs)
+    bwd_ws = lib.moe_ep_expert_backward_workspace(ctypes.byref(desc))
+    outs = [empty(4 * c_rows * h), empty(4 * c_rows), empty(4 * e * h * 2 * i), empty(4 * e * i * h), empty(bwd_ws)]
+    call("moe_ep_expert_backward", CUDA, stream(), ctypes.byref(desc), *args[:4],
+         dev(np.asarray(stash).view(np.uint16)).data_ptr(), dev(dy).data_ptr(), args[4], *[o.data_ptr() for o in outs],
+         bwd_ws)
+    for name, o, ref in zip(("dx", "dw", "dfc1", "dfc2"), outs, (gw.dx, gw.dw, gw.dfc1, gw.dfc2)):
+        got = host_of(o, np.float32, ref.shape)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * max(1.0, np.abs(ref).max()), err_msg=name)
+    assert not host_of(outs[2], np.float32, gw.dfc1.shape)[1].any(), "an expert without rows gets zero dfc1"
+
+
+def test_cuda_entry_points_check_sizes_on_the_host():
+    x = empty(64)
+    with pytest.raises(NativeArgumentError, match="moe_ep_quantize: n must be >= 0; got -1"):
+        call("moe_ep_quantize", CUDA, stream(), Format.MXFP8, x.data_ptr(), 1, -1, 1, x.data_ptr(), x.data_ptr())
+    torch.cuda.synchronize()
+    assert (x.cpu().numpy() == 0xCD).all()
