@@ -30,6 +30,9 @@ inline unsigned blocks_for(int64_t total, int threads = kThreads) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, kMaxBlocks)));
 }
 
+// ceil(a / b) for a >= 0, b >= 1, usable in kernels (internal.h's ceil_div is host-only).
+__host__ __device__ __forceinline__ int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 inline cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
 // After each launch: a launch failure (bad configuration, no device, a sticky

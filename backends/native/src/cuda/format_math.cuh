@@ -1,0 +1,258 @@
+// Device encoders and decoders of the formats (docs/spec.md section 8),
+// bit-exact with moe_ep_spec/formats.py and the CPU implementation.
+//
+// Every rounding decision is made on float32 bit patterns or by comparing an
+// input with an exactly representable threshold, never by dividing by a scale
+// (mirrors backends/jax/moe_ep_jax/formats.py):
+// - bf16: integer round-to-nearest-even on the bits;
+// - mxfp8: the scale exponent from the bits of amax, the E4M3 code by shifting
+//   the input's integer significand with round-half-even;
+// - nvfp4: E4M3(amax / 6) by binary search among 6 * (E4M3 midpoints), E2M1 of
+//   |x| / s by comparing |x| with (E2M1 midpoints) * s; all these thresholds
+//   have at most 7 significant bits and are normal float32 values: exact.
+// Decoding multiplies a code's value (<= 4 significant bits) by the scale:
+// exact, except that a result beyond float32 range is +-Inf. Every decoded
+// NaN is the positive quiet NaN 0x7FC00000 (as the CPU implementation).
+// No flush-to-zero is assumed anywhere (nvcc's default -ftz=false; subnormal
+// inputs are handled on their bits).
+#ifndef MOE_EP_NATIVE_CUDA_FORMAT_MATH_CUH_
+#define MOE_EP_NATIVE_CUDA_FORMAT_MATH_CUH_
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace moe_ep {
+namespace cuda {
+namespace detail {
+
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
+constexpr uint32_t kInfBits = 0x7F800000u;
+constexpr uint32_t kQuietNaN = 0x7FC00000u;
+
+__device__ __forceinline__ uint32_t fbits(float f) { return __float_as_uint(f); }
+__device__ __forceinline__ float bitsf(uint32_t u) { return __uint_as_float(u); }
+
+// ------------------------------------------------------------------ bf16
+
+// float32 -> bf16 bits, nearest, ties to even (add 0x7FFF plus the lsb of the
+// kept half, truncate); overflow carries into the exponent and gives +-Inf;
+// +-Inf stay; NaN stays NaN with its sign, quieted (bit 6 of the bf16 set).
+__device__ __forceinline__ uint16_t bf16_from_float(float f) {
+  const uint32_t u = fbits(f);
+  if ((u & kAbsMask) > kInfBits) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float bf16_to_float(uint16_t b) { return bitsf(static_cast<uint32_t>(b) << 16); }
+__device__ __forceinline__ float bf16_round_trip(float f) { return bf16_to_float(bf16_from_float(f)); }
+
+// ------------------------------------------------------------------ E4M3 / E8M0 / E2M1 values
+
+// The magnitude of an E4M3 (fn) code 0x00..0x7E: subnormals m * 2^-9, normals
+// (8 + m) * 2^(e - 10) built from bits (exponent field e - 7 + 127).
+__device__ __forceinline__ float e4m3_magnitude(uint32_t c7) {
+  const uint32_t ex = c7 >> 3, man = c7 & 7u;
+  if (ex == 0) return fmul(static_cast<float>(man), 0.001953125f);  // exact
+  return bitsf(((ex + 120u) << 23) | (man << 20));
+}
+
+// 2^k for k in [-127, 127], exact (2^-127 is the float32 subnormal 0x00400000).
+__device__ __forceinline__ float exp2_exact(int k) {
+  return k >= -126 ? bitsf(static_cast<uint32_t>(k + 127) << 23) : bitsf(0x00400000u);
+}
+
+// E2M1 magnitude codes 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+__device__ __forceinline__ float e2m1_magnitude(uint32_t c3) {
+  if (c3 < 2) return c3 ? 0.5f : 0.0f;
+  return bitsf(((126u + (c3 >> 1)) << 23) | ((c3 & 1u) << 22));
+}
+
+// ------------------------------------------------------------------ block scan
+
+// Largest finite magnitude (as float32 bits: the integer order of non-negative
+// floats is their numeric order) and whether the block holds NaN or +-Inf.
+struct BlockMax {
+  uint32_t amax;
+  bool nonfinite;
+};
+
+__device__ __forceinline__ BlockMax block_max(const float* p, int64_t stride, int len) {
+  BlockMax r{0u, false};
+  for (int j = 0; j < len; ++j) {
+    const uint32_t m = fbits(p[j * stride]) & kAbsMask;
+    if (m >= kInfBits) r.nonfinite = true;
+    else r.amax = m > r.amax ? m : r.amax;
+  }
+  return r;
+}
+
+// ------------------------------------------------------------------ mxfp8
+
+// Smallest e with amax <= 448 * 2^e, clamped to [-127, 127], from the bits:
+// amax = 1.f * 2^(ea - 127) and 448 = 1.75 * 2^8, so e = ea - 135, plus one when
+// 1.f > 1.75 (fraction bits > 0x600000). A zero or subnormal amax is below
+// 448 * 2^-127: e = -127 (the all-zero block's scale code 0).
+__device__ __forceinline__ int mxfp8_exponent(uint32_t amax) {
+  const int ea = static_cast<int>(amax >> 23);
+  int e = ea == 0 ? -127 : ea - 135 + ((amax & 0x7FFFFFu) > 0x600000u ? 1 : 0);
+  return e < -127 ? -127 : (e > 127 ? 127 : e);
+}
+
+// round_half_even(m * 2^sh) for m < 2^24 (callers keep a left shift small).
+__device__ __forceinline__ uint32_t shift_rne(uint32_t m, int sh) {
+  if (sh >= 0) return m << sh;
+  const int r = -sh < 31 ? -sh : 31;  // m < 2^24: a shift of 31 already rounds to 0
+  const uint32_t base = m >> r;
+  const uint32_t rem = m & ((1u << r) - 1u);
+  const uint32_t half = 1u << (r - 1);
+  return base + ((rem > half || (rem == half && (base & 1u))) ? 1u : 0u);
+}
+
+// E4M3 magnitude code (0..0x7E) of min(|x| / 2^e, 448), nearest, ties to the
+// even code, from the float32 bits `mag` of a finite |x|. |x| = m * 2^q exactly;
+// v = |x| / 2^e lies in binade bv; the E4M3 quantum there is 2^(bq - 3) with
+// bq = max(bv, -6) (subnormals below 2^-6). n = round(v / quantum) in 0..16 and
+// the code is (bq + 6) * 8 + n: a carry to n = 16 lands on the next binade's
+// first code. Saturates at 0x7E (448).
+__device__ __forceinline__ uint32_t e4m3_mag_code(uint32_t mag, int e) {
+  if (mag == 0) return 0;
+  const int ex = static_cast<int>(mag >> 23);
+  const uint32_t fx = mag & 0x7FFFFFu;
+  const uint32_t m = ex > 0 ? (fx | 0x800000u) : fx;
+  const int q = ex > 0 ? ex - 150 : -149;
+  const int bitlen = 32 - __clz(static_cast<int>(m));
+  const int bv = bitlen - 1 + q - e;
+  const int bq = bv > -6 ? bv : -6;
+  const int n = static_cast<int>(shift_rne(m, q - e - (bq - 3)));
+  const int code = (bq + 6) * 8 + n;
+  return static_cast<uint32_t>(code < 0x7E ? code : 0x7E);
+}
+
+// Decode one mxfp8 element: E4M3(code) * 2^(scale - 127); NaN for a NaN scale
+// (0xFF) or a NaN data code (0x7F / 0xFF). Exact except overflow to +-Inf.
+__device__ __forceinline__ float mxfp8_decode(uint32_t code, uint32_t scale_code) {
+  if (scale_code == 0xFFu || (code & 0x7Fu) == 0x7Fu) return bitsf(kQuietNaN);
+  const float v = fmul(e4m3_magnitude(code & 0x7Fu), exp2_exact(static_cast<int>(scale_code) - 127));
+  return (code & 0x80u) ? -v : v;
+}
+
+// Encode one mxfp8 block of `len` (1..32) elements x[j * stride] into
+// data[j * dstride] and *scale_code. A block with NaN/Inf: scale 0xFF, data 0x7F.
+// Otherwise scale e + 127, data = sign | E4M3 code of |x| / 2^e (zeros keep their sign).
+__device__ __forceinline__ void mxfp8_encode_block(const float* x, int64_t stride, int len, uint8_t* data,
+                                                   int64_t dstride, uint8_t* scale_code) {
+  const BlockMax bm = block_max(x, stride, len);
+  if (bm.nonfinite) {
+    for (int j = 0; j < len; ++j) data[j * dstride] = 0x7F;
+    *scale_code = 0xFF;
+    return;
+  }
+  const int e = mxfp8_exponent(bm.amax);
+  for (int j = 0; j < len; ++j) {
+    const uint32_t u = fbits(x[j * stride]);
+    data[j * dstride] = static_cast<uint8_t>(e4m3_mag_code(u & kAbsMask, e) | ((u >> 31) << 7));
+  }
+  *scale_code = static_cast<uint8_t>(e + 127);
+}
+
+// quantize + dequantize of one mxfp8 block in place (R_int): the same codes as
+// mxfp8_encode_block, decoded.
+__device__ __forceinline__ void mxfp8_round_trip_block(float* p, int len) {
+  const BlockMax bm = block_max(p, 1, len);
+  if (bm.nonfinite) {
+    for (int j = 0; j < len; ++j) p[j] = bitsf(kQuietNaN);
+    return;
+  }
+  const int e = mxfp8_exponent(bm.amax);
+  const uint32_t scale_code = static_cast<uint32_t>(e + 127);
+  for (int j = 0; j < len; ++j) {
+    const uint32_t u = fbits(p[j]);
+    p[j] = mxfp8_decode(e4m3_mag_code(u & kAbsMask, e) | ((u >> 31) << 7), scale_code);
+  }
+}
+
+// ------------------------------------------------------------------ nvfp4
+
+// 6 * (midpoint of E4M3 magnitudes j and j + 1), j in 0..125: exact in float32
+// (the sum has <= 5 significant bits, times 3 <= 7 bits, >= 6 * 2^-10: normal).
+__device__ __forceinline__ float nvfp4_scale_bound(int j) {
+  return fmul(6.0f, fmul(0.5f, fadd(e4m3_magnitude(static_cast<uint32_t>(j)),
+                                    e4m3_magnitude(static_cast<uint32_t>(j + 1)))));
+}
+
+// E4M3 code (0..0x7E) of amax / 6, nearest, ties to the even code, saturating at
+// 0x7E (448): the count of bounds below amax (binary search; the bounds
+// increase), plus one at a tie whose upper neighbour j + 1 is even.
+__device__ __forceinline__ uint32_t nvfp4_scale_index(float amax) {
+  int lo = 0, hi = 126;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (amax > nvfp4_scale_bound(mid)) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo < 126 && amax == nvfp4_scale_bound(lo) && ((lo + 1) & 1) == 0) ++lo;
+  return static_cast<uint32_t>(lo);
+}
+
+// E2M1 magnitude code of min(mag / s, 6), nearest, ties to the even code, for
+// s > 0: count the thresholds mid_j * s (exact) below mag, plus one at a tie
+// with mid_j for odd j (0.75 -> 1, 1.75 -> 2, 3.5 -> 4).
+__device__ __forceinline__ uint32_t e2m1_mag_index(float mag, float s) {
+  const float mids[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  uint32_t idx = 0;
+#pragma unroll
+  for (int j = 0; j < 7; ++j) {
+    const float b = fmul(mids[j], s);
+    idx += mag > b ? 1u : 0u;
+    if (j & 1) idx += mag == b ? 1u : 0u;
+  }
+  return idx;
+}
+
+// The 4-bit code of one element given its block's scale value s: sign bit 3 is
+// the sign of x (zeros and non-finite values included); a non-finite element
+// (only in a NaN-scale block) or a zero scale gives magnitude code 0.
+__device__ __forceinline__ uint32_t nvfp4_code(uint32_t u, float s) {
+  const uint32_t sign = (u >> 31) << 3;
+  const uint32_t mag = u & kAbsMask;
+  if (mag >= kInfBits || !(s > 0.0f)) return sign;
+  return sign | e2m1_mag_index(bitsf(mag), s);
+}
+
+// Decode one nvfp4 element: E2M1(nibble) * E4M3(scale code); NaN for a NaN
+// scale (0x7F / 0xFF). The product is exact.
+__device__ __forceinline__ float nvfp4_decode(uint32_t nibble, uint32_t scale_code) {
+  if ((scale_code & 0x7Fu) == 0x7Fu) return bitsf(kQuietNaN);
+  float s = e4m3_magnitude(scale_code & 0x7Fu);
+  if (scale_code & 0x80u) s = -s;
+  float v = e2m1_magnitude(nibble & 7u);
+  if (nibble & 8u) v = -v;
+  return fmul(v, s);
+}
+
+// The scale code of one nvfp4 block of `len` (1..16) elements x[j * stride] and
+// the scale value used for its elements (0x7F = NaN for a block with NaN/Inf; the
+// elements are then still encoded from the finite amax, non-finite ones as
+// signed zeros, as the reference does).
+struct Nvfp4Scale {
+  uint32_t code;
+  float value;
+};
+
+__device__ __forceinline__ Nvfp4Scale nvfp4_block_scale(const float* x, int64_t stride, int len) {
+  const BlockMax bm = block_max(x, stride, len);
+  const uint32_t sidx = nvfp4_scale_index(bitsf(bm.amax));
+  return Nvfp4Scale{bm.nonfinite ? 0x7Fu : sidx, e4m3_magnitude(sidx)};
+}
+
+// quantize + dequantize of one nvfp4 block in place (R_int).
+__device__ __forceinline__ void nvfp4_round_trip_block(float* p, int len) {
+  const Nvfp4Scale sc = nvfp4_block_scale(p, 1, len);
+  for (int j = 0; j < len; ++j) p[j] = nvfp4_decode(nvfp4_code(fbits(p[j]), sc.value), sc.code);
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace moe_ep
+
+#endif  // MOE_EP_NATIVE_CUDA_FORMAT_MATH_CUH_
