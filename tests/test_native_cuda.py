@@ -30,15 +30,30 @@ CUDA = 1
 _FMT = {"bf16": Format.BF16, "mxfp8": Format.MXFP8, "nvfp4": Format.NVFP4}
 
 
+_ALIVE: list = []
+
+
+@pytest.fixture(autouse=True)
+def _release_buffers():
+    yield
+    torch.cuda.synchronize()
+    _ALIVE.clear()
+
+
 def dev(a: np.ndarray) -> "torch.Tensor":
+    """A device copy of ``a``'s bytes, kept alive until the test ends (a pointer
+    taken from a temporary tensor would let the caching allocator reuse it)."""
     a = np.ascontiguousarray(a)
     t = torch.from_numpy(a.view(np.uint8).reshape(-1).copy()).cuda()
+    _ALIVE.append(t)
     return t
 
 
 def empty(nbytes: int, fill: int = 0xCD) -> "torch.Tensor":
     """Device bytes pre-filled with a sentinel, so that an unwritten output shows."""
-    return torch.full((max(1, nbytes),), fill, dtype=torch.uint8, device="cuda")
+    t = torch.full((max(1, nbytes),), fill, dtype=torch.uint8, device="cuda")
+    _ALIVE.append(t)
+    return t
 
 
 def host_of(t: "torch.Tensor", dtype, shape) -> np.ndarray:
