@@ -2,10 +2,13 @@
 // every device), then calls the CPU or CUDA implementation.
 #include <limits>
 #include <new>
-#include <sstream>
+#include <cstdio>
 #include <string>
 
 #include "internal.h"
+
+#define MOE_EP_STR_(x) #x
+#define MOE_EP_STR(x) MOE_EP_STR_(x)
 
 #ifndef MOE_EP_NATIVE_VERSION
 #define MOE_EP_NATIVE_VERSION "dev"
@@ -101,9 +104,9 @@ moe_ep_status check_desc(const Check& ck, const moe_ep_expert_desc* d) {
     return ck.bad("desc.apply_topk_in_fc1 must be 0 or 1", std::to_string(d->apply_topk_in_fc1));
   if (d->has_clamp != 0 && d->has_clamp != 1) return ck.bad("desc.has_clamp must be 0 or 1", std::to_string(d->has_clamp));
   if (d->has_clamp && !(d->gate_up_clamp > 0.0f && d->gate_up_clamp <= std::numeric_limits<float>::max())) {
-    std::ostringstream os;
-    os << d->gate_up_clamp;
-    return ck.bad("desc.gate_up_clamp must be finite and > 0 when desc.has_clamp is 1", os.str());
+    char got[32];
+    std::snprintf(got, sizeof got, "%g", static_cast<double>(d->gate_up_clamp));
+    return ck.bad("desc.gate_up_clamp must be finite and > 0 when desc.has_clamp is 1", got);
   }
   const int32_t f = d->intermediate_format;
   if (f < MOE_EP_FORMAT_NONE || f > MOE_EP_FORMAT_NVFP4)
@@ -179,24 +182,27 @@ int moe_ep_has_cuda(void) {
 }
 
 const char* moe_ep_build_info(void) {
-  static const std::string info = [] {
-    std::ostringstream os;
-    os << "moe_ep_native " << MOE_EP_NATIVE_VERSION << " (ABI " << MOE_EP_NATIVE_ABI_VERSION << "), ";
 #if defined(__clang__)
-    os << "clang " << __clang_major__ << "." << __clang_minor__;
+#define MOE_EP_COMPILER "clang " MOE_EP_STR(__clang_major__) "." MOE_EP_STR(__clang_minor__)
 #elif defined(__GNUC__)
-    os << "gcc " << __GNUC__ << "." << __GNUC_MINOR__;
+#define MOE_EP_COMPILER "gcc " MOE_EP_STR(__GNUC__) "." MOE_EP_STR(__GNUC_MINOR__)
 #else
-    os << "unknown compiler";
+#define MOE_EP_COMPILER "unknown compiler"
 #endif
+  // Built once into a static buffer with snprintf (no iostreams in the C ABI).
+  static char info[256];
+  static const int once = [] {
 #ifdef MOE_EP_NATIVE_WITH_CUDA
-    os << ", CUDA archs " << moe_ep::cuda::arch_list();
+    const char* cuda = moe_ep::cuda::arch_list();
+    return std::snprintf(info, sizeof info, "moe_ep_native %s (ABI %d), %s, CUDA archs %s", MOE_EP_NATIVE_VERSION,
+                         MOE_EP_NATIVE_ABI_VERSION, MOE_EP_COMPILER, cuda);
 #else
-    os << ", no CUDA";
+    return std::snprintf(info, sizeof info, "moe_ep_native %s (ABI %d), %s, no CUDA", MOE_EP_NATIVE_VERSION,
+                         MOE_EP_NATIVE_ABI_VERSION, MOE_EP_COMPILER);
 #endif
-    return os.str();
   }();
-  return info.c_str();
+  (void)once;
+  return info;
 }
 
 const char* moe_ep_last_error(void) { return moe_ep::g_last_error.c_str(); }
