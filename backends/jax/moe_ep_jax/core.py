@@ -56,6 +56,7 @@ from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.formats import MoeFormat
 
 from . import formats as F
+from .kernels import DEFAULT_KERNELS
 
 __all__ = [
     "EXCHANGES",
@@ -123,6 +124,12 @@ class LayerSpec:
         return max(1, min(self.num_routes, self.capacity))
 
 
+def _kernels(spec: LayerSpec) -> Any:
+    """The spec's kernel provider; the default one when it has none (a
+    placeholder spec, e.g. a handle rebuilt on the host before its provider is set)."""
+    return DEFAULT_KERNELS if spec.kernels is None else spec.kernels
+
+
 def buffer_rows(config: MoeEpConfig, num_tokens: int) -> int:
     """C for ``config`` with ``num_tokens`` rows per rank: ``recv_capacity`` in
     the static layout, else the worst case ``num_ranks * T * num_topk`` (at least 1)."""
@@ -183,18 +190,13 @@ def make_plan(spec: LayerSpec, topk_idx: jax.Array) -> Plan:
     Args:
         topk_idx: ``[T, K]`` int: expert ids; -1 marks an unused slot. Ids
             outside ``[-1, E)`` are not routed and set the error flag.
+
+    The local part (sort, positions, counts) is the kernel provider's
+    :meth:`~moe_ep_jax.kernels.ExpertKernels.plan_routes`.
     """
     e = spec.config.num_experts
-    flat = topk_idx.reshape(-1).astype(_I32)
-    bad = (flat < -1) | (flat >= e)
-    routed = (flat >= 0) & ~bad
-    key = jnp.where(routed, flat, e)
-    send_route = jnp.argsort(key, stable=True).astype(_I32)
-    counts = jnp.bincount(key, length=e + 1)[:e].astype(_I32)
-    positions = jnp.zeros_like(send_route).at[send_route].set(jnp.arange(spec.num_routes, dtype=_I32))
-    route_pos = jnp.where(routed, positions, -1)
-    route_expert = jnp.where(routed, flat, -1)
-    mine = jnp.concatenate([counts, jnp.any(bad).astype(_I32)[None]])
+    send_route, route_pos, route_expert, counts = _kernels(spec).plan_routes(spec.config, topk_idx.astype(_I32))
+    mine = jnp.concatenate([counts[:e], (counts[e] > 0).astype(_I32)[None]])
     table = lax.all_gather(mine, spec.axis_name)
     return Plan(send_route=send_route, route_pos=route_pos, route_expert=route_expert, table=table)
 
@@ -435,12 +437,10 @@ def route_weights(spec: LayerSpec, plan: Plan, topk_weights: jax.Array) -> jax.A
 
 def slot_sum(spec: LayerSpec, rows: jax.Array) -> jax.Array:
     """Form-A reduction: ``[T*K, H]`` rows by route id -> ``[T, H]`` float32,
-    summed in slot order from +0 (a slot without a route adds an exact 0)."""
-    per_slot = rows.astype(jnp.float32).reshape(spec.num_tokens, spec.num_topk, -1)
-    acc = jnp.zeros((spec.num_tokens, per_slot.shape[-1]), jnp.float32)
-    for k in range(spec.num_topk):
-        acc = acc + per_slot[:, k]
-    return acc
+    summed in slot order from +0 (a slot without a route adds an exact 0; the
+    caller zeroes those rows). The kernel provider's
+    :meth:`~moe_ep_jax.kernels.ExpertKernels.slot_sum`."""
+    return _kernels(spec).slot_sum(rows.astype(jnp.float32), spec.num_tokens, spec.num_topk)
 
 
 def encode_output(spec: LayerSpec, values: jax.Array) -> Tensor:

@@ -9,15 +9,21 @@ numbers of one rank's received rows:
 - :meth:`ExpertKernels.expert_backward`: section 9.2 (recomputation from the
   bf16 stash, the four gradients);
 - :meth:`ExpertKernels.quantize` / :meth:`ExpertKernels.dequantize`: the
-  formats (the combine round trip and the output encode run through them).
+  formats (the combine round trip and the output encode run through them);
+- :meth:`ExpertKernels.plan_routes`: one rank's routing plan (the stable sort
+  of route ids by expert and the per-expert counts behind
+  :func:`~moe_ep_jax.core.make_plan`);
+- :meth:`ExpertKernels.slot_sum`: the Form-A combine reduction (rows by route
+  id summed in slot order, :func:`~moe_ep_jax.core.slot_sum`).
 
 :class:`XlaKernels` (the default, name ``xla``) does this with XLA-native ops:
 ``jax.lax.ragged_dot`` / ``ragged_dot_general`` over the expert slabs with
 float32 accumulation (``Precision.HIGHEST``: no TF32/bf16 passes), and the
-bit-exact formats of :mod:`moe_ep_jax.formats`. A second provider (say a native
-core reached through XLA FFI) implements the same four methods and is passed as
-``kernels=`` to the API functions or to :class:`~moe_ep_jax.backend.JaxBackend`;
-nothing else changes.
+bit-exact formats of :mod:`moe_ep_jax.formats`, and ``argsort``/``bincount``
+for the plan. A second provider (the native core reached through XLA FFI,
+``moe_ep_jax_ffi.kernels.FfiKernels``) implements the same six methods and is
+passed as ``kernels=`` to the API functions or to
+:class:`~moe_ep_jax.backend.JaxBackend`; nothing else changes.
 
 Buffer conventions every provider sees (``C`` rows, expert-major):
 
@@ -120,9 +126,36 @@ class ExpertKernels(Protocol):
         """Decode a plain array or BlockScaled to float32 (exact)."""
         ...
 
+    def plan_routes(
+        self, config: MoeEpConfig, topk_idx: jax.Array
+    ) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """One rank's routes (spec section 4), stable by route id ``r = token * K + slot``.
+
+        Args:
+            topk_idx: ``[T, K] int32``: expert ids; -1 marks an unused slot; ids
+                outside ``[-1, num_experts)`` are input errors (not routed).
+
+        Returns:
+            ``send_route [T*K] int32``: route ids sorted by (expert, route id);
+            the first ``sum(counts[:E])`` are routed, the rest are the unrouted
+            ids (-1 slots and bad ids) in route order.
+            ``route_pos [T*K] int32``: each route id's position in
+            ``send_route``, -1 when unrouted.
+            ``route_expert [T*K] int32``: each routed id's expert, -1 when unrouted.
+            ``counts [E + 1] int32``: routes per expert, then the number of
+            bad ids (``counts[E] > 0`` is the plan's input-error flag).
+        """
+        ...
+
+    def slot_sum(self, rows: jax.Array, num_tokens: int, num_topk: int) -> jax.Array:
+        """Form-A reduction: ``[T*K, H]`` float32 rows indexed by route id ->
+        ``[T, H] float32``, ``((+0 + row[t*K]) + row[t*K+1]) + ...`` in slot order."""
+        ...
+
 
 _HIGHEST = lax.Precision.HIGHEST
 _F32 = jnp.float32
+_I32 = jnp.int32
 
 
 def _gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -159,6 +192,31 @@ class XlaKernels:
 
     def dequantize(self, x: Tensor) -> jax.Array:
         return F.decode(x)
+
+    # plan and combine reduction -------------------------------------------------
+
+    def plan_routes(self, config, topk_idx):  # type: ignore[override]
+        e = config.num_experts
+        flat = topk_idx.reshape(-1).astype(_I32)
+        bad = (flat < -1) | (flat >= e)
+        routed = (flat >= 0) & ~bad
+        key = jnp.where(routed, flat, e)
+        send_route = jnp.argsort(key, stable=True).astype(_I32)
+        counts = jnp.bincount(key, length=e + 1)[:e].astype(_I32)
+        positions = jnp.zeros_like(send_route).at[send_route].set(jnp.arange(flat.shape[0], dtype=_I32))
+        route_pos = jnp.where(routed, positions, -1)
+        route_expert = jnp.where(routed, flat, -1)
+        counts = jnp.concatenate([counts, jnp.sum(bad, dtype=_I32)[None]])
+        return send_route, route_pos, route_expert, counts
+
+    def slot_sum(self, rows, num_tokens, num_topk):  # type: ignore[override]
+        # (XLA's simplifier may fold the +0 start away, 0 + x -> x: a token whose
+        # slots all hold -0 then sums to -0 rather than the spec's +0; equal values.)
+        per_slot = rows.astype(_F32).reshape(num_tokens, num_topk, rows.shape[-1])
+        acc = jnp.zeros((num_tokens, per_slot.shape[-1]), _F32)
+        for k in range(num_topk):
+            acc = acc + per_slot[:, k]
+        return acc
 
     # experts -----------------------------------------------------------------
 

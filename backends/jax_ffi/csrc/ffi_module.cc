@@ -1,0 +1,694 @@
+// moe_ep_jax_ffi._ffi: XLA FFI handlers over the MoeEp native C ABI
+// (backends/native/include/moe_ep_native.h), and the nanobind module that hands
+// them to JAX (jax.ffi.register_ffi_target).
+//
+// Every handler is a thin layer over one C ABI entry point:
+//   1. it checks the ranks and extents of its buffers against each other and
+//      against its attributes, and returns ffi::Error::InvalidArgument with a
+//      message naming the rule, the value seen and what is allowed (JAX raises
+//      it as an exception whose message contains that text);
+//   2. it calls the C ABI with MOE_EP_DEVICE_CPU (host buffers, no stream) or
+//      MOE_EP_DEVICE_CUDA (device buffers, XLA's stream);
+//   3. it turns a status other than MOE_EP_OK into an ffi::Error carrying
+//      moe_ep_last_error() (the core's own rule/value/allowed message).
+//
+// The same target names are registered for the "cpu" and the "CUDA" platform
+// (the CUDA handlers exist only when the core is built with
+// MOE_EP_NATIVE_CUDA=ON); XLA picks the one of the platform it compiles for.
+// The CUDA handlers only enqueue work on XLA's stream, never synchronise and
+// never allocate (scratch memory is an extra result buffer that XLA assigns),
+// so they are marked command-buffer compatible (CUDA graphs).
+//
+// CPU handlers run the core with the floating-point environment it assumes:
+// XLA:CPU runs its threads with denormals flushed to zero (FTZ/DAZ), which
+// would break the spec's bit-exact formats on subnormal values; the handler
+// clears both flags (and selects round-to-nearest) for the duration of the
+// call and restores them afterwards.
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
+#include <xmmintrin.h>
+#define MOE_EP_FFI_X86 1
+#endif
+
+#include "moe_ep_native.h"
+#include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
+#include "xla/ffi/api/ffi.h"
+
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace nb = nanobind;
+namespace ffi = xla::ffi;
+
+namespace moe_ep_ffi {
+namespace {
+
+using Dims = ffi::AnyBuffer::Dimensions;
+
+// ----------------------------------------------------------------------------- helpers
+
+// Where a handler runs: the C ABI's device and stream.
+struct Dev {
+  moe_ep_device device;
+  void* stream;
+};
+
+// Host floating-point environment for the core: no flush to zero, no
+// denormals-are-zero, round to nearest even; restored on destruction.
+class HostFpEnv {
+ public:
+  HostFpEnv() {
+#if defined(MOE_EP_FFI_X86)
+    saved_ = _mm_getcsr();
+    // MXCSR: FTZ bit 15, DAZ bit 6, rounding control bits 13-14 (00 = nearest).
+    _mm_setcsr(saved_ & ~(0x8000u | 0x0040u | 0x6000u));
+#elif defined(__aarch64__)
+    uint64_t fpcr;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
+    saved_ = fpcr;
+    // FPCR: FZ bit 24, RMode bits 22-23 (00 = nearest).
+    fpcr &= ~((uint64_t{1} << 24) | (uint64_t{3} << 22));
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(fpcr));
+#endif
+  }
+  ~HostFpEnv() {
+#if defined(MOE_EP_FFI_X86)
+    _mm_setcsr(saved_);
+#elif defined(__aarch64__)
+    uint64_t fpcr = saved_;
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(fpcr));
+#endif
+  }
+  HostFpEnv(const HostFpEnv&) = delete;
+  HostFpEnv& operator=(const HostFpEnv&) = delete;
+
+ private:
+#if defined(MOE_EP_FFI_X86)
+  unsigned int saved_ = 0;
+#elif defined(__aarch64__)
+  uint64_t saved_ = 0;
+#endif
+};
+
+std::string ShapeStr(Dims d) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < d.size(); ++i) os << (i ? ", " : "") << d[i];
+  os << "]";
+  return os.str();
+}
+
+std::string ShapeStr(const std::vector<int64_t>& d) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < d.size(); ++i) os << (i ? ", " : "") << d[i];
+  os << "]";
+  return os.str();
+}
+
+const char* DtypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    case ffi::DataType::F8E8M0FNU: return "float8_e8m0fnu";
+    default: return "another dtype";
+  }
+}
+
+// "<target>: <rule>; got <seen>": the message of every rejection.
+ffi::Error Invalid(const char* target, const std::string& rule, const std::string& seen) {
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + rule + "; got " + seen);
+}
+
+// `name` must have rank `rank` (its layout `what`, e.g. "[C, H]").
+ffi::Error ExpectRank(const char* target, const char* name, const char* what, Dims got, size_t rank) {
+  if (got.size() == rank) return ffi::Error::Success();
+  return Invalid(target, std::string(name) + " must have rank " + std::to_string(rank) + " " + what,
+                 "rank " + std::to_string(got.size()) + ", shape " + ShapeStr(got));
+}
+
+// `name` must have shape `want` (the layout `what` with the sizes it implies).
+ffi::Error ExpectShape(const char* target, const char* name, const char* what, Dims got,
+                       const std::vector<int64_t>& want) {
+  bool ok = got.size() == want.size();
+  for (size_t i = 0; ok && i < want.size(); ++i) ok = got[i] == want[i];
+  if (ok) return ffi::Error::Success();
+  return Invalid(target, std::string(name) + " must have shape " + what + " = " + ShapeStr(want), ShapeStr(got));
+}
+
+ffi::Error ExpectDtype(const char* target, const char* name, ffi::DataType got, ffi::DataType want,
+                       const std::string& why) {
+  if (got == want) return ffi::Error::Success();
+  return Invalid(target, std::string(name) + " must have dtype " + DtypeName(want) + why, DtypeName(got));
+}
+
+ffi::Error ExpectAtLeast(const char* target, const char* name, int64_t value, int64_t lo) {
+  if (value >= lo) return ffi::Error::Success();
+  return Invalid(target, std::string("attribute ") + name + " must be >= " + std::to_string(lo), std::to_string(value));
+}
+
+// The block formats' sizes (moe_ep_native.h, "Encoded storage").
+constexpr int64_t kMxfp8Block = 32;
+constexpr int64_t kNvfp4Block = 16;
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+ffi::Error ExpectEncodeFormat(const char* target, int32_t format) {
+  if (format == MOE_EP_FORMAT_BF16 || format == MOE_EP_FORMAT_MXFP8 || format == MOE_EP_FORMAT_NVFP4)
+    return ffi::Error::Success();
+  return Invalid(target, "attribute format must be 1 (bf16), 2 (mxfp8) or 3 (nvfp4)", std::to_string(format));
+}
+
+// Extents of the encoded storage along the blocked axis for `n` values.
+int64_t DataExtent(int32_t format, int64_t n) { return format == MOE_EP_FORMAT_NVFP4 ? CeilDiv(n, 2) : n; }
+int64_t ScaleExtent(int32_t format, int64_t n) {
+  if (format == MOE_EP_FORMAT_MXFP8) return CeilDiv(n, kMxfp8Block);
+  if (format == MOE_EP_FORMAT_NVFP4) return CeilDiv(n, kNvfp4Block);
+  return 0;  // bf16: no scale
+}
+const char* DataLayout(int32_t format) {
+  return format == MOE_EP_FORMAT_NVFP4 ? "[outer, ceil(n/2), inner] for nvfp4" : "[outer, n, inner]";
+}
+const char* ScaleLayout(int32_t format) {
+  if (format == MOE_EP_FORMAT_MXFP8) return "[outer, ceil(n/32), inner] for mxfp8";
+  if (format == MOE_EP_FORMAT_NVFP4) return "[outer, ceil(n/16), inner] for nvfp4";
+  return "[outer, 0, inner] for bf16 (no scale)";
+}
+ffi::DataType DataDtype(int32_t format) { return format == MOE_EP_FORMAT_BF16 ? ffi::DataType::U16 : ffi::DataType::U8; }
+const char* FormatName(int32_t format) {
+  switch (format) {
+    case MOE_EP_FORMAT_BF16: return "bf16";
+    case MOE_EP_FORMAT_MXFP8: return "mxfp8";
+    case MOE_EP_FORMAT_NVFP4: return "nvfp4";
+    default: return "?";
+  }
+}
+
+// A C ABI status as an ffi::Error: the core's message (moe_ep_last_error()),
+// led by the target's name, then the status name. The core's size checks name
+// their entry point already ("moe_ep_quantize: ..."); its data checks may name
+// an inner step ("combine_reduce: ...") or nothing ("group_sizes[1] must ...").
+ffi::Error FromStatus(const char* target, moe_ep_status status) {
+  if (status == MOE_EP_OK) return ffi::Error::Success();
+  std::string core = moe_ep_last_error();
+  const std::string name(target);
+  const std::string inner = name.rfind("moe_ep_", 0) == 0 ? name.substr(7) + ":" : std::string();
+  if (core.rfind(name + ":", 0) != 0) {
+    if (!inner.empty() && core.rfind(inner, 0) == 0) core = core.substr(inner.size());
+    while (!core.empty() && core[0] == ' ') core.erase(0, 1);
+    core = name + ": " + core;
+  }
+  std::string message = core + " [" + moe_ep_status_name(status) + "]";
+  switch (status) {
+    case MOE_EP_ERR_INVALID_ARGUMENT: return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::move(message));
+    case MOE_EP_ERR_UNSUPPORTED: return ffi::Error(ffi::ErrorCode::kUnimplemented, std::move(message));
+    default: return ffi::Error(ffi::ErrorCode::kInternal, std::move(message));
+  }
+}
+
+#define MOE_EP_FFI_TRY(expr)               \
+  do {                                     \
+    ffi::Error _err = (expr);              \
+    if (_err.failure()) return _err;       \
+  } while (0)
+
+// A pointer to pass for a buffer: NULL when it is empty (the C ABI allows NULL
+// exactly for empty arrays; XLA's pointer for an empty buffer means nothing).
+template <typename B>
+void* DataOrNull(const B& buf) {
+  return buf.element_count() == 0 ? nullptr : buf.untyped_data();
+}
+
+// ----------------------------------------------------------------------------- formats
+
+// moe_ep_quantize over the [outer, n, inner] view.
+ffi::Error Quantize(Dev dev, ffi::Buffer<ffi::F32> x, ffi::Result<ffi::AnyBuffer> data,
+                    ffi::Result<ffi::Buffer<ffi::U8>> scale, int32_t format) {
+  constexpr const char* kT = "moe_ep_quantize";
+  MOE_EP_FFI_TRY(ExpectEncodeFormat(kT, format));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "x", "[outer, n, inner]", x.dimensions(), 3));
+  const int64_t outer = x.dimensions()[0], n = x.dimensions()[1], inner = x.dimensions()[2];
+  MOE_EP_FFI_TRY(ExpectDtype(kT, "data", data->element_type(), DataDtype(format),
+                             std::string(" for format ") + std::to_string(format) + " (" + FormatName(format) + ")"));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "data", DataLayout(format), data->dimensions(), {outer, DataExtent(format, n), inner}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "scale", ScaleLayout(format), scale->dimensions(), {outer, ScaleExtent(format, n), inner}));
+  return FromStatus(kT, moe_ep_quantize(dev.device, dev.stream, static_cast<moe_ep_format>(format),
+                                    static_cast<const float*>(DataOrNull(x)), outer, n, inner, DataOrNull(*data),
+                                    format == MOE_EP_FORMAT_BF16 ? nullptr : DataOrNull(*scale)));
+}
+
+template <typename B>
+auto BindQuantize(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::F32>>()  // x [outer, n, inner] f32: the values; blocks run along n
+      .template Ret<ffi::AnyBuffer>()         // data: bf16 [outer, n, inner] u16 bits; mxfp8 [outer, n, inner] u8
+                                              //   E4M3 codes; nvfp4 [outer, ceil(n/2), inner] u8, two E2M1 codes a byte
+      .template Ret<ffi::Buffer<ffi::U8>>()   // scale [outer, ceil(n/B), inner] u8 block scales (E8M0 for mxfp8,
+                                              //   E4M3 for nvfp4); [outer, 0, inner] and unwritten for bf16
+      .template Attr<int32_t>("format");      // 1 bf16, 2 mxfp8, 3 nvfp4
+}
+
+// moe_ep_dequantize over the [outer, n, inner] view.
+ffi::Error Dequantize(Dev dev, ffi::AnyBuffer data, ffi::Buffer<ffi::U8> scale, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                      int32_t format, int64_t n) {
+  constexpr const char* kT = "moe_ep_dequantize";
+  MOE_EP_FFI_TRY(ExpectEncodeFormat(kT, format));
+  MOE_EP_FFI_TRY(ExpectAtLeast(kT, "n", n, 0));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "out", "[outer, n, inner]", out->dimensions(), 3));
+  const int64_t outer = out->dimensions()[0], inner = out->dimensions()[2];
+  MOE_EP_FFI_TRY(ExpectShape(kT, "out", "[outer, n, inner] (n: attribute)", out->dimensions(), {outer, n, inner}));
+  MOE_EP_FFI_TRY(ExpectDtype(kT, "data", data.element_type(), DataDtype(format),
+                             std::string(" for format ") + std::to_string(format) + " (" + FormatName(format) + ")"));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "data", DataLayout(format), data.dimensions(), {outer, DataExtent(format, n), inner}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "scale", ScaleLayout(format), scale.dimensions(), {outer, ScaleExtent(format, n), inner}));
+  return FromStatus(kT, moe_ep_dequantize(dev.device, dev.stream, static_cast<moe_ep_format>(format), DataOrNull(data),
+                                      format == MOE_EP_FORMAT_BF16 ? nullptr : DataOrNull(scale), outer, n, inner,
+                                      static_cast<float*>(DataOrNull(*out))));
+}
+
+template <typename B>
+auto BindDequantize(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // data: the encoded codes, layout as moe_ep_quantize's data
+      .template Arg<ffi::Buffer<ffi::U8>>()    // scale: block scales as moe_ep_quantize's ([outer, 0, inner] for bf16)
+      .template Ret<ffi::Buffer<ffi::F32>>()   // out [outer, n, inner] f32: the exact decoded values
+      .template Attr<int32_t>("format")        // 1 bf16, 2 mxfp8, 3 nvfp4
+      .template Attr<int64_t>("n");            // the logical extent of the blocked axis
+}
+
+// ----------------------------------------------------------------------------- plan, permute, combine
+
+ffi::Error PlanRoutes(Dev dev, ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> send_route,
+                      ffi::Result<ffi::Buffer<ffi::S32>> route_pos, ffi::Result<ffi::Buffer<ffi::S32>> route_expert,
+                      ffi::Result<ffi::Buffer<ffi::S32>> counts, int64_t num_experts) {
+  constexpr const char* kT = "moe_ep_plan_routes";
+  MOE_EP_FFI_TRY(ExpectAtLeast(kT, "num_experts", num_experts, 1));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "topk_idx", "[T, K]", topk_idx.dimensions(), 2));
+  const int64_t t = topk_idx.dimensions()[0], k = topk_idx.dimensions()[1];
+  MOE_EP_FFI_TRY(ExpectShape(kT, "send_route", "[T * K]", send_route->dimensions(), {t * k}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "route_pos", "[T * K]", route_pos->dimensions(), {t * k}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "route_expert", "[T * K]", route_expert->dimensions(), {t * k}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "counts", "[num_experts + 1]", counts->dimensions(), {num_experts + 1}));
+  return FromStatus(kT, moe_ep_plan_routes(dev.device, dev.stream, static_cast<const int32_t*>(DataOrNull(topk_idx)), t, k,
+                                       num_experts, static_cast<int32_t*>(DataOrNull(*send_route)),
+                                       static_cast<int32_t*>(DataOrNull(*route_pos)),
+                                       static_cast<int32_t*>(DataOrNull(*route_expert)),
+                                       static_cast<int32_t*>(DataOrNull(*counts))));
+}
+
+template <typename B>
+auto BindPlanRoutes(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::S32>>()   // topk_idx [T, K] s32: expert ids, -1 = unused slot
+      .template Ret<ffi::Buffer<ffi::S32>>()   // send_route [T*K] s32: route ids sorted by (expert, route id), the
+                                               //   unrouted ones (-1 slots, bad ids) after them in route order
+      .template Ret<ffi::Buffer<ffi::S32>>()   // route_pos [T*K] s32: each route id's position in send_route, -1 unrouted
+      .template Ret<ffi::Buffer<ffi::S32>>()   // route_expert [T*K] s32: each routed id's expert, -1 unrouted
+      .template Ret<ffi::Buffer<ffi::S32>>()   // counts [E + 1] s32: routes per expert, then the number of bad ids
+      .template Attr<int64_t>("num_experts");  // E >= 1
+}
+
+ffi::Error PermuteRows(Dev dev, ffi::AnyBuffer tokens, ffi::Buffer<ffi::S32> send_route, ffi::Result<ffi::AnyBuffer> dst,
+                       int64_t num_topk) {
+  constexpr const char* kT = "moe_ep_permute_rows";
+  MOE_EP_FFI_TRY(ExpectAtLeast(kT, "num_topk", num_topk, 1));
+  const Dims td = tokens.dimensions();
+  if (td.size() < 1) return Invalid(kT, "tokens must have rank >= 1 [T, ...]", "rank 0");
+  MOE_EP_FFI_TRY(ExpectRank(kT, "send_route", "[R]", send_route.dimensions(), 1));
+  const int64_t rows = send_route.dimensions()[0];
+  std::vector<int64_t> want(td.begin(), td.end());
+  want[0] = rows;
+  MOE_EP_FFI_TRY(ExpectShape(kT, "dst", "[R, ...] (R: send_route's length, the rest: tokens' row shape)",
+                             dst->dimensions(), want));
+  MOE_EP_FFI_TRY(ExpectDtype(kT, "dst", dst->element_type(), tokens.element_type(), " (the dtype of tokens)"));
+  const size_t width = ffi::ByteWidth(tokens.element_type());
+  if (width == 0) return Invalid(kT, "tokens must have a whole-byte dtype", DtypeName(tokens.element_type()));
+  int64_t row_bytes = static_cast<int64_t>(width);
+  for (size_t i = 1; i < td.size(); ++i) row_bytes *= td[i];
+  return FromStatus(kT, moe_ep_permute_rows(dev.device, dev.stream, DataOrNull(tokens), td[0], num_topk, row_bytes,
+                                        static_cast<const int32_t*>(DataOrNull(send_route)), rows, DataOrNull(*dst)));
+}
+
+template <typename B>
+auto BindPermuteRows(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // tokens [T, ...] any whole-byte dtype: rows move unchanged
+      .template Arg<ffi::Buffer<ffi::S32>>()   // send_route [R] s32: route ids in [0, T*K), or -1 for a zero row
+      .template Ret<ffi::AnyBuffer>()          // dst [R, ...] tokens' dtype: dst[i] = tokens[send_route[i] / K]
+      .template Attr<int64_t>("num_topk");     // K >= 1
+}
+
+ffi::Error CombineReduce(Dev dev, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> route_pos,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t num_topk) {
+  constexpr const char* kT = "moe_ep_combine_reduce";
+  MOE_EP_FFI_TRY(ExpectAtLeast(kT, "num_topk", num_topk, 1));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "rows", "[R, H]", rows.dimensions(), 2));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "out", "[T, H]", out->dimensions(), 2));
+  const int64_t r = rows.dimensions()[0], h = rows.dimensions()[1], t = out->dimensions()[0];
+  MOE_EP_FFI_TRY(ExpectShape(kT, "out", "[T, H] (H: rows' width)", out->dimensions(), {t, h}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "route_pos", "[T * K] (T: out's rows)", route_pos.dimensions(), {t * num_topk}));
+  if (t == 0) return ffi::Error::Success();  // nothing to sum (and a NULL route_pos would mean the identity)
+  return FromStatus(kT, moe_ep_combine_reduce(dev.device, dev.stream, static_cast<const float*>(DataOrNull(rows)), r,
+                                          static_cast<const int32_t*>(route_pos.untyped_data()), t, num_topk, h,
+                                          static_cast<float*>(DataOrNull(*out))));
+}
+
+template <typename B>
+auto BindCombineReduce(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::F32>>()   // rows [R, H] f32: the returned (decoded) expert outputs
+      .template Arg<ffi::Buffer<ffi::S32>>()   // route_pos [T*K] s32: row of each route, -1 = none (adds nothing)
+      .template Ret<ffi::Buffer<ffi::F32>>()   // out [T, H] f32: ((+0 + Y[t,0]) + Y[t,1]) + ... in slot order
+      .template Attr<int64_t>("num_topk");     // K >= 1
+}
+
+// combine_reduce with route_pos NULL: row t*K+k is slot k of token t.
+ffi::Error SlotSum(Dev dev, ffi::Buffer<ffi::F32> rows, ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t num_topk) {
+  constexpr const char* kT = "moe_ep_slot_sum";
+  MOE_EP_FFI_TRY(ExpectAtLeast(kT, "num_topk", num_topk, 1));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "rows", "[T * K, H]", rows.dimensions(), 2));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "out", "[T, H]", out->dimensions(), 2));
+  const int64_t t = out->dimensions()[0], h = rows.dimensions()[1];
+  MOE_EP_FFI_TRY(ExpectShape(kT, "out", "[T, H] (H: rows' width)", out->dimensions(), {t, h}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "rows", "[T * K, H] (T: out's rows, K: attribute num_topk)", rows.dimensions(),
+                             {t * num_topk, h}));
+  return FromStatus(kT, moe_ep_combine_reduce(dev.device, dev.stream, static_cast<const float*>(DataOrNull(rows)),
+                                          t * num_topk, nullptr, t, num_topk, h, static_cast<float*>(DataOrNull(*out))));
+}
+
+template <typename B>
+auto BindSlotSum(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::F32>>()   // rows [T*K, H] f32: row t*K+k is token t's slot k
+      .template Ret<ffi::Buffer<ffi::F32>>()   // out [T, H] f32: ((+0 + rows[t*K]) + rows[t*K+1]) + ... in slot order
+      .template Attr<int64_t>("num_topk");     // K >= 1
+}
+
+// ----------------------------------------------------------------------------- experts
+
+// The expert description from the buffers' extents and the attributes; the
+// buffers' shapes are checked by the callers.
+moe_ep_expert_desc Desc(int64_t c, int64_t h, int64_t i, int64_t el, bool apply_topk_in_fc1, bool has_clamp,
+                        float gate_up_clamp, int32_t intermediate_format) {
+  moe_ep_expert_desc d{};
+  d.num_rows = c;
+  d.hidden = h;
+  d.intermediate = i;
+  d.num_local_experts = el;
+  d.apply_topk_in_fc1 = apply_topk_in_fc1 ? 1 : 0;
+  d.has_clamp = has_clamp ? 1 : 0;
+  d.gate_up_clamp = gate_up_clamp;
+  d.intermediate_format = intermediate_format;
+  return d;
+}
+
+// Shapes shared by forward and backward: x [C, H], w [C], fc1 [El, H, 2I],
+// fc2 [El, I, H], group_sizes [El]. Sets c, h, i, el.
+ffi::Error ExpertShapes(const char* kT, Dims x, Dims w, Dims fc1, Dims fc2, Dims gs, int64_t* c, int64_t* h,
+                        int64_t* i, int64_t* el) {
+  MOE_EP_FFI_TRY(ExpectRank(kT, "x", "[C, H]", x, 2));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "fc1", "[E_local, H, 2I]", fc1, 3));
+  *c = x[0];
+  *h = x[1];
+  *el = fc1[0];
+  if (fc1[2] < 2 || fc1[2] % 2 != 0)
+    return Invalid(kT, "fc1's last axis (2I: gate then up columns) must be even and >= 2", ShapeStr(fc1));
+  *i = fc1[2] / 2;
+  if (*el < 1) return Invalid(kT, "fc1 must hold at least one expert (E_local >= 1)", ShapeStr(fc1));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "fc1", "[E_local, H, 2I] (H: x's width)", fc1, {*el, *h, 2 * *i}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "fc2", "[E_local, I, H] (from fc1)", fc2, {*el, *i, *h}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "w", "[C] (C: x's rows)", w, {*c}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "group_sizes", "[E_local] (from fc1)", gs, {*el}));
+  return ffi::Error::Success();
+}
+
+ffi::Error ExpectFormatAttr(const char* kT, int32_t intermediate_format) {
+  if (intermediate_format >= MOE_EP_FORMAT_NONE && intermediate_format <= MOE_EP_FORMAT_NVFP4)
+    return ffi::Error::Success();
+  return Invalid(kT, "attribute intermediate_format must be 0 (none), 1 (bf16), 2 (mxfp8) or 3 (nvfp4)",
+                 std::to_string(intermediate_format));
+}
+
+ffi::Error ExpectWorkspace(const char* kT, Dims got, size_t need) {
+  if (got.size() == 1 && got[0] >= static_cast<int64_t>(need)) return ffi::Error::Success();
+  return Invalid(kT,
+                 "workspace must be a rank-1 u8 buffer of at least " + std::to_string(need) +
+                     " bytes (moe_ep_jax_ffi._ffi." + (std::string(kT).find("backward") != std::string::npos
+                                                           ? "expert_backward_workspace"
+                                                           : "expert_forward_workspace") +
+                     " gives the size)",
+                 ShapeStr(got));
+}
+
+ffi::Error ExpertForward(Dev dev, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> fc1,
+                         ffi::Buffer<ffi::F32> fc2, ffi::Buffer<ffi::S32> group_sizes,
+                         ffi::Result<ffi::Buffer<ffi::F32>> y, ffi::Result<ffi::Buffer<ffi::F32>> c_out,
+                         ffi::Result<ffi::Buffer<ffi::U8>> workspace, bool apply_topk_in_fc1, bool has_clamp,
+                         float gate_up_clamp, int32_t intermediate_format) {
+  constexpr const char* kT = "moe_ep_expert_forward";
+  int64_t c, h, i, el;
+  MOE_EP_FFI_TRY(ExpertShapes(kT, x.dimensions(), w.dimensions(), fc1.dimensions(), fc2.dimensions(),
+                              group_sizes.dimensions(), &c, &h, &i, &el));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "y", "[C, H]", y->dimensions(), {c, h}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "c", "[C, 2I]", c_out->dimensions(), {c, 2 * i}));
+  MOE_EP_FFI_TRY(ExpectFormatAttr(kT, intermediate_format));
+  const moe_ep_expert_desc d = Desc(c, h, i, el, apply_topk_in_fc1, has_clamp, gate_up_clamp, intermediate_format);
+  const size_t need = moe_ep_expert_forward_workspace(&d);
+  MOE_EP_FFI_TRY(ExpectWorkspace(kT, workspace->dimensions(), need));
+  const size_t have = workspace->element_count();
+  return FromStatus(kT, moe_ep_expert_forward(
+      dev.device, dev.stream, &d, static_cast<const float*>(DataOrNull(x)), static_cast<const float*>(DataOrNull(w)),
+      static_cast<const float*>(DataOrNull(fc1)), static_cast<const float*>(DataOrNull(fc2)),
+      static_cast<const int32_t*>(DataOrNull(group_sizes)), static_cast<float*>(DataOrNull(*y)),
+      static_cast<float*>(DataOrNull(*c_out)), DataOrNull(*workspace), have));
+}
+
+template <typename B>
+auto BindExpertForward(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::F32>>()      // x [C, H] f32: decoded input rows, expert-major (padding rows zero)
+      .template Arg<ffi::Buffer<ffi::F32>>()      // w [C] f32: router weight of every row (0 in padding)
+      .template Arg<ffi::Buffer<ffi::F32>>()      // fc1 [E_local, H, 2I] f32: decoded FC1 (gate 0..I-1, up I..2I-1)
+      .template Arg<ffi::Buffer<ffi::F32>>()      // fc2 [E_local, I, H] f32: decoded FC2
+      .template Arg<ffi::Buffer<ffi::S32>>()      // group_sizes [E_local] s32: slab sizes, each >= 0, sum <= C
+      .template Ret<ffi::Buffer<ffi::F32>>()      // y [C, H] f32: expert output before the combine round trip
+      .template Ret<ffi::Buffer<ffi::F32>>()      // c [C, 2I] f32: FC1 output before the clamp (stash = its bf16)
+      .template Ret<ffi::Buffer<ffi::U8>>()       // workspace [>= expert_forward_workspace bytes] u8: scratch, discarded
+      .template Attr<bool>("apply_topk_in_fc1")   // true: y = R_int(w*h) W2; false: y = w * (R_int(h) W2)
+      .template Attr<bool>("has_clamp")           // the SwiGLU clamp
+      .template Attr<float>("gate_up_clamp")      // its limit L > 0, finite (ignored without has_clamp)
+      .template Attr<int32_t>("intermediate_format");  // R_int along I: 0 none, 1 bf16, 2 mxfp8, 3 nvfp4
+}
+
+ffi::Error ExpertBackward(Dev dev, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> fc1,
+                          ffi::Buffer<ffi::F32> fc2, ffi::Buffer<ffi::BF16> fc1_c, ffi::Buffer<ffi::F32> dy,
+                          ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::Buffer<ffi::F32>> dx,
+                          ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::Result<ffi::Buffer<ffi::F32>> dfc1,
+                          ffi::Result<ffi::Buffer<ffi::F32>> dfc2, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                          bool apply_topk_in_fc1, bool has_clamp, float gate_up_clamp, int32_t intermediate_format) {
+  constexpr const char* kT = "moe_ep_expert_backward";
+  int64_t c, h, i, el;
+  MOE_EP_FFI_TRY(ExpertShapes(kT, x.dimensions(), w.dimensions(), fc1.dimensions(), fc2.dimensions(),
+                              group_sizes.dimensions(), &c, &h, &i, &el));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "fc1_c", "[C, 2I]", fc1_c.dimensions(), {c, 2 * i}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "dy", "[C, H]", dy.dimensions(), {c, h}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "dx", "[C, H]", dx->dimensions(), {c, h}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "dw", "[C]", dw->dimensions(), {c}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "dfc1", "[E_local, H, 2I]", dfc1->dimensions(), {el, h, 2 * i}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "dfc2", "[E_local, I, H]", dfc2->dimensions(), {el, i, h}));
+  MOE_EP_FFI_TRY(ExpectFormatAttr(kT, intermediate_format));
+  const moe_ep_expert_desc d = Desc(c, h, i, el, apply_topk_in_fc1, has_clamp, gate_up_clamp, intermediate_format);
+  const size_t need = moe_ep_expert_backward_workspace(&d);
+  MOE_EP_FFI_TRY(ExpectWorkspace(kT, workspace->dimensions(), need));
+  const size_t have = workspace->element_count();
+  return FromStatus(kT, moe_ep_expert_backward(
+      dev.device, dev.stream, &d, static_cast<const float*>(DataOrNull(x)), static_cast<const float*>(DataOrNull(w)),
+      static_cast<const float*>(DataOrNull(fc1)), static_cast<const float*>(DataOrNull(fc2)),
+      static_cast<const uint16_t*>(DataOrNull(fc1_c)), static_cast<const float*>(DataOrNull(dy)),
+      static_cast<const int32_t*>(DataOrNull(group_sizes)), static_cast<float*>(DataOrNull(*dx)),
+      static_cast<float*>(DataOrNull(*dw)), static_cast<float*>(DataOrNull(*dfc1)),
+      static_cast<float*>(DataOrNull(*dfc2)), DataOrNull(*workspace), have));
+}
+
+template <typename B>
+auto BindExpertBackward(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::F32>>()      // x [C, H] f32: decoded input rows (as the forward's)
+      .template Arg<ffi::Buffer<ffi::F32>>()      // w [C] f32: router weights
+      .template Arg<ffi::Buffer<ffi::F32>>()      // fc1 [E_local, H, 2I] f32: decoded FC1
+      .template Arg<ffi::Buffer<ffi::F32>>()      // fc2 [E_local, I, H] f32: decoded FC2
+      .template Arg<ffi::Buffer<ffi::BF16>>()     // fc1_c [C, 2I] bf16: the stash (pre-clamp FC1 output)
+      .template Arg<ffi::Buffer<ffi::F32>>()      // dy [C, H] f32: output cotangent of every row
+      .template Arg<ffi::Buffer<ffi::S32>>()      // group_sizes [E_local] s32: slab sizes
+      .template Ret<ffi::Buffer<ffi::F32>>()      // dx [C, H] f32
+      .template Ret<ffi::Buffer<ffi::F32>>()      // dw [C] f32
+      .template Ret<ffi::Buffer<ffi::F32>>()      // dfc1 [E_local, H, 2I] f32 (zero for an expert with no rows)
+      .template Ret<ffi::Buffer<ffi::F32>>()      // dfc2 [E_local, I, H] f32 (zero for an expert with no rows)
+      .template Ret<ffi::Buffer<ffi::U8>>()       // workspace [>= expert_backward_workspace bytes] u8: scratch, discarded
+      .template Attr<bool>("apply_topk_in_fc1")   // as the forward's
+      .template Attr<bool>("has_clamp")           // as the forward's
+      .template Attr<float>("gate_up_clamp")      // as the forward's
+      .template Attr<int32_t>("intermediate_format");  // as the forward's (straight-through: not applied backward)
+}
+
+// ----------------------------------------------------------------------------- device wrappers
+
+// The CPU handler of an implementation: host pointers, no stream, the core's
+// floating-point environment.
+template <typename Impl>
+auto OnCpu(Impl impl) {
+  return [impl](auto... args) -> ffi::Error {
+    HostFpEnv env;
+    return impl(Dev{MOE_EP_DEVICE_CPU, nullptr}, std::move(args)...);
+  };
+}
+
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+// The CUDA handler of an implementation: device pointers, XLA's stream.
+template <typename Impl>
+auto OnCuda(Impl impl) {
+  return [impl](cudaStream_t stream, auto... args) -> ffi::Error {
+    return impl(Dev{MOE_EP_DEVICE_CUDA, static_cast<void*>(stream)}, std::move(args)...);
+  };
+}
+#endif
+
+}  // namespace
+}  // namespace moe_ep_ffi
+
+// ----------------------------------------------------------------------------- handler symbols
+
+namespace mf = moe_ep_ffi;
+
+#define MOE_EP_CPU_BIND(B) mf::B(ffi::Ffi::Bind())
+#define MOE_EP_CUDA_BIND(B) mf::B(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpQuantizeCpu, mf::OnCpu(mf::Quantize), MOE_EP_CPU_BIND(BindQuantize));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeCpu, mf::OnCpu(mf::Dequantize), MOE_EP_CPU_BIND(BindDequantize));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPlanRoutesCpu, mf::OnCpu(mf::PlanRoutes), MOE_EP_CPU_BIND(BindPlanRoutes));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPermuteRowsCpu, mf::OnCpu(mf::PermuteRows), MOE_EP_CPU_BIND(BindPermuteRows));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceCpu, mf::OnCpu(mf::CombineReduce), MOE_EP_CPU_BIND(BindCombineReduce));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpSlotSumCpu, mf::OnCpu(mf::SlotSum), MOE_EP_CPU_BIND(BindSlotSum));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertForwardCpu, mf::OnCpu(mf::ExpertForward), MOE_EP_CPU_BIND(BindExpertForward));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertBackwardCpu, mf::OnCpu(mf::ExpertBackward),
+                              MOE_EP_CPU_BIND(BindExpertBackward));
+
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+#define MOE_EP_CMD_BUFFER {ffi::Traits::kCmdBufferCompatible}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpQuantizeCuda, mf::OnCuda(mf::Quantize), MOE_EP_CUDA_BIND(BindQuantize),
+                              MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeCuda, mf::OnCuda(mf::Dequantize), MOE_EP_CUDA_BIND(BindDequantize),
+                              MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPlanRoutesCuda, mf::OnCuda(mf::PlanRoutes), MOE_EP_CUDA_BIND(BindPlanRoutes),
+                              MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPermuteRowsCuda, mf::OnCuda(mf::PermuteRows), MOE_EP_CUDA_BIND(BindPermuteRows),
+                              MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceCuda, mf::OnCuda(mf::CombineReduce),
+                              MOE_EP_CUDA_BIND(BindCombineReduce), MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpSlotSumCuda, mf::OnCuda(mf::SlotSum), MOE_EP_CUDA_BIND(BindSlotSum),
+                              MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertForwardCuda, mf::OnCuda(mf::ExpertForward),
+                              MOE_EP_CUDA_BIND(BindExpertForward), MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertBackwardCuda, mf::OnCuda(mf::ExpertBackward),
+                              MOE_EP_CUDA_BIND(BindExpertBackward), MOE_EP_CMD_BUFFER);
+#endif
+
+// ----------------------------------------------------------------------------- the Python module
+
+namespace {
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+size_t ForwardWorkspace(int64_t c, int64_t h, int64_t i, int64_t el, bool apply, bool has_clamp, float clamp,
+                        int32_t fmt) {
+  const moe_ep_expert_desc d = mf::Desc(c, h, i, el, apply, has_clamp, clamp, fmt);
+  return moe_ep_expert_forward_workspace(&d);
+}
+
+size_t BackwardWorkspace(int64_t c, int64_t h, int64_t i, int64_t el, bool apply, bool has_clamp, float clamp,
+                         int32_t fmt) {
+  const moe_ep_expert_desc d = mf::Desc(c, h, i, el, apply, has_clamp, clamp, fmt);
+  return moe_ep_expert_backward_workspace(&d);
+}
+
+}  // namespace
+
+NB_MODULE(_ffi, m) {
+  m.doc() = "XLA FFI handlers over the MoeEp native C ABI (moe_ep_native.h); see docs/jax-ffi.md";
+
+  m.def(
+      "registrations",
+      [](const std::string& platform) {
+        nb::dict d;
+        if (platform == "cpu") {
+          d["moe_ep_quantize"] = Capsule(MoeEpQuantizeCpu);
+          d["moe_ep_dequantize"] = Capsule(MoeEpDequantizeCpu);
+          d["moe_ep_plan_routes"] = Capsule(MoeEpPlanRoutesCpu);
+          d["moe_ep_permute_rows"] = Capsule(MoeEpPermuteRowsCpu);
+          d["moe_ep_combine_reduce"] = Capsule(MoeEpCombineReduceCpu);
+          d["moe_ep_slot_sum"] = Capsule(MoeEpSlotSumCpu);
+          d["moe_ep_expert_forward"] = Capsule(MoeEpExpertForwardCpu);
+          d["moe_ep_expert_backward"] = Capsule(MoeEpExpertBackwardCpu);
+        }
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+        if (platform == "CUDA") {
+          d["moe_ep_quantize"] = Capsule(MoeEpQuantizeCuda);
+          d["moe_ep_dequantize"] = Capsule(MoeEpDequantizeCuda);
+          d["moe_ep_plan_routes"] = Capsule(MoeEpPlanRoutesCuda);
+          d["moe_ep_permute_rows"] = Capsule(MoeEpPermuteRowsCuda);
+          d["moe_ep_combine_reduce"] = Capsule(MoeEpCombineReduceCuda);
+          d["moe_ep_slot_sum"] = Capsule(MoeEpSlotSumCuda);
+          d["moe_ep_expert_forward"] = Capsule(MoeEpExpertForwardCuda);
+          d["moe_ep_expert_backward"] = Capsule(MoeEpExpertBackwardCuda);
+        }
+#endif
+        return d;
+      },
+      nb::arg("platform") = "cpu",
+      "{target name: handler capsule} for jax.ffi.register_ffi_target on `platform` ('cpu' or 'CUDA'; empty when "
+      "this build has no handlers for it)");
+  m.def("platforms", []() {
+    nb::list l;
+    l.append("cpu");
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+    l.append("CUDA");
+#endif
+    return l;
+  }, "The platforms this build has handlers for.");
+  m.def("abi_version", []() { return moe_ep_abi_version(); }, "MOE_EP_NATIVE_ABI_VERSION of the linked core.");
+  m.attr("HEADER_ABI_VERSION") = MOE_EP_NATIVE_ABI_VERSION;
+  m.def("has_cuda", []() { return moe_ep_has_cuda() != 0; }, "Whether the core was built with CUDA.");
+  m.def("build_info", []() { return std::string(moe_ep_build_info()); }, "The core's version, compiler and CUDA archs.");
+  m.def("expert_forward_workspace", &ForwardWorkspace, nb::arg("num_rows"), nb::arg("hidden"), nb::arg("intermediate"),
+        nb::arg("num_local_experts"), nb::arg("apply_topk_in_fc1"), nb::arg("has_clamp"), nb::arg("gate_up_clamp"),
+        nb::arg("intermediate_format"),
+        "Bytes of the workspace result moe_ep_expert_forward needs (0 for an invalid description: the call then "
+        "reports why).");
+  m.def("expert_backward_workspace", &BackwardWorkspace, nb::arg("num_rows"), nb::arg("hidden"),
+        nb::arg("intermediate"), nb::arg("num_local_experts"), nb::arg("apply_topk_in_fc1"), nb::arg("has_clamp"),
+        nb::arg("gate_up_clamp"), nb::arg("intermediate_format"),
+        "Bytes of the workspace result moe_ep_expert_backward needs.");
+}

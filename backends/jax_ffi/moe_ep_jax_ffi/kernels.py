@@ -1,0 +1,300 @@
+"""``FfiKernels``: the :class:`moe_ep_jax.kernels.ExpertKernels` provider over
+the native core, through XLA FFI.
+
+Every method traces to ``jax.ffi.ffi_call`` of a target of
+:mod:`moe_ep_jax_ffi._ffi` (see :mod:`moe_ep_jax_ffi.native`); the handlers call
+the C ABI of ``backends/native`` on the CPU, or on XLA's CUDA stream when jax
+runs on CUDA GPUs and the extension was built with ``MOE_EP_NATIVE_CUDA=ON``.
+
+Inputs reach the handlers as the C ABI wants them:
+
+- plain float16/bfloat16/float32 tensors are converted to float32 with
+  ``astype`` (exact);
+- :class:`moe_ep_jax.formats.BlockScaled` tensors are decoded by the native
+  ``moe_ep_dequantize``: their codes (mxfp8 ``float8_e4m3fn`` data and
+  ``float8_e8m0fnu`` scales, nvfp4 ``uint8`` data and ``float8_e4m3fn`` scales)
+  travel as ``uint8`` (``lax.bitcast_convert_type``), viewed as
+  ``[outer, n, inner]`` around the blocked axis (``inner`` = 1 for the last axis;
+  FC1/FC2 weights are blocked along axis 1 of ``[E_local, n, inner]``);
+- :meth:`FfiKernels.quantize` returns exactly what the XLA provider returns: a
+  ``bfloat16`` array for bf16, else a :class:`~moe_ep_jax.formats.BlockScaled`
+  with the same dtypes (bit for bit: both follow the spec).
+
+Inside ``jax.shard_map`` the handlers' results are typed as varying over the
+mesh axes their operands vary over (an FFI call has no such rule of its own).
+
+Shapes with a zero extent never reach a handler: the XLA provider's result is
+used (empty, or a trivial plan), so every target sees non-empty buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, FrozenSet, List, Sequence, Tuple, Union
+
+from moe_ep_jax.devices import prepare_environment as _prepare_environment
+
+_prepare_environment()  # XLA_FLAGS must ask for enough CPU devices before jax's first import
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from moe_ep_jax import formats as F
+from moe_ep_jax.kernels import XlaKernels
+from moe_ep_spec.config import MoeEpConfig
+from moe_ep_spec.errors import ShapeError
+from moe_ep_spec.formats import MoeFormat, parse_format
+
+from . import native
+
+__all__ = ["FfiKernels"]
+
+Tensor = Union[jax.Array, F.BlockScaled]
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+_U8 = jnp.uint8
+_XLA = XlaKernels()
+
+_DATA_DTYPE = {MoeFormat.MXFP8: jnp.dtype(jnp.float8_e4m3fn), MoeFormat.NVFP4: jnp.dtype(jnp.uint8)}
+_SCALE_DTYPE = {MoeFormat.MXFP8: jnp.dtype(jnp.float8_e8m0fnu), MoeFormat.NVFP4: jnp.dtype(jnp.float8_e4m3fn)}
+
+
+# ----------------------------------------------------------------------------- calling a target
+
+
+def _vma(x: Any) -> FrozenSet[str]:
+    """The mesh axes ``x`` varies over inside ``jax.shard_map`` (empty outside,
+    or when the check is off)."""
+    try:
+        t = jax.typeof(x)
+    except Exception:  # noqa: BLE001 - not an array: no axes
+        return frozenset()
+    vma = getattr(t, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(t, "mat", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def _varying(x: jax.Array, axes: FrozenSet[str]) -> jax.Array:
+    """``x`` typed as varying over ``axes`` (a no-op where it already is)."""
+    missing = tuple(sorted(axes - _vma(x)))
+    if not missing:
+        return x
+    pcast = getattr(lax, "pcast", None)
+    try:
+        if pcast is not None:
+            return pcast(x, missing, to="varying")
+        pvary = getattr(lax, "pvary", None)
+        return pvary(x, missing) if pvary is not None else x
+    except (TypeError, ValueError, NameError):  # check_vma off
+        return x
+
+
+def _call(target: str, results: Sequence[jax.ShapeDtypeStruct], *args: jax.Array, **attrs: Any) -> List[jax.Array]:
+    """``jax.ffi.ffi_call`` of ``target`` (registering the targets first), with
+    the operands brought to one varying type and the results given it."""
+    native.register()
+    axes: FrozenSet[str] = frozenset().union(*(_vma(a) for a in args))
+    if axes:
+        args = tuple(_varying(a, axes) for a in args)
+    out = jax.ffi.ffi_call(target, list(results), vmap_method="sequential")(*args, **attrs)
+    out = list(out)
+    if axes:
+        out = [_varying(o, axes) for o in out]
+    return out
+
+
+def _sds(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), jnp.dtype(dtype))
+
+
+def _u8(x: jax.Array) -> jax.Array:
+    """One-byte codes (float8 or uint8) as uint8 (a bit cast)."""
+    return x if x.dtype == _U8 else lax.bitcast_convert_type(x, _U8)
+
+
+def _view(shape: Sequence[int], axis: int) -> Tuple[int, int, int]:
+    """``(outer, n, inner)`` of ``shape`` around ``axis``."""
+    return math.prod(shape[:axis]), int(shape[axis]), math.prod(shape[axis + 1 :])
+
+
+def _code(fmt: Any) -> np.int32:
+    return np.int32(native.FORMAT_CODES[None if fmt is None else parse_format(fmt)])
+
+
+# ----------------------------------------------------------------------------- the provider
+
+
+class FfiKernels:
+    """The native core as an :class:`moe_ep_jax.kernels.ExpertKernels` provider.
+
+    Stateless: every instance is equal to every other (one jit cache entry),
+    and it pickles (``moe-ep conformance --isolate`` sends backends to fresh
+    processes; the targets are registered again there on first use).
+
+    Its numbers: the formats are bit-exact with the spec (and so with
+    :class:`~moe_ep_jax.kernels.XlaKernels`), the plan and the slot-order sum
+    are identical to the XLA provider's; the expert GEMMs accumulate in float32
+    in ascending order of the contracted index (the XLA provider's
+    ``ragged_dot`` may order its sums differently: results agree to float32
+    rounding, within the spec's budgets).
+    """
+
+    name = "ffi-native"
+
+    def __repr__(self) -> str:
+        return "FfiKernels()"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self).__qualname__)
+
+    # formats -----------------------------------------------------------------
+
+    def quantize(self, x: jax.Array, fmt: Any, axis: int = -1) -> Tensor:
+        """Encode ``x`` (any float dtype, read exactly) in ``fmt`` along ``axis``
+        (the protocol's is the last): ``bfloat16`` array for bf16, else a
+        :class:`~moe_ep_jax.formats.BlockScaled` (bit-exact with the spec)."""
+        fmt = parse_format(fmt)
+        x = jnp.asarray(x)
+        if x.ndim == 0:
+            raise ShapeError("quantize needs at least one axis; got a scalar", name="x")
+        axis %= x.ndim
+        if x.size == 0:
+            return F.quantize(x, fmt, axis=axis)
+        x = x.astype(_F32)
+        shape = tuple(x.shape)
+        outer, n, inner = _view(shape, axis)
+        if fmt is MoeFormat.BF16:
+            data_shape: Tuple[int, ...] = (outer, n, inner)
+            scale_shape: Tuple[int, ...] = (outer, 0, inner)
+            data_dtype: Any = jnp.uint16
+        else:
+            block = fmt.block_size
+            assert block is not None
+            data_shape = (outer, -(-n // 2) if fmt is MoeFormat.NVFP4 else n, inner)
+            scale_shape = (outer, -(-n // block), inner)
+            data_dtype = _U8
+        data, scale = _call(
+            "moe_ep_quantize", [_sds(data_shape, data_dtype), _sds(scale_shape, _U8)], x.reshape(outer, n, inner),
+            format=_code(fmt),
+        )
+        if fmt is MoeFormat.BF16:
+            return lax.bitcast_convert_type(data, jnp.bfloat16).reshape(shape)
+
+        def logical(a: jax.Array, extent: int) -> jax.Array:
+            s = list(shape)
+            s[axis] = extent
+            return a.reshape(s)
+
+        data = logical(data, data_shape[1])
+        scale = logical(scale, scale_shape[1])
+        if fmt is MoeFormat.MXFP8:
+            data = lax.bitcast_convert_type(data, _DATA_DTYPE[fmt])
+        return F.BlockScaled(data, lax.bitcast_convert_type(scale, _SCALE_DTYPE[fmt]), fmt, n, axis)
+
+    def dequantize(self, x: Tensor) -> jax.Array:
+        """Decode to float32, exactly: plain arrays with ``astype``, block-scaled
+        ones with the native ``moe_ep_dequantize`` over their ``[outer, n, inner]`` view."""
+        if not isinstance(x, F.BlockScaled):
+            return jnp.asarray(x).astype(_F32)
+        shape = x.shape
+        if math.prod(shape) == 0:
+            return F.dequantize(x)
+        axis = x.axis
+        outer, n, inner = _view(shape, axis)
+        data = _u8(x.data).reshape(outer, x.data.shape[axis], inner)
+        scale = _u8(x.scale).reshape(outer, x.scale.shape[axis], inner)
+        (out,) = _call(
+            "moe_ep_dequantize", [_sds((outer, n, inner), _F32)], data, scale, format=_code(x.format), n=int(n)
+        )
+        return out.reshape(shape)
+
+    # plan and combine reduction ------------------------------------------------
+
+    def plan_routes(
+        self, config: MoeEpConfig, topk_idx: jax.Array
+    ) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        idx = jnp.asarray(topk_idx).astype(_I32)
+        if idx.ndim != 2:
+            raise ShapeError(f"topk_idx must have rank 2 (num_tokens, num_topk); got shape {idx.shape}", name="topk_idx")
+        if idx.size == 0:
+            return _XLA.plan_routes(config, idx)
+        routes, e = idx.shape[0] * idx.shape[1], config.num_experts
+        send_route, route_pos, route_expert, counts = _call(
+            "moe_ep_plan_routes",
+            [_sds((routes,), _I32), _sds((routes,), _I32), _sds((routes,), _I32), _sds((e + 1,), _I32)],
+            idx,
+            num_experts=int(e),
+        )
+        return send_route, route_pos, route_expert, counts
+
+    def slot_sum(self, rows: jax.Array, num_tokens: int, num_topk: int) -> jax.Array:
+        rows = jnp.asarray(rows).astype(_F32)
+        rows = rows.reshape(num_tokens * num_topk, rows.shape[-1])
+        if rows.size == 0:
+            return _XLA.slot_sum(rows, num_tokens, num_topk)
+        (out,) = _call(
+            "moe_ep_slot_sum", [_sds((num_tokens, rows.shape[1]), _F32)], rows, num_topk=int(num_topk)
+        )
+        return out
+
+    # experts -----------------------------------------------------------------
+
+    @staticmethod
+    def _expert_attrs(config: MoeEpConfig) -> dict:
+        clamp = config.gate_up_clamp
+        return {
+            "apply_topk_in_fc1": bool(config.apply_topk_in_fc1),
+            "has_clamp": clamp is not None,
+            "gate_up_clamp": np.float32(0.0 if clamp is None else clamp),
+            "intermediate_format": _code(config.intermediate_format),
+        }
+
+    def _workspace(self, which: str, c: int, h: int, i: int, el: int, attrs: dict) -> int:
+        fn = getattr(native.extension(), f"expert_{which}_workspace")
+        return int(
+            fn(c, h, i, el, attrs["apply_topk_in_fc1"], attrs["has_clamp"], float(attrs["gate_up_clamp"]),
+               int(attrs["intermediate_format"]))
+        )
+
+    def expert_forward(self, config, x, w, fc1, fc2, group_sizes):  # type: ignore[no-untyped-def]
+        xf, w1, w2 = self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2)
+        c_rows, h = xf.shape
+        el, _, i2 = w1.shape
+        i = i2 // 2
+        if c_rows == 0:
+            return _XLA.expert_forward(config, xf, w, w1, w2, group_sizes)
+        attrs = self._expert_attrs(config)
+        ws = self._workspace("forward", c_rows, h, i, el, attrs)
+        y, c, _ = _call(
+            "moe_ep_expert_forward",
+            [_sds((c_rows, h), _F32), _sds((c_rows, 2 * i), _F32), _sds((ws,), _U8)],
+            xf, jnp.asarray(w).astype(_F32), w1, w2, jnp.asarray(group_sizes).astype(_I32),
+            **attrs,
+        )
+        return y, c
+
+    def expert_backward(self, config, x, w, fc1, fc2, fc1_c, dy, group_sizes):  # type: ignore[no-untyped-def]
+        xf, w1, w2 = self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2)
+        c_rows, h = xf.shape
+        el, _, i2 = w1.shape
+        i = i2 // 2
+        if c_rows == 0:
+            return _XLA.expert_backward(config, xf, w, w1, w2, fc1_c, dy, group_sizes)
+        attrs = self._expert_attrs(config)
+        ws = self._workspace("backward", c_rows, h, i, el, attrs)
+        dx, dw, dfc1, dfc2, _ = _call(
+            "moe_ep_expert_backward",
+            [_sds((c_rows, h), _F32), _sds((c_rows,), _F32), _sds((el, h, 2 * i), _F32), _sds((el, i, h), _F32),
+             _sds((ws,), _U8)],
+            xf, jnp.asarray(w).astype(_F32), w1, w2, jnp.asarray(fc1_c).astype(jnp.bfloat16),
+            jnp.asarray(dy).astype(_F32), jnp.asarray(group_sizes).astype(_I32),
+            **attrs,
+        )
+        return dx, dw, dfc1, dfc2
