@@ -19,11 +19,9 @@
 // never allocate (scratch memory is an extra result buffer that XLA assigns),
 // so they are marked command-buffer compatible (CUDA graphs).
 //
-// CPU handlers run the core with the floating-point environment it assumes:
-// XLA:CPU runs its threads with denormals flushed to zero (FTZ/DAZ), which
-// would break the spec's bit-exact formats on subnormal values; the handler
-// clears both flags (and selects round-to-nearest) for the duration of the
-// call and restores them afterwards.
+// XLA:CPU runs its threads with denormals flushed to zero (FTZ/DAZ); the
+// core's CPU entry points set the IEEE environment they need for the duration
+// of each call themselves (backends/native/src/cpu/fpenv.h).
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -32,10 +30,6 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
-#include <xmmintrin.h>
-#define MOE_EP_FFI_X86 1
-#endif
 
 #include "moe_ep_native.h"
 #include "nanobind/nanobind.h"
@@ -62,42 +56,6 @@ struct Dev {
   void* stream;
 };
 
-// Host floating-point environment for the core: no flush to zero, no
-// denormals-are-zero, round to nearest even; restored on destruction.
-class HostFpEnv {
- public:
-  HostFpEnv() {
-#if defined(MOE_EP_FFI_X86)
-    saved_ = _mm_getcsr();
-    // MXCSR: FTZ bit 15, DAZ bit 6, rounding control bits 13-14 (00 = nearest).
-    _mm_setcsr(saved_ & ~(0x8000u | 0x0040u | 0x6000u));
-#elif defined(__aarch64__)
-    uint64_t fpcr;
-    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
-    saved_ = fpcr;
-    // FPCR: FZ bit 24, RMode bits 22-23 (00 = nearest).
-    fpcr &= ~((uint64_t{1} << 24) | (uint64_t{3} << 22));
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(fpcr));
-#endif
-  }
-  ~HostFpEnv() {
-#if defined(MOE_EP_FFI_X86)
-    _mm_setcsr(saved_);
-#elif defined(__aarch64__)
-    uint64_t fpcr = saved_;
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(fpcr));
-#endif
-  }
-  HostFpEnv(const HostFpEnv&) = delete;
-  HostFpEnv& operator=(const HostFpEnv&) = delete;
-
- private:
-#if defined(MOE_EP_FFI_X86)
-  unsigned int saved_ = 0;
-#elif defined(__aarch64__)
-  uint64_t saved_ = 0;
-#endif
-};
 
 std::string ShapeStr(Dims d) {
   std::ostringstream os;
@@ -204,20 +162,14 @@ const char* FormatName(int32_t format) {
   }
 }
 
-// A C ABI status as an ffi::Error: the core's message (moe_ep_last_error()),
-// led by the target's name, then the status name. The core's size checks name
-// their entry point already ("moe_ep_quantize: ..."); its data checks may name
-// an inner step ("combine_reduce: ...") or nothing ("group_sizes[1] must ...").
+// A C ABI status as an ffi::Error: the core's message (moe_ep_last_error(),
+// which starts with the C entry point's name), led by the target's name when
+// that differs, then the status name.
 ffi::Error FromStatus(const char* target, moe_ep_status status) {
   if (status == MOE_EP_OK) return ffi::Error::Success();
   std::string core = moe_ep_last_error();
   const std::string name(target);
-  const std::string inner = name.rfind("moe_ep_", 0) == 0 ? name.substr(7) + ":" : std::string();
-  if (core.rfind(name + ":", 0) != 0) {
-    if (!inner.empty() && core.rfind(inner, 0) == 0) core = core.substr(inner.size());
-    while (!core.empty() && core[0] == ' ') core.erase(0, 1);
-    core = name + ": " + core;
-  }
+  if (core.rfind(name + ":", 0) != 0) core = name + ": " + core;
   std::string message = core + " [" + moe_ep_status_name(status) + "]";
   switch (status) {
     case MOE_EP_ERR_INVALID_ARGUMENT: return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::move(message));
@@ -553,12 +505,10 @@ auto BindExpertBackward(B b) {
 
 // ----------------------------------------------------------------------------- device wrappers
 
-// The CPU handler of an implementation: host pointers, no stream, the core's
-// floating-point environment.
+// The CPU handler of an implementation: host pointers, no stream.
 template <typename Impl>
 auto OnCpu(Impl impl) {
   return [impl](auto... args) -> ffi::Error {
-    HostFpEnv env;
     return impl(Dev{MOE_EP_DEVICE_CPU, nullptr}, std::move(args)...);
   };
 }

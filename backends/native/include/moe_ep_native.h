@@ -24,6 +24,10 @@
  *   documents what it does instead.
  * - Routes: route id r = token * num_topk + slot. -1 in topk_idx marks an unused
  *   slot. Expert ids outside [-1, num_experts) are input errors.
+ * - CPU entry points set the IEEE floating-point environment they need (no
+ *   flush-to-zero, no denormals-are-zero, round to nearest) for the duration of
+ *   the call and restore the caller's afterwards, so callers running with FTZ
+ *   (XLA:CPU's threads) get the same codes.
  * - Numerics follow docs/spec.md: float32 accumulation (no TF32, no reduced
  *   precision), the formats bit-exact (round to nearest, ties to even), and no
  *   rounding point beyond the ones the spec names.

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <string>
 
+#include "cpu/fpenv.h"
 #include "internal.h"
 
 #define MOE_EP_STR_(x) #x
@@ -151,7 +152,9 @@ using moe_ep::kInt32Limit;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
 #define MOE_EP_DISPATCH(device, call)                                                       \
   try {                                                                                    \
-    return (device) == MOE_EP_DEVICE_CUDA ? moe_ep::cuda::call : moe_ep::cpu::call;         \
+    if ((device) == MOE_EP_DEVICE_CUDA) return moe_ep::cuda::call;                         \
+    moe_ep::cpu::IeeeFpEnv fp_env;                                                          \
+    return moe_ep::cpu::call;                                                              \
   } catch (const std::bad_alloc&) {                                                        \
     return moe_ep::fail(MOE_EP_ERR_INTERNAL, "out of host memory");                         \
   } catch (const std::exception& ex) {                                                     \
@@ -161,6 +164,7 @@ using moe_ep::kInt32Limit;
 #define MOE_EP_DISPATCH(device, call)                                                       \
   try {                                                                                    \
     (void)(device);                                                                        \
+    moe_ep::cpu::IeeeFpEnv fp_env;                                                          \
     return moe_ep::cpu::call;                                                              \
   } catch (const std::bad_alloc&) {                                                        \
     return moe_ep::fail(MOE_EP_ERR_INTERNAL, "out of host memory");                         \

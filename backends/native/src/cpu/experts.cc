@@ -15,16 +15,17 @@ namespace cpu {
 namespace {
 
 // Slab offsets [E + 1] from group_sizes; rejects a negative size or a sum past num_rows.
-moe_ep_status slab_offsets(const moe_ep_expert_desc& d, const int32_t* group_sizes, std::vector<int64_t>* off) {
+moe_ep_status slab_offsets(const char* op, const moe_ep_expert_desc& d, const int32_t* group_sizes,
+                           std::vector<int64_t>* off) {
   off->assign(static_cast<size_t>(d.num_local_experts) + 1, 0);
   for (int64_t e = 0; e < d.num_local_experts; ++e) {
     if (group_sizes[e] < 0)
-      return fail(MOE_EP_ERR_INVALID_ARGUMENT, "group_sizes[" + std::to_string(e) + "] must be >= 0; got " +
+      return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(op) + ": group_sizes[" + std::to_string(e) + "] must be >= 0; got " +
                                                    std::to_string(group_sizes[e]));
     (*off)[e + 1] = (*off)[e] + group_sizes[e];
   }
   if (off->back() > d.num_rows)
-    return fail(MOE_EP_ERR_INVALID_ARGUMENT, "sum(group_sizes) must be <= num_rows = " + std::to_string(d.num_rows) +
+    return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(op) + ": sum(group_sizes) must be <= num_rows = " + std::to_string(d.num_rows) +
                                                  "; got " + std::to_string(off->back()));
   return MOE_EP_OK;
 }
@@ -80,7 +81,7 @@ moe_ep_status round_trip_row(int32_t fmt, float* row, int64_t n, std::vector<uin
 moe_ep_status expert_forward(void*, const moe_ep_expert_desc& d, const float* x, const float* w, const float* fc1,
                              const float* fc2, const int32_t* group_sizes, float* y, float* c, void* workspace) {
   std::vector<int64_t> off;
-  moe_ep_status st = slab_offsets(d, group_sizes, &off);
+  moe_ep_status st = slab_offsets("moe_ep_expert_forward", d, group_sizes, &off);
   if (st != MOE_EP_OK) return st;
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
   float* op = static_cast<float*>(workspace);  // [C, I]: the FC2 operand
@@ -122,7 +123,7 @@ moe_ep_status expert_backward(void*, const moe_ep_expert_desc& d, const float* x
                               const float* fc2, const uint16_t* fc1_c, const float* dy, const int32_t* group_sizes,
                               float* dx, float* dw, float* dfc1, float* dfc2, void* workspace) {
   std::vector<int64_t> off;
-  moe_ep_status st = slab_offsets(d, group_sizes, &off);
+  moe_ep_status st = slab_offsets("moe_ep_expert_backward", d, group_sizes, &off);
   if (st != MOE_EP_OK) return st;
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E = d.num_local_experts;
   const float lim = d.gate_up_clamp;

@@ -51,7 +51,7 @@ moe_ep_status permute_rows(void*, const void* tokens, int64_t num_tokens, int64_
   for (int64_t i = 0; i < num_rows; ++i) {  // check first: a bad id changes nothing
     const int32_t r = send_route[i];
     if (r < -1 || r >= routes)
-      return fail(MOE_EP_ERR_INVALID_ARGUMENT, "permute_rows: send_route[" + std::to_string(i) + "] must be -1 or in [0, " +
+      return fail(MOE_EP_ERR_INVALID_ARGUMENT, "moe_ep_permute_rows: send_route[" + std::to_string(i) + "] must be -1 or in [0, " +
                                                    std::to_string(routes) + "); got " + std::to_string(r));
   }
   const char* src = static_cast<const char*>(tokens);
@@ -71,7 +71,7 @@ moe_ep_status combine_reduce(void*, const float* rows, int64_t num_rows, const i
     for (int64_t r = 0; r < routes; ++r) {
       const int32_t p = route_pos[r];
       if (p < -1 || p >= num_rows)
-        return fail(MOE_EP_ERR_INVALID_ARGUMENT, "combine_reduce: route_pos[" + std::to_string(r) +
+        return fail(MOE_EP_ERR_INVALID_ARGUMENT, "moe_ep_combine_reduce: route_pos[" + std::to_string(r) +
                                                      "] must be -1 or in [0, num_rows) = [0, " +
                                                      std::to_string(num_rows) + "); got " + std::to_string(p));
     }
