@@ -81,9 +81,7 @@ class JaxFfiBackend(JaxBackend):
             return base
         try:
             registered = native.register()
-            import jax
-
-            platform = jax.devices()[0].platform
+            platform = native.jax_platform()
         except Exception as exc:  # noqa: BLE001 - report, never raise
             return Availability(False, f"registering the XLA FFI targets of moe_ep_jax_ffi._ffi failed: "
                                        f"{type(exc).__name__}: {exc}")

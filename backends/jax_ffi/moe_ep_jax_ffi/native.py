@@ -38,6 +38,7 @@ __all__ = [
     "extension",
     "load_problem",
     "platforms",
+    "jax_platform",
     "register",
     "registered_platforms",
 ]
@@ -103,6 +104,18 @@ def load_problem() -> str:
     except ImportError as exc:
         return str(exc)
     return ""
+
+
+def jax_platform() -> str:
+    """The platform of jax's default devices as the handlers name it: ``cpu``,
+    ``cuda`` (jax reports NVIDIA GPUs as ``gpu``), ``rocm``, or jax's own name."""
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform in ("gpu", "cuda", "rocm"):
+        version = str(getattr(dev.client, "platform_version", "") or "").lower()
+        return "rocm" if dev.platform == "rocm" or "rocm" in version else "cuda"
+    return dev.platform
 
 
 def platforms() -> Tuple[str, ...]:
