@@ -4,8 +4,9 @@ one run on the same inputs, and print the ratios.
 
     python3 scripts/gpu_jax_ffi_timing.py [EP] [TOKENS...]     e.g. 2 128 1024
 
-Shape: E = 32 experts per rank, H = 2048, I = 1024, top-8, bf16 everywhere
-(plain float32 activations and weights: the kernels decode nothing). Each
+Shape: E = 32 experts per rank, H = 2048, I = 1024, top-8; float32 activations
+and weights (no decode), bf16 combine and output (the config defaults), no
+intermediate rounding; random distinct experts per token, so C = EP * T * 8 rows. Each
 number is the median of 20 timed calls after 3 warm-up calls, with
 block_until_ready. The native CUDA GEMMs are plain float32 tiled kernels (no
 tensor cores), so this is a baseline for later work, not a target.
