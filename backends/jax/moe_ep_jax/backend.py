@@ -296,7 +296,7 @@ class JaxBackend(MoeEpBackend):
             from moe_ep_spec.errors import CapabilityError
 
             raise CapabilityError(
-                f"backend 'jax': capability: num_ranks {n} needs {n} devices; this process has {len(devs)} "
+                f"backend {self.name!r}: capability: num_ranks {n} needs {n} devices; this process has {len(devs)} "
                 f"{devs[0].platform} device(s) (on CPU set MOE_EP_JAX_CPU_DEVICES or XLA_FLAGS before jax is imported)",
                 feature="num_ranks",
             )
