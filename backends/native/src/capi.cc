@@ -115,6 +115,17 @@ moe_ep_status check_desc(const Check& ck, const moe_ep_expert_desc* d) {
   return MOE_EP_OK;
 }
 
+// The operands expert_forward and expert_backward share.
+moe_ep_status check_expert_operands(const Check& ck, const moe_ep_expert_desc& d, const float* x, const float* w,
+                                    const float* fc1, const float* fc2, const int32_t* group_sizes) {
+  const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E = d.num_local_experts;
+  MOE_EP_TRY(ck.ptr("x", x, C * H));
+  MOE_EP_TRY(ck.ptr("w", w, C));
+  MOE_EP_TRY(ck.ptr("fc1", fc1, E * H * 2 * I));
+  MOE_EP_TRY(ck.ptr("fc2", fc2, E * I * H));
+  return ck.ptr("group_sizes", group_sizes, E);
+}
+
 size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 moe_ep_status check_workspace(const Check& ck, const void* workspace, size_t have, size_t need) {
@@ -324,12 +335,8 @@ moe_ep_status moe_ep_expert_forward(moe_ep_device device, void* stream, const mo
   MOE_EP_TRY(check_device(ck, device, stream));
   MOE_EP_TRY(check_desc(ck, desc));
   const moe_ep_expert_desc& d = *desc;
-  const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E = d.num_local_experts;
-  MOE_EP_TRY(ck.ptr("x", x, C * H));
-  MOE_EP_TRY(ck.ptr("w", w, C));
-  MOE_EP_TRY(ck.ptr("fc1", fc1, E * H * 2 * I));
-  MOE_EP_TRY(ck.ptr("fc2", fc2, E * I * H));
-  MOE_EP_TRY(ck.ptr("group_sizes", group_sizes, E));
+  const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
+  MOE_EP_TRY(check_expert_operands(ck, d, x, w, fc1, fc2, group_sizes));
   MOE_EP_TRY(ck.ptr("y", y, C * H));
   MOE_EP_TRY(ck.ptr("c", c, C * 2 * I));
   MOE_EP_TRY(check_workspace(ck, workspace, workspace_bytes, moe_ep::forward_workspace_bytes(d)));
@@ -345,13 +352,9 @@ moe_ep_status moe_ep_expert_backward(moe_ep_device device, void* stream, const m
   MOE_EP_TRY(check_desc(ck, desc));
   const moe_ep_expert_desc& d = *desc;
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E = d.num_local_experts;
-  MOE_EP_TRY(ck.ptr("x", x, C * H));
-  MOE_EP_TRY(ck.ptr("w", w, C));
-  MOE_EP_TRY(ck.ptr("fc1", fc1, E * H * 2 * I));
-  MOE_EP_TRY(ck.ptr("fc2", fc2, E * I * H));
+  MOE_EP_TRY(check_expert_operands(ck, d, x, w, fc1, fc2, group_sizes));
   MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, C * 2 * I));
   MOE_EP_TRY(ck.ptr("dy", dy, C * H));
-  MOE_EP_TRY(ck.ptr("group_sizes", group_sizes, E));
   MOE_EP_TRY(ck.ptr("dx", dx, C * H));
   MOE_EP_TRY(ck.ptr("dw", dw, C));
   MOE_EP_TRY(ck.ptr("dfc1", dfc1, E * H * 2 * I));

@@ -12,16 +12,25 @@ namespace {
 
 inline int64_t at(int64_t o, int64_t i, int64_t k, int64_t n, int64_t inner) { return (o * n + i) * inner + k; }
 
+// The largest finite magnitude of elements [b0, b1) of column (o, k); sets
+// *nonfinite when the block holds NaN or +-Inf.
+double block_amax(const float* x, int64_t o, int64_t k, int64_t b0, int64_t b1, int64_t n, int64_t inner,
+                  bool* nonfinite) {
+  *nonfinite = false;
+  double amax = 0.0;
+  for (int64_t i = b0; i < b1; ++i) {
+    const float v = x[at(o, i, k, n, inner)];
+    if (!std::isfinite(v)) *nonfinite = true;
+    else amax = std::max(amax, std::fabs(static_cast<double>(v)));
+  }
+  return amax;
+}
+
 // One mxfp8 block: elements [b0, b1) of column (o, k).
 void quantize_mxfp8_block(const float* x, int64_t o, int64_t k, int64_t b0, int64_t b1, int64_t n, int64_t inner,
                           uint8_t* data, uint8_t* scale_code) {
-  bool nonfinite = false;
-  double amax = 0.0;
-  for (int64_t i = b0; i < b1; ++i) {
-    float v = x[at(o, i, k, n, inner)];
-    if (!std::isfinite(v)) nonfinite = true;
-    else amax = std::max(amax, std::fabs(static_cast<double>(v)));
-  }
+  bool nonfinite;
+  const double amax = block_amax(x, o, k, b0, b1, n, inner, &nonfinite);
   if (nonfinite) {  // no finite scale: the whole block decodes to NaN
     for (int64_t i = b0; i < b1; ++i) data[at(o, i, k, n, inner)] = 0x7F;
     *scale_code = 0xFF;
@@ -41,13 +50,8 @@ void quantize_mxfp8_block(const float* x, int64_t o, int64_t k, int64_t b0, int6
 // One nvfp4 block: writes the E2M1 code of each element to codes[i - b0].
 uint8_t quantize_nvfp4_block(const float* x, int64_t o, int64_t k, int64_t b0, int64_t b1, int64_t n, int64_t inner,
                              uint8_t* codes) {
-  bool nonfinite = false;
-  double amax = 0.0;
-  for (int64_t i = b0; i < b1; ++i) {
-    float v = x[at(o, i, k, n, inner)];
-    if (!std::isfinite(v)) nonfinite = true;
-    else amax = std::max(amax, std::fabs(static_cast<double>(v)));
-  }
+  bool nonfinite;
+  const double amax = block_amax(x, o, k, b0, b1, n, inner, &nonfinite);
   int sidx = e4m3_nearest(amax, 6.0);  // E4M3(amax / 6), saturating at 448
   double s = e4m3_magnitude(sidx);
   for (int64_t i = b0; i < b1; ++i) {

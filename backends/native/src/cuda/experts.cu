@@ -47,6 +47,24 @@ constexpr int kBK = 16;   // contracted slice per shared-memory stage
 constexpr int kGemmThreads = 256;  // 16 x 16 threads, each a 4 x 4 register tile
 constexpr int kMaxGridY = 65535;
 
+// One shared-memory stage of a tile: acc[i][j] += As[kk][ty + 16 i] * Bs[kk][tx + 16 j]
+// for kk = 0 .. kBK - 1 in that order, each product rounded before it is added.
+__device__ __forceinline__ void accumulate_stage(const float (&As)[kBK][kBM + 1], const float (&Bs)[kBK][kBN + 1],
+                                                 int tx, int ty, float (&acc)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kBK; ++kk) {
+    float a[4], b[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = As[kk][ty + 16 * i];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) b[j] = Bs[kk][tx + 16 * j];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = fadd(acc[i][j], fmul(a[i], b[j]));
+  }
+}
+
 // Grouped GEMM over the row slabs:
 //   out[r, n] = scale(r) * sum_k A[r, k] * B_e[k, n]   for r in slab e,
 //   out[r, n] = 0                                       for r >= off[E],
@@ -128,18 +146,7 @@ __global__ void __launch_bounds__(kGemmThreads)
           Bs[kk][nn] = v;
         }
         __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < kBK; ++kk) {
-          float a[4], b[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) a[i] = As[kk][ty + 16 * i];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) b[j] = Bs[kk][tx + 16 * j];
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = fadd(acc[i][j], fmul(a[i], b[j]));
-        }
+        accumulate_stage(As, Bs, tx, ty, acc);
         __syncthreads();
       }
       // (Padding past K added +0 products: acc never is -0, so nothing changed.)
@@ -213,18 +220,7 @@ __global__ void __launch_bounds__(kGemmThreads)
         __syncthreads();
         // Rows past the slab are zero in both tiles and add +0 products, which
         // change nothing (an accumulator that starts at +0 is never -0).
-#pragma unroll
-        for (int kk = 0; kk < kBK; ++kk) {
-          float a[4], b[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) a[i] = As[kk][ty + 16 * i];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) b[j] = Bs[kk][tx + 16 * j];
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = fadd(acc[i][j], fmul(a[i], b[j]));
-        }
+        accumulate_stage(As, Bs, tx, ty, acc);
         __syncthreads();
       }
 #pragma unroll
