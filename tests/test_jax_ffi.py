@@ -78,7 +78,11 @@ REF = moe_ep_spec.get_backend("reference")
 NDEV = len(jax.devices())
 PLATFORM = native.jax_platform()
 
-needs2 = pytest.mark.skipif(NDEV < 2, reason=f"needs 2 devices; jax has {NDEV} (imported before XLA_FLAGS was set)")
+needs2 = pytest.mark.skipif(
+    NDEV < 2,
+    reason=f"needs 2 devices; jax has {NDEV} {PLATFORM} device(s)"
+    + (" (jax was imported before XLA_FLAGS could ask for more)" if PLATFORM == "cpu" else ""),
+)
 #: The CUDA handlers: a CUDA GPU, and the extension built with MOE_EP_NATIVE_CUDA=ON.
 CUDA = pytest.mark.skipif(
     PLATFORM != "cuda" or _PROBLEM != "" or "CUDA" not in (native.platforms() if not _PROBLEM else ()),
