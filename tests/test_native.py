@@ -390,3 +390,49 @@ def test_c_abi_checks_sizes_before_any_work():
     with pytest.raises(NativeArgumentError, match="workspace_bytes must be >= "):
         call("moe_ep_expert_forward", 0, None, ctypes.byref(desc), *([x.ctypes.data] * 7), x.ctypes.data, 0)
     assert (out == 0xAB).all(), "a rejected call must write nothing"
+
+
+C_PROGRAM = r"""
+#include <stdio.h>
+#include "moe_ep_native.h"
+
+int main(void) {
+  const float x[4] = {1.0f, -2.5f, 3.0e-3f, 448.0f};
+  uint16_t bits[4];
+  moe_ep_status st;
+  if (moe_ep_abi_version() != MOE_EP_NATIVE_ABI_VERSION) return 2;
+  st = moe_ep_quantize(MOE_EP_DEVICE_CPU, NULL, MOE_EP_FORMAT_BF16, x, 1, 4, 1, bits, NULL);
+  if (st != MOE_EP_OK) return 3;
+  printf("%04x %04x %04x %04x\n", bits[0], bits[1], bits[2], bits[3]);
+  st = moe_ep_quantize(MOE_EP_DEVICE_CPU, NULL, MOE_EP_FORMAT_BF16, x, 1, -1, 1, bits, NULL);
+  printf("%s: %s\n", moe_ep_status_name(st), moe_ep_last_error());
+  return 0;
+}
+"""
+
+
+def test_the_header_is_c_and_the_library_links_from_c(tmp_path):
+    """A C99 program (-pedantic -Werror) includes moe_ep_native.h, links the
+    shared library and calls it: the C ABI is C, not only C++."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler on PATH")
+    lib = moe_ep_native.library_path()
+    src = tmp_path / "main.c"
+    src.write_text(C_PROGRAM)
+    exe = tmp_path / "main"
+    build = subprocess.run(
+        [cc, "-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", f"-I{moe_ep_native.include_dir()}", str(src),
+         str(lib), f"-Wl,-rpath,{lib.parent}", "-o", str(exe)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert build.returncode == 0, f"the C program did not build:\n{build.stderr}"
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, f"the C program failed with exit {run.returncode}: {run.stdout}{run.stderr}"
+    lines = run.stdout.splitlines()
+    want = F.round_to_bf16(np.array([1.0, -2.5, 3.0e-3, 448.0], np.float32)).view(np.uint16)
+    assert lines[0].split() == [f"{b:04x}" for b in want]
+    assert lines[1] == "MOE_EP_ERR_INVALID_ARGUMENT: moe_ep_quantize: n must be >= 0; got -1"

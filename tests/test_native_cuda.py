@@ -85,11 +85,11 @@ def test_formats_cuda_equal_cpu(fmt, shape, axis):
     n = shape[axis]
     inner = int(np.prod(shape[axis + 1 :], dtype=np.int64))
     if fmt == "bf16":
-        data_shape, scale_shape = (x.size,), None
+        scale_shape = None
         wd = np.asarray(want).view(np.uint16)
     else:
         wd, ws = want.data.view(np.uint8), want.scale.view(np.uint8)
-        data_shape, scale_shape = wd.shape, ws.shape
+        scale_shape = ws.shape
     xd = dev(x)
     dd = empty(wd.nbytes)
     sd = None if scale_shape is None else empty(int(np.prod(scale_shape)))
@@ -202,3 +202,75 @@ def test_cuda_entry_points_check_sizes_on_the_host():
         call("moe_ep_quantize", CUDA, stream(), Format.MXFP8, x.data_ptr(), 1, -1, 1, x.data_ptr(), x.data_ptr())
     torch.cuda.synchronize()
     assert (x.cpu().numpy() == 0xCD).all()
+
+
+def test_kernels_capture_in_a_cuda_graph_and_replay_on_new_inputs():
+    """Every CUDA entry point only enqueues work (no sync, no allocation, no
+    host read): a plan + forward + backward sequence is captured once in a CUDA
+    graph, then replayed on new inputs written into the same buffers."""
+    config = _config(intermediate_format="mxfp8", gate_up_clamp=0.5)
+    rng = np.random.default_rng(21)
+    gs = np.array([40, 0, 33, 7], np.int32)
+    c_rows, e, h, i = int(gs.sum()) + 5, len(gs), config.hidden, config.intermediate
+    t, k = 50, 2
+
+    def inputs(seed):
+        r = np.random.default_rng(seed)
+        return dict(
+            idx=r.integers(-1, 16, size=(t, k)).astype(np.int32),
+            x=(r.standard_normal((c_rows, h)) / 4).astype(np.float32),
+            w=r.uniform(0.1, 1, c_rows).astype(np.float32),
+            dy=r.standard_normal((c_rows, h)).astype(np.float32),
+        )
+
+    fc1 = (rng.standard_normal((e, h, 2 * i)) / np.sqrt(h)).astype(np.float32)
+    fc2 = (rng.standard_normal((e, i, h)) / np.sqrt(i)).astype(np.float32)
+    first = inputs(1)
+    buf = {name: dev(a) for name, a in first.items()}
+    w1, w2, gsd = dev(fc1), dev(fc2), dev(gs)
+    desc = host.expert_desc(config, c_rows, e)
+    lib = load()
+    fwd_ws, bwd_ws = (lib.moe_ep_expert_forward_workspace(ctypes.byref(desc)),
+                      lib.moe_ep_expert_backward_workspace(ctypes.byref(desc)))
+    plan = [empty(4 * t * k) for _ in range(3)] + [empty(4 * 17)]
+    y, c, stash = empty(4 * c_rows * h), empty(4 * c_rows * 2 * i), empty(2 * c_rows * 2 * i)
+    grads = [empty(4 * c_rows * h), empty(4 * c_rows), empty(4 * e * h * 2 * i), empty(4 * e * i * h)]
+    ws_f, ws_b = empty(fwd_ws), empty(bwd_ws)
+    c_view = c.view(torch.float32)[: c_rows * 2 * i]
+
+    def sequence():
+        s = stream()
+        call("moe_ep_plan_routes", CUDA, s, buf["idx"].data_ptr(), t, k, 16, *[p.data_ptr() for p in plan])
+        call("moe_ep_expert_forward", CUDA, s, ctypes.byref(desc), buf["x"].data_ptr(), buf["w"].data_ptr(),
+             w1.data_ptr(), w2.data_ptr(), gsd.data_ptr(), y.data_ptr(), c.data_ptr(), ws_f.data_ptr(), fwd_ws)
+        call("moe_ep_quantize", CUDA, s, Format.BF16, c.data_ptr(), c_rows, 2 * i, 1, stash.data_ptr(), None)
+        call("moe_ep_expert_backward", CUDA, s, ctypes.byref(desc), buf["x"].data_ptr(), buf["w"].data_ptr(),
+             w1.data_ptr(), w2.data_ptr(), stash.data_ptr(), buf["dy"].data_ptr(), gsd.data_ptr(),
+             *[g.data_ptr() for g in grads], ws_b.data_ptr(), bwd_ws)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sequence()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sequence()
+    assert c_view.numel() == c_rows * 2 * i
+
+    for seed in (2, 3):
+        new = inputs(seed)
+        for name, a in new.items():
+            buf[name].copy_(torch.from_numpy(a.view(np.uint8).reshape(-1)))
+        graph.replay()
+        want_plan = host.plan_routes(new["idx"], 16)
+        np.testing.assert_array_equal(host_of(plan[0], np.int32, (t * k,)), want_plan.send_route,
+                                      err_msg=f"replay {seed}: send_route")
+        want = host.expert_forward(config, new["x"], new["w"], fc1, fc2, gs)
+        got_y = host_of(y, np.float32, (c_rows, h))
+        np.testing.assert_allclose(got_y, want.y, rtol=0, atol=0.05, err_msg=f"replay {seed}: y")
+        assert np.mean(np.abs(got_y - want.y) > 2e-5) < 0.01, f"replay {seed}: y does not follow the new inputs"
+        want_g = host.expert_backward(config, new["x"], new["w"], fc1, fc2, F.round_to_bf16(want.c), new["dy"], gs)
+        got_dx = host_of(grads[0], np.float32, (c_rows, h))
+        np.testing.assert_allclose(got_dx, want_g.dx, rtol=0, atol=1e-3 * max(1.0, np.abs(want_g.dx).max()),
+                                   err_msg=f"replay {seed}: dx")
