@@ -1,0 +1,34 @@
+"""Float32 inputs that exercise every corner of the block formats, shared by
+the tests of the jax formats and of the jax-ffi handlers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+GOLDEN = Path(__file__).parent / "data" / "golden_formats.npz"
+
+
+def format_inputs() -> Tuple[Dict[str, np.ndarray], List[np.ndarray]]:
+    """``(golden, [rows, odd, special])``: the golden vectors (by key), their
+    input rows stacked ``[R, 64] float32``; ``[16, 45]`` values over 12
+    decades (partial last blocks); ``[9, 67]`` rows holding NaN, +-Inf, signed
+    zeros, subnormals (XLA:CPU threads flush these unless the code keeps them),
+    values near float32's top, the smallest subnormal, and subnormal blocks
+    that still encode to nonzero codes (scale 2^-127)."""
+    with np.load(GOLDEN) as z:
+        golden = {k: z[k] for k in z.files}
+    rng = np.random.default_rng(0)
+    rows = np.concatenate([golden[k] for k in golden if k.endswith("/input")])
+    odd = (rng.standard_normal((16, 45)) * 10.0 ** rng.integers(-6, 6, (16, 1))).astype(np.float32)
+    special = rng.standard_normal((9, 67)).astype(np.float32)
+    special[1, 3], special[2, 40], special[3] = np.nan, -np.inf, 0.0
+    special[3, 5] = -0.0
+    special[4] *= np.float32(2.0**-140)
+    special[5] *= np.float32(2.0**126)
+    special[6, 60] = np.inf
+    special[7, :20] = np.float32(2.0**-149)  # the smallest subnormal
+    special[8] *= np.float32(2.0**-128)
+    return golden, [rows, odd, special]
