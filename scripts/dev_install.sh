@@ -12,17 +12,37 @@ pip_install() { python -m pip install --disable-pip-version-check -q -c "$root/c
 
 pip_install -e ".[test]"
 pip_install -e "bench[plot,progress]"
+# Pure-Python distributions first (conformance, then every backend without a
+# native build, in name order: jax before jax_ffi needs), then the native ones.
+native=()
+for dir in conformance backends/*/; do
+  [ -f "$dir/pyproject.toml" ] || continue
+  if grep -q "scikit_build_core" "$dir/pyproject.toml"; then
+    native+=("$dir")
+  else
+    echo "installing $dir"
+    pip_install -e "$dir"
+  fi
+done
+
 # The native distributions (backends/native, backends/jax_ffi) are CMake projects
-# built by scikit-build-core: they are built without build isolation, with the
-# build tools installed here first (and jax's XLA FFI headers, which the jax
-# backend's install brings, before backends/jax_ffi). They need cmake >= 3.21
-# and a C++17 compiler on PATH; MOE_EP_NATIVE_CUDA=1 also builds the CUDA kernels.
-pip_install "scikit-build-core>=0.10" "nanobind>=2"
-if ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1; then
-  echo "dev_install: no C++ compiler on PATH (c++ or g++): the native core (backends/native, backends/jax_ffi)" >&2
-  echo "  needs one with C++17 support; install it (Debian: apt-get install g++) and run this again." >&2
+# built by scikit-build-core, without build isolation (backends/jax_ffi compiles
+# against the XLA FFI headers of the jax installed above). They need a C++17
+# compiler, the Python headers and cmake >= 3.21 (installed here when missing,
+# with ninja); MOE_EP_NATIVE_CUDA=1 also builds the CUDA kernels (needs nvcc).
+missing=()
+command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || command -v clang++ >/dev/null 2>&1 \
+  || missing+=("a C++17 compiler (c++, g++ or clang++; Debian: apt-get install g++)")
+python -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
+  || missing+=("the Python development headers (Python.h; Debian: apt-get install python3-dev)")
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "dev_install: cannot build ${native[*]}: missing" >&2
+  for m in "${missing[@]}"; do echo "  - $m" >&2; done
+  echo "  Install them and run this script again; everything else is installed." >&2
   exit 1
 fi
+pip_install "scikit-build-core>=0.10" "nanobind>=2"
+command -v ninja >/dev/null 2>&1 || command -v make >/dev/null 2>&1 || pip_install ninja
 if ! python - <<'PY'
 import re, shutil, subprocess, sys
 exe = shutil.which("cmake")
@@ -36,14 +56,8 @@ then
   echo "dev_install: cmake >= 3.21 not on PATH; installing it from the package registry"
   pip_install "cmake>=3.21"
 fi
-for dir in conformance backends/*/; do
-  if [ -f "$dir/pyproject.toml" ]; then
-    echo "installing $dir"
-    if grep -q "scikit_build_core" "$dir/pyproject.toml"; then
-      pip_install --no-build-isolation -e "$dir"
-    else
-      pip_install -e "$dir"
-    fi
-  fi
+for dir in "${native[@]}"; do
+  echo "installing $dir (native build)"
+  pip_install --no-build-isolation -e "$dir"
 done
 python -c "import moe_ep_spec, sys; print('moe-ep-spec', moe_ep_spec.__version__, 'on Python', sys.version.split()[0])"

@@ -21,7 +21,6 @@ from functools import partial
 
 import numpy as np
 
-import moe_ep_jax_ffi  # noqa: F401  (registers the FFI targets on import of the kernels)
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P

@@ -130,6 +130,9 @@ def _codes(a) -> np.ndarray:
     return np.asarray(a).view(np.uint8)
 
 
+_PLAN_FIELDS = ("send_route", "route_pos", "route_expert", "counts")
+
+
 def _format_inputs():
     """The shared corner-case inputs of tests/format_inputs.py."""
     try:  # tests/ may or may not be a package
@@ -266,19 +269,21 @@ def test_every_code_decodes_like_the_spec() -> None:
         assert np.array_equal(ours, spec_dequantize(t, np.float32), equal_nan=True), t.format
 
 
-def test_plain_inputs_decode_with_astype_and_empty_tensors_never_reach_a_handler() -> None:
+def test_plain_inputs_decode_with_astype_and_empty_tensors_run() -> None:
     rng = np.random.default_rng(2)
     x = rng.standard_normal((6, 10)).astype(np.float32)
     for dt in (jnp.float32, jnp.float16, jnp.bfloat16):
         a = jnp.asarray(x, dt)
         got = KF.dequantize(a)
         assert got.dtype == jnp.float32 and np.array_equal(np.asarray(got), np.asarray(a.astype(jnp.float32)))
-    for fmt in ("bf16", "mxfp8", "nvfp4"):
-        e = jax.eval_shape(partial(KF.quantize, fmt=fmt), jax.ShapeDtypeStruct((0, 45), jnp.float32))
-        assert e.shape == (0, 45) and jax.eval_shape(KF.dequantize, e).shape == (0, 45)
+    for fmt in ("bf16", "mxfp8", "nvfp4"):  # run, not only traced: empty in, empty out
+        e = jax.jit(KF.quantize, static_argnums=(1,))(jnp.zeros((0, 45), jnp.float32), fmt)
+        d = jax.jit(KF.dequantize)(e)
+        assert d.shape == (0, 45) and d.dtype == jnp.float32
     cfg = MoeEpConfig(num_experts=4, hidden=8, intermediate=4, num_topk=2, num_ranks=1)
     plan = KF.plan_routes(cfg, jnp.zeros((0, 2), jnp.int32))
-    assert [p.shape for p in plan] == [(0,), (0,), (0,), (5,)] and not np.asarray(plan[3]).any()
+    assert [getattr(plan, f).shape for f in _PLAN_FIELDS] == [(0,), (0,), (0,), (5,)]
+    assert not np.asarray(plan.counts).any()
     assert KF.slot_sum(jnp.zeros((0, 8)), 0, 2).shape == (0, 8)
     assert KF.slot_sum(jnp.zeros((4, 0)), 2, 2).shape == (2, 0)
 
@@ -293,12 +298,12 @@ def test_plan_routes_is_identical_to_the_xla_provider() -> None:
         cfg = MoeEpConfig(num_experts=e, hidden=8, intermediate=4, num_topk=k, num_ranks=1)
         ours = jax.jit(partial(KF.plan_routes, cfg))(idx)
         want = jax.jit(partial(KX.plan_routes, cfg))(idx)
-        names = ("send_route", "route_pos", "route_expert", "counts")
-        for name, a, b in zip(names, ours, want):
+        for name in _PLAN_FIELDS:
+            a, b = getattr(ours, name), getattr(want, name)
             assert a.dtype == jnp.int32 and a.shape == b.shape, name
             assert np.array_equal(np.asarray(a), np.asarray(b)), (name, t, k, e)
         bad = int(((idx < -1) | (idx >= e)).sum())
-        assert int(ours[3][e]) == bad and int(np.asarray(ours[3][:e]).sum()) == int(((idx >= 0) & (idx < e)).sum())
+        assert int(ours.counts[e]) == bad and int(np.asarray(ours.counts[:e]).sum()) == int(((idx >= 0) & (idx < e)).sum())
 
 
 def test_slot_sum_is_identical_to_the_xla_provider() -> None:
@@ -538,6 +543,24 @@ def test_expert_handlers_reject_bad_shapes_and_report_the_cores_errors() -> None
 # ----------------------------------------------------------------------------- the layer
 
 
+def test_a_receive_overflow_poisons_the_output_with_nan_as_the_xla_provider_does() -> None:
+    """recv_capacity below the routes received: the layer's error flag makes every
+    output NaN; the native kernels must run on the cut slabs, not fail."""
+    rows = 4
+    config = MoeEpConfig(num_experts=4, hidden=32, intermediate=16, num_topk=2, num_ranks=1, max_tokens_per_rank=rows,
+                         recv_capacity=3)
+    world = random_world(config.replace(recv_capacity=None), num_tokens=rows, input_format="fp32", seed=5)
+    mesh = _mesh(1)
+    args = _world_args(mesh, world, rows)
+    routed = int((np.asarray(world[0].topk_idx) >= 0).sum())
+    assert routed > 3, "the case must overflow the receive buffer"
+    for kernels in (KX, KF):
+        fwd = jax.shard_map(partial(A.moe_ep, config=config, kernels=kernels), mesh=mesh, in_specs=P("ep"),
+                            out_specs=P("ep"))
+        out = np.asarray(_run(fwd, *args)).astype(np.float32)
+        assert np.isnan(out).all(), f"{type(kernels).__name__}: an overflow must poison every output with NaN"
+
+
 @needs2
 def test_the_layer_calls_the_native_targets_with_the_same_collectives() -> None:
     n, rows = 2, 4
@@ -722,7 +745,8 @@ def test_cuda_handlers_formats_plan_and_sum_match_the_spec_and_the_xla_provider(
     idx = rng.integers(-1, 8, (33, 4)).astype(np.int32)
     idx[3, 1] = 9
     cfg = MoeEpConfig(num_experts=8, hidden=8, intermediate=4, num_topk=4, num_ranks=1)
-    for a, b in zip(jax.jit(partial(KF.plan_routes, cfg))(idx), jax.jit(partial(KX.plan_routes, cfg))(idx)):
+    ours, want = jax.jit(partial(KF.plan_routes, cfg))(idx), jax.jit(partial(KX.plan_routes, cfg))(idx)
+    for a, b in ((getattr(ours, f), getattr(want, f)) for f in _PLAN_FIELDS):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     rows = rng.standard_normal((33 * 4, 40)).astype(np.float32)
     s = jax.jit(KF.slot_sum, static_argnums=(1, 2))(rows, 33, 4)

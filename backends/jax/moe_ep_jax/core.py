@@ -195,10 +195,10 @@ def make_plan(spec: LayerSpec, topk_idx: jax.Array) -> Plan:
     :meth:`~moe_ep_jax.kernels.ExpertKernels.plan_routes`.
     """
     e = spec.config.num_experts
-    send_route, route_pos, route_expert, counts = _kernels(spec).plan_routes(spec.config, topk_idx.astype(_I32))
-    mine = jnp.concatenate([counts[:e], (counts[e] > 0).astype(_I32)[None]])
+    local = _kernels(spec).plan_routes(spec.config, topk_idx.astype(_I32))
+    mine = jnp.concatenate([local.counts[:e], (local.counts[e] > 0).astype(_I32)[None]])
     table = lax.all_gather(mine, spec.axis_name)
-    return Plan(send_route=send_route, route_pos=route_pos, route_expert=route_expert, table=table)
+    return Plan(send_route=local.send_route, route_pos=local.route_pos, route_expert=local.route_expert, table=table)
 
 
 def _excl_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:

@@ -38,6 +38,7 @@ Buffer conventions every provider sees (``C`` rows, expert-major):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, Tuple, Union, runtime_checkable
 
 from .devices import prepare_environment as _prepare_environment
@@ -53,9 +54,32 @@ from moe_ep_spec.formats import MoeFormat
 
 from . import formats as F
 
-__all__ = ["ExpertKernels", "XlaKernels", "DEFAULT_KERNELS"]
+__all__ = ["ExpertKernels", "LocalPlan", "XlaKernels", "DEFAULT_KERNELS"]
 
 Tensor = Union[jax.Array, F.BlockScaled]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LocalPlan:
+    """One rank's routes before they are shared (what
+    :meth:`ExpertKernels.plan_routes` returns; a pytree, so it passes through jit).
+
+    Attributes:
+        send_route: ``[T*K] int32``: route ids sorted by (expert, route id); the
+            first ``sum(counts[:E])`` are routed, the rest are the unrouted ids
+            (-1 slots and bad ids) in route order.
+        route_pos: ``[T*K] int32``: each route id's position in ``send_route``,
+            -1 when unrouted.
+        route_expert: ``[T*K] int32``: each routed id's expert, -1 when unrouted.
+        counts: ``[E + 1] int32``: routes per expert, then the number of bad ids
+            (``counts[E] > 0`` is the plan's input-error flag).
+    """
+
+    send_route: jax.Array
+    route_pos: jax.Array
+    route_expert: jax.Array
+    counts: jax.Array
 
 
 @runtime_checkable
@@ -126,9 +150,7 @@ class ExpertKernels(Protocol):
         """Decode a plain array or BlockScaled to float32 (exact)."""
         ...
 
-    def plan_routes(
-        self, config: MoeEpConfig, topk_idx: jax.Array
-    ) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    def plan_routes(self, config: MoeEpConfig, topk_idx: jax.Array) -> "LocalPlan":
         """One rank's routes (spec section 4), stable by route id ``r = token * K + slot``.
 
         Args:
@@ -136,14 +158,7 @@ class ExpertKernels(Protocol):
                 outside ``[-1, num_experts)`` are input errors (not routed).
 
         Returns:
-            ``send_route [T*K] int32``: route ids sorted by (expert, route id);
-            the first ``sum(counts[:E])`` are routed, the rest are the unrouted
-            ids (-1 slots and bad ids) in route order.
-            ``route_pos [T*K] int32``: each route id's position in
-            ``send_route``, -1 when unrouted.
-            ``route_expert [T*K] int32``: each routed id's expert, -1 when unrouted.
-            ``counts [E + 1] int32``: routes per expert, then the number of
-            bad ids (``counts[E] > 0`` is the plan's input-error flag).
+            a :class:`LocalPlan`.
         """
         ...
 
@@ -207,7 +222,7 @@ class XlaKernels:
         route_pos = jnp.where(routed, positions, -1)
         route_expert = jnp.where(routed, flat, -1)
         counts = jnp.concatenate([counts, jnp.sum(bad, dtype=_I32)[None]])
-        return send_route, route_pos, route_expert, counts
+        return LocalPlan(send_route=send_route, route_pos=route_pos, route_expert=route_expert, counts=counts)
 
     def slot_sum(self, rows, num_tokens, num_topk):  # type: ignore[override]
         # (XLA's simplifier may fold the +0 start away, 0 + x -> x: a token whose

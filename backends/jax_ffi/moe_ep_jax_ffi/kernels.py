@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 
 from moe_ep_jax import formats as F
-from moe_ep_jax.kernels import XlaKernels
+from moe_ep_jax.kernels import LocalPlan, XlaKernels
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import ShapeError
 from moe_ep_spec.formats import MoeFormat, parse_format
@@ -217,9 +217,7 @@ class FfiKernels:
 
     # plan and combine reduction ------------------------------------------------
 
-    def plan_routes(
-        self, config: MoeEpConfig, topk_idx: jax.Array
-    ) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    def plan_routes(self, config: MoeEpConfig, topk_idx: jax.Array) -> LocalPlan:
         idx = jnp.asarray(topk_idx).astype(_I32)
         if idx.ndim != 2:
             raise ShapeError(f"topk_idx must have rank 2 (num_tokens, num_topk); got shape {idx.shape}", name="topk_idx")
@@ -232,7 +230,7 @@ class FfiKernels:
             idx,
             num_experts=int(e),
         )
-        return send_route, route_pos, route_expert, counts
+        return LocalPlan(send_route=send_route, route_pos=route_pos, route_expert=route_expert, counts=counts)
 
     def slot_sum(self, rows: jax.Array, num_tokens: int, num_topk: int) -> jax.Array:
         rows = jnp.asarray(rows).astype(_F32)
@@ -263,6 +261,19 @@ class FfiKernels:
                int(attrs["intermediate_format"]))
         )
 
+    @staticmethod
+    def _slabs(group_sizes: jax.Array, c_rows: int) -> jax.Array:
+        """``group_sizes`` as int32 slabs that fit the ``c_rows`` buffer rows.
+
+        The layer passes the received counts as they are; when some rank's
+        routes overflow the buffer (``recv_capacity``), the layer poisons every
+        result with NaN (its error flag), and the slabs here are cut at the
+        buffer's end (negative sizes count as 0), so that the native entry
+        points, which reject slabs past ``num_rows`` on the CPU, still run."""
+        gs = jnp.maximum(jnp.asarray(group_sizes).astype(_I32), 0)
+        ends = jnp.minimum(jnp.cumsum(gs), c_rows)
+        return jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(_I32)
+
     def expert_forward(self, config, x, w, fc1, fc2, group_sizes):  # type: ignore[no-untyped-def]
         xf, w1, w2 = self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2)
         c_rows, h = xf.shape
@@ -275,7 +286,7 @@ class FfiKernels:
         y, c, _ = _call(
             "moe_ep_expert_forward",
             [_sds((c_rows, h), _F32), _sds((c_rows, 2 * i), _F32), _sds((ws,), _U8)],
-            xf, jnp.asarray(w).astype(_F32), w1, w2, jnp.asarray(group_sizes).astype(_I32),
+            xf, jnp.asarray(w).astype(_F32), w1, w2, self._slabs(group_sizes, c_rows),
             **attrs,
         )
         return y, c
@@ -294,7 +305,7 @@ class FfiKernels:
             [_sds((c_rows, h), _F32), _sds((c_rows,), _F32), _sds((el, h, 2 * i), _F32), _sds((el, i, h), _F32),
              _sds((ws,), _U8)],
             xf, jnp.asarray(w).astype(_F32), w1, w2, jnp.asarray(fc1_c).astype(jnp.bfloat16),
-            jnp.asarray(dy).astype(_F32), jnp.asarray(group_sizes).astype(_I32),
+            jnp.asarray(dy).astype(_F32), self._slabs(group_sizes, c_rows),
             **attrs,
         )
         return dx, dw, dfc1, dfc2

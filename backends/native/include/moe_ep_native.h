@@ -17,6 +17,9 @@
  *   work). A build without CUDA answers MOE_EP_ERR_UNSUPPORTED to CUDA calls.
  * - Arrays are dense and row-major; shapes are given as `[dims] dtype: meaning`.
  *   bf16 is passed as its 16-bit pattern (uint16_t), float8 codes as uint8_t.
+ *   Every pointer is aligned to its element size (4 bytes for float and int32,
+ *   2 for bf16) and workspaces to 8 bytes (256 recommended); a misaligned
+ *   pointer is rejected with MOE_EP_ERR_INVALID_ARGUMENT.
  * - Sizes are int64_t and must be >= 0 (row counts may be 0); every size check
  *   happens on the host, before any work. Values inside device arrays cannot
  *   be checked by the CUDA implementation without a synchronisation: where the
@@ -136,7 +139,7 @@ MOE_EP_API moe_ep_status moe_ep_dequantize(moe_ep_device device, void* stream, m
  *   counts:       [num_experts + 1] int32 out: routes per expert, then the
  *                 number of expert ids outside [-1, num_experts) (input errors:
  *                 such slots are not routed; the caller raises).
- * num_experts >= 1, num_topk >= 1, num_tokens * num_topk < 2^31.
+ * 1 <= num_experts <= 2^30, num_topk >= 1, num_tokens * num_topk <= 2^31 - 2.
  */
 MOE_EP_API moe_ep_status moe_ep_plan_routes(moe_ep_device device, void* stream, const int32_t* topk_idx,
                                             int64_t num_tokens, int64_t num_topk, int64_t num_experts,

@@ -17,11 +17,11 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from moe_ep_spec.config import MoeEpConfig
-from moe_ep_spec.errors import DTypeError, ShapeError
+from moe_ep_spec.errors import DTypeError, FormatError, NativeArgumentError, ShapeError
 from moe_ep_spec.formats import BF16, BlockScaledTensor, MoeFormat, parse_format
 from moe_ep_spec.validation import check_shape
 
-from ._capi import ExpertDesc, Format, call, load
+from ._capi import ExpertDesc, Format, Status, call, load
 
 __all__ = ["quantize", "dequantize", "plan_routes", "permute_rows", "combine_reduce", "expert_forward",
            "expert_backward", "RoutePlan", "ExpertOutputs", "ExpertGrads", "expert_desc"]
@@ -46,10 +46,17 @@ def _float32(x: Any, name: str) -> np.ndarray:
 
 
 def _int32(x: Any, name: str) -> np.ndarray:
+    """An int32 copy of an integer array whose values fit int32 (never wrapped)."""
     a = np.asarray(x)
     if not np.issubdtype(a.dtype, np.integer):
         raise DTypeError(f"{name} must be an integer array; got dtype {a.dtype.name}", name=name, expected="int32",
                          got=a.dtype.name)
+    if a.size and a.dtype.itemsize >= 4 and a.dtype != np.int32:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < -(2**31) or hi > 2**31 - 1:
+            bad = lo if lo < -(2**31) else hi
+            raise NativeArgumentError(f"{name} values must fit int32 [-2^31, 2^31); got {bad}", op="moe_ep_native.host",
+                                      status=int(Status.INVALID_ARGUMENT), status_name="MOE_EP_ERR_INVALID_ARGUMENT")
     return np.ascontiguousarray(a, dtype=np.int32)
 
 
@@ -74,6 +81,8 @@ def quantize(x: Any, fmt: Union[MoeFormat, str], *, axis: int = -1) -> Union[Blo
         return out.view(BF16)
     if a.ndim == 0:
         raise ShapeError("quantize needs at least one axis for a block-scaled format; got a scalar", name="x")
+    if not -a.ndim <= axis < a.ndim:
+        raise FormatError(f"axis must be in [-{a.ndim}, {a.ndim}) for a {a.ndim}-d input; got {axis}")
     axis %= a.ndim
     outer, n, inner = _view(a.shape, axis)
     block = fmt.block_size
@@ -149,6 +158,9 @@ def permute_rows(tokens: np.ndarray, send_route: Any, num_topk: int) -> np.ndarr
         send_route: ``[num_rows]`` int: route ids in ``[0, num_tokens * num_topk)`` or -1.
     """
     tok = np.ascontiguousarray(tokens)
+    if tok.dtype.hasobject:
+        raise DTypeError(f"tokens must hold plain values (rows are copied as bytes); got dtype {tok.dtype}",
+                         name="tokens", got=str(tok.dtype))
     if tok.ndim < 1:
         raise ShapeError("tokens must have a row axis; got a scalar", name="tokens")
     route = _int32(send_route, "send_route").reshape(-1)

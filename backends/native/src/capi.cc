@@ -32,13 +32,19 @@ struct Check {
   moe_ep_status positive(const char* name, int64_t v) const {
     return v >= 1 ? MOE_EP_OK : bad(std::string(name) + " must be >= 1", std::to_string(v));
   }
-  // A pointer may be NULL only when the array it points to is empty.
-  moe_ep_status ptr(const char* name, const void* p, int64_t count) const {
-    return (p != nullptr || count == 0) ? MOE_EP_OK : bad(std::string(name) + " must not be NULL", "NULL");
+  // A pointer may be NULL only when the array it points to is empty, and must be
+  // aligned to its element size (`align` bytes).
+  moe_ep_status ptr(const char* name, const void* p, int64_t count, size_t align = 1) const {
+    if (p == nullptr) return count == 0 ? MOE_EP_OK : bad(std::string(name) + " must not be NULL", "NULL");
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+    if (addr % align != 0)
+      return bad(std::string(name) + " must be aligned to " + std::to_string(align) + " bytes",
+                 "an address " + std::to_string(addr % align) + " bytes past a multiple of " + std::to_string(align));
+    return MOE_EP_OK;
   }
   moe_ep_status product(const char* what, int64_t a, int64_t b, int64_t limit) const {
     if (a != 0 && b > limit / a)
-      return bad(std::string(what) + " must be < " + std::to_string(limit), std::to_string(a) + " * " + std::to_string(b));
+      return bad(std::string(what) + " must be <= " + std::to_string(limit), std::to_string(a) + " * " + std::to_string(b));
     return MOE_EP_OK;
   }
 };
@@ -52,6 +58,7 @@ struct Check {
 }  // namespace
 constexpr int64_t kInt32Limit = std::numeric_limits<int32_t>::max();
 constexpr int64_t kElemLimit = std::numeric_limits<int64_t>::max() / 16;
+constexpr int64_t kMaxExperts = int64_t{1} << 30;
 namespace {
 
 moe_ep_status check_device(const Check& ck, moe_ep_device device, void* stream) {
@@ -83,7 +90,7 @@ moe_ep_status check_format(const Check& ck, moe_ep_format fmt, const void* data,
   if (fmt != MOE_EP_FORMAT_BF16 && fmt != MOE_EP_FORMAT_MXFP8 && fmt != MOE_EP_FORMAT_NVFP4)
     return ck.bad("fmt must be MOE_EP_FORMAT_BF16 (1), MOE_EP_FORMAT_MXFP8 (2) or MOE_EP_FORMAT_NVFP4 (3)",
                   std::to_string(static_cast<int>(fmt)));
-  MOE_EP_TRY(ck.ptr("data", data, count));
+  MOE_EP_TRY(ck.ptr("data", data, count, fmt == MOE_EP_FORMAT_BF16 ? 2 : 1));
   if (fmt == MOE_EP_FORMAT_BF16) {
     if (scale != nullptr) return ck.bad("scale must be NULL for MOE_EP_FORMAT_BF16", "a non-NULL pointer");
     return MOE_EP_OK;
@@ -97,8 +104,14 @@ moe_ep_status check_desc(const Check& ck, const moe_ep_expert_desc* d) {
   MOE_EP_TRY(ck.positive("desc.hidden", d->hidden));
   MOE_EP_TRY(ck.positive("desc.intermediate", d->intermediate));
   MOE_EP_TRY(ck.positive("desc.num_local_experts", d->num_local_experts));
+  // Every product the entry points form, checked one factor at a time (no step can overflow).
+  MOE_EP_TRY(ck.product("4 * desc.intermediate", 4, d->intermediate, kElemLimit));
+  if (d->hidden > kElemLimit - 4 * d->intermediate)
+    return ck.bad("desc.hidden + 4 * desc.intermediate must be <= " + std::to_string(kElemLimit),
+                  std::to_string(d->hidden) + " + " + std::to_string(4 * d->intermediate));
   MOE_EP_TRY(ck.product("desc.num_rows * (desc.hidden + 4 * desc.intermediate)", d->num_rows, d->hidden + 4 * d->intermediate,
                         kElemLimit));
+  MOE_EP_TRY(ck.product("desc.hidden * 2 * desc.intermediate", d->hidden, 2 * d->intermediate, kElemLimit));
   MOE_EP_TRY(ck.product("desc.num_local_experts * desc.hidden * 2 * desc.intermediate", d->num_local_experts,
                         d->hidden * 2 * d->intermediate, kElemLimit));
   if (d->apply_topk_in_fc1 != 0 && d->apply_topk_in_fc1 != 1)
@@ -119,11 +132,11 @@ moe_ep_status check_desc(const Check& ck, const moe_ep_expert_desc* d) {
 moe_ep_status check_expert_operands(const Check& ck, const moe_ep_expert_desc& d, const float* x, const float* w,
                                     const float* fc1, const float* fc2, const int32_t* group_sizes) {
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E = d.num_local_experts;
-  MOE_EP_TRY(ck.ptr("x", x, C * H));
-  MOE_EP_TRY(ck.ptr("w", w, C));
-  MOE_EP_TRY(ck.ptr("fc1", fc1, E * H * 2 * I));
-  MOE_EP_TRY(ck.ptr("fc2", fc2, E * I * H));
-  return ck.ptr("group_sizes", group_sizes, E);
+  MOE_EP_TRY(ck.ptr("x", x, C * H, 4));
+  MOE_EP_TRY(ck.ptr("w", w, C, 4));
+  MOE_EP_TRY(ck.ptr("fc1", fc1, E * H * 2 * I, 4));
+  MOE_EP_TRY(ck.ptr("fc2", fc2, E * I * H, 4));
+  return ck.ptr("group_sizes", group_sizes, E, 4);
 }
 
 size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -131,7 +144,7 @@ size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 moe_ep_status check_workspace(const Check& ck, const void* workspace, size_t have, size_t need) {
   if (have < need) return ck.bad("workspace_bytes must be >= " + std::to_string(need), std::to_string(have));
   if (need > 0 && workspace == nullptr) return ck.bad("workspace must not be NULL", "NULL");
-  return MOE_EP_OK;
+  return ck.ptr("workspace", workspace, static_cast<int64_t>(need), 8);
 }
 
 }  // namespace
@@ -158,6 +171,7 @@ size_t backward_workspace_bytes(const moe_ep_expert_desc& d) {
 using moe_ep::Check;
 using moe_ep::kElemLimit;
 using moe_ep::kInt32Limit;
+using moe_ep::kMaxExperts;
 
 // Runs `call` on the chosen implementation, turning exceptions into statuses.
 #ifdef MOE_EP_NATIVE_WITH_CUDA
@@ -240,7 +254,7 @@ moe_ep_status moe_ep_quantize(moe_ep_device device, void* stream, moe_ep_format 
   MOE_EP_TRY(check_view(ck, outer, n, inner));
   const int64_t count = outer * n * inner;
   MOE_EP_TRY(check_format(ck, fmt, data, scale, count));
-  MOE_EP_TRY(ck.ptr("x", x, count));
+  MOE_EP_TRY(ck.ptr("x", x, count, 4));
   if (count == 0) return MOE_EP_OK;
   MOE_EP_DISPATCH(device, quantize(stream, fmt, x, outer, n, inner, data, scale))
 }
@@ -252,7 +266,7 @@ moe_ep_status moe_ep_dequantize(moe_ep_device device, void* stream, moe_ep_forma
   MOE_EP_TRY(check_view(ck, outer, n, inner));
   const int64_t count = outer * n * inner;
   MOE_EP_TRY(check_format(ck, fmt, data, scale, count));
-  MOE_EP_TRY(ck.ptr("out", out, count));
+  MOE_EP_TRY(ck.ptr("out", out, count, 4));
   if (count == 0) return MOE_EP_OK;
   MOE_EP_DISPATCH(device, dequantize(stream, fmt, data, scale, outer, n, inner, out))
 }
@@ -265,14 +279,15 @@ moe_ep_status moe_ep_plan_routes(moe_ep_device device, void* stream, const int32
   MOE_EP_TRY(ck.nonneg("num_tokens", num_tokens));
   MOE_EP_TRY(ck.positive("num_topk", num_topk));
   MOE_EP_TRY(ck.positive("num_experts", num_experts));
-  if (num_experts >= kInt32Limit) return ck.bad("num_experts must be < 2^31 - 1", std::to_string(num_experts));
-  MOE_EP_TRY(ck.product("num_tokens * num_topk", num_tokens, num_topk, kInt32Limit));
+  if (num_experts > kMaxExperts)
+    return ck.bad("num_experts must be <= " + std::to_string(kMaxExperts) + " (2^30)", std::to_string(num_experts));
+  MOE_EP_TRY(ck.product("num_tokens * num_topk", num_tokens, num_topk, kInt32Limit - 1));
   const int64_t routes = num_tokens * num_topk;
-  MOE_EP_TRY(ck.ptr("topk_idx", topk_idx, routes));
-  MOE_EP_TRY(ck.ptr("send_route", send_route, routes));
-  MOE_EP_TRY(ck.ptr("route_pos", route_pos, routes));
-  MOE_EP_TRY(ck.ptr("route_expert", route_expert, routes));
-  MOE_EP_TRY(ck.ptr("counts", counts, num_experts + 1));
+  MOE_EP_TRY(ck.ptr("topk_idx", topk_idx, routes, 4));
+  MOE_EP_TRY(ck.ptr("send_route", send_route, routes, 4));
+  MOE_EP_TRY(ck.ptr("route_pos", route_pos, routes, 4));
+  MOE_EP_TRY(ck.ptr("route_expert", route_expert, routes, 4));
+  MOE_EP_TRY(ck.ptr("counts", counts, num_experts + 1, 4));
   MOE_EP_DISPATCH(device, plan_routes(stream, topk_idx, num_tokens, num_topk, num_experts, send_route, route_pos,
                                       route_expert, counts))
 }
@@ -290,7 +305,7 @@ moe_ep_status moe_ep_permute_rows(moe_ep_device device, void* stream, const void
   MOE_EP_TRY(ck.product("num_tokens * row_bytes", num_tokens, row_bytes, kElemLimit));
   MOE_EP_TRY(ck.product("num_rows * row_bytes", num_rows, row_bytes, kElemLimit));
   MOE_EP_TRY(ck.ptr("tokens", tokens, num_tokens * row_bytes));
-  MOE_EP_TRY(ck.ptr("send_route", send_route, num_rows));
+  MOE_EP_TRY(ck.ptr("send_route", send_route, num_rows, 4));
   MOE_EP_TRY(ck.ptr("dst", dst, num_rows * row_bytes));
   if (num_rows == 0) return MOE_EP_OK;
   MOE_EP_DISPATCH(device, permute_rows(stream, tokens, num_tokens, num_topk, row_bytes, send_route, num_rows, dst))
@@ -312,8 +327,8 @@ moe_ep_status moe_ep_combine_reduce(moe_ep_device device, void* stream, const fl
     return ck.bad("num_rows must be num_tokens * num_topk = " + std::to_string(num_tokens * num_topk) +
                       " when route_pos is NULL",
                   std::to_string(num_rows));
-  MOE_EP_TRY(ck.ptr("rows", rows, num_rows * hidden));
-  MOE_EP_TRY(ck.ptr("out", out, num_tokens * hidden));
+  MOE_EP_TRY(ck.ptr("rows", rows, num_rows * hidden, 4));
+  MOE_EP_TRY(ck.ptr("out", out, num_tokens * hidden, 4));
   if (num_tokens == 0 || hidden == 0) return MOE_EP_OK;
   MOE_EP_DISPATCH(device, combine_reduce(stream, rows, num_rows, route_pos, num_tokens, num_topk, hidden, out))
 }
@@ -337,8 +352,8 @@ moe_ep_status moe_ep_expert_forward(moe_ep_device device, void* stream, const mo
   const moe_ep_expert_desc& d = *desc;
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
   MOE_EP_TRY(check_expert_operands(ck, d, x, w, fc1, fc2, group_sizes));
-  MOE_EP_TRY(ck.ptr("y", y, C * H));
-  MOE_EP_TRY(ck.ptr("c", c, C * 2 * I));
+  MOE_EP_TRY(ck.ptr("y", y, C * H, 4));
+  MOE_EP_TRY(ck.ptr("c", c, C * 2 * I, 4));
   MOE_EP_TRY(check_workspace(ck, workspace, workspace_bytes, moe_ep::forward_workspace_bytes(d)));
   MOE_EP_DISPATCH(device, expert_forward(stream, d, x, w, fc1, fc2, group_sizes, y, c, workspace))
 }
@@ -353,12 +368,12 @@ moe_ep_status moe_ep_expert_backward(moe_ep_device device, void* stream, const m
   const moe_ep_expert_desc& d = *desc;
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E = d.num_local_experts;
   MOE_EP_TRY(check_expert_operands(ck, d, x, w, fc1, fc2, group_sizes));
-  MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, C * 2 * I));
-  MOE_EP_TRY(ck.ptr("dy", dy, C * H));
-  MOE_EP_TRY(ck.ptr("dx", dx, C * H));
-  MOE_EP_TRY(ck.ptr("dw", dw, C));
-  MOE_EP_TRY(ck.ptr("dfc1", dfc1, E * H * 2 * I));
-  MOE_EP_TRY(ck.ptr("dfc2", dfc2, E * I * H));
+  MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, C * 2 * I, 2));
+  MOE_EP_TRY(ck.ptr("dy", dy, C * H, 4));
+  MOE_EP_TRY(ck.ptr("dx", dx, C * H, 4));
+  MOE_EP_TRY(ck.ptr("dw", dw, C, 4));
+  MOE_EP_TRY(ck.ptr("dfc1", dfc1, E * H * 2 * I, 4));
+  MOE_EP_TRY(ck.ptr("dfc2", dfc2, E * I * H, 4));
   MOE_EP_TRY(check_workspace(ck, workspace, workspace_bytes, moe_ep::backward_workspace_bytes(d)));
   MOE_EP_DISPATCH(device, expert_backward(stream, d, x, w, fc1, fc2, fc1_c, dy, group_sizes, dx, dw, dfc1, dfc2,
                                           workspace))
