@@ -44,7 +44,7 @@ from jax import lax
 from moe_ep_jax import formats as F
 from moe_ep_jax.kernels import LocalPlan, XlaKernels
 from moe_ep_spec.config import MoeEpConfig
-from moe_ep_spec.errors import ShapeError
+from moe_ep_spec.errors import FormatError, ShapeError
 from moe_ep_spec.formats import MoeFormat, parse_format
 
 from . import native
@@ -164,6 +164,8 @@ class FfiKernels:
         x = jnp.asarray(x)
         if x.ndim == 0:
             raise ShapeError("quantize needs at least one axis; got a scalar", name="x")
+        if not -x.ndim <= axis < x.ndim:
+            raise FormatError(f"axis must be in [-{x.ndim}, {x.ndim}) for a {x.ndim}-d input; got {axis}")
         axis %= x.ndim
         if x.size == 0:
             return F.quantize(x, fmt, axis=axis)
@@ -175,8 +177,7 @@ class FfiKernels:
             scale_shape: Tuple[int, ...] = (outer, 0, inner)
             data_dtype: Any = jnp.uint16
         else:
-            block = fmt.block_size
-            assert block is not None
+            block = int(fmt.block_size or 0)  # 32 (mxfp8) or 16 (nvfp4): only block formats reach here
             data_shape = (outer, -(-n // 2) if fmt is MoeFormat.NVFP4 else n, inner)
             scale_shape = (outer, -(-n // block), inner)
             data_dtype = _U8
