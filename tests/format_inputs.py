@@ -32,3 +32,14 @@ def format_inputs() -> Tuple[Dict[str, np.ndarray], List[np.ndarray]]:
     special[7, :20] = np.float32(2.0**-149)  # the smallest subnormal
     special[8] *= np.float32(2.0**-128)
     return golden, [rows, odd, special]
+
+
+_GOLDEN_PARTS = {"bf16": ("bf16_bits",), "mxfp8": ("mxfp8_data_bits", "mxfp8_scale_bits"),
+                 "nvfp4": ("nvfp4_data_packed", "nvfp4_scale_bits")}
+
+
+def golden_codes(golden: Dict[str, np.ndarray], fmt: str) -> List[np.ndarray]:
+    """The golden codes of ``fmt`` for the stacked rows of :func:`format_inputs`:
+    ``[bf16 bits]`` or ``[data codes, scale codes]``, as uint arrays."""
+    return [np.concatenate([golden[k.replace("input", part)] for k in golden if k.endswith("/input")])
+            for part in _GOLDEN_PARTS[fmt]]

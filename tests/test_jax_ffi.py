@@ -133,13 +133,21 @@ def _codes(a) -> np.ndarray:
 _PLAN_FIELDS = ("send_route", "route_pos", "route_expert", "counts")
 
 
+def _format_helpers():
+    try:  # tests/ may or may not be a package
+        from . import format_inputs
+    except ImportError:
+        import format_inputs
+    return format_inputs
+
+
 def _format_inputs():
     """The shared corner-case inputs of tests/format_inputs.py."""
-    try:  # tests/ may or may not be a package
-        from .format_inputs import format_inputs
-    except ImportError:
-        from format_inputs import format_inputs
-    return format_inputs()
+    return _format_helpers().format_inputs()
+
+
+def _golden_codes(golden, fmt):
+    return _format_helpers().golden_codes(golden, fmt)
 
 
 def _mesh(n: int) -> Mesh:
@@ -232,8 +240,7 @@ def test_formats_match_the_spec_bit_for_bit(fmt: str) -> None:
             assert np.array_equal(decoded, spec.dequantize(np.float32), equal_nan=True)
     # the independent golden vectors, code by code
     rows = inputs[0]
-    keys = {"bf16": ("bf16_bits",), "mxfp8": ("mxfp8_data_bits", "mxfp8_scale_bits"), "nvfp4": ("nvfp4_data_packed", "nvfp4_scale_bits")}
-    want = [np.concatenate([golden[k.replace("input", part)] for k in golden if k.endswith("/input")]) for part in keys[fmt]]
+    want = _golden_codes(golden, fmt)
     ours = quant(rows, fmt, -1)
     if fmt == "bf16":
         assert np.array_equal(np.asarray(ours).view(np.uint16), want[0])
