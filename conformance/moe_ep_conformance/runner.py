@@ -13,6 +13,7 @@ import copy
 import multiprocessing as mp
 import pickle
 import queue as queue_module
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -659,6 +660,9 @@ def run_case(
     return result
 
 
+#: Serialises the process starts of run_case_isolated (callers may use threads).
+_SPAWN_LOCK = threading.Lock()
+
 #: Seconds an isolated case's process gets to start (spawn, imports) on top of timeout_s.
 _STARTUP_S = 10.0
 
@@ -679,12 +683,13 @@ def run_case_isolated(
     if backend.capabilities.launch is not Launch.WORLD:
         return run_case(backend, case, timeout_s=timeout_s, tolerance_factor=tolerance_factor, device=device)
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(
-        target=_isolated_main, args=(backend, case, timeout_s, tolerance_factor, device, out), daemon=True
-    )
-    start = time.perf_counter()
-    proc.start()
+    with _SPAWN_LOCK:  # one process start at a time when callers run cases from several threads
+        out = ctx.Queue()
+        proc = ctx.Process(
+            target=_isolated_main, args=(backend, case, timeout_s, tolerance_factor, device, out), daemon=True
+        )
+        start = time.perf_counter()
+        proc.start()
     deadline = start + timeout_s + _STARTUP_S
     try:
         while True:
