@@ -50,6 +50,7 @@ __all__ = [
     "round_to_bf16",
     "block_scale",
     "round_with_scale",
+    "block_axis",
     "E4M3_VALUES",
     "E2M1_VALUES",
     "E4M3_MAX",
@@ -422,6 +423,18 @@ def _quantize_nvfp4(v: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(data), np.ascontiguousarray(scale)
 
 
+def block_axis(ndim: int, axis: int) -> int:
+    """The blocked axis of an ``ndim``-d input as ``0 <= axis < ndim``: the one
+    rule every quantizer (numpy, native, FFI) applies. Raises
+    :class:`ShapeError` for a scalar and :class:`FormatError` outside
+    ``[-ndim, ndim)``."""
+    if ndim == 0:
+        raise ShapeError("quantize needs at least one axis for a block-scaled format; got a scalar", name="x")
+    if not -ndim <= axis < ndim:
+        raise FormatError(f"axis must be in [-{ndim}, {ndim}) for a {ndim}-d input; got {axis}")
+    return axis % ndim
+
+
 def quantize(x: Any, fmt: FormatLike, *, axis: int = -1) -> Union[BlockScaledTensor, np.ndarray]:
     """Encode ``x`` in ``fmt``.
 
@@ -442,11 +455,7 @@ def quantize(x: Any, fmt: FormatLike, *, axis: int = -1) -> Union[BlockScaledTen
     v = _as_exact_float64(x, "x")
     if fmt is MoeFormat.BF16:
         return round_to_bf16(v)
-    if v.ndim == 0:
-        raise ShapeError("quantize needs at least one axis for a block-scaled format; got a scalar", name="x")
-    if not -v.ndim <= axis < v.ndim:
-        raise FormatError(f"axis must be in [-{v.ndim}, {v.ndim}) for a {v.ndim}-d input; got {axis}")
-    axis %= v.ndim
+    axis = block_axis(v.ndim, axis)
     if fmt is MoeFormat.MXFP8:
         data, scale = _quantize_mxfp8(v, axis)
     else:

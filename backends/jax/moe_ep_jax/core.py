@@ -178,7 +178,7 @@ class Layout(NamedTuple):
     src_prefix_me: jax.Array  # [n, El]: routes to my expert e from sources < s
     offsets: jax.Array  # [El + 1]: my slab starts (aligned), then the end of the last slab
     tokens_per_expert: jax.Array  # [El]
-    group_sizes: jax.Array  # [El]: my slab sizes (alignment padding included)
+    group_sizes: jax.Array  # [El]: my slab sizes (alignment padding included), cut at the buffer's end
     my_base: jax.Array  # [E]: where my first route to each global expert lands on its rank
     send_first_all: jax.Array  # [n, E]: every source's send position of its first route per expert
     error: jax.Array  # [] bool: a bad expert id on some rank, or some rank overflows C
@@ -227,6 +227,11 @@ def layout(spec: LayerSpec, plan: Plan) -> Layout:
     src_prefix_me = lax.dynamic_slice_in_dim(src_prefix, me * el, el, axis=1)
     my_base = offsets_all[:, :el].reshape(e) + src_prefix[me]
     offsets = offsets_all[me]
+    # The slabs the kernels see end at the buffer: on an overflow (error, every
+    # result poisoned with NaN) the last ones are cut, so every provider gets
+    # sizes >= 0 that sum to at most the buffer rows.
+    fit = jnp.minimum(ends[me], cap)
+    group_sizes = jnp.diff(fit, prepend=jnp.zeros((1,), fit.dtype)).astype(_I32)
     return Layout(
         me=me,
         my_counts=my_counts,
@@ -237,7 +242,7 @@ def layout(spec: LayerSpec, plan: Plan) -> Layout:
         src_prefix_me=src_prefix_me,
         offsets=offsets,
         tokens_per_expert=tot[me],
-        group_sizes=slabs[me],
+        group_sizes=group_sizes,
         my_base=my_base,
         send_first_all=_excl_cumsum(counts, axis=1),
         error=error,

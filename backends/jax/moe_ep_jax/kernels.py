@@ -30,7 +30,8 @@ Buffer conventions every provider sees (``C`` rows, expert-major):
 - local expert ``e`` owns rows ``[offset_e, offset_e + group_sizes[e])`` with
   ``offset_e = sum(group_sizes[:e])``: ``group_sizes`` are the slab sizes,
   alignment padding included (static layout), so slabs are contiguous. Rows
-  after ``sum(group_sizes)`` belong to no expert.
+  after ``sum(group_sizes)`` belong to no expert. The sizes are >= 0 and sum
+  to at most ``C`` (the layer cuts the slabs at the buffer's end on an overflow).
 - padding rows (alignment padding and the tail) hold zero tokens (zero codes),
   weight 0, zero stash and zero cotangent. The layer masks every result row that
   carries no route afterwards, so a provider need not.

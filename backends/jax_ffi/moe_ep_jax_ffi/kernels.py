@@ -44,8 +44,8 @@ from jax import lax
 from moe_ep_jax import formats as F
 from moe_ep_jax.kernels import LocalPlan, XlaKernels
 from moe_ep_spec.config import MoeEpConfig
-from moe_ep_spec.errors import FormatError, ShapeError
-from moe_ep_spec.formats import MoeFormat, parse_format
+from moe_ep_spec.errors import ShapeError
+from moe_ep_spec.formats import MoeFormat, block_axis, parse_format
 
 from . import native
 
@@ -162,11 +162,7 @@ class FfiKernels:
         :class:`~moe_ep_jax.formats.BlockScaled` (bit-exact with the spec)."""
         fmt = parse_format(fmt)
         x = jnp.asarray(x)
-        if x.ndim == 0:
-            raise ShapeError("quantize needs at least one axis; got a scalar", name="x")
-        if not -x.ndim <= axis < x.ndim:
-            raise FormatError(f"axis must be in [-{x.ndim}, {x.ndim}) for a {x.ndim}-d input; got {axis}")
-        axis %= x.ndim
+        axis = block_axis(x.ndim, axis)
         if x.size == 0:
             return F.quantize(x, fmt, axis=axis)
         x = x.astype(_F32)
@@ -262,19 +258,6 @@ class FfiKernels:
                int(attrs["intermediate_format"]))
         )
 
-    @staticmethod
-    def _slabs(group_sizes: jax.Array, c_rows: int) -> jax.Array:
-        """``group_sizes`` as int32 slabs that fit the ``c_rows`` buffer rows.
-
-        The layer passes the received counts as they are; when some rank's
-        routes overflow the buffer (``recv_capacity``), the layer poisons every
-        result with NaN (its error flag), and the slabs here are cut at the
-        buffer's end (negative sizes count as 0), so that the native entry
-        points, which reject slabs past ``num_rows`` on the CPU, still run."""
-        gs = jnp.maximum(jnp.asarray(group_sizes).astype(_I32), 0)
-        ends = jnp.minimum(jnp.cumsum(gs), c_rows)
-        return jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(_I32)
-
     def expert_forward(self, config, x, w, fc1, fc2, group_sizes):  # type: ignore[no-untyped-def]
         xf, w1, w2 = self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2)
         c_rows, h = xf.shape
@@ -287,7 +270,7 @@ class FfiKernels:
         y, c, _ = _call(
             "moe_ep_expert_forward",
             [_sds((c_rows, h), _F32), _sds((c_rows, 2 * i), _F32), _sds((ws,), _U8)],
-            xf, jnp.asarray(w).astype(_F32), w1, w2, self._slabs(group_sizes, c_rows),
+            xf, jnp.asarray(w).astype(_F32), w1, w2, jnp.asarray(group_sizes).astype(_I32),
             **attrs,
         )
         return y, c
@@ -306,7 +289,7 @@ class FfiKernels:
             [_sds((c_rows, h), _F32), _sds((c_rows,), _F32), _sds((el, h, 2 * i), _F32), _sds((el, i, h), _F32),
              _sds((ws,), _U8)],
             xf, jnp.asarray(w).astype(_F32), w1, w2, jnp.asarray(fc1_c).astype(jnp.bfloat16),
-            jnp.asarray(dy).astype(_F32), self._slabs(group_sizes, c_rows),
+            jnp.asarray(dy).astype(_F32), jnp.asarray(group_sizes).astype(_I32),
             **attrs,
         )
         return dx, dw, dfc1, dfc2

@@ -17,8 +17,8 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from moe_ep_spec.config import MoeEpConfig
-from moe_ep_spec.errors import DTypeError, FormatError, NativeArgumentError, ShapeError
-from moe_ep_spec.formats import BF16, BlockScaledTensor, MoeFormat, parse_format
+from moe_ep_spec.errors import DTypeError, NativeArgumentError, ShapeError
+from moe_ep_spec.formats import BF16, BlockScaledTensor, MoeFormat, block_axis, parse_format
 from moe_ep_spec.validation import check_shape
 
 from ._capi import ExpertDesc, Format, Status, call, load
@@ -79,11 +79,7 @@ def quantize(x: Any, fmt: Union[MoeFormat, str], *, axis: int = -1) -> Union[Blo
         out = np.empty(a.shape, np.uint16)
         call("moe_ep_quantize", _CPU, None, Format.BF16, _ptr(a), a.size, 1, 1, _ptr(out), None)
         return out.view(BF16)
-    if a.ndim == 0:
-        raise ShapeError("quantize needs at least one axis for a block-scaled format; got a scalar", name="x")
-    if not -a.ndim <= axis < a.ndim:
-        raise FormatError(f"axis must be in [-{a.ndim}, {a.ndim}) for a {a.ndim}-d input; got {axis}")
-    axis %= a.ndim
+    axis = block_axis(a.ndim, axis)
     outer, n, inner = _view(a.shape, axis)
     block = fmt.block_size
     data_n = -(-n // 2) if fmt is MoeFormat.NVFP4 else n
