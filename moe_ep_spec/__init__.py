@@ -40,6 +40,7 @@ from .errors import (
     FormatError,
     MoeEpError,
     NativeArgumentError,
+    TransportError,
     NativeError,
     RoutingIndexError,
     ShapeError,
@@ -118,4 +119,5 @@ __all__ = [
     "BackendUnavailableError",
     "NativeError",
     "NativeArgumentError",
+    "TransportError",
 ]

@@ -30,6 +30,7 @@ __all__ = [
     "BackendUnavailableError",
     "NativeError",
     "NativeArgumentError",
+    "TransportError",
 ]
 
 
@@ -209,6 +210,12 @@ class NativeArgumentError(NativeError, ValueError):
     """The native library rejected an argument (``MOE_EP_ERR_INVALID_ARGUMENT``):
     a size, pointer, enum or index broke the rule its message states. Nothing
     was written."""
+
+
+class TransportError(NativeError):
+    """The native transport (NCCL) failed or timed out (``MOE_EP_ERR_COMM``):
+    a peer that never joined or left, or an NCCL error. The communicator is
+    unusable afterwards and is destroyed."""
 
 
 def _rebuild_native_error(cls: type, message: str, op: str, status: int, status_name: str) -> NativeError:

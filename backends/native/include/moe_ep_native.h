@@ -60,6 +60,7 @@ typedef enum {
   MOE_EP_ERR_UNSUPPORTED = 2,      /* e.g. a CUDA call in a build without CUDA */
   MOE_EP_ERR_CUDA = 3,             /* the CUDA runtime reported an error */
   MOE_EP_ERR_INTERNAL = 4,         /* a bug in this library (out of memory included) */
+  MOE_EP_ERR_COMM = 5,             /* the transport (NCCL) failed or timed out */
 } moe_ep_status;
 
 typedef enum {
@@ -234,6 +235,86 @@ MOE_EP_API moe_ep_status moe_ep_expert_backward(moe_ep_device device, void* stre
                                                 const uint16_t* fc1_c, const float* dy, const int32_t* group_sizes,
                                                 float* dx, float* dw, float* dfc1, float* dfc2, void* workspace,
                                                 size_t workspace_bytes);
+
+/* ---------------------------------------------------------------- transport */
+
+/*
+ * The NCCL transport: moves rows between the ranks of one expert-parallel
+ * group. Built with MOE_EP_NATIVE_NCCL=ON (needs the CUDA implementation and
+ * NCCL, docs/native.md says how the build finds it); other builds answer
+ * MOE_EP_ERR_UNSUPPORTED to every call below except moe_ep_has_nccl.
+ *
+ * - A communicator is made from a unique id of MOE_EP_UNIQUE_ID_BYTES bytes
+ *   that one rank creates (moe_ep_comm_unique_id) and every rank receives out
+ *   of band (the PyTorch front-end passes it through torch.distributed's store).
+ * - Its NCCL communicator is non-blocking: moe_ep_comm_init returns
+ *   MOE_EP_ERR_COMM when the group has not formed within timeout_ms, and every
+ *   collective call waits (on the host, at most timeout_ms) only for NCCL to
+ *   have enqueued its work, never for the GPU.
+ * - moe_ep_comm_all_gather and moe_ep_comm_exchange are collective over the
+ *   communicator: every rank calls them in the same order with matching sizes.
+ *   They enqueue on `stream` (a cudaStream_t on the communicator's device, NULL
+ *   for the legacy default stream) and never synchronise, so they can be
+ *   captured in a CUDA graph.
+ * - A failure of NCCL (a peer gone, a timeout) returns MOE_EP_ERR_COMM; the
+ *   communicator must then be destroyed.
+ */
+
+#define MOE_EP_UNIQUE_ID_BYTES 128
+
+/** An NCCL communicator over num_ranks ranks (opaque). */
+typedef struct moe_ep_comm moe_ep_comm;
+
+/** 1 when the library was built with the NCCL transport, else 0. */
+MOE_EP_API int moe_ep_has_nccl(void);
+
+/**
+ * A new unique id for moe_ep_comm_init (one rank calls this).
+ *   id: [id_bytes] uint8 out; id_bytes must be MOE_EP_UNIQUE_ID_BYTES.
+ */
+MOE_EP_API moe_ep_status moe_ep_comm_unique_id(uint8_t* id, size_t id_bytes);
+
+/**
+ * Join the communicator of `id` as `rank` of `num_ranks` (collective: blocks
+ * until every rank has joined, at most timeout_ms).
+ *   id:          [id_bytes] uint8: the unique id; id_bytes must be MOE_EP_UNIQUE_ID_BYTES.
+ *   num_ranks:   >= 1;  rank: in [0, num_ranks);  cuda_device: a CUDA device ordinal.
+ *   timeout_ms:  >= 1: the bound on every host-side wait of this communicator.
+ *   comm:        out: the communicator (NULL on failure).
+ */
+MOE_EP_API moe_ep_status moe_ep_comm_init(const uint8_t* id, size_t id_bytes, int32_t num_ranks, int32_t rank,
+                                          int32_t cuda_device, int64_t timeout_ms, moe_ep_comm** comm);
+
+/** Finalize and free a communicator after its enqueued work (NULL: nothing to do); aborts it when finalizing fails. */
+MOE_EP_API moe_ep_status moe_ep_comm_destroy(moe_ep_comm* comm);
+
+/** num_ranks (out) and rank (out) of a communicator. */
+MOE_EP_API moe_ep_status moe_ep_comm_info(const moe_ep_comm* comm, int32_t* num_ranks, int32_t* rank);
+
+/**
+ * All-gather (the count exchange): recv[r] = rank r's send, for every rank r.
+ *   send: [bytes] bytes (device memory).
+ *   recv: [num_ranks, bytes] bytes out (device memory).
+ */
+MOE_EP_API moe_ep_status moe_ep_comm_all_gather(moe_ep_comm* comm, void* stream, const void* send, void* recv,
+                                                int64_t bytes);
+
+/**
+ * The variable-size row exchange (dispatch and combine): one grouped
+ * ncclSend/ncclRecv per peer with rows.
+ *   send:      [sum(send_rows), row_bytes] bytes (device): the rows for rank 0,
+ *              then those for rank 1, ...
+ *   send_rows: [num_ranks] int64 (host): rows for every rank, >= 0.
+ *   recv:      [sum(recv_rows), row_bytes] bytes out (device): rows from rank 0,
+ *              then from rank 1, ...
+ *   recv_rows: [num_ranks] int64 (host): rows from every rank, >= 0; must equal
+ *              what that rank sends here (not checkable locally: a mismatch is
+ *              an NCCL error or a hang that the timeout ends).
+ *   row_bytes: >= 1.
+ */
+MOE_EP_API moe_ep_status moe_ep_comm_exchange(moe_ep_comm* comm, void* stream, const void* send,
+                                              const int64_t* send_rows, void* recv, const int64_t* recv_rows,
+                                              int64_t row_bytes);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from moe_ep_spec.errors import NativeArgumentError, NativeError
+from moe_ep_spec.errors import NativeArgumentError, NativeError, TransportError
 
 __all__ = ["ABI_VERSION", "Format", "Status", "ExpertDesc", "library_path", "include_dir", "load", "call",
-           "abi_version", "has_cuda", "build_info"]
+           "abi_version", "has_cuda", "has_nccl", "build_info"]
 
 #: The ABI this binding was written for (MOE_EP_NATIVE_ABI_VERSION).
 ABI_VERSION = 1
@@ -29,6 +29,7 @@ class Status(enum.IntEnum):
     UNSUPPORTED = 2
     CUDA = 3
     INTERNAL = 4
+    COMM = 5
 
 
 class Format(enum.IntEnum):
@@ -112,6 +113,13 @@ _PROTOTYPES = {
     "moe_ep_expert_backward_workspace": (ctypes.c_size_t, [_DESC]),
     "moe_ep_expert_forward": (_I32, [_I32, _P, _DESC, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_size_t]),
     "moe_ep_expert_backward": (_I32, [_I32, _P, _DESC, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_size_t]),
+    "moe_ep_has_nccl": (ctypes.c_int, []),
+    "moe_ep_comm_unique_id": (_I32, [_P, ctypes.c_size_t]),
+    "moe_ep_comm_init": (_I32, [_P, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, _I64, ctypes.POINTER(_P)]),
+    "moe_ep_comm_destroy": (_I32, [_P]),
+    "moe_ep_comm_info": (_I32, [_P, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]),
+    "moe_ep_comm_all_gather": (_I32, [_P, _P, _P, _P, _I64]),
+    "moe_ep_comm_exchange": (_I32, [_P, _P, _P, ctypes.POINTER(_I64), _P, ctypes.POINTER(_I64), _I64]),
 }
 
 _LIB: Optional[ctypes.CDLL] = None
@@ -144,7 +152,7 @@ def call(name: str, *args: Any) -> None:
         return
     message = lib.moe_ep_last_error().decode("utf-8", "replace")
     status_name = lib.moe_ep_status_name(status).decode()
-    cls = NativeArgumentError if status == Status.INVALID_ARGUMENT else NativeError
+    cls = {Status.INVALID_ARGUMENT: NativeArgumentError, Status.COMM: TransportError}.get(status, NativeError)
     raise cls(message, op=name, status=int(status), status_name=status_name)
 
 
@@ -155,6 +163,11 @@ def abi_version() -> int:
 def has_cuda() -> bool:
     """Whether the loaded library was built with the CUDA implementation."""
     return bool(load().moe_ep_has_cuda())
+
+
+def has_nccl() -> bool:
+    """Whether the loaded library was built with the NCCL transport."""
+    return bool(load().moe_ep_has_nccl())
 
 
 def build_info() -> str:

@@ -243,6 +243,7 @@ const char* moe_ep_status_name(moe_ep_status status) {
     case MOE_EP_ERR_UNSUPPORTED: return "MOE_EP_ERR_UNSUPPORTED";
     case MOE_EP_ERR_CUDA: return "MOE_EP_ERR_CUDA";
     case MOE_EP_ERR_INTERNAL: return "MOE_EP_ERR_INTERNAL";
+    case MOE_EP_ERR_COMM: return "MOE_EP_ERR_COMM";
   }
   return "MOE_EP_ERR_UNKNOWN";
 }

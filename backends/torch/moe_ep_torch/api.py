@@ -23,7 +23,8 @@ Host synchronisation: one per call (see :mod:`moe_ep_torch.core`).
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Tuple
+from functools import partial
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,9 +36,11 @@ from moe_ep_spec.formats import MoeFormat
 from moe_ep_spec.validation import check_shape
 
 from . import core
-from .formats import TorchBlockScaled, decode_weight
+from .formats import TorchBlockScaled
 
-__all__ = ["moe_ep", "moe_ep_backward", "config_to_json", "config_from_json"]
+__all__ = [
+    "moe_ep", "moe_ep_backward", "LayerOps", "OPS", "run_forward", "run_backward", "config_to_json", "config_from_json",
+]
 
 _PLAIN = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -134,7 +137,12 @@ def _check_group(config: MoeEpConfig, group: Any) -> None:
         )
 
 
-def _run_forward(config: MoeEpConfig, group: Any, activation: Any, fc1: Any, fc2: Any, idx: Tensor, weights: Tensor) -> dict:
+def run_forward(
+    prims: Any, config: MoeEpConfig, group: Any, activation: Any, fc1: Any, fc2: Any, idx: Tensor, weights: Tensor
+) -> dict:
+    """The fused forward of this rank over ``group`` with ``prims`` (a
+    :class:`~moe_ep_torch.core.Primitives`): ``{"output", "fc1_c", "route_metadata"}``.
+    Every rank raises the same error class when any rank's input breaks a rule."""
     _check_group(config, group)
     error: Optional[BaseException] = None
     try:
@@ -145,94 +153,193 @@ def _run_forward(config: MoeEpConfig, group: Any, activation: Any, fc1: Any, fc2
     extra = "|".join(_encoding(t) for t in (activation, fc1, fc2)) if error is None else ""
     payload = core.route_payload(activation, weights, config.num_topk) if error is None else None
     num_tokens = int(activation.shape[0]) if error is None else 0
-    plan, recv = core.make_plan(config, idx if error is None else None, num_tokens, group, device, error, extra, payload)
-    return core.forward(config, plan, recv, activation, decode_weight(fc1), decode_weight(fc2), group)
+    plan, recv = core.make_plan(
+        config, idx if error is None else None, num_tokens, group, device, error, extra, payload, prims
+    )
+    return core.forward(config, plan, recv, activation, prims.decode_weight(fc1), prims.decode_weight(fc2), group, prims)
+
+
+def run_backward(
+    prims: Any,
+    config: MoeEpConfig,
+    group: Any,
+    grad_output: Tensor,
+    activation: Any,
+    fc1: Any,
+    fc2: Any,
+    idx: Tensor,
+    weights: Tensor,
+    fc1_c: Tensor,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The spec backward of this rank over ``group`` with ``prims``: float32
+    ``(grad_activation, grad_fc1_weight, grad_fc2_weight, grad_topk_weights)``."""
+    _check_group(config, group)
+    _check(config, group, activation, fc1, fc2, idx, weights)
+    payload = core.route_payload(activation, weights, config.num_topk, extra=[grad_output.float()])
+    plan, recv = core.make_plan(
+        config, idx, int(activation.shape[0]), group, activation.device, None,
+        "|".join(_encoding(t) for t in (activation, fc1, fc2)), payload, prims,
+    )
+    if fc1_c.shape[0] != plan.num_rows:
+        raise E.StashError(f"fc1_c must have {plan.num_rows} rows (the routes of topk_idx); got {fc1_c.shape[0]}")
+    g = core.backward(config, plan, recv, activation, fc1, fc2, fc1_c, group, prims)
+    return g["grad_activation"], g["grad_fc1_weight"], g["grad_fc2_weight"], g["grad_topk_weights"]
 
 
 # ----------------------------------------------------------------------------- custom ops
 
-
-@torch.library.custom_op("moe_ep::forward", mutates_args=())
-def _forward_op(
-    activation: Tensor,
-    fc1_weight: Tensor,
-    fc2_weight: Tensor,
-    topk_idx: Tensor,
-    topk_weights: Tensor,
-    config_json: str,
-    group_name: str,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(output [T, H] bf16, fc1_c [R, 2I] bf16, route_metadata [R, 4] int32)``."""
-    config = config_from_json(config_json)
-    out = _run_forward(config, _resolve(group_name), activation, fc1_weight, fc2_weight, topk_idx, topk_weights)
-    return out["output"], out["fc1_c"], out["route_metadata"].clone()
+ForwardFn = Callable[..., dict]
+BackwardFn = Callable[..., Tuple[Tensor, Tensor, Tensor, Tensor]]
 
 
-@_forward_op.register_fake
-def _forward_fake(activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config_json, group_name):
-    config = config_from_json(config_json)
-    rows = torch.library.get_ctx().new_dynamic_size()
-    out = activation.new_empty((activation.shape[0], config.hidden), dtype=torch.bfloat16)
-    fc1_c = activation.new_empty((rows, 2 * config.intermediate), dtype=torch.bfloat16)
-    meta = activation.new_empty((rows, 4), dtype=torch.int32)
-    return out, fc1_c, meta
+class LayerOps:
+    """``moe_ep`` and ``moe_ep_backward`` as two ``torch.library`` custom ops,
+    ``{namespace}::forward`` and ``{namespace}::backward``, with the spec's
+    backward registered as the forward's autograd formula and fake kernels
+    (``torch.compile`` tracing, ``torch.library.opcheck``).
+
+    Every torch front-end shares this layer and brings its own computation:
+    ``run_forward(config, group, activation, fc1, fc2, topk_idx, topk_weights)``
+    returns ``{"output", "fc1_c", "route_metadata"}`` and ``run_backward(config,
+    group, grad_output, activation, fc1, fc2, topk_idx, topk_weights, fc1_c)``
+    the four float32 gradients (:func:`run_forward` / :func:`run_backward` with
+    a :class:`~moe_ep_torch.core.Primitives` are the usual pair).
+
+    Args:
+        namespace: the custom ops' namespace (unique per process).
+        fixed_rows: where the stash has ``config.recv_capacity`` rows whatever
+            the routing (a static-shape mode), so the fake kernels say so.
+    """
+
+    def __init__(self, namespace: str, run_forward: ForwardFn, run_backward: BackwardFn, fixed_rows: bool = False) -> None:
+        self.namespace = namespace
+
+        @torch.library.custom_op(f"{namespace}::forward", mutates_args=())
+        def forward_op(
+            activation: Tensor,
+            fc1_weight: Tensor,
+            fc2_weight: Tensor,
+            topk_idx: Tensor,
+            topk_weights: Tensor,
+            config_json: str,
+            group_name: str,
+        ) -> Tuple[Tensor, Tensor, Tensor]:
+            """``(output [T, H] bf16, fc1_c [R, 2I] bf16, route_metadata [R, 4] int32)``."""
+            config = config_from_json(config_json)
+            out = run_forward(config, _resolve(group_name), activation, fc1_weight, fc2_weight, topk_idx, topk_weights)
+            return out["output"], out["fc1_c"], out["route_metadata"].clone()
+
+        @forward_op.register_fake
+        def _forward_fake(activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config_json, group_name):
+            config = config_from_json(config_json)
+            rows = config.recv_capacity if fixed_rows else torch.library.get_ctx().new_dynamic_size()
+            out = activation.new_empty((activation.shape[0], config.hidden), dtype=torch.bfloat16)
+            fc1_c = activation.new_empty((rows, 2 * config.intermediate), dtype=torch.bfloat16)
+            meta = activation.new_empty((rows, 4), dtype=torch.int32)
+            return out, fc1_c, meta
+
+        @torch.library.custom_op(f"{namespace}::backward", mutates_args=())
+        def backward_op(
+            grad_output: Tensor,
+            activation: Tensor,
+            fc1_weight: Tensor,
+            fc2_weight: Tensor,
+            topk_idx: Tensor,
+            topk_weights: Tensor,
+            fc1_c: Tensor,
+            config_json: str,
+            group_name: str,
+        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+            """The spec backward: float32 ``(grad_activation, grad_fc1_weight,
+            grad_fc2_weight, grad_topk_weights)``."""
+            config = config_from_json(config_json)
+            return run_backward(
+                config, _resolve(group_name), grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights,
+                fc1_c,
+            )
+
+        @backward_op.register_fake
+        def _backward_fake(grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c, config_json, group_name):
+            f32 = torch.float32
+            return (
+                activation.new_empty(activation.shape, dtype=f32),
+                fc1_weight.new_empty(fc1_weight.shape, dtype=f32),
+                fc2_weight.new_empty(fc2_weight.shape, dtype=f32),
+                topk_weights.new_empty(topk_weights.shape, dtype=f32),
+            )
+
+        def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor, Tensor]) -> None:
+            activation, fc1, fc2, idx, weights, config_json, group_name = inputs
+            _, fc1_c, _ = output
+            ctx.save_for_backward(activation, fc1, fc2, idx, weights, fc1_c)
+            ctx.config_json = config_json
+            ctx.group_name = group_name
+
+        def autograd_backward(ctx: Any, grad_out: Tensor, _grad_c: Any, _grad_meta: Any) -> Tuple[Any, ...]:
+            activation, fc1, fc2, idx, weights, fc1_c = ctx.saved_tensors
+            gx, g1, g2, gw = backward_op(grad_out, activation, fc1, fc2, idx, weights, fc1_c, ctx.config_json, ctx.group_name)
+            return gx, g1, g2, None, gw, None, None
+
+        forward_op.register_autograd(autograd_backward, setup_context=setup_context)
+        self.forward_op = forward_op
+        self.backward_op = backward_op
+        self._run_forward = run_forward
+
+    def moe_ep(
+        self,
+        activation: Any,
+        fc1_weight: Any,
+        fc2_weight: Any,
+        topk_idx: Tensor,
+        topk_weights: Tensor,
+        *,
+        config: MoeEpConfig,
+        group: Optional[Any] = None,
+    ) -> Any:
+        """See :func:`moe_ep_torch.api.moe_ep`."""
+        group = _group(group)
+        plain = all(isinstance(t, Tensor) for t in (activation, fc1_weight, fc2_weight))
+        if config.output_format is MoeFormat.BF16 and plain:
+            out, _, _ = self.forward_op(
+                activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config_to_json(config), _group_name(group)
+            )
+            return out
+        wants_grad = any(
+            isinstance(t, Tensor) and t.requires_grad for t in (activation, fc1_weight, fc2_weight, topk_weights)
+        )
+        if wants_grad and torch.is_grad_enabled():
+            raise E.CapabilityError(
+                "moe_ep is differentiable with plain float inputs and output_format bf16; got "
+                f"output_format {config.output_format.value} / block-scaled inputs with requires_grad",
+                feature="autograd",
+            )
+        with torch.no_grad():
+            return self._run_forward(config, group, activation, fc1_weight, fc2_weight, topk_idx, topk_weights)["output"]
+
+    def moe_ep_backward(
+        self,
+        grad_output: Tensor,
+        activation: Tensor,
+        fc1_weight: Tensor,
+        fc2_weight: Tensor,
+        topk_idx: Tensor,
+        topk_weights: Tensor,
+        fc1_c: Tensor,
+        *,
+        config: MoeEpConfig,
+        group: Optional[Any] = None,
+    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """See :func:`moe_ep_torch.api.moe_ep_backward`."""
+        group = _group(group)
+        return self.backward_op(
+            grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c,
+            config_to_json(config), _group_name(group),
+        )
 
 
-@torch.library.custom_op("moe_ep::backward", mutates_args=())
-def _backward_op(
-    grad_output: Tensor,
-    activation: Tensor,
-    fc1_weight: Tensor,
-    fc2_weight: Tensor,
-    topk_idx: Tensor,
-    topk_weights: Tensor,
-    fc1_c: Tensor,
-    config_json: str,
-    group_name: str,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The spec backward: float32 ``(grad_activation, grad_fc1_weight,
-    grad_fc2_weight, grad_topk_weights)``."""
-    config = config_from_json(config_json)
-    group = _resolve(group_name)
-    _check_group(config, group)
-    _check(config, group, activation, fc1_weight, fc2_weight, topk_idx, topk_weights)
-    payload = core.route_payload(activation, topk_weights, config.num_topk, extra=[grad_output.float()])
-    plan, recv = core.make_plan(
-        config, topk_idx, int(activation.shape[0]), group, activation.device, None,
-        "|".join(_encoding(t) for t in (activation, fc1_weight, fc2_weight)), payload,
-    )
-    if fc1_c.shape[0] != plan.num_rows:
-        raise E.StashError(f"fc1_c must have {plan.num_rows} rows (the routes of topk_idx); got {fc1_c.shape[0]}")
-    g = core.backward(config, plan, recv, activation, fc1_weight, fc2_weight, fc1_c, group)
-    return g["grad_activation"], g["grad_fc1_weight"], g["grad_fc2_weight"], g["grad_topk_weights"]
-
-
-@_backward_op.register_fake
-def _backward_fake(grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c, config_json, group_name):
-    f32 = torch.float32
-    return (
-        activation.new_empty(activation.shape, dtype=f32),
-        fc1_weight.new_empty(fc1_weight.shape, dtype=f32),
-        fc2_weight.new_empty(fc2_weight.shape, dtype=f32),
-        topk_weights.new_empty(topk_weights.shape, dtype=f32),
-    )
-
-
-def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor, Tensor]) -> None:
-    activation, fc1, fc2, idx, weights, config_json, group_name = inputs
-    _, fc1_c, _ = output
-    ctx.save_for_backward(activation, fc1, fc2, idx, weights, fc1_c)
-    ctx.config_json = config_json
-    ctx.group_name = group_name
-
-
-def _autograd_backward(ctx: Any, grad_out: Tensor, _grad_c: Any, _grad_meta: Any) -> Tuple[Any, ...]:
-    activation, fc1, fc2, idx, weights, fc1_c = ctx.saved_tensors
-    gx, g1, g2, gw = _backward_op(grad_out, activation, fc1, fc2, idx, weights, fc1_c, ctx.config_json, ctx.group_name)
-    return gx, g1, g2, None, gw, None, None
-
-
-_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+#: The torch backend's ops: ``moe_ep::forward`` and ``moe_ep::backward``.
+OPS = LayerOps("moe_ep", partial(run_forward, core.TORCH), partial(run_backward, core.TORCH))
+_forward_op, _backward_op = OPS.forward_op, OPS.backward_op
 
 
 # ----------------------------------------------------------------------------- public
@@ -269,22 +376,7 @@ def moe_ep(
         rounding straight-through); otherwise a TorchBlockScaled (no autograd).
         Every rank raises the same error class when any rank's input breaks a rule.
     """
-    group = _group(group)
-    plain = all(isinstance(t, Tensor) for t in (activation, fc1_weight, fc2_weight))
-    if config.output_format is MoeFormat.BF16 and plain:
-        out, _, _ = _forward_op(
-            activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config_to_json(config), _group_name(group)
-        )
-        return out
-    wants_grad = any(isinstance(t, Tensor) and t.requires_grad for t in (activation, fc1_weight, fc2_weight, topk_weights))
-    if wants_grad and torch.is_grad_enabled():
-        raise E.CapabilityError(
-            "moe_ep is differentiable with plain float inputs and output_format bf16; got "
-            f"output_format {config.output_format.value} / block-scaled inputs with requires_grad",
-            feature="autograd",
-        )
-    with torch.no_grad():
-        return _run_forward(config, group, activation, fc1_weight, fc2_weight, topk_idx, topk_weights)["output"]
+    return OPS.moe_ep(activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config=config, group=group)
 
 
 def moe_ep_backward(
@@ -302,8 +394,6 @@ def moe_ep_backward(
     """The spec's explicit backward (collective): float32 ``(grad_activation,
     grad_fc1_weight, grad_fc2_weight, grad_topk_weights)`` from the forward's
     inputs and its ``fc1_c`` stash."""
-    group = _group(group)
-    return _backward_op(
-        grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c,
-        config_to_json(config), _group_name(group),
+    return OPS.moe_ep_backward(
+        grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c, config=config, group=group
     )

@@ -175,6 +175,14 @@ class TorchBackend(MoeEpBackend):
     version = __version__
     capabilities = Capabilities(launch=Launch.PROCESS_PER_RANK, devices=("cpu", "cuda"))
 
+    @property
+    def prims(self) -> Any:
+        """The :class:`~moe_ep_torch.core.Primitives` this backend runs on
+        (a subclass that brings its own kernels overrides this)."""
+        from .core import TORCH
+
+        return TORCH
+
     def availability(self) -> Availability:
         if importlib.util.find_spec("torch") is None:
             return Availability(False, "torch is not installed (pip install torch)")
@@ -222,7 +230,6 @@ class TorchBackend(MoeEpBackend):
         Returns ``(group, plan, received payload, activation, fc1, fc2)``; the
         payload carries ``extra_rows(device)`` per token after the weights."""
         from . import core
-        from .formats import decode_weight
 
         group, device = self._prepare(config, ctx)
         error: Optional[BaseException] = None
@@ -236,13 +243,13 @@ class TorchBackend(MoeEpBackend):
         extra = ""
         if error is None:
             act = to_torch(inputs.activation, device)
-            fc1 = decode_weight(to_torch(inputs.fc1_weight, device, weight=True))
-            fc2 = decode_weight(to_torch(inputs.fc2_weight, device, weight=True))
+            fc1 = self.prims.decode_weight(to_torch(inputs.fc1_weight, device, weight=True))
+            fc2 = self.prims.decode_weight(to_torch(inputs.fc2_weight, device, weight=True))
             idx = to_torch(inputs.topk_idx, device)
             rows = [] if extra_rows is None else extra_rows(device)
             payload = core.route_payload(act, to_torch(inputs.topk_weights, device), config.num_topk, extra=rows)
             extra = "|".join(_encoding(x) for x in (inputs.activation, inputs.fc1_weight, inputs.fc2_weight))
-        plan, recv = core.make_plan(config, idx, num_tokens, group, device, error, extra, payload)
+        plan, recv = core.make_plan(config, idx, num_tokens, group, device, error, extra, payload, self.prims)
         return group, plan, recv, act, fc1, fc2
 
     def forward_rank(self, config: MoeEpConfig, ctx: RankContext, inputs: RankInputs) -> ForwardResult:
@@ -250,7 +257,7 @@ class TorchBackend(MoeEpBackend):
 
         self.require(config, "forward")
         group, plan, recv, act, fc1, fc2 = self._planned(config, ctx, inputs)
-        out = core.forward(config, plan, recv, act, fc1, fc2, group)
+        out = core.forward(config, plan, recv, act, fc1, fc2, group, self.prims)
         if not config.generate_c:
             return ForwardResult(to_numpy(out["output"]))
         return ForwardResult(
@@ -282,7 +289,7 @@ class TorchBackend(MoeEpBackend):
                 f"{tuple(int(x) for x in stash.route_metadata[row])}, the routing gives {tuple(int(x) for x in expected[row])}"
             )
         fc1_c = to_torch(stash.fc1_c, act.device)
-        grads = core.backward(config, plan, recv, act, fc1, fc2, fc1_c, group)
+        grads = core.backward(config, plan, recv, act, fc1, fc2, fc1_c, group, self.prims)
         return BackwardResult(**{name: t.float().cpu().numpy() for name, t in grads.items()})
 
     # ---------------------------------------------------------------- layered
@@ -305,7 +312,7 @@ class TorchBackend(MoeEpBackend):
         else:
             tokens = idx = payload = None
         extra = _encoding(inputs.tokens) if error is None else ""
-        plan, recv = core.make_plan(config, idx, num_tokens, group, device, error, extra, payload)
+        plan, recv = core.make_plan(config, idx, num_tokens, group, device, error, extra, payload, self.prims)
         buf = core.buffer_tokens(plan, tokens, recv[:-1])
         w_buf = core.to_buffer(plan, recv[-1])
         handle = DispatchHandle(
@@ -321,21 +328,16 @@ class TorchBackend(MoeEpBackend):
         return DispatchResult(tokens=to_numpy(buf), topk_weights=w_buf.float().cpu().numpy(), handle=handle)
 
     def combine_rank(self, config: MoeEpConfig, ctx: RankContext, handle: DispatchHandle, expert_out: np.ndarray) -> Any:
-        import torch
-
         from . import core
-        from . import formats as TF
 
         self.require(config, "combine")
         group, device = self._prepare(config, ctx)
         v.validate_expert_out(config, expert_out, handle)
         plan = _plan_from_handle(handle, device)
         y = to_torch(expert_out, device).float()
-        rows = TF.round_trip(core.from_buffer(plan, y), config.combine_format)
-        (back,) = core.exchange_back(plan, [rows], group)
-        out = core.encode_output(config, core.sum_slots(core.to_slots(plan, back)))
-        del torch
-        return to_numpy(out)
+        rows = self.prims.round_trip(core.from_buffer(plan, y), config.combine_format)
+        (back,) = core.exchange_back(plan, [rows], group, self.prims)
+        return to_numpy(self.prims.encode_output(config, self.prims.sum_slots(plan, back)))
 
     def combine_backward_rank(
         self, config: MoeEpConfig, ctx: RankContext, handle: DispatchHandle, grad_output: np.ndarray
@@ -350,7 +352,7 @@ class TorchBackend(MoeEpBackend):
         plan = _plan_from_handle(handle, device)
         g = to_torch(grad_output, device).float()
         token_index = torch.div(plan.send_route, plan.num_topk, rounding_mode="floor")
-        (recv,) = core.exchange(plan, [g[token_index]], group)
+        (recv,) = core.exchange(plan, [g[token_index]], group, self.prims)
         return core.to_buffer(plan, recv).cpu().numpy()
 
     def dispatch_backward_rank(
@@ -371,8 +373,8 @@ class TorchBackend(MoeEpBackend):
         plan = _plan_from_handle(handle, device)
         gt = core.from_buffer(plan, to_torch(grad_tokens, device).float())
         gw = core.from_buffer(plan, to_torch(grad_topk_weights, device).float())
-        gt_back, gw_back = core.exchange_back(plan, [gt, gw], group)
+        gt_back, gw_back = core.exchange_back(plan, [gt, gw], group, self.prims)
         return DispatchGrads(
-            grad_tokens=core.sum_slots(core.to_slots(plan, gt_back)).cpu().numpy(),
+            grad_tokens=self.prims.sum_slots(plan, gt_back).cpu().numpy(),
             grad_topk_weights=core.to_slots(plan, gw_back).cpu().numpy(),
         )

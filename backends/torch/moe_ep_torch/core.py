@@ -30,7 +30,10 @@ from moe_ep_spec.formats import MoeFormat
 
 from . import formats as TF
 
-__all__ = ["Plan", "make_plan", "route_payload", "exchange", "exchange_back", "forward", "backward", "ERROR_CODES"]
+__all__ = [
+    "Plan", "Primitives", "TORCH", "make_plan", "route_payload", "exchange", "exchange_back", "forward", "backward",
+    "ERROR_CODES",
+]
 
 #: Error classes that travel between ranks as codes (0 = no error).
 ERROR_CODES: Tuple[type, ...] = (
@@ -63,6 +66,63 @@ def fingerprint(config: MoeEpConfig, extra: str = "") -> int:
     fields = {k: (v.value if isinstance(v, MoeFormat) else v) for k, v in vars(config).items()}
     text = json.dumps(fields, sort_keys=True, default=str) + "|" + extra
     return (zlib.crc32(text.encode()) << 30) ^ zlib.crc32(text[::-1].encode())
+
+
+class Primitives:
+    """The operations the layer is built from: collectives, codecs, the expert
+    MLP and the slot reduction.
+
+    These are the torch backend's own (torch ops, ``torch.distributed``
+    collectives). Another provider overrides them and keeps everything else of
+    this module and of :mod:`moe_ep_torch.api`: the plan, the payload packing,
+    the error sharing and the autograd formula (the ``cuda-nccl`` backend runs
+    the native core's kernels and NCCL transport this way).
+    """
+
+    #: Shown in reports and error messages.
+    name = "torch"
+
+    def all_gather(self, row: torch.Tensor, group: Any) -> torch.Tensor:
+        """``[num_ranks, L]``: every rank's ``row`` (``[L] int64``), in rank order."""
+        gathered = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, row, group=group)
+        return torch.stack(gathered)
+
+    def all_to_all(self, x: torch.Tensor, send_counts: List[int], recv_counts: List[int], group: Any) -> torch.Tensor:
+        """Rows of ``x`` (``[sum(send_counts), ...]``, grouped by destination rank)
+        to their ranks; returns ``[sum(recv_counts), ...]`` grouped by source rank."""
+        out = torch.empty((sum(recv_counts),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+        return out
+
+    def decode(self, t: Any) -> torch.Tensor:
+        """float32 values of a plain tensor or a TorchBlockScaled, exactly."""
+        return TF.decode(t)
+
+    def decode_weight(self, w: Any) -> Any:
+        """An expert weight for :meth:`experts_forward` (see
+        :func:`moe_ep_torch.formats.decode_weight`)."""
+        return TF.decode_weight(w)
+
+    def round_trip(self, values: torch.Tensor, fmt: MoeFormat) -> torch.Tensor:
+        """``decode(encode(values))`` in ``fmt`` (float32 in and out)."""
+        return TF.round_trip(values, fmt)
+
+    def encode_output(self, config: MoeEpConfig, values: torch.Tensor) -> Any:
+        """``[T, H]`` float32 encoded in ``config.output_format``."""
+        return encode_output(config, values)
+
+    def experts_forward(self, config: MoeEpConfig, plan: "Plan", x, w, fc1, fc2) -> Tuple[torch.Tensor, torch.Tensor]:
+        """See :func:`experts_forward`."""
+        return experts_forward(config, plan, x, w, fc1, fc2)
+
+    def experts_backward(self, config: MoeEpConfig, plan: "Plan", x, w, fc1, fc2, fc1_c, dy):
+        """See :func:`experts_backward`; ``fc1_c`` is the bfloat16 stash."""
+        return experts_backward(config, plan, x, w, fc1, fc2, fc1_c.float(), dy)
+
+    def sum_slots(self, plan: "Plan", send_rows: torch.Tensor) -> torch.Tensor:
+        """The Form-A reduction of send-order rows: ``[T, ...]`` float32, slot order from +0."""
+        return sum_slots(to_slots(plan, send_rows))
 
 
 @dataclass
@@ -143,6 +203,7 @@ def make_plan(
     input_error: Optional[BaseException] = None,
     fingerprint_extra: str = "",
     payload: Optional[Callable[[torch.Tensor], List[torch.Tensor]]] = None,
+    prims: Optional[Primitives] = None,
 ) -> Tuple[Plan, List[torch.Tensor]]:
     """Plan the routes of this rank and move their payload (collective: one
     all-gather, one host sync, one all_to_all_single).
@@ -151,8 +212,9 @@ def make_plan(
     with every rank so that all of them raise. ``topk_idx`` may be None then.
     ``payload(send_route)`` returns per-route rows in send order that travel
     with the routes' metadata; their received rows (received order) are
-    returned with the plan.
+    returned with the plan. ``prims`` (default :data:`TORCH`) runs the collectives.
     """
+    prims = prims or TORCH
     n, el, k = config.num_ranks, config.num_local_experts, config.num_topk
     rank = dist.get_rank(group)
     if input_error is None:
@@ -173,9 +235,7 @@ def make_plan(
         counts = torch.zeros(n * el, dtype=torch.int64, device=device)
         code = torch.tensor(error_code(input_error), device=device)
     mine = torch.cat([counts, code.reshape(1).to(torch.int64), torch.tensor([fingerprint(config, fingerprint_extra)], device=device)])
-    gathered = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(gathered, mine, group=group)
-    table = torch.stack(gathered).tolist()  # the one host synchronisation
+    table = prims.all_gather(mine, group).tolist()  # the one host synchronisation
     codes = [int(row[n * el]) for row in table]
     prints = [int(row[n * el + 1]) for row in table]
     if codes[rank] == _ROUTING_CODE and input_error is None:
@@ -222,7 +282,7 @@ def make_plan(
     meta_send = torch.stack([local, t, s], dim=1).to(torch.int32)
     parts = [meta_send] + (payload(send_route) if payload is not None else [])
     blob, layout = _pack(parts, send_route.numel())
-    received = _unpack(_a2a(blob, send_counts, recv_counts, group), layout)
+    received = _unpack(prims.all_to_all(blob, send_counts, recv_counts, group), layout)
     meta_recv = received[0]
     src = torch.repeat_interleave(
         torch.arange(n, device=device, dtype=torch.int32), torch.tensor(recv_counts, device=device)
@@ -260,12 +320,6 @@ def make_plan(
     return plan, received[1:]
 
 
-def _a2a(x: torch.Tensor, send_counts: List[int], recv_counts: List[int], group: Any) -> torch.Tensor:
-    out = torch.empty((sum(recv_counts),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
-    return out
-
-
 def _pack(parts: Sequence[torch.Tensor], rows: int) -> Tuple[torch.Tensor, List[Tuple[torch.dtype, Tuple[int, ...], int]]]:
     """Concatenate per-row payload parts into one ``[rows, bytes] uint8`` tensor."""
     blobs, layout = [], []
@@ -275,6 +329,17 @@ def _pack(parts: Sequence[torch.Tensor], rows: int) -> Tuple[torch.Tensor, List[
         blobs.append(b)
         layout.append((p.dtype, tuple(p.shape[1:]), b.shape[1]))
     return torch.cat(blobs, dim=1), layout
+
+
+def pack_rows(parts: Sequence[torch.Tensor], rows: int) -> Tuple[torch.Tensor, List[Tuple[torch.dtype, Tuple[int, ...], int]]]:
+    """Per-row payload parts (``[rows, ...]`` each) as one ``[rows, bytes] uint8``
+    tensor, and the layout :func:`unpack_rows` takes."""
+    return _pack(parts, rows)
+
+
+def unpack_rows(blob: torch.Tensor, layout: List[Tuple[torch.dtype, Tuple[int, ...], int]]) -> List[torch.Tensor]:
+    """The parts of a :func:`pack_rows` blob (any number of rows)."""
+    return _unpack(blob, layout)
 
 
 def _row_elems(p: torch.Tensor) -> int:
@@ -294,18 +359,20 @@ def _unpack(blob: torch.Tensor, layout: List[Tuple[torch.dtype, Tuple[int, ...],
     return out
 
 
-def exchange(plan: Plan, parts: Sequence[torch.Tensor], group: Any) -> List[torch.Tensor]:
+def exchange(plan: Plan, parts: Sequence[torch.Tensor], group: Any, prims: Optional[Primitives] = None) -> List[torch.Tensor]:
     """Send per-route rows (send order) to their expert's rank; returns the
-    received rows in received order. One all_to_all_single of packed bytes."""
+    received rows in received order. One all-to-all of packed bytes."""
     blob, layout = _pack(parts, plan.send_route.numel())
-    return _unpack(_a2a(blob, plan.send_counts, plan.recv_counts, group), layout)
+    return _unpack((prims or TORCH).all_to_all(blob, plan.send_counts, plan.recv_counts, group), layout)
 
 
-def exchange_back(plan: Plan, parts: Sequence[torch.Tensor], group: Any) -> List[torch.Tensor]:
+def exchange_back(
+    plan: Plan, parts: Sequence[torch.Tensor], group: Any, prims: Optional[Primitives] = None
+) -> List[torch.Tensor]:
     """The reverse of :func:`exchange`: received-order rows back to their source
     rank, in send order."""
     blob, layout = _pack(parts, int(sum(plan.recv_counts)))
-    return _unpack(_a2a(blob, plan.recv_counts, plan.send_counts, group), layout)
+    return _unpack((prims or TORCH).all_to_all(blob, plan.recv_counts, plan.send_counts, group), layout)
 
 
 # ----------------------------------------------------------------------------- experts
@@ -530,18 +597,24 @@ def forward(
     fc1: Any,
     fc2: Any,
     group: Any,
+    prims: Optional[Primitives] = None,
 ) -> Dict[str, Any]:
     """The fused forward of one rank, given its plan and the received payload
     of :func:`route_payload` (token parts, then weights)."""
-    x_buf = TF.decode(buffer_tokens(plan, activation, recv[:-1]))
-    if isinstance(activation, torch.Tensor) and activation.dtype == torch.bfloat16 and x_buf.is_cuda:
-        x_buf = x_buf.to(torch.bfloat16)  # exact: lets CUDA use the grouped bf16 GEMM
+    prims = prims or TORCH
+    x_buf = prims.decode(buffer_tokens(plan, activation, recv[:-1]))
     w_buf = to_buffer(plan, recv[-1])
-    fc1_d = fc1 if isinstance(fc1, torch.Tensor) and fc1.dtype == torch.bfloat16 and fc1.is_cuda else TF.decode(fc1)
-    fc2_d = fc2 if isinstance(fc2, torch.Tensor) and fc2.dtype == torch.bfloat16 and fc2.is_cuda else TF.decode(fc2)
-    y, c = experts_forward(config, plan, x_buf, w_buf, fc1_d, fc2_d)
-    (back,) = exchange_back(plan, [from_buffer(plan, y)], group)
-    out = encode_output(config, sum_slots(to_slots(plan, back)))
+    if prims is TORCH:  # bf16 operands stay bf16 (exact) so that CUDA can use the bf16 GEMMs
+        bf16_cuda = lambda t: isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_cuda  # noqa: E731
+        if bf16_cuda(activation):
+            x_buf = x_buf.to(torch.bfloat16)
+        fc1_d = fc1 if bf16_cuda(fc1) else prims.decode(fc1)
+        fc2_d = fc2 if bf16_cuda(fc2) else prims.decode(fc2)
+    else:
+        fc1_d, fc2_d = prims.decode(fc1), prims.decode(fc2)
+    y, c = prims.experts_forward(config, plan, x_buf, w_buf, fc1_d, fc2_d)
+    (back,) = exchange_back(plan, [from_buffer(plan, y)], group, prims)
+    out = prims.encode_output(config, prims.sum_slots(plan, back))
     return {"output": out, "fc1_c": c.to(torch.bfloat16), "route_metadata": plan.route_metadata}
 
 
@@ -554,19 +627,26 @@ def backward(
     fc2: Any,
     fc1_c: torch.Tensor,
     group: Any,
+    prims: Optional[Primitives] = None,
 ) -> Dict[str, torch.Tensor]:
     """The spec backward of one rank, given its plan, the received payload of
-    :func:`route_payload` with the output cotangent as extra, and the stash."""
-    x_buf = TF.decode(buffer_tokens(plan, activation, recv[:-2]))
+    :func:`route_payload` with the output cotangent as extra, and the stash
+    (``fc1_c`` bfloat16)."""
+    prims = prims or TORCH
+    x_buf = prims.decode(buffer_tokens(plan, activation, recv[:-2]))
     w_buf = to_buffer(plan, recv[-2])
     dy_buf = to_buffer(plan, recv[-1].float())
-    dx, dw, dfc1, dfc2 = experts_backward(
-        config, plan, x_buf, w_buf, TF.decode(fc1), TF.decode(fc2), fc1_c.float(), dy_buf
+    dx, dw, dfc1, dfc2 = prims.experts_backward(
+        config, plan, x_buf, w_buf, prims.decode(fc1), prims.decode(fc2), fc1_c, dy_buf
     )
-    dx_back, dw_back = exchange_back(plan, [from_buffer(plan, dx), from_buffer(plan, dw)], group)
+    dx_back, dw_back = exchange_back(plan, [from_buffer(plan, dx), from_buffer(plan, dw)], group, prims)
     return {
-        "grad_activation": sum_slots(to_slots(plan, dx_back)),
+        "grad_activation": prims.sum_slots(plan, dx_back),
         "grad_fc1_weight": dfc1,
         "grad_fc2_weight": dfc2,
         "grad_topk_weights": to_slots(plan, dw_back),
     }
+
+
+#: The torch backend's primitives.
+TORCH = Primitives()

@@ -1,0 +1,87 @@
+"""``cuda-nccl``: the world-level MoeEp backend over the native core's CUDA
+kernels and NCCL transport, one process per rank.
+
+It is the ``torch`` backend (:class:`moe_ep_torch.backend.TorchBackend`: the
+numpy conversions, the plan, the error sharing, dispatch/combine and the
+stash checks) with :data:`moe_ep_cuda_nccl.prims.NATIVE` as its primitives.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+from moe_ep_spec.backend import Availability, Capabilities, Launch
+from moe_ep_torch.backend import TorchBackend
+
+__all__ = ["CudaNcclBackend", "CPU_ENV"]
+
+__version__ = "0.1.0"
+
+#: See :data:`moe_ep_cuda_nccl.prims.CPU_ENV` (kept here so that detection imports nothing heavy).
+CPU_ENV = "MOE_EP_CUDA_NCCL_ON_CPU"
+
+
+def _on_cpu() -> bool:
+    return os.environ.get(CPU_ENV, "") == "1"
+
+
+class CudaNcclBackend(TorchBackend):
+    """MoeEp on CUDA: the native core's kernels (codecs, grouped SwiGLU MLP
+    forward and backward, Form-A reduction) and its NCCL transport (count
+    all-gather, grouped send/receive of rows), driven from PyTorch.
+
+    Every format, both router-weight placements, the clamp, the stash, the
+    backward and dispatch/combine in both layouts, at any EP size. With
+    ``MOE_EP_CUDA_NCCL_ON_CPU=1`` it also runs on CPU tensors (the native CPU
+    kernels, gloo in place of NCCL): a test mode for machines without a GPU.
+    """
+
+    name = "cuda-nccl"
+    version = __version__
+
+    def __init__(self) -> None:
+        devices = ("cuda", "cpu") if _on_cpu() else ("cuda",)
+        self.capabilities = Capabilities(launch=Launch.PROCESS_PER_RANK, devices=devices)
+
+    @property
+    def prims(self) -> Any:
+        from .prims import NATIVE
+
+        return NATIVE
+
+    def availability(self) -> Availability:
+        base = super().availability()
+        if not base.available:
+            return base
+        if importlib.util.find_spec("moe_ep_native") is None:
+            return Availability(False, "moe-ep-native is not installed (pip install backends/native)")
+        try:
+            import moe_ep_native
+            import torch
+
+            moe_ep_native.load()
+        except Exception as exc:  # noqa: BLE001 - report, never raise
+            return Availability(False, f"the native core did not load: {type(exc).__name__}: {exc}")
+        if _on_cpu():
+            return Availability(True)
+        if not moe_ep_native.has_cuda():
+            return Availability(
+                False, "libmoe_ep_native was built without CUDA (rebuild with MOE_EP_NATIVE_CUDA=1 MOE_EP_NATIVE_NCCL=1)"
+            )
+        if not moe_ep_native.has_nccl():
+            return Availability(
+                False, "libmoe_ep_native was built without the NCCL transport (rebuild with MOE_EP_NATIVE_NCCL=1)"
+            )
+        if not torch.cuda.is_available():
+            return Availability(False, "no CUDA device is visible to torch (torch.cuda.is_available() is False)")
+        return Availability(True)
+
+    def framework_versions(self) -> dict:
+        import moe_ep_native
+
+        out = super().framework_versions()
+        out["moe_ep_native"] = moe_ep_native.build_info()
+        out["native_nccl"] = "yes" if moe_ep_native.has_nccl() else "no"
+        return out

@@ -1,0 +1,294 @@
+"""The native core's kernels and NCCL transport as the torch layer's primitives.
+
+:class:`NativePrimitives` overrides :class:`moe_ep_torch.core.Primitives`:
+every codec, the grouped SwiGLU MLP forward and backward and the slot
+reduction run in ``libmoe_ep_native`` (C ABI, through ctypes) on the tensors'
+own memory, enqueued on the current CUDA stream; the count exchange and the
+row exchanges run over the native NCCL transport (one communicator per
+process group, bootstrapped through ``torch.distributed``'s store). The plan,
+the payload packing, the error sharing and the autograd formula are the torch
+layer's (:mod:`moe_ep_torch.core`, :mod:`moe_ep_torch.api`).
+
+CPU tensors (the development mode of :data:`CPU_ENV`) run the native core's
+CPU kernels, with ``torch.distributed`` (gloo) moving the rows.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from moe_ep_native import _capi as C
+from moe_ep_native.comm import Communicator, unique_id
+from moe_ep_native.host import expert_desc
+from moe_ep_spec.config import MoeEpConfig
+from moe_ep_spec.formats import MoeFormat
+from moe_ep_torch import core
+from moe_ep_torch import formats as TF
+
+__all__ = ["NativePrimitives", "NATIVE", "CPU_ENV", "TIMEOUT_ENV", "close_communicators"]
+
+#: ``1``: the backend runs on CPU tensors too (native CPU kernels, gloo): for
+#: testing this front-end on machines without a GPU.
+CPU_ENV = "MOE_EP_CUDA_NCCL_ON_CPU"
+#: Seconds every host-side wait of the NCCL transport may take (default 300).
+TIMEOUT_ENV = "MOE_EP_CUDA_NCCL_TIMEOUT_S"
+
+_FORMAT = {MoeFormat.BF16: C.Format.BF16, MoeFormat.MXFP8: C.Format.MXFP8, MoeFormat.NVFP4: C.Format.NVFP4}
+_BLOCK = {MoeFormat.MXFP8: 32, MoeFormat.NVFP4: 16}
+
+
+def ptr(t: torch.Tensor) -> Optional[int]:
+    """The address of a contiguous tensor's data; None (NULL) when it is empty."""
+    return t.data_ptr() if t.numel() else None
+
+
+def where(t: torch.Tensor) -> Tuple[int, Optional[int]]:
+    """``(moe_ep_device, stream)`` of a tensor: CUDA and its device's current stream, or CPU."""
+    if t.is_cuda:
+        return 1, torch.cuda.current_stream(t.device).cuda_stream or None
+    return 0, None
+
+
+def quantize(x: torch.Tensor, fmt: MoeFormat) -> Any:
+    """``x`` (float32, encoded along its last axis) in ``fmt``: a bfloat16 tensor or a TorchBlockScaled."""
+    x = x.float().contiguous()
+    n = int(x.shape[-1])
+    outer = x.numel() // n if n else 0
+    dev, stream = where(x)
+    lead = tuple(x.shape[:-1])
+    if fmt is MoeFormat.BF16:
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        C.call("moe_ep_quantize", dev, stream, int(C.Format.BF16), ptr(x), outer, n, 1, ptr(out), None)
+        return out
+    data_n = n if fmt is MoeFormat.MXFP8 else -(-n // 2)
+    data = torch.empty(lead + (data_n,), dtype=torch.uint8, device=x.device)
+    scale = torch.empty(lead + (-(-n // _BLOCK[fmt]),), dtype=torch.uint8, device=x.device)
+    C.call("moe_ep_quantize", dev, stream, int(_FORMAT[fmt]), ptr(x), outer, n, 1, ptr(data), ptr(scale))
+    return TF.from_raw(data, scale, fmt, n)
+
+
+def dequantize(t: TF.TorchBlockScaled) -> torch.Tensor:
+    """float32 values of a TorchBlockScaled (blocked along its last axis), exactly."""
+    data, scale = (p.contiguous() for p in TF.raw(t))
+    shape = t.shape
+    out = torch.empty(shape, dtype=torch.float32, device=data.device)
+    n = int(t.n)
+    outer = out.numel() // n if n else 0
+    dev, stream = where(data)
+    C.call("moe_ep_dequantize", dev, stream, int(_FORMAT[t.format]), ptr(data), ptr(scale), outer, n, 1, ptr(out))
+    return out
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+class NativePrimitives(core.Primitives):
+    """The torch layer over ``libmoe_ep_native``: kernels and NCCL transport."""
+
+    name = "cuda-nccl"
+
+    def __init__(self) -> None:
+        self._comms: Dict[Tuple[str, int], Tuple[Any, Communicator]] = {}
+        self._generation: Dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------- transport
+
+    def communicator(self, group: Any) -> Communicator:
+        """This rank's NCCL communicator for ``group`` (collective on first use:
+        rank 0 of the group makes a unique id and passes it through the default
+        store; every rank joins on its current CUDA device)."""
+        name = group.group_name
+        key = (name, id(group))
+        with self._lock:
+            entry = self._comms.get(key)
+            if entry is not None and not entry[1].closed:
+                return entry[1]
+            gen = self._generation.get(name, 0)
+            self._generation[name] = gen + 1
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = dist.PrefixStore(f"moe_ep_cuda_nccl/{name}/{gen}/", _get_default_store())
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if rank == 0:
+            store.set("unique_id", unique_id())
+        uid = store.get("unique_id")  # waits at most the store's timeout
+        timeout = float(os.environ.get(TIMEOUT_ENV, "300"))
+        comm = Communicator(bytes(uid), size, rank, torch.cuda.current_device(), timeout)
+        with self._lock:
+            self._comms[key] = (group, comm)  # the group is kept so that its id stays unique
+        return comm
+
+    def close(self, group: Optional[Any] = None) -> None:
+        """Destroy the communicator of ``group`` (every one when None)."""
+        with self._lock:
+            keys = [k for k, (g, _) in self._comms.items() if group is None or g is group]
+            entries = [self._comms.pop(k) for k in keys]
+        errors = []
+        for _, comm in entries:
+            try:
+                comm.close()
+            except Exception as exc:  # noqa: BLE001 - close them all, then report
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def all_gather(self, row: torch.Tensor, group: Any) -> torch.Tensor:
+        if not row.is_cuda:
+            return super().all_gather(row, group)
+        row = row.contiguous()
+        out = torch.empty((dist.get_world_size(group),) + tuple(row.shape), dtype=row.dtype, device=row.device)
+        stream = torch.cuda.current_stream(row.device).cuda_stream
+        self.communicator(group).all_gather(stream, ptr(row), ptr(out), row.numel() * row.element_size())
+        return out
+
+    def all_to_all(self, x: torch.Tensor, send_counts: List[int], recv_counts: List[int], group: Any) -> torch.Tensor:
+        if not x.is_cuda:
+            return super().all_to_all(x, send_counts, recv_counts, group)
+        x = x.contiguous()
+        out = torch.empty((sum(recv_counts),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        row_bytes = x.element_size()
+        for d in x.shape[1:]:
+            row_bytes *= int(d)
+        if row_bytes == 0:
+            return out
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        self.communicator(group).exchange(stream, ptr(x), send_counts, ptr(out), recv_counts, row_bytes)
+        return out
+
+    # ----------------------------------------------------------------- codecs
+
+    def decode(self, t: Any) -> torch.Tensor:
+        if isinstance(t, TF.TorchBlockScaled):
+            return dequantize(t)
+        return t.float()
+
+    def decode_weight(self, w: Any) -> Any:
+        if isinstance(w, TF.TorchBlockScaled):
+            return dequantize(w).transpose(1, 2).contiguous()
+        return w
+
+    def round_trip(self, values: torch.Tensor, fmt: Optional[MoeFormat]) -> torch.Tensor:
+        if fmt is None:
+            return values
+        return self.decode(quantize(values, fmt))
+
+    def encode_output(self, config: MoeEpConfig, values: torch.Tensor) -> Any:
+        return quantize(values, config.output_format)
+
+    # ---------------------------------------------------------------- experts
+
+    def experts_forward(self, config, plan, x, w, fc1, fc2):
+        offsets = plan.expert_offsets
+        group_sizes = torch.tensor(
+            [b - a for a, b in zip(offsets[:-1], offsets[1:])], dtype=torch.int32, device=x.device
+        )
+        y, c = expert_forward(config, x, w, fc1, fc2, group_sizes)
+        y = self.round_trip(y, config.combine_format)
+        valid = plan.valid_rows.unsqueeze(1)
+        return torch.where(valid, y, torch.zeros_like(y)), torch.where(valid, c, torch.zeros_like(c))
+
+    def experts_backward(self, config, plan, x, w, fc1, fc2, fc1_c, dy):
+        offsets = plan.expert_offsets
+        group_sizes = torch.tensor(
+            [b - a for a, b in zip(offsets[:-1], offsets[1:])], dtype=torch.int32, device=x.device
+        )
+        return expert_backward(config, x, w, fc1, fc2, fc1_c, dy, group_sizes)
+
+    def sum_slots(self, plan: Any, send_rows: torch.Tensor) -> torch.Tensor:
+        k, t = plan.num_topk, plan.num_tokens
+        route_pos = torch.full((t * k,), -1, dtype=torch.int32, device=send_rows.device)
+        route_pos[plan.send_route] = torch.arange(plan.send_route.numel(), dtype=torch.int32, device=send_rows.device)
+        return combine_reduce(send_rows, route_pos, t, k)
+
+
+def expert_forward(
+    config: MoeEpConfig, x: torch.Tensor, w: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, group_sizes: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``moe_ep_expert_forward`` on tensors: ``(y [C, H], c [C, 2I])`` float32
+    (``y`` before the combine round trip). ``group_sizes`` ``[E_local] int32``
+    on the rows' device: slab sizes from row 0 (their sum at most C)."""
+    x, w, fc1, fc2 = _f32(x), _f32(w), _f32(fc1), _f32(fc2)
+    gs = group_sizes.to(torch.int32).contiguous()  # every operand bound to a name: alive until the call returns
+    rows, h, i = int(x.shape[0]), config.hidden, config.intermediate
+    desc = expert_desc(config, rows, int(fc1.shape[0]))
+    lib = C.load()
+    ws = torch.empty(int(lib.moe_ep_expert_forward_workspace(ctypes.byref(desc))), dtype=torch.uint8, device=x.device)
+    y = torch.empty((rows, h), dtype=torch.float32, device=x.device)
+    c = torch.empty((rows, 2 * i), dtype=torch.float32, device=x.device)
+    dev, stream = where(x)
+    C.call(
+        "moe_ep_expert_forward", dev, stream, ctypes.byref(desc), ptr(x), ptr(w), ptr(fc1), ptr(fc2),
+        ptr(gs), ptr(y), ptr(c), ptr(ws), ws.numel(),
+    )
+    return y, c
+
+
+def expert_backward(
+    config: MoeEpConfig,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    fc1_c: torch.Tensor,
+    dy: torch.Tensor,
+    group_sizes: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_ep_expert_backward`` on tensors: float32 ``(dx [C, H], dw [C],
+    dfc1 [E_local, H, 2I], dfc2 [E_local, I, H])`` from the bf16 stash ``fc1_c``."""
+    x, w, fc1, fc2, dy = _f32(x), _f32(w), _f32(fc1), _f32(fc2), _f32(dy)
+    stash = fc1_c.to(torch.bfloat16).contiguous()
+    gs = group_sizes.to(torch.int32).contiguous()
+    rows, h = int(x.shape[0]), config.hidden
+    desc = expert_desc(config, rows, int(fc1.shape[0]))
+    lib = C.load()
+    ws = torch.empty(int(lib.moe_ep_expert_backward_workspace(ctypes.byref(desc))), dtype=torch.uint8, device=x.device)
+    dx = torch.empty((rows, h), dtype=torch.float32, device=x.device)
+    dw = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    dfc1 = torch.empty(fc1.shape, dtype=torch.float32, device=x.device)
+    dfc2 = torch.empty(fc2.shape, dtype=torch.float32, device=x.device)
+    dev, stream = where(x)
+    C.call(
+        "moe_ep_expert_backward", dev, stream, ctypes.byref(desc), ptr(x), ptr(w), ptr(fc1), ptr(fc2), ptr(stash),
+        ptr(dy), ptr(gs), ptr(dx), ptr(dw), ptr(dfc1), ptr(dfc2), ptr(ws), ws.numel(),
+    )
+    return dx, dw, dfc1, dfc2
+
+
+def combine_reduce(rows: torch.Tensor, route_pos: torch.Tensor, num_tokens: int, num_topk: int) -> torch.Tensor:
+    """``moe_ep_combine_reduce``: ``[T, ...]`` float32, ``sum_k rows[route_pos[t*K+k]]``
+    in slot order from +0 (``route_pos`` ``[T*K] int32``, -1 adds nothing)."""
+    tail = tuple(rows.shape[1:])
+    hidden = 1
+    for d in tail:
+        hidden *= int(d)
+    flat = _f32(rows).reshape(rows.shape[0], hidden)
+    pos = route_pos.to(torch.int32).contiguous()
+    out = torch.empty((num_tokens, hidden), dtype=torch.float32, device=rows.device)
+    dev, stream = where(flat)
+    C.call(
+        "moe_ep_combine_reduce", dev, stream, ptr(flat), int(flat.shape[0]), ptr(pos), num_tokens, num_topk, hidden,
+        ptr(out),
+    )
+    return out.reshape((num_tokens,) + tail)
+
+
+#: The primitives of the ``cuda-nccl`` backend (one set of communicators per process).
+NATIVE = NativePrimitives()
+
+
+def close_communicators(group: Optional[Any] = None) -> None:
+    """Destroy this process's NCCL communicators of ``group`` (all when None);
+    call it before ``torch.distributed.destroy_process_group``. Runs at exit too."""
+    NATIVE.close(group)
+
+
+atexit.register(lambda: NATIVE.close() if NATIVE._comms else None)
