@@ -1,0 +1,219 @@
+"""The cuda-nccl backend's PyTorch front-end.
+
+On CPU (CI) the same front-end runs the native core's CPU kernels over gloo:
+the static-shape mode against the host-synchronised one, bit for bit, its
+error record, and the backend's availability report. The full conformance
+table runs on CPU through ``MOE_EP_CUDA_NCCL_ON_CPU=1`` in
+tests/test_conformance_suite.py. The CUDA tests (NCCL transport, CUDA-graph
+capture and replay) need GPUs and run on the device machine
+(scripts/gpu_cuda_nccl_check.sh).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("moe_ep_cuda_nccl")
+
+import moe_ep_native  # noqa: E402
+from moe_ep_spec import MoeEpConfig, get_backend  # noqa: E402
+from moe_ep_spec.inputs import random_world  # noqa: E402
+
+import cuda_nccl_workers as W  # noqa: E402
+from torch_workers import run_ranks  # noqa: E402
+
+CONFIG = MoeEpConfig(
+    num_experts=8, hidden=64, intermediate=32, num_topk=2, num_ranks=2, max_tokens_per_rank=12,
+    recv_capacity=40, expert_alignment=4, generate_c=True,
+)
+
+
+def _world(config: MoeEpConfig, seed: int, tokens=(12, 9)):
+    world = random_world(config, num_tokens=list(tokens)[: config.num_ranks], seed=seed)
+    rng = np.random.default_rng(seed + 100)
+    grads = [rng.standard_normal((w.activation.shape[0], config.hidden)).astype(np.float32) for w in world]
+    return world, grads
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _nccl_ready() -> bool:
+    try:
+        return moe_ep_native.has_cuda() and moe_ep_native.has_nccl()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _ok(results):
+    for r, res in enumerate(results):
+        assert not (isinstance(res, tuple) and res and res[0] == "error"), f"rank {r} failed:\n{res[1]}"
+    return results
+
+
+def test_unavailable_on_cpu_with_the_reason(monkeypatch) -> None:
+    if _gpus() and _nccl_ready():
+        pytest.skip("this machine can run cuda-nccl")
+    monkeypatch.delenv("MOE_EP_CUDA_NCCL_ON_CPU", raising=False)
+    backend = type(get_backend("cuda-nccl", require_available=False))()
+    avail = backend.availability()
+    assert not avail.available
+    assert any(s in avail.reason for s in ("without CUDA", "without the NCCL transport", "no CUDA device")), avail.reason
+    assert backend.capabilities.devices == ("cuda",)
+
+
+def test_cpu_mode_is_available_and_declares_cpu(monkeypatch) -> None:
+    monkeypatch.setenv("MOE_EP_CUDA_NCCL_ON_CPU", "1")
+    from moe_ep_cuda_nccl.backend import CudaNcclBackend
+
+    backend = CudaNcclBackend()
+    assert backend.availability().available, backend.availability().reason
+    assert "cpu" in backend.capabilities.devices
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"apply_topk_in_fc1": True, "gate_up_clamp": 1.5},
+        {"output_format": "mxfp8", "combine_format": "mxfp8", "intermediate_format": "nvfp4"},
+    ],
+    ids=["bf16", "topk_in_fc1-clamp", "mxfp8-nvfp4"],
+)
+def test_static_mode_matches_the_synced_mode_bit_for_bit_on_cpu(variant) -> None:
+    config = CONFIG.replace(**variant)
+    world, grads = _world(config, seed=3)
+    if config.output_format.value != "bf16":
+        pytest.skip("autograd needs a bf16 output; covered by the other variants")
+    results = _ok(run_ranks(W.static_matches_synced, 2, config, world, grads, "cpu"))
+    for rank, res in enumerate(results):
+        for key, want in res["synced"].items():
+            got = res["static"][key]
+            assert np.array_equal(got, want, equal_nan=True), f"rank {rank}: static {key} differs from the synced mode"
+        for key, got in res["autograd"].items():
+            assert np.array_equal(got, res["static"][key]), f"rank {rank}: loss.backward() {key} differs from moe_ep_backward"
+        assert (res["static"]["route_metadata"][:, 0] >= 0).any(), f"rank {rank}: no routed rows"
+
+
+def test_static_mode_block_scaled_output_matches_the_synced_mode_on_cpu() -> None:
+    config = CONFIG.replace(output_format="mxfp8", combine_format="mxfp8", intermediate_format="nvfp4")
+    world, _ = _world(config, seed=5)
+    results = _ok(run_ranks(W.static_block_scaled, 2, config, world, "cpu"))
+    for rank, res in enumerate(results):
+        assert res["data_equal"] and res["scale_equal"], f"rank {rank}: static mxfp8 output differs from the synced mode"
+
+
+@pytest.mark.parametrize(
+    "mutate,expected",
+    [
+        ("expert_id", r"RoutingIndexError: rank \d: topk_idx values must be in \[-1, num_experts\) = \[-1, 8\)"),
+        ("overflow", r"CapacityError: rank \d: received rows after aligning .* must be <= recv_capacity = 40 on every rank; got 48"),
+    ],
+)
+def test_static_mode_errors_make_every_output_nan_and_check_errors_raise(mutate: str, expected: str) -> None:
+    # seed 6, 12 tokens a rank: aligned receive rows 32 and 28 (fit in 40); rank 1 routing
+    # everything to expert 0 makes rank 0's 48
+    world, _ = _world(CONFIG, seed=6, tokens=(12, 12))
+    config = CONFIG
+    results = _ok(run_ranks(W.static_errors, 2, config, world, mutate, "cpu"))
+
+
+    for rank, res in enumerate(results):
+        assert res["all_nan"], f"rank {rank}: output not NaN after a {mutate} on rank 1"
+        assert re.search(expected, res["error"]), f"rank {rank}: check_errors gave {res['error']!r}"
+        assert res["good_is_finite"], f"rank {rank}: a good call after the error was not finite"
+
+
+def test_static_mode_needs_capacity_and_max_tokens() -> None:
+    config = CONFIG.replace(recv_capacity=None, expert_alignment=1)
+    world, grads = _world(config, seed=1)
+    results = run_ranks(W.static_matches_synced, 2, config, world, grads, "cpu")
+    for res in results:
+        assert isinstance(res, tuple) and "ConfigError" in res[1] and "needs recv_capacity and max_tokens_per_rank" in res[1]
+
+
+def test_transport_falls_back_to_torch_distributed_on_cpu() -> None:
+    results = _ok(run_ranks(W.comm_exchange, 2, "cpu"))
+    for rank, res in enumerate(results):
+        assert res["gathered"] == [[r * 10 + j for j in range(5)] for r in range(2)]
+        assert res["recv_ok"], f"rank {rank}: exchanged rows out of place"
+
+
+def test_full_conformance_table_passes_in_cpu_mode(tmp_path) -> None:
+    """The whole table (every operation, format and layout, EP 1, 2 and 4) through the
+    front-end, the native CPU kernels and gloo: what the GPU run checks on CUDA and NCCL."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    report = tmp_path / "report.json"
+    env = dict(os.environ, MOE_EP_CUDA_NCCL_ON_CPU="1", MOE_EP_LOAD_PLUGINS="reference,cuda-nccl")
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_ep_spec.cli", "conformance", "--backend", "cuda-nccl", "--report-json", str(report)],
+        capture_output=True, text=True, timeout=1200, cwd=tmp_path, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads(report.read_text())
+    assert "cuda-nccl 0.1.0: 276 passed, 0 failed, 0 skipped" in proc.stdout, proc.stdout[-2000:]
+    assert data, "empty report"
+
+
+# ----------------------------------------------------------------------------- CUDA (device machine)
+
+needs_gpus = pytest.mark.skipif(not (_gpus() and _nccl_ready()), reason="needs CUDA GPUs and a native build with NCCL")
+
+
+@needs_gpus
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_nccl_transport_exchanges_rows(world_size: int) -> None:
+    if _gpus() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    results = _ok(run_ranks(W.comm_exchange, world_size, "cuda", backend="nccl"))
+    for rank, res in enumerate(results):
+        assert res["gathered"] == [[r * 10 + j for j in range(5)] for r in range(world_size)]
+        assert res["recv_ok"], f"rank {rank}: exchanged rows out of place"
+
+
+@needs_gpus
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_cuda_static_mode_matches_the_synced_mode(world_size: int) -> None:
+    if _gpus() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    config = CONFIG.replace(num_ranks=world_size, num_experts=4 * world_size)
+    world, grads = _world(config, seed=11)
+    results = _ok(run_ranks(W.static_matches_synced, world_size, config, world, grads, "cuda", backend="nccl"))
+    for rank, res in enumerate(results):
+        for key, want in res["synced"].items():
+            assert np.array_equal(res["static"][key], want, equal_nan=True), f"rank {rank}: static {key} differs"
+        for key, got in res["autograd"].items():
+            assert np.array_equal(got, res["static"][key]), f"rank {rank}: autograd {key} differs"
+
+
+@needs_gpus
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_cuda_graph_captures_one_layer_and_replays_it_on_new_inputs(world_size: int) -> None:
+    if _gpus() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    config = CONFIG.replace(num_ranks=world_size, num_experts=4 * world_size)
+    worlds = [_world(config, seed=s, tokens=(12, 12)) for s in (21, 22, 23)]
+    results = _ok(run_ranks(W.graph_replay, world_size, config, worlds, "cuda", backend="nccl"))
+    for rank, res in enumerate(results):
+        for i, flags in enumerate(res["replays"]):
+            assert all(flags), f"rank {rank}: replay {i} differs from an eager call (output, 4 grads, finite): {flags}"
+        assert res["distinct"], f"rank {rank}: replays on different inputs gave the same output"
+
+
+@needs_gpus
+def test_cuda_static_errors_raise_on_every_rank() -> None:
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    world, _ = _world(CONFIG, seed=6, tokens=(12, 12))
+    results = _ok(run_ranks(W.static_errors, 2, CONFIG, world, "overflow", "cuda", backend="nccl"))
+    for rank, res in enumerate(results):
+        assert res["all_nan"] and "CapacityError" in res["error"] and res["good_is_finite"], res
