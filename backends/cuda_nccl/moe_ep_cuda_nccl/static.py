@@ -305,12 +305,11 @@ def forward(
     y = prims.round_trip(y, config.combine_format)
     (back,) = return_rows(prims, plan, [y], group)
     out = combine_reduce(back, plan.route_pos, plan.num_tokens, k)
-    bad = plan.error != 0
-    nan = torch.tensor(float("nan"), device=out.device)
+    bad = plan.error != 0  # a device scalar: masked_fill keeps it there (no host copy, capturable)
     _record(plan, group)
     return {
-        "output": prims.encode_output(config, torch.where(bad, nan, out)),
-        "fc1_c": torch.where(bad, nan, c).to(torch.bfloat16),
+        "output": prims.encode_output(config, out.masked_fill(bad, float("nan"))),
+        "fc1_c": c.masked_fill(bad, float("nan")).to(torch.bfloat16),
         "route_metadata": plan.route_metadata,
     }
 
@@ -355,11 +354,10 @@ def backward(
     pos = plan.route_pos.to(torch.int64)
     gw = torch.cat([back_dw, back_dw.new_zeros(1)])[torch.where(pos >= 0, pos, torch.full_like(pos, back_dw.shape[0]))]
     bad = plan.error != 0
-    nan = torch.tensor(float("nan"), device=gx.device)
     _record(plan, group)
     return (
-        torch.where(bad, nan, gx),
-        torch.where(bad, nan, dfc1),
-        torch.where(bad, nan, dfc2),
-        torch.where(bad, nan, gw.reshape(plan.num_tokens, k)),
+        gx.masked_fill(bad, float("nan")),
+        dfc1.masked_fill(bad, float("nan")),
+        dfc2.masked_fill(bad, float("nan")),
+        gw.reshape(plan.num_tokens, k).masked_fill(bad, float("nan")),
     )
