@@ -44,14 +44,23 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         num_experts=e, hidden=h, intermediate=i, num_topk=k, num_ranks=n, max_tokens_per_rank=t,
         recv_capacity=cap, expert_alignment=align,
     )
-    g = torch.Generator(device=dev).manual_seed(1234 + rank)
-    x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
-    w1 = (torch.randn(args.experts_per_rank, h, 2 * i, device=dev, generator=g) / h**0.5).to(torch.bfloat16).requires_grad_()
-    w2 = (torch.randn(args.experts_per_rank, i, h, device=dev, generator=g) / i**0.5).to(torch.bfloat16).requires_grad_()
-    scores = torch.rand(t, e, device=dev, generator=g)
-    idx = scores.topk(k, dim=1).indices
-    tw = torch.softmax(torch.randn(t, k, device=dev, generator=g), dim=1).requires_grad_()
-    dy = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
+    # Everything the captured graph reads is made on a side stream: autograd syncs a leaf's
+    # gradient with the stream the leaf was made on, and the legacy default stream cannot
+    # take part in a capture (cudaErrorStreamCaptureImplicit).
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        g = torch.Generator(device=dev).manual_seed(1234 + rank)
+        x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
+        w1 = (torch.randn(args.experts_per_rank, h, 2 * i, device=dev, generator=g) / h**0.5).to(torch.bfloat16)
+        w2 = (torch.randn(args.experts_per_rank, i, h, device=dev, generator=g) / i**0.5).to(torch.bfloat16)
+        w1.requires_grad_()
+        w2.requires_grad_()
+        scores = torch.rand(t, e, device=dev, generator=g)
+        idx = scores.topk(k, dim=1).indices
+        tw = torch.softmax(torch.randn(t, k, device=dev, generator=g), dim=1).requires_grad_()
+        dy = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
+    torch.cuda.synchronize(dev)
 
     def step(fn):
         for p in (x, w1, w2, tw):
@@ -70,29 +79,48 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     finite = all(bool(torch.isfinite(r.float()).all()) for rs in results.values() for r in rs)
     report = {"static == synced (bitwise)": same, "all finite": finite}
 
-    # The static layer captured in a CUDA graph: forward and backward.
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
+    # The static layer captured in CUDA graphs: (a) forward + loss.backward() (autograd),
+    # (b) the explicit ops (forward, then moe_ep_backward with the stash).
+    cfg_json, name = tapi.config_to_json(config), dist.group.WORLD.group_name
+
+    def explicit():
+        y, fc1_c, _ = cn.STATIC_OPS.forward_op(x, w1, w2, idx, tw, cfg_json, name)
+        return (y,) + tuple(cn.STATIC_OPS.backward_op(dy, x, w1, w2, idx, tw, fc1_c, cfg_json, name))
+
     with torch.cuda.stream(side):
         for _ in range(2):
             step(modes["static"])
-    torch.cuda.current_stream(dev).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    for p in (x, w1, w2, tw):
-        p.grad = None
-    with torch.cuda.graph(graph):
-        g_out = modes["static"](x, w1, w2, idx, tw, config=config)
-        g_out.backward(dy)
-    graph.replay()
+            explicit()
     torch.cuda.synchronize(dev)
-    report["graph replay == eager static (bitwise)"] = torch.equal(g_out, results["static"][0]) and all(
-        torch.equal(p.grad, r) for p, r in zip((x, w1, w2, tw), results["static"][1:])
-    )
+    key = "autograd graph replay == eager static (bitwise)"
+    try:
+        graph = torch.cuda.CUDAGraph()
+        for p in (x, w1, w2, tw):
+            p.grad = None
+        with torch.cuda.graph(graph, stream=side):
+            g_out = modes["static"](x, w1, w2, idx, tw, config=config)
+            g_out.backward(dy)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        report[key] = torch.equal(g_out, results["static"][0]) and all(
+            torch.equal(p.grad, r) for p, r in zip((x, w1, w2, tw), results["static"][1:])
+        )
+    except Exception as exc:  # noqa: BLE001 - reported (and fails the run), the other checks go on
+        report[key] = False
+        graph = None
+        print(f"rank {rank}: {key}: capture failed: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+    eager = explicit()
+    graph2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph2, stream=side):
+        g2 = explicit()
+    graph2.replay()
+    torch.cuda.synchronize(dev)
+    report["explicit-op graph replay == eager (bitwise)"] = all(torch.equal(a, b) for a, b in zip(g2, eager))
     times = {}
     if args.time:
         modes["torch"] = lambda *a, **kw: tapi.moe_ep(*a, **kw)
         runners = {m: (lambda fn=fn: step(fn)) for m, fn in modes.items()}
-        runners["graph"] = graph.replay
+        runners["graph"] = graph.replay if graph is not None else graph2.replay
         for m, run in runners.items():
             for _ in range(3):
                 run()
