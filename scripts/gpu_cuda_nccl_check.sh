@@ -30,7 +30,9 @@ fi
   -e ./backends/cuda_nccl 2>&1 | grep -v "^WARNING" || true
 export MOE_EP_NATIVE_CUDA=1 MOE_EP_NATIVE_NCCL=1 MOE_EP_CUDA_ARCHS="${MOE_EP_CUDA_ARCHS:-90}"
 status=0
+pack() { if [ -n "${OUT:-}" ]; then tar -czf "$OUT/gpu-cuda-nccl-logs.tgz" -C "$out" .; fi; }  # after every step
 echo "== build backends/native with CUDA (archs $MOE_EP_CUDA_ARCHS) and NCCL"
+rm -f backends/native/build/native-cuda-nccl/CMakeCache.txt  # find NCCL afresh (the lookup is cached)
 "$py" -m pip install --no-build-isolation --no-deps -e backends/native -Cbuild-dir="$PWD/backends/native/build/native-cuda-nccl" \
   > "$out/build-native.log" 2>&1 \
   || { echo "build failed:"; tail -n 40 "$out/build-native.log"; status=1; }
@@ -49,11 +51,13 @@ want() { [[ "$steps" == *" $1 "* ]]; }
   ldd "$("$py" -c "import moe_ep_native as m; print(m.library_path())")" | grep -i nccl || true
 } 2>&1 | tee "$out/environment.txt"
 moe_ep backends | tee "$out/backends.txt"
+pack
 
 if want tests; then
   echo "== tests: cuda-nccl front-end and transport, native CUDA kernels"
   "$py" -m pytest -q -p no:cacheprovider -rs tests/test_cuda_nccl.py tests/test_native_cuda.py 2>&1 | tail -n 30 \
     | tee "$out/tests.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  pack
 fi
 if want sanitizer; then
   echo "== compute-sanitizer: one forward+backward per mode (synced, static, graph) at EP 1"
@@ -61,6 +65,7 @@ if want sanitizer; then
     compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 --target-processes all \
       "$py" scripts/gpu_cuda_nccl_layer.py --ranks 1 --tokens 64 --hidden 128 --intermediate 64 2>&1 | tail -n 30 \
       | tee "$out/sanitizer-$tool.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    pack
   done
 fi
 if want conformance; then
@@ -69,6 +74,7 @@ if want conformance; then
     moe_ep conformance --backend cuda-nccl --device cuda --ep-size "$ep" --timeout 300 \
       --report-md "$out/conformance-cuda-nccl-ep$ep.md" 2>&1 | tail -n 25 \
       | tee "$out/conformance-cuda-nccl-ep$ep.log"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    pack
   done
 fi
 if want timing; then
@@ -78,5 +84,5 @@ if want timing; then
     | tail -n 15 | tee "$out/timing-ep$ep.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 echo "status: $status" | tee "$out/status.txt"
-if [ -n "${OUT:-}" ]; then tar -czf "$OUT/gpu-cuda-nccl-logs.tgz" -C "$out" .; fi
+pack
 exit $status
