@@ -62,7 +62,7 @@ fi
 if want sanitizer; then
   echo "== compute-sanitizer: one forward+backward per mode (synced, static, graph) at EP 1"
   for tool in memcheck initcheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 --target-processes all \
+    timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 --target-processes all \
       "$py" scripts/gpu_cuda_nccl_layer.py --ranks 1 --tokens 64 --hidden 128 --intermediate 64 2>&1 | tail -n 30 \
       | tee "$out/sanitizer-$tool.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     pack

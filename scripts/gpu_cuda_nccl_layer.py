@@ -21,6 +21,10 @@ import time
 from datetime import timedelta
 
 
+class _Skipped(Exception):
+    pass
+
+
 def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     import numpy as np
     import torch
@@ -93,7 +97,10 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
             explicit()
     torch.cuda.synchronize(dev)
     key = "autograd graph replay == eager static (bitwise)"
+    graph = None
     try:
+        if not args.autograd_graph:
+            raise _Skipped()
         graph = torch.cuda.CUDAGraph()
         for p in (x, w1, w2, tw):
             p.grad = None
@@ -105,6 +112,8 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         report[key] = torch.equal(g_out, results["static"][0]) and all(
             torch.equal(p.grad, r) for p, r in zip((x, w1, w2, tw), results["static"][1:])
         )
+    except _Skipped:
+        pass
     except Exception as exc:  # noqa: BLE001 - reported (and fails the run), the other checks go on
         report[key] = False
         graph = None
@@ -164,6 +173,10 @@ def main() -> None:
     parser.add_argument("--experts-per-rank", type=int, default=4)
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--time", action="store_true")
+    parser.add_argument(
+        "--autograd-graph", action="store_true",
+        help="also capture forward + loss.backward() (autograd) in a CUDA graph (not verified yet: docs/cuda-nccl.md)",
+    )
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     from moe_ep_spec.launch import free_loopback_port
