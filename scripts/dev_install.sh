@@ -13,12 +13,16 @@ pip_install() { python -m pip install --disable-pip-version-check -q -c "$root/c
 pip_install -e ".[test]"
 pip_install -e "bench[plot,progress]"
 # Pure-Python distributions first (conformance, then every backend without a
-# native build, in name order: jax before jax_ffi needs), then the native ones.
+# native build, in name order: jax before jax_ffi needs), then the native ones,
+# then the pure-Python ones that need the native core (cuda_nccl needs moe-ep-native).
 native=()
+after_native=()
 for dir in conformance backends/*/; do
   [ -f "$dir/pyproject.toml" ] || continue
   if grep -q "scikit_build_core" "$dir/pyproject.toml"; then
     native+=("$dir")
+  elif grep -q '"moe-ep-native' "$dir/pyproject.toml"; then
+    after_native+=("$dir")
   else
     echo "installing $dir"
     pip_install -e "$dir"
@@ -29,7 +33,8 @@ done
 # built by scikit-build-core, without build isolation (backends/jax_ffi compiles
 # against the XLA FFI headers of the jax installed above). They need a C++17
 # compiler, the Python headers and cmake >= 3.21 (installed here when missing,
-# with ninja); MOE_EP_NATIVE_CUDA=1 also builds the CUDA kernels (needs nvcc).
+# with ninja); MOE_EP_NATIVE_CUDA=1 also builds the CUDA kernels (needs nvcc), and
+# MOE_EP_NATIVE_NCCL=1 with it the NCCL transport the cuda-nccl backend needs.
 missing=()
 command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || command -v clang++ >/dev/null 2>&1 \
   || missing+=("a C++17 compiler (c++, g++ or clang++; Debian: apt-get install g++)")
@@ -59,5 +64,9 @@ fi
 for dir in "${native[@]}"; do
   echo "installing $dir (native build)"
   pip_install --no-build-isolation -e "$dir"
+done
+for dir in "${after_native[@]}"; do
+  echo "installing $dir"
+  pip_install -e "$dir"
 done
 python -c "import moe_ep_spec, sys; print('moe-ep-spec', moe_ep_spec.__version__, 'on Python', sys.version.split()[0])"

@@ -72,6 +72,37 @@ def test_cuda_call_without_cuda_is_unsupported():
     assert info.value.status_name == "MOE_EP_ERR_UNSUPPORTED" and not isinstance(info.value, NativeArgumentError)
 
 
+def test_transport_without_nccl_is_unsupported_with_the_rebuild_hint():
+    from moe_ep_native import comm
+
+    if moe_ep_native.has_nccl():
+        pytest.skip("this build has the NCCL transport")
+    with pytest.raises(NativeError, match=r"moe_ep_comm_unique_id: this build of the native core has no NCCL transport "
+                       r"\(rebuild with MOE_EP_NATIVE_CUDA=ON and MOE_EP_NATIVE_NCCL=ON") as info:
+        comm.unique_id()
+    assert info.value.status_name == "MOE_EP_ERR_UNSUPPORTED"
+    with pytest.raises(NativeError, match="moe_ep_comm_init: this build .* no NCCL transport"):
+        comm.Communicator(bytes(comm.UNIQUE_ID_BYTES), 2, 0, 0, timeout_s=1)
+    moe_ep_native._capi.call("moe_ep_comm_destroy", None)  # NULL: nothing to do, in every build
+
+
+def test_communicator_checks_the_unique_id_before_calling_the_library():
+    from moe_ep_native import comm
+
+    with pytest.raises(ValueError, match=r"uid must be 128 bytes \(from unique_id\(\)\); got 12 bytes"):
+        comm.Communicator(bytes(12), 2, 0, 0)
+    with pytest.raises(ValueError, match="uid must be 128 bytes .*; got str"):
+        comm.Communicator("x" * 128, 2, 0, 0)  # type: ignore[arg-type]
+
+
+def test_transport_status_maps_to_transport_error():
+    from moe_ep_spec import TransportError
+
+    assert issubclass(TransportError, NativeError)
+    assert moe_ep_native.Status.COMM == 5
+    assert moe_ep_native._capi.load().moe_ep_status_name(5) == b"MOE_EP_ERR_COMM"
+
+
 # ----------------------------------------------------------------------------- formats
 
 
