@@ -296,7 +296,27 @@ class LayerOps:
         config: MoeEpConfig,
         group: Optional[Any] = None,
     ) -> Any:
-        """See :func:`moe_ep_torch.api.moe_ep`."""
+        """The MoeEp layer on this rank (collective over ``group``).
+
+        Args:
+            activation: ``[T, H]`` float32/float16/bfloat16 (differentiable), or a
+                :class:`~moe_ep_torch.formats.TorchBlockScaled` blocked along H.
+            fc1_weight: ``[E_local, H, 2I]`` float (differentiable), or a
+                TorchBlockScaled of the transposed weight ``[E_local, 2I, H]``
+                blocked along H.
+            fc2_weight: ``[E_local, I, H]`` float (differentiable), or a
+                TorchBlockScaled of ``[E_local, H, I]`` blocked along I.
+            topk_idx: ``[T, K]`` int32/int64 in ``[-1, E)``; -1 marks an unused slot.
+            topk_weights: ``[T, K]`` float (differentiable), read as float32.
+            config: the layer; ``config.num_ranks`` must equal the group's size.
+            group: the process group (default: the world).
+
+        Returns:
+            ``[T, H]`` bfloat16 when ``config.output_format`` is bf16
+            (differentiable: gradients follow the spec's backward, with every
+            rounding straight-through); otherwise a TorchBlockScaled (no autograd).
+            Every rank raises the same error class when any rank's input breaks a rule.
+        """
         group = _group(group)
         plain = all(isinstance(t, Tensor) for t in (activation, fc1_weight, fc2_weight))
         if config.output_format is MoeFormat.BF16 and plain:
@@ -329,7 +349,9 @@ class LayerOps:
         config: MoeEpConfig,
         group: Optional[Any] = None,
     ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        """See :func:`moe_ep_torch.api.moe_ep_backward`."""
+        """The spec's explicit backward (collective): float32 ``(grad_activation,
+        grad_fc1_weight, grad_fc2_weight, grad_topk_weights)`` from the forward's
+        inputs and its ``fc1_c`` stash."""
         group = _group(group)
         return self.backward_op(
             grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c,
@@ -344,56 +366,7 @@ _forward_op, _backward_op = OPS.forward_op, OPS.backward_op
 
 # ----------------------------------------------------------------------------- public
 
-
-def moe_ep(
-    activation: Any,
-    fc1_weight: Any,
-    fc2_weight: Any,
-    topk_idx: Tensor,
-    topk_weights: Tensor,
-    *,
-    config: MoeEpConfig,
-    group: Optional[Any] = None,
-) -> Any:
-    """The MoeEp layer on this rank (collective over ``group``).
-
-    Args:
-        activation: ``[T, H]`` float32/float16/bfloat16 (differentiable), or a
-            :class:`~moe_ep_torch.formats.TorchBlockScaled` blocked along H.
-        fc1_weight: ``[E_local, H, 2I]`` float (differentiable), or a
-            TorchBlockScaled of the transposed weight ``[E_local, 2I, H]``
-            blocked along H.
-        fc2_weight: ``[E_local, I, H]`` float (differentiable), or a
-            TorchBlockScaled of ``[E_local, H, I]`` blocked along I.
-        topk_idx: ``[T, K]`` int32/int64 in ``[-1, E)``; -1 marks an unused slot.
-        topk_weights: ``[T, K]`` float (differentiable), read as float32.
-        config: the layer; ``config.num_ranks`` must equal the group's size.
-        group: the process group (default: the world).
-
-    Returns:
-        ``[T, H]`` bfloat16 when ``config.output_format`` is bf16
-        (differentiable: gradients follow the spec's backward, with every
-        rounding straight-through); otherwise a TorchBlockScaled (no autograd).
-        Every rank raises the same error class when any rank's input breaks a rule.
-    """
-    return OPS.moe_ep(activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config=config, group=group)
-
-
-def moe_ep_backward(
-    grad_output: Tensor,
-    activation: Tensor,
-    fc1_weight: Tensor,
-    fc2_weight: Tensor,
-    topk_idx: Tensor,
-    topk_weights: Tensor,
-    fc1_c: Tensor,
-    *,
-    config: MoeEpConfig,
-    group: Optional[Any] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The spec's explicit backward (collective): float32 ``(grad_activation,
-    grad_fc1_weight, grad_fc2_weight, grad_topk_weights)`` from the forward's
-    inputs and its ``fc1_c`` stash."""
-    return OPS.moe_ep_backward(
-        grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c, config=config, group=group
-    )
+#: The MoeEp layer on this rank: :meth:`LayerOps.moe_ep` of :data:`OPS`.
+moe_ep = OPS.moe_ep
+#: The spec's explicit backward: :meth:`LayerOps.moe_ep_backward` of :data:`OPS`.
+moe_ep_backward = OPS.moe_ep_backward
