@@ -353,7 +353,11 @@ def _unpack(blob: torch.Tensor, layout: List[Tuple[torch.dtype, Tuple[int, ...],
     out, col = [], 0
     rows = blob.shape[0]
     for dtype, tail, width in layout:
-        piece = blob[:, col : col + width].contiguous()
+        # A fresh dense copy: .contiguous() returns a one-row slice as it is (its row stride
+        # is the blob's), and .view(dtype) then fails on an offset or width that is not a
+        # multiple of the element size.
+        piece = torch.empty((rows, width), dtype=torch.uint8, device=blob.device)
+        piece.copy_(blob[:, col : col + width])
         col += width
         out.append(piece.view(dtype).reshape((rows,) + tail))
     return out
