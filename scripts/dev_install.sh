@@ -43,7 +43,8 @@ python -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(s
 if [ ${#missing[@]} -gt 0 ]; then
   echo "dev_install: cannot build ${native[*]}: missing" >&2
   for m in "${missing[@]}"; do echo "  - $m" >&2; done
-  echo "  Install them and run this script again; everything else is installed." >&2
+  echo "  Install them and run this script again; everything else is installed except ${after_native[*]:-nothing}" >&2
+  echo "  (they need the native core)." >&2
   exit 1
 fi
 pip_install "scikit-build-core>=0.10" "nanobind>=2"

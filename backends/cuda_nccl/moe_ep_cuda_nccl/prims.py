@@ -27,6 +27,7 @@ import torch.distributed as dist
 from moe_ep_native import _capi as C
 from moe_ep_native.comm import Communicator, unique_id
 from moe_ep_native.host import expert_desc
+from moe_ep_spec import errors as E
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.formats import MoeFormat
 from moe_ep_torch import core
@@ -50,8 +51,19 @@ def ptr(t: torch.Tensor) -> Optional[int]:
 
 
 def where(t: torch.Tensor) -> Tuple[int, Optional[int]]:
-    """``(moe_ep_device, stream)`` of a tensor: CUDA and its device's current stream, or CPU."""
+    """``(moe_ep_device, stream)`` of a tensor: CUDA and its device's current stream, or CPU.
+
+    Raises:
+        DeviceError: the tensor is on a CUDA device other than the current one (the
+            native kernels and the communicator work on the current device).
+    """
     if t.is_cuda:
+        current = torch.cuda.current_device()
+        if t.device.index != current:
+            raise E.DeviceError(
+                f"cuda-nccl runs on the current CUDA device cuda:{current}; got a tensor on {t.device} "
+                f"(call torch.cuda.set_device({t.device.index}) in this rank first)"
+            )
         return 1, torch.cuda.current_stream(t.device).cuda_stream or None
     return 0, None
 
@@ -112,6 +124,11 @@ class NativePrimitives(core.Primitives):
             entry = self._comms.get(key)
             if entry is not None and not entry[1].closed:
                 return entry[1]
+            if torch.cuda.is_current_stream_capturing():
+                raise E.MoeEpError(
+                    "cuda-nccl: the NCCL communicator of this process group does not exist yet and cannot be made "
+                    "during CUDA-graph capture; run the layer once before capturing it"
+                )
             gen = self._generation.get(name, 0)
             self._generation[name] = gen + 1
         from torch.distributed.distributed_c10d import _get_default_store
@@ -141,13 +158,30 @@ class NativePrimitives(core.Primitives):
         if errors:
             raise errors[0]
 
+    def _collective(self, group: Any, fn: Any) -> None:
+        """Run ``fn(communicator)``; a transport failure closes and forgets the
+        communicator (it is unusable) before the error propagates."""
+        comm = self.communicator(group)
+        try:
+            fn(comm)
+        except E.TransportError:
+            with self._lock:
+                for key in [k for k, (_, c) in self._comms.items() if c is comm]:
+                    del self._comms[key]
+            try:
+                comm.close()
+            except E.NativeError:
+                pass  # the original error is the one to report
+            raise
+
     def all_gather(self, row: torch.Tensor, group: Any) -> torch.Tensor:
         if not row.is_cuda:
             return super().all_gather(row, group)
         row = row.contiguous()
+        _, stream = where(row)
         out = torch.empty((dist.get_world_size(group),) + tuple(row.shape), dtype=row.dtype, device=row.device)
-        stream = torch.cuda.current_stream(row.device).cuda_stream
-        self.communicator(group).all_gather(stream, ptr(row), ptr(out), row.numel() * row.element_size())
+        nbytes = row.numel() * row.element_size()
+        self._collective(group, lambda comm: comm.all_gather(stream or 0, ptr(row), ptr(out), nbytes))
         return out
 
     def all_to_all(self, x: torch.Tensor, send_counts: List[int], recv_counts: List[int], group: Any) -> torch.Tensor:
@@ -160,8 +194,10 @@ class NativePrimitives(core.Primitives):
             row_bytes *= int(d)
         if row_bytes == 0:
             return out
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        self.communicator(group).exchange(stream, ptr(x), send_counts, ptr(out), recv_counts, row_bytes)
+        _, stream = where(x)
+        self._collective(
+            group, lambda comm: comm.exchange(stream or 0, ptr(x), send_counts, ptr(out), recv_counts, row_bytes)
+        )
         return out
 
     # ----------------------------------------------------------------- codecs

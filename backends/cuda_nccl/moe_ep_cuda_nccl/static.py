@@ -21,8 +21,10 @@ How it differs from the host-synchronised path:
   NaN and is recorded in the group's error flags; :func:`check_errors` reads
   them (one synchronisation, outside the graph) and raises the spec's error.
 - Shapes, dtypes and the configuration are still checked on the host before
-  anything is enqueued; every rank must pass the same shapes, as a captured
-  training step does (a rank that raises leaves its peers' exchanges waiting).
+  anything is enqueued; every rank must pass the same shapes, dtypes and
+  encodings, as a captured training step does (unlike the host-synchronised
+  mode, the ranks' configurations are not compared; a rank that raises leaves
+  its peers' exchanges waiting).
 """
 
 from __future__ import annotations
@@ -229,6 +231,11 @@ def error_flags(group: Any, device: torch.device) -> torch.Tensor:
     with _FLAGS_LOCK:
         entry = _FLAGS.get(key)
         if entry is None or entry[1].device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise E.MoeEpError(
+                    "cuda-nccl: the static mode's error flags of this process group do not exist yet; a graph "
+                    "captured now would zero them on every replay: run the static layer once before capturing it"
+                )
             entry = _FLAGS[key] = (group, torch.zeros(2, dtype=torch.int64, device=device))
     return entry[1]
 
@@ -245,6 +252,8 @@ def check_errors(config: MoeEpConfig, group: Any) -> None:
     with _FLAGS_LOCK:
         entries = [e for (name, _), e in _FLAGS.items() if e[0] is group]
     for _, flags in entries:
+        if flags.is_cuda:
+            torch.cuda.synchronize(flags.device)  # static calls may have run on any stream
         bits, aligned = (int(v) for v in flags.tolist())
         flags.zero_()
         if bits & BAD_EXPERT_ID:
@@ -302,6 +311,7 @@ def forward(
     w_buf = recv[-1]
     fc1_d, fc2_d = prims.decode(prims.decode_weight(fc1)), prims.decode(prims.decode_weight(fc2))
     y, c = expert_forward(config, x_buf, w_buf, fc1_d, fc2_d, plan.group_sizes)
+    c = c.masked_fill(plan.route_metadata[:, :1] < 0, 0.0)  # padding rows zero even with non-finite weights
     y = prims.round_trip(y, config.combine_format)
     (back,) = return_rows(prims, plan, [y], group)
     out = combine_reduce(back, plan.route_pos, plan.num_tokens, k)

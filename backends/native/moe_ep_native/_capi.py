@@ -129,9 +129,17 @@ def load() -> ctypes.CDLL:
     """Load the library once (prototypes set) and check its ABI version."""
     global _LIB
     if _LIB is None:
-        lib = ctypes.CDLL(str(library_path()))
+        path = library_path()
+        lib = ctypes.CDLL(str(path))
         for name, (res, args) in _PROTOTYPES.items():
-            fn = getattr(lib, name)
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                raise NativeError(
+                    f"{path} must export {name} (this binding's C ABI); it does not: the library is older than "
+                    f"the package, rebuild it (pip install --no-build-isolation -e backends/native)",
+                    op=name,
+                ) from None
             fn.restype, fn.argtypes = res, args
         got = lib.moe_ep_abi_version()
         if got != ABI_VERSION:

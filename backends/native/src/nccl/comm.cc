@@ -75,6 +75,10 @@ moe_ep_status bad(const char* op, const std::string& rule, const std::string& go
   return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(op) + ": " + rule + "; got " + got);
 }
 
+moe_ep_status device_error(const char* op, int device) {
+  return fail(MOE_EP_ERR_CUDA, std::string(op) + ": cudaSetDevice(" + std::to_string(device) + ") failed");
+}
+
 moe_ep_status check_comm(const char* op, const moe_ep_comm* comm) {
   if (comm == nullptr || comm->nccl == nullptr) return bad(op, "comm must be a communicator from moe_ep_comm_init", "NULL");
   return MOE_EP_OK;
@@ -112,13 +116,14 @@ moe_ep_status moe_ep_comm_init(const uint8_t* id, size_t id_bytes, int32_t num_r
   if (rank < 0 || rank >= num_ranks)
     return moe_ep::bad(op, "rank must be in [0, num_ranks) = [0, " + std::to_string(num_ranks) + ")", std::to_string(rank));
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&devices); e != cudaSuccess)
+    return moe_ep::fail(MOE_EP_ERR_CUDA, std::string(op) + ": cudaGetDeviceCount failed: " + cudaGetErrorString(e));
   if (cuda_device < 0 || cuda_device >= devices)
     return moe_ep::bad(op, "cuda_device must be in [0, " + std::to_string(devices) + ") (the visible CUDA devices)",
                        std::to_string(cuda_device));
   if (timeout_ms < 1) return moe_ep::bad(op, "timeout_ms must be >= 1", std::to_string(timeout_ms));
   moe_ep::DeviceGuard guard(cuda_device);
-  if (!guard.ok()) return moe_ep::fail(MOE_EP_ERR_CUDA, std::string(op) + ": cudaSetDevice(" + std::to_string(cuda_device) + ") failed");
+  if (!guard.ok()) return moe_ep::device_error(op, cuda_device);
   ncclUniqueId uid;
   std::memcpy(&uid, id, sizeof uid);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -175,6 +180,7 @@ moe_ep_status moe_ep_comm_all_gather(moe_ep_comm* comm, void* stream, const void
   if (bytes == 0) return MOE_EP_OK;
   if (send == nullptr || recv == nullptr) return moe_ep::bad(op, "send and recv must not be NULL when bytes > 0", "NULL");
   moe_ep::DeviceGuard guard(comm->device);
+  if (!guard.ok()) return moe_ep::device_error(op, comm->device);
   const ncclResult_t r = ncclAllGather(send, recv, static_cast<size_t>(bytes), ncclUint8, comm->nccl,
                                        static_cast<cudaStream_t>(stream));
   return moe_ep::ready(op, comm->nccl, r, comm->timeout_ms);
@@ -202,6 +208,7 @@ moe_ep_status moe_ep_comm_exchange(moe_ep_comm* comm, void* stream, const void* 
   if (send_total > 0 && send == nullptr) return moe_ep::bad(op, "send must not be NULL when sum(send_rows) > 0", "NULL");
   if (recv_total > 0 && recv == nullptr) return moe_ep::bad(op, "recv must not be NULL when sum(recv_rows) > 0", "NULL");
   moe_ep::DeviceGuard guard(comm->device);
+  if (!guard.ok()) return moe_ep::device_error(op, comm->device);
   const auto* src = static_cast<const unsigned char*>(send);
   auto* dst = static_cast<unsigned char*>(recv);
   auto s = static_cast<cudaStream_t>(stream);
