@@ -67,6 +67,25 @@ def test_unavailable_on_cpu_with_the_reason(monkeypatch) -> None:
     assert backend.capabilities.devices == ("cuda",)
 
 
+def test_conformance_header_names_it_as_not_run_with_the_reason(tmp_path) -> None:
+    if _gpus() and _nccl_ready():
+        pytest.skip("this machine can run cuda-nccl")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MOE_EP_LOAD_PLUGINS="reference,cuda-nccl")
+    env.pop("MOE_EP_CUDA_NCCL_ON_CPU", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_ep_spec.cli", "conformance", "--quick", "--ep-size", "1", "-k", "bad_input"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^backend cuda-nccl: not run, unavailable here: .*(without CUDA|NCCL|no CUDA device)", proc.stdout, re.M), (
+        proc.stdout[:3000]
+    )
+
+
 def test_cpu_mode_is_available_and_declares_cpu(monkeypatch) -> None:
     monkeypatch.setenv("MOE_EP_CUDA_NCCL_ON_CPU", "1")
     from moe_ep_cuda_nccl.backend import CudaNcclBackend

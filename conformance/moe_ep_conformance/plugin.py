@@ -43,6 +43,11 @@ class _State:
             self.backends = [registry.get_backend(n) for n in names]  # raises with the registered names
         else:
             self.backends = [b for b in registry.list_backends() if b.is_available()]
+        chosen = {b.name for b in self.backends}
+        #: (name, reason) of every registered backend left out because it cannot run here.
+        self.unavailable = [
+            (b.name, b.availability().reason) for b in registry.list_backends() if not names and b.name not in chosen
+        ]
         self.cases = all_cases(quick=opt("moe_ep_quick"), num_ranks=opt("moe_ep_size") or None)
         self.expectations = Expectations.load(opt("moe_ep_xfail_file") or (), opt("moe_ep_tolerance_file") or ())
         self.timeout_s: float = opt("moe_ep_timeout")
@@ -115,6 +120,8 @@ def pytest_report_header(config: pytest.Config) -> List[str]:
             f"backend {b.name} {b.version} ({b.distribution or 'in-process'}): launch {b.capabilities.launch.value}, "
             f"devices {','.join(b.capabilities.devices)}; {fw}"
         )
+    for name, reason in state.unavailable:
+        lines.append(f"backend {name}: not run, unavailable here: {reason}")
     if not state.backends:
         lines.append("no available backend: nothing to test")
     env = state.report.environment
