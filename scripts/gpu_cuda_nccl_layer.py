@@ -26,7 +26,6 @@ class _Skipped(Exception):
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
-    import numpy as np
     import torch
     import torch.distributed as dist
 
