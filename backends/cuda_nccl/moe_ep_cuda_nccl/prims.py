@@ -223,27 +223,26 @@ class NativePrimitives(core.Primitives):
     # ---------------------------------------------------------------- experts
 
     def experts_forward(self, config, plan, x, w, fc1, fc2):
-        offsets = plan.expert_offsets
-        group_sizes = torch.tensor(
-            [b - a for a, b in zip(offsets[:-1], offsets[1:])], dtype=torch.int32, device=x.device
-        )
-        y, c = expert_forward(config, x, w, fc1, fc2, group_sizes)
+        y, c = expert_forward(config, x, w, fc1, fc2, _slab_sizes(plan, x.device))
         y = self.round_trip(y, config.combine_format)
         valid = plan.valid_rows.unsqueeze(1)
         return torch.where(valid, y, torch.zeros_like(y)), torch.where(valid, c, torch.zeros_like(c))
 
     def experts_backward(self, config, plan, x, w, fc1, fc2, fc1_c, dy):
-        offsets = plan.expert_offsets
-        group_sizes = torch.tensor(
-            [b - a for a, b in zip(offsets[:-1], offsets[1:])], dtype=torch.int32, device=x.device
-        )
-        return expert_backward(config, x, w, fc1, fc2, fc1_c, dy, group_sizes)
+        return expert_backward(config, x, w, fc1, fc2, fc1_c, dy, _slab_sizes(plan, x.device))
 
     def sum_slots(self, plan: Any, send_rows: torch.Tensor) -> torch.Tensor:
         k, t = plan.num_topk, plan.num_tokens
         route_pos = torch.full((t * k,), -1, dtype=torch.int32, device=send_rows.device)
         route_pos[plan.send_route] = torch.arange(plan.send_route.numel(), dtype=torch.int32, device=send_rows.device)
         return combine_reduce(send_rows, route_pos, t, k)
+
+
+def _slab_sizes(plan: Any, device: torch.device) -> torch.Tensor:
+    """``[E_local] int32``: every local expert's slab size in the buffer (aligned ones in
+    the static layout: the native kernels then give the padding rows zero outputs)."""
+    offsets = plan.expert_offsets
+    return torch.tensor([b - a for a, b in zip(offsets[:-1], offsets[1:])], dtype=torch.int32, device=device)
 
 
 def expert_forward(
