@@ -212,6 +212,9 @@ class NativePrimitives(core.Primitives):
             return dequantize(w).transpose(1, 2).contiguous()
         return w
 
+    def forward_operands(self, activation: Any, x_buf: torch.Tensor, fc1: Any, fc2: Any) -> Tuple[Any, Any, Any]:
+        return x_buf, self.decode(fc1), self.decode(fc2)  # the native kernels take float32 operands
+
     def round_trip(self, values: torch.Tensor, fmt: Optional[MoeFormat]) -> torch.Tensor:
         if fmt is None:
             return values

@@ -285,14 +285,22 @@ def _require_static(config: MoeEpConfig, rank: int) -> None:
         )
 
 
-def _payload(activation: Any, weights: torch.Tensor, k: int, extra: List[torch.Tensor]) -> Callable[[torch.Tensor], List[torch.Tensor]]:
-    """The per-route rows of every send position: token parts, router weight, extra rows."""
-
-    def build(send_route: torch.Tensor) -> List[torch.Tensor]:
-        token = torch.div(send_route, k, rounding_mode="floor")
-        return core.gather_rows(activation, token) + [weights.float().reshape(-1)[send_route]] + [x[token] for x in extra]
-
-    return build
+def _dispatched(prims, config, group, activation, fc1, fc2, idx, weights, extra, check=None):
+    """The host checks (then ``check()``), then plan and dispatch the token rows, router weights and
+    ``extra`` per-token rows (the payload of :func:`moe_ep_torch.core.route_payload`).
+    Returns ``(plan, x_buf [C, H] float32, per-row buffers after the tokens (weights,
+    then extra), fc1 and fc2 decoded)``."""
+    _check_group(config, group)
+    _require_static(config, dist.get_rank(group))
+    _check(config, group, activation, fc1, fc2, idx, weights)
+    if check is not None:
+        check()
+    payload = core.route_payload(activation, weights, config.num_topk, extra=extra)
+    plan, recv = dispatch(prims, config, group, idx, payload)
+    tokens = len(recv) - 1 - len(extra)
+    x_buf = prims.decode(core.rebuild(activation, recv[:tokens]))
+    fc1_d, fc2_d = prims.decode(prims.decode_weight(fc1)), prims.decode(prims.decode_weight(fc2))
+    return plan, x_buf, recv[tokens:], fc1_d, fc2_d
 
 
 def forward(
@@ -302,19 +310,12 @@ def forward(
     """The fused forward in the static mode: ``{"output", "fc1_c" [C, 2I] bf16,
     "route_metadata" [C, 4] int32}``; outputs NaN on every rank when any rank's
     routing is bad (see :func:`check_errors`)."""
-    _check_group(config, group)
-    _require_static(config, dist.get_rank(group))
-    _check(config, group, activation, fc1, fc2, idx, weights)
-    k = config.num_topk
-    plan, recv = _dispatch_tokens(prims, config, group, idx, activation, weights, [])
-    x_buf = prims.decode(core.rebuild(activation, recv[:-1]))
-    w_buf = recv[-1]
-    fc1_d, fc2_d = prims.decode(prims.decode_weight(fc1)), prims.decode(prims.decode_weight(fc2))
+    plan, x_buf, (w_buf,), fc1_d, fc2_d = _dispatched(prims, config, group, activation, fc1, fc2, idx, weights, [])
     y, c = expert_forward(config, x_buf, w_buf, fc1_d, fc2_d, plan.group_sizes)
     c = c.masked_fill(plan.route_metadata[:, :1] < 0, 0.0)  # padding rows zero even with non-finite weights
     y = prims.round_trip(y, config.combine_format)
     (back,) = return_rows(prims, plan, [y], group)
-    out = combine_reduce(back, plan.route_pos, plan.num_tokens, k)
+    out = combine_reduce(back, plan.route_pos, plan.num_tokens, config.num_topk)
     bad = plan.error != 0  # a device scalar: masked_fill keeps it there (no host copy, capturable)
     _record(plan, group)
     return {
@@ -322,11 +323,6 @@ def forward(
         "fc1_c": c.masked_fill(bad, float("nan")).to(torch.bfloat16),
         "route_metadata": plan.route_metadata,
     }
-
-
-def _dispatch_tokens(prims, config, group, idx, activation, weights, extra):
-    """Plan and dispatch the token rows, router weights and ``extra`` per-token rows."""
-    return dispatch(prims, config, group, idx, _payload(activation, weights, config.num_topk, extra))
 
 
 def backward(
@@ -344,20 +340,19 @@ def backward(
     """The spec backward in the static mode: float32 ``(grad_activation,
     grad_fc1_weight, grad_fc2_weight, grad_topk_weights)``, NaN on every rank
     when any rank's routing is bad."""
-    _check_group(config, group)
-    rank = dist.get_rank(group)
-    _require_static(config, rank)
-    _check(config, group, activation, fc1, fc2, idx, weights)
-    cap, k = int(config.recv_capacity), config.num_topk  # type: ignore[arg-type]
-    if tuple(fc1_c.shape) != (cap, 2 * config.intermediate):
-        raise E.StashError(
-            f"rank {rank}: fc1_c must have shape (recv_capacity, 2 * intermediate) = ({cap}, {2 * config.intermediate}) "
-            f"in the static mode; got {tuple(fc1_c.shape)}"
-        )
-    plan, recv = _dispatch_tokens(prims, config, group, idx, activation, weights, [grad_output.float()])
-    x_buf = prims.decode(core.rebuild(activation, recv[:-2]))
-    w_buf, dy_buf = recv[-2], recv[-1]
-    fc1_d, fc2_d = prims.decode(prims.decode_weight(fc1)), prims.decode(prims.decode_weight(fc2))
+    k = config.num_topk
+
+    def check_stash() -> None:
+        want = (config.recv_capacity, 2 * config.intermediate)
+        if tuple(fc1_c.shape) != want:
+            raise E.StashError(
+                f"rank {dist.get_rank(group)}: fc1_c must have shape (recv_capacity, 2 * intermediate) = {want} "
+                f"in the static mode; got {tuple(fc1_c.shape)}"
+            )
+
+    plan, x_buf, (w_buf, dy_buf), fc1_d, fc2_d = _dispatched(
+        prims, config, group, activation, fc1, fc2, idx, weights, [grad_output.float()], check_stash
+    )
     dx, dw, dfc1, dfc2 = expert_backward(config, x_buf, w_buf, fc1_d, fc2_d, fc1_c, dy_buf, plan.group_sizes)
     back_dx, back_dw = return_rows(prims, plan, [dx, dw], group)
     gx = combine_reduce(back_dx, plan.route_pos, plan.num_tokens, k)

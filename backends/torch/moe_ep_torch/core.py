@@ -112,6 +112,22 @@ class Primitives:
         """``[T, H]`` float32 encoded in ``config.output_format``."""
         return encode_output(config, values)
 
+    def forward_operands(self, activation: Any, x_buf: torch.Tensor, fc1: Any, fc2: Any) -> Tuple[Any, Any, Any]:
+        """The operands :meth:`experts_forward` takes: the decoded buffer rows and
+        weights. Here bfloat16 ones on CUDA stay bfloat16 (exact), so that the
+        bf16 GEMMs can run; everything else is decoded to float32."""
+
+        def bf16_cuda(t: Any) -> bool:
+            return isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_cuda
+
+        if bf16_cuda(activation):
+            x_buf = x_buf.to(torch.bfloat16)
+        return (
+            x_buf,
+            fc1 if bf16_cuda(fc1) else self.decode(fc1),
+            fc2 if bf16_cuda(fc2) else self.decode(fc2),
+        )
+
     def experts_forward(self, config: MoeEpConfig, plan: "Plan", x, w, fc1, fc2) -> Tuple[torch.Tensor, torch.Tensor]:
         """See :func:`experts_forward`."""
         return experts_forward(config, plan, x, w, fc1, fc2)
@@ -608,14 +624,7 @@ def forward(
     prims = prims or TORCH
     x_buf = prims.decode(buffer_tokens(plan, activation, recv[:-1]))
     w_buf = to_buffer(plan, recv[-1])
-    if prims is TORCH:  # bf16 operands stay bf16 (exact) so that CUDA can use the bf16 GEMMs
-        bf16_cuda = lambda t: isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_cuda  # noqa: E731
-        if bf16_cuda(activation):
-            x_buf = x_buf.to(torch.bfloat16)
-        fc1_d = fc1 if bf16_cuda(fc1) else prims.decode(fc1)
-        fc2_d = fc2 if bf16_cuda(fc2) else prims.decode(fc2)
-    else:
-        fc1_d, fc2_d = prims.decode(fc1), prims.decode(fc2)
+    x_buf, fc1_d, fc2_d = prims.forward_operands(activation, x_buf, fc1, fc2)
     y, c = prims.experts_forward(config, plan, x_buf, w_buf, fc1_d, fc2_d)
     (back,) = exchange_back(plan, [from_buffer(plan, y)], group, prims)
     out = prims.encode_output(config, prims.sum_slots(plan, back))
