@@ -21,10 +21,6 @@ import time
 from datetime import timedelta
 
 
-class _Skipped(Exception):
-    pass
-
-
 def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     import torch
     import torch.distributed as dist
@@ -90,67 +86,55 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         y, fc1_c, _ = cn.STATIC_OPS.forward_op(x, w1, w2, idx, tw, cfg_json, name)
         return (y,) + tuple(cn.STATIC_OPS.backward_op(dy, x, w1, w2, idx, tw, fc1_c, cfg_json, name))
 
-    if args.no_graph:  # e.g. under compute-sanitizer, where a capture and replay take very long
-        graph = graph2 = None
-        _finish(rank, n, args, dist, report, {}, config, cap, t, h, i, e, k, dev, cn)
-        return
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step(modes["static"])
-            explicit()
-    torch.cuda.synchronize(dev)
-    key = "autograd graph replay == eager static (bitwise)"
-    graph = None
-    try:
-        if not args.autograd_graph:
-            raise _Skipped()
-        graph = torch.cuda.CUDAGraph()
-        for p in (x, w1, w2, tw):
-            p.grad = None
-        with torch.cuda.graph(graph, stream=side):
-            g_out = modes["static"](x, w1, w2, idx, tw, config=config)
-            g_out.backward(dy)
-        graph.replay()
-        torch.cuda.synchronize(dev)
-        report[key] = torch.equal(g_out, results["static"][0]) and all(
-            torch.equal(p.grad, r) for p, r in zip((x, w1, w2, tw), results["static"][1:])
-        )
-    except _Skipped:
-        pass
-    except Exception as exc:  # noqa: BLE001 - reported (and fails the run), the other checks go on
-        report[key] = False
-        graph = None
-        print(f"rank {rank}: {key}: capture failed: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
-    eager = explicit()
-    graph2 = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph2, stream=side):
-        g2 = explicit()
-    graph2.replay()
-    torch.cuda.synchronize(dev)
-    report["explicit-op graph replay == eager (bitwise)"] = all(torch.equal(a, b) for a, b in zip(g2, eager))
     times = {}
-    if args.time:
-        modes["torch"] = lambda *a, **kw: tapi.moe_ep(*a, **kw)
-        runners = {m: (lambda fn=fn: step(fn)) for m, fn in modes.items()}
-        runners["graph"] = graph.replay if graph is not None else graph2.replay
-        for m, run in runners.items():
-            for _ in range(3):
-                run()
-            samples = []
-            for _ in range(args.iters):
-                dist.barrier()
+    if not args.no_graph:  # --no-graph: e.g. under compute-sanitizer, where a capture and replay take very long
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(modes["static"])
+                explicit()
+        torch.cuda.synchronize(dev)
+        graph = None
+        if args.autograd_graph:
+            key = "autograd graph replay == eager static (bitwise)"
+            try:
+                graph = torch.cuda.CUDAGraph()
+                for p in (x, w1, w2, tw):
+                    p.grad = None
+                with torch.cuda.graph(graph, stream=side):
+                    g_out = modes["static"](x, w1, w2, idx, tw, config=config)
+                    g_out.backward(dy)
+                graph.replay()
                 torch.cuda.synchronize(dev)
-                start = time.perf_counter()
-                run()
-                torch.cuda.synchronize(dev)
-                samples.append(time.perf_counter() - start)
-            times[m] = statistics.median(samples) * 1e3
-    _finish(rank, n, args, dist, report, times, config, cap, t, h, i, e, k, dev, cn)
-
-
-def _finish(rank, n, args, dist, report, times, config, cap, t, h, i, e, k, dev, cn) -> None:
-    import torch
-
+                report[key] = torch.equal(g_out, results["static"][0]) and all(
+                    torch.equal(p.grad, r) for p, r in zip((x, w1, w2, tw), results["static"][1:])
+                )
+            except Exception as exc:  # noqa: BLE001 - reported (and fails the run), the other checks go on
+                report[key] = False
+                graph = None
+                print(f"rank {rank}: {key}: capture failed: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+        eager = explicit()
+        graph2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph2, stream=side):
+            g2 = explicit()
+        graph2.replay()
+        torch.cuda.synchronize(dev)
+        report["explicit-op graph replay == eager (bitwise)"] = all(torch.equal(a, b) for a, b in zip(g2, eager))
+        if args.time:
+            modes["torch"] = lambda *a, **kw: tapi.moe_ep(*a, **kw)
+            runners = {m: (lambda fn=fn: step(fn)) for m, fn in modes.items()}
+            runners["graph"] = graph.replay if graph is not None else graph2.replay
+            for m, run in runners.items():
+                for _ in range(3):
+                    run()
+                samples = []
+                for _ in range(args.iters):
+                    dist.barrier()
+                    torch.cuda.synchronize(dev)
+                    start = time.perf_counter()
+                    run()
+                    torch.cuda.synchronize(dev)
+                    samples.append(time.perf_counter() - start)
+                times[m] = statistics.median(samples) * 1e3
     cn.check_errors(config)
     cn.close_communicators()
     gathered = [None] * n
@@ -182,7 +166,7 @@ def main() -> None:
     parser.add_argument("--experts-per-rank", type=int, default=4)
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--time", action="store_true")
-    parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph captures")
+    parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph captures (and the timing)")
     parser.add_argument(
         "--autograd-graph", action="store_true",
         help="also capture forward + loss.backward() (autograd) in a CUDA graph (not verified yet: docs/cuda-nccl.md)",
