@@ -7,7 +7,11 @@ the error of an implementation that follows the spec with float32 accumulation
 it treats every rounding point exactly:
 
 * an accumulation of ``n`` float32 terms errs by at most :func:`gamma` ``(n)``
-  times the sum of the terms' magnitudes;
+  times the sum of the terms' magnitudes, plus :func:`underflow` ``(n)`` for
+  the products and partial sums below float32's normal range; an accumulation
+  that is exact in float32 whatever the order (:func:`exact_reduction`: every
+  term a multiple of a common power of two ``q`` and the terms' magnitudes
+  summing to less than ``2^24 q``) errs by nothing (:func:`reduction_bound`);
 * a rounding point maps an error bound ``d`` on its input to
   :func:`rounding_error_bound`: the largest distance between the rounded
   reference value and the rounding of any value within ``d`` of it. Rounding is
@@ -45,7 +49,16 @@ from .formats import (
 __all__ = [
     "FP32_UNIT_ROUNDOFF",
     "SAFETY",
+    "FP32_MIN_NORMAL",
+    "FP32_MIN_SUBNORMAL",
+    "FP32_MAX",
     "gamma",
+    "underflow",
+    "quantum",
+    "min_quantum",
+    "dot_quantum",
+    "exact_reduction",
+    "reduction_bound",
     "rounding_error_bound",
     "allowed_scale_codes",
     "ForwardBudget",
@@ -72,6 +85,102 @@ def gamma(n: int) -> float:
     """Relative error bound of a float32 reduction of length ``n`` (times :data:`SAFETY`)."""
     nu = max(int(n), 1) * FP32_UNIT_ROUNDOFF
     return SAFETY * nu / (1.0 - nu)
+
+
+#: The smallest positive normal float32, ``2^-126``.
+FP32_MIN_NORMAL = 2.0**-126
+#: The smallest positive float32 (subnormal), ``2^-149``: twice the largest
+#: absolute rounding error of a float32 result in the subnormal range.
+FP32_MIN_SUBNORMAL = 2.0**-149
+#: The largest finite float32.
+FP32_MAX = float(np.finfo(np.float32).max)
+
+
+def underflow(n: int) -> float:
+    """Absolute error bound of a float32 reduction of length ``n`` from results
+    below ``2^-126``, where relative bounds fail: each of its ``n`` products and
+    ``n`` partial sums may round by ``2^-150`` absolute there, so ``SAFETY * n *
+    2^-149`` (n taken as at least 1)."""
+    return SAFETY * max(int(n), 1) * FP32_MIN_SUBNORMAL
+
+
+def quantum(values: Any) -> np.ndarray:
+    """The largest power of two that divides each value (the weight of its last
+    significant bit).
+
+    Args:
+        values: ``[...]`` float (read exactly as float64).
+
+    Returns:
+        ``[...]`` float64: ``2^k`` with ``value = odd * 2^k``; ``+inf`` for a zero
+        (a zero is a multiple of every power of two); NaN for NaN and +-inf.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(v) & (v != 0)
+    mant, exp = np.frexp(np.where(finite, np.abs(v), 1.0))  # |v| = mant * 2^exp, mant in [0.5, 1)
+    ints = (mant * 2.0**53).astype(np.int64)  # exact: a 53-bit integer
+    low = (ints & -ints).astype(np.float64)  # its lowest set bit
+    q = np.ldexp(low, exp - 53)
+    return np.where(finite, q, np.where(v == 0, np.inf, np.nan))
+
+
+def min_quantum(values: Any, axis: int) -> np.ndarray:
+    """:func:`quantum` minimised over ``axis`` (kept as a length-1 axis): a power
+    of two that divides every value along it (``+inf`` when all are zero, NaN
+    when one is not finite)."""
+    return np.min(quantum(values), axis=axis, keepdims=True)
+
+
+def dot_quantum(a: Any, b: Any, max_work: int = 1 << 22) -> np.ndarray:
+    """A power of two dividing every product ``a[r, i] * b[i, j]`` of the matrix
+    product ``a @ b`` (for :func:`exact_reduction`).
+
+    Args:
+        a: ``[n, k]`` float: the left operand; b: ``[k, m]`` float: the right one.
+        max_work: above ``n * k * m`` elements the bound is the cheaper product of
+            the row's and the column's :func:`min_quantum` (still valid, less tight).
+
+    Returns:
+        ``[n, m]`` float64: the smallest ``quantum(a[r, i]) * quantum(b[i, j])``
+        over ``i`` (``+inf`` where every product is zero).
+    """
+    qa, qb = quantum(a), quantum(b)
+    n, k = qa.shape
+    m = qb.shape[1]
+    if n * k * m > max_work:
+        return min_quantum(a, axis=1) * min_quantum(b, axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        la, lb = np.log2(qa), np.log2(qb)
+        return np.exp2(np.min(la[:, :, None] + lb[None, :, :], axis=1, initial=np.inf))
+
+
+def exact_reduction(abs_sum: Any, common_quantum: Any) -> np.ndarray:
+    """Whether a float32 reduction is exact in every order, blocking and FMA use.
+
+    Args:
+        abs_sum: ``[...]`` float64: the sum of the magnitudes of the terms (the
+            products, for a dot product).
+        common_quantum: broadcastable: a power of two that divides every term.
+
+    Every partial sum of such terms is a multiple of ``q`` no larger than
+    ``abs_sum``, so it is a float32 value when ``abs_sum < 2^24 q``,
+    ``q >= 2^-149`` and ``abs_sum`` is within float32's range: then nothing
+    rounds. For a product ``x_i * w_i`` of float32 values, ``q`` may be taken
+    as the product of a power of two dividing every ``x_i`` and one dividing
+    every ``w_i`` (:func:`min_quantum`).
+    """
+    a = np.asarray(abs_sum, dtype=np.float64)
+    q = np.asarray(common_quantum, dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (q >= FP32_MIN_SUBNORMAL) & (a < q * 2.0**24) & (a <= FP32_MAX)
+
+
+def reduction_bound(abs_sum: Any, n: int, exact: Any = False) -> np.ndarray:
+    """The error bound of a float32 reduction of length ``n`` whose terms'
+    magnitudes sum to ``abs_sum``: ``gamma(n) * abs_sum + underflow(n)``, and 0
+    where ``exact`` (see :func:`exact_reduction`)."""
+    a = np.asarray(abs_sum, dtype=np.float64)
+    return np.where(exact, 0.0, gamma(n) * a + underflow(n))
 
 
 def _half_gap(mag: np.ndarray, scale: np.ndarray, fmt: MoeFormat) -> np.ndarray:

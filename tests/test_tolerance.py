@@ -444,3 +444,130 @@ def test_wrong_backward_fails_the_budget(case, wrong):
         for j, name in enumerate(NAMES)
     ]
     assert max(ratios) > 1.0, ratios
+
+
+# ---------------------------------------------------------------- exact reductions, underflow (issue 17)
+
+from moe_ep_spec import DispatchInputs, RankInputs  # noqa: E402
+from moe_ep_spec.tolerance import (  # noqa: E402
+    FP32_MIN_SUBNORMAL,
+    dot_quantum,
+    exact_reduction,
+    min_quantum,
+    quantum,
+    reduction_bound,
+    underflow,
+)
+
+
+def test_quantum_is_the_last_significant_bit():
+    got = quantum(np.array([1.0, 3.0, 0.75, -6.5, 2.0**-149, 1 + 2.0**-52, 0.0, -0.0, np.nan, np.inf]))
+    want = [1.0, 1.0, 0.25, 0.5, 2.0**-149, 2.0**-52, np.inf, np.inf, np.nan, np.nan]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(min_quantum(np.array([[1.5, 0.0], [0.0, -0.0]]), axis=1), [[0.5], [np.inf]])
+    a, b = np.array([[1.0, 0.0], [0.5, 3.0]]), np.array([[0.75, 1.0], [2.0**-20, 0.0]])
+    np.testing.assert_array_equal(dot_quantum(a, b), [[0.25, 1.0], [2.0**-20, 0.5]])
+    np.testing.assert_array_equal(dot_quantum(a, b, max_work=0), [[2.0**-20, 1.0], [2.0**-21, 0.5]])
+
+
+def test_exact_reduction_needs_24_bits_and_the_float32_range():
+    # 1 + 2^-8 (two bf16 values) is exact; 2^24 * q is not; an all-zero sum is;
+    # a common quantum below float32's subnormals or a NaN term is not.
+    abs_sum = np.array([1 + 2.0**-8, 2.0**24, 0.0, 2.0**-140, 1.0, 2.0**200])
+    q = np.array([2.0**-8, 1.0, np.inf, 2.0**-150, np.nan, 2.0**180])
+    assert exact_reduction(abs_sum, q).tolist() == [True, False, True, False, False, False]
+
+
+def test_reduction_bound_is_zero_only_where_exact():
+    b = reduction_bound(np.array([1.0, 1.0]), 4, np.array([True, False]))
+    assert b[0] == 0.0 and b[1] == gamma(4) + underflow(4)
+    assert underflow(3) == 2 * 3 * FP32_MIN_SUBNORMAL and underflow(0) == underflow(1)
+
+
+def _combine_budget(config, rows_per_rank, topk_idx):
+    """The reference's combine output and budget for given expert rows (one rank)."""
+    t = topk_idx.shape[0]
+    tokens = np.zeros((t, config.hidden), np.float32)
+    d = REF.dispatch(config, [DispatchInputs(tokens, topk_idx, np.ones(topk_idx.shape, np.float32))])
+    rows = [np.asarray(rows_per_rank, np.float32)]
+    return REF.combine(config, [d[0].handle], rows)[0], REF.combine_budget(config, [d[0].handle], rows)[0]
+
+
+def test_exact_slot_sum_gets_no_gamma_k_budget():
+    """K = 1, and K = 2 with two bf16 terms that fit 24 bits: the slot sum is exact
+    in float32 whatever the order, so an output tie allows only the tie's code."""
+    cfg = MoeEpConfig(num_experts=2, hidden=2, intermediate=2, num_topk=2)
+    # token 0: 1 + 2^-8 (a bf16 tie: rounds to even, 1.0); token 1: 1 + 3 * 2^-8 (rounds up)
+    idx = np.array([[0, 1], [0, 1]], np.int32)
+    rows = [[1.0, 1.0], [1.0, 1.0], [2.0**-8, -(2.0**-8)], [3 * 2.0**-8, 0.0]]  # expert-major: e0 t0, e0 t1, e1 t0, e1 t1
+    out, budget = _combine_budget(cfg, rows, idx)
+    np.testing.assert_array_equal(budget.output, np.zeros((2, 2)))
+    assert out.astype(np.float64).tolist() == [[1.0, 1.0 - 2.0**-8], [1.0 + 2.0**-6, 1.0]]
+    # K = 3, terms 1, 2^-8, 2^-30 need 31 bits: a float32 sum may drop 2^-30 and land
+    # on the tie (1.0) where the exact sum rounds up: both codes are allowed.
+    cfg3 = MoeEpConfig(num_experts=3, hidden=2, intermediate=2, num_topk=3)
+    rows = [[1.0, 1.0], [2.0**-8, 0.0], [2.0**-30, 0.0]]
+    out, budget = _combine_budget(cfg3, rows, np.array([[0, 1, 2]], np.int32))
+    assert out.astype(np.float64).tolist() == [[1.0 + 2.0**-7, 1.0]]
+    assert budget.output.tolist() == [[2.0**-7, 0.0]]
+    # K = 1: any single term is exact.
+    cfg1 = cfg.replace(num_topk=1)
+    _, budget = _combine_budget(cfg1, [[1.0 + 2.0**-8, 3.0e38]], np.array([[1]], np.int32))
+    np.testing.assert_array_equal(budget.output, np.zeros((1, 2)))
+
+
+def test_exact_fc1_gets_no_stash_budget():
+    """One-hot activations and float32 weights: FC1 is exact, so fc1_c must be
+    the bf16 rounding of the exact value, ties included (budget 0)."""
+    cfg = MoeEpConfig(num_experts=1, hidden=4, intermediate=2, num_topk=1, generate_c=True)
+    act = np.eye(4, dtype=np.float32)
+    fc1 = np.zeros((1, 4, 4), np.float32)
+    fc1[0, :, 0] = [1 + 2.0**-8, -(1 + 2.0**-8), 1 + 3 * 2.0**-8, 2.0**-134]  # ties to even, subnormal tie
+    fc2 = np.ones((1, 2, 4), np.float32)
+    world = [RankInputs(act, fc1, fc2, np.zeros((4, 1), np.int32), np.ones((4, 1), np.float32))]
+    res, budget = REF.forward_and_budget(cfg, world)
+    np.testing.assert_array_equal(budget[0].fc1_c, np.zeros((4, 4)))
+    got = res[0].fc1_c[:, 0].view(np.uint16).tolist()
+    assert got == [0x3F80, 0xBF80, 0x3F82, 0x0000], [hex(c) for c in got]
+
+
+def _deep_negative_gate_world(config):
+    """g = -100 (float32 sigmoid underflows to 0) and u = 1e30: h = s * u is about
+    -3.7e-12 in exact arithmetic and exactly 0 in float32."""
+    h, i = config.hidden, config.intermediate
+    act = np.zeros((2, h), np.float32)
+    act[:, 0] = 1.0
+    fc1 = np.zeros((1, h, 2 * i), np.float32)
+    fc1[0, 0, :i] = -100.0
+    fc1[0, 0, i:] = 1e30
+    fc2 = np.full((1, i, h), 0.5, np.float32)
+    return [RankInputs(act, fc1, fc2, np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32))]
+
+
+def test_float32_silu_underflow_passes_the_budget():
+    """Spec 13.1: results below 2^-126 get an absolute allowance; a float32 SiLU
+    whose sigmoid underflows to 0 (g below about -88.7) conforms."""
+    cfg = MoeEpConfig(num_experts=1, hidden=4, intermediate=2, num_topk=1)
+    world = _deep_negative_gate_world(cfg)
+    ref = REF.forward(cfg, world)[0].output
+    assert np.all(ref.astype(np.float64) < 0)  # the exact result is not zero
+    with np.errstate(over="ignore"):
+        got = float32_forward(cfg, world)[0]
+    assert np.all(got.astype(np.float64) == 0)
+    c = compare("underflow", got, ref, REF.forward_budget(cfg, world)[0].output)
+    assert c.ok, c.describe()
+
+
+def test_mxfp8_beyond_float32_decodes_to_inf():
+    """Spec 8.5: an mxfp8 input value of 2^128 or more decodes to +-inf (float32),
+    in the reference as on a float32 backend."""
+    from moe_ep_reference import world as W
+
+    from moe_ep_spec.formats import FLOAT8_E4M3, FLOAT8_E8M0, BlockScaledTensor
+
+    codes = np.zeros((1, 32), np.uint8)
+    codes[0, :3] = [0x40, 0xC8, 0x3C]  # E4M3 2.0, -4.0, 1.5
+    scale = np.array([[0xFE]], np.uint8)  # 2^127
+    t = BlockScaledTensor(codes.view(FLOAT8_E4M3), scale.view(FLOAT8_E8M0), "mxfp8", (1, 32), axis=1)
+    got = W.decode(t)[0, :3]
+    assert got.tolist() == [np.inf, -np.inf, 1.5 * 2.0**127]

@@ -22,7 +22,14 @@ from moe_ep_spec.backend import Capabilities, Launch, MoeEpBackend
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import DTypeError, ShapeError, StashError
 from moe_ep_spec.formats import round_to_bf16, round_trip
-from moe_ep_spec.tolerance import ForwardBudget, allowed_scale_codes, gamma, rounding_error_bound
+from moe_ep_spec.tolerance import (
+    ForwardBudget,
+    allowed_scale_codes,
+    exact_reduction,
+    quantum,
+    reduction_bound,
+    rounding_error_bound,
+)
 
 from . import world as W
 
@@ -186,7 +193,7 @@ class ReferenceBackend(MoeEpBackend):
             abs_slots = W.scatter_slots(config, handles, [np.abs(gr[0]) for gr in grads])
             for r, bud in enumerate(budgets):
                 budgets[r] = BackwardResult(
-                    grad_activation=bud.grad_activation + gamma(config.num_topk) * W.sum_slots(abs_slots[r]),
+                    grad_activation=bud.grad_activation + reduction_bound(W.sum_slots(abs_slots[r]), config.num_topk),
                     grad_fc1_weight=bud.grad_fc1_weight,
                     grad_fc2_weight=bud.grad_fc2_weight,
                     grad_topk_weights=bud.grad_topk_weights,
@@ -268,11 +275,12 @@ class ReferenceBackend(MoeEpBackend):
         grad_topk_weights: Sequence[np.ndarray],
     ) -> List[DispatchGrads]:
         """Per rank, float64 budgets shaped like :meth:`dispatch_backward`'s results:
-        the float32 slot sum for ``grad_tokens``; ``grad_topk_weights`` is exact (0)."""
+        the float32 slot sum for ``grad_tokens`` (0 where that sum is exact in
+        float32); ``grad_topk_weights`` is exact (0)."""
         tok_slots, w_slots = self._dispatch_backward_slots(config, handles, grad_tokens, grad_topk_weights)
         return [
             DispatchGrads(
-                grad_tokens=gamma(config.num_topk) * W.sum_slots(np.abs(tok_slots[r])),
+                grad_tokens=_slot_sum_bound(tok_slots[r], config.num_topk),
                 grad_topk_weights=np.zeros_like(w_slots[r]),
             )
             for r in range(config.num_ranks)
@@ -299,6 +307,19 @@ class ReferenceBackend(MoeEpBackend):
         return W.scatter_slots(config, handles, gts), W.scatter_slots(config, handles, gws)
 
 
+def _slot_sum_bound(per_slot: np.ndarray, num_topk: int, route_error: Any = 0.0) -> np.ndarray:
+    """The error bound of a float32 slot sum of ``per_slot`` (``[T, K, H]`` float64,
+    the terms) whose terms may each be off by their share of ``route_error``
+    (``[T, H]``, summed over slots): 0 where the sum is exact in float32 in every
+    order (the terms are the reference's and fit 24 bits together, e.g. K = 1 or
+    two bf16 values of nearby magnitude), else ``gamma(K) * sum_k |term_k|`` plus
+    the underflow term."""
+    abs_sum = W.sum_slots(np.abs(per_slot))
+    common = np.min(quantum(per_slot), axis=1) if per_slot.shape[1] else np.full(abs_sum.shape, np.inf)
+    exact = exact_reduction(abs_sum, common) & (np.asarray(route_error) == 0)
+    return reduction_bound(abs_sum, num_topk, exact)
+
+
 def _output_budget(
     config: MoeEpConfig,
     summed: np.ndarray,
@@ -307,9 +328,10 @@ def _output_budget(
     fc1_c: Optional[np.ndarray] = None,
 ) -> ForwardBudget:
     """The budget of a ``[T, H]`` output: the routes' errors (``route_error``,
-    summed over slots) plus the float32 slot sum, pushed through the output encode."""
+    summed over slots) plus the float32 slot sum (nothing where that sum is
+    exact), pushed through the output encode."""
     fmt = config.output_format
-    before_encode = route_error + gamma(config.num_topk) * W.sum_slots(np.abs(per_slot))
+    before_encode = route_error + _slot_sum_bound(per_slot, config.num_topk, route_error)
     return ForwardBudget(
         output=rounding_error_bound(summed, before_encode, fmt, axis=1),
         scale_codes=allowed_scale_codes(summed, before_encode, fmt, axis=1) if fmt.is_block_scaled else None,

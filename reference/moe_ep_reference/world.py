@@ -23,7 +23,19 @@ from moe_ep_spec.api import DispatchHandle, Tensor
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import CapacityError
 from moe_ep_spec.formats import BlockScaledTensor, MoeFormat, dequantize, quantize, round_to_bf16, round_trip
-from moe_ep_spec.tolerance import FP32_UNIT_ROUNDOFF, SAFETY, gamma, rounding_error_bound
+from moe_ep_spec.tolerance import (
+    FP32_MIN_NORMAL,
+    FP32_MIN_SUBNORMAL,
+    FP32_UNIT_ROUNDOFF,
+    SAFETY,
+    exact_reduction,
+    gamma,
+    dot_quantum,
+    quantum,
+    reduction_bound,
+    rounding_error_bound,
+    underflow,
+)
 
 __all__ = [
     "plan",
@@ -38,7 +50,15 @@ __all__ = [
 
 
 def decode(t: Tensor) -> np.ndarray:
-    """Exact float64 value of a plain array or a BlockScaledTensor."""
+    """The float64 value of a plain array or a BlockScaledTensor (spec section 8.5).
+
+    Every input value is a float32 value and decodes exactly, except an mxfp8
+    value of magnitude ``2^128`` or more (E4M3 >= 2 at scale ``2^127``), which is
+    beyond float32's range and decodes to +-inf, as it does on every float32
+    backend."""
+    if isinstance(t, BlockScaledTensor):
+        with np.errstate(over="ignore"):
+            return dequantize(t, np.float32).astype(np.float64)  # exact below 2^128, +-inf above
     return dequantize(t, np.float64)
 
 
@@ -219,15 +239,34 @@ def expert_forward(
         y[sl] = round_trip(ye, config.combine_format, axis=-1)
         if bound is None:
             continue
-        # First-order propagation of float32 accumulation error (tolerance module).
-        dc = gamma(h_size) * (np.abs(x[sl]) @ np.abs(fc1[e]))
+        # First-order propagation of float32 accumulation error (tolerance module);
+        # a reduction that is exact in float32 whatever the order gets no allowance.
+        abs_c = np.abs(x[sl]) @ np.abs(fc1[e])
+        exact_c = exact_reduction(abs_c, dot_quantum(x[sl], fc1[e]))
+        dc = reduction_bound(abs_c, h_size, exact_c)
         c_bound[sl] = rounding_error_bound(c, dc, MoeFormat.BF16)
         dh_dg = np.abs(u * sig * (1.0 + g * (1.0 - sig)))
-        dh = dh_dg * dc[:, :i_size] + np.abs(s) * dc[:, i_size:] + 4 * u32 * np.abs(h)
-        d_op = np.abs(we) * dh + u32 * np.abs(op) if config.apply_topk_in_fc1 else dh
+        # Below float32's normal range relative bounds fail: sigmoid is 0 or
+        # subnormal for g below about -87 (an absolute error up to 2^-126), and
+        # s = g * sig, h = s * u may round to the subnormal grid.
+        tiny = SAFETY * (
+            np.abs(u) * (np.abs(g) * FP32_MIN_NORMAL + FP32_MIN_SUBNORMAL * (s != 0)) + FP32_MIN_SUBNORMAL * (h != 0)
+        )
+        dh = dh_dg * dc[:, :i_size] + np.abs(s) * dc[:, i_size:] + 4 * u32 * np.abs(h) + tiny
+        if config.apply_topk_in_fc1:
+            d_op = np.abs(we) * dh + (u32 * np.abs(op) + SAFETY * FP32_MIN_SUBNORMAL) * (op != 0)
+        else:
+            d_op = dh
         d_op = rounding_error_bound(op, d_op, config.intermediate_format, axis=-1)
-        dz = d_op @ np.abs(fc2[e]) + gamma(i_size) * (np.abs(op_r) @ np.abs(fc2[e]))
-        dy = dz if config.apply_topk_in_fc1 else np.abs(we) * dz + u32 * np.abs(ye)
+        abs_z = np.abs(op_r) @ np.abs(fc2[e])
+        exact_z = exact_reduction(abs_z, dot_quantum(op_r, fc2[e]))
+        exact_z &= (d_op == 0).all(axis=1, keepdims=True)  # the backend's operand is the reference's
+        dz = d_op @ np.abs(fc2[e]) + reduction_bound(abs_z, i_size, exact_z)
+        if config.apply_topk_in_fc1:
+            dy = dz
+        else:
+            exact_y = (dz == 0) & exact_reduction(np.abs(ye), quantum(we) * quantum(z))  # w * z exact in float32
+            dy = np.abs(we) * dz + np.where(exact_y, 0.0, u32 * np.abs(ye) + SAFETY * FP32_MIN_SUBNORMAL)
         bound[sl] = rounding_error_bound(ye, dy, config.combine_format, axis=-1)
     return y, c_all, None if bound is None else (bound, c_bound)
 
@@ -295,23 +334,35 @@ def expert_backward(
             continue
         b_dx, b_dw, b_dfc1, b_dfc2 = bounds
         a_dyw = np.abs(dye) @ np.abs(fc2[e]).T  # bounds |dY W2^T|
-        e_dh = (gamma(h_size) * a_dyw + u32 * a_dyw) * np.abs(we)
+        tiny = SAFETY * FP32_MIN_SUBNORMAL  # one float32 rounding in the subnormal range
+        e_dh = (gamma(h_size) * a_dyw + u32 * a_dyw + underflow(h_size)) * np.abs(we) + tiny
         a_dh = a_dyw * np.abs(we)
         a_fg, a_fu = np.abs(fg), np.abs(fu)
         # Evaluating silu' in float32 errs relative to its terms, not to its value
         # (1 + g(1 - sig) cancels near g = -1.28): bound it by the terms' magnitudes.
         a_fg_terms = np.abs(u) * sig * (1.0 + np.abs(g) * (1.0 - sig)) * gate_mask
-        e_dc = np.concatenate([e_dh * a_fg + 8 * u32 * a_dh * a_fg_terms, e_dh * a_fu + 4 * u32 * a_dh * a_fu], axis=1)
+        # sigmoid in float32 is 0 or subnormal below g = -87: an absolute error up to 2^-126.
+        sig_abs = SAFETY * FP32_MIN_NORMAL
+        e_dc = np.concatenate(
+            [
+                e_dh * a_fg + 8 * u32 * a_dh * a_fg_terms + (a_dh * np.abs(u) * (1.0 + np.abs(g)) * sig_abs + tiny) * gate_mask,
+                e_dh * a_fu + 4 * u32 * a_dh * a_fu + (a_dh * np.abs(g) * sig_abs + tiny) * up_mask,
+            ],
+            axis=1,
+        )
         a_dc = np.concatenate([a_dh * a_fg, a_dh * a_fu], axis=1)
-        b_dfc1[e] = np.abs(x[sl]).T @ e_dc + gamma(n_e) * (np.abs(x[sl]).T @ a_dc)
-        b_dx[sl] = e_dc @ np.abs(fc1[e]).T + gamma(2 * i_size) * (a_dc @ np.abs(fc1[e]).T)
+        b_dfc1[e] = np.abs(x[sl]).T @ e_dc + gamma(n_e) * (np.abs(x[sl]).T @ a_dc) + underflow(n_e)
+        b_dx[sl] = e_dc @ np.abs(fc1[e]).T + gamma(2 * i_size) * (a_dc @ np.abs(fc1[e]).T) + underflow(2 * i_size)
         a_wh = np.abs(we * h)
-        b_dfc2[e] = (gamma(n_e) + 4 * u32) * (a_wh.T @ np.abs(dye))
+        h_abs = np.abs(u) * np.abs(g) * sig_abs + tiny  # h's absolute error below the normal range
+        b_dfc2[e] = (gamma(n_e) + 4 * u32) * (a_wh.T @ np.abs(dye)) + (np.abs(we) * h_abs).T @ np.abs(dye) + underflow(n_e)
         if config.apply_topk_in_fc1:
             b_dw[sl] = np.sum((gamma(h_size) * a_dyw + gamma(i_size) * a_dyw + 4 * u32 * a_dyw) * np.abs(h), axis=1)
+            b_dw[sl] += np.sum(a_dyw * h_abs + underflow(h_size) * np.abs(h), axis=1) + underflow(i_size)
         else:
             a_hw2 = np.abs(h) @ np.abs(fc2[e])
             b_dw[sl] = np.sum(np.abs(dye) * (gamma(i_size) + gamma(h_size) + 4 * u32) * a_hw2, axis=1)
+            b_dw[sl] += np.sum(np.abs(dye) * (h_abs @ np.abs(fc2[e]) + underflow(i_size)), axis=1) + underflow(h_size)
     return (dx, dw, dfc1, dfc2), bounds
 
 
