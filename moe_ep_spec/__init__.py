@@ -39,6 +39,7 @@ from .errors import (
     DTypeError,
     FormatError,
     MoeEpError,
+    MoeEpWarning,
     NativeArgumentError,
     TransportError,
     NativeError,
@@ -50,6 +51,7 @@ from .formats import BlockScaledTensor, MoeFormat, dequantize, parse_format, qua
 from .hookspecs import ENTRY_POINT_GROUP, hookimpl, hookspec
 from . import inputs, tolerance, validation
 from .registry import (
+    InstalledPlugin,
     PluginFailure,
     Registry,
     get_backend,
@@ -98,6 +100,7 @@ __all__ = [
     "hookspec",
     "Registry",
     "PluginFailure",
+    "InstalledPlugin",
     "get_registry",
     "get_backend",
     "list_backends",
@@ -105,6 +108,7 @@ __all__ = [
     "register_backend",
     # errors
     "MoeEpError",
+    "MoeEpWarning",
     "ConfigError",
     "ShapeError",
     "DTypeError",

@@ -177,6 +177,15 @@ class MoeEpBackend:
         Must be cheap and must not raise."""
         return Availability(True)
 
+    def quick_availability(self) -> Availability:
+        """What ``moe-ep backends`` shows: whether this backend can run here,
+        judged without importing a framework (torch, jax) or starting a device
+        runtime, so that listing backends stays fast. The default is
+        :meth:`availability`; a backend whose full check imports its framework
+        overrides this with a check of what is installed (``find_spec``,
+        distribution versions, a native library's build flags). Must not raise."""
+        return self.availability()
+
     def is_available(self) -> bool:
         return bool(self.availability())
 

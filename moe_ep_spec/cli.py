@@ -2,55 +2,128 @@
 
 Other packages add subcommands through the entry-point group
 ``moe_ep_spec.commands`` (a callable that takes the argparse subparsers object),
-which is how ``moe-ep conformance`` arrives with the conformance package.
+which is how ``moe-ep conformance`` (distribution ``moe-ep-conformance``) and
+``moe-ep bench`` (``moe-ep-bench``) arrive. When one of those is not installed,
+its name still parses and the error says what to install.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import textwrap
 import time
 import traceback
+import warnings
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Dict, List, Optional, Sequence
 
-import numpy as np
-
 from . import __version__
-from .api import ForwardResult
-from .backend import MoeEpBackend
+from .backend import Availability, MoeEpBackend
 from .config import MoeEpConfig
-from .errors import MoeEpError
+from .errors import CapabilityError, ConfigError, MoeEpError, MoeEpWarning
 from .formats import MoeFormat
-from .inputs import INPUT_FORMATS, ROUTINGS, random_world
-from .launch import call_world
-from .registry import get_registry
-from .tolerance import Comparison, compare
+from .inputs import INPUT_FORMATS, ROUTINGS
+from .registry import ENV_BACKEND, DEFAULT_BACKEND, get_registry
 
-__all__ = ["main", "build_parser", "run_parsed"]
+__all__ = ["ADD_ON_COMMANDS", "AddOnCommand", "main", "build_parser", "run_parsed"]
 
 COMMANDS_GROUP = "moe_ep_spec.commands"
 _FORMATS = [f.value for f in MoeFormat]
 
 
+@dataclass(frozen=True)
+class AddOnCommand:
+    """A subcommand another distribution adds, and how to get it.
+
+    Attributes:
+        distribution: the distribution that adds it.
+        install: the command that installs it (from the repository root).
+        summary: what the command does (shown in ``moe-ep --help``).
+    """
+
+    distribution: str
+    install: str
+    summary: str
+
+
+#: The project's own add-on commands: ``moe-ep NAME`` without its distribution
+#: says which one to install instead of "invalid choice".
+ADD_ON_COMMANDS: Dict[str, AddOnCommand] = {
+    "bench": AddOnCommand("moe-ep-bench", "pip install ./bench", "time every backend against its baselines"),
+    "conformance": AddOnCommand(
+        "moe-ep-conformance", "pip install ./conformance", "run the conformance suite on backends against the reference"
+    ),
+}
+
+# MoeEpConfig fields and the `moe-ep run` options that set them (for errors about the fields).
+_FIELD_OPTIONS = {
+    "num_ranks": "--ep-size",
+    "num_experts": "--experts",
+    "hidden": "--hidden",
+    "intermediate": "--intermediate",
+    "num_topk": "--topk",
+    "output_format": "--format",
+    "combine_format": "--combine-format",
+    "intermediate_format": "--intermediate-format",
+    "gate_up_clamp": "--clamp",
+    "max_tokens_per_rank": "--tokens",
+}
+
+
+# ------------------------------------------------------------------ backends
+
+
 def _capability_summary(backend: MoeEpBackend) -> str:
+    """A short text of what the backend declares: launch, devices, formats (``all``
+    when bf16, mxfp8 and nvfp4), EP sizes when limited, and ``-feature`` for
+    every feature it does not have."""
     c = backend.capabilities
-    parts = ["fmt=" + ",".join(sorted(f.value for f in c.formats))]
-    for flag in ("backward", "generate_c", "layered", "static_layout"):
-        if getattr(c, flag):
-            parts.append(flag)
-    parts.append(f"launch={c.launch.value}")
-    parts.append("dev=" + ",".join(c.devices))
-    parts.append("ranks=" + ("any" if c.num_ranks is None else ",".join(map(str, c.num_ranks))))
+    formats = sorted(f.value for f in c.formats)
+    parts = [f"launch={c.launch.value}", "dev=" + ",".join(c.devices)]
+    parts.append("fmt=" + ("all" if len(formats) == len(_FORMATS) else ",".join(formats)))
+    if c.num_ranks is not None:
+        parts.append("ranks=" + ",".join(map(str, c.num_ranks)))
+    for flag, label in (
+        ("backward", "backward"),
+        ("generate_c", "stash"),
+        ("layered", "layered"),
+        ("static_layout", "static"),
+        ("dynamic_layout", "dynamic"),
+        ("intermediate_format", "intermediate"),
+    ):
+        if not getattr(c, flag):
+            parts.append("-" + label)
     return " ".join(parts)
+
+
+_NOTE_WIDTH = 100  # the notes under the table wrap at this width
+
+_CAPABILITY_LEGEND = (
+    "CAPABILITIES: fmt=all is bf16, mxfp8 and nvfp4; -X marks a feature the backend lacks (backward: the "
+    "backward pass, stash: the training stash, layered: dispatch/combine, static/dynamic: a layout, "
+    "intermediate: intermediate_format); `moe-ep backends --json` gives every field."
+)
+
+
+def _availability(backend: MoeEpBackend, check: bool) -> Availability:
+    try:
+        return backend.availability() if check else backend.quick_availability()
+    except Exception as exc:  # noqa: BLE001 - a plugin that breaks its contract must not break the listing
+        return Availability(False, f"its availability check raised {type(exc).__name__}: {exc}")
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
     registry = get_registry()
+    with warnings.catch_warnings():  # an unmatched MOE_EP_LOAD_PLUGINS entry is an error here, below
+        warnings.simplefilter("ignore", MoeEpWarning)
+        backends = registry.list_backends()
     rows: List[Dict[str, Any]] = []
-    for b in registry.list_backends():
-        avail = b.availability()
+    for b in backends:
+        avail = _availability(b, args.check)
         rows.append(
             {
                 "name": b.name,
@@ -66,48 +139,103 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         for f in registry.failures()
     ]
     if args.json:
-        print(json.dumps({"backends": rows, "plugin_failures": failures}, indent=2))
+        print(json.dumps({"backends": rows, "checked": bool(args.check), "plugin_failures": failures}, indent=2))
         return 0
     if not rows:
         print("no MoeEp backends registered (is MOE_EP_LOAD_PLUGINS set to exclude them?)")
     else:
         table = [["NAME", "VERSION", "AVAILABLE", "DISTRIBUTION", "CAPABILITIES"]]
-        for r, b in zip(rows, registry.list_backends()):
-            status = "yes" if r["available"] else f"no: {r['reason']}"
-            table.append([r["name"], r["version"], status, r["distribution"], _capability_summary(b)])
+        for r, b in zip(rows, backends):
+            table.append(
+                [r["name"], r["version"], "yes" if r["available"] else "no", r["distribution"], _capability_summary(b)]
+            )
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
         for row in table:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+        unavailable = [r for r in rows if not r["available"]]
+        if unavailable:
+            print()
+            print("not available here:")
+            for r in unavailable:
+                reason = f"{r['name']}: {r['reason'] or '(no reason given)'}"
+                print(textwrap.fill(reason, width=_NOTE_WIDTH, initial_indent="  ", subsequent_indent="    "))
+        print()
+        notes = [_CAPABILITY_LEGEND]
+        if not args.check:
+            notes.append(
+                "AVAILABLE: judged from what is installed, without importing torch or jax; "
+                "`moe-ep backends --check` imports them and asks each backend in full."
+            )
+        for note in notes:
+            print(textwrap.fill(note, width=_NOTE_WIDTH, subsequent_indent="  "))
     for f in failures:
         print(
             f"plugin {f['name']!r} (distribution {f['distribution']}) failed at {f['stage']}: {f['error']}",
             file=sys.stderr,
         )
+    unmatched = registry.unmatched_plugins_message()
+    if unmatched:
+        print(f"moe-ep: error: {unmatched}", file=sys.stderr)
+        return 2
     return 0
 
 
-def _stash_list(results: Sequence[ForwardResult]) -> list:
-    return [r.stash for r in results]
+# ----------------------------------------------------------------------- run
+
+
+def _check_run_options(args: argparse.Namespace) -> None:
+    """The options' own rules, named as the user typed them (ConfigError)."""
+    for option, value, meaning in (
+        ("--ep-size", args.ep_size, "expert-parallel ranks"),
+        ("--tokens", args.tokens, "tokens on every rank"),
+        ("--hidden", args.hidden, "elements per token"),
+        ("--intermediate", args.intermediate, "width of an expert's hidden layer"),
+        ("--experts", args.experts, "experts in the layer"),
+        ("--topk", args.topk, "experts per token"),
+    ):
+        if value < 1:
+            raise ConfigError(f"{option} ({meaning}) must be an integer >= 1; got {value}", field=option, value=value)
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be a number of seconds > 0; got {args.timeout}", field="--timeout", value=args.timeout)
+
+
+def _make_config(args: argparse.Namespace) -> MoeEpConfig:
+    try:
+        return MoeEpConfig(
+            num_experts=args.experts,
+            hidden=args.hidden,
+            intermediate=args.intermediate,
+            num_topk=args.topk,
+            num_ranks=args.ep_size,
+            output_format=args.format,
+            combine_format=args.combine_format or args.format,
+            intermediate_format=args.intermediate_format,
+            apply_topk_in_fc1=not args.weights_in_fc2,
+            gate_up_clamp=args.clamp,
+            generate_c=not args.no_backward,
+            max_tokens_per_rank=args.tokens,
+        )
+    except ConfigError as exc:
+        message = str(exc)
+        named = sorted((message.find(field), opt) for field, opt in _FIELD_OPTIONS.items() if field in message)
+        options = [opt for _, opt in named]
+        if options:
+            message += f" (set by {', '.join(options)})"
+        raise ConfigError(message, field=exc.field, value=exc.value) from None
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .inputs import random_world
+    from .launch import call_world
+    from .tolerance import Comparison, compare
+
+    _check_run_options(args)
     registry = get_registry()
     backend = registry.get_backend(args.backend)
     reference = registry.get_backend("reference")
-    config = MoeEpConfig(
-        num_experts=args.experts,
-        hidden=args.hidden,
-        intermediate=args.intermediate,
-        num_topk=args.topk,
-        num_ranks=args.ep_size,
-        output_format=args.format,
-        combine_format=args.combine_format or args.format,
-        intermediate_format=args.intermediate_format,
-        apply_topk_in_fc1=not args.weights_in_fc2,
-        gate_up_clamp=args.clamp,
-        generate_c=not args.no_backward,
-        max_tokens_per_rank=args.tokens,
-    )
+    config = _make_config(args)
     inputs = random_world(
         config, num_tokens=args.tokens, routing=args.routing, input_format=args.input_format, seed=args.seed
     )
@@ -115,8 +243,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for op in ("forward",) + (("backward",) if want_backward else ()):
         reason = backend.capabilities.unsupported(config, op)
         if reason is not None:
-            print(f"backend {backend.name!r} cannot run this layer: {reason}", file=sys.stderr)
-            return 2
+            hint = ""
+            if want_backward and ("backward" in reason or "generate_c" in reason):
+                hint = "; add --no-backward to check the forward only"
+            raise CapabilityError(f"backend {backend.name!r} cannot run this layer: {reason}{hint}", feature=op)
 
     report: Dict[str, Any] = {
         "backend": backend.name,
@@ -139,7 +269,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if want_backward:
         rng = np.random.default_rng(args.seed + 1)
         grads = [rng.standard_normal((args.tokens, config.hidden)).astype(np.float32) for _ in range(config.num_ranks)]
-        stash = _stash_list(ref)  # both backward passes see the same stash
+        stash = [r.stash for r in ref]  # both backward passes see the same stash
         t0 = time.perf_counter()
         got_b = call_world(backend, "backward", config, inputs, grads, stash, timeout_s=args.timeout)
         report["backward_seconds"] = time.perf_counter() - t0
@@ -183,54 +313,186 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# -------------------------------------------------------------------- parser
+
+_RUN_DESCRIPTION = (
+    "Make one random MoE layer (random activations, routing, router weights and expert weights), run it on a "
+    "backend, forward and, unless --no-backward, backward, run the same layer on the numpy reference, and print "
+    "every result's worst error as a multiple of the spec's error budget. Exit status: 0 when every result is "
+    "within its budget, 1 when one is not, 2 for a bad option or a layer the backend cannot run."
+)
+
+
+def _add_run_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run one random layer on a backend and check it against the reference",
+        description=_RUN_DESCRIPTION,
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        metavar="NAME",
+        help=f"the backend to check; `moe-ep backends` lists them (default: ${ENV_BACKEND}, else {DEFAULT_BACKEND})",
+    )
+    p.add_argument(
+        "--ep-size", "--num-ranks", dest="ep_size", type=int, default=2, metavar="N",
+        help="number of expert-parallel ranks (default: 2)",
+    )
+    p.add_argument("--tokens", type=int, default=16, metavar="N", help="tokens on every rank (default: 16)")
+    p.add_argument("--hidden", type=int, default=128, metavar="N", help="model width: elements per token (default: 128)")
+    p.add_argument(
+        "--intermediate", type=int, default=64, metavar="N",
+        help="width of each expert's hidden layer; its FC1 makes twice that, gate and up (default: 64)",
+    )
+    p.add_argument(
+        "--experts", type=int, default=8, metavar="N",
+        help="experts in the layer, split evenly over the ranks (default: 8)",
+    )
+    p.add_argument("--topk", type=int, default=2, metavar="K", help="experts each token is routed to (default: 2)")
+    p.add_argument("--format", choices=_FORMATS, default="bf16", help="number format of the layer's output (default: bf16)")
+    p.add_argument(
+        "--combine-format", choices=_FORMATS, default=None,
+        help="format the expert results are rounded to on their way back to their tokens (default: the --format value)",
+    )
+    p.add_argument(
+        "--intermediate-format", choices=_FORMATS, default=None,
+        help="round each expert's SwiGLU output to this format before FC2 (default: no rounding)",
+    )
+    p.add_argument(
+        "--input-format", choices=INPUT_FORMATS, default="bf16",
+        help="encoding of the random activations and expert weights (default: bf16)",
+    )
+    p.add_argument(
+        "--routing", choices=ROUTINGS, default="uniform",
+        help="how tokens pick experts: uniform, expert 0 in every token (skewed), only rank 0's experts (one_rank), "
+        "a third of the slots unused, or all unused (default: uniform)",
+    )
+    p.add_argument(
+        "--clamp", type=float, default=None, metavar="L",
+        help="SwiGLU limit: gate clamped to at most L, up to [-L, L] (default: no clamp)",
+    )
+    p.add_argument(
+        "--weights-in-fc2", action="store_true",
+        help="apply the router weight after FC2 instead of before it (apply_topk_in_fc1=False; default: before FC2)",
+    )
+    p.add_argument(
+        "--no-backward", action="store_true",
+        help="check the forward only, for backends without the backward (default: forward and backward)",
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed of the layer's inputs (default: 0)")
+    p.add_argument(
+        "--timeout", type=float, default=300.0, metavar="SECONDS",
+        help="how long each operation of a process-per-rank backend may take before its rank processes are "
+        "stopped (default: 300)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table (default: table)")
+    p.set_defaults(func=_cmd_run)
+
+
+def _missing_command(name: str, add_on: AddOnCommand) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        raise MoeEpError(
+            f"'moe-ep {name}' comes with the {add_on.distribution} distribution, which is not installed in this "
+            f"environment; install it with `{add_on.install}` from the root of the moe-ep-spec repository"
+        )
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-ep", description="The MoeEp operator: backends, checks and tools.")
+    parser = argparse.ArgumentParser(
+        prog="moe-ep",
+        description="The MoeEp operator: list its backends, check one against the reference, and the commands "
+        "of the installed add-ons (conformance suite, benchmarks).",
+        epilog="`moe-ep COMMAND --help` describes a command's options.",
+    )
     parser.add_argument("--version", action="version", version=f"moe-ep-spec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
 
-    p = sub.add_parser("backends", help="list registered backends, their availability and capabilities")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p = sub.add_parser(
+        "backends",
+        help="list the registered backends: version, whether they can run here (and why not), capabilities",
+        description="List the registered MoeEp backends: version, distribution, whether each can run here (the "
+        "reasons of those that cannot are printed under the table) and what each declares it supports. "
+        "Neither torch nor jax is imported unless --check.",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table (default: table)")
+    p.add_argument(
+        "--check", action="store_true",
+        help="ask every backend in full whether it can run, importing its framework (slower; "
+        "default: judge from what is installed)",
+    )
     p.set_defaults(func=_cmd_backends)
 
-    p = sub.add_parser("run", help="run one layer forward and backward on a backend and check it against the reference")
-    p.add_argument("--backend", default=None, help="backend name (default: $MOE_EP_BACKEND or 'reference')")
-    p.add_argument("--ep-size", "--num-ranks", dest="ep_size", type=int, default=2, help="num_ranks (default 2)")
-    p.add_argument("--tokens", type=int, default=16, help="num_tokens per rank (default 16)")
-    p.add_argument("--hidden", type=int, default=128, help="hidden (default 128)")
-    p.add_argument("--intermediate", type=int, default=64, help="intermediate (default 64)")
-    p.add_argument("--experts", type=int, default=8, help="num_experts (default 8)")
-    p.add_argument("--topk", type=int, default=2, help="num_topk (default 2)")
-    p.add_argument("--format", choices=_FORMATS, default="bf16", help="output_format (default bf16)")
-    p.add_argument("--combine-format", choices=_FORMATS, default=None, help="combine_format (default: --format)")
-    p.add_argument("--intermediate-format", choices=_FORMATS, default=None, help="intermediate_format (default none)")
-    p.add_argument("--input-format", choices=INPUT_FORMATS, default="bf16", help="activation/weight encoding")
-    p.add_argument("--routing", choices=ROUTINGS, default="uniform", help="routing pattern (default uniform)")
-    p.add_argument("--clamp", type=float, default=None, help="gate_up_clamp (default none)")
-    p.add_argument("--weights-in-fc2", action="store_true", help="apply_topk_in_fc1=False")
-    p.add_argument("--no-backward", action="store_true", help="forward only")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds a process-per-rank run may take")
-    p.add_argument("--json", action="store_true", help="print a JSON report")
-    p.set_defaults(func=_cmd_run)
+    _add_run_command(sub)
 
     for ep in sorted(metadata.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         try:
             ep.load()(sub)
         except Exception as exc:  # a broken add-on must not break the core CLI
             print(f"moe-ep: could not load command {ep.name!r}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    for name, add_on in ADD_ON_COMMANDS.items():
+        if name not in sub.choices:
+            p = sub.add_parser(name, help=f"{add_on.summary} (not installed: {add_on.install})", add_help=False)
+            p.set_defaults(func=_missing_command(name, add_on), missing_command=True)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run_parsed(build_parser().parse_args(argv))
+    """``moe-ep``: its exit status. A bare ``moe-ep`` prints the help."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+    """MoeEpWarnings as ``moe-ep: warning: ...`` lines; others as Python shows them."""
+    if issubclass(category, MoeEpWarning):
+        print(f"moe-ep: warning: {message}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def _main(argv: List[str]) -> int:
+    try:
+        parser = build_parser()
+        if not argv:
+            parser.print_help()
+            return 0
+        args, extra = parser.parse_known_args(argv)
+        if extra and not getattr(args, "missing_command", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if getattr(args, "func", None) is None:  # options but no command
+            parser.print_help(sys.stderr)
+            return 2
+        code = run_parsed(args)
+        sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
+        return code
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``moe-ep run --json | head``): no traceback,
+    and no second error when Python flushes stdout at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file (captured): nothing to silence
+        pass
+    return 1
 
 
 def run_parsed(args: argparse.Namespace) -> int:
     """Run a parsed command: its exit status; 2 with ``moe-ep: error: ...`` for a
-    MoeEpError, 130 on Ctrl-C, 3 with a traceback for anything else."""
+    MoeEpError, 130 on Ctrl-C, 1 when stdout was closed early, 3 with a
+    traceback for anything else."""
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        return _closed_pipe()
     except MoeEpError as exc:
         print(f"moe-ep: error: {exc}", file=sys.stderr)
         return 2

@@ -31,6 +31,7 @@ __all__ = [
     "NativeError",
     "NativeArgumentError",
     "TransportError",
+    "MoeEpWarning",
 ]
 
 
@@ -158,23 +159,40 @@ class BackendNotFoundError(BackendError, LookupError):
 
     Attributes: ``name``, ``registered`` (the names that are) and ``suggestion``
     (the closest registered name, or None).
+
+    Optional ``origin`` says where the name came from when the caller did not
+    pass it (``"the environment variable MOE_EP_BACKEND"``), and ``note`` adds a
+    sentence (e.g. that ``MOE_EP_LOAD_PLUGINS`` restricts what was loaded).
     """
 
-    def __init__(self, name: str, registered: Sequence[str], suggestion: str | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        registered: Sequence[str],
+        suggestion: str | None,
+        *,
+        origin: str | None = None,
+        note: str | None = None,
+    ) -> None:
         listing = ", ".join(sorted(registered)) or "(none)"
-        message = f"no MoeEp backend named {name!r}; registered backends: {listing}"
+        source = f" (the name came from {origin})" if origin else ""
+        message = f"no MoeEp backend named {name!r}{source}; registered backends: {listing}"
         if suggestion is not None:
             message += f". Did you mean {suggestion!r}?"
+        if note:
+            message += f". {note}"
         super().__init__(message)
         self.name = name
         self.registered = tuple(sorted(registered))
         self.suggestion = suggestion
+        self.origin = origin
+        self.note = note
 
     def __str__(self) -> str:  # LookupError would quote the message otherwise
         return str(self.args[0])
 
     def __reduce__(self) -> tuple:  # survive pickling between rank processes
-        return (type(self), (self.name, self.registered, self.suggestion))
+        return (_rebuild_not_found, (type(self), self.name, self.registered, self.suggestion, self.origin, self.note))
 
 
 class BackendUnavailableError(BackendError, RuntimeError):
@@ -216,6 +234,17 @@ class TransportError(NativeError):
     """The native transport (NCCL) failed or timed out (``MOE_EP_ERR_COMM``):
     a peer that never joined or left, or an NCCL error. The communicator is
     unusable afterwards and is destroyed."""
+
+
+class MoeEpWarning(UserWarning):
+    """A setting that moe-ep-spec ignores but that is probably a mistake, such as a
+    ``MOE_EP_LOAD_PLUGINS`` entry that names no installed plugin."""
+
+
+def _rebuild_not_found(
+    cls: type, name: str, registered: Sequence[str], suggestion: str | None, origin: str | None, note: str | None
+) -> BackendNotFoundError:
+    return cls(name, registered, suggestion, origin=origin, note=note)
 
 
 def _rebuild_native_error(cls: type, message: str, op: str, status: int, status_name: str) -> NativeError:

@@ -4,7 +4,7 @@ benchmarks and users' own tests. Never zeros, always reproducible from a seed.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Union
+from typing import Any, List, Sequence, Union
 
 import numpy as np
 
@@ -21,17 +21,36 @@ ROUTINGS = ("uniform", "skewed", "one_rank", "unused_mixed", "all_unused")
 INPUT_FORMATS = ("fp32", "bf16", "mxfp8", "nvfp4")
 
 
-def _tokens_per_rank(config: MoeEpConfig, num_tokens: Union[int, Sequence[int]]) -> List[int]:
-    if isinstance(num_tokens, int):
-        return [num_tokens] * config.num_ranks
-    counts = [int(t) for t in num_tokens]
-    if len(counts) != config.num_ranks:
+def _token_count(value: Any, where: str) -> int:
+    """One rank's token count: an integer >= 0 (ConfigError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ConfigError(
-            f"num_tokens must be an int or one count per rank (num_ranks = {config.num_ranks}); got {len(counts)}",
+            f"num_tokens{where} must be an integer >= 0; got {type(value).__name__} {value!r}",
+            field="num_tokens",
+            value=value,
+        )
+    if value < 0:
+        raise ConfigError(f"num_tokens{where} must be an integer >= 0; got {int(value)}", field="num_tokens", value=value)
+    return int(value)
+
+
+def _tokens_per_rank(config: MoeEpConfig, num_tokens: Union[int, Sequence[int]]) -> List[int]:
+    if isinstance(num_tokens, (int, np.integer)) and not isinstance(num_tokens, bool):
+        return [_token_count(num_tokens, "")] * config.num_ranks
+    if isinstance(num_tokens, (str, bytes)) or not isinstance(num_tokens, Sequence) and not isinstance(num_tokens, np.ndarray):
+        raise ConfigError(
+            f"num_tokens must be an integer >= 0 or one such count per rank (num_ranks = {config.num_ranks}); "
+            f"got {type(num_tokens).__name__} {num_tokens!r}",
             field="num_tokens",
             value=num_tokens,
         )
-    return counts
+    if len(num_tokens) != config.num_ranks:
+        raise ConfigError(
+            f"num_tokens must be an int or one count per rank (num_ranks = {config.num_ranks}); got {len(num_tokens)}",
+            field="num_tokens",
+            value=num_tokens,
+        )
+    return [_token_count(t, f"[{rank}]") for rank, t in enumerate(num_tokens)]
 
 
 def random_topk(

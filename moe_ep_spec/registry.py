@@ -8,7 +8,10 @@ Environment:
         given (default ``reference``).
     ``MOE_EP_LOAD_PLUGINS``: a comma-separated allow-list of entry-point names or
         distribution names to load. Unset: load every installed plugin. Empty:
-        load none (in-process registrations still work).
+        load none (in-process registrations still work). An entry that names no
+        installed plugin is reported: a :class:`~moe_ep_spec.errors.MoeEpWarning`
+        when the plugins load, :meth:`Registry.unmatched_plugins`, and an error
+        (exit status 2) from ``moe-ep backends``.
 
 A plugin that fails to import or to register is recorded as a
 :class:`PluginFailure` (entry-point name, distribution, exception) and the others
@@ -22,6 +25,7 @@ import os
 import re
 import threading
 import traceback
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -30,10 +34,11 @@ import pluggy
 
 from . import hookspecs
 from .backend import MoeEpBackend
-from .errors import BackendNotFoundError, BackendUnavailableError
+from .errors import BackendNotFoundError, BackendUnavailableError, MoeEpWarning
 
 __all__ = [
     "DEFAULT_BACKEND",
+    "InstalledPlugin",
     "ENV_BACKEND",
     "ENV_LOAD_PLUGINS",
     "PluginFailure",
@@ -80,6 +85,22 @@ class PluginFailure:
         return f"plugin {self.name!r}{dist} failed at {self.stage}: {type(self.exception).__name__}: {self.exception}"
 
 
+@dataclass(frozen=True)
+class InstalledPlugin:
+    """An installed entry point of the group ``moe_ep_spec.backends``.
+
+    Attributes:
+        name: the entry-point name.
+        distribution: the distribution that declares it, if known.
+    """
+
+    name: str
+    distribution: Optional[str]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.distribution})" if self.distribution else self.name
+
+
 class Registry:
     """Owns the plugin manager and the registered backends.
 
@@ -96,6 +117,8 @@ class Registry:
         self._backends: Dict[str, MoeEpBackend] = {}
         self._sources: Dict[str, str] = {}
         self._failures: List[PluginFailure] = []
+        self._installed: List[InstalledPlugin] = []
+        self._unmatched: Tuple[str, ...] = ()
         self._loaded = False
         self._lock = threading.RLock()
 
@@ -109,18 +132,24 @@ class Registry:
             if self._load_entry_points:
                 self._load_installed()
 
-    def _allowed(self) -> Optional[set]:
+    def _allowed(self) -> Optional[Dict[str, str]]:
+        """The allow-list of ``MOE_EP_LOAD_PLUGINS``, normalised name -> as written; None when unset."""
         raw = self._environ.get(ENV_LOAD_PLUGINS)
         if raw is None:
             return None
-        return {_normalize(part.strip()) for part in raw.split(",") if part.strip()}
+        return {_normalize(part.strip()): part.strip() for part in raw.split(",") if part.strip()}
 
     def _load_installed(self) -> None:
         allowed = self._allowed()
+        matched = set()
         for ep in sorted(metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP), key=lambda e: e.name):
             dist = getattr(getattr(ep, "dist", None), "name", None)
-            if allowed is not None and _normalize(ep.name) not in allowed and (dist is None or _normalize(dist) not in allowed):
-                continue
+            self._installed.append(InstalledPlugin(ep.name, dist))
+            keys = {_normalize(ep.name)} | ({_normalize(dist)} if dist is not None else set())
+            if allowed is not None:
+                matched |= keys & set(allowed)
+                if not keys & set(allowed):
+                    continue
             try:
                 plugin = ep.load()
             except BaseException as exc:  # noqa: BLE001 - a broken plugin must not break the others
@@ -129,6 +158,18 @@ class Registry:
                 self._failures.append(PluginFailure(ep.name, dist, "import", exc, traceback.format_exc()))
                 continue
             self._register_plugin(plugin, ep.name, dist)
+        if allowed is not None:
+            self._unmatched = tuple(written for key, written in allowed.items() if key not in matched)
+            if self._unmatched:
+                warnings.warn(self._unmatched_message(), MoeEpWarning, stacklevel=4)
+
+    def _unmatched_message(self) -> str:
+        entries = ", ".join(repr(u) for u in self._unmatched)
+        installed = ", ".join(str(p) for p in self._installed) or "(none)"
+        return (
+            f"{ENV_LOAD_PLUGINS} names {entries}, which matches no installed plugin (entries are entry-point or "
+            f"distribution names); installed plugins: {installed}"
+        )
 
     def _register_plugin(self, plugin: Any, name: str, dist: Optional[str]) -> None:
         try:
@@ -201,6 +242,24 @@ class Registry:
         self._ensure_loaded()
         return tuple(self._failures)
 
+    def installed_plugins(self) -> Tuple[InstalledPlugin, ...]:
+        """Every installed entry point of the group, loaded or not (empty when
+        the registry does not load entry points)."""
+        self._ensure_loaded()
+        return tuple(self._installed)
+
+    def unmatched_plugins(self) -> Tuple[str, ...]:
+        """The ``MOE_EP_LOAD_PLUGINS`` entries, as written, that name no installed
+        plugin (empty when the variable is unset or every entry matched)."""
+        self._ensure_loaded()
+        return self._unmatched
+
+    def unmatched_plugins_message(self) -> str:
+        """A sentence naming :meth:`unmatched_plugins` and the installed plugins
+        (empty when there are none)."""
+        self._ensure_loaded()
+        return self._unmatched_message() if self._unmatched else ""
+
     def source(self, name: str) -> str:
         """The entry point (or ``in-process``) that registered ``name``."""
         self._ensure_loaded()
@@ -220,12 +279,28 @@ class Registry:
                 cannot run here; the error carries its reason.
         """
         self._ensure_loaded()
-        name = self.default_name() if name is None else name
+        origin = None
+        if name is None:
+            name = self.default_name()
+            if self._environ.get(ENV_BACKEND):
+                origin = f"the environment variable {ENV_BACKEND}"
         backend = self._backends.get(name)
         if backend is None:
             names = sorted(self._backends)
             close = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.6)
-            raise BackendNotFoundError(name, names, close[0] if close else None)
+            note = None
+            raw = self._environ.get(ENV_LOAD_PLUGINS)
+            if raw is not None and self._load_entry_points:
+                parts = []
+                if any(p.name == name for p in self._installed):
+                    parts.append(
+                        f"{ENV_LOAD_PLUGINS}={raw!r} loads only the installed plugins it names, and the installed "
+                        f"plugin {name!r} is not among them"
+                    )
+                if self._unmatched:
+                    parts.append(self._unmatched_message())
+                note = "; ".join(parts) or None
+            raise BackendNotFoundError(name, names, close[0] if close else None, origin=origin, note=note)
         if require_available:
             availability = backend.availability()
             if not availability:

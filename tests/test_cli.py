@@ -120,3 +120,118 @@ def test_run_drives_a_process_per_rank_backend(capsys: pytest.CaptureFixture) ->
     out = capsys.readouterr().out
     assert code == 0, out
     assert "backend loopback-reference" in out and "PASS" in out
+
+
+# ------------------------------------------------------------------ what a new user meets
+
+
+def _run_help() -> str:
+    from moe_ep_spec.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices["run"]
+
+
+def test_bare_moe_ep_prints_the_help(capsys: pytest.CaptureFixture) -> None:
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: moe-ep") and "backends" in out and "run" in out
+
+
+def test_run_help_describes_every_option_with_its_default() -> None:
+    run = _run_help()
+    assert run.description and "reference" in run.description
+    for action in run._actions:
+        if action.dest == "help":
+            continue
+        text = action.help or ""
+        assert "default" in text, f"{action.option_strings}: no default in {text!r}"
+        words = text.split("(")[0].strip().lower()
+        for opt in action.option_strings:
+            assert words != opt.lstrip("-").replace("-", " "), f"{opt}: the help only repeats the name"
+        if "apply_topk_in_fc1" in text:  # an internal name only next to words a user reads
+            assert text.index("apply_topk_in_fc1") > 20
+
+
+def test_tokens_zero_names_the_option(capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", "--tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-ep: error: --tokens") and "got 0" in err and "max_tokens_per_rank" not in err
+
+
+def test_config_errors_name_the_options(capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", "--experts", "6", "--ep-size", "4"]) == 2
+    assert "(set by --experts, --ep-size)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, install", [("bench", "pip install ./bench"), ("conformance", "pip install ./conformance")])
+def test_a_missing_add_on_command_says_what_to_install(
+    command: str, install: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import moe_ep_spec.cli as cli
+
+    monkeypatch.setattr(cli.metadata, "entry_points", lambda group: [])
+    assert main([command, "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-ep: error: 'moe-ep {command}' comes with the moe-ep-{command} distribution")
+    assert install in err
+    assert main([]) == 0  # the help lists it, with the same hint
+    assert f"not installed: {install}" in " ".join(capsys.readouterr().out.split())
+
+
+def test_run_json_into_a_closed_pipe_is_quiet() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_ep_spec.cli", "run", "--json", "--tokens", "4", "--no-backward"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # like `| head` exiting before the report is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_forward_only_backend_gets_an_error_with_a_hint(capsys: pytest.CaptureFixture) -> None:
+    registry = moe_ep_spec.get_registry()
+    registry.register(_ScaledOutput())
+    try:
+        code = main(["run", "--backend", "test-scaled-output", "--tokens", "8"])
+    finally:
+        registry.unregister("test-scaled-output")
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("moe-ep: error: backend 'test-scaled-output' cannot run this layer") and "--no-backward" in err
+
+
+def test_backends_lists_fast_without_torch_or_jax() -> None:
+    code = (
+        "import sys, time; t = time.perf_counter(); from moe_ep_spec.cli import main; rc = main(['backends']); "
+        "print('elapsed', time.perf_counter() - t); print('heavy', sorted({'torch', 'jax'} & set(sys.modules)))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "heavy []" in proc.stdout, proc.stdout
+    lines = proc.stdout.splitlines()
+    table = lines[: lines.index("")]
+    assert max(len(line) for line in table) <= 100, table
+    if "not available here:" in proc.stdout:  # the reasons sit under the table, not in it
+        assert all(len(row.split()) >= 4 for row in table)
+
+
+def test_backends_check_asks_in_full(capsys: pytest.CaptureFixture) -> None:
+    assert main(["backends", "--check", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["checked"] is True
+    assert next(b for b in data["backends"] if b["name"] == "reference")["available"] is True
+
+
+def test_load_plugins_entry_matching_nothing_fails_the_listing(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = dict(__import__("os").environ, MOE_EP_LOAD_PLUGINS="reference,nosuch")
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_ep_spec.cli", "backends"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 2
+    assert "moe-ep: error: MOE_EP_LOAD_PLUGINS names 'nosuch'" in proc.stderr and "reference (moe-ep-spec)" in proc.stderr
+    assert "Traceback" not in proc.stderr

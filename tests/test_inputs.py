@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -65,3 +67,19 @@ def test_dispatch_world_matches_forward_world() -> None:
     dw = random_dispatch_world(CONFIG, num_tokens=[2, 3], seed=5)
     for f, d in zip(fw, dw):
         assert np.array_equal(f.activation, d.tokens) and np.array_equal(f.topk_idx, d.topk_idx)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, text",
+    [
+        ([-1, 4], "num_tokens[0] must be an integer >= 0; got -1"),
+        (-2, "num_tokens must be an integer >= 0; got -2"),
+        ([2, 1.5], "num_tokens[1] must be an integer >= 0; got float 1.5"),
+        ("4", "num_tokens must be an integer >= 0 or one such count per rank (num_ranks = 2); got str '4'"),
+    ],
+)
+def test_random_world_rejects_bad_token_counts_with_the_projects_error(num_tokens, text):
+    config = MoeEpConfig(num_experts=4, hidden=32, intermediate=16, num_topk=2, num_ranks=2)
+    with pytest.raises(ConfigError, match=re.escape(text)) as ei:
+        random_world(config, num_tokens=num_tokens)
+    assert ei.value.field == "num_tokens"

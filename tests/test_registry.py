@@ -148,6 +148,7 @@ def test_load_plugins_empty_loads_none():
     assert reg.names() == ["alpha"]
 
 
+@pytest.mark.filterwarnings("ignore::moe_ep_spec.MoeEpWarning")  # 'not-installed' is named by its own test
 @pytest.mark.parametrize("allow", ["reference", " reference , not-installed ", "moe-ep-spec", ",reference,"])
 def test_load_plugins_allow_list(allow):
     reg = Registry(environ={"MOE_EP_LOAD_PLUGINS": allow})
@@ -158,7 +159,8 @@ def test_load_plugins_allow_list(allow):
 
 def test_load_plugins_allow_list_without_match_loads_none():
     reg = Registry(environ={"MOE_EP_LOAD_PLUGINS": "something-else"})
-    assert reg.names() == []
+    with pytest.warns(moe_ep_spec.MoeEpWarning, match="'something-else'"):
+        assert reg.names() == []
 
 
 def test_load_plugins_allow_list_normalises_distribution_names():
@@ -219,9 +221,42 @@ def test_env_backend_unknown():
     reg = isolated(MOE_EP_BACKEND="alphx")
     reg.register(DummyBackend("alpha"))
     with pytest.raises(BackendNotFoundError, match=re.escape(
-        "no MoeEp backend named 'alphx'; registered backends: alpha. Did you mean 'alpha'?"
-    )):
+        "no MoeEp backend named 'alphx' (the name came from the environment variable MOE_EP_BACKEND); "
+        "registered backends: alpha. Did you mean 'alpha'?"
+    )) as ei:
         reg.get_backend()
+    assert ei.value.origin == "the environment variable MOE_EP_BACKEND"
+    with pytest.raises(BackendNotFoundError, match="^no MoeEp backend named 'alphx'; "):
+        reg.get_backend("alphx")  # a name passed in is not attributed to the variable
+
+
+def test_backend_not_found_survives_pickling():
+    import pickle
+
+    err = BackendNotFoundError("x", ["a"], None, origin="the environment variable MOE_EP_BACKEND", note="a note")
+    copy = pickle.loads(pickle.dumps(err))
+    assert str(copy) == str(err) and copy.origin == err.origin and copy.note == "a note"
+
+
+def test_load_plugins_entry_that_matches_nothing_is_named():
+    reg = Registry(environ={"MOE_EP_LOAD_PLUGINS": "reference,nosuch"})
+    with pytest.warns(moe_ep_spec.MoeEpWarning, match="MOE_EP_LOAD_PLUGINS names 'nosuch', which matches no installed"):
+        assert reg.names() == ["reference"]
+    assert reg.unmatched_plugins() == ("nosuch",)
+    assert "reference (moe-ep-spec)" in reg.unmatched_plugins_message()
+    with pytest.raises(BackendNotFoundError, match="MOE_EP_LOAD_PLUGINS names 'nosuch'"):
+        reg.get_backend("torch")
+    assert Registry(environ={"MOE_EP_LOAD_PLUGINS": "reference"}).unmatched_plugins() == ()
+
+
+def test_load_plugins_excluding_an_installed_backend_says_so():
+    reg = Registry(environ={"MOE_EP_LOAD_PLUGINS": "moe-ep-spec"})
+    installed = {p.name for p in reg.installed_plugins()}
+    other = sorted(installed - {"reference"})
+    if not other:
+        pytest.skip("only the reference is installed")
+    with pytest.raises(BackendNotFoundError, match=f"the installed plugin '{other[0]}' is not among them"):
+        reg.get_backend(other[0])
 
 
 def test_unavailable_backend():

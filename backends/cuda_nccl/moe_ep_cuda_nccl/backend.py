@@ -8,12 +8,13 @@ stash checks) with :data:`moe_ep_cuda_nccl.prims.NATIVE` as its primitives.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
-from typing import Any
+from typing import Any, Optional
 
 from moe_ep_spec.backend import Availability, Capabilities, Launch
-from moe_ep_torch.backend import TorchBackend
+from moe_ep_torch.backend import TorchBackend, installed_version
 
 __all__ = ["CudaNcclBackend", "CPU_ENV"]
 
@@ -25,6 +26,22 @@ CPU_ENV = "MOE_EP_CUDA_NCCL_ON_CPU"
 
 def _on_cpu() -> bool:
     return os.environ.get(CPU_ENV, "") == "1"
+
+
+def _cuda_device_count() -> Optional[int]:
+    """CUDA devices the driver shows this process (``CUDA_VISIBLE_DEVICES``
+    applies), asked through the driver library without importing torch; None
+    when there is no usable driver."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        if cuda.cuInit(0) != 0:
+            return None
+        count = ctypes.c_int(0)
+        if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            return None
+        return count.value
+    except (OSError, AttributeError):
+        return None
 
 
 class CudaNcclBackend(TorchBackend):
@@ -85,3 +102,35 @@ class CudaNcclBackend(TorchBackend):
         out["moe_ep_native"] = moe_ep_native.build_info()
         out["native_nccl"] = "yes" if moe_ep_native.has_nccl() else "no"
         return out
+
+    def quick_availability(self) -> Availability:
+        """From what is installed, without importing torch (``moe-ep backends``):
+        the torch backend's check, the native core loaded and built with CUDA
+        and NCCL, a torch build with CUDA, and a CUDA device the driver shows."""
+        base = super().quick_availability()
+        if not base.available:
+            return base
+        if importlib.util.find_spec("moe_ep_native") is None:
+            return Availability(False, "moe-ep-native is not installed (pip install backends/native)")
+        try:
+            import moe_ep_native
+
+            moe_ep_native.load()
+        except Exception as exc:  # noqa: BLE001 - report, never raise
+            return Availability(False, f"the native core did not load: {type(exc).__name__}: {exc}")
+        if _on_cpu():
+            return Availability(True)
+        if not moe_ep_native.has_cuda():
+            return Availability(
+                False, "libmoe_ep_native was built without CUDA (rebuild with MOE_EP_NATIVE_CUDA=1 MOE_EP_NATIVE_NCCL=1)"
+            )
+        if not moe_ep_native.has_nccl():
+            return Availability(
+                False, "libmoe_ep_native was built without the NCCL transport (rebuild with MOE_EP_NATIVE_NCCL=1)"
+            )
+        version = installed_version("torch") or ""
+        if version.endswith("+cpu"):
+            return Availability(False, f"torch {version} is a CPU-only build (install a CUDA build of torch)")
+        if not _cuda_device_count():
+            return Availability(False, "no CUDA device is visible (the CUDA driver libcuda.so.1 reports none or is missing)")
+        return Availability(True)

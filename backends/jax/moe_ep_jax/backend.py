@@ -22,6 +22,7 @@ XLA expose ``MOE_EP_JAX_CPU_DEVICES`` (default 8) devices by setting
 from __future__ import annotations
 
 import importlib.util
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -51,6 +52,22 @@ from . import __version__
 from . import devices as D
 
 __all__ = ["JaxBackend", "XLA_CPU_FAST_COMPILE"]
+
+
+def _installed_version(distribution: str) -> Optional[str]:
+    """The installed version of ``distribution``, from its metadata (nothing imported); None if absent."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _release(version: str) -> Tuple[int, ...]:
+    """The leading numbers of a version string: ``"0.7.2"`` -> ``(0, 7, 2)``."""
+    m = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
 #: Compiler options for the backend's own executables on CPU: the legacy loop
 #: emitters and no LLVM optimisation. Same arithmetic, a quarter of the compile time.
@@ -262,6 +279,18 @@ class JaxBackend(MoeEpBackend):
             return Availability(False, f"jax {jax.__version__} lacks {', '.join(missing)} (need jax >= 0.7)")
         if problem:
             return Availability(False, problem)
+        return Availability(True)
+
+    def quick_availability(self) -> Availability:
+        """From what is installed, without importing jax (``moe-ep backends``):
+        jax found, version 0.7 or newer."""
+        if importlib.util.find_spec("jax") is None:
+            return Availability(False, "jax is not installed (pip install jax)")
+        version = _installed_version("jax")
+        if version is not None and _release(version) < (0, 7):
+            return Availability(
+                False, f"jax {version} lacks jax.shard_map, jax.lax.ragged_dot or jax.lax.ragged_all_to_all (need jax >= 0.7)"
+            )
         return Availability(True)
 
     def framework_versions(self) -> dict:

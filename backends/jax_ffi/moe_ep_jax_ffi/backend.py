@@ -97,6 +97,16 @@ class JaxFfiBackend(JaxBackend):
                                        f"cpu and CUDA only")
         return Availability(True)
 
+    def quick_availability(self) -> Availability:
+        """From what is installed, without importing jax (``moe-ep backends``):
+        the jax backend's check and the native extension built and loadable."""
+        if importlib.util.find_spec("jax") is None:
+            return Availability(False, "jax is not installed (pip install 'jax>=0.10')")
+        problem = native.load_problem()
+        if problem:
+            return Availability(False, problem)
+        return super().quick_availability()
+
     def framework_versions(self) -> dict:
         out = dict(super().framework_versions())
         ext = native.extension()

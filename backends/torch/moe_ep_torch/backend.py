@@ -10,7 +10,9 @@ numpy results. Torch users call :mod:`moe_ep_torch.api` instead.
 from __future__ import annotations
 
 import importlib.util
+import re
 from datetime import timedelta
+from importlib import metadata
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -37,6 +39,21 @@ __all__ = ["TorchBackend"]
 __version__ = "0.1.0"
 
 _GROUPS: Dict[str, Any] = {}
+
+
+def installed_version(distribution: str) -> Optional[str]:
+    """The installed version of ``distribution`` (e.g. ``2.5.1+cpu``), read from
+    its metadata without importing it; None when not installed."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def release(version: str) -> Tuple[int, ...]:
+    """The leading numbers of a version string: ``"2.5.1+cpu"`` -> ``(2, 5, 1)``."""
+    m = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
 
 def process_group(ctx: RankContext) -> Any:
@@ -195,6 +212,16 @@ class TorchBackend(MoeEpBackend):
             return Availability(False, "this torch build has no torch.distributed")
         if not hasattr(torch, "float8_e4m3fn"):
             return Availability(False, f"torch {torch.__version__} has no float8_e4m3fn (need torch >= 2.1)")
+        return Availability(True)
+
+    def quick_availability(self) -> Availability:
+        """From what is installed, without importing torch (``moe-ep backends``):
+        torch found, version 2.1 or newer."""
+        if importlib.util.find_spec("torch") is None:
+            return Availability(False, "torch is not installed (pip install torch)")
+        version = installed_version("torch")
+        if version is not None and release(version) < (2, 1):
+            return Availability(False, f"torch {version} has no float8_e4m3fn (need torch >= 2.1)")
         return Availability(True)
 
     def framework_versions(self) -> dict:
