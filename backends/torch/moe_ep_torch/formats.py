@@ -86,6 +86,13 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
 
 
+def _unblock(x: torch.Tensor) -> torch.Tensor:
+    """``[..., nblocks, block]`` -> ``[..., nblocks * block]`` with explicit
+    extents: ``reshape(..., -1)`` cannot infer a size when there are zero rows
+    (a rank with T = 0, or one that receives no route)."""
+    return x.reshape(tuple(x.shape[:-2]) + (x.shape[-2] * x.shape[-1],))
+
+
 def _mxfp8_exponent(amax: torch.Tensor) -> torch.Tensor:
     """Smallest e with amax <= 448 * 2^e, exactly, clamped to [-127, 127]; -127 for 0."""
     safe = torch.where(amax > 0, amax, torch.full_like(amax, 448.0))
@@ -117,7 +124,7 @@ def quantize(x: torch.Tensor, fmt: MoeFormat) -> TorchBlockScaled:
         codes = data.view(torch.uint8)
         # -0.0 keeps its sign through the cast; NaN blocks get all-NaN codes.
         codes = torch.where(block_bad.unsqueeze(-1), torch.full_like(codes, 0x7F), codes)
-        codes = codes.reshape(codes.shape[:-2] + (-1,))[..., :n].contiguous()
+        codes = _unblock(codes)[..., :n].contiguous()
         scale = torch.where(block_bad, torch.full_like(e, 0xFF), e + 127).to(torch.uint8)
         return from_raw(codes, scale, fmt, n)
     # nvfp4: scale E4M3(amax / 6), saturating at 448
@@ -132,7 +139,7 @@ def quantize(x: torch.Tensor, fmt: MoeFormat) -> TorchBlockScaled:
             idx += (mag == bound).int()
     idx = torch.where(s32 > 0, idx, torch.zeros_like(idx))
     codes = (idx | torch.where(torch.signbit(blocks), 8, 0)).to(torch.uint8)
-    codes = codes.reshape(codes.shape[:-2] + (-1,))[..., :n]
+    codes = _unblock(codes)[..., :n]
     if n % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
     packed = (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
@@ -169,7 +176,8 @@ def dequantize(t: TorchBlockScaled) -> torch.Tensor:
         lut = _E2M1.to(data.device)
         lo = data & 0xF
         hi = data >> 4
-        nib = torch.stack([lo, hi], dim=-1).reshape(data.shape[:-1] + (-1,))[..., : t.n].long()
+        # explicit extents: a reshape with -1 fails on zero rows (0 elements)
+        nib = torch.stack([lo, hi], dim=-1).reshape(tuple(data.shape[:-1]) + (2 * data.shape[-1],))[..., : t.n].long()
         vals = lut[nib & 7] * torch.where(nib & 8 > 0, -1.0, 1.0)
         scale = scale_codes.view(torch.float8_e4m3fn).float()
     full = scale.repeat_interleave(block, dim=-1)[..., : t.n]
