@@ -28,3 +28,43 @@ def test_backends_tutorial_runs() -> None:
     backend = module.__dict__["backend"]
     assert backend.name == "echo"
     assert len(module.__dict__["results"]) == 2
+
+
+def test_backends_pyproject_builds_as_written(tmp_path: Path) -> None:
+    """The guide's pyproject.toml, with the tutorial's code as moe_ep_echo/plugin.py and
+    a sibling folder beside the package, builds a wheel holding the package and the
+    entry point; and the guide's `moe-ep backends` line is what the CLI prints."""
+    import subprocess
+    import zipfile
+
+    text = (ROOT / "docs" / "backends.md").read_text()
+    (toml,) = [b for b in re.findall(r"```toml\n(.*?)```", text, flags=re.S) if "[build-system]" in b]
+    blocks = re.findall(r"```python tutorial\n(.*?)```", text, flags=re.S)
+    project = tmp_path / "moe-ep-echo"
+    (project / "moe_ep_echo").mkdir(parents=True)
+    (project / "tests").mkdir()  # a sibling folder: automatic discovery would refuse to build
+    (project / "tests" / "test_echo.py").write_text("")
+    (project / "pyproject.toml").write_text(toml)
+    (project / "moe_ep_echo" / "__init__.py").write_text("")
+    (project / "moe_ep_echo" / "plugin.py").write_text("\n".join(blocks[:2]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
+         str(project)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("moe_ep_echo-1.0-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "moe_ep_echo/plugin.py" in names and not any(n.startswith("tests/") for n in names)
+    assert "[moe_ep_spec.backends]" in entry_points and "echo = moe_ep_echo.plugin" in entry_points
+
+    from moe_ep_spec.cli import _capability_summary
+
+    module = types.ModuleType("moe_ep_echo_doc")
+    exec(compile(blocks[0], "docs/backends.md", "exec"), module.__dict__)
+    line = next(row for row in text.splitlines() if row.startswith("echo ") and "moe-ep-echo" in row)
+    assert line.split("moe-ep-echo")[1].strip() == _capability_summary(module.EchoBackend())
