@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from moe_ep_native import _capi as C
 from moe_ep_native.comm import Communicator, unique_id
-from moe_ep_native.host import expert_desc
+from moe_ep_native.layer import Layer, layer_config
 from moe_ep_spec import errors as E
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.formats import MoeFormat
@@ -213,7 +213,12 @@ class NativePrimitives(core.Primitives):
         return w
 
     def forward_operands(self, activation: Any, x_buf: torch.Tensor, fc1: Any, fc2: Any) -> Tuple[Any, Any, Any]:
-        return x_buf, self.decode(fc1), self.decode(fc2)  # the native kernels take float32 operands
+        """bf16 operands stay bf16 (the layer's tensor-core path; exact, the decoded
+        rows of a bf16 activation are bf16 values) when the activation and both
+        weights are plain bf16 tensors; everything else is decoded to float32."""
+        if all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in (activation, fc1, fc2)):
+            return x_buf.to(torch.bfloat16), fc1, fc2
+        return x_buf.float(), self.decode(fc1), self.decode(fc2)
 
     def round_trip(self, values: torch.Tensor, fmt: Optional[MoeFormat]) -> torch.Tensor:
         if fmt is None:
@@ -226,8 +231,7 @@ class NativePrimitives(core.Primitives):
     # ---------------------------------------------------------------- experts
 
     def experts_forward(self, config, plan, x, w, fc1, fc2):
-        y, c = expert_forward(config, x, w, fc1, fc2, _slab_sizes(plan, x.device))
-        y = self.round_trip(y, config.combine_format)
+        y, c = expert_forward(config, x, w, fc1, fc2, _slab_sizes(plan, x.device))  # y after the combine round trip
         valid = plan.valid_rows.unsqueeze(1)
         return torch.where(valid, y, torch.zeros_like(y)), torch.where(valid, c, torch.zeros_like(c))
 
@@ -248,25 +252,62 @@ def _slab_sizes(plan: Any, device: torch.device) -> torch.Tensor:
     return torch.tensor([b - a for a, b in zip(offsets[:-1], offsets[1:])], dtype=torch.int32, device=device)
 
 
+#: The layer objects of this process: (configuration, device, operand dtype) -> Layer.
+_LAYERS: Dict[Tuple[Any, ...], Layer] = {}
+_LAYERS_LOCK = threading.Lock()
+
+
+def layer_for(config: MoeEpConfig, rows: int, device: torch.device, bf16: bool, backward: bool) -> Layer:
+    """The native layer object for ``config`` on ``device`` with at least ``rows``
+    rows (made once, remade larger when a step needs more rows: a dynamic layout
+    grows by a quarter at a time, so steady state allocates nothing)."""
+    cuda_device = device.index if device.type == "cuda" else None
+    key = (config, cuda_device, bf16)
+    with _LAYERS_LOCK:
+        layer = _LAYERS.get(key)
+        if layer is not None and layer.max_rows >= rows and (layer.with_backward or not backward):
+            return layer
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise E.MoeEpError(
+                f"cuda-nccl: the native layer for {rows} rows does not exist yet and cannot be made during CUDA-graph "
+                f"capture; run the layer (forward and backward, as captured) once before capturing it"
+            )
+        max_rows = rows if layer is None else max(rows, layer.max_rows + layer.max_rows // 4)
+        with_backward = backward or config.generate_c or (layer is not None and layer.with_backward)
+        if layer is not None:
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the old workspaces may still be in use
+            layer.close()
+            del _LAYERS[key]
+        made = Layer(layer_config(config, max_rows=max_rows, cuda_device=cuda_device, bf16_operands=bf16,
+                                  with_backward=with_backward))
+        _LAYERS[key] = made
+        return made
+
+
+def _operands(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> Tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(bf16, x, fc1, fc2)``: all three bf16 when they all are, else all float32; contiguous."""
+    if x.dtype == fc1.dtype == fc2.dtype == torch.bfloat16:
+        return True, x.contiguous(), fc1.contiguous(), fc2.contiguous()
+    return False, _f32(x), _f32(fc1), _f32(fc2)
+
+
 def expert_forward(
     config: MoeEpConfig, x: torch.Tensor, w: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, group_sizes: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``moe_ep_expert_forward`` on tensors: ``(y [C, H], c [C, 2I])`` float32
-    (``y`` before the combine round trip). ``group_sizes`` ``[E_local] int32``
-    on the rows' device: slab sizes from row 0 (their sum at most C)."""
-    x, w, fc1, fc2 = _f32(x), _f32(w), _f32(fc1), _f32(fc2)
+    """The native layer's experts forward on tensors: ``(y [C, H] float32, fc1_c [C, 2I] bfloat16)``:
+    ``y`` after the combine round trip, the stash of the FC1 output. ``x``, ``fc1``, ``fc2``
+    bf16 (the tensor-core path on CUDA) or any float dtype (float32 kernels);
+    ``group_sizes`` ``[E_local] int32`` on the rows' device: slab sizes from row 0."""
+    bf16, x, fc1, fc2 = _operands(x, fc1, fc2)
+    w = _f32(w)
     gs = group_sizes.to(torch.int32).contiguous()  # every operand bound to a name: alive until the call returns
     rows, h, i = int(x.shape[0]), config.hidden, config.intermediate
-    desc = expert_desc(config, rows, int(fc1.shape[0]))
-    lib = C.load()
-    ws = torch.empty(int(lib.moe_ep_expert_forward_workspace(ctypes.byref(desc))), dtype=torch.uint8, device=x.device)
+    layer = layer_for(config, rows, x.device, bf16, backward=False)
     y = torch.empty((rows, h), dtype=torch.float32, device=x.device)
-    c = torch.empty((rows, 2 * i), dtype=torch.float32, device=x.device)
-    dev, stream = where(x)
-    C.call(
-        "moe_ep_expert_forward", dev, stream, ctypes.byref(desc), ptr(x), ptr(w), ptr(fc1), ptr(fc2),
-        ptr(gs), ptr(y), ptr(c), ptr(ws), ws.numel(),
-    )
+    c = torch.empty((rows, 2 * i), dtype=torch.bfloat16, device=x.device)
+    _, stream = where(x)
+    layer.experts_forward(stream, rows, ptr(x), ptr(w), ptr(fc1), ptr(fc2), ptr(gs), ptr(y), ptr(c))
     return y, c
 
 
@@ -280,23 +321,22 @@ def expert_backward(
     dy: torch.Tensor,
     group_sizes: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``moe_ep_expert_backward`` on tensors: float32 ``(dx [C, H], dw [C],
+    """The native layer's experts backward on tensors: float32 ``(dx [C, H], dw [C],
     dfc1 [E_local, H, 2I], dfc2 [E_local, I, H])`` from the bf16 stash ``fc1_c``."""
-    x, w, fc1, fc2, dy = _f32(x), _f32(w), _f32(fc1), _f32(fc2), _f32(dy)
+    bf16, x, fc1, fc2 = _operands(x, fc1, fc2)
+    w, dy = _f32(w), _f32(dy)
     stash = fc1_c.to(torch.bfloat16).contiguous()
     gs = group_sizes.to(torch.int32).contiguous()
     rows, h = int(x.shape[0]), config.hidden
-    desc = expert_desc(config, rows, int(fc1.shape[0]))
-    lib = C.load()
-    ws = torch.empty(int(lib.moe_ep_expert_backward_workspace(ctypes.byref(desc))), dtype=torch.uint8, device=x.device)
+    layer = layer_for(config, rows, x.device, bf16, backward=True)
     dx = torch.empty((rows, h), dtype=torch.float32, device=x.device)
     dw = torch.empty((rows,), dtype=torch.float32, device=x.device)
     dfc1 = torch.empty(fc1.shape, dtype=torch.float32, device=x.device)
     dfc2 = torch.empty(fc2.shape, dtype=torch.float32, device=x.device)
-    dev, stream = where(x)
-    C.call(
-        "moe_ep_expert_backward", dev, stream, ctypes.byref(desc), ptr(x), ptr(w), ptr(fc1), ptr(fc2), ptr(stash),
-        ptr(dy), ptr(gs), ptr(dx), ptr(dw), ptr(dfc1), ptr(dfc2), ptr(ws), ws.numel(),
+    _, stream = where(x)
+    layer.experts_backward(
+        stream, rows, ptr(x), ptr(w), ptr(fc1), ptr(fc2), ptr(stash), ptr(dy), ptr(gs), ptr(dx), ptr(dw), ptr(dfc1),
+        ptr(dfc2),
     )
     return dx, dw, dfc1, dfc2
 
@@ -324,9 +364,16 @@ NATIVE = NativePrimitives()
 
 
 def close_communicators(group: Optional[Any] = None) -> None:
-    """Destroy this process's NCCL communicators of ``group`` (all when None);
-    call it before ``torch.distributed.destroy_process_group``. Runs at exit too."""
+    """Destroy this process's NCCL communicators of ``group`` (all when None), and
+    with them (group None) the native layer objects; call it before
+    ``torch.distributed.destroy_process_group``. Runs at exit too."""
     NATIVE.close(group)
+    if group is None:
+        with _LAYERS_LOCK:
+            layers = list(_LAYERS.values())
+            _LAYERS.clear()
+        for layer in layers:
+            layer.close()
 
 
-atexit.register(lambda: NATIVE.close() if NATIVE._comms else None)
+atexit.register(lambda: close_communicators() if NATIVE._comms or _LAYERS else None)

@@ -288,8 +288,9 @@ def _require_static(config: MoeEpConfig, rank: int) -> None:
 def _dispatched(prims, config, group, activation, fc1, fc2, idx, weights, extra, check=None):
     """The host checks (then ``check()``), then plan and dispatch the token rows, router weights and
     ``extra`` per-token rows (the payload of :func:`moe_ep_torch.core.route_payload`).
-    Returns ``(plan, x_buf [C, H] float32, per-row buffers after the tokens (weights,
-    then extra), fc1 and fc2 decoded)``."""
+    Returns ``(plan, x_buf [C, H], per-row buffers after the tokens (weights,
+    then extra), fc1, fc2)``: the operands of :meth:`NativePrimitives.forward_operands`
+    (bf16 for bf16 inputs, else float32)."""
     _check_group(config, group)
     _require_static(config, dist.get_rank(group))
     _check(config, group, activation, fc1, fc2, idx, weights)
@@ -299,7 +300,7 @@ def _dispatched(prims, config, group, activation, fc1, fc2, idx, weights, extra,
     plan, recv = dispatch(prims, config, group, idx, payload)
     tokens = len(recv) - 1 - len(extra)
     x_buf = prims.decode(core.rebuild(activation, recv[:tokens]))
-    fc1_d, fc2_d = prims.decode(prims.decode_weight(fc1)), prims.decode(prims.decode_weight(fc2))
+    x_buf, fc1_d, fc2_d = prims.forward_operands(activation, x_buf, prims.decode_weight(fc1), prims.decode_weight(fc2))
     return plan, x_buf, recv[tokens:], fc1_d, fc2_d
 
 
@@ -311,9 +312,8 @@ def forward(
     "route_metadata" [C, 4] int32}``; outputs NaN on every rank when any rank's
     routing is bad (see :func:`check_errors`)."""
     plan, x_buf, (w_buf,), fc1_d, fc2_d = _dispatched(prims, config, group, activation, fc1, fc2, idx, weights, [])
-    y, c = expert_forward(config, x_buf, w_buf, fc1_d, fc2_d, plan.group_sizes)
+    y, c = expert_forward(config, x_buf, w_buf, fc1_d, fc2_d, plan.group_sizes)  # y after the combine round trip
     c = c.masked_fill(plan.route_metadata[:, :1] < 0, 0.0)  # padding rows zero even with non-finite weights
-    y = prims.round_trip(y, config.combine_format)
     (back,) = return_rows(prims, plan, [y], group)
     out = combine_reduce(back, plan.route_pos, plan.num_tokens, config.num_topk)
     bad = plan.error != 0  # a device scalar: masked_fill keeps it there (no host copy, capturable)

@@ -52,7 +52,7 @@ extern "C" {
 #endif
 
 /** Bumped on any incompatible change of a signature or a struct below. */
-#define MOE_EP_NATIVE_ABI_VERSION 1
+#define MOE_EP_NATIVE_ABI_VERSION 2
 
 typedef enum {
   MOE_EP_OK = 0,
@@ -235,6 +235,109 @@ MOE_EP_API moe_ep_status moe_ep_expert_backward(moe_ep_device device, void* stre
                                                 const uint16_t* fc1_c, const float* dy, const int32_t* group_sizes,
                                                 float* dx, float* dw, float* dfc1, float* dfc2, void* workspace,
                                                 size_t workspace_bytes);
+
+/* -------------------------------------------------------------------- layer */
+
+/*
+ * The layer object: one rank's expert computation for one configuration on one
+ * device. Created once (it allocates every workspace then); the per-step stages
+ * allocate nothing, never synchronise with the host and, on CUDA, only enqueue
+ * work on the caller's stream, so they can be captured in a CUDA graph. A layer
+ * is used by one thread at a time (stages of one layer must not run
+ * concurrently on different streams: they share the workspaces).
+ *
+ * Operands: x, fc1 and fc2 have the layer's operand_dtype, MOE_EP_DTYPE_BF16
+ * (bit patterns, uint16_t) or MOE_EP_DTYPE_F32. With bf16 operands on CUDA the
+ * expert GEMMs run on tensor cores (CUTLASS grouped GEMMs, float32
+ * accumulation; moe_ep_layer_get_info says whether this build and shape have
+ * them). A float32 value the spec computes exactly that is not a bf16 value (the
+ * FC2 operand without an intermediate_format, the backward's cotangents) enters
+ * them as the sum of three bf16 values (hi + mid + lo, each the bf16 rounding of
+ * what the previous ones left), whose products the float32 accumulator sums:
+ * the float32 operand to within 2^-24 of its magnitude, inside the spec's
+ * budgets (docs/native.md).
+ *
+ * Versioning: the configuration starts with its size. A caller sets
+ * struct_size = sizeof(moe_ep_layer_config) as its header defines it
+ * (MOE_EP_LAYER_CONFIG_INIT does); the library reads the fields that fit in
+ * struct_size, treats fields past it as 0 (their defaults), and rejects a larger
+ * struct whose bytes past the library's own size are not all zero. Fields are
+ * only ever appended.
+ */
+
+typedef enum {
+  MOE_EP_DTYPE_F32 = 0,  /* float32 */
+  MOE_EP_DTYPE_BF16 = 1, /* bfloat16 bit patterns (uint16_t) */
+} moe_ep_dtype;
+
+typedef struct {
+  uint32_t struct_size;         /* sizeof(moe_ep_layer_config) of the caller's header */
+  int32_t device;               /* moe_ep_device */
+  int32_t cuda_device;          /* the CUDA device ordinal the layer lives on (CUDA only) */
+  int32_t operand_dtype;        /* moe_ep_dtype of x, fc1, fc2 */
+  int64_t max_rows;             /* C >= 0: the most rows of the expert-major buffer a stage takes */
+  int64_t hidden;               /* H >= 1 */
+  int64_t intermediate;         /* I >= 1 */
+  int64_t num_local_experts;    /* E_local >= 1 */
+  int32_t apply_topk_in_fc1;    /* 1: y = R_int(w*h) W2; 0: y = w * (R_int(h) W2) */
+  int32_t has_clamp;            /* 1: the SwiGLU clamp with limit gate_up_clamp */
+  float gate_up_clamp;          /* L > 0, finite */
+  int32_t intermediate_format;  /* moe_ep_format: R_int along I (NONE: identity) */
+  int32_t combine_format;       /* moe_ep_format: the per-route round trip of y along H (NONE: none) */
+  int32_t with_backward;        /* 1: also allocate what moe_ep_layer_experts_backward needs */
+} moe_ep_layer_config;
+
+#define MOE_EP_LAYER_CONFIG_INIT {sizeof(moe_ep_layer_config)}
+
+typedef struct {
+  uint32_t struct_size;         /* set by the caller, as for the configuration */
+  int32_t tensor_cores;         /* 1: the expert GEMMs run on tensor cores (CUTLASS), 0: float32 kernels */
+  int32_t fc2_operand_planes;   /* bf16 pieces the FC2 operand is split into (1 when it is exactly bf16, else 3) */
+  int32_t reserved;
+  uint64_t workspace_bytes;     /* what the layer allocated */
+} moe_ep_layer_info;
+
+/** A layer (opaque). */
+typedef struct moe_ep_layer moe_ep_layer;
+
+/** Make a layer for config (allocates its workspaces). layer: out (NULL on failure). */
+MOE_EP_API moe_ep_status moe_ep_layer_create(const moe_ep_layer_config* config, moe_ep_layer** layer);
+/** Free a layer after the work enqueued with it (NULL: nothing to do). */
+MOE_EP_API moe_ep_status moe_ep_layer_destroy(moe_ep_layer* layer);
+/** What the layer runs (info->struct_size set by the caller). */
+MOE_EP_API moe_ep_status moe_ep_layer_get_info(const moe_ep_layer* layer, moe_ep_layer_info* info);
+
+/**
+ * The experts' forward over the expert-major buffer (docs/spec.md section 5),
+ * the combine round trip included.
+ *   num_rows:    C, 0 <= C <= config.max_rows.
+ *   x:           [C, H] operand_dtype: the decoded input rows (padding rows zero).
+ *   w:           [C] float32: the router weight of every row (0 in padding).
+ *   fc1:         [E_local, H, 2I] operand_dtype;  fc2: [E_local, I, H] operand_dtype.
+ *   group_sizes: [E_local] int32 (device memory on CUDA): slab sizes from row 0;
+ *                each >= 0, sum <= C (CPU rejects others; CUDA counts a
+ *                negative size as 0 and ends the slabs at C).
+ *   y:           [C, H] float32 out: R_comb of the expert output; rows of no expert zero.
+ *   fc1_c:       [C, 2I] uint16 bf16 out, or NULL: the stash (the bf16 rounding of
+ *                the FC1 output before the clamp); rows of no expert zero.
+ */
+MOE_EP_API moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, int64_t num_rows,
+                                                      const void* x, const float* w, const void* fc1, const void* fc2,
+                                                      const int32_t* group_sizes, float* y, uint16_t* fc1_c);
+
+/**
+ * The experts' backward (docs/spec.md section 9.2: recomputed from the stash,
+ * every rounding point straight-through). Needs config.with_backward = 1.
+ *   num_rows, x, w, fc1, fc2, group_sizes: as moe_ep_layer_experts_forward.
+ *   fc1_c: [C, 2I] uint16 bf16: the stash.   dy: [C, H] float32: the cotangent of every row.
+ *   dx: [C, H] float32 out;  dw: [C] float32 out (rows of no expert: zero);
+ *   dfc1: [E_local, H, 2I] float32 out;  dfc2: [E_local, I, H] float32 out (zero for an expert with no rows).
+ */
+MOE_EP_API moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void* stream, int64_t num_rows,
+                                                       const void* x, const float* w, const void* fc1,
+                                                       const void* fc2, const uint16_t* fc1_c, const float* dy,
+                                                       const int32_t* group_sizes, float* dx, float* dw, float* dfc1,
+                                                       float* dfc2);
 
 /* ---------------------------------------------------------------- transport */
 

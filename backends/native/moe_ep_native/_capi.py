@@ -11,11 +11,11 @@ from typing import Any, Optional
 
 from moe_ep_spec.errors import NativeArgumentError, NativeError, TransportError
 
-__all__ = ["ABI_VERSION", "Format", "Status", "ExpertDesc", "library_path", "include_dir", "load", "call",
+__all__ = ["ABI_VERSION", "Format", "Status", "DType", "ExpertDesc", "LayerConfig", "LayerInfo", "library_path", "include_dir", "load", "call",
            "abi_version", "has_cuda", "has_nccl", "build_info"]
 
 #: The ABI this binding was written for (MOE_EP_NATIVE_ABI_VERSION).
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 #: Set to a file path to load that library instead of the installed one.
 LIBRARY_ENV = "MOE_EP_NATIVE_LIBRARY"
@@ -51,6 +51,52 @@ class ExpertDesc(ctypes.Structure):
         ("has_clamp", ctypes.c_int32),
         ("gate_up_clamp", ctypes.c_float),
         ("intermediate_format", ctypes.c_int32),
+    ]
+
+
+class DType(enum.IntEnum):
+    """``moe_ep_dtype``: the element type of a layer's operands."""
+
+    F32 = 0
+    BF16 = 1
+
+
+class LayerConfig(ctypes.Structure):
+    """``moe_ep_layer_config`` (versioned by ``struct_size``, which :meth:`make` sets)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("device", ctypes.c_int32),
+        ("cuda_device", ctypes.c_int32),
+        ("operand_dtype", ctypes.c_int32),
+        ("max_rows", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("num_local_experts", ctypes.c_int64),
+        ("apply_topk_in_fc1", ctypes.c_int32),
+        ("has_clamp", ctypes.c_int32),
+        ("gate_up_clamp", ctypes.c_float),
+        ("intermediate_format", ctypes.c_int32),
+        ("combine_format", ctypes.c_int32),
+        ("with_backward", ctypes.c_int32),
+    ]
+
+    @classmethod
+    def make(cls, **fields: Any) -> "LayerConfig":
+        cfg = cls(**fields)
+        cfg.struct_size = ctypes.sizeof(cls)
+        return cfg
+
+
+class LayerInfo(ctypes.Structure):
+    """``moe_ep_layer_info``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("tensor_cores", ctypes.c_int32),
+        ("fc2_operand_planes", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("workspace_bytes", ctypes.c_uint64),
     ]
 
 
@@ -113,6 +159,11 @@ _PROTOTYPES = {
     "moe_ep_expert_backward_workspace": (ctypes.c_size_t, [_DESC]),
     "moe_ep_expert_forward": (_I32, [_I32, _P, _DESC, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_size_t]),
     "moe_ep_expert_backward": (_I32, [_I32, _P, _DESC, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_size_t]),
+    "moe_ep_layer_create": (_I32, [ctypes.POINTER(LayerConfig), ctypes.POINTER(_P)]),
+    "moe_ep_layer_destroy": (_I32, [_P]),
+    "moe_ep_layer_get_info": (_I32, [_P, ctypes.POINTER(LayerInfo)]),
+    "moe_ep_layer_experts_forward": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P]),
+    "moe_ep_layer_experts_backward": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "moe_ep_has_nccl": (ctypes.c_int, []),
     "moe_ep_comm_unique_id": (_I32, [_P, ctypes.c_size_t]),
     "moe_ep_comm_init": (_I32, [_P, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, _I64, ctypes.POINTER(_P)]),

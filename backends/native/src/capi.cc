@@ -20,41 +20,6 @@ namespace {
 
 thread_local std::string g_last_error;
 
-// A failed check: formats "<op>: <rule>; got <value>" and returns INVALID_ARGUMENT.
-struct Check {
-  const char* op;
-  moe_ep_status bad(const std::string& rule, const std::string& got) const {
-    return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(op) + ": " + rule + "; got " + got);
-  }
-  moe_ep_status nonneg(const char* name, int64_t v) const {
-    return v >= 0 ? MOE_EP_OK : bad(std::string(name) + " must be >= 0", std::to_string(v));
-  }
-  moe_ep_status positive(const char* name, int64_t v) const {
-    return v >= 1 ? MOE_EP_OK : bad(std::string(name) + " must be >= 1", std::to_string(v));
-  }
-  // A pointer may be NULL only when the array it points to is empty, and must be
-  // aligned to its element size (`align` bytes).
-  moe_ep_status ptr(const char* name, const void* p, int64_t count, size_t align = 1) const {
-    if (p == nullptr) return count == 0 ? MOE_EP_OK : bad(std::string(name) + " must not be NULL", "NULL");
-    const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-    if (addr % align != 0)
-      return bad(std::string(name) + " must be aligned to " + std::to_string(align) + " bytes",
-                 "an address " + std::to_string(addr % align) + " bytes past a multiple of " + std::to_string(align));
-    return MOE_EP_OK;
-  }
-  moe_ep_status product(const char* what, int64_t a, int64_t b, int64_t limit) const {
-    if (a != 0 && b > limit / a)
-      return bad(std::string(what) + " must be <= " + std::to_string(limit), std::to_string(a) + " * " + std::to_string(b));
-    return MOE_EP_OK;
-  }
-};
-
-#define MOE_EP_TRY(expr)                        \
-  do {                                          \
-    moe_ep_status _st = (expr);                 \
-    if (_st != MOE_EP_OK) return _st;           \
-  } while (0)
-
 }  // namespace
 constexpr int64_t kInt32Limit = std::numeric_limits<int32_t>::max();
 constexpr int64_t kElemLimit = std::numeric_limits<int64_t>::max() / 16;
@@ -98,7 +63,7 @@ moe_ep_status check_format(const Check& ck, moe_ep_format fmt, const void* data,
   return ck.ptr("scale", scale, count);
 }
 
-moe_ep_status check_desc(const Check& ck, const moe_ep_expert_desc* d) {
+moe_ep_status check_desc_impl(const Check& ck, const moe_ep_expert_desc* d) {
   if (d == nullptr) return ck.bad("desc must not be NULL", "NULL");
   MOE_EP_TRY(ck.nonneg("desc.num_rows", d->num_rows));
   MOE_EP_TRY(ck.positive("desc.hidden", d->hidden));
@@ -139,8 +104,6 @@ moe_ep_status check_expert_operands(const Check& ck, const moe_ep_expert_desc& d
   return ck.ptr("group_sizes", group_sizes, E, 4);
 }
 
-size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
 moe_ep_status check_workspace(const Check& ck, const void* workspace, size_t have, size_t need) {
   if (have < need) return ck.bad("workspace_bytes must be >= " + std::to_string(need), std::to_string(have));
   if (need > 0 && workspace == nullptr) return ck.bad("workspace must not be NULL", "NULL");
@@ -149,26 +112,22 @@ moe_ep_status check_workspace(const Check& ck, const void* workspace, size_t hav
 
 }  // namespace
 
+moe_ep_status check_desc(const Check& ck, const moe_ep_expert_desc* d) { return check_desc_impl(ck, d); }
+
 moe_ep_status fail(moe_ep_status status, const std::string& message) {
   g_last_error = message;
   return status;
 }
 
-size_t forward_workspace_bytes(const moe_ep_expert_desc& d) {
-  const size_t C = static_cast<size_t>(d.num_rows), I = static_cast<size_t>(d.intermediate);
-  return align256(C * I * sizeof(float)) + align256((static_cast<size_t>(d.num_local_experts) + 1) * sizeof(int64_t));
-}
-
-size_t backward_workspace_bytes(const moe_ep_expert_desc& d) {
-  const size_t C = static_cast<size_t>(d.num_rows), I = static_cast<size_t>(d.intermediate),
-               H = static_cast<size_t>(d.hidden);
-  return 2 * align256(C * I * sizeof(float)) + align256(C * 2 * I * sizeof(float)) + align256(C * H * sizeof(float)) +
-         align256((static_cast<size_t>(d.num_local_experts) + 1) * sizeof(int64_t));
-}
-
 }  // namespace moe_ep
 
 using moe_ep::Check;
+using moe_ep::check_desc_impl;
+using moe_ep::check_device;
+using moe_ep::check_expert_operands;
+using moe_ep::check_format;
+using moe_ep::check_view;
+using moe_ep::check_workspace;
 using moe_ep::kElemLimit;
 using moe_ep::kInt32Limit;
 using moe_ep::kMaxExperts;
@@ -335,12 +294,12 @@ moe_ep_status moe_ep_combine_reduce(moe_ep_device device, void* stream, const fl
 }
 
 size_t moe_ep_expert_forward_workspace(const moe_ep_expert_desc* desc) {
-  if (check_desc(Check{"moe_ep_expert_forward_workspace"}, desc) != MOE_EP_OK) return 0;
+  if (check_desc_impl(Check{"moe_ep_expert_forward_workspace"}, desc) != MOE_EP_OK) return 0;
   return moe_ep::forward_workspace_bytes(*desc);
 }
 
 size_t moe_ep_expert_backward_workspace(const moe_ep_expert_desc* desc) {
-  if (check_desc(Check{"moe_ep_expert_backward_workspace"}, desc) != MOE_EP_OK) return 0;
+  if (check_desc_impl(Check{"moe_ep_expert_backward_workspace"}, desc) != MOE_EP_OK) return 0;
   return moe_ep::backward_workspace_bytes(*desc);
 }
 
@@ -349,7 +308,7 @@ moe_ep_status moe_ep_expert_forward(moe_ep_device device, void* stream, const mo
                                     float* y, float* c, void* workspace, size_t workspace_bytes) {
   const Check ck{"moe_ep_expert_forward"};
   MOE_EP_TRY(check_device(ck, device, stream));
-  MOE_EP_TRY(check_desc(ck, desc));
+  MOE_EP_TRY(check_desc_impl(ck, desc));
   const moe_ep_expert_desc& d = *desc;
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
   MOE_EP_TRY(check_expert_operands(ck, d, x, w, fc1, fc2, group_sizes));
@@ -365,7 +324,7 @@ moe_ep_status moe_ep_expert_backward(moe_ep_device device, void* stream, const m
                                      float* dfc2, void* workspace, size_t workspace_bytes) {
   const Check ck{"moe_ep_expert_backward"};
   MOE_EP_TRY(check_device(ck, device, stream));
-  MOE_EP_TRY(check_desc(ck, desc));
+  MOE_EP_TRY(check_desc_impl(ck, desc));
   const moe_ep_expert_desc& d = *desc;
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E = d.num_local_experts;
   MOE_EP_TRY(check_expert_operands(ck, d, x, w, fc1, fc2, group_sizes));

@@ -17,17 +17,97 @@ namespace moe_ep {
 // Sets the calling thread's last error and returns `status`.
 moe_ep_status fail(moe_ep_status status, const std::string& message);
 
+// Argument checks of the entry points: formats "<op>: <rule>; got <value>" and returns INVALID_ARGUMENT.
+struct Check {
+  const char* op;
+  moe_ep_status bad(const std::string& rule, const std::string& got) const {
+    return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(op) + ": " + rule + "; got " + got);
+  }
+  moe_ep_status nonneg(const char* name, int64_t v) const {
+    return v >= 0 ? MOE_EP_OK : bad(std::string(name) + " must be >= 0", std::to_string(v));
+  }
+  moe_ep_status positive(const char* name, int64_t v) const {
+    return v >= 1 ? MOE_EP_OK : bad(std::string(name) + " must be >= 1", std::to_string(v));
+  }
+  // A pointer may be NULL only when the array it points to is empty, and must be
+  // aligned to its element size (`align` bytes).
+  moe_ep_status ptr(const char* name, const void* p, int64_t count, size_t align = 1) const {
+    if (p == nullptr) return count == 0 ? MOE_EP_OK : bad(std::string(name) + " must not be NULL", "NULL");
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+    if (addr % align != 0)
+      return bad(std::string(name) + " must be aligned to " + std::to_string(align) + " bytes",
+                 "an address " + std::to_string(addr % align) + " bytes past a multiple of " + std::to_string(align));
+    return MOE_EP_OK;
+  }
+  moe_ep_status product(const char* what, int64_t a, int64_t b, int64_t limit) const {
+    if (a != 0 && b > limit / a)
+      return bad(std::string(what) + " must be <= " + std::to_string(limit), std::to_string(a) + " * " + std::to_string(b));
+    return MOE_EP_OK;
+  }
+};
+
+#define MOE_EP_TRY(expr)                        \
+  do {                                          \
+    moe_ep_status _st = (expr);                 \
+    if (_st != MOE_EP_OK) return _st;           \
+  } while (0)
+
+// The checks of a moe_ep_expert_desc (capi.cc): sizes, products, flags, formats.
+moe_ep_status check_desc(const Check& ck, const moe_ep_expert_desc* d);
+
 // Block sizes of the block-scaled formats.
 constexpr int64_t kMxfp8Block = 32;
 constexpr int64_t kNvfp4Block = 16;
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Workspace bytes (one definition for every implementation): forward needs
-// the FC2 operand [C, I] float32; backward h, a = dY W2^T [C, I] each,
-// dc [C, 2I] and z = h W2 [C, H], float32. Both add (E_local + 1) int64 slab
-// offsets, 256-byte aligned pieces.
-size_t forward_workspace_bytes(const moe_ep_expert_desc& d);
-size_t backward_workspace_bytes(const moe_ep_expert_desc& d);
+// ------------------------------------------------------------------ workspaces
+// The one definition of the expert workspaces' layouts: capi.cc sizes them with
+// these functions, the CPU and CUDA implementations point into them with the
+// same functions. Pieces start at 256-byte aligned offsets from the base.
+inline size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+struct ForwardWorkspace {
+  float* op;         // [C, I] the FC2 operand (after R_int)
+  int64_t* offsets;  // [E_local + 1] slab offsets
+};
+
+struct BackwardWorkspace {
+  float* h;          // [C, I]  h = s * u recomputed from the stash (CPU: the dfc2 GEMM's left operand)
+  float* a;          // [C, I]  a = dY W2^T
+  float* dc;         // [C, 2I] [dg, du]
+  float* z;          // [C, H]  z = h W2 (CPU: the dfc2 GEMM's right operand)
+  int64_t* offsets;  // [E_local + 1] slab offsets
+};
+
+// Places the pieces at `base` (NULL: only sizes them; ws may be NULL) and returns the total bytes.
+inline size_t forward_workspace_layout(const moe_ep_expert_desc& d, void* base, ForwardWorkspace* ws) {
+  const size_t C = static_cast<size_t>(d.num_rows), I = static_cast<size_t>(d.intermediate);
+  char* b = static_cast<char*>(base);
+  size_t at = 0;
+  auto take = [&](size_t bytes) { char* p = b ? b + at : nullptr; at += align256(bytes); return p; };
+  float* op = reinterpret_cast<float*>(take(C * I * sizeof(float)));
+  int64_t* off = reinterpret_cast<int64_t*>(take((static_cast<size_t>(d.num_local_experts) + 1) * sizeof(int64_t)));
+  if (ws != nullptr) *ws = ForwardWorkspace{op, off};
+  return at;
+}
+
+inline size_t backward_workspace_layout(const moe_ep_expert_desc& d, void* base, BackwardWorkspace* ws) {
+  const size_t C = static_cast<size_t>(d.num_rows), I = static_cast<size_t>(d.intermediate),
+               H = static_cast<size_t>(d.hidden);
+  char* b = static_cast<char*>(base);
+  size_t at = 0;
+  auto take = [&](size_t bytes) { char* p = b ? b + at : nullptr; at += align256(bytes); return p; };
+  float* h = reinterpret_cast<float*>(take(C * I * sizeof(float)));
+  float* a = reinterpret_cast<float*>(take(C * I * sizeof(float)));
+  float* dc = reinterpret_cast<float*>(take(C * 2 * I * sizeof(float)));
+  float* z = reinterpret_cast<float*>(take(C * H * sizeof(float)));
+  int64_t* off = reinterpret_cast<int64_t*>(take((static_cast<size_t>(d.num_local_experts) + 1) * sizeof(int64_t)));
+  if (ws != nullptr) *ws = BackwardWorkspace{h, a, dc, z, off};
+  return at;
+}
+
+inline size_t forward_workspace_bytes(const moe_ep_expert_desc& d) { return forward_workspace_layout(d, nullptr, nullptr); }
+inline size_t backward_workspace_bytes(const moe_ep_expert_desc& d) { return backward_workspace_layout(d, nullptr, nullptr); }
 
 #define MOE_EP_IMPL_DECLS                                                                                          \
   moe_ep_status quantize(void* stream, moe_ep_format fmt, const float* x, int64_t outer, int64_t n, int64_t inner,   \
@@ -57,6 +137,39 @@ MOE_EP_IMPL_DECLS
 namespace cuda {
 MOE_EP_IMPL_DECLS
 const char* arch_list();  // the CUDA architectures compiled in, for moe_ep_build_info
+
+// The layer's tensor-core path (cuda/layer_tc.cu): bf16 operands, CUTLASS grouped GEMMs.
+struct TcWorkspace {
+  int32_t* offsets;    // [E_local + 1] int32 slab offsets
+  void* gemm;          // the grouped GEMMs' workspace (gemm_bytes)
+  size_t gemm_bytes;
+  float* c;            // [C, 2I] float32 FC1 output (forward)
+  uint16_t* left;      // [3, C, I] bf16 planes: the FC2 operand (forward), w*h or h (backward)
+  uint16_t* right;     // [3, C, H] bf16 planes: dY or w*dY (backward)
+  uint16_t* dc;        // [3, C, 2I] bf16 planes of dc (backward)
+  float* a;            // [C, I] a = (w dY or dY) W2^T (backward)
+  float* h;            // [C, I] h (backward)
+  float* z;            // [C, H] z = h W2 (backward, apply_topk_in_fc1 = 0)
+  int sm_count;
+};
+// Bytes of the tensor-core workspace (0 when the build or the shape has no tensor-core path).
+size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backward, void* base, TcWorkspace* ws);
+// bf16 FC2 operand planes the forward needs for this intermediate format (1: exactly bf16, else 3).
+int tc_operand_planes(int32_t intermediate_format);
+moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, const uint16_t* x,
+                         const float* w, const uint16_t* fc1, const uint16_t* fc2, const int32_t* group_sizes, float* y,
+                         uint16_t* fc1_c, const TcWorkspace& ws);
+moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint16_t* x, const float* w,
+                          const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const float* dy,
+                          const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,
+                          const TcWorkspace& ws);
+// Device memory for a layer on cuda_device (cudaMalloc after cudaSetDevice), and its release.
+moe_ep_status device_alloc(int cuda_device, size_t bytes, void** out);
+moe_ep_status device_free(void* p);
+// The device's SM count and whether it is sm_90 (the tensor-core kernels' architecture).
+moe_ep_status device_props(int cuda_device, int* sm_count, bool* is_sm90);
+// In-place combine round trip of y [C, H] (rows past off are left as they are).
+moe_ep_status round_trip_rows(void* stream, int32_t fmt, float* y, int64_t rows, int64_t n);
 }  // namespace cuda
 #endif
 

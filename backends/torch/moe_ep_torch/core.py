@@ -649,9 +649,8 @@ def backward(
     x_buf = prims.decode(buffer_tokens(plan, activation, recv[:-2]))
     w_buf = to_buffer(plan, recv[-2])
     dy_buf = to_buffer(plan, recv[-1].float())
-    dx, dw, dfc1, dfc2 = prims.experts_backward(
-        config, plan, x_buf, w_buf, prims.decode(fc1), prims.decode(fc2), fc1_c, dy_buf
-    )
+    x_buf, fc1_d, fc2_d = prims.forward_operands(activation, x_buf, fc1, fc2)
+    dx, dw, dfc1, dfc2 = prims.experts_backward(config, plan, x_buf, w_buf, fc1_d, fc2_d, fc1_c, dy_buf)
     dx_back, dw_back = exchange_back(plan, [from_buffer(plan, dx), from_buffer(plan, dw)], group, prims)
     return {
         "grad_activation": prims.sum_slots(plan, dx_back),

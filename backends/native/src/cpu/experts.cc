@@ -84,7 +84,9 @@ moe_ep_status expert_forward(void*, const moe_ep_expert_desc& d, const float* x,
   moe_ep_status st = slab_offsets("moe_ep_expert_forward", d, group_sizes, &off);
   if (st != MOE_EP_OK) return st;
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
-  float* op = static_cast<float*>(workspace);  // [C, I]: the FC2 operand
+  ForwardWorkspace ws;
+  forward_workspace_layout(d, workspace, &ws);
+  float* op = ws.op;  // [C, I]: the FC2 operand
   std::vector<uint8_t> qdata, qscale;
   const float lim = d.gate_up_clamp;
   for (int64_t e = 0; e < d.num_local_experts; ++e) {
@@ -128,9 +130,11 @@ moe_ep_status expert_backward(void*, const moe_ep_expert_desc& d, const float* x
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E = d.num_local_experts;
   const float lim = d.gate_up_clamp;
   // Workspace: lhs of the dfc2 GEMM [C, I], rhs of it [C, H], dc [C, 2I], a row of z [H].
-  float* p_lhs = static_cast<float*>(workspace);
-  float* p_rhs = p_lhs + C * I;
-  float* dc = p_rhs + C * H;
+  BackwardWorkspace ws;
+  backward_workspace_layout(d, workspace, &ws);
+  float* p_lhs = ws.h;   // [C, I]
+  float* p_rhs = ws.z;   // [C, H]
+  float* dc = ws.dc;     // [C, 2I]
   std::vector<float> a(static_cast<size_t>(I)), h(static_cast<size_t>(I)), z(static_cast<size_t>(H));
   std::fill(dfc1, dfc1 + E * H * 2 * I, 0.0f);
   std::fill(dfc2, dfc2 + E * I * H, 0.0f);

@@ -53,47 +53,16 @@ inline moe_ep_status check_launch(const char* kernel) {
 
 // ------------------------------------------------------------------ workspace
 
-// Each piece starts at a 256-byte aligned offset from the workspace base, in
-// the order capi.cc sizes them (forward_workspace_bytes / backward_workspace_bytes).
-inline size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
-struct ForwardWorkspace {
-  float* op;        // [C, I] the FC2 operand (after R_int)
-  int64_t* offsets; // [E_local + 1] slab offsets
-};
-
-struct BackwardWorkspace {
-  float* h;         // [C, I]  h = s * u, recomputed from the stash
-  float* a;         // [C, I]  a = dY W2^T
-  float* dc;        // [C, 2I] [dg, du]
-  float* z;         // [C, H]  z = h W2 (apply_topk_in_fc1 = 0 only)
-  int64_t* offsets; // [E_local + 1] slab offsets
-};
-
+// The layouts are internal.h's (one definition for capi.cc, the CPU and CUDA).
 inline ForwardWorkspace forward_workspace(const moe_ep_expert_desc& d, void* workspace) {
-  const size_t C = static_cast<size_t>(d.num_rows), I = static_cast<size_t>(d.intermediate);
-  char* base = static_cast<char*>(workspace);
   ForwardWorkspace ws;
-  ws.op = reinterpret_cast<float*>(base);
-  ws.offsets = reinterpret_cast<int64_t*>(base + align256(C * I * sizeof(float)));
+  forward_workspace_layout(d, workspace, &ws);
   return ws;
 }
 
 inline BackwardWorkspace backward_workspace(const moe_ep_expert_desc& d, void* workspace) {
-  const size_t C = static_cast<size_t>(d.num_rows), I = static_cast<size_t>(d.intermediate),
-               H = static_cast<size_t>(d.hidden);
-  char* base = static_cast<char*>(workspace);
-  size_t at = 0;
   BackwardWorkspace ws;
-  ws.h = reinterpret_cast<float*>(base + at);
-  at += align256(C * I * sizeof(float));
-  ws.a = reinterpret_cast<float*>(base + at);
-  at += align256(C * I * sizeof(float));
-  ws.dc = reinterpret_cast<float*>(base + at);
-  at += align256(C * 2 * I * sizeof(float));
-  ws.z = reinterpret_cast<float*>(base + at);
-  at += align256(C * H * sizeof(float));
-  ws.offsets = reinterpret_cast<int64_t*>(base + at);
+  backward_workspace_layout(d, workspace, &ws);
   return ws;
 }
 

@@ -15,6 +15,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/format_math.cuh"
+#include "cuda/swiglu.cuh"
 #include "internal.h"
 
 namespace moe_ep {
@@ -238,36 +239,6 @@ __global__ void __launch_bounds__(kGemmThreads)
 }
 
 // ------------------------------------------------------------------ SwiGLU
-
-struct SwigluParams {
-  int64_t C, I;
-  int apply_topk_in_fc1;
-  int has_clamp;
-  float limit;
-};
-
-// sigmoid(g) = 1 / (1 + exp(-g)) in float32 (accurate expf, IEEE division).
-__device__ __forceinline__ float sigmoid(float g) { return __fdiv_rn(1.0f, fadd(1.0f, expf(-g))); }
-
-// The clamp, NaN-propagating like std::min / jnp.minimum: g = min(g, L),
-// u = min(max(u, -L), L).
-__device__ __forceinline__ float clamp_gate(float g, float lim) { return lim < g ? lim : g; }
-__device__ __forceinline__ float clamp_up(float u, float lim) {
-  u = u < -lim ? -lim : u;
-  return lim < u ? lim : u;
-}
-
-// The unrounded FC2 operand of one element: h = (g * sig) * u from the FC1
-// output c (clamped), times w when the router weight goes into FC1.
-__device__ __forceinline__ float swiglu_operand(float g, float u, float w, const SwigluParams& p) {
-  if (p.has_clamp) {
-    g = clamp_gate(g, p.limit);
-    u = clamp_up(u, p.limit);
-  }
-  const float s = fmul(g, sigmoid(g));
-  const float h = fmul(s, u);
-  return p.apply_topk_in_fc1 ? fmul(w, h) : h;
-}
 
 // Forward operand op = R_int(w * h or h), [C, I]. kFmt NONE / BF16: one thread
 // per element (identity / bf16 round trip). MXFP8 / NVFP4: one thread per

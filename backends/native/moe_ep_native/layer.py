@@ -1,0 +1,158 @@
+"""The native layer object (``moe_ep_layer_*`` of the C ABI) over raw pointers.
+
+A :class:`Layer` is one rank's expert computation for one configuration on one
+device, made once: it owns its workspaces, so its stages allocate nothing and,
+on CUDA, only enqueue work on the stream they are given (CUDA-graph
+capturable). Framework-neutral: the stages take addresses (``int``, or
+``None`` for an empty array) and a stream handle, so the PyTorch front-end
+(``moe_ep_cuda_nccl``) and any other binding share it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional
+
+from moe_ep_spec.config import MoeEpConfig
+from moe_ep_spec.errors import ConfigError
+from moe_ep_spec.formats import MoeFormat
+
+from ._capi import DType, Format, LayerConfig, call
+from ._capi import LayerInfo as _RawLayerInfo
+
+__all__ = ["Layer", "LayerInfo", "layer_config"]
+
+_FORMAT = {None: Format.NONE, MoeFormat.BF16: Format.BF16, MoeFormat.MXFP8: Format.MXFP8, MoeFormat.NVFP4: Format.NVFP4}
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What a layer runs.
+
+    Attributes:
+        tensor_cores: the expert GEMMs run on tensor cores (CUTLASS grouped GEMMs,
+            bf16 operands); False: the float32 kernels.
+        fc2_operand_planes: bf16 pieces the FC2 operand is split into on tensor
+            cores (1 when it is exactly bf16, 3 otherwise; 0 without tensor cores).
+        workspace_bytes: the memory the layer allocated.
+    """
+
+    tensor_cores: bool
+    fc2_operand_planes: int
+    workspace_bytes: int
+
+
+def layer_config(
+    config: MoeEpConfig,
+    *,
+    max_rows: int,
+    cuda_device: Optional[int],
+    bf16_operands: bool,
+    with_backward: bool,
+) -> LayerConfig:
+    """The ``moe_ep_layer_config`` of one rank of ``config``.
+
+    Args:
+        max_rows: the most rows of the expert-major buffer a stage will take (>= 0).
+        cuda_device: the CUDA device ordinal, or None for the CPU implementation.
+        bf16_operands: x, fc1 and fc2 are bf16 (else float32).
+        with_backward: also allocate what the backward needs.
+    """
+    if max_rows < 0:
+        raise ConfigError(f"max_rows must be >= 0; got {max_rows}", field="max_rows", value=max_rows)
+    clamp = config.gate_up_clamp
+    return LayerConfig.make(
+        device=0 if cuda_device is None else 1,
+        cuda_device=0 if cuda_device is None else int(cuda_device),
+        operand_dtype=int(DType.BF16 if bf16_operands else DType.F32),
+        max_rows=int(max_rows),
+        hidden=config.hidden,
+        intermediate=config.intermediate,
+        num_local_experts=config.num_local_experts,
+        apply_topk_in_fc1=int(bool(config.apply_topk_in_fc1)),
+        has_clamp=int(clamp is not None),
+        gate_up_clamp=float(clamp) if clamp is not None else 0.0,
+        intermediate_format=int(_FORMAT[config.intermediate_format]),
+        combine_format=int(_FORMAT[config.combine_format]),
+        with_backward=int(bool(with_backward)),
+    )
+
+
+class Layer:
+    """A ``moe_ep_layer``: made by :meth:`__init__`, freed by :meth:`close` (or when collected).
+
+    Raises (on creation): :class:`~moe_ep_spec.NativeArgumentError` for a bad
+    configuration, :class:`~moe_ep_spec.NativeError` when memory cannot be had
+    or the build lacks the device.
+    """
+
+    def __init__(self, config: LayerConfig) -> None:
+        self._handle = ctypes.c_void_p()
+        self.max_rows = int(config.max_rows)
+        self.with_backward = bool(config.with_backward)
+        self.bf16_operands = config.operand_dtype == DType.BF16
+        self.cuda_device: Optional[int] = int(config.cuda_device) if config.device == 1 else None
+        call("moe_ep_layer_create", ctypes.byref(config), ctypes.byref(self._handle))
+        raw = _RawLayerInfo()
+        raw.struct_size = ctypes.sizeof(_RawLayerInfo)
+        call("moe_ep_layer_get_info", self._handle, ctypes.byref(raw))
+        self.info = LayerInfo(bool(raw.tensor_cores), int(raw.fc2_operand_planes), int(raw.workspace_bytes))
+
+    @property
+    def closed(self) -> bool:
+        return not self._handle.value
+
+    def close(self) -> None:
+        """Free the layer after the work enqueued with it (idempotent)."""
+        if self._handle.value:
+            handle, self._handle = self._handle, ctypes.c_void_p()
+            call("moe_ep_layer_destroy", handle)
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def experts_forward(
+        self,
+        stream: Optional[int],
+        num_rows: int,
+        x: Optional[int],
+        w: Optional[int],
+        fc1: Optional[int],
+        fc2: Optional[int],
+        group_sizes: Optional[int],
+        y: Optional[int],
+        fc1_c: Optional[int],
+    ) -> None:
+        """``moe_ep_layer_experts_forward``: x ``[C, H]``, w ``[C] float32``, fc1
+        ``[E_local, H, 2I]``, fc2 ``[E_local, I, H]`` (the layer's operand dtype),
+        group_sizes ``[E_local] int32`` in; y ``[C, H] float32`` (after the combine
+        round trip) and fc1_c ``[C, 2I] bf16`` (or None) out."""
+        call("moe_ep_layer_experts_forward", self._handle, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c)
+
+    def experts_backward(
+        self,
+        stream: Optional[int],
+        num_rows: int,
+        x: Optional[int],
+        w: Optional[int],
+        fc1: Optional[int],
+        fc2: Optional[int],
+        fc1_c: Optional[int],
+        dy: Optional[int],
+        group_sizes: Optional[int],
+        dx: Optional[int],
+        dw: Optional[int],
+        dfc1: Optional[int],
+        dfc2: Optional[int],
+    ) -> None:
+        """``moe_ep_layer_experts_backward``: as :meth:`experts_forward` plus fc1_c
+        ``[C, 2I] bf16`` and dy ``[C, H] float32`` in; dx ``[C, H]``, dw ``[C]``,
+        dfc1 ``[E_local, H, 2I]``, dfc2 ``[E_local, I, H]`` float32 out."""
+        call(
+            "moe_ep_layer_experts_backward", self._handle, stream, num_rows, x, w, fc1, fc2, fc1_c, dy, group_sizes,
+            dx, dw, dfc1, dfc2,
+        )

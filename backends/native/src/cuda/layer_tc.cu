@@ -1,0 +1,538 @@
+// The layer object's tensor-core path (docs/native.md, "The layer object"):
+// the experts' forward and backward with bf16 operands on Hopper tensor cores
+// (the CUTLASS grouped GEMMs of cuda/gemm/grouped_gemm.h, float32 accumulation)
+// and the elementwise work around them in a few fused kernels.
+//
+// Forward:   FC1 (one grouped GEMM, float32 c) -> one kernel: the bf16 stash,
+//            the clamp, SwiGLU, the router weight, R_int, the FC2 operand as bf16
+//            planes -> FC2 (one grouped GEMM per plane, accumulating in float32 y)
+//            -> one kernel: w * z (weight in FC2), R_comb, zero rows of no expert.
+// Backward:  the cotangent as bf16 planes -> a = (dY or w dY) W2^T -> one kernel:
+//            recompute from the stash, dh, dc (as planes), the FC2 left operand
+//            (w h or h) as planes -> dW2, dW1, dx grouped GEMMs -> dw row sums.
+//
+// Splitting a float32 value into planes: hi = v with its low 16 bits cleared
+// (bf16 truncation), mid = the same of v - hi, lo = bf16(v - hi - mid). Each
+// difference is exact in float32, and what is left after two truncations has
+// at most 8 significant bits, so hi + mid + lo == v exactly for every finite v
+// whose pieces stay in bf16's normal range (below it, at magnitudes under about
+// 2^-110, the pieces lose bits: absolute errors under 2^-133). A NaN or an
+// infinity is carried by hi alone. So the GEMMs see the spec's float32 operand
+// and only their float32 accumulation rounds: products of one row's planes are
+// summed in one accumulator, and products of two split operands keep the eight
+// largest of the nine plane pairs (the dropped lo x lo is below 2^-30 of the
+// product).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "cuda/common.cuh"
+#include "cuda/format_math.cuh"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/swiglu.cuh"
+#include "internal.h"
+
+namespace moe_ep {
+namespace cuda {
+namespace {
+
+using namespace detail;
+
+constexpr int kPlanes = 3;
+
+// ------------------------------------------------------------------ helpers
+
+// One thread: off[0] = 0, off[e + 1] = min(off[e] + max(group_sizes[e], 0), C), int32.
+__global__ void tc_offsets_kernel(const int32_t* __restrict__ group_sizes, int num_experts, int64_t num_rows,
+                                  int32_t* __restrict__ off) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int64_t o = 0;
+  off[0] = 0;
+  for (int e = 0; e < num_experts; ++e) {
+    const int64_t g = group_sizes[e];
+    o += g > 0 ? g : 0;
+    if (o > num_rows) o = num_rows;
+    off[e + 1] = static_cast<int32_t>(o);
+  }
+}
+
+__device__ __forceinline__ uint16_t bf16_trunc(float v) { return static_cast<uint16_t>(__float_as_uint(v) >> 16); }
+
+// v == hi + mid + lo (see the file comment); NaN and +-Inf in hi alone.
+__device__ __forceinline__ void split3(float v, uint16_t& hi, uint16_t& mid, uint16_t& lo) {
+  if (!isfinite(v)) {
+    hi = isnan(v) ? uint16_t{0x7FC0} : bf16_trunc(v);
+    mid = 0;
+    lo = 0;
+    return;
+  }
+  hi = bf16_trunc(v);
+  const float r1 = fsub(v, bf16_to_float(hi));
+  mid = bf16_trunc(r1);
+  const float r2 = fsub(r1, bf16_to_float(mid));
+  lo = bf16_from_float(r2);
+}
+
+// Writes v at element `at` of plane-major [planes, plane_stride] bf16 (planes 1 or 3).
+__device__ __forceinline__ void put_planes(uint16_t* __restrict__ p, int64_t plane_stride, int64_t at, int planes,
+                                           float v) {
+  if (planes == 1) {
+    p[at] = bf16_from_float(v);  // the caller guarantees v is a bf16 value
+    return;
+  }
+  uint16_t hi, mid, lo;
+  split3(v, hi, mid, lo);
+  p[at] = hi;
+  p[plane_stride + at] = mid;
+  p[2 * plane_stride + at] = lo;
+}
+
+// In-place round trip of len values at p in format kFmt (one block, or one element for bf16).
+template <int kFmt>
+__device__ __forceinline__ void round_trip_block(float* p, int len) {
+  if constexpr (kFmt == MOE_EP_FORMAT_BF16) {
+    for (int j = 0; j < len; ++j) p[j] = bf16_round_trip(p[j]);
+  } else if constexpr (kFmt == MOE_EP_FORMAT_MXFP8) {
+    mxfp8_round_trip_block(p, len);
+  } else if constexpr (kFmt == MOE_EP_FORMAT_NVFP4) {
+    nvfp4_round_trip_block(p, len);
+  }
+}
+
+template <int kFmt>
+__host__ __device__ constexpr int block_of() {
+  return kFmt == MOE_EP_FORMAT_MXFP8 ? 32 : (kFmt == MOE_EP_FORMAT_NVFP4 ? 16 : 1);
+}
+
+// ------------------------------------------------------------------ forward kernels
+
+// FC1 epilogue, one thread per (row, block of the intermediate format along I):
+// the stash fc1_c = bf16(c) (both halves of the block's columns), and the FC2
+// operand R_int(w h or h) as bf16 planes. Rows of no expert (r >= off[E]): zero
+// stash and zero operand.
+template <int kFmt>
+__global__ void fc1_epilogue_kernel(const float* __restrict__ c, const float* __restrict__ w,
+                                    const int32_t* __restrict__ off, int num_experts, uint16_t* __restrict__ stash,
+                                    uint16_t* __restrict__ op, int planes, SwigluParams p) {
+  constexpr int kBlock = block_of<kFmt>();
+  const int64_t I = p.I;
+  const int64_t nb = div_up(I, kBlock);
+  const int64_t total = p.C * nb;
+  const int64_t end = off[num_experts];
+  const int64_t plane_stride = p.C * I;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = t / nb, b = t - r * nb;
+    const int64_t k0 = b * kBlock;
+    const int len = static_cast<int>(I - k0 < kBlock ? I - k0 : kBlock);
+    const float* cr = c + r * 2 * I;
+    float o[kBlock];
+    if (r < end) {
+      const float wr = w[r];
+      for (int j = 0; j < len; ++j) {
+        const float g = cr[k0 + j], u = cr[I + k0 + j];
+        if (stash != nullptr) {
+          stash[r * 2 * I + k0 + j] = bf16_from_float(g);
+          stash[r * 2 * I + I + k0 + j] = bf16_from_float(u);
+        }
+        o[j] = swiglu_operand(g, u, wr, p);
+      }
+      round_trip_block<kFmt>(o, len);
+    } else {
+      for (int j = 0; j < len; ++j) {
+        if (stash != nullptr) {
+          stash[r * 2 * I + k0 + j] = 0;
+          stash[r * 2 * I + I + k0 + j] = 0;
+        }
+        o[j] = 0.0f;
+      }
+    }
+    for (int j = 0; j < len; ++j) put_planes(op, plane_stride, r * I + k0 + j, planes, o[j]);
+  }
+}
+
+// FC2 epilogue, one thread per (row, block of the combine format along H):
+// y = w * z when the weight goes into FC2, then R_comb in place; rows of no
+// expert zero. kWeight: multiply by w.
+template <int kFmt, bool kWeight>
+__global__ void fc2_epilogue_kernel(float* __restrict__ y, const float* __restrict__ w,
+                                    const int32_t* __restrict__ off, int num_experts, int64_t C, int64_t H) {
+  constexpr int kBlock = block_of<kFmt>();
+  const int64_t nb = div_up(H, kBlock);
+  const int64_t total = C * nb;
+  const int64_t end = off == nullptr ? C : off[num_experts];
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = t / nb, b = t - r * nb;
+    const int64_t k0 = b * kBlock;
+    const int len = static_cast<int>(H - k0 < kBlock ? H - k0 : kBlock);
+    float* yr = y + r * H + k0;
+    if (r >= end) {
+      for (int j = 0; j < len; ++j) yr[j] = 0.0f;
+      continue;
+    }
+    float o[kBlock];
+    for (int j = 0; j < len; ++j) o[j] = kWeight ? fmul(w[r], yr[j]) : yr[j];
+    round_trip_block<kFmt>(o, len);
+    for (int j = 0; j < len; ++j) yr[j] = o[j];
+  }
+}
+
+// ------------------------------------------------------------------ backward kernels
+
+// src [C, n] float32 (times w[r] when w is set) as bf16 planes; rows of no expert zero.
+__global__ void split_rows_kernel(const float* __restrict__ src, const float* __restrict__ w,
+                                  const int32_t* __restrict__ off, int num_experts, int64_t C, int64_t n,
+                                  uint16_t* __restrict__ planes) {
+  const int64_t total = C * n;
+  const int64_t end = off[num_experts];
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = t / n;
+    float v = 0.0f;
+    if (r < end) v = w != nullptr ? fmul(w[r], src[t]) : src[t];
+    put_planes(planes, total, t, kPlanes, v);
+  }
+}
+
+// One thread per (r, i), as swiglu_backward_kernel of experts.cu, from the stash:
+//   h[r, i]; dh = a w (weight in FC1) or a (a already holds w dY W2^T);
+//   dc = [dg, du] as planes; the dW2 left operand (w h or h) as planes.
+__global__ void swiglu_backward_tc_kernel(const uint16_t* __restrict__ fc1_c, const float* __restrict__ a,
+                                          const float* __restrict__ w, const int32_t* __restrict__ off,
+                                          int num_experts, float* __restrict__ h_out, uint16_t* __restrict__ dc,
+                                          uint16_t* __restrict__ left, SwigluParams p) {
+  const int64_t I = p.I;
+  const int64_t total = p.C * I;
+  const int64_t end = off[num_experts];
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = t / I, i = t - r * I;
+    float h = 0.0f, dg = 0.0f, du = 0.0f, lv = 0.0f;
+    if (r < end) {
+      const float g_raw = bf16_to_float(fc1_c[r * 2 * I + i]);
+      const float u_raw = bf16_to_float(fc1_c[r * 2 * I + I + i]);
+      float g = g_raw, u = u_raw, gate_mask = 1.0f, up_mask = 1.0f;
+      if (p.has_clamp) {
+        const float lim = p.limit;
+        gate_mask = g_raw <= lim ? 1.0f : 0.0f;
+        up_mask = (u_raw >= -lim && u_raw <= lim) ? 1.0f : 0.0f;
+        g = clamp_gate(g_raw, lim);
+        u = clamp_up(u_raw, lim);
+      }
+      const float sig = sigmoid(g);
+      const float s = fmul(g, sig);
+      h = fmul(s, u);
+      const float dh = p.apply_topk_in_fc1 ? fmul(a[t], w[r]) : a[t];
+      dg = fmul(fmul(fmul(dh, u), sig), fadd(1.0f, fmul(g, fsub(1.0f, sig))));
+      du = fmul(dh, s);
+      if (p.has_clamp) {
+        dg = fmul(dg, gate_mask);
+        du = fmul(du, up_mask);
+      }
+      lv = p.apply_topk_in_fc1 ? fmul(w[r], h) : h;
+    }
+    h_out[t] = h;
+    put_planes(dc, p.C * 2 * I, r * 2 * I + i, kPlanes, dg);
+    put_planes(dc, p.C * 2 * I, r * 2 * I + I + i, kPlanes, du);
+    put_planes(left, total, t, kPlanes, lv);
+  }
+}
+
+// out[r] = sum_j A[r, j] * B[r, j] (float32, a fixed tree order: deterministic);
+// 0 for rows of no expert. One block per row (grid-stride over rows).
+constexpr int kDotThreads = 256;
+__global__ void __launch_bounds__(kDotThreads)
+    row_dot_kernel(const float* __restrict__ A, const float* __restrict__ B, const int32_t* __restrict__ off,
+                   int num_experts, int64_t C, int64_t n, float* __restrict__ out) {
+  __shared__ float part[kDotThreads];
+  const int64_t end = off[num_experts];
+  for (int64_t r = blockIdx.x; r < C; r += gridDim.x) {
+    float acc = 0.0f;
+    if (r < end)
+      for (int64_t j = threadIdx.x; j < n; j += kDotThreads) acc = fadd(acc, fmul(A[r * n + j], B[r * n + j]));
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int s = kDotThreads / 2; s > 0; s >>= 1) {
+      if (threadIdx.x < s) part[threadIdx.x] = fadd(part[threadIdx.x], part[threadIdx.x + s]);
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) out[r] = part[0];
+    __syncthreads();
+  }
+}
+
+// Rows r >= off[E] of x [C, n]: zero (the grouped GEMMs write only the experts' rows).
+__global__ void zero_tail_rows_kernel(float* __restrict__ x, const int32_t* __restrict__ off, int num_experts,
+                                      int64_t C, int64_t n) {
+  const int64_t start = static_cast<int64_t>(off[num_experts]) * n;
+  const int64_t total = C * n;
+  for (int64_t t = start + blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total;
+       t += int64_t{gridDim.x} * blockDim.x)
+    x[t] = 0.0f;
+}
+
+// ------------------------------------------------------------------ launches
+
+moe_ep_status gemm_status(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return MOE_EP_OK;
+  return fail(MOE_EP_ERR_CUDA, std::string("grouped GEMM (") + what + ") failed: " + cudaGetErrorName(err) + ": " +
+                                   cudaGetErrorString(err));
+}
+
+struct Gemm {
+  const moe_ep_expert_desc& d;
+  const TcWorkspace& ws;
+  cudaStream_t stream;
+  moe_ep_status run(GemmLayout layout, int64_t m, int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, float* out,
+                    bool accumulate, const char* what) const {
+    GroupedGemmProblem p;
+    p.layout = layout;
+    p.num_groups = static_cast<int32_t>(d.num_local_experts);
+    p.offsets = ws.offsets;
+    p.total_rows = d.num_rows;
+    p.m = m;
+    p.n = n;
+    p.k = k;
+    p.a = a;
+    p.b = b;
+    p.d = out;
+    p.accumulate = accumulate;
+    return gemm_status(grouped_gemm_bf16(p, ws.gemm, ws.gemm_bytes, stream, ws.sm_count), what);
+  }
+};
+
+template <int kFmt>
+void launch_fc1_epilogue(unsigned blocks, cudaStream_t s, const float* c, const float* w, const int32_t* off, int E,
+                         uint16_t* stash, uint16_t* op, int planes, const SwigluParams& p) {
+  fc1_epilogue_kernel<kFmt><<<blocks, kThreads, 0, s>>>(c, w, off, E, stash, op, planes, p);
+}
+
+template <int kFmt>
+void launch_fc2_epilogue(unsigned blocks, cudaStream_t s, float* y, const float* w, const int32_t* off, int E,
+                         int64_t C, int64_t H, bool weight) {
+  if (weight)
+    fc2_epilogue_kernel<kFmt, true><<<blocks, kThreads, 0, s>>>(y, w, off, E, C, H);
+  else
+    fc2_epilogue_kernel<kFmt, false><<<blocks, kThreads, 0, s>>>(y, w, off, E, C, H);
+}
+
+int block_of_format(int32_t fmt) {
+  return fmt == MOE_EP_FORMAT_MXFP8 ? 32 : (fmt == MOE_EP_FORMAT_NVFP4 ? 16 : 1);
+}
+
+// Every grouped GEMM the layer runs for d, for the workspace size and the support check.
+template <typename Fn>
+void for_each_problem(const moe_ep_expert_desc& d, bool backward, Fn fn) {
+  const int64_t H = d.hidden, I = d.intermediate;
+  auto make = [&](GemmLayout l, int64_t m, int64_t n, int64_t k) {
+    GroupedGemmProblem p;
+    p.layout = l;
+    p.num_groups = static_cast<int32_t>(d.num_local_experts);
+    p.total_rows = d.num_rows;
+    p.m = m;
+    p.n = n;
+    p.k = k;
+    fn(p);
+  };
+  make(GemmLayout::kNN, 0, 2 * I, H);  // FC1
+  make(GemmLayout::kNN, 0, H, I);      // FC2 (and z = h W2)
+  if (backward) {
+    make(GemmLayout::kNT, 0, I, H);      // a = dY W2^T
+    make(GemmLayout::kNT, 0, H, 2 * I);  // dx = dc W1^T
+    make(GemmLayout::kTN, I, H, 0);      // dW2
+    make(GemmLayout::kTN, H, 2 * I, 0);  // dW1
+  }
+}
+
+}  // namespace
+
+int tc_operand_planes(int32_t intermediate_format) {
+  // bf16 values, and nvfp4 values (E2M1 x E4M3: at most 6 significant bits, exponents
+  // from 2^-10 to 2^11), are bf16 values; float32 (no format) and mxfp8 (E4M3 x 2^k,
+  // k down to -127: below bf16's range) are not always.
+  return (intermediate_format == MOE_EP_FORMAT_BF16 || intermediate_format == MOE_EP_FORMAT_NVFP4) ? 1 : kPlanes;
+}
+
+size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backward, void* base, TcWorkspace* ws) {
+  if (!grouped_gemm_built()) return 0;
+  bool ok = d.num_local_experts <= 1024;
+  size_t gemm_bytes = 0;
+  for_each_problem(d, backward, [&](const GroupedGemmProblem& p) {
+    GroupedGemmProblem q = p;
+    // supported() also checks pointer alignment: give it aligned stand-ins.
+    q.a = reinterpret_cast<const uint16_t*>(uintptr_t{256});
+    q.b = q.a;
+    q.d = reinterpret_cast<float*>(uintptr_t{256});
+    q.offsets = reinterpret_cast<const int32_t*>(uintptr_t{256});
+    if (!grouped_gemm_supported(q)) ok = false;
+    gemm_bytes = std::max(gemm_bytes, grouped_gemm_workspace_bytes(q, sm_count));
+  });
+  if (!ok) return 0;
+  const size_t C = static_cast<size_t>(d.num_rows), H = static_cast<size_t>(d.hidden),
+               I = static_cast<size_t>(d.intermediate), E = static_cast<size_t>(d.num_local_experts);
+  char* b = static_cast<char*>(base);
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    char* p = b ? b + at : nullptr;
+    at += align256(bytes);
+    return p;
+  };
+  TcWorkspace w{};
+  w.sm_count = sm_count;
+  w.offsets = reinterpret_cast<int32_t*>(take((E + 1) * sizeof(int32_t)));
+  w.gemm = take(gemm_bytes);
+  w.gemm_bytes = gemm_bytes;
+  w.c = reinterpret_cast<float*>(take(C * 2 * I * sizeof(float)));
+  w.left = reinterpret_cast<uint16_t*>(take(kPlanes * C * I * sizeof(uint16_t)));
+  if (backward) {
+    w.right = reinterpret_cast<uint16_t*>(take(kPlanes * C * H * sizeof(uint16_t)));
+    w.dc = reinterpret_cast<uint16_t*>(take(kPlanes * C * 2 * I * sizeof(uint16_t)));
+    w.a = reinterpret_cast<float*>(take(C * I * sizeof(float)));
+    w.h = reinterpret_cast<float*>(take(C * I * sizeof(float)));
+    if (!d.apply_topk_in_fc1) w.z = reinterpret_cast<float*>(take(C * H * sizeof(float)));
+  }
+  if (ws != nullptr) *ws = w;
+  return at;
+}
+
+moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, const uint16_t* x,
+                         const float* w, const uint16_t* fc1, const uint16_t* fc2, const int32_t* group_sizes, float* y,
+                         uint16_t* fc1_c, const TcWorkspace& ws) {
+  const cudaStream_t s = as_stream(stream);
+  const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
+  const int E = static_cast<int>(d.num_local_experts);
+  if (C == 0) return MOE_EP_OK;
+  const Gemm gemm{d, ws, s};
+  tc_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
+  MOE_EP_CUDA_CHECK_LAUNCH("tc_offsets_kernel");
+  MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, 2 * I, H, x, fc1, ws.c, false, "FC1"));
+
+  const SwigluParams p{C, I, d.apply_topk_in_fc1, d.has_clamp, d.gate_up_clamp};
+  const int planes = tc_operand_planes(d.intermediate_format);
+  const unsigned b1 = blocks_for(C * div_up(I, block_of_format(d.intermediate_format)));
+  switch (d.intermediate_format) {
+    case MOE_EP_FORMAT_BF16: launch_fc1_epilogue<MOE_EP_FORMAT_BF16>(b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p); break;
+    case MOE_EP_FORMAT_MXFP8: launch_fc1_epilogue<MOE_EP_FORMAT_MXFP8>(b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p); break;
+    case MOE_EP_FORMAT_NVFP4: launch_fc1_epilogue<MOE_EP_FORMAT_NVFP4>(b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p); break;
+    default: launch_fc1_epilogue<MOE_EP_FORMAT_NONE>(b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p); break;
+  }
+  MOE_EP_CUDA_CHECK_LAUNCH("fc1_epilogue_kernel");
+
+  for (int pl = 0; pl < planes; ++pl)
+    MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, H, I, ws.left + static_cast<int64_t>(pl) * C * I, fc2, y, pl > 0, "FC2"));
+
+  const bool weight = !d.apply_topk_in_fc1;
+  const unsigned b2 = blocks_for(C * div_up(H, block_of_format(combine_format)));
+  switch (combine_format) {
+    case MOE_EP_FORMAT_BF16: launch_fc2_epilogue<MOE_EP_FORMAT_BF16>(b2, s, y, w, ws.offsets, E, C, H, weight); break;
+    case MOE_EP_FORMAT_MXFP8: launch_fc2_epilogue<MOE_EP_FORMAT_MXFP8>(b2, s, y, w, ws.offsets, E, C, H, weight); break;
+    case MOE_EP_FORMAT_NVFP4: launch_fc2_epilogue<MOE_EP_FORMAT_NVFP4>(b2, s, y, w, ws.offsets, E, C, H, weight); break;
+    default: launch_fc2_epilogue<MOE_EP_FORMAT_NONE>(b2, s, y, w, ws.offsets, E, C, H, weight); break;
+  }
+  MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_kernel");
+  return MOE_EP_OK;
+}
+
+moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint16_t* x, const float* w,
+                          const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const float* dy,
+                          const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,
+                          const TcWorkspace& ws) {
+  const cudaStream_t s = as_stream(stream);
+  const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E64 = d.num_local_experts;
+  const int E = static_cast<int>(E64);
+  if (C == 0) {
+    // No rows: the weight gradients are zero.
+    cudaError_t err = cudaMemsetAsync(dfc1, 0, static_cast<size_t>(E64 * H * 2 * I) * sizeof(float), s);
+    if (err == cudaSuccess) err = cudaMemsetAsync(dfc2, 0, static_cast<size_t>(E64 * I * H) * sizeof(float), s);
+    return gemm_status(err, "zero weight gradients");
+  }
+  const Gemm gemm{d, ws, s};
+  tc_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
+  MOE_EP_CUDA_CHECK_LAUNCH("tc_offsets_kernel");
+  const bool in_fc1 = d.apply_topk_in_fc1 != 0;
+  // right = dY (weight in FC1) or w dY (weight in FC2), as planes.
+  split_rows_kernel<<<blocks_for(C * H), kThreads, 0, s>>>(dy, in_fc1 ? nullptr : w, ws.offsets, E, C, H, ws.right);
+  MOE_EP_CUDA_CHECK_LAUNCH("split_rows_kernel");
+  const int64_t rp = C * H, lp = C * I, dp = C * 2 * I;  // plane strides
+  for (int pl = 0; pl < kPlanes; ++pl)
+    MOE_EP_TRY(gemm.run(GemmLayout::kNT, 0, I, H, ws.right + pl * rp, fc2, ws.a, pl > 0, "dY W2^T"));
+  const SwigluParams p{C, I, d.apply_topk_in_fc1, d.has_clamp, d.gate_up_clamp};
+  swiglu_backward_tc_kernel<<<blocks_for(C * I), kThreads, 0, s>>>(fc1_c, ws.a, w, ws.offsets, E, ws.h, ws.dc,
+                                                                    ws.left, p);
+  MOE_EP_CUDA_CHECK_LAUNCH("swiglu_backward_tc_kernel");
+  // dW2 = left^T right over the eight largest plane pairs (all but lo x lo), largest first.
+  static const int kPairs[8][2] = {{0, 0}, {0, 1}, {1, 0}, {1, 1}, {0, 2}, {2, 0}, {1, 2}, {2, 1}};
+  for (int q = 0; q < 8; ++q)
+    MOE_EP_TRY(gemm.run(GemmLayout::kTN, I, H, 0, ws.left + kPairs[q][0] * lp, ws.right + kPairs[q][1] * rp,
+                               dfc2, q > 0, "dW2"));
+  // dW1 = x^T dc; dx = dc W1^T.
+  for (int pl = 0; pl < kPlanes; ++pl)
+    MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc + pl * dp, dfc1, pl > 0, "dW1"));
+  for (int pl = 0; pl < kPlanes; ++pl)
+    MOE_EP_TRY(gemm.run(GemmLayout::kNT, 0, H, 2 * I, ws.dc + pl * dp, fc1, dx, pl > 0, "dc W1^T"));
+  zero_tail_rows_kernel<<<blocks_for(C * H), kThreads, 0, s>>>(dx, ws.offsets, E, C, H);
+  MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel");
+  // dw: <a, h> (weight in FC1, a = dY W2^T) or <dY, h W2> (weight in FC2).
+  const unsigned rows_grid = static_cast<unsigned>(std::min<int64_t>(C, 65535));
+  if (in_fc1) {
+    row_dot_kernel<<<rows_grid, kDotThreads, 0, s>>>(ws.a, ws.h, ws.offsets, E, C, I, dw);
+  } else {
+    // h as planes into `left` (it holds h already when the weight is in FC2), z = h W2.
+    for (int pl = 0; pl < kPlanes; ++pl)
+      MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, H, I, ws.left + pl * lp, fc2, ws.z, pl > 0, "h W2"));
+    row_dot_kernel<<<rows_grid, kDotThreads, 0, s>>>(dy, ws.z, ws.offsets, E, C, H, dw);
+  }
+  MOE_EP_CUDA_CHECK_LAUNCH("row_dot_kernel");
+  return MOE_EP_OK;
+}
+
+moe_ep_status round_trip_rows(void* stream, int32_t fmt, float* y, int64_t rows, int64_t n) {
+  if (fmt == MOE_EP_FORMAT_NONE || rows == 0 || n == 0) return MOE_EP_OK;
+  const cudaStream_t s = as_stream(stream);
+  const unsigned b = blocks_for(rows * div_up(n, block_of_format(fmt)));
+  switch (fmt) {
+    case MOE_EP_FORMAT_BF16: launch_fc2_epilogue<MOE_EP_FORMAT_BF16>(b, s, y, nullptr, nullptr, 0, rows, n, false); break;
+    case MOE_EP_FORMAT_MXFP8: launch_fc2_epilogue<MOE_EP_FORMAT_MXFP8>(b, s, y, nullptr, nullptr, 0, rows, n, false); break;
+    case MOE_EP_FORMAT_NVFP4: launch_fc2_epilogue<MOE_EP_FORMAT_NVFP4>(b, s, y, nullptr, nullptr, 0, rows, n, false); break;
+    default: break;
+  }
+  MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_kernel (round trip)");
+  return MOE_EP_OK;
+}
+
+moe_ep_status device_alloc(int cuda_device, size_t bytes, void** out) {
+  *out = nullptr;
+  if (bytes == 0) return MOE_EP_OK;
+  cudaError_t err = cudaSetDevice(cuda_device);
+  if (err == cudaSuccess) err = cudaMalloc(out, bytes);
+  if (err != cudaSuccess) {
+    *out = nullptr;
+    return fail(MOE_EP_ERR_CUDA, "moe_ep_layer_create: cudaMalloc of " + std::to_string(bytes) + " bytes on device " +
+                                     std::to_string(cuda_device) + " failed: " + cudaGetErrorName(err) + ": " +
+                                     cudaGetErrorString(err));
+  }
+  return MOE_EP_OK;
+}
+
+moe_ep_status device_free(void* p) {
+  if (p == nullptr) return MOE_EP_OK;
+  const cudaError_t err = cudaFree(p);
+  if (err != cudaSuccess)
+    return fail(MOE_EP_ERR_CUDA, std::string("moe_ep_layer_destroy: cudaFree failed: ") + cudaGetErrorName(err) + ": " +
+                                     cudaGetErrorString(err));
+  return MOE_EP_OK;
+}
+
+moe_ep_status device_props(int cuda_device, int* sm_count, bool* is_sm90) {
+  int major = 0, minor = 0;
+  cudaError_t err = cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, cuda_device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, cuda_device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, cuda_device);
+  if (err != cudaSuccess)
+    return fail(MOE_EP_ERR_CUDA, "moe_ep_layer_create: cannot query CUDA device " + std::to_string(cuda_device) + ": " +
+                                     cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+  *is_sm90 = major == 9 && minor == 0;
+  return MOE_EP_OK;
+}
+
+}  // namespace cuda
+}  // namespace moe_ep

@@ -1,0 +1,373 @@
+// The layer object (moe_ep_layer_*, include/moe_ep_native.h): one rank's expert
+// computation for one configuration on one device, its workspaces allocated
+// once at creation.
+//
+// Two paths behind the same stages:
+// - tensor cores (CUDA, bf16 operands, this build with the CUTLASS grouped GEMMs,
+//   an sm_90 device and a supported shape): cuda/layer_tc.cu;
+// - staged (every other case, and the CPU implementation that CI tests): the
+//   operands decoded to float32 into the layer's buffers, the float32 expert
+//   kernels of the implementation (moe_ep_expert_forward/backward), the stash
+//   encoded with moe_ep_quantize and the combine round trip applied in place.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <new>
+#include <string>
+
+#include "cpu/fpenv.h"
+#include "internal.h"
+
+struct moe_ep_layer {
+  moe_ep_layer_config cfg;  // normalised: struct_size = sizeof(moe_ep_layer_config)
+  moe_ep_expert_desc desc;  // num_rows = cfg.max_rows
+  bool tensor_cores = false;
+  int planes = 0;
+  void* buffer = nullptr;  // the one allocation (host or device memory)
+  size_t bytes = 0;
+  // Staged path: pieces of `buffer`.
+  float* x32 = nullptr;       // [C, H] (bf16 operands only)
+  float* fc1_32 = nullptr;    // [E, H, 2I] (bf16 operands only)
+  float* fc2_32 = nullptr;    // [E, I, H] (bf16 operands only)
+  float* c32 = nullptr;       // [C, 2I] the FC1 output
+  void* expert_ws = nullptr;  // max(forward, backward) expert workspace
+  uint8_t* rt_data = nullptr;   // [C, H] codes of the combine round trip (CPU)
+  uint8_t* rt_scale = nullptr;  // [C, ceil(H/16)] scales of it (CPU)
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  moe_ep::cuda::TcWorkspace tc{};
+#endif
+};
+
+namespace moe_ep {
+namespace {
+
+bool is_cuda(const moe_ep_layer* l) { return l->cfg.device == MOE_EP_DEVICE_CUDA; }
+
+// Carves the staged path's pieces (base NULL: sizes only); returns the bytes.
+size_t staged_layout(moe_ep_layer* l, char* base) {
+  const moe_ep_expert_desc& d = l->desc;
+  const size_t C = static_cast<size_t>(d.num_rows), H = static_cast<size_t>(d.hidden),
+               I = static_cast<size_t>(d.intermediate), E = static_cast<size_t>(d.num_local_experts);
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    char* p = base ? base + at : nullptr;
+    at += align256(bytes);
+    return p;
+  };
+  const bool bf16 = l->cfg.operand_dtype == MOE_EP_DTYPE_BF16;
+  l->x32 = bf16 ? reinterpret_cast<float*>(take(C * H * sizeof(float))) : nullptr;
+  l->fc1_32 = bf16 ? reinterpret_cast<float*>(take(E * H * 2 * I * sizeof(float))) : nullptr;
+  l->fc2_32 = bf16 ? reinterpret_cast<float*>(take(E * I * H * sizeof(float))) : nullptr;
+  l->c32 = reinterpret_cast<float*>(take(C * 2 * I * sizeof(float)));
+  size_t ws = forward_workspace_bytes(d);
+  if (l->cfg.with_backward) ws = std::max(ws, backward_workspace_bytes(d));
+  l->expert_ws = take(ws);
+  if (!is_cuda(l) && l->cfg.combine_format != MOE_EP_FORMAT_NONE) {
+    l->rt_data = reinterpret_cast<uint8_t*>(take(C * H * 2));
+    l->rt_scale = reinterpret_cast<uint8_t*>(take(C * static_cast<size_t>(ceil_div(static_cast<int64_t>(H), 16))));
+  }
+  return at;
+}
+
+moe_ep_status alloc(moe_ep_layer* l, size_t bytes) {
+  l->bytes = bytes;
+  if (bytes == 0) return MOE_EP_OK;
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  if (is_cuda(l)) return cuda::device_alloc(l->cfg.cuda_device, bytes, &l->buffer);
+#endif
+  l->buffer = std::aligned_alloc(256, align256(bytes));
+  if (l->buffer == nullptr)
+    return fail(MOE_EP_ERR_INTERNAL, "moe_ep_layer_create: out of host memory (" + std::to_string(bytes) + " bytes)");
+  return MOE_EP_OK;
+}
+
+moe_ep_status release(moe_ep_layer* l) {
+  if (l->buffer == nullptr) return MOE_EP_OK;
+  void* p = l->buffer;
+  l->buffer = nullptr;
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  if (is_cuda(l)) return cuda::device_free(p);
+#endif
+  std::free(p);
+  return MOE_EP_OK;
+}
+
+// The configuration as this library knows it: struct_size bytes of the caller's,
+// the rest zero; a larger struct must hold only zeros past ours.
+moe_ep_status read_config(const Check& ck, const moe_ep_layer_config* in, moe_ep_layer_config* out) {
+  if (in == nullptr) return ck.bad("config must not be NULL", "NULL");
+  const size_t size = in->struct_size;
+  constexpr size_t kFirst = sizeof(uint32_t);
+  if (size < kFirst + sizeof(int32_t))
+    return ck.bad("config->struct_size must be sizeof(moe_ep_layer_config) = " +
+                      std::to_string(sizeof(moe_ep_layer_config)) + " (MOE_EP_LAYER_CONFIG_INIT sets it)",
+                  std::to_string(size));
+  std::memset(out, 0, sizeof *out);
+  std::memcpy(out, in, std::min(size, sizeof *out));
+  if (size > sizeof *out) {
+    const unsigned char* extra = reinterpret_cast<const unsigned char*>(in) + sizeof *out;
+    for (size_t i = 0; i < size - sizeof *out; ++i)
+      if (extra[i] != 0)
+        return fail(MOE_EP_ERR_UNSUPPORTED,
+                    std::string(ck.op) + ": config->struct_size is " + std::to_string(size) +
+                        " and the fields past this library's " + std::to_string(sizeof *out) +
+                        " bytes are set; this library is older than the caller's header (rebuild it)");
+  }
+  out->struct_size = sizeof *out;
+  return MOE_EP_OK;
+}
+
+moe_ep_status check_config(const Check& ck, const moe_ep_layer_config& c) {
+  if (c.device != MOE_EP_DEVICE_CPU && c.device != MOE_EP_DEVICE_CUDA)
+    return ck.bad("config->device must be MOE_EP_DEVICE_CPU (0) or MOE_EP_DEVICE_CUDA (1)", std::to_string(c.device));
+#ifndef MOE_EP_NATIVE_WITH_CUDA
+  if (c.device == MOE_EP_DEVICE_CUDA)
+    return fail(MOE_EP_ERR_UNSUPPORTED, std::string(ck.op) +
+                                            ": this build of the native core has no CUDA implementation "
+                                            "(rebuild with MOE_EP_NATIVE_CUDA=ON)");
+#endif
+  if (c.device == MOE_EP_DEVICE_CUDA) MOE_EP_TRY(ck.nonneg("config->cuda_device", c.cuda_device));
+  if (c.operand_dtype != MOE_EP_DTYPE_F32 && c.operand_dtype != MOE_EP_DTYPE_BF16)
+    return ck.bad("config->operand_dtype must be MOE_EP_DTYPE_F32 (0) or MOE_EP_DTYPE_BF16 (1)",
+                  std::to_string(c.operand_dtype));
+  if (c.combine_format < MOE_EP_FORMAT_NONE || c.combine_format > MOE_EP_FORMAT_NVFP4)
+    return ck.bad("config->combine_format must be a moe_ep_format (0 NONE, 1 BF16, 2 MXFP8, 3 NVFP4)",
+                  std::to_string(c.combine_format));
+  if (c.with_backward != 0 && c.with_backward != 1)
+    return ck.bad("config->with_backward must be 0 or 1", std::to_string(c.with_backward));
+  moe_ep_expert_desc d{c.max_rows, c.hidden, c.intermediate, c.num_local_experts, c.apply_topk_in_fc1,
+                       c.has_clamp, c.gate_up_clamp, c.intermediate_format};
+  return check_desc(ck, &d);
+}
+
+moe_ep_status check_layer(const Check& ck, const moe_ep_layer* l, void* stream, int64_t num_rows) {
+  if (l == nullptr) return ck.bad("layer must not be NULL", "NULL");
+  if (!is_cuda(l) && stream != nullptr) return ck.bad("stream must be NULL for a CPU layer", "a non-NULL stream");
+  MOE_EP_TRY(ck.nonneg("num_rows", num_rows));
+  if (num_rows > l->desc.num_rows)
+    return ck.bad("num_rows must be <= the layer's max_rows = " + std::to_string(l->desc.num_rows) +
+                      " (make a larger layer)",
+                  std::to_string(num_rows));
+  return MOE_EP_OK;
+}
+
+moe_ep_status check_operands(const Check& ck, const moe_ep_layer* l, int64_t C, const void* x, const float* w,
+                             const void* fc1, const void* fc2, const int32_t* group_sizes) {
+  const moe_ep_expert_desc& d = l->desc;
+  const int64_t H = d.hidden, I = d.intermediate, E = d.num_local_experts;
+  const size_t el = l->cfg.operand_dtype == MOE_EP_DTYPE_BF16 ? 2 : 4;
+  MOE_EP_TRY(ck.ptr("x", x, C * H, el));
+  MOE_EP_TRY(ck.ptr("w", w, C, 4));
+  MOE_EP_TRY(ck.ptr("fc1", fc1, E * H * 2 * I, el));
+  MOE_EP_TRY(ck.ptr("fc2", fc2, E * I * H, el));
+  return ck.ptr("group_sizes", group_sizes, E, 4);
+}
+
+// The implementation of the layer's device.
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+#define MOE_EP_LAYER_IMPL(l, call) (is_cuda(l) ? ::moe_ep::cuda::call : ::moe_ep::cpu::call)
+#else
+#define MOE_EP_LAYER_IMPL(l, call) (::moe_ep::cpu::call)
+#endif
+
+// bf16 operands to float32 (exact) into the layer's buffers; returns the float32 views.
+moe_ep_status stage_operands(moe_ep_layer* l, void* stream, int64_t C, const void* x, const void* fc1, const void* fc2,
+                             const float** x32, const float** fc1_32, const float** fc2_32) {
+  if (l->cfg.operand_dtype == MOE_EP_DTYPE_F32) {
+    *x32 = static_cast<const float*>(x);
+    *fc1_32 = static_cast<const float*>(fc1);
+    *fc2_32 = static_cast<const float*>(fc2);
+    return MOE_EP_OK;
+  }
+  const moe_ep_expert_desc& d = l->desc;
+  const int64_t H = d.hidden, I = d.intermediate, E = d.num_local_experts;
+  if (C > 0) MOE_EP_TRY(MOE_EP_LAYER_IMPL(l, dequantize(stream, MOE_EP_FORMAT_BF16, x, nullptr, C, H, 1, l->x32)));
+  MOE_EP_TRY(MOE_EP_LAYER_IMPL(l, dequantize(stream, MOE_EP_FORMAT_BF16, fc1, nullptr, E, H * 2 * I, 1, l->fc1_32)));
+  MOE_EP_TRY(MOE_EP_LAYER_IMPL(l, dequantize(stream, MOE_EP_FORMAT_BF16, fc2, nullptr, E, I * H, 1, l->fc2_32)));
+  *x32 = l->x32;
+  *fc1_32 = l->fc1_32;
+  *fc2_32 = l->fc2_32;
+  return MOE_EP_OK;
+}
+
+moe_ep_status staged_forward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w, const void* fc1,
+                             const void* fc2, const int32_t* group_sizes, float* y, uint16_t* fc1_c) {
+  moe_ep_expert_desc d = l->desc;
+  d.num_rows = C;
+  const int64_t H = d.hidden, I = d.intermediate;
+  const float *x32, *fc1_32, *fc2_32;
+  MOE_EP_TRY(stage_operands(l, stream, C, x, fc1, fc2, &x32, &fc1_32, &fc2_32));
+  MOE_EP_TRY(MOE_EP_LAYER_IMPL(l, expert_forward(stream, d, x32, w, fc1_32, fc2_32, group_sizes, y, l->c32,
+                                                 l->expert_ws)));
+  if (C == 0) return MOE_EP_OK;
+  if (fc1_c != nullptr)
+    MOE_EP_TRY(MOE_EP_LAYER_IMPL(l, quantize(stream, MOE_EP_FORMAT_BF16, l->c32, C, 2 * I, 1, fc1_c, nullptr)));
+  const moe_ep_format f = static_cast<moe_ep_format>(l->cfg.combine_format);
+  if (f == MOE_EP_FORMAT_NONE) return MOE_EP_OK;
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  if (is_cuda(l)) return cuda::round_trip_rows(stream, f, y, C, H);
+#endif
+  // CPU: quantize and decode back (rows of no expert are zero and stay zero).
+  uint8_t* scale = f == MOE_EP_FORMAT_BF16 ? nullptr : l->rt_scale;
+  MOE_EP_TRY(cpu::quantize(nullptr, f, y, C, H, 1, l->rt_data, scale));
+  return cpu::dequantize(nullptr, f, l->rt_data, scale, C, H, 1, y);
+}
+
+moe_ep_status staged_backward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w, const void* fc1,
+                              const void* fc2, const uint16_t* fc1_c, const float* dy, const int32_t* group_sizes,
+                              float* dx, float* dw, float* dfc1, float* dfc2) {
+  moe_ep_expert_desc d = l->desc;
+  d.num_rows = C;
+  const float *x32, *fc1_32, *fc2_32;
+  MOE_EP_TRY(stage_operands(l, stream, C, x, fc1, fc2, &x32, &fc1_32, &fc2_32));
+  return MOE_EP_LAYER_IMPL(l, expert_backward(stream, d, x32, w, fc1_32, fc2_32, fc1_c, dy, group_sizes, dx, dw, dfc1,
+                                              dfc2, l->expert_ws));
+}
+
+// Runs body() with the CPU floating-point environment the kernels need, turning exceptions into statuses.
+template <typename Fn>
+moe_ep_status guarded(const moe_ep_layer* l, Fn body) {
+  try {
+    if (is_cuda(l)) return body();
+    cpu::IeeeFpEnv fp_env;
+    return body();
+  } catch (const std::bad_alloc&) {
+    return fail(MOE_EP_ERR_INTERNAL, "out of host memory");
+  } catch (const std::exception& ex) {
+    return fail(MOE_EP_ERR_INTERNAL, ex.what());
+  }
+}
+
+}  // namespace
+}  // namespace moe_ep
+
+using moe_ep::Check;
+
+extern "C" {
+
+moe_ep_status moe_ep_layer_create(const moe_ep_layer_config* config, moe_ep_layer** layer) {
+  const Check ck{"moe_ep_layer_create"};
+  if (layer == nullptr) return ck.bad("layer must not be NULL", "NULL");
+  *layer = nullptr;
+  moe_ep_layer_config cfg;
+  MOE_EP_TRY(moe_ep::read_config(ck, config, &cfg));
+  MOE_EP_TRY(moe_ep::check_config(ck, cfg));
+  moe_ep_layer* l = new (std::nothrow) moe_ep_layer();
+  if (l == nullptr) return moe_ep::fail(MOE_EP_ERR_INTERNAL, "moe_ep_layer_create: out of host memory");
+  l->cfg = cfg;
+  l->desc = moe_ep_expert_desc{cfg.max_rows,         cfg.hidden,    cfg.intermediate,  cfg.num_local_experts,
+                               cfg.apply_topk_in_fc1, cfg.has_clamp, cfg.gate_up_clamp, cfg.intermediate_format};
+  size_t bytes = 0;
+  int sm_count = 0;
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  if (cfg.device == MOE_EP_DEVICE_CUDA && cfg.operand_dtype == MOE_EP_DTYPE_BF16) {
+    bool sm90 = false;
+    moe_ep_status st = moe_ep::cuda::device_props(cfg.cuda_device, &sm_count, &sm90);
+    if (st != MOE_EP_OK) {
+      delete l;
+      return st;
+    }
+    if (sm90) bytes = moe_ep::cuda::tc_workspace_layout(l->desc, sm_count, cfg.with_backward != 0, nullptr, nullptr);
+    if (bytes > 0) {
+      l->tensor_cores = true;
+      l->planes = moe_ep::cuda::tc_operand_planes(cfg.intermediate_format);
+    }
+  }
+#endif
+  if (!l->tensor_cores) bytes = moe_ep::staged_layout(l, nullptr);
+  moe_ep_status st = moe_ep::alloc(l, bytes);
+  if (st != MOE_EP_OK) {
+    delete l;
+    return st;
+  }
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  if (l->tensor_cores)
+    moe_ep::cuda::tc_workspace_layout(l->desc, sm_count, cfg.with_backward != 0, l->buffer, &l->tc);
+#endif
+  if (!l->tensor_cores) moe_ep::staged_layout(l, static_cast<char*>(l->buffer));
+  (void)sm_count;
+  *layer = l;
+  return MOE_EP_OK;
+}
+
+moe_ep_status moe_ep_layer_destroy(moe_ep_layer* layer) {
+  if (layer == nullptr) return MOE_EP_OK;
+  const moe_ep_status st = moe_ep::release(layer);
+  delete layer;
+  return st;
+}
+
+moe_ep_status moe_ep_layer_get_info(const moe_ep_layer* layer, moe_ep_layer_info* info) {
+  const Check ck{"moe_ep_layer_get_info"};
+  if (layer == nullptr) return ck.bad("layer must not be NULL", "NULL");
+  if (info == nullptr) return ck.bad("info must not be NULL", "NULL");
+  if (info->struct_size < sizeof(uint32_t))
+    return ck.bad("info->struct_size must be sizeof(moe_ep_layer_info) = " + std::to_string(sizeof(moe_ep_layer_info)),
+                  std::to_string(info->struct_size));
+  moe_ep_layer_info full{};
+  full.struct_size = static_cast<uint32_t>(std::min<size_t>(info->struct_size, sizeof full));
+  full.tensor_cores = layer->tensor_cores ? 1 : 0;
+  full.fc2_operand_planes = layer->tensor_cores ? layer->planes : 0;
+  full.workspace_bytes = layer->bytes;
+  std::memcpy(info, &full, full.struct_size);
+  return MOE_EP_OK;
+}
+
+moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, int64_t num_rows, const void* x,
+                                           const float* w, const void* fc1, const void* fc2,
+                                           const int32_t* group_sizes, float* y, uint16_t* fc1_c) {
+  const Check ck{"moe_ep_layer_experts_forward"};
+  MOE_EP_TRY(moe_ep::check_layer(ck, layer, stream, num_rows));
+  MOE_EP_TRY(moe_ep::check_operands(ck, layer, num_rows, x, w, fc1, fc2, group_sizes));
+  const int64_t H = layer->desc.hidden, I = layer->desc.intermediate;
+  MOE_EP_TRY(ck.ptr("y", y, num_rows * H, 4));
+  if (fc1_c != nullptr) MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, num_rows * 2 * I, 2));
+  return moe_ep::guarded(layer, [&]() -> moe_ep_status {
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+    if (layer->tensor_cores) {
+      moe_ep_expert_desc d = layer->desc;
+      d.num_rows = num_rows;
+      moe_ep::cuda::TcWorkspace ws = layer->tc;
+      return moe_ep::cuda::tc_forward(stream, d, layer->cfg.combine_format, static_cast<const uint16_t*>(x), w,
+                                      static_cast<const uint16_t*>(fc1), static_cast<const uint16_t*>(fc2),
+                                      group_sizes, y, fc1_c, ws);
+    }
+#endif
+    return moe_ep::staged_forward(layer, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c);
+  });
+}
+
+moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void* stream, int64_t num_rows, const void* x,
+                                            const float* w, const void* fc1, const void* fc2, const uint16_t* fc1_c,
+                                            const float* dy, const int32_t* group_sizes, float* dx, float* dw,
+                                            float* dfc1, float* dfc2) {
+  const Check ck{"moe_ep_layer_experts_backward"};
+  MOE_EP_TRY(moe_ep::check_layer(ck, layer, stream, num_rows));
+  if (!layer->cfg.with_backward)
+    return ck.bad("the layer must be made with config->with_backward = 1 for the backward", "0");
+  MOE_EP_TRY(moe_ep::check_operands(ck, layer, num_rows, x, w, fc1, fc2, group_sizes));
+  const int64_t H = layer->desc.hidden, I = layer->desc.intermediate, E = layer->desc.num_local_experts;
+  MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, num_rows * 2 * I, 2));
+  MOE_EP_TRY(ck.ptr("dy", dy, num_rows * H, 4));
+  MOE_EP_TRY(ck.ptr("dx", dx, num_rows * H, 4));
+  MOE_EP_TRY(ck.ptr("dw", dw, num_rows, 4));
+  MOE_EP_TRY(ck.ptr("dfc1", dfc1, E * H * 2 * I, 4));
+  MOE_EP_TRY(ck.ptr("dfc2", dfc2, E * I * H, 4));
+  return moe_ep::guarded(layer, [&]() -> moe_ep_status {
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+    if (layer->tensor_cores) {
+      moe_ep_expert_desc d = layer->desc;
+      d.num_rows = num_rows;
+      return moe_ep::cuda::tc_backward(stream, d, static_cast<const uint16_t*>(x), w,
+                                       static_cast<const uint16_t*>(fc1), static_cast<const uint16_t*>(fc2), fc1_c, dy,
+                                       group_sizes, dx, dw, dfc1, dfc2, layer->tc);
+    }
+#endif
+    return moe_ep::staged_backward(layer, stream, num_rows, x, w, fc1, fc2, fc1_c, dy, group_sizes, dx, dw, dfc1,
+                                   dfc2);
+  });
+}
+
+}  // extern "C"
