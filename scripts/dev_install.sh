@@ -9,8 +9,14 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 pip_install() { python -m pip install --disable-pip-version-check -q -c "$root/constraints.txt" "$@"; }
+# One line per step, with the seconds since the start (the whole install takes minutes:
+# torch and jax are large, and the native builds compile C++).
+start=$SECONDS
+step() { echo "dev_install: [$((SECONDS - start))s] $*"; }
 
+step "installing the core and the reference, editable, with the test tools (moe-ep-spec[test])"
 pip_install -e ".[test]"
+step "installing the benchmark harness (bench[plot,progress])"
 pip_install -e "bench[plot,progress]"
 # Pure-Python distributions first (conformance, then every backend without a
 # native build, in name order: jax before jax_ffi needs), then the native ones,
@@ -24,7 +30,7 @@ for dir in conformance backends/*/; do
   elif grep -q '"moe-ep-native' "$dir/pyproject.toml"; then
     after_native+=("$dir")
   else
-    echo "installing $dir"
+    step "installing $dir"
     pip_install -e "$dir"
   fi
 done
@@ -47,6 +53,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "  (they need the native core)." >&2
   exit 1
 fi
+step "installing the native build tools (scikit-build-core, nanobind; ninja and cmake when missing)"
 pip_install "scikit-build-core>=0.10" "nanobind>=2"
 command -v ninja >/dev/null 2>&1 || command -v make >/dev/null 2>&1 || pip_install ninja
 if ! python - <<'PY'
@@ -63,11 +70,12 @@ then
   pip_install "cmake>=3.21"
 fi
 for dir in "${native[@]}"; do
-  echo "installing $dir (native build)"
+  step "installing $dir (compiling the native core: a few minutes)"
   pip_install --no-build-isolation -e "$dir"
 done
 for dir in "${after_native[@]}"; do
-  echo "installing $dir"
+  step "installing $dir"
   pip_install -e "$dir"
 done
 python -c "import moe_ep_spec, sys; print('moe-ep-spec', moe_ep_spec.__version__, 'on Python', sys.version.split()[0])"
+step "done; try: moe-ep backends"
