@@ -61,6 +61,9 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         dy = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
     torch.cuda.synchronize(dev)
 
+    def phase(text: str) -> None:  # progress on stdout as it happens: a stall shows where it is
+        print(f"rank {rank}: {text} ({time.strftime('%H:%M:%S')})", flush=True)
+
     def step(fn):
         for p in (x, w1, w2, tw):
             p.grad = None
@@ -72,6 +75,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         "synced": lambda *a, **kw: cn.moe_ep(*a, **kw),
         "static": lambda *a, **kw: cn.moe_ep(*a, host_sync=False, **kw),
     }
+    phase("eager synced and static forward+backward")
     results = {m: [r.clone() for r in step(fn)] for m, fn in modes.items()}
     cn.check_errors(config)
     same = all(torch.equal(a, b) for a, b in zip(results["synced"], results["static"]))
@@ -88,6 +92,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
 
     times = {}
     if not args.no_graph:  # --no-graph: e.g. under compute-sanitizer, where a capture and replay take very long
+        phase("warm-up on the side stream, then CUDA-graph captures")
         with torch.cuda.stream(side):
             for _ in range(2):
                 step(modes["static"])
@@ -120,10 +125,12 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         torch.cuda.synchronize(dev)
         report["explicit-op graph replay == eager (bitwise)"] = all(torch.equal(a, b) for a, b in zip(g2, eager))
         if args.time:
+            phase("timing")
             modes["torch"] = lambda *a, **kw: tapi.moe_ep(*a, **kw)
             runners = {m: (lambda fn=fn: step(fn)) for m, fn in modes.items()}
             runners["graph"] = graph.replay if graph is not None else graph2.replay
             for m, run in runners.items():
+                phase(f"timing {m}")
                 for _ in range(3):
                     run()
                 samples = []

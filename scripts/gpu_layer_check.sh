@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Run on a device machine (one H200 is enough): the native layer object's
+# tensor-core path, from a build made on the CPU machine and carried over.
+#
+# On the CPU machine first (docs/native.md, "Building for the device"):
+#   bash scripts/build_cuda.sh          # -> .devbuild/libmoe_ep_native.so, .devbuild/moe_ep_gemm_check
+# then, through the device tool, carrying .devbuild and .whl (pytest and friends):
+#   STEPS="gemm tests conformance" bash scripts/gpu_layer_check.sh
+#
+# Steps (STEPS, default all):
+#   gemm         the grouped-GEMM check program (every layout against a float32 reference, then TFLOP/s);
+#   tests        tests/test_native_layer.py, tests/test_native_cuda.py, tests/test_cuda_nccl.py;
+#   conformance  the full conformance table on cuda-nccl on CUDA at EP 1;
+#   sanitizer    compute-sanitizer memcheck, racecheck and initcheck on one forward+backward of each mode;
+#   layer        scripts/gpu_cuda_nccl_layer.py --time (graph capture, timing against the torch backend);
+#   bench        moe-ep bench at the DeepSeek-V3 per-rank shape (EP 1), JSON under $OUT.
+# Logs go to $OUT/gpu-layer (or reports/gpu-layer without OUT).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-reports}/gpu-layer"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-lo}"
+py="${PYTHON:-python3}"
+if compgen -G ".whl/*.whl" > /dev/null; then  # the device image has no pytest (docs/gpu.md)
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export MOE_EP_NATIVE_LIBRARY="${MOE_EP_NATIVE_LIBRARY:-$PWD/.devbuild/libmoe_ep_native.so}"
+export PYTHONPATH="$PWD/backends/native${PYTHONPATH:+:$PYTHONPATH}"
+"$py" -m pip install -q --no-build-isolation --no-deps -e . -e ./conformance -e ./bench -e ./backends/torch \
+  -e ./backends/cuda_nccl 2>&1 | grep -v "^WARNING" || true
+status=0
+steps=" ${STEPS:-gemm tests conformance sanitizer layer bench} "
+want() { [[ "$steps" == *" $1 "* ]]; }
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+  "$py" -c "import moe_ep_native as m; print(m.build_info(), '| nccl transport:', m.has_nccl())"
+  "$py" -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
+} 2>&1 | tee "$out/environment.txt"
+
+if want gemm; then
+  echo "== grouped GEMM check"
+  timeout 300 .devbuild/moe_ep_gemm_check 2>&1 | tee "$out/gemm.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if want tests; then
+  echo "== tests"
+  timeout 420 "$py" -m pytest -q -p no:cacheprovider -rs tests/test_native_layer.py tests/test_native_cuda.py \
+    tests/test_cuda_nccl.py 2>&1 | tail -n 40 | tee "$out/tests.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if want conformance; then
+  echo "== conformance: cuda-nccl on CUDA, EP 1"
+  timeout 480 "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 --report-md "$out/conformance-ep1.md" \
+    2>&1 | tail -n 25 | tee "$out/conformance.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if want sanitizer; then
+  for tool in memcheck racecheck initcheck; do
+    echo "== compute-sanitizer $tool (one forward+backward per mode, no graphs)"
+    timeout 240 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
+      "$py" scripts/gpu_cuda_nccl_layer.py --no-graph --tokens 64 --hidden 256 --intermediate 128 \
+      2>&1 | tail -n 12 | tee "$out/sanitizer-$tool.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+fi
+if want layer; then
+  echo "== one layer: static = synced, graph capture, timing against the torch backend"
+  timeout 300 "$py" scripts/gpu_cuda_nccl_layer.py --time --tokens 4096 --hidden 7168 --intermediate 2048 \
+    --experts-per-rank 32 --topk 8 --iters 5 2>&1 | tail -n 30 | tee "$out/layer.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if want bench; then
+  echo "== moe-ep bench, EP 1, DeepSeek-V3 per-rank shape"
+  timeout 540 "$py" -m moe_ep_spec.cli bench ${BENCH_ARGS:---device cuda --ep-size 1 --backend torch --backend cuda-nccl \
+    --tokens 128 --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 --topk 8 --format bf16} \
+    --json "$out/bench.json" 2>&1 | tail -n 40 | tee "$out/bench.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+exit $status
