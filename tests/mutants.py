@@ -48,7 +48,9 @@ PATCH_TARGETS: Tuple[Tuple[Any, str], ...] = (
     (W, "expert_forward"),
     (W, "expert_backward"),
     (W, "_clamp"),
+    (W, "decode"),
     (F, "_mxfp8_scale_exponent"),
+    (F, "_nearest_index"),
     (V, "check_topk"),
     (reference_backend_module, "round_trip"),
     (reference_backend_module, "_read_weights"),
@@ -767,6 +769,222 @@ class Mxfp8ScaleFloat32Log2(Mutant):
         return [(F, "_mxfp8_scale_exponent", lambda orig: _mxfp8_exponent_float32_log2)]
 
 
+# ============================================================================ format classes (issue 17)
+
+
+def _round_bf16_ties_away(values: np.ndarray) -> np.ndarray:
+    v = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(v) & (v != 0)
+    _, exp = np.frexp(np.where(finite, v, 1.0))
+    quantum = np.ldexp(1.0, np.maximum(exp - 1, -126) - 7)
+    mag = np.floor(np.abs(np.where(finite, v, 0.0)) / quantum + 0.5) * quantum
+    out = np.where(finite, np.copysign(mag, v), v)
+    with np.errstate(over="ignore"):
+        return out.astype(np.float32).astype(BF16)
+
+
+class Bf16TiesAwayFromZero(Mutant):
+    """Section 8.2: bf16 rounds to nearest, ties to even. This backend's bf16
+    output encode rounds ties away from zero (right everywhere except on an exact
+    tie, where the old budget admitted both neighbours)."""
+
+    name = "mutant-bf16-ties-away"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def factory(orig):
+            def encode_output(config, values):
+                if config.output_format is MoeFormat.BF16:
+                    return _round_bf16_ties_away(values)
+                return orig(config, values)
+
+            return encode_output
+
+        return [(W, "encode_output", factory)]
+
+
+def _ties_up_where(select: Callable[[Any, Any], bool]):
+    """A ``formats._nearest_index`` that rounds exact ties up (away from zero)
+    on the grids ``select(mids, scale)`` picks, and is the original elsewhere."""
+
+    def factory(orig):
+        def nearest(magnitude, mids, scale=1.0):
+            if not select(mids, scale):
+                return orig(magnitude, mids, scale)
+            mag = np.asarray(magnitude, dtype=np.float64)
+            idx = np.asarray(orig(mag, mids, scale))
+            bounds = mids * np.asarray(scale, dtype=np.float64)[..., None] if np.ndim(scale) else mids * float(scale)
+            if np.ndim(scale):
+                at_tie = (mag[..., None] == bounds).any(axis=-1)
+                tie_idx = np.argmax(mag[..., None] == bounds, axis=-1)
+            else:
+                j = np.clip(np.searchsorted(bounds, mag), 0, len(bounds) - 1)
+                at_tie, tie_idx = mag == bounds[j], j
+            return np.where(at_tie, tie_idx + 1, idx)
+
+        return nearest
+
+    return factory
+
+
+class E4M3DataTiesUp(Mutant):
+    """Section 8.3 step 4: mxfp8 data codes round to nearest, ties to the even
+    code. This backend rounds E4M3 data ties away from zero."""
+
+    name = "mutant-e4m3-ties-up"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        pick = lambda mids, scale: mids is F._E4M3_MIDS and np.ndim(scale) == 0 and float(scale) == 1.0  # noqa: E731
+        return [(F, "_nearest_index", _ties_up_where(pick))]
+
+
+class E2M1DataTiesUp(Mutant):
+    """Section 8.4 step 4: nvfp4 element codes round to nearest, ties to the even
+    code. This backend rounds E2M1 ties away from zero."""
+
+    name = "mutant-e2m1-ties-up"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        return [(F, "_nearest_index", _ties_up_where(lambda mids, scale: mids is F._E2M1_MIDS))]
+
+
+class Nvfp4ScaleTiesUp(Mutant):
+    """Section 8.4 step 2: the nvfp4 block scale is ``E4M3(amax / 6)``, ties to the
+    even code. This backend rounds the scale's ties up (amax = 6 times an E4M3
+    midpoint)."""
+
+    name = "mutant-nvfp4-scale-ties-up"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        pick = lambda mids, scale: mids is F._E4M3_MIDS and np.ndim(scale) == 0 and float(scale) == 6.0  # noqa: E731
+        return [(F, "_nearest_index", _ties_up_where(pick))]
+
+
+class Mxfp8ScaleOffAtEdge(Mutant):
+    """Section 8.3 step 3: ``e`` is the smallest integer with ``amax <= 448 * 2^e``.
+    This backend computes ``floor(log2(amax / 448)) + 1``, one binade too large
+    exactly at ``amax = 448 * 2^k`` (right everywhere else)."""
+
+    name = "mutant-mxfp8-scale-off-at-448"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def factory(orig):
+            def exponent(amax):
+                e = orig(amax)
+                safe = np.where((amax > 0) & np.isfinite(amax), amax, 448.0)
+                return np.clip(np.where(safe == np.ldexp(448.0, e), e + 1, e), -127, 127)
+
+            return exponent
+
+        return [(F, "_mxfp8_scale_exponent", factory)]
+
+
+class NegativeZeroLost(Mutant):
+    """Section 8.2 / 8.5: zeros keep their sign; a negative value that rounds to
+    zero gives -0. This backend's bf16 output encode writes +0 for every zero."""
+
+    name = "mutant-negative-zero-lost"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def factory(orig):
+            def encode_output(config, values):
+                out = orig(config, values)
+                if config.output_format is MoeFormat.BF16:
+                    return np.where(out.astype(np.float32) == 0, np.float32(0), out.astype(np.float32)).astype(BF16)
+                return out
+
+            return encode_output
+
+        return [(W, "encode_output", factory)]
+
+
+def _sum_slots_literal(per_slot: np.ndarray) -> np.ndarray:
+    if per_slot.shape[1] == 0:
+        return np.zeros((per_slot.shape[0],) + per_slot.shape[2:])
+    acc = np.array(per_slot[:, 0], dtype=np.float64, copy=True)
+    for k in range(1, per_slot.shape[1]):
+        acc = acc + per_slot[:, k]
+    return acc
+
+
+class SlotSumFromFirstSlot(Mutant):
+    """Section 6.3: the slot sum starts from +0, so a sum of -0 terms is +0. This
+    backend starts from slot 0 (``S = Y0 + Y1 + ...``), so an all -0 sum stays -0."""
+
+    name = "mutant-slot-sum-from-first-slot"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        return [(W, "sum_slots", lambda orig: _sum_slots_literal)]
+
+
+class Mxfp8NanBlockDataZero(Mutant):
+    """Section 8.3 step 1: a block holding NaN or inf gets scale code 0xFF and every
+    data code 0x7F. This backend's mxfp8 output writes data codes 0x00 there (the
+    block still decodes to NaN, so a decoded comparison cannot see it)."""
+
+    name = "mutant-mxfp8-nan-block-data-zero"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def factory(orig):
+            def encode_output(config, values):
+                out = orig(config, values)
+                if not (isinstance(out, BlockScaledTensor) and out.format is MoeFormat.MXFP8):
+                    return out
+                nan_block = np.repeat(out.scale_codes() == 0xFF, 32, axis=1)[:, : out.shape[1]]
+                data = np.where(nan_block, np.uint8(0), out.data_codes()).astype(np.uint8)
+                return BlockScaledTensor(data.view(F.FLOAT8_E4M3), out.scale, out.format, out.shape, axis=1)
+
+            return encode_output
+
+        return [(W, "encode_output", factory)]
+
+
+class SlotSumOneUlpHigh(Mutant):
+    """Section 13 / 6.3: a float32 slot sum is exact when its terms fit 24 bits
+    together, and the budget then allows no summation error. This backend's slot
+    sum is one float32 ulp high (times ``1 + 2^-23``), inside the old ``gamma(K)``
+    allowance: it lands on the wrong side of exact output ties."""
+
+    name = "mutant-slot-sum-one-ulp-high"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def factory(orig):
+            return lambda per_slot: orig(per_slot) * (1.0 + 2.0**-23)
+
+        return [(W, "sum_slots", factory)]
+
+
+class DecodeNanScaleAsZero(Mutant):
+    """Section 8.3 / 8.4 decode: a NaN scale code makes its whole block NaN. This
+    backend decodes block-scaled inputs with a NaN scale as zero (a flush)."""
+
+    name = "mutant-decode-nan-scale-as-zero"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        def factory(orig):
+            def decode(t):
+                out = orig(t)
+                if isinstance(t, BlockScaledTensor):
+                    codes = t.scale_codes()
+                    nan = codes == 0xFF if t.format is MoeFormat.MXFP8 else (codes & 0x7F) == 0x7F
+                    full = np.take(np.repeat(nan, t.block_size, axis=t.axis), np.arange(t.shape[t.axis]), axis=t.axis)
+                    out = np.where(full, 0.0, out)
+                return out
+
+            return decode
+
+        return [(W, "decode", factory)]
+
+
+class DecodeMxfp8BeyondFloat32Finite(Mutant):
+    """Section 8.5: an mxfp8 input of magnitude 2^128 or more decodes to +-inf
+    (float32). This backend decodes it to its finite float64 value."""
+
+    name = "mutant-decode-mxfp8-finite-beyond-float32"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        return [(W, "decode", lambda orig: (lambda t: F.dequantize(t, np.float64)))]
+
+
 #: The mutants the conformance suite must catch.
 MUTANTS: Tuple[Type[ReferenceBackend], ...] = (
     GateUpSwapped,
@@ -793,6 +1011,18 @@ MUTANTS: Tuple[Type[ReferenceBackend], ...] = (
     Bf16RouterWeightAsBits,
     UnusedSlotWeightProduct,
     Mxfp8ScaleFloat32Log2,
+    # Format classes caught code for code by the format cases (operation "formats").
+    Bf16TiesAwayFromZero,
+    E4M3DataTiesUp,
+    E2M1DataTiesUp,
+    Nvfp4ScaleTiesUp,
+    Mxfp8ScaleOffAtEdge,
+    NegativeZeroLost,
+    SlotSumFromFirstSlot,
+    Mxfp8NanBlockDataZero,
+    SlotSumOneUlpHigh,
+    DecodeNanScaleAsZero,
+    DecodeMxfp8BeyondFloat32Finite,
 )
 
 #: Mutants of rules the conformance table does not exercise (known suite gaps): none.

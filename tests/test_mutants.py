@@ -58,6 +58,18 @@ CAUGHT_BY: Dict[str, Tuple[str, ...]] = {
     "mutant-bf16-router-weight-bits": ("forward",),
     "mutant-unused-slot-weight-product": ("nan_isolation",),
     "mutant-mxfp8-scale-float32-log2": ("combine",),
+    # Format classes: caught code for code by the format cases (issue 17).
+    "mutant-bf16-ties-away": ("formats",),
+    "mutant-e4m3-ties-up": ("formats",),
+    "mutant-e2m1-ties-up": ("formats",),
+    "mutant-nvfp4-scale-ties-up": ("formats",),
+    "mutant-mxfp8-scale-off-at-448": ("formats",),
+    "mutant-negative-zero-lost": ("formats",),
+    "mutant-slot-sum-from-first-slot": ("formats",),
+    "mutant-mxfp8-nan-block-data-zero": ("formats",),
+    "mutant-slot-sum-one-ulp-high": ("formats",),
+    "mutant-decode-nan-scale-as-zero": ("formats",),
+    "mutant-decode-mxfp8-finite-beyond-float32": ("formats",),
 }
 
 #: Mutants the quick subset cannot catch, checked against full_cases() instead
@@ -220,6 +232,26 @@ def test_report_nan_leak():
     assert "NaN/inf where the reference differs" in text, text
     text = _first_failure("mutant-padding-nan-leak", "dispatch").describe()
     assert "code(s) differ" in text and "codes must move unchanged" in text, text
+
+
+def test_report_format_codes():
+    """A format case names the codes, the element and what it checks."""
+    text = _first_failure("mutant-bf16-ties-away", "formats", "output-bf16-ties").describe()
+    assert "bf16 code(s) differ" in text and "got 0x3f81" in text and "reference 0x3f80" in text, text
+    text = _first_failure("mutant-mxfp8-nan-block-data-zero", "formats").describe()
+    assert "data codes" in text and "0x7f" in text and "0x7F" in text, text
+    text = _first_failure("mutant-negative-zero-lost", "formats").describe()
+    assert "+0 and -0 differ" in text and "0x8000" in text, text
+
+
+def test_format_cases_pass_only_with_zero_budgets():
+    """Every format case's reference budget is 0 wherever the result is finite
+    (the case checks this itself and fails as a suite bug otherwise)."""
+    fmt = [c for c in FULL if c.op == "formats"]
+    assert len(fmt) >= 12 and any(c.quick for c in fmt)
+    assert len({c.id for c in fmt}) == len(fmt)
+    for r in mc.run_cases(moe_ep_spec.get_backend("reference"), fmt):
+        assert r.outcome == "passed" and not any("construction" in c.name for c in r.checks), r.describe()
 
 
 def test_report_inputs_modified():

@@ -17,6 +17,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from moe_ep_spec import MoeEpConfig, MoeFormat
 
+from .format_cases import format_cases
+
 __all__ = [
     "OPERATIONS",
     "BAD_INPUTS",
@@ -37,6 +39,7 @@ OPERATIONS = (
     "combine_backward",
     "bad_input",
     "nan_isolation",
+    "formats",
 )
 
 #: Bad inputs: kind -> (operation it is fed to, the error class name the spec requires).
@@ -410,6 +413,7 @@ def full_cases() -> List[Case]:
             *_nan_cases(),
         ]
     )
+    cases += format_cases()  # the code-for-code format cases (format_cases.py, operation "formats")
     order = {op: i for i, op in enumerate(OPERATIONS)}
     return sorted(cases, key=lambda c: order[c.op])
 

@@ -606,6 +606,16 @@ _OPS: Dict[str, Callable[[_Runner], List[Check]]] = {
 }
 
 
+def _formats(runner: _Runner) -> List[Check]:
+    """Operation ``formats``: the code-for-code format cases (format_cases.py)."""
+    from .format_cases import check_format_case
+
+    return check_format_case(runner)
+
+
+_OPS["formats"] = _formats
+
+
 def _devices(device: str, num_ranks: int) -> List[str]:
     """Per-rank devices: ``cpu`` for all, or ``cuda`` -> ``cuda:0 .. cuda:n-1``."""
     if device == "cpu":

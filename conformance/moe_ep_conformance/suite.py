@@ -56,3 +56,9 @@ def bad_input(request: pytest.FixtureRequest, moe_ep_case: Param) -> None:
 def nan_isolation(request: pytest.FixtureRequest, moe_ep_case: Param) -> None:
     """A NaN/Inf in one token leaves every other token finite and within budget."""
     run(request, *moe_ep_case)
+
+
+def formats(request: pytest.FixtureRequest, moe_ep_case: Param) -> None:
+    """Format conformance: every encode point and decode on inputs whose exact
+    result is known, compared code for code (format_cases.py)."""
+    run(request, *moe_ep_case)

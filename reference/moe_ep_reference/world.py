@@ -226,7 +226,7 @@ def expert_forward(
         sl = slice(lo, lo + int(handle.tokens_per_expert[e]))
         if sl.start == sl.stop:
             continue
-        c = x[sl] @ fc1[e]
+        c = x[sl] @ fc1[e] + 0.0  # a zero sum is +0 (spec 6.3), whatever the matmul's own zero sign
         c_all[sl] = c
         g, u = _clamp(config, c[:, :i_size], c[:, i_size:])
         sig, s = _silu_parts(g)
@@ -234,7 +234,7 @@ def expert_forward(
         we = w[sl, None]
         op = we * h if config.apply_topk_in_fc1 else h
         op_r = round_trip(op, config.intermediate_format, axis=-1)
-        z = op_r @ fc2[e]
+        z = op_r @ fc2[e] + 0.0
         ye = z if config.apply_topk_in_fc1 else we * z
         y[sl] = round_trip(ye, config.combine_format, axis=-1)
         if bound is None:
