@@ -366,7 +366,7 @@ def _add_run_command(sub: Any) -> None:
     p.add_argument(
         "--routing", choices=ROUTINGS, default="uniform",
         help="how tokens pick experts: uniform, expert 0 in every token (skewed), only rank 0's experts (one_rank), "
-        "a third of the slots unused, or all unused (default: uniform)",
+        "a third of the slots unused (unused_mixed), every slot unused (all_unused) (default: uniform)",
     )
     p.add_argument(
         "--clamp", type=float, default=None, metavar="L",
