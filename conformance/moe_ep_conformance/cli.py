@@ -31,6 +31,10 @@ def add_command(subparsers: Any) -> None:
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     p.add_argument("-v", "--verbose", action="count", default=0, help="list every test")
     p.add_argument("--junitxml", metavar="PATH", help="also write JUnit XML")
+    # Fuzz mode (fuzz.py): drawn cases instead of the table.
+    p.add_argument("--fuzz", type=int, metavar="N", help="draw N random cases (shrinks a failure, prints its command)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="the fuzz seed (default 0)")
+    p.add_argument("--fuzz-case", metavar="JSON", help="run exactly this fuzz case (as a fuzz failure prints it)")
     p.set_defaults(func=run)
 
 
@@ -80,4 +84,29 @@ def run(args: argparse.Namespace) -> int:
 
     for name in args.backend or []:
         moe_ep_spec.get_backend(name)  # unknown or unavailable: `moe-ep: error: ...`, exit 2
+    if getattr(args, "fuzz", None) is not None or getattr(args, "fuzz_case", None):
+        return _run_fuzz(args)
     return int(pytest.main(pytest_args(args)))
+
+
+def _run_fuzz(args: argparse.Namespace) -> int:
+    """``--fuzz N --seed S`` or ``--fuzz-case JSON``: 1 when a backend fails."""
+    import moe_ep_spec
+
+    from .fuzz import case_from_json, fuzz, reproduce_command
+    from .runner import run_case
+
+    registry = moe_ep_spec.get_registry()
+    names = args.backend or [b.name for b in registry.list_backends() if b.is_available() and b.name != "reference"]
+    backends = [registry.get_backend(n) for n in names] or [registry.get_backend("reference")]
+    if args.fuzz_case:
+        case = case_from_json(args.fuzz_case)
+        failed = 0
+        for b in backends:
+            result = run_case(b, case, timeout_s=args.timeout, device=args.device)
+            print(result.describe() if result.outcome != "passed" else f"{result.test_id}: passed")
+            if result.outcome == "failed":
+                failed = 1
+                print(f"reproduce: {reproduce_command(b.name, case)}")
+        return failed
+    return 1 if fuzz(backends, args.fuzz, args.seed, timeout_s=args.timeout, device=args.device) else 0
