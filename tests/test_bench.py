@@ -1,9 +1,12 @@
-"""``moe-ep bench`` (the bench/ distribution): a CPU smoke run of the harness.
+"""``moe-ep bench`` (the bench/ distribution): CPU smoke runs of the harness.
 
 A ``--quick`` run on the reference and, when installed, the torch backend at EP
-1 and 2 (gloo on loopback), with the JSON report's schema, its numbers and its
-plots checked; plus the parts that need no run. When moe-ep-bench is not
-installed, bench/ is put on sys.path (the spawned rank processes inherit it).
+1 and 2 (gloo on loopback), with the JSON report's schema, its numbers, its
+table and its plots checked; one run of the other drivers at tiny sizes
+(``cuda-nccl`` on CPU through MOE_EP_CUDA_NCCL_ON_CPU=1, ``jax`` and ``jax-ffi``
+on two virtual CPU devices) with the grouped_gemm and weight_read rooflines;
+plus the parts that need no run. When moe-ep-bench is not installed, bench/ is
+put on sys.path (the spawned rank processes inherit it).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -31,8 +35,8 @@ except ImportError:  # not installed: use the checkout
 
 from moe_ep_bench import cli as bench_cli  # noqa: E402
 from moe_ep_bench.drivers.world import world_cases  # noqa: E402
-from moe_ep_bench.model import BenchSettings, auto_experts, make_routing, row_bytes  # noqa: E402
-from moe_ep_bench.results import SCHEMA, STATUSES, Row, add_ratios  # noqa: E402
+from moe_ep_bench.model import BenchSettings, auto_experts, make_routing, row_bytes, weight_bytes  # noqa: E402
+from moe_ep_bench.results import BASELINES, RATIO_KEYS, SCHEMA, STATUSES, Row, add_ratios, format_table, sig  # noqa: E402
 
 
 
@@ -45,8 +49,11 @@ def _have_torch() -> bool:
 
 HAVE_TORCH = _have_torch()
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
-ROW_KEYS = {"backend", "kind", "op", "tokens", "format", "status", "reason", "median_ms", "gbps", "ratios", "bytes",
-            "samples_ms", "label", "ep_size", "device"}
+ROW_KEYS = {"backend", "kind", "op", "tokens", "format", "status", "reason", "median_ms", "min_ms", "max_ms", "p25_ms",
+            "p75_ms", "gbps", "ratios", "bytes", "samples_ms", "label", "variant", "ep_size", "device"}
+#: Names the baselines had before they got one name each: none may appear anywhere.
+OLD_NAMES = ("nccl", "gloo", "peer-copy", "d2d-copy", "memcpy", "grouped-gemm", "matmul", "vs_nccl", "vs_peer",
+             "vs_peer_copy", "vs_roofline", "a2a")
 
 
 def _positive_finite(x: Any) -> bool:
@@ -101,8 +108,9 @@ def test_quick_run_report_schema(quick_run) -> None:
             continue
         assert _positive_finite(row["median_ms"]), row
         assert len(row["samples_ms"]) == report["settings"]["repeats"]
+        assert row["min_ms"] <= row["p25_ms"] <= row["median_ms"] <= row["p75_ms"] <= row["max_ms"], row
         for key, value in row["ratios"].items():
-            assert key in ("vs_nccl", "vs_peer_copy", "vs_roofline")
+            assert key in RATIO_KEYS
             assert _positive_finite(value), (key, row)
         if row["op"] in ("dispatch", "combine") or row["kind"] == "backend":
             assert _positive_finite(row["gbps"]), row
@@ -120,9 +128,10 @@ def test_quick_run_measures_every_backend_and_baseline(quick_run) -> None:
             if HAVE_TORCH:
                 for op in ("dispatch", "combine", "forward"):
                     assert ("torch", op, fmt, t) in ok
-                for base in ("gloo", "memcpy"):
+                for base in ("all_to_all", "copy"):
                     assert (base, "dispatch", fmt, t) in ok and (base, "combine", fmt, t) in ok
-                assert ("matmul", "forward", fmt, t) in ok and ("matmul", "forward_backward", fmt, t) in ok
+                assert ("grouped_gemm", "forward", fmt, t) in ok and ("grouped_gemm", "forward_backward", fmt, t) in ok
+                assert ("weight_read", "forward", fmt, t) in ok
         if HAVE_TORCH:
             assert ("torch", "forward_backward", "bf16", t) in ok
             unsupported = [r for r in report["rows"] if r["backend"] == "torch" and r["format"] == "mxfp8"
@@ -130,9 +139,11 @@ def test_quick_run_measures_every_backend_and_baseline(quick_run) -> None:
             assert unsupported and all(r["status"] == "unsupported" for r in unsupported)
     if HAVE_TORCH:
         torch_rows = [r for r in report["rows"] if r["backend"] == "torch" and r["status"] == "ok"]
+        want = {"dispatch": {"vs_all_to_all", "vs_copy"}, "combine": {"vs_all_to_all", "vs_copy"},
+                "forward": {"vs_all_to_all", "vs_grouped_gemm", "vs_weight_read"},
+                "forward_backward": {"vs_all_to_all", "vs_grouped_gemm"}}
         for r in torch_rows:
-            want = {"vs_nccl", "vs_peer_copy"} if r["op"] in ("dispatch", "combine") else {"vs_nccl", "vs_roofline"}
-            assert want <= set(r["ratios"]), r
+            assert set(r["ratios"]) == want[r["op"]], r
         assert report["environment"]["torch"]
 
 
@@ -151,8 +162,11 @@ def test_quick_run_prints_a_table_and_progress(quick_run) -> None:
     ep, _, _, stdout, stderr = quick_run
     assert f"moe-ep bench: device=cpu ep_size={ep}" in stdout
     header = next(line for line in stdout.splitlines() if line.startswith("backend"))
-    for col in ("median_ms", "GB/s", "vs_nccl", "vs_peer", "vs_roofline"):
+    for col in ("median ms", "min-max ms", "GB/s", "TFLOP/s"):
         assert col in header
+    if HAVE_TORCH:
+        for col in RATIO_KEYS:
+            assert col in header
     assert any(line.startswith("reference  ") and " dispatch " in line for line in stdout.splitlines())
     assert "[1/" in stderr or "%|" in stderr  # the plain counter or tqdm
     assert "parent imported torch: False" in stdout
@@ -244,13 +258,18 @@ def test_ratios_are_baseline_time_over_time() -> None:
     def row(backend: str, op: str, ms: float, kind: str = "backend") -> Row:
         return Row(backend=backend, kind=kind, op=op, tokens=8, format="bf16", ep_size=2, device="cuda").set_times([ms])
 
-    rows = [row("torch", "dispatch", 4.0), row("nccl", "dispatch", 1.0, "baseline"),
-            row("peer-copy", "dispatch", 0.5, "baseline"), row("nccl", "combine", 2.0, "baseline"),
-            row("torch", "forward", 10.0), row("grouped-gemm", "forward", 5.0, "baseline")]
+    rows = [row("torch", "dispatch", 4.0), row("all_to_all", "dispatch", 1.0, "baseline"),
+            row("copy", "dispatch", 0.5, "baseline"), row("all_to_all", "combine", 2.0, "baseline"),
+            row("torch", "forward", 10.0), row("grouped_gemm", "forward", 5.0, "baseline"),
+            row("weight_read", "forward", 2.0, "baseline"), row("torch", "forward_backward", 30.0),
+            row("grouped_gemm", "forward_backward", 15.0, "baseline")]
     add_ratios(rows)
-    assert rows[0].ratios == {"vs_nccl": 0.25, "vs_peer_copy": 0.125}
-    assert rows[4].ratios == {"vs_roofline": 0.5, "vs_nccl": pytest.approx(0.3)}
-    assert rows[5].ratios == {"vs_roofline": 1.0}
+    assert rows[0].ratios == {"vs_all_to_all": 0.25, "vs_copy": 0.125}
+    assert rows[4].ratios == {"vs_grouped_gemm": 0.5, "vs_weight_read": 0.2, "vs_all_to_all": pytest.approx(0.3)}
+    assert rows[5].ratios == {"vs_grouped_gemm": 1.0}
+    assert rows[6].ratios == {"vs_weight_read": 1.0}
+    # forward_backward: its own GEMMs, twice the exchanges, no weight_read
+    assert rows[7].ratios == {"vs_grouped_gemm": 0.5, "vs_all_to_all": pytest.approx(0.2)}
 
 
 def test_the_harness_imports_no_torch() -> None:
@@ -273,3 +292,222 @@ def test_moe_ep_bench_subcommand_when_installed(capsys: pytest.CaptureFixture) -
         main(["bench", "--help"])
     assert exc.value.code == 0
     assert "--ep-size" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- one name per baseline, the table
+
+
+_PROGRESS = re.compile(r"^\[\d+/\d+\] (\S+)")
+
+
+def _table_lines(stdout: str) -> list:
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("backend "))
+    out = []
+    for line in lines[start + 1:]:
+        first = line.split(" ", 1)[0]
+        if not line or first.endswith(":") or re.match(r"^(torch \d|wrote |parent )", line):
+            break
+        out.append(line)
+    return out
+
+
+def test_quick_run_uses_one_name_per_baseline(quick_run) -> None:
+    _, report, _, stdout, stderr = quick_run
+    backends = {"reference", "torch"}
+    rows = report["rows"]
+    names = {r["backend"] for r in rows if r["kind"] == "baseline"}
+    if HAVE_TORCH:
+        assert names == set(BASELINES)
+        variants = {r["backend"]: r["variant"] for r in rows if r["kind"] == "baseline"}
+        assert variants == {"all_to_all": "gloo", "copy": "host", "grouped_gemm": "per-expert matmul",
+                            "weight_read": "host copy"}
+    assert {r["backend"] for r in rows} <= backends | set(BASELINES)
+    keys = {k for r in rows for k in r["ratios"]} | {k for k in report["definitions"] if k.startswith("vs_")}
+    assert keys <= set(RATIO_KEYS) and set(report["definitions"]) >= set(RATIO_KEYS)
+    progress = {m.group(1) for line in stderr.splitlines() for m in [_PROGRESS.match(line)] if m}
+    assert progress and progress <= backends | set(BASELINES), progress
+    if HAVE_TORCH:
+        assert set(BASELINES) <= progress
+    table = _table_lines(stdout)
+    assert {line.split(" ", 1)[0] for line in table} <= backends | set(BASELINES)
+    header = re.split(r"\s{2,}", next(line for line in stdout.splitlines() if line.startswith("backend ")))
+    for old in OLD_NAMES:
+        assert old not in header and old not in keys and old not in progress, old
+
+
+_NUMBER = re.compile(r"^(?:-|0|\d+|\d+\.\d+)$")
+
+
+def _sig_digits(text: str) -> int:
+    return len(text.replace(".", "").lstrip("0"))
+
+
+def _check_number(text: str) -> None:
+    assert _NUMBER.match(text), text
+    if text not in ("-", "0") and "." in text:
+        assert _sig_digits(text) == 3, text
+    elif text not in ("-", "0"):
+        assert len(text) >= 3, text  # integers: three digits or more, never rounded to fewer
+
+
+def test_quick_run_table_has_one_number_style(quick_run) -> None:
+    _, report, _, stdout, _ = quick_run
+    lines = stdout.splitlines()
+    header = next(line for line in lines if line.startswith("backend "))
+    cols = re.split(r"\s{2,}", header.strip())
+    assert cols[:8] == ["backend", "op", "format", "tokens", "median ms", "min-max ms", "GB/s", "TFLOP/s"]
+    assert "e-0" not in stdout and "e+0" not in stdout
+    ok = [r for r in report["rows"] if r["status"] == "ok"]
+    table = _table_lines(stdout)
+    assert len(table) == len(ok)
+    for line in table:
+        cells = re.split(r"\s{2,}", line.strip())
+        numbers = cells[4:len(cols) - 1]
+        lo, hi = numbers[1].split("-")
+        for text in [numbers[0], lo, hi] + numbers[2:]:
+            _check_number(text)
+
+
+def test_format_table_median_spread_and_significant_digits() -> None:
+    rows = [Row(backend="torch", kind="backend", op="forward", tokens=8, format="bf16", ep_size=1,
+                device="cpu").set_times([0.0005881, 0.0004, 0.009712]),
+            Row(backend="grouped_gemm", kind="baseline", op="forward", tokens=8, format="bf16", ep_size=1,
+                device="cpu", variant="per-expert matmul").set_times([9.712e-05, 1e-4, 2e-4])]
+    rows[0].bytes, rows[0].flops = 1e6, 3e9
+    for r in rows:
+        r.gbps = r.tflops = None
+    add_ratios(rows)
+    text = format_table(rows)
+    lines = text.splitlines()
+    cols = re.split(r"\s{2,}", lines[0])
+    assert cols == ["backend", "op", "format", "tokens", "median ms", "min-max ms", "GB/s", "TFLOP/s",
+                    "vs_grouped_gemm", "note"]
+    torch_cells = re.split(r"\s{2,}", lines[1].strip())
+    assert torch_cells[4:7] == ["0.000588", "0.000400-0.00971", "-"]
+    assert torch_cells[8] == "0.170"  # 0.0001 / 0.0005881
+    gemm_cells = re.split(r"\s{2,}", lines[2].strip())
+    assert gemm_cells[4:6] == ["0.000100", "0.0000971-0.000200"] and gemm_cells[-1] == "per-expert matmul"
+    assert "e-0" not in text
+    assert [sig(v) for v in (45.1, 0.0999, 0.09996, 1.0, 12345.6, 623.4, None, 0.0)] == \
+        ["45.1", "0.0999", "0.100", "1.00", "12346", "623", "-", "0"]
+
+
+def test_weight_read_is_the_weights_at_the_runs_copy_bandwidth(quick_run) -> None:
+    _, report, _, _, _ = quick_run
+    if not HAVE_TORCH:
+        pytest.skip("the baselines need torch")
+    s = report["settings"]
+    settings = BenchSettings(device="cpu", ep_size=s["ep_size"], hidden=s["hidden"], intermediate=s["intermediate"],
+                             experts=s["experts"], topk=s["topk"], tokens=tuple(s["tokens"]), formats=tuple(s["formats"]))
+    wr = {(r["format"], r["tokens"]): r for r in report["rows"] if r["backend"] == "weight_read"}
+    assert set(wr) == {(f, t) for f in s["formats"] for t in s["tokens"]}
+    bandwidth = wr[("bf16", s["tokens"][0])]["gbps"]
+    for (fmt, t), r in wr.items():
+        assert r["status"] == "ok" and r["derived"] and r["kind"] == "baseline" and r["op"] == "forward"
+        assert r["bytes"] == weight_bytes(settings, fmt)
+        assert r["gbps"] == pytest.approx(bandwidth)  # one copy bandwidth for the whole run
+        assert "copy bandwidth" in r["label"] and "read + write" in r["label"]
+        assert r["median_ms"] == pytest.approx(r["bytes"] / (bandwidth * 1e9) * 1e3)
+    for r in report["rows"]:
+        if r["backend"] == "torch" and r["op"] == "forward" and r["status"] == "ok":
+            base = wr[(r["format"], r["tokens"])]["median_ms"]
+            assert r["ratios"]["vs_weight_read"] == pytest.approx(base / r["median_ms"])
+    # bf16: 6 E_local H I bytes; mxfp8: codes plus one scale byte per 32
+    assert weight_bytes(settings, "bf16") == 6 * settings.num_local_experts * s["hidden"] * s["intermediate"]
+    big = BenchSettings(device="cuda", ep_size=1, hidden=7168, intermediate=2048, experts=32, topk=8, tokens=(128,),
+                        formats=("bf16",))
+    assert weight_bytes(big, "bf16") == 2_818_572_288  # issue 14: "reads 2.82 GB of bf16 weights"
+
+
+# ----------------------------------------------------------------------------- the cuda-nccl, jax and jax-ffi drivers
+
+
+def test_drivers_cover_every_backend_and_say_what_they_skip() -> None:
+    from moe_ep_bench.drivers import BUILTIN
+    from moe_ep_bench.drivers.jax_driver import jax_cases
+    from moe_ep_bench.drivers.torch_driver import make_jobs, unsupported
+
+    assert BUILTIN == {"reference": "world", "torch": "torch", "cuda-nccl": "torch", "jax": "jax", "jax-ffi": "jax"}
+    s = BenchSettings(device="cpu", ep_size=2, hidden=64, intermediate=32, experts=8, topk=2, tokens=(8, 32),
+                      formats=("bf16", "mxfp8"))
+    jobs = make_jobs(s, ["cuda-nccl"], baselines=True)
+    mine = {(j.op, j.format, j.tokens) for j in jobs if j.target == "cuda-nccl"}
+    assert mine == {("forward", f, t) for f in s.formats for t in s.tokens} | {("forward_backward", "bf16", t) for t in s.tokens}
+    assert [j.describe() for j in jobs if j.target == "weight_read"] == ["weight_read (device copy of the local bf16 weights)"]
+    assert {j.target for j in jobs} == {"cuda-nccl"} | set(BASELINES)
+    assert unsupported("cuda-nccl", "dispatch", "bf16").startswith("skipped:")
+    assert unsupported("torch", "forward_backward", "mxfp8").startswith("unsupported:")
+    assert unsupported("torch", "dispatch", "mxfp8") is None
+    backend = type("B", (), {"name": "jax-ffi"})()
+    status = {(r.op, r.format, r.tokens): r.status for r in jax_cases(backend, s)}  # type: ignore[arg-type]
+    assert status[("dispatch", "bf16", 8)] == "skipped" and status[("forward_backward", "mxfp8", 8)] == "unsupported"
+    assert status[("forward", "mxfp8", 8)] == status[("forward_backward", "bf16", 32)] == "ok"
+
+
+# Picks the backends that can run in this environment (cuda-nccl needs MOE_EP_CUDA_NCCL_ON_CPU=1 on CPU, the jax
+# ones two devices, asked for through XLA_FLAGS before jax is imported), then runs the bench on them.
+_MAIN_OTHERS = (
+    "import json, sys\n"
+    "import moe_ep_spec\n"
+    "names = []\n"
+    "for name in sys.argv[1].split(','):\n"
+    "    try:\n"
+    "        if moe_ep_spec.get_backend(name, require_available=False).availability():\n"
+    "            names.append(name)\n"
+    "    except moe_ep_spec.MoeEpError:\n"
+    "        pass\n"
+    "print('backends:', json.dumps(names))\n"
+    "if not names:\n"
+    "    sys.exit(0)\n"
+    "from moe_ep_bench.cli import main\n"
+    "sys.exit(main(sys.argv[2:] + [a for n in names for a in ('--backend', n)]))\n"
+)
+OTHERS = ("cuda-nccl", "jax", "jax-ffi")
+
+
+@pytest.fixture(scope="module")
+def others_run(tmp_path_factory: pytest.TempPathFactory) -> Tuple[list, Dict[str, Any], str]:
+    out = tmp_path_factory.mktemp("bench-others")
+    env = _env()
+    env["MOE_EP_CUDA_NCCL_ON_CPU"] = "1"
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    argv = ["--quick", "--ep-size", "2", "--tokens", "8", "--format", "bf16", "--op", "forward",
+            "--op", "forward_backward", "--repeats", "2", "--input-sets", "1", "--timeout", "120", "--no-progress",
+            "--json", str(out / "bench.json")]
+    proc = subprocess.run([sys.executable, "-c", _MAIN_OTHERS, ",".join(OTHERS), *argv],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = json.loads(proc.stdout.split("backends:", 1)[1].splitlines()[0])
+    if not names:
+        pytest.skip("none of cuda-nccl, jax, jax-ffi can run here")
+    return names, json.loads((out / "bench.json").read_text()), proc.stdout
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_other_drivers_time_the_layer_on_cpu(others_run, name: str) -> None:
+    names, report, stdout = others_run
+    if name not in names:
+        pytest.skip(f"backend {name!r} cannot run here")
+    rows = {r["op"]: r for r in report["rows"] if r["backend"] == name}
+    assert set(rows) == {"forward", "forward_backward"}
+    api = {"cuda-nccl": "moe_ep_cuda_nccl.api.moe_ep", "jax": "XlaKernels", "jax-ffi": "FfiKernels"}[name]
+    for op, r in rows.items():
+        assert r["status"] == "ok", r
+        assert len(r["samples_ms"]) == report["settings"]["repeats"] and _positive_finite(r["median_ms"])
+        assert api in r["label"], r["label"]
+        assert r["ratios"]["vs_grouped_gemm"] > 0
+    assert rows["forward"]["ratios"]["vs_weight_read"] > 0
+    assert "vs_weight_read" not in rows["forward_backward"]["ratios"]
+    assert any(line.startswith(f"{name} ") for line in stdout.splitlines())
+    if name.startswith("jax"):
+        assert report["environment"]["jax_devices"] == 2 and report["environment"]["jax_platform"] == "cpu"
+    assert f"--backend {name}" in report["command"]
+
+
+def test_readme_user_install_adds_the_bench() -> None:
+    readme = (ROOT / "README.md").read_text()
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert "pip install ./bench" in install
+    text = (ROOT / "bench" / "pyproject.toml").read_text()
+    assert 'bench = "moe_ep_bench.cli:add_command"' in text

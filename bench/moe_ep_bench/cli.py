@@ -1,10 +1,12 @@
-"""``moe-ep bench``: every backend side by side, against NCCL, the copy ceiling
-and the grouped-GEMM roofline; a table, JSON and PNG plots.
+"""``moe-ep bench``: every backend side by side, against the baselines of the
+same run (``all_to_all``, ``copy``, ``grouped_gemm``, ``weight_read``); a
+table, JSON and PNG plots.
 
 Added to the ``moe-ep`` command through the entry-point group
 ``moe_ep_spec.commands`` (:func:`add_command`); ``python -m moe_ep_bench`` runs
-the same command on its own (:func:`main`). Imports no torch: the torch driver
-does, in the rank processes it spawns.
+the same command on its own (:func:`main`). Imports no torch and no jax: the
+torch driver imports torch in the rank processes it spawns, the jax driver
+imports jax when it runs (and a backend's availability check may).
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tiny shapes for smoke tests: H=64 I=32 E=8 K=2, tokens 8 and 32, 3 repeats")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="seconds one measurement may take before every rank is stopped (default 300)")
-    p.add_argument("--no-baselines", action="store_true", help="skip NCCL/gloo, copy and GEMM baselines")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip the baselines (all_to_all, copy, grouped_gemm, weight_read)")
     p.add_argument("--include-slow", action="store_true", help="time world backends (numpy) at any size")
     p.add_argument("--memory-budget-gb", type=float, default=80.0, metavar="GB",
                    help="per-GPU memory the default expert count may use (default 80)")
@@ -81,12 +84,14 @@ def add_command(subparsers: Any) -> None:
     """Entry point of the group ``moe_ep_spec.commands``: adds ``bench``."""
     p = subparsers.add_parser(
         "bench",
-        help="benchmark backends: dispatch, combine, fused forward and forward+backward against NCCL and GEMM baselines",
+        help="benchmark backends: dispatch, combine, fused forward and forward+backward against baselines",
         description=(
             "Time dispatch, combine and the fused layer (forward, forward+backward) on every backend, with the "
-            "baselines of the same run: all_to_all_single moving the same bytes, a peer copy (the link ceiling) "
-            "and the grouped GEMM on the same expert rows (the compute roofline). Prints a table; --json and "
-            "--plot-dir write the report and PNG plots. See docs/benchmarks.md."
+            "baselines of the same run: all_to_all (all_to_all_single moving the same bytes, over NCCL or gloo), "
+            "copy (the copy ceiling of those bytes), grouped_gemm (the expert GEMMs alone on the same rows: the "
+            "compute roofline) and weight_read (the local experts' weights read once at the device copy "
+            "bandwidth: the memory roofline at decode sizes). Prints a table (median and min-max over the "
+            "repeats); --json and --plot-dir write the report and PNG plots. See docs/benchmarks.md."
         ),
     )
     _add_arguments(p)
@@ -174,8 +179,10 @@ def _attach_counts(rows: List[Row], settings: BenchSettings, routings: Dict[int,
             row.bytes, row.bytes_remote = dispatch_bytes(settings, routing, row.format)
         elif row.op == "combine":
             row.bytes, row.bytes_remote = combine_bytes(settings, routing, row.format)
+        elif row.backend == "weight_read":
+            continue  # its bytes are the weights' (set by its driver)
         else:
-            if row.backend not in ("grouped-gemm", "matmul"):
+            if row.backend != "grouped_gemm":
                 d, dr = dispatch_bytes(settings, routing, row.format)
                 c, cr = combine_bytes(settings, routing, row.format)
                 row.bytes, row.bytes_remote = d + c, dr + cr
@@ -198,12 +205,10 @@ def _environment(backends: Sequence[Any]) -> Dict[str, Any]:
 
 
 def _unavailable(backend: Any) -> Optional[str]:
-    """Why ``backend`` cannot run here, or None. The torch driver's backend is
-    checked without importing torch here (its rank processes call the backend's
-    own availability check before any job); every other backend is asked."""
-    from .drivers import BUILTIN
-
-    if BUILTIN.get(backend.name) == "torch":
+    """Why ``backend`` cannot run here, or None. The torch backend is checked
+    without importing torch here (its rank processes call the backend's own
+    availability check before any job); every other backend is asked."""
+    if backend.name == "torch":
         return None if importlib.util.find_spec("torch") is not None else "torch is not installed (pip install torch)"
     availability = backend.availability()
     return None if availability else availability.reason
@@ -214,10 +219,17 @@ def run(args: argparse.Namespace) -> int:
     from moe_ep_spec.registry import get_registry
 
     from .drivers import driver_for
-    from .drivers.torch_driver import make_jobs, rows_from_results, run_jobs, torch_unsupported
+    from .drivers.torch_driver import make_jobs, rows_from_results, run_jobs, unsupported
     from .drivers.world import run_world, world_cases
 
     settings = settings_from_args(args)
+    if settings.device == "cuda":
+        # jax (imported here by the jax backends' availability checks and the jax
+        # driver) must not take most of the GPU memory the torch driver's ranks need.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    elif settings.ep_size > 8:
+        # the jax backends ask XLA for this many CPU devices (default 8) when they first import jax
+        os.environ.setdefault("MOE_EP_JAX_CPU_DEVICES", str(settings.ep_size))
     registry = get_registry()
     if args.backend:
         backends = [registry.get_backend(name, require_available=False) for name in dict.fromkeys(args.backend)]
@@ -232,18 +244,24 @@ def run(args: argparse.Namespace) -> int:
     skipped_notes: List[str] = []
 
     torch_installed = importlib.util.find_spec("torch") is not None
-    use_torch = any(kind == "torch" for kind in drivers.values())
+    in_ranks = [b.name for b in backends if drivers[b.name] == "torch"]
     baselines = settings.baselines and torch_installed
     if settings.baselines and not torch_installed:
         skipped_notes.append("baselines skipped: torch is not installed (pip install torch, or moe-ep-bench[torch])")
 
     routings = {t: make_routing(settings, t) for t in settings.tokens}
-    jobs = make_jobs(settings, use_torch, baselines)
+    jobs = make_jobs(settings, in_ranks, baselines)
     world_rows: Dict[str, List[Row]] = {}
+    jax_rows: Dict[str, List[Row]] = {}
     for b in backends:
         if drivers[b.name] == "world":
             world_rows[b.name] = world_cases(b, settings)
-    total = len(jobs) + sum(1 for rs in world_rows.values() for r in rs if r.status == "ok")
+        elif drivers[b.name] == "jax":
+            from .drivers.jax_driver import jax_cases
+
+            jax_rows[b.name] = jax_cases(b, settings)
+    later = list(world_rows.values()) + list(jax_rows.values())
+    total = len(jobs) + sum(1 for rs in later for r in rs if r.status == "ok")
     header = (
         f"moe-ep bench: device={settings.device} ep_size={settings.ep_size} hidden={settings.hidden} "
         f"intermediate={settings.intermediate} experts={settings.experts} (local {settings.num_local_experts}) "
@@ -256,22 +274,28 @@ def run(args: argparse.Namespace) -> int:
         if jobs:
             results, torch_env = run_jobs(settings, routings, jobs, progress)
             env.update(torch_env)
-            label = "torch backend functions in its rank processes"
-            rows += rows_from_results(settings, jobs, results, label)
-        if use_torch:
+            labels = {name: f"{name} in its rank processes" for name in in_ranks}
+            rows += rows_from_results(settings, jobs, results, labels)
+        for name in in_ranks:
             for fmt in settings.formats:
                 for t in settings.tokens:
                     for op in settings.ops:
-                        why = torch_unsupported(op, fmt)
+                        why = unsupported(name, op, fmt)
                         if why is not None:
-                            rows.append(Row(backend="torch", kind="backend", op=op, tokens=t, format=fmt,
+                            status = "skipped" if why.startswith("skipped") else "unsupported"
+                            rows.append(Row(backend=name, kind="backend", op=op, tokens=t, format=fmt,
                                             ep_size=settings.ep_size, device=settings.device,
-                                            status="unsupported", reason=why))
+                                            status=status, reason=why))
         for b in backends:
             kind = drivers[b.name]
             if kind == "world":
                 run_world(b, settings, routings, world_rows[b.name], progress)
                 rows += world_rows[b.name]
+            elif kind == "jax":
+                from .drivers.jax_driver import run_jax
+
+                env.update(run_jax(b, settings, routings, jax_rows[b.name], progress))
+                rows += jax_rows[b.name]
             elif callable(kind):
                 rows += list(kind(b, settings, routings, progress))
             elif kind is None:
@@ -286,8 +310,8 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
 
     # The GEMM roofline is measured once in bf16 and stands for every format.
-    gemm = [r for r in rows if r.backend in ("grouped-gemm", "matmul")]
-    rows = [r for r in rows if r.backend not in ("grouped-gemm", "matmul")]
+    gemm = [r for r in rows if r.backend == "grouped_gemm" and r.kind == "baseline"]
+    rows = [r for r in rows if not (r.backend == "grouped_gemm" and r.kind == "baseline")]
     for r in gemm:
         for fmt in settings.formats:
             copy = Row(**{**r.as_dict(), "format": fmt})

@@ -25,6 +25,7 @@ __all__ = [
     "Routing",
     "make_routing",
     "row_bytes",
+    "weight_bytes",
     "auto_experts",
     "defaults",
     "SLOW_FLOPS",
@@ -61,6 +62,15 @@ def row_bytes(fmt: str, hidden: int) -> int:
     if fmt == "nvfp4":
         return -(-hidden // 2) + -(-hidden // 16)
     raise ValueError(f"unknown format {fmt!r}")
+
+
+def weight_bytes(settings: "BenchSettings", fmt: str) -> int:
+    """Bytes of one rank's local experts' weights in ``fmt``: fc1 ``[E_local, H, 2I]``
+    blocked along H and fc2 ``[E_local, I, H]`` blocked along I (codes and
+    scales for a block-scaled format): ``E_local (2I row(fmt, H) + H row(fmt, I))``.
+    bf16: ``6 E_local H I``; 2.82 GB for 32 experts at H 7168, I 2048."""
+    h, i = settings.hidden, settings.intermediate
+    return settings.num_local_experts * (2 * i * row_bytes(fmt, h) + h * row_bytes(fmt, i))
 
 
 def auto_experts(ep_size: int, hidden: int, intermediate: int, topk: int, memory_budget_gb: float, wanted: int = 256) -> int:

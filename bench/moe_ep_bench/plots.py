@@ -3,8 +3,8 @@
 ``<prefix>bandwidth.png``: GB/s against tokens per rank, one panel per
 (dispatch/combine, format), one line per backend and per baseline (all-to-all
 and copy ceiling). ``<prefix>latency.png``: median time against tokens per
-rank, one panel per (op, format); the fused ops' panels carry the GEMM
-roofline. The prefix is ``<device>-ep<N>-``.
+rank, one panel per (op, format); the fused ops' panels carry the
+``grouped_gemm`` and (forward) ``weight_read`` rooflines. The prefix is ``<device>-ep<N>-``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .results import BASELINES, Row
 
 __all__ = ["write_plots"]
 
-_STYLE = {"nccl": "--", "gloo": "--", "peer-copy": ":", "d2d-copy": ":", "memcpy": ":", "grouped-gemm": "-.", "matmul": "-."}
+_STYLE = {"all_to_all": "--", "copy": ":", "grouped_gemm": "-.", "weight_read": (0, (5, 1, 1, 1, 1, 1))}
 
 
 def _series(rows: Sequence[Row], op: str, fmt: str, value: str) -> Dict[str, List[Tuple[int, float]]]:
@@ -51,8 +51,8 @@ def _grid(plt, rows: Sequence[Row], ops: List[str], formats: List[str], value: s
                 pts = series[name]
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
                 base = name in BASELINES
-                ax.plot(xs, ys, _STYLE.get(name, "-"), color=colors[name], marker="s" if base else "o",
-                        label=name + (" (baseline)" if base else ""))
+                ax.plot(xs, ys, linestyle=_STYLE.get(name, "-") if base else "-", color=colors[name],
+                        marker="s" if base else "o", label=name + (" (baseline)" if base else ""))
             ax.set_title(f"{op}, {fmt}")
             ax.set_xscale("log", base=2)
             ax.set_xticks(ticks)

@@ -12,22 +12,32 @@ import numpy as np
 
 from .model import OPS
 
-__all__ = ["Row", "SCHEMA", "finish", "add_ratios", "format_table", "report", "STATUSES", "BASELINES"]
+__all__ = ["Row", "SCHEMA", "finish", "add_ratios", "format_table", "report", "STATUSES", "BASELINES", "RATIO_KEYS", "sig"]
 
 #: The JSON report's schema name; bumped when a field changes meaning.
-SCHEMA = "moe-ep-bench/1"
+#: 2: one name per baseline (``all_to_all``, ``copy``, ``grouped_gemm``,
+#: ``weight_read``) and ratio keys ``vs_<baseline>``; ``variant``, ``p25_ms``, ``p75_ms``.
+SCHEMA = "moe-ep-bench/2"
 
 #: Row statuses: measured, not run on purpose, not supported by the backend,
 #: no driver for the backend, failed.
 STATUSES = ("ok", "skipped", "unsupported", "no bench driver", "error")
 
-#: Baseline names (the ``backend`` of baseline rows): the all-to-all (NCCL on
-#: CUDA, gloo on CPU), the copy ceiling (peer copy GPU0 to GPU1 on 2+ ranks,
-#: device-to-device on one, memcpy on CPU) and the GEMM roofline.
-BASELINES = ("nccl", "gloo", "peer-copy", "d2d-copy", "memcpy", "grouped-gemm", "matmul")
-_A2A = ("nccl", "gloo")
-_COPY = ("peer-copy", "d2d-copy", "memcpy")
-_GEMM = ("grouped-gemm", "matmul")
+#: The baselines, by the one name each has in the progress lines, the rows'
+#: ``backend``, the table's ratio columns (``vs_<name>``) and the JSON ratio keys.
+#: How a baseline was measured on this machine is the row's ``variant``.
+#:
+#: ``all_to_all``: ``torch.distributed.all_to_all_single`` of the same bytes per
+#: peer (variant: the transport, ``nccl`` or ``gloo``). ``copy``: the copy
+#: ceiling of dispatch/combine's bytes (variant ``peer`` cuda:0 -> cuda:1 at EP
+#: >= 2, ``device`` on one GPU, ``host`` on CPU). ``grouped_gemm``: the expert
+#: GEMMs alone, the compute roofline of the fused layer (variant
+#: ``torch._grouped_mm`` or ``per-expert matmul``). ``weight_read``: the local
+#: experts' weights read once at the device copy bandwidth measured in the run,
+#: the memory roofline of the forward at decode sizes.
+BASELINES = ("all_to_all", "copy", "grouped_gemm", "weight_read")
+#: Ratio keys (``Row.ratios``) and table columns, in order.
+RATIO_KEYS = tuple(f"vs_{b}" for b in BASELINES)
 
 
 @dataclass
@@ -44,16 +54,19 @@ class Row:
             combine and output format, the weights' encoding in the fused layer.
         status: one of :data:`STATUSES`; reason says why when not ``ok``.
         label: how it was measured (the function, the timer).
-        median_ms, min_ms, max_ms: over the repeats; a repeat's time is the
-            slowest rank's.
+        variant: how a baseline was measured here (the transport of
+            ``all_to_all``, the kind of ``copy``, ...); empty for backends.
+        median_ms, min_ms, max_ms, p25_ms, p75_ms: over the repeats; a
+            repeat's time is the slowest rank's.
         samples_ms: every repeat's time.
         bytes: token-row bytes per rank (dispatch: received; combine: sent), mean
-            over ranks and input sets; fused ops: dispatch plus combine bytes.
+            over ranks and input sets; fused ops: dispatch plus combine bytes;
+            ``weight_read``: the local experts' weight bytes.
         bytes_remote: the part of ``bytes`` that crosses to or from another rank.
         gbps: ``bytes / median`` in GB/s (1e9 bytes per second).
         flops, tflops: expert GEMM operations per rank and their rate (fused ops and GEMM baselines).
-        ratios: ``vs_nccl``, ``vs_peer_copy``, ``vs_roofline`` where that baseline
-            was measured: baseline time over this row's time (1 = as fast as the
+        ratios: ``vs_<baseline>`` (:data:`RATIO_KEYS`) where that baseline was
+            measured: baseline time over this row's time (1 = as fast as the
             baseline, below 1 slower).
         derived: the time is computed from other measurements (see label).
     """
@@ -68,9 +81,12 @@ class Row:
     status: str = "ok"
     reason: str = ""
     label: str = ""
+    variant: str = ""
     median_ms: Optional[float] = None
     min_ms: Optional[float] = None
     max_ms: Optional[float] = None
+    p25_ms: Optional[float] = None
+    p75_ms: Optional[float] = None
     repeats: int = 0
     samples_ms: List[float] = field(default_factory=list)
     bytes: Optional[float] = None
@@ -97,6 +113,8 @@ class Row:
         self.median_ms = float(np.median(arr))
         self.min_ms = float(arr.min())
         self.max_ms = float(arr.max())
+        self.p25_ms = float(np.percentile(arr, 25))
+        self.p75_ms = float(np.percentile(arr, 75))
         return finish(self)
 
     def as_dict(self) -> Dict[str, Any]:
@@ -115,9 +133,9 @@ def finish(row: Row) -> Row:
     return row
 
 
-def _find(rows: Iterable[Row], names: Sequence[str], op: str, tokens: int, fmt: str) -> Optional[Row]:
+def _find(rows: Iterable[Row], name: str, op: str, tokens: int, fmt: str) -> Optional[Row]:
     for r in rows:
-        if r.ok and r.backend in names and r.op == op and r.tokens == tokens and r.format == fmt:
+        if r.ok and r.kind == "baseline" and r.backend == name and r.op == op and r.tokens == tokens and r.format == fmt:
             return r
     return None
 
@@ -130,41 +148,43 @@ def _ratio(base: Optional[float], time: float) -> Optional[float]:
 
 
 def add_ratios(rows: List[Row]) -> None:
-    """Ratios of every measured row to the run's baselines (same op, tokens and format).
+    """Ratios of every measured row to the run's baselines (same op, tokens and
+    format), baseline time over the row's time.
 
-    dispatch/combine: ``vs_nccl`` = all-to-all time / time, ``vs_peer_copy`` =
-    copy-ceiling time / time (both equal the ratios of GB/s: every row of a
-    case counts the same bytes).
-    forward: ``vs_roofline`` = forward grouped-GEMM time / time; ``vs_nccl`` =
-    (all-to-all dispatch + combine time) / time. forward_backward: the same with
-    the forward and backward GEMMs and twice the exchanges.
+    dispatch/combine: ``vs_all_to_all`` and ``vs_copy`` (both equal the ratios
+    of GB/s: every row of a case counts the same bytes).
+    forward: ``vs_grouped_gemm`` = the forward's grouped GEMMs' time / time;
+    ``vs_weight_read`` = the time to read the local experts' weights once at
+    the run's device copy bandwidth / time; ``vs_all_to_all`` = (all-to-all
+    dispatch + combine time) / time. forward_backward: ``vs_grouped_gemm`` with
+    the forward and backward GEMMs, ``vs_all_to_all`` with twice the exchanges.
+    A baseline's own row has 1 for itself.
     """
     for row in rows:
         if not row.ok:
             continue
         row.ratios = {}
         t = row.median_ms
+        if row.kind == "baseline" and row.backend in BASELINES:
+            row.ratios[f"vs_{row.backend}"] = 1.0
+            continue
         if row.op in ("dispatch", "combine"):
-            a2a = _find(rows, _A2A, row.op, row.tokens, row.format)
-            copy = _find(rows, _COPY, row.op, row.tokens, row.format)
-            for key, base in (("vs_nccl", a2a), ("vs_peer_copy", copy)):
-                v = _ratio(base.median_ms if base else None, t)  # type: ignore[arg-type]
-                if v is not None:
-                    row.ratios[key] = v
-        elif row.backend in _GEMM:
-            row.ratios["vs_roofline"] = 1.0
+            pairs = [("all_to_all", _find(rows, "all_to_all", row.op, row.tokens, row.format)),
+                     ("copy", _find(rows, "copy", row.op, row.tokens, row.format))]
+            bases = [(name, b.median_ms if b else None) for name, b in pairs]
         else:
-            gemm = _find(rows, _GEMM, row.op, row.tokens, row.format)
-            d = _find(rows, _A2A, "dispatch", row.tokens, row.format)
-            c = _find(rows, _A2A, "combine", row.tokens, row.format)
-            v = _ratio(gemm.median_ms if gemm else None, t)  # type: ignore[arg-type]
+            gemm = _find(rows, "grouped_gemm", row.op, row.tokens, row.format)
+            wr = _find(rows, "weight_read", row.op, row.tokens, row.format)
+            d = _find(rows, "all_to_all", "dispatch", row.tokens, row.format)
+            c = _find(rows, "all_to_all", "combine", row.tokens, row.format)
+            factor = 2.0 if row.op == "forward_backward" else 1.0
+            a2a = factor * (d.median_ms + c.median_ms) if d is not None and c is not None else None  # type: ignore[operator]
+            bases = [("all_to_all", a2a), ("grouped_gemm", gemm.median_ms if gemm else None),
+                     ("weight_read", wr.median_ms if wr else None)]
+        for name, base in bases:
+            v = _ratio(base, t)  # type: ignore[arg-type]
             if v is not None:
-                row.ratios["vs_roofline"] = v
-            if d is not None and c is not None:
-                factor = 2.0 if row.op == "forward_backward" else 1.0
-                v = _ratio(factor * (d.median_ms + c.median_ms), t)  # type: ignore[operator]
-                if v is not None:
-                    row.ratios["vs_nccl"] = v
+                row.ratios[f"vs_{name}"] = v
 
 
 # ----------------------------------------------------------------------------- output
@@ -172,47 +192,66 @@ def add_ratios(rows: List[Row]) -> None:
 
 def _order(row: Row) -> tuple:
     op = OPS.index(row.op) if row.op in OPS else len(OPS)
-    return (op, row.format, row.tokens, 0 if row.kind == "backend" else 1, row.backend)
+    base = BASELINES.index(row.backend) if row.kind == "baseline" and row.backend in BASELINES else -1
+    return (op, row.format, row.tokens, 0 if row.kind == "backend" else 1, base, row.backend)
 
 
-def _num(v: Optional[float], fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
+#: Significant digits of every number in the table (the JSON keeps full precision).
+SIG_DIGITS = 3
+
+
+def sig(v: Optional[float], digits: int = SIG_DIGITS) -> str:
+    """``v`` with ``digits`` significant digits in fixed-point notation, never an
+    exponent: 45.1, 0.0968, 0.000588, 12346 (integers keep every digit); ``-``
+    for None."""
+    if v is None or not math.isfinite(v):
+        return "-"
+    if v == 0:
+        return "0"
+    exp = math.floor(math.log10(abs(v)))
+    decimals = max(0, digits - 1 - exp)
+    text = f"{round(v, decimals):.{decimals}f}"
+    # rounding may have added a digit (0.0999 -> 0.100): keep `digits` significant ones
+    if decimals > 0 and len(text.replace("-", "").replace(".", "").lstrip("0")) > digits:
+        text = f"{round(v, decimals - 1):.{decimals - 1}f}"
+    return text
 
 
 def _note(r: Row) -> str:
-    notes = ["derived"] if r.derived else []
-    if r.backend == "peer-copy" and r.bytes_remote and r.median_ms:
-        notes.append(f"link {r.bytes_remote / (r.median_ms / 1e3) / 1e9:.4g} GB/s")
+    notes = [r.variant] if r.variant else []
+    if r.derived:
+        notes.append("derived")
+    if r.backend == "copy" and r.variant == "peer" and r.bytes_remote and r.median_ms:
+        notes.append(f"link {sig(r.bytes_remote / (r.median_ms / 1e3) / 1e9)} GB/s")
     return "; ".join(notes)
 
 
+#: The table's columns: units in the header, numbers in :func:`sig` style.
+COLUMNS = ("backend", "op", "format", "tokens", "median ms", "min-max ms", "GB/s", "TFLOP/s") + RATIO_KEYS + ("note",)
+
+
 def format_table(rows: Sequence[Row], header: str = "") -> str:
-    """The terminal table: measured rows, then one line per group of rows that
-    were not measured for the same reason."""
-    cols = ["backend", "op", "format", "tokens", "median_ms", "GB/s", "TFLOP/s", "vs_nccl", "vs_peer", "vs_roofline", "note"]
+    """The terminal table: measured rows (the median and the min-max range over
+    the repeats, the rates at the median, the ratios to the baselines), then one
+    line per group of rows that were not measured for the same reason. Ratio
+    columns no row has are left out."""
+    measured = [r for r in sorted(rows, key=_order) if r.status == "ok"]
+    keys = [k for k in RATIO_KEYS if any(k in r.ratios for r in measured)]
+    cols = [c for c in COLUMNS if c not in RATIO_KEYS or c in keys]
     table = [cols]
     notes: Dict[tuple, List[Row]] = {}
     for r in sorted(rows, key=_order):
         if r.status != "ok":
             notes.setdefault((r.backend, r.status, r.reason), []).append(r)
-            continue
+    for r in measured:
+        spread = "-" if r.min_ms is None or r.max_ms is None else f"{sig(r.min_ms)}-{sig(r.max_ms)}"
         table.append(
-            [
-                r.backend,
-                r.op,
-                r.format,
-                str(r.tokens),
-                _num(r.median_ms, ".4g"),
-                _num(r.gbps, ".4g"),
-                _num(r.tflops, ".4g"),
-                _num(r.ratios.get("vs_nccl"), ".3f"),
-                _num(r.ratios.get("vs_peer_copy"), ".3f"),
-                _num(r.ratios.get("vs_roofline"), ".3f"),
-                _note(r),
-            ]
+            [r.backend, r.op, r.format, str(r.tokens), sig(r.median_ms), spread, sig(r.gbps), sig(r.tflops)]
+            + [sig(r.ratios.get(k)) for k in keys]
+            + [_note(r)]
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-    right = {3, 4, 5, 6, 7, 8, 9}
+    right = set(range(3, len(cols) - 1))
     lines = [header] if header else []
     for row in table:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
@@ -236,16 +275,20 @@ def report(settings: dict, environment: dict, rows: Sequence[Row], command: str,
         "settings": settings,
         "environment": environment,
         "definitions": {
-            "median_ms": "median over the repeats of the slowest rank's time of one call",
+            "median_ms": "median over the repeats of the slowest rank's time of one call; min_ms, max_ms, p25_ms, "
+            "p75_ms: the spread over the same repeats",
             "bytes": "token-row bytes per rank: received in dispatch, sent in combine (mean over ranks and input "
-            "sets); fused ops: dispatch plus combine bytes",
+            "sets); fused ops: dispatch plus combine bytes; weight_read: the local experts' fc1 + fc2 bytes",
             "gbps": "bytes / median_ms, in 1e9 bytes per second",
             "tflops": "expert GEMM operations per rank / median_ms (forward 6*R*H*I, forward_backward 3x)",
-            "vs_nccl": "all_to_all_single time (same bytes per peer) / time; fused ops: (dispatch + combine "
-            "all-to-all time) / time, twice that for forward_backward",
-            "vs_peer_copy": "copy ceiling time / time: GPU0->GPU1 peer copy of the rows rank 0 receives from other "
-            "ranks (EP >= 2: its own rows counted free), device-to-device copy of all its rows (EP 1), memcpy on CPU",
-            "vs_roofline": "grouped-GEMM time of the same expert shapes and rows / time",
+            "vs_all_to_all": "all_to_all_single time (same bytes per peer; variant: nccl or gloo) / time; fused "
+            "ops: (dispatch + combine all-to-all time) / time, twice that for forward_backward",
+            "vs_copy": "copy ceiling time / time: variant peer: cuda:0 -> cuda:1 copy of the rows rank 0 receives "
+            "from other ranks (its own rows counted free); device: device-to-device copy of all its rows (one "
+            "GPU); host: memcpy (CPU)",
+            "vs_grouped_gemm": "grouped-GEMM time of the same expert shapes and rows / time",
+            "vs_weight_read": "forward: (local experts' weight bytes in the row's format / the device copy "
+            "bandwidth measured in this run, read plus write bytes over the copy's time) / time",
         },
         "rows": [r.as_dict() for r in rows],
         "plots": list(plots),

@@ -2,9 +2,11 @@
 
 ``world``: backends of the world launch model known to the harness (the numpy
 ``reference``): the world-level calls, timed with ``time.perf_counter`` in this
-process (:mod:`.world`). ``torch``: the torch backend, timed inside its ranks'
-processes on the device with its own torch functions (:mod:`.torch_driver`,
-which also hosts the baselines).
+process (:mod:`.world`). ``torch``: the backends with PyTorch tensors in and
+out, ``torch`` and ``cuda-nccl``, timed inside their ranks' processes on the
+device with their own torch functions (:mod:`.torch_driver`, which also hosts
+the baselines). ``jax``: ``jax`` and ``jax-ffi``, the jitted layer inside
+``jax.shard_map`` over a mesh of EP devices, in this process (:mod:`.jax_driver`).
 
 Other distributions may add a driver for their backend through the entry-point
 group ``moe_ep_bench.drivers``: the entry point's name is the backend's name,
@@ -23,11 +25,11 @@ __all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "driver_for"]
 ENTRY_POINT_GROUP = "moe_ep_bench.drivers"
 
 #: Backends the harness knows, and their driver.
-BUILTIN: Dict[str, str] = {"reference": "world", "torch": "torch"}
+BUILTIN: Dict[str, str] = {"reference": "world", "torch": "torch", "cuda-nccl": "torch", "jax": "jax", "jax-ffi": "jax"}
 
 
 def driver_for(name: str) -> Optional[Any]:
-    """``"world"``, ``"torch"``, a third-party ``drive`` callable, or None."""
+    """``"world"``, ``"torch"``, ``"jax"``, a third-party ``drive`` callable, or None."""
     if name in BUILTIN:
         return BUILTIN[name]
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):

@@ -2,20 +2,29 @@
 jobs, collects their timings and turns them into rows. Imports no torch:
 :mod:`.torch_rank` does, inside the rank processes.
 
-Jobs (:class:`Job`) are of four targets:
+Jobs (:class:`Job`) have one of these targets (the baselines' are their names
+in :data:`~moe_ep_bench.results.BASELINES`):
 
-``torch``
-    the torch backend's own functions on the device (dispatch, combine, the
-    fused forward, forward+backward);
-``a2a``
+``torch``, ``cuda-nccl``
+    a backend with PyTorch tensors in and out, timed in its ranks' processes:
+    ``torch``'s own functions (dispatch, combine, the fused forward,
+    forward+backward); ``cuda-nccl``'s layer (:mod:`moe_ep_cuda_nccl.api`,
+    the same call as :mod:`moe_ep_torch.api`: forward and forward+backward);
+``all_to_all``
     ``torch.distributed.all_to_all_single`` of the same bytes per peer as the
-    dispatch (or combine) moves (NCCL on CUDA, gloo on CPU);
+    dispatch (or combine) moves (variant ``nccl`` on CUDA, ``gloo`` on CPU);
 ``copy``
-    one copy of a rank's dispatch bytes: GPU0 to GPU1 (EP >= 2), device to
-    device on GPU0 (EP 1), memcpy on CPU; rank 0 alone;
-``gemm``
+    one copy of a rank's dispatch bytes: GPU0 to GPU1 (EP >= 2, variant
+    ``peer``), device to device on GPU0 (EP 1, ``device``), memcpy on CPU
+    (``host``); rank 0 alone;
+``grouped_gemm``
     the expert GEMMs on the same per-expert row counts: ``torch._grouped_mm``
-    in bf16 on CUDA, per-expert float32 matmuls on CPU.
+    in bf16 on CUDA, per-expert float32 matmuls on CPU;
+``weight_read``
+    one copy of rank 0's local bf16 expert weights on its device: the
+    bandwidth (read plus write bytes over the time) that the ``weight_read``
+    rows of every format and token count read the weights at
+    (:func:`weight_read_rows`).
 
 Every rank runs the jobs in the same order. A job's time per repeat is the
 slowest rank's; the parent stops every rank when one job exceeds the timeout
@@ -32,12 +41,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from moe_ep_spec.launch import free_loopback_port
 
-from ..model import OPS, BenchSettings, Routing
-from ..results import Row
+from ..model import OPS, BenchSettings, Routing, weight_bytes
+from ..results import Row, sig
 
-__all__ = ["Job", "make_jobs", "run_jobs", "baseline_name", "TARGETS"]
+__all__ = ["Job", "make_jobs", "run_jobs", "variant", "TARGETS", "BACKENDS", "weight_read_rows", "unsupported"]
 
-TARGETS = ("torch", "a2a", "copy", "gemm")
+#: Backends timed in the torch driver's rank processes, and what each times.
+BACKENDS: Dict[str, Tuple[str, ...]] = {"torch": OPS, "cuda-nccl": ("forward", "forward_backward")}
+TARGETS = tuple(BACKENDS) + ("all_to_all", "copy", "grouped_gemm", "weight_read")
 
 
 @dataclass(frozen=True)
@@ -53,56 +64,74 @@ class Job:
     @property
     def phase(self) -> str:
         """The weights the job needs in memory: GEMM baselines run on bf16 weights."""
-        return "bf16" if self.target == "gemm" else self.format
+        return "bf16" if self.target in ("grouped_gemm", "weight_read") else self.format
 
     def describe(self) -> str:
-        what = "torch" if self.target == "torch" else self.target
-        return f"{what} {self.op} {self.format} T={self.tokens}"
+        if self.target == "weight_read":
+            return "weight_read (device copy of the local bf16 weights)"
+        return f"{self.target} {self.op} {self.format} T={self.tokens}"
 
 
-def baseline_name(target: str, settings: BenchSettings) -> str:
-    """The ``backend`` name of a baseline row."""
+def variant(target: str, settings: BenchSettings) -> str:
+    """How a baseline is measured on this device and EP size (the rows' ``variant``)."""
     cuda = settings.device == "cuda"
-    if target == "a2a":
+    if target == "all_to_all":
         return "nccl" if cuda else "gloo"
     if target == "copy":
-        if not cuda:
-            return "memcpy"
-        return "peer-copy" if settings.ep_size >= 2 else "d2d-copy"
-    if target == "gemm":
-        return "grouped-gemm" if cuda else "matmul"
-    return target
+        return ("peer" if settings.ep_size >= 2 else "device") if cuda else "host"
+    if target == "grouped_gemm":
+        return "torch._grouped_mm" if cuda else "per-expert matmul"
+    if target == "weight_read":
+        return "device copy" if cuda else "host copy"
+    return ""
 
 
-def torch_unsupported(op: str, fmt: str) -> Optional[str]:
-    """Why the torch driver cannot time ``op`` in ``fmt``, or None."""
-    if op == "forward_backward" and fmt != "bf16":
+def unsupported(backend: str, op: str, fmt: str) -> Optional[str]:
+    """Why the torch driver does not time ``op`` in ``fmt`` on ``backend``, or None."""
+    if op not in BACKENDS[backend]:
         return (
-            "unsupported: moe_ep_torch.api.moe_ep is differentiable with plain float inputs and bf16 output only "
-            f"(format {fmt})"
+            f"skipped: the bench times {backend}'s layer only (moe_ep_cuda_nccl.api.moe_ep: forward, "
+            "forward_backward); it has no separate dispatch/combine entry point"
         )
+    if op == "forward_backward" and fmt != "bf16":
+        api = "moe_ep_torch.api.moe_ep" if backend == "torch" else "moe_ep_cuda_nccl.api.moe_ep"
+        return f"unsupported: {api} is differentiable with plain float inputs and bf16 output only (format {fmt})"
     return None
 
 
-def make_jobs(settings: BenchSettings, torch_backend: bool, baselines: bool) -> List[Job]:
+def torch_unsupported(op: str, fmt: str) -> Optional[str]:
+    """Why the torch driver cannot time ``op`` in ``fmt`` on the torch backend, or None."""
+    return unsupported("torch", op, fmt)
+
+
+def make_jobs(settings: BenchSettings, backends: Sequence[str], baselines: bool) -> List[Job]:
     """The jobs of a run, in the order the ranks run them: weights phase (bf16
-    first), then tokens, then target, then op."""
+    first), then tokens, then target, then op. ``backends``: those of
+    :data:`BACKENDS` to time."""
     specs: List[Tuple[str, str, int, str]] = []
     for fmt in settings.formats:
         for t in settings.tokens:
             for op in settings.ops:
-                if torch_backend and torch_unsupported(op, fmt) is None:
-                    specs.append(("torch", op, t, fmt))
+                for b in backends:
+                    if unsupported(b, op, fmt) is None:
+                        specs.append((b, op, t, fmt))
                 if baselines and op in ("dispatch", "combine"):
-                    specs.append(("a2a", op, t, fmt))
+                    specs.append(("all_to_all", op, t, fmt))
                     specs.append(("copy", op, t, fmt))
     if baselines:
         fused = [op for op in settings.ops if op in ("forward", "forward_backward")]
         for t in settings.tokens:
             for op in fused:
-                specs.append(("gemm", op, t, "bf16"))
+                specs.append(("grouped_gemm", op, t, "bf16"))
+        if "forward" in settings.ops:
+            specs.append(("weight_read", "forward", 0, "bf16"))
     phases = ["bf16"] + [f for f in settings.formats if f != "bf16"]
-    specs.sort(key=lambda s: (phases.index("bf16" if s[0] == "gemm" else s[3]), s[2], TARGETS.index(s[0]), OPS.index(s[1]), s[3]))
+
+    def key(s: Tuple[str, str, int, str]) -> tuple:
+        phase = "bf16" if s[0] in ("grouped_gemm", "weight_read") else s[3]
+        return (phases.index(phase), s[2], TARGETS.index(s[0]), OPS.index(s[1]), s[3])
+
+    specs.sort(key=key)
     return [Job(i, *s) for i, s in enumerate(specs)]
 
 
@@ -120,6 +149,7 @@ class JobResult:
     reason: str = ""
     label: str = ""
     derived: bool = False
+    bytes: Optional[float] = None
 
 
 def run_jobs(
@@ -209,35 +239,65 @@ def run_jobs(
 
 
 def rows_from_results(
-    settings: BenchSettings, jobs: Sequence[Job], results: Dict[int, Tuple[JobResult, ...]], backend_label: str
+    settings: BenchSettings, jobs: Sequence[Job], results: Dict[int, Tuple[JobResult, ...]], labels: Dict[str, str]
 ) -> List[Row]:
-    """One row per job: the slowest rank's time of every repeat, then the median."""
+    """One row per job: the slowest rank's time of every repeat, then the median.
+    ``labels``: the label of each backend's rows. The ``weight_read`` job gives
+    one row per format and token count (:func:`weight_read_rows`)."""
     rows: List[Row] = []
     for j in jobs:
         per_rank = results[j.id]
-        if j.target == "torch":
-            row = Row(backend="torch", kind="backend", op=j.op, tokens=j.tokens, format=j.format,
-                      ep_size=settings.ep_size, device=settings.device, label=backend_label)
+        if j.target in BACKENDS:
+            row = Row(backend=j.target, kind="backend", op=j.op, tokens=j.tokens, format=j.format,
+                      ep_size=settings.ep_size, device=settings.device, label=labels.get(j.target, ""))
         else:
-            row = Row(backend=baseline_name(j.target, settings), kind="baseline", op=j.op, tokens=j.tokens,
-                      format=j.format, ep_size=settings.ep_size, device=settings.device)
+            row = Row(backend=j.target, kind="baseline", op=j.op, tokens=j.tokens, format=j.format,
+                      ep_size=settings.ep_size, device=settings.device, variant=variant(j.target, settings))
         bad = [(r, x) for r, x in enumerate(per_rank) if x.status != "ok"]
-        labels = [x.label for x in per_rank if x.label]
-        if labels:
-            row.label = labels[0]
+        labels_ = [x.label for x in per_rank if x.label]
+        if labels_:
+            row.label = labels_[0]
         row.derived = any(x.derived for x in per_rank)
+        copied = next((x.bytes for x in per_rank if x.bytes), None)
         if bad:
             r, x = bad[0]
             row.status = x.status
             row.reason = x.reason if len(per_rank) == 1 else f"rank {r}: {x.reason}"
+        else:
+            series = [x.times_ms for x in per_rank if x.times_ms]
+            if not series:
+                row.status, row.reason = "error", "no timings came back"
+            else:
+                count = min(len(s) for s in series)
+                row.set_times([max(s[i] for s in series) for i in range(count)])
+        if j.target == "weight_read":
+            rows += weight_read_rows(settings, row, copied)
+        else:
             rows.append(row)
-            continue
-        series = [x.times_ms for x in per_rank if x.times_ms]
-        if not series:
-            row.status, row.reason = "error", "no timings came back"
+    return rows
+
+
+def weight_read_rows(settings: BenchSettings, copy: Row, copied_bytes: Optional[float]) -> List[Row]:
+    """The ``weight_read`` rows of every format and token count from one device
+    copy of ``copied_bytes`` (its per-repeat times in ``copy``): reading a
+    format's local weights once, ``weight_bytes(fmt)``, at the copy's bandwidth
+    ``2 * copied_bytes / time`` (read plus write). The time does not depend on
+    the token count (forward only)."""
+    rows = []
+    for fmt in settings.formats:
+        for t in settings.tokens:
+            row = Row(**{**copy.as_dict(), "format": fmt, "tokens": t, "samples_ms": [], "ratios": {}})
+            if copy.ok and copied_bytes:
+                wb = weight_bytes(settings, fmt)
+                row.bytes = float(wb)
+                row.set_times([ms * wb / (2.0 * copied_bytes) for ms in copy.samples_ms])
+                row.derived = True
+                bw = 2.0 * copied_bytes / (copy.median_ms / 1e3) / 1e9  # type: ignore[operator]
+                row.label = (
+                    f"local experts' {fmt} weights ({sig(wb / 1e6)} MB) / device copy bandwidth {sig(bw)} GB/s "
+                    f"(read + write bytes / time of: {copy.label})"
+                )
+            elif copy.status == "ok":
+                row.status, row.reason = "error", "the weight copy reported no byte count"
             rows.append(row)
-            continue
-        count = min(len(s) for s in series)
-        slowest = [max(s[i] for s in series) for i in range(count)]
-        rows.append(row.set_times(slowest))
     return rows

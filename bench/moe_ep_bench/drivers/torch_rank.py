@@ -26,7 +26,7 @@ import torch.distributed as dist
 from moe_ep_spec.formats import MoeFormat
 
 from ..model import BenchSettings, Routing, row_bytes
-from .torch_driver import Job
+from .torch_driver import BACKENDS, Job
 
 _MAX_REASON = 600
 #: A GPU spin (cycles) before each timed call; about 1 ms at H200 clocks.
@@ -201,13 +201,25 @@ class Runner:
     # ------------------------------------------------------------------ jobs
 
     def run(self, job: Job) -> Dict[str, Any]:
+        if job.target in BACKENDS:
+            return self.job_backend(job)
         fn = getattr(self, f"job_{job.target}")
         return fn(job)
 
-    def job_torch(self, job: Job) -> Dict[str, Any]:
-        from moe_ep_torch import api, core
+    def job_backend(self, job: Job) -> Dict[str, Any]:
+        """A backend's own functions: ``torch`` (moe_ep_torch), or ``cuda-nccl``
+        (moe_ep_cuda_nccl.api, the same layer call on the native core)."""
+        from moe_ep_torch import core
         from moe_ep_torch import formats as TF
 
+        if job.target == "cuda-nccl":
+            from moe_ep_cuda_nccl import api
+
+            name = "moe_ep_cuda_nccl.api.moe_ep"
+        else:
+            from moe_ep_torch import api
+
+            name = "moe_ep_torch.api.moe_ep"
         s, fmt, t = self.s, job.format, job.tokens
         config = s.config(fmt)
         inp = self.inputs(fmt, t)
@@ -250,7 +262,7 @@ class Runner:
                     return api.moe_ep(inp["tokens"][i], w["fc1"], w["fc2"], inp["idx"][i], inp["weights"][i], config=config)
 
             times = self.measure(forward, nsets)
-            label = f"moe_ep_torch.api.moe_ep, no grad; {timer}"
+            label = f"{name}, no grad; {timer}"
         elif job.op == "forward_backward":
             w = self.weights(fmt)
             fc1 = w["fc1"].detach().requires_grad_(True)
@@ -277,7 +289,7 @@ class Runner:
             finally:
                 clear(0)
                 del fc1, fc2, acts, tws, leaves
-            label = f"moe_ep_torch.api.moe_ep then .backward() (bf16 leaves, requires_grad); {timer}"
+            label = f"{name} then .backward() (bf16 leaves, requires_grad); {timer}"
         else:
             raise ValueError(job.op)
         return {"status": "ok", "times_ms": times, "label": label}
@@ -289,7 +301,7 @@ class Runner:
         recv = [c * rb for c in routing.recv_rows(i, self.rank)]
         return (send, recv) if job.op == "dispatch" else (recv, send)
 
-    def job_a2a(self, job: Job) -> Dict[str, Any]:
+    def job_all_to_all(self, job: Job) -> Dict[str, Any]:
         nsets = self.routings[job.tokens].num_sets
         bufs = []
         for i in range(nsets):
@@ -353,7 +365,36 @@ class Runner:
         self.barrier()
         return result
 
-    def job_gemm(self, job: Job) -> Dict[str, Any]:
+    def job_weight_read(self, job: Job) -> Dict[str, Any]:
+        """Rank 0 copies its local bf16 expert weights (fc1 and fc2) into fresh
+        buffers on its device; the others wait at the host barriers. The
+        bytes copied travel with the result: the weight_read rows read the
+        weights at ``2 * bytes / time`` (read plus write)."""
+        self.barrier()
+        result: Dict[str, Any] = {"status": "ok", "times_ms": None, "label": ""}
+        if self.rank == 0:
+            w = self.weights("bf16")
+            src = (w["fc1"], w["fc2"])
+            dst = tuple(torch.empty_like(x) for x in src)
+            nbytes = sum(x.numel() * x.element_size() for x in src)
+
+            def copy(_: int) -> Any:
+                for d, x in zip(dst, src):
+                    d.copy_(x, non_blocking=True)
+                return None
+
+            try:
+                times = self.measure(copy, 1, collective=False)
+            finally:
+                del dst
+            where = f"on {self.dev}" if self.cuda else "in host memory"
+            timer = "CUDA events" if self.cuda else "perf_counter"
+            result = {"status": "ok", "times_ms": times, "bytes": float(nbytes),
+                      "label": f"fc1.copy_ + fc2.copy_ of rank 0's local bf16 weights {where} ({nbytes / 1e6:.1f} MB); {timer}"}
+        self.barrier()
+        return result
+
+    def job_grouped_gemm(self, job: Job) -> Dict[str, Any]:
         routing = self.routings[job.tokens]
         s = self.s
         h, i_ = s.hidden, s.intermediate
@@ -476,12 +517,12 @@ def rank_main(rank: int, settings: BenchSettings, routings: Dict[int, Routing], 
     """A rank process: join the group, report the environment (rank 0), run
     every job in order, sending each result as it is done."""
     try:
-        if any(j.target == "torch" for j in jobs):
+        for name in sorted({j.target for j in jobs if j.target in BACKENDS}):
             from moe_ep_spec.registry import get_backend
 
-            availability = get_backend("torch", require_available=False).availability()
+            availability = get_backend(name, require_available=False).availability()
             if not availability:
-                raise RuntimeError(f"backend 'torch' is not available: {availability.reason}")
+                raise RuntimeError(f"backend {name!r} is not available: {availability.reason}")
         cuda = settings.device == "cuda"
         if cuda:
             if not torch.cuda.is_available():
@@ -524,6 +565,13 @@ def rank_main(rank: int, settings: BenchSettings, routings: Dict[int, Routing], 
             out.put(("job", rank, job.id, res))
         out.put(("done", rank))
     finally:
+        if any(j.target == "cuda-nccl" for j in jobs):
+            try:
+                from moe_ep_cuda_nccl.api import close_communicators
+
+                close_communicators()
+            except Exception:  # noqa: BLE001
+                pass
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001

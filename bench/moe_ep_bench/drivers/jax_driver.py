@@ -1,0 +1,197 @@
+"""The jax driver: backends ``jax`` and ``jax-ffi`` (world launch, one process
+drives a mesh of EP devices).
+
+The fused layer as a JAX user runs it: :func:`moe_ep_jax.api.shard_moe_ep`
+(``moe_ep`` inside ``jax.shard_map`` over a mesh of ``--ep-size`` devices,
+axis ``"ep"``) under ``jax.jit``, with XLA's kernels (``jax``) or the native
+core's through XLA FFI (``jax-ffi``, :class:`moe_ep_jax_ffi.kernels.FfiKernels`).
+``forward`` times the jitted layer; ``forward_backward`` the jitted
+``jax.vjp`` of the layer with respect to the activation, both weights and the
+router weights, applied to a bf16 output cotangent (bf16 only, as for torch).
+Each executable is compiled before it is timed (on CPU with the jax
+backend's own ``XLA_CPU_FAST_COMPILE`` options, as the backend compiles); a call's time is
+``time.perf_counter`` around the call and ``jax.block_until_ready`` of its
+result (the whole world's time, as every rank runs in the call).
+
+Devices: ``--device cpu`` uses jax's CPU devices (the jax backend asks XLA for
+``MOE_EP_JAX_CPU_DEVICES``, default 8, before jax is first imported; or set
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``), ``--device cuda``
+its GPUs. Imports jax only in :func:`run_jax`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Dict, List, Sequence
+
+import numpy as np
+
+from moe_ep_spec.backend import MoeEpBackend
+
+from ..model import BenchSettings, Routing
+from ..results import Row
+
+__all__ = ["jax_cases", "run_jax"]
+
+
+def _unsupported(backend: str, op: str, fmt: str) -> str:
+    if op in ("dispatch", "combine"):
+        return f"skipped: the bench times {backend}'s fused layer only (forward, forward_backward)"
+    if op == "forward_backward" and fmt != "bf16":
+        return (
+            "unsupported: jax.vjp through moe_ep_jax.api.moe_ep needs plain float inputs and bf16 output "
+            f"(format {fmt}: block-scaled inputs are constants to jax)"
+        )
+    return ""
+
+
+def jax_cases(backend: MoeEpBackend, settings: BenchSettings) -> List[Row]:
+    """Every case of ``backend``: rows to measure (status ``ok`` for now) and rows not measured."""
+    rows = []
+    for fmt in settings.formats:
+        for t in settings.tokens:
+            for op in settings.ops:
+                row = Row(backend=backend.name, kind="backend", op=op, tokens=t, format=fmt,
+                          ep_size=settings.ep_size, device=settings.device)
+                why = _unsupported(backend.name, op, fmt)
+                if why:
+                    row.status, row.reason = why.split(":")[0], why
+                rows.append(row)
+    return rows
+
+
+def _time(fn: Callable[..., Any], sets: Sequence[tuple], warmup: int, repeats: int) -> List[float]:
+    import jax
+
+    for i in range(warmup):
+        jax.block_until_ready(fn(*sets[i % len(sets)]))
+    out = []
+    for i in range(repeats):
+        args = sets[i % len(sets)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def run_jax(
+    backend: MoeEpBackend, settings: BenchSettings, routings: Dict[int, Routing], rows: List[Row], progress: Any
+) -> Dict[str, Any]:
+    """Measure the ``ok`` rows of :func:`jax_cases` in place; returns what to
+    add to the report's environment."""
+    from moe_ep_jax.devices import prepare_environment
+
+    prepare_environment()
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from moe_ep_jax import formats as F
+    from moe_ep_jax.api import shard_moe_ep
+
+    s = settings
+    todo = [r for r in rows if r.status == "ok"]
+    try:
+        devs = jax.devices("cpu" if s.device == "cpu" else "gpu")
+    except RuntimeError as exc:
+        devs, problem = [], f"jax has no {s.device} devices here: {exc}"
+    else:
+        problem = ""
+        if len(devs) < s.ep_size:
+            problem = (
+                f"--ep-size {s.ep_size} needs {s.ep_size} jax {s.device} devices; jax has {len(devs)}"
+                + (" (set MOE_EP_JAX_CPU_DEVICES or XLA_FLAGS=--xla_force_host_platform_device_count=N before jax "
+                   "is imported)" if s.device == "cpu" else "")
+            )
+    if problem:
+        for r in todo:
+            r.status, r.reason = "error", problem
+            progress.update(f"{backend.name} {r.op} {r.format} T={r.tokens} (not run)")
+        return {}
+    mesh = Mesh(np.array(devs[: s.ep_size]), ("ep",))
+    shard = NamedSharding(mesh, P("ep"))
+    kernels = None
+    if backend.name == "jax-ffi":
+        from moe_ep_jax_ffi.kernels import FfiKernels
+
+        kernels = FfiKernels()
+    exchange = getattr(backend, "exchange", None) or ("capacity" if s.device == "cpu" else None)
+    kernels_name = type(kernels).__name__ if kernels is not None else "XlaKernels"
+    # Compile as the backend compiles its own executables: on CPU with its fast-compile options (same
+    # arithmetic, a quarter of the compile time, slower code), unless the backend was made with fast_compile=False.
+    fast = getattr(backend, "fast_compile", None)
+    options = None
+    if fast or (fast is None and s.device == "cpu"):
+        from moe_ep_jax.backend import XLA_CPU_FAST_COMPILE
+
+        options = dict(XLA_CPU_FAST_COMPILE)
+    base_key = jax.random.key(s.seed)
+
+    def key(*parts: int) -> Any:
+        k = base_key
+        for p in parts:
+            k = jax.random.fold_in(k, p)
+        return k
+
+    def encode(x: Any, fmt: str) -> Any:
+        return x.astype(jnp.bfloat16) if fmt == "bf16" else F.quantize(x, fmt, axis=1)
+
+    weights: Dict[str, Any] = {}
+
+    def get_weights(fmt: str) -> Any:
+        if fmt not in weights:
+            weights.clear()
+            e, h, i = s.experts, s.hidden, s.intermediate  # global: sharded over the mesh, E_local per device
+
+            def make() -> Any:
+                w1 = jax.random.normal(key(1, 1), (e, h, 2 * i), jnp.float32) / math.sqrt(h)
+                w2 = jax.random.normal(key(1, 2), (e, i, h), jnp.float32) / math.sqrt(i)
+                return encode(w1, fmt), encode(w2, fmt)
+
+            weights[fmt] = jax.jit(make, out_shardings=shard)()
+        return weights[fmt]
+
+    for row in todo:
+        fmt, t = row.format, row.tokens
+        routing = routings[t]
+        try:
+            config = s.config(fmt, t)
+            w1, w2 = get_weights(fmt)
+            layer = shard_moe_ep(config, mesh, exchange=exchange, kernels=kernels)
+            sets = []
+            for st in range(routing.num_sets):
+                idx = jax.device_put(np.concatenate(routing.topk_idx[st]).astype(np.int32), shard)
+
+                def make_inputs(st: int = st) -> Any:
+                    x = jax.random.normal(key(2, t, st), (s.ep_size * t, s.hidden), jnp.float32)
+                    tw = jax.random.uniform(key(3, t, st), (s.ep_size * t, s.topk), jnp.float32, 0.05, 1.0)
+                    gy = jax.random.normal(key(4, t, st), (s.ep_size * t, s.hidden), jnp.bfloat16)
+                    return encode(x, fmt), tw, gy
+
+                x, tw, gy = jax.jit(make_inputs, out_shardings=shard)()
+                sets.append((x, w1, w2, idx, tw, gy) if row.op == "forward_backward" else (x, w1, w2, idx, tw))
+            if row.op == "forward":
+                fn = layer
+                what = "shard_moe_ep(...)(x, w1, w2, idx, tw)"
+            else:
+
+                def fn(x: Any, w1: Any, w2: Any, idx: Any, tw: Any, gy: Any) -> Any:
+                    _, vjp = jax.vjp(lambda x, w1, w2, tw: layer(x, w1, w2, idx, tw), x, w1, w2, tw)
+                    return vjp(gy)
+
+                what = "jax.vjp of shard_moe_ep(...) w.r.t. x, w1, w2, tw, applied to a bf16 cotangent"
+            lowered = jax.jit(fn).lower(*sets[0])
+            compiled = lowered.compile(options) if options else lowered.compile()
+            row.set_times(_time(compiled, sets, s.warmup, s.repeats))
+            row.label = (
+                f"jax.jit({what}) on {s.ep_size} {devs[0].platform} device(s), exchange {exchange or 'default'}, "
+                f"{kernels_name}; compiled first{' (XLA_CPU_FAST_COMPILE, as the backend)' if options else ''}, "
+                "then perf_counter around the call + block_until_ready"
+            )
+        except Exception as exc:  # noqa: BLE001 - a failing backend is a row, not a crash
+            row.status, row.reason = "error", f"{type(exc).__name__}: {exc}"[:600]
+        progress.update(f"{backend.name} {row.op} {row.format} T={row.tokens}")
+    weights.clear()
+    return {"jax": jax.__version__, "jax_platform": devs[0].platform, "jax_devices": len(devs)}
