@@ -2,7 +2,10 @@
 
 Every case is a :class:`Case`: one operation on one configuration with one kind
 of input. Its id names every axis in a fixed order, e.g.
-``ep2-k2-e8-out_mxfp8-comb_bf16-in_bf16-wt_bf16-skewed-even-w_fc1-clamp-dynamic``;
+``ep2-k2-e8-out_mxfp8-comb_bf16-in_bf16-wt_bf16-skewed-even-w_fc1-clamp-dynamic``
+(an axis at its base value is left out of the id only where the table below says
+so: ``h64-i32``, ``mt8``, float32 router weights and cotangents, int32 ids,
+contiguous arrays, random values, the clamp limit 0.75);
 the test id adds the operation and the backend:
 ``forward[torch-ep2-k2-e8-out_mxfp8-...]``. Ids never depend on the order in
 which cases are generated, and the random inputs of a case depend on its id
@@ -43,23 +46,56 @@ OPERATIONS = (
 )
 
 #: Bad inputs: kind -> (operation it is fed to, the error class name the spec requires).
+#: Every error class of spec section 12 that an input can cause is tried on every
+#: operation that takes that input (the forward's kinds are unprefixed; the others
+#: carry their operation's prefix).
 BAD_INPUTS: Dict[str, Tuple[str, str]] = {
     "activation_shape": ("forward", "ShapeError"),
     "activation_dtype": ("forward", "DTypeError"),
+    "activation_wrong_axis": ("forward", "FormatError"),
     "weight_shape": ("forward", "ShapeError"),
+    "fc2_weight_shape": ("forward", "ShapeError"),
+    "weight_dtype": ("forward", "DTypeError"),
     "topk_idx_shape": ("forward", "ShapeError"),
     "topk_idx_dtype": ("forward", "DTypeError"),
     "topk_weights_dtype": ("forward", "DTypeError"),
+    "topk_weights_float64": ("forward", "DTypeError"),
     "expert_id_too_high": ("forward", "RoutingIndexError"),
     "expert_id_below_minus_one": ("forward", "RoutingIndexError"),
+    "expert_id_wraps_int32": ("forward", "RoutingIndexError"),
     "too_many_tokens": ("forward", "CapacityError"),
     "block_scale_mismatch": ("forward", "ShapeError"),
     "world_size": ("forward", "ShapeError"),
+    "forward_recv_capacity_overflow": ("forward", "CapacityError"),
     "hidden_not_divisible": ("config", "ConfigError"),
     "dispatch_expert_id_too_high": ("dispatch", "RoutingIndexError"),
+    "dispatch_expert_id_wraps_int32": ("dispatch", "RoutingIndexError"),
     "dispatch_too_many_tokens": ("dispatch", "CapacityError"),
     "dispatch_block_scale_mismatch": ("dispatch", "ShapeError"),
+    "dispatch_tokens_dtype": ("dispatch", "DTypeError"),
+    "dispatch_tokens_wrong_axis": ("dispatch", "FormatError"),
+    "dispatch_mixed_encodings": ("dispatch", "DTypeError"),
+    "dispatch_topk_weights_float64": ("dispatch", "DTypeError"),
+    "dispatch_world_size": ("dispatch", "ShapeError"),
     "recv_capacity_overflow": ("dispatch", "CapacityError"),
+    "backward_stash_mismatch": ("backward", "StashError"),
+    "backward_stash_rows": ("backward", "ShapeError"),
+    "backward_stash_dtype": ("backward", "DTypeError"),
+    "backward_expert_id_too_high": ("backward", "RoutingIndexError"),
+    "backward_fc2_weight_shape": ("backward", "ShapeError"),
+    "backward_activation_dtype": ("backward", "DTypeError"),
+    "backward_too_many_tokens": ("backward", "CapacityError"),
+    "backward_recv_capacity_overflow": ("backward", "CapacityError"),
+    "backward_grad_shape": ("backward", "ShapeError"),
+    "backward_grad_dtype": ("backward", "DTypeError"),
+    "backward_world_size": ("backward", "ShapeError"),
+    "combine_expert_out_shape": ("combine", "ShapeError"),
+    "combine_expert_out_dtype": ("combine", "DTypeError"),
+    "combine_world_size": ("combine", "ShapeError"),
+    "dispatch_backward_grad_shape": ("dispatch_backward", "ShapeError"),
+    "dispatch_backward_grad_dtype": ("dispatch_backward", "DTypeError"),
+    "combine_backward_grad_shape": ("combine_backward", "ShapeError"),
+    "combine_backward_grad_dtype": ("combine_backward", "DTypeError"),
 }
 
 #: The operation whose capability a case needs.
@@ -77,6 +113,13 @@ _CAPABILITY_OP = {
 MAX_TOKENS_PER_RANK = 8
 CLAMP_LIMIT = 0.75
 STATIC_ALIGNMENT = 4
+HIDDEN = 64
+INTERMEDIATE = 32
+
+#: Token counts per rank (``tokens`` axis).
+TOKENS = ("even", "uneven", "zero_rank", "full", "zero_full")
+#: Plain-float encodings of an input (``fp16`` is made by the suite from float32).
+PLAIN_FORMATS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -90,27 +133,42 @@ class Case:
         input_format: the activation's encoding (``fp32``, ``bf16``, ``mxfp8``,
             ``nvfp4``); weight_format: both weights' encoding.
         routing: one of ``uniform``, ``skewed``, ``one_rank``, ``unused_mixed``,
-            ``all_unused``.
-        tokens: ``even`` (6 per rank), ``uneven`` (5, 2, 7, 3 ...) or
-            ``zero_rank`` (rank 0 has none, the others 4).
+            ``all_unused``, ``repeated`` (uniform, then the last slot of every
+            token repeats its slot 0: a forced duplicate expert).
+        tokens: ``even`` (6 per rank), ``uneven`` (5, 2, 7, 3 ...),
+            ``zero_rank`` (rank 0 has none, the others 4), ``full`` (every rank
+            ``max_tokens`` = ``max_tokens_per_rank``) or ``zero_full`` (rank 0
+            none, the others ``max_tokens``).
         weights_in: ``fc1`` (apply_topk_in_fc1) or ``fc2``.
-        clamp: gate_up_clamp 0.75 (hit by about half the values) or none.
+        clamp: gate_up_clamp ``clamp_limit`` (0.75 is hit by about half the values) or none.
         layout: ``dynamic`` or ``static`` (recv_capacity = the worst case,
             expert_alignment = 4).
         bad: for ``bad_input``, a key of :data:`BAD_INPUTS`.
-        router_format: ``fp32`` or ``bf16``: the dtype of ``topk_weights``
-            (named in the id only when ``bf16``: ``tw_bf16``).
-        values: ``random``, or ``edges`` (combine only: expert outputs whose
-            blocks sit on mxfp8 scale boundaries and nvfp4 ties; id ``edges``).
+        router_format: ``fp32``, ``bf16`` or ``fp16``: the dtype of ``topk_weights``
+            (named in the id only when not float32: ``tw_bf16``).
+        values: ``random``; ``edges`` (combine only: expert outputs whose
+            blocks sit on mxfp8 scale boundaries and nvfp4 ties; id ``edges``);
+            ``large`` (activations times 2^6: FC1 outputs in the hundreds, so
+            SiLU sees large |g|, and outputs in the ten thousands, above the
+            largest nvfp4 block (6 * 448); id ``large``).
+        max_tokens: ``max_tokens_per_rank`` (id ``mt{N}`` when not 8).
+        clamp_limit: the clamp L when ``clamp`` (id ``clamp{L}`` when not 0.75).
+        cotangent: dtype of every cotangent and of combine's ``expert_out``:
+            ``fp32``, ``bf16`` or ``fp16`` (id ``ct_...`` when not float32).
+        index_format: ``int32`` or ``int64`` ``topk_idx`` (id ``id_int64``).
+        strided: every plain input array (and cotangent) is a non-contiguous
+            view (id ``strided``).
         quick: part of the ``--quick`` subset.
+        full_only: a realistic-size case, never part of ``--quick`` (documents
+            intent; ``quick`` is False for it).
     """
 
     op: str
     num_ranks: int
     num_topk: int
     num_experts: int
-    hidden: int = 64
-    intermediate: int = 32
+    hidden: int = HIDDEN
+    intermediate: int = INTERMEDIATE
     output_format: str = "bf16"
     combine_format: str = "bf16"
     intermediate_format: Optional[str] = None
@@ -124,6 +182,11 @@ class Case:
     bad: Optional[str] = None
     router_format: str = "fp32"
     values: str = "random"
+    max_tokens: int = MAX_TOKENS_PER_RANK
+    clamp_limit: float = CLAMP_LIMIT
+    cotangent: str = "fp32"
+    index_format: str = "int32"
+    strided: bool = False
     quick: bool = field(default=False, compare=False)
 
     # ------------------------------------------------------------------ naming
@@ -135,6 +198,10 @@ class Case:
             f"ep{self.num_ranks}",
             f"k{self.num_topk}",
             f"e{self.num_experts}",
+        ]
+        if (self.hidden, self.intermediate) != (HIDDEN, INTERMEDIATE):
+            parts.append(f"h{self.hidden}-i{self.intermediate}")
+        parts += [
             f"out_{self.output_format}",
             f"comb_{self.combine_format}",
         ]
@@ -146,13 +213,20 @@ class Case:
         ]
         if self.router_format != "fp32":
             parts.append(f"tw_{self.router_format}")
+        if self.index_format != "int32":
+            parts.append(f"id_{self.index_format}")
+        parts += [self.routing, self.tokens]
+        if self.max_tokens != MAX_TOKENS_PER_RANK:
+            parts.append(f"mt{self.max_tokens}")
         parts += [
-            self.routing,
-            self.tokens,
             f"w_{self.weights_in}",
-            "clamp" if self.clamp else "noclamp",
+            ("clamp" if self.clamp_limit == CLAMP_LIMIT else f"clamp{self.clamp_limit:g}") if self.clamp else "noclamp",
             self.layout,
         ]
+        if self.cotangent != "fp32":
+            parts.append(f"ct_{self.cotangent}")
+        if self.strided:
+            parts.append("strided")
         if self.values != "random":
             parts.append(self.values)
         if self.bad is not None:
@@ -191,6 +265,11 @@ class Case:
             "bad": self.bad,
             "router_format": self.router_format,
             "values": self.values,
+            "max_tokens": self.max_tokens,
+            "clamp_limit": self.clamp_limit if self.clamp else None,
+            "cotangent": self.cotangent,
+            "index_format": self.index_format,
+            "strided": self.strided,
         }
 
     # ------------------------------------------------------------- realising
@@ -203,7 +282,11 @@ class Case:
             return [(5, 2, 7, 3)[r % 4] for r in range(n)]
         if self.tokens == "zero_rank":
             return [0] + [4] * (n - 1)
-        raise ValueError(f"tokens must be even, uneven or zero_rank; got {self.tokens!r}")
+        if self.tokens == "full":
+            return [self.max_tokens] * n
+        if self.tokens == "zero_full":
+            return [0] + [self.max_tokens] * (n - 1)
+        raise ValueError(f"tokens must be one of {TOKENS}; got {self.tokens!r}")
 
     def config(self) -> MoeEpConfig:
         """The :class:`MoeEpConfig` of the case."""
@@ -213,12 +296,12 @@ class Case:
             intermediate=self.intermediate,
             num_topk=self.num_topk,
             num_ranks=self.num_ranks,
-            max_tokens_per_rank=MAX_TOKENS_PER_RANK,
+            max_tokens_per_rank=self.max_tokens,
             output_format=self.output_format,
             combine_format=self.combine_format,
             intermediate_format=self.intermediate_format,
             apply_topk_in_fc1=self.weights_in == "fc1",
-            gate_up_clamp=CLAMP_LIMIT if self.clamp else None,
+            gate_up_clamp=self.clamp_limit if self.clamp else None,
             generate_c=self.op in ("forward_stash", "backward"),
         )
         if self.layout == "static":
@@ -236,7 +319,7 @@ class Case:
         """The encodings the backend must accept (bf16 stands for plain floats)."""
         out = []
         for name in (self.input_format, self.weight_format):
-            out.append(MoeFormat.BF16 if name in ("fp32", "bf16") else MoeFormat(name))
+            out.append(MoeFormat.BF16 if name in PLAIN_FORMATS else MoeFormat(name))
         return tuple(out)
 
 
@@ -370,13 +453,29 @@ def _layered_cases() -> Iterable[Case]:
     yield Case("combine", 4, 8, 16, layout="static", output_format="nvfp4", combine_format="mxfp8")
 
 
+#: The bad inputs of the first table, tried at EP 1 and 2 (their ids are kept).
+_BAD_EP12 = (
+    "activation_shape", "activation_dtype", "weight_shape", "topk_idx_shape", "topk_idx_dtype",
+    "topk_weights_dtype", "expert_id_too_high", "expert_id_below_minus_one", "too_many_tokens",
+    "block_scale_mismatch", "world_size", "hidden_not_divisible", "dispatch_expert_id_too_high",
+    "dispatch_too_many_tokens", "dispatch_block_scale_mismatch", "recv_capacity_overflow",
+)
+
+
 def _bad_input_cases() -> Iterable[Case]:
     for bad, (op, _) in BAD_INPUTS.items():
-        layout = "static" if bad == "recv_capacity_overflow" else "dynamic"
-        act = "mxfp8" if "block_scale" in bad else "bf16"
+        layout = "static" if bad.endswith("recv_capacity_overflow") else "dynamic"
+        act = "mxfp8" if "block_scale" in bad or "wrong_axis" in bad else "bf16"
         out = "mxfp8" if bad == "hidden_not_divisible" else "bf16"
-        for n in (1, 2):
-            yield _k2("bad_input", n, bad=bad, layout=layout, input_format=act, output_format=out, quick=(n == 2))
+        idx = "int64" if "wraps_int32" in bad else "int32"
+        for n in (1, 2) if bad in _BAD_EP12 else (2,):
+            yield _k2(
+                "bad_input", n, bad=bad, layout=layout, input_format=act, output_format=out, index_format=idx,
+                quick=(n == 2),
+            )
+    # the backward's stash check with three ranks, the last rank's stash from another routing
+    yield Case("bad_input", 3, 3, 9, bad="backward_stash_mismatch", routing="repeated", quick=True)
+    yield Case("bad_input", 3, 3, 9, bad="forward_recv_capacity_overflow", layout="static")
 
 
 def _nan_cases() -> Iterable[Case]:
@@ -387,6 +486,165 @@ def _nan_cases() -> Iterable[Case]:
                 quick=(n == 2 and out == "nvfp4"),
             )
     yield _k2("nan_isolation", 2, clamp=True, weights_in="fc2", intermediate_format="mxfp8", routing="unused_mixed")
+
+
+def _wide_cases() -> Iterable[Case]:
+    """Axes the first table did not vary: three ranks, top-k not a multiple of 4,
+    more than 32 experts, local experts not a power of two, partial input blocks,
+    hidden a multiple of 128, inexact clamp limits, large magnitudes, float16
+    activations and router weights, int64 ids, non-float32 cotangents,
+    non-contiguous arrays, T == max_tokens_per_rank and forced duplicate experts."""
+    # three ranks, in every operation
+    for k, e in ((1, 3), (3, 9), (5, 15), (2, 6)):
+        yield Case("forward", 3, k, e, quick=(k, e) == (3, 9))
+    yield Case("forward", 3, 3, 9, output_format="nvfp4", combine_format="mxfp8", intermediate_format="nvfp4",
+               input_format="nvfp4", weight_format="mxfp8", tokens="uneven", clamp=True, clamp_limit=0.7)
+    yield Case("forward", 3, 6, 39, output_format="mxfp8", tokens="full", routing="repeated", quick=True)
+    for layout in ("dynamic", "static"):
+        yield Case("forward_stash", 3, 3, 9, layout=layout, routing="repeated", tokens="uneven",
+                   quick=(layout == "static"))
+        yield Case("backward", 3, 3, 9, layout=layout, clamp=True, clamp_limit=0.7, tokens="uneven",
+                   cotangent="bf16", quick=(layout == "dynamic"))
+        for op in ("dispatch", "combine", "dispatch_backward", "combine_backward"):
+            yield Case(op, 3, 3, 9, layout=layout, routing="repeated", tokens="uneven",
+                       quick=(layout == "static" and op in ("dispatch", "combine")))
+    yield Case("combine", 3, 5, 15, output_format="nvfp4", combine_format="mxfp8")
+    yield Case("nan_isolation", 3, 3, 9, output_format="mxfp8", combine_format="nvfp4", routing="unused_mixed")
+    # top-k not a multiple of 4; more than 32 experts; local experts not a power of two
+    yield Case("forward", 2, 5, 40, routing="repeated", quick=True)
+    yield Case("forward", 4, 6, 36, output_format="nvfp4", combine_format="nvfp4", tokens="full")
+    yield Case("forward", 4, 7, 48, intermediate_format="mxfp8", weights_in="fc2", clamp=True)
+    yield Case("forward_stash", 4, 6, 36, layout="static", routing="skewed")
+    yield Case("backward", 2, 5, 40, routing="repeated", clamp=True, quick=True)
+    yield Case("backward", 4, 6, 36, weights_in="fc2", tokens="full", cotangent="fp16")
+    yield Case("dispatch", 4, 6, 36, layout="static", routing="repeated", input_format="mxfp8")
+    yield Case("combine", 4, 6, 36, layout="static", routing="repeated", output_format="mxfp8", combine_format="nvfp4")
+    yield Case("dispatch_backward", 2, 5, 40, routing="repeated", cotangent="fp16")
+    yield Case("combine_backward", 4, 6, 36, layout="static", cotangent="bf16")
+    # partial input blocks: hidden 72 and intermediate 40 (neither a multiple of 32 or 16)
+    part = dict(hidden=72, intermediate=40)
+    for act, wt in (("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("nvfp4", "mxfp8")):
+        yield _k2("forward", 2, input_format=act, weight_format=wt, quick=(act, wt) == ("nvfp4", "mxfp8"), **part)
+    yield _k2("forward", 3 - 1, input_format="mxfp8", weight_format="nvfp4", intermediate_format="bf16",
+              weights_in="fc2", clamp=True, **part)
+    yield _k2("forward_stash", 2, input_format="nvfp4", weight_format="nvfp4", layout="static", **part)
+    yield _k2("backward", 2, input_format="mxfp8", weight_format="nvfp4", clamp=True, quick=True, **part)
+    for act in ("mxfp8", "nvfp4"):
+        yield _k2("dispatch", 2, input_format=act, layout="static", quick=(act == "nvfp4"), **part)
+    yield _k2("nan_isolation", 2, input_format="nvfp4", weight_format="mxfp8", routing="unused_mixed", **part)
+    # hidden a multiple of 128 (several 32/16 blocks and tiles), intermediate 128
+    h128 = dict(hidden=256, intermediate=128)
+    yield _k2("forward", 2, output_format="mxfp8", combine_format="nvfp4", intermediate_format="mxfp8",
+              quick=True, **h128)
+    yield _k2("forward", 4, output_format="nvfp4", combine_format="mxfp8", input_format="nvfp4",
+              weight_format="nvfp4", intermediate_format="nvfp4", weights_in="fc2", **h128)
+    yield _k2("backward", 2, clamp=True, input_format="mxfp8", weight_format="mxfp8", **h128)
+    yield _k2("combine", 2, output_format="nvfp4", combine_format="mxfp8", layout="static", **h128)
+    # clamp limits that are not bf16 numbers
+    for limit in (0.7, 1.3):
+        yield _k2("forward", 2, clamp=True, clamp_limit=limit, output_format="mxfp8", quick=(limit == 0.7))
+        yield _k2("backward", 2, clamp=True, clamp_limit=limit, weights_in="fc2")
+    yield _k2("forward_stash", 2, clamp=True, clamp_limit=1.3)
+    # large magnitudes: SiLU at large |g|, outputs above the largest nvfp4 block
+    for out in _FORMATS:
+        yield _k2("forward", 2, values="large", output_format=out, combine_format=out, quick=(out == "nvfp4"))
+    yield _k2("forward", 2, values="large", clamp=True, clamp_limit=7.3, intermediate_format="nvfp4")
+    yield _k2("forward", 4, values="large", input_format="mxfp8", weight_format="mxfp8", intermediate_format="mxfp8",
+              weights_in="fc2")
+    yield _k2("backward", 2, values="large", clamp=True, clamp_limit=7.3)
+    yield _k2("backward", 2, values="large")
+    yield _k2("nan_isolation", 2, values="large", output_format="nvfp4", combine_format="nvfp4", routing="unused_mixed")
+    # float16 activations and router weights; int64 ids; cotangents in bf16 and fp16
+    yield _k2("forward", 2, input_format="fp16", weight_format="fp16", quick=True)
+    yield _k2("forward", 4, input_format="fp16", weight_format="bf16", router_format="fp16", index_format="int64",
+              output_format="mxfp8")
+    yield _k2("forward", 2, router_format="fp16", routing="unused_mixed", index_format="int64", quick=True)
+    yield _k2("forward_stash", 2, input_format="fp16", router_format="fp16", index_format="int64", layout="static")
+    yield _k2("backward", 2, input_format="fp16", weight_format="fp32", router_format="fp16", index_format="int64",
+              cotangent="fp16", quick=True)
+    yield _k2("backward", 2, router_format="bf16", cotangent="bf16", weights_in="fc2", clamp=True)
+    yield _k2("dispatch", 2, input_format="fp16", router_format="fp16", index_format="int64", quick=True)
+    for ct in ("bf16", "fp16"):
+        for op in ("combine", "dispatch_backward", "combine_backward"):
+            yield _k2(op, 2, cotangent=ct, layout="static" if ct == "fp16" else "dynamic",
+                      quick=(ct == "bf16" and op == "combine"))
+    # non-contiguous arrays, every operation
+    for op in ("forward", "forward_stash", "backward", "dispatch", "combine", "dispatch_backward", "combine_backward"):
+        yield _k2(op, 2, strided=True, index_format="int64" if op == "dispatch" else "int32",
+                  cotangent="bf16" if op == "backward" else "fp32", quick=op in ("forward", "backward"))
+    yield _k2("nan_isolation", 2, strided=True, routing="unused_mixed")
+    # T == max_tokens_per_rank on every rank (the static worst case exactly full)
+    for op in ("forward", "forward_stash", "backward", "dispatch", "combine"):
+        yield _k2(op, 2, tokens="full", routing="one_rank", layout="static", quick=(op == "forward_stash"))
+    yield Case("forward", 4, 8, 16, tokens="full", routing="repeated", layout="static")
+    # forced duplicate experts in one token
+    for op in ("forward", "forward_stash", "backward", "dispatch", "combine", "dispatch_backward"):
+        yield _k2(op, 2, routing="repeated", quick=(op in ("dispatch_backward",)))
+    yield _k2("nan_isolation", 4, routing="repeated", output_format="mxfp8", combine_format="mxfp8")
+
+
+def _empty_cases() -> Iterable[Case]:
+    """A rank with no token (rank 0) and ranks receiving no route (every route goes
+    to rank 0), in every operation and every format at that point."""
+    empty = dict(tokens="zero_rank", routing="one_rank")
+    for n in (2, 3):
+        yield _k2("forward", n, **empty)
+        for op in ("forward_stash", "backward", "dispatch", "dispatch_backward", "combine_backward"):
+            for layout in ("dynamic", "static"):
+                yield _k2(op, n, layout=layout, quick=(n == 2 and layout == "static" and op == "backward"), **empty)
+    for fmt in ("mxfp8", "nvfp4"):
+        other = "nvfp4" if fmt == "mxfp8" else "mxfp8"
+        yield _k2("forward", 2, output_format=fmt, combine_format=other, intermediate_format=fmt,
+                  input_format=fmt, weight_format=other, quick=(fmt == "nvfp4"), **empty)
+        yield _k2("forward", 3, output_format=other, combine_format=fmt, intermediate_format=other,
+                  input_format=other, weight_format=fmt, **empty)
+        yield _k2("forward_stash", 2, output_format=fmt, combine_format=fmt, intermediate_format=fmt,
+                  input_format=fmt, weight_format=fmt, layout="static", **empty)
+        yield _k2("backward", 2, input_format=fmt, weight_format=other, intermediate_format=fmt, clamp=True, **empty)
+        yield _k2("dispatch", 2, input_format=fmt, **empty)
+        for layout in ("dynamic", "static"):
+            yield _k2("combine", 2, output_format=fmt, combine_format=other, layout=layout,
+                      quick=(fmt == "mxfp8" and layout == "dynamic"), **empty)
+            yield _k2("combine", 2, output_format=fmt, combine_format=fmt, layout=layout, **empty)
+    yield _k2("combine", 2, **empty)
+    yield _k2("forward", 2, intermediate_format="bf16", input_format="fp16", **empty)
+    # every rank receiving no route at all, in every format
+    for fmt in _FORMATS:
+        yield _k2("forward", 3, routing="all_unused", output_format=fmt, combine_format=fmt,
+                  intermediate_format=None if fmt == "bf16" else fmt, input_format="nvfp4")
+        yield _k2("combine", 3, routing="all_unused", output_format=fmt, combine_format=fmt, layout="static")
+
+
+def _realistic_cases() -> Iterable[Case]:
+    """Sizes where fast kernels tile, unroll and count (full table only, a few per EP
+    size, kept small enough for the float64 reference): hidden in the thousands,
+    intermediate in the hundreds, experts with hundreds of rows, a rank receiving
+    tens of thousands of rows (more than 2^15: a 16-bit counter overflows)."""
+    yield Case("forward", 1, 3, 6, hidden=2048, intermediate=128, tokens="full", max_tokens=32,
+               routing="skewed", output_format="mxfp8", input_format="mxfp8")
+    yield Case("forward", 2, 2, 4, hidden=128, intermediate=256, tokens="full", max_tokens=160,
+               routing="skewed", output_format="nvfp4", combine_format="mxfp8")  # expert 0: 320 rows
+    yield Case("forward", 2, 5, 6, hidden=32, intermediate=16, tokens="full", max_tokens=3400,
+               routing="one_rank", layout="static")  # rank 0 receives 34000 rows
+    yield Case("forward", 3, 3, 9, hidden=1152, intermediate=192, tokens="full", max_tokens=16,
+               routing="skewed", intermediate_format="nvfp4", clamp=True, clamp_limit=7.3, values="large",
+               weights_in="fc2")
+    yield Case("forward", 4, 2, 12, hidden=2048, intermediate=128, tokens="zero_full", max_tokens=16,
+               routing="skewed", output_format="mxfp8", combine_format="nvfp4", input_format="nvfp4")
+    yield Case("forward_stash", 2, 2, 4, hidden=256, intermediate=256, tokens="full", max_tokens=128,
+               routing="skewed", layout="static")
+    yield Case("backward", 2, 2, 4, hidden=1024, intermediate=128, tokens="full", max_tokens=32,
+               routing="skewed", clamp=True, clamp_limit=0.7)
+    yield Case("backward", 4, 3, 12, hidden=640, intermediate=128, tokens="full", max_tokens=16,
+               routing="repeated", weights_in="fc2", input_format="mxfp8")
+    yield Case("dispatch", 3, 8, 24, hidden=256, intermediate=64, tokens="full", max_tokens=2048,
+               routing="one_rank", layout="static", input_format="nvfp4")  # rank 0 receives 49152 rows
+    yield Case("combine", 3, 8, 24, hidden=64, intermediate=32, tokens="full", max_tokens=1400,
+               routing="one_rank", output_format="mxfp8", combine_format="nvfp4")  # 33600 rows on rank 0
+    yield Case("dispatch_backward", 2, 3, 6, hidden=2048, intermediate=128, tokens="full", max_tokens=128,
+               routing="skewed", layout="static")
+    yield Case("combine_backward", 4, 6, 36, hidden=1024, intermediate=128, tokens="full", max_tokens=128,
+               routing="skewed")
 
 
 def _dedupe(cases: Iterable[Case]) -> List[Case]:
@@ -411,6 +669,9 @@ def full_cases() -> List[Case]:
             *_layered_cases(),
             *_bad_input_cases(),
             *_nan_cases(),
+            *_wide_cases(),
+            *_empty_cases(),
+            *_realistic_cases(),
         ]
     )
     cases += format_cases()  # the code-for-code format cases (format_cases.py, operation "formats")

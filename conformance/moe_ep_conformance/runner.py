@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from moe_ep_spec import (
     MoeEpConfig,
     MoeFormat,
     RankInputs,
+    Stash,
 )
 from moe_ep_spec.formats import BF16
 from moe_ep_spec.inputs import random_world
@@ -236,16 +237,74 @@ def _same_inputs(before: Any, after: Any) -> bool:
     return True
 
 
+#: numpy dtypes of the plain encodings and cotangents.
+_PLAIN_DTYPES = {"fp32": np.dtype(np.float32), "bf16": BF16, "fp16": np.dtype(np.float16)}
+
+#: Factor of the ``large`` values: activations times 2^6 (exact in every encoding).
+_LARGE = 64.0
+
+
+def _strided(a: np.ndarray) -> np.ndarray:
+    """The same values as a non-contiguous view (every other element of a wider array)."""
+    if a.ndim == 0:
+        return a
+    wide = np.zeros(a.shape[:-1] + (2 * a.shape[-1],), dtype=a.dtype)
+    wide[..., ::2] = a
+    view = wide[..., ::2]
+    if view.size > 1 and view.flags.c_contiguous:  # a last extent of 1: stride the first axis instead
+        wide = np.zeros((2 * a.shape[0],) + a.shape[1:], dtype=a.dtype)
+        wide[::2] = a
+        view = wide[::2]
+    return view
+
+
+def _plain(case: Case, a: np.ndarray) -> np.ndarray:
+    return _strided(a) if case.strided else a
+
+
+def _scaled(t: Any, factor: float) -> Any:
+    """``t`` times a power of two, in its own encoding (exact)."""
+    if isinstance(t, BlockScaledTensor):
+        return moe_ep_spec.quantize(moe_ep_spec.dequantize(t, np.float64) * factor, t.format, axis=t.axis)
+    return (np.asarray(t, np.float64) * factor).astype(t.dtype)
+
+
 def _world(case: Case, config: MoeEpConfig, tokens: Optional[List[int]] = None) -> List[RankInputs]:
-    return random_world(
+    """The case's inputs: :func:`random_world`, then the axes it does not make
+    (float16 encodings and router weights, int64 ids, forced duplicate experts,
+    large values, non-contiguous arrays)."""
+    def gen(name: str) -> str:
+        return "fp32" if name == "fp16" else name
+
+    world = random_world(
         config,
         num_tokens=tokens if tokens is not None else case.tokens_per_rank(),
-        routing=case.routing,
-        input_format=case.input_format,
-        weight_format=case.weight_format,
+        routing="uniform" if case.routing == "repeated" else case.routing,
+        input_format=gen(case.input_format),
+        weight_format=gen(case.weight_format),
         seed=case.seed,
-        topk_weights_format=case.router_format,
+        topk_weights_format=gen(case.router_format),
     )
+    out = []
+    for w in world:
+        act, fc1, fc2, idx, tw = w.activation, w.fc1_weight, w.fc2_weight, w.topk_idx, w.topk_weights
+        if case.values == "large":
+            act = _scaled(act, _LARGE)
+        if case.input_format == "fp16":
+            act = act.astype(np.float16)
+        if case.weight_format == "fp16":
+            fc1, fc2 = fc1.astype(np.float16), fc2.astype(np.float16)
+        if case.router_format == "fp16":
+            tw = tw.astype(np.float16)
+        if case.routing == "repeated" and config.num_topk > 1:
+            idx = idx.copy()
+            idx[:, -1] = idx[:, 0]  # the last slot repeats slot 0's expert: two routes, one expert
+        idx = idx.astype(np.int64 if case.index_format == "int64" else np.int32)
+        if case.strided:
+            act, fc1, fc2 = (x if isinstance(x, BlockScaledTensor) else _strided(x) for x in (act, fc1, fc2))
+            idx, tw = _strided(idx), _strided(tw)
+        out.append(RankInputs(act, fc1, fc2, idx, tw))
+    return out
 
 
 def _dispatch_world(world: Sequence[RankInputs]) -> List[DispatchInputs]:
@@ -258,6 +317,33 @@ def _cotangent(rng: np.random.Generator, shape: tuple, poison_rows: Optional[np.
     if poison_rows is not None and poison_rows.any():
         g[poison_rows] = np.nan
     return g
+
+
+def _expert_factors(global_expert: np.ndarray, slot: np.ndarray, num_topk: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Per route: a factor of its global expert and an offset of its (expert, slot),
+    distinct for neighbouring experts and slots."""
+    a = 1.0 + ((global_expert * 7 + 3) % 16) / 8.0  # 1 .. 2.875 in steps of 1/8
+    b = ((global_expert * 5 + slot * 3 + 1) % 11 - 5) / 4.0 + slot / (4.0 * num_topk)
+    return a, b
+
+
+def _expert_rows(config: MoeEpConfig, dispatched: Sequence[Any]) -> List[np.ndarray]:
+    """The suite's own "expert MLP" between dispatch and combine, applied to the
+    spec's dispatch (the reference's): row i becomes ``x_i * a[g] + b[g, k]`` for
+    its global expert g and source slot k, float32, padding rows NaN. A backend
+    that returns a row to the wrong token or slot, or reads a row of another
+    expert, cannot pass by luck of equal values: rows differ by expert and slot."""
+    out = []
+    for d in dispatched:
+        meta = d.handle.route_metadata
+        valid = meta[:, 0] >= 0
+        x = moe_ep_spec.dequantize(d.tokens, np.float64) if isinstance(d.tokens, BlockScaledTensor) else np.asarray(d.tokens, np.float64)
+        g = d.handle.rank * config.num_local_experts + meta[:, 0].astype(np.int64)
+        a, b = _expert_factors(g, meta[:, 3].astype(np.int64), config.num_topk)
+        y = (x * a[:, None] + b[:, None]).astype(np.float32)
+        y[~valid] = np.nan
+        out.append(y)
+    return out
 
 
 def _edge_rows(rng: np.random.Generator, rows: np.ndarray, padding: np.ndarray, fmt: MoeFormat) -> np.ndarray:
@@ -311,6 +397,16 @@ class _Runner:
         self.factor = factor
         self.rng = np.random.default_rng(case.seed + 1)
 
+    def cot(self, shape: tuple, poison_rows: Optional[np.ndarray] = None) -> np.ndarray:
+        """A cotangent in the case's dtype (NaN in ``poison_rows``), non-contiguous when the case is."""
+        g = _cotangent(self.rng, shape, poison_rows).astype(_PLAIN_DTYPES[self.case.cotangent])
+        return _plain(self.case, g)
+
+    def rows(self, dispatched: Sequence[Any]) -> List[np.ndarray]:
+        """The expert outputs (or token cotangents) of the dispatched rows: the
+        expert-specific transform of :func:`_expert_rows`, in the case's dtype."""
+        return [_plain(self.case, y.astype(_PLAIN_DTYPES[self.case.cotangent])) for y in _expert_rows(self.config, dispatched)]
+
     def call(self, op: str, *args: Any, config: Optional[MoeEpConfig] = None) -> List[Any]:
         return call_world(
             self.backend, op, config or self.config, *args, timeout_s=self.timeout_s, devices=self.devices
@@ -352,7 +448,7 @@ class _Runner:
         cfg, ref_b = self.config, self.reference
         world = _world(self.case, cfg)
         stash = [f.stash for f in ref_b.forward(cfg, world)]
-        grads = [_cotangent(self.rng, (w.topk_idx.shape[0], cfg.hidden)) for w in world]
+        grads = [self.cot((w.topk_idx.shape[0], cfg.hidden)) for w in world]
         got = self.call_unchanged("backward", world, grads, stash)
         ref, budgets = ref_b.backward_and_budget(cfg, world, grads, stash)  # type: ignore[attr-defined]
         checks = []
@@ -374,12 +470,20 @@ class _Runner:
         poisoned.setdefault(last, []).append(2)
         new_world = []
         for r, w in enumerate(world):
-            act = np.array(w.activation, copy=True)
-            for t in poisoned.get(r, []):
-                act[t, 3] = np.nan if t == 1 else np.inf
+            act = w.activation
+            if isinstance(act, BlockScaledTensor):  # re-encode: the block holding the NaN/inf becomes a NaN block
+                dec = moe_ep_spec.dequantize(act, np.float64)
+                for t in poisoned.get(r, []):
+                    dec[t, 3] = np.nan if t == 1 else np.inf
+                act = moe_ep_spec.quantize(dec, act.format, axis=1)
+            else:
+                act = np.array(act, copy=True)
+                for t in poisoned.get(r, []):
+                    act[t, 3] = np.nan if t == 1 else np.inf
+                act = _plain(self.case, act)
             weights = np.array(w.topk_weights, copy=True)
             weights[w.topk_idx < 0] = np.nan  # never read: -1 slots contribute exactly zero
-            new_world.append(RankInputs(act, w.fc1_weight, w.fc2_weight, w.topk_idx, weights))
+            new_world.append(RankInputs(act, w.fc1_weight, w.fc2_weight, w.topk_idx, _plain(self.case, weights)))
         got = self.call_unchanged("forward", new_world)
         ref, budgets = self.reference.forward_and_budget(cfg, new_world)  # type: ignore[attr-defined]
         checks = []
@@ -397,7 +501,7 @@ class _Runner:
                 g = _cotangent(self.rng, (w.topk_idx.shape[0], cfg.hidden))
                 for t in poisoned.get(r, []):
                     g[t, 5] = np.nan
-                grads.append(g)
+                grads.append(_plain(self.case, g.astype(_PLAIN_DTYPES[self.case.cotangent])))
             got_b = self.call_unchanged("backward", clean_world, grads, stash, config=cfg_c)
             ref_b, bud_b = self.reference.backward_and_budget(cfg_c, clean_world, grads, stash)  # type: ignore[attr-defined]
             for r in range(cfg.num_ranks):
@@ -473,11 +577,13 @@ class _Runner:
     def combine(self) -> List[Check]:
         cfg = self.config
         _, got_d, ref_d = self._dispatch_both()
-        expert_out = [
-            _cotangent(self.rng, (d.handle.num_recv_rows, cfg.hidden), ~d.handle.valid_rows) for d in ref_d
-        ]
         if self.case.values == "edges":
+            expert_out = [
+                _cotangent(self.rng, (d.handle.num_recv_rows, cfg.hidden), ~d.handle.valid_rows) for d in ref_d
+            ]
             expert_out = [_edge_rows(self.rng, y, ~d.handle.valid_rows, cfg.combine_format) for y, d in zip(expert_out, ref_d)]
+        else:  # the expert-specific transform of the dispatched rows: a misrouted row cannot match by luck
+            expert_out = self.rows(ref_d)
         got = self.call_unchanged("combine", [d.handle for d in got_d], expert_out)
         ref_handles = [d.handle for d in ref_d]
         ref = self.reference.combine(cfg, ref_handles, expert_out)
@@ -490,8 +596,8 @@ class _Runner:
     def dispatch_backward(self) -> List[Check]:
         cfg = self.config
         _, got_d, ref_d = self._dispatch_both()
-        g_tok = [_cotangent(self.rng, (d.handle.num_recv_rows, cfg.hidden), ~d.handle.valid_rows) for d in ref_d]
-        g_w = [_cotangent(self.rng, (d.handle.num_recv_rows,), ~d.handle.valid_rows) for d in ref_d]
+        g_tok = self.rows(ref_d)  # expert- and slot-specific rows
+        g_w = [self.cot((d.handle.num_recv_rows,), ~d.handle.valid_rows) for d in ref_d]
         got = self.call_unchanged("dispatch_backward", [d.handle for d in got_d], g_tok, g_w)
         ref_handles = [d.handle for d in ref_d]
         ref = self.reference.dispatch_backward(cfg, ref_handles, g_tok, g_w)
@@ -507,7 +613,7 @@ class _Runner:
     def combine_backward(self) -> List[Check]:
         cfg = self.config
         world, got_d, ref_d = self._dispatch_both()
-        grads = [_cotangent(self.rng, (w.topk_idx.shape[0], cfg.hidden)) for w in world]
+        grads = [self.cot((w.topk_idx.shape[0], cfg.hidden)) for w in world]
         got = self.call_unchanged("combine_backward", [d.handle for d in got_d], grads)
         ref = self.reference.combine_backward(cfg, [d.handle for d in ref_d], grads)
         checks = []
@@ -522,7 +628,6 @@ class _Runner:
         op, error_name = BAD_INPUTS[bad]
         expected = getattr(moe_ep_spec, error_name)
         cfg = self.config
-        last = cfg.num_ranks - 1
         if op == "config":
             try:
                 MoeEpConfig(
@@ -532,39 +637,8 @@ class _Runner:
             except expected as exc:
                 return [Check("config rejected", True, message=str(exc))]
             return [Check("config rejected", False, float("inf"), 0.0, "MoeEpConfig(hidden=40, output mxfp8) was accepted")]
-        tokens = self.case.tokens_per_rank()
-        if bad.endswith("too_many_tokens"):
-            tokens[last] = cfg.max_tokens_per_rank + 1  # type: ignore[operator]
-        world = _world(self.case, cfg, tokens)
-        w = world[last]
-        act, fc1, idx, weights = w.activation, w.fc1_weight, w.topk_idx.copy(), w.topk_weights
-        if bad == "activation_shape":
-            act = np.zeros((act.shape[0], cfg.hidden + 1), dtype=act.dtype)
-        elif bad == "activation_dtype":
-            act = np.asarray(act, dtype=np.float64)
-        elif bad == "weight_shape":
-            fc1 = np.zeros((cfg.num_local_experts + 1,) + tuple(fc1.shape[1:]), dtype=np.float32)
-        elif bad == "topk_idx_shape":
-            idx = np.zeros((idx.shape[0], cfg.num_topk + 1), dtype=idx.dtype)
-        elif bad == "topk_idx_dtype":
-            idx = idx.astype(np.float32)
-        elif bad == "topk_weights_dtype":
-            weights = np.ones(weights.shape, dtype=np.int32)
-        elif bad.endswith("expert_id_too_high"):
-            idx[0, 0] = cfg.num_experts
-        elif bad == "expert_id_below_minus_one":
-            idx[0, 0] = -2
-        elif bad.endswith("block_scale_mismatch"):
-            act = copy.deepcopy(act)
-            object.__setattr__(act, "scale", act.scale[:, :-1])
-        world[last] = RankInputs(act, fc1, w.fc2_weight, idx, weights)
-        if bad == "world_size":
-            world = world[:-1]
-        config = cfg
-        if bad == "recv_capacity_overflow":
-            config = cfg.replace(recv_capacity=cfg.expert_alignment)
-            world = _world(self.case, cfg)
-        args: List[Any] = [world] if op == "forward" else [_dispatch_world(world)]
+        config, args = self._bad_call(bad, op)
+        last = cfg.num_ranks - 1
         before = _snapshot(args)
         try:
             call_world(self.backend, op, config, *args, timeout_s=self.timeout_s, devices=self.devices)
@@ -579,18 +653,146 @@ class _Runner:
                     False,
                     float("inf"),
                     0.0,
-                    f"bad input '{bad}' on rank {last}: expected moe_ep_spec.{error_name}; got "
+                    f"bad input '{bad}' to {op} on rank {last}: expected moe_ep_spec.{error_name}; got "
                     f"{type(exc).__module__}.{type(exc).__name__}: {exc}",
                 )
             ]
         else:
             checks = [
                 Check(f"raises {error_name}", False, float("inf"), 0.0,
-                      f"bad input '{bad}' on rank {last} was accepted; expected moe_ep_spec.{error_name}")
+                      f"bad input '{bad}' to {op} on rank {last} was accepted; expected moe_ep_spec.{error_name}")
             ]
         if not _same_inputs(before, args):
-            checks.append(Check("inputs unchanged", False, float("inf"), 0.0, "the rejected call modified its inputs"))
+            checks.append(Check("inputs unchanged", False, float("inf"), 0.0, f"the rejected {op} modified its inputs"))
         return checks
+
+    def _bad_call(self, bad: str, op: str) -> Tuple[MoeEpConfig, List[Any]]:
+        """The configuration and arguments of the bad call: the case's good
+        inputs with one thing broken on the last rank (or in the world)."""
+        cfg = self.config
+        last = cfg.num_ranks - 1
+        kind = bad
+        for prefix in ("dispatch_backward_", "combine_backward_", "backward_", "combine_", "dispatch_"):
+            if kind.startswith(prefix) and op == prefix[:-1]:
+                kind = kind[len(prefix):]
+                break
+        if op == "backward":
+            cfg = cfg.replace(generate_c=True)
+        tokens = self.case.tokens_per_rank()
+        if kind == "too_many_tokens":
+            tokens[last] = cfg.max_tokens_per_rank + 1  # type: ignore[operator]
+        world = _world(self.case, cfg, tokens)
+        config = cfg
+        if kind.endswith("recv_capacity_overflow"):
+            config = cfg.replace(recv_capacity=cfg.expert_alignment)
+        if op in ("combine", "dispatch_backward", "combine_backward"):
+            return config, self._bad_layered(kind, op, world)
+        stash: List[Any] = []
+        if op == "backward":
+            if kind == "too_many_tokens":  # the stash of the over-long world, from a config without the bound
+                stash = [f.stash for f in self.reference.forward(cfg.replace(max_tokens_per_rank=None), world)]
+            elif kind.endswith("recv_capacity_overflow"):  # stash rows as the small capacity has them
+                stash = [Stash(np.zeros((config.recv_capacity, 2 * cfg.intermediate), BF16),
+                               np.full((config.recv_capacity, 4), -1, np.int32)) for _ in world]
+            else:
+                stash = [f.stash for f in self.reference.forward(cfg, world)]
+        w = world[last]
+        act, fc1, fc2, idx, weights = w.activation, w.fc1_weight, w.fc2_weight, np.array(w.topk_idx), w.topk_weights
+        if kind == "activation_shape":
+            act = np.zeros((act.shape[0], cfg.hidden + 1), dtype=act.dtype)
+        elif kind in ("activation_dtype", "tokens_dtype"):
+            act = np.asarray(act, dtype=np.float64)
+        elif kind in ("activation_wrong_axis", "tokens_wrong_axis"):
+            act = moe_ep_spec.quantize(moe_ep_spec.dequantize(act, np.float64), act.format, axis=0)
+        elif kind == "mixed_encodings":
+            act = np.asarray(act, dtype=np.float16)
+        elif kind == "weight_shape":
+            fc1 = np.zeros((cfg.num_local_experts + 1,) + tuple(fc1.shape[1:]), dtype=np.float32)
+        elif kind == "fc2_weight_shape":
+            fc2 = np.zeros((cfg.num_local_experts, cfg.intermediate + 1, cfg.hidden), dtype=np.float32)
+        elif kind == "weight_dtype":
+            fc1 = np.asarray(fc1, dtype=np.float64)
+        elif kind == "topk_idx_shape":
+            idx = np.zeros((idx.shape[0], cfg.num_topk + 1), dtype=idx.dtype)
+        elif kind == "topk_idx_dtype":
+            idx = idx.astype(np.float32)
+        elif kind == "topk_weights_dtype":
+            weights = np.ones(weights.shape, dtype=np.int32)
+        elif kind == "topk_weights_float64":
+            weights = np.asarray(weights, dtype=np.float64)
+        elif kind == "expert_id_too_high":
+            idx[0, 0] = cfg.num_experts
+        elif kind == "expert_id_below_minus_one":
+            idx[0, 0] = -2
+        elif kind == "expert_id_wraps_int32":
+            idx = idx.astype(np.int64)
+            idx[0, 0] = 2**32 + 1  # int32(2^32 + 1) == 1, a valid expert: a narrowing cast hides it
+        elif kind == "block_scale_mismatch":
+            act = copy.deepcopy(act)
+            object.__setattr__(act, "scale", act.scale[:, :-1])
+        world[last] = RankInputs(act, fc1, fc2, idx, weights)
+        if kind == "world_size" and op != "backward":
+            world = world[:-1]
+        if kind.endswith("recv_capacity_overflow"):
+            world = _world(self.case, cfg)
+        if op == "dispatch":
+            return config, [_dispatch_world(world)]
+        if op == "forward":
+            return config, [world]
+        # backward
+        grads = [self.cot((x.topk_idx.shape[0], cfg.hidden)) for x in world]
+        if kind == "stash_mismatch":
+            # the stash of another forward: the last rank's tokens in another order (same rows, other metadata)
+            other = list(world)
+            x = world[last]
+            perm = np.roll(np.arange(x.topk_idx.shape[0]), 1)
+            other[last] = RankInputs(x.activation, x.fc1_weight, x.fc2_weight, np.array(x.topk_idx)[perm],
+                                     np.array(x.topk_weights)[perm])
+            stash = [f.stash for f in self.reference.forward(cfg, other)]
+        elif kind == "stash_rows":
+            s = stash[last]
+            stash[last] = Stash(np.concatenate([s.fc1_c, np.zeros((1, s.fc1_c.shape[1]), BF16)]),
+                                np.concatenate([s.route_metadata, np.full((1, 4), -1, np.int32)]))
+        elif kind == "stash_dtype":
+            stash[last] = Stash(stash[last].fc1_c.astype(np.float32), stash[last].route_metadata)
+        elif kind == "grad_shape":
+            grads[last] = np.zeros((grads[last].shape[0], cfg.hidden + 1), np.float32)
+        elif kind == "grad_dtype":
+            grads[last] = np.asarray(grads[last], np.float64)
+        elif kind == "world_size":
+            grads = grads[:-1]
+        return config, [world, grads, stash]
+
+    def _bad_layered(self, kind: str, op: str, world: List[RankInputs]) -> List[Any]:
+        """Arguments of a bad combine / dispatch_backward / combine_backward: the
+        backend's own handles of a good dispatch, one cotangent broken."""
+        cfg = self.config
+        last = cfg.num_ranks - 1
+        dispatched = self.call("dispatch", _dispatch_world(world))
+        handles = [d.handle for d in dispatched]
+        ref_d = self.reference.dispatch(cfg, _dispatch_world(world))
+        if op == "combine_backward":
+            grads = [self.cot((x.topk_idx.shape[0], cfg.hidden)) for x in world]
+            if kind == "grad_shape":
+                grads[last] = np.zeros((grads[last].shape[0] + 1, cfg.hidden), np.float32)
+            elif kind == "grad_dtype":
+                grads[last] = np.asarray(grads[last], np.float64)
+            return [handles, grads]
+        rows = self.rows(ref_d)
+        if op == "combine":
+            if kind == "expert_out_shape":
+                rows[last] = np.zeros((rows[last].shape[0] + 1, cfg.hidden), np.float32)
+            elif kind == "expert_out_dtype":
+                rows[last] = np.asarray(rows[last], np.float64)
+            elif kind == "world_size":
+                rows = rows[:-1]
+            return [handles, rows]
+        g_w = [self.cot((d.handle.num_recv_rows,), ~d.handle.valid_rows) for d in ref_d]
+        if kind == "grad_shape":
+            rows[last] = np.zeros((rows[last].shape[0], cfg.hidden + 1), np.float32)
+        elif kind == "grad_dtype":
+            g_w[last] = np.asarray(g_w[last], np.float64)
+        return [handles, rows, g_w]
 
 
 _OPS: Dict[str, Callable[[_Runner], List[Check]]] = {
