@@ -285,6 +285,17 @@ typedef struct {
   int32_t intermediate_format;  /* moe_ep_format: R_int along I (NONE: identity) */
   int32_t combine_format;       /* moe_ep_format: the per-route round trip of y along H (NONE: none) */
   int32_t with_backward;        /* 1: also allocate what moe_ep_layer_experts_backward needs */
+  /* The device exchange (section "exchange" below); ex_num_ranks = 0: none (every ex_ field ignored). */
+  int32_t ex_num_ranks;         /* N >= 1: ranks of the expert-parallel group; 0: no exchange */
+  int32_t ex_rank;              /* this rank, in [0, N) */
+  int32_t ex_num_topk;          /* K >= 1 */
+  int64_t ex_num_experts;       /* E = N * num_local_experts */
+  int64_t ex_max_tokens;        /* the most tokens a rank passes to one dispatch (>= 0) */
+  int64_t ex_token_bytes;       /* the most bytes of one token row a dispatch moves (>= 1) */
+  int64_t ex_expert_alignment;  /* A >= 1: every local expert's slab is a multiple of A rows */
+  int64_t ex_timeout_ms;        /* bound of every wait for a peer (0: 60000) */
+  int32_t ex_num_sms;           /* thread blocks of the copy kernels (0: 32) */
+  int32_t ex_combine_order;     /* moe_ep_combine_order */
 } moe_ep_layer_config;
 
 #define MOE_EP_LAYER_CONFIG_INIT {sizeof(moe_ep_layer_config)}
@@ -338,6 +349,124 @@ MOE_EP_API moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void
                                                        const void* fc2, const uint16_t* fc1_c, const float* dy,
                                                        const int32_t* group_sizes, float* dx, float* dw, float* dfc1,
                                                        float* dfc2);
+
+/* ----------------------------------------------------------------- exchange */
+
+/*
+ * The device exchange: dispatch and combine as stages of the layer, the ranks'
+ * rows moved by the GPU itself with stores into the peers' memory, no host
+ * synchronisation, capturable in a CUDA graph (docs/cuda-nccl.md, "The device
+ * exchange"). Static layout only: the expert-major buffer has max_rows = C rows.
+ *
+ * Every rank's layer exposes one "symmetric" region of moe_ep_layer_exchange_info
+ * bytes (the same size on every rank); the kernels take the N peers' region
+ * addresses from a table (moe_ep_layer_set_peers) and do not care where they
+ * come from: CUDA IPC between processes on one GPU (the loopback provider of
+ * moe_ep_native.exchange), NCCL's symmetric windows (LSA pointers), or plain
+ * host memory shared between processes for the CPU implementation (the CPU twin
+ * of the protocol, same layout, flags and sequence numbers).
+ *
+ * Protocol, per stage: a per-stage sequence number lives on the device (so graph
+ * replays advance it); a sender waits until the receiver acknowledged the
+ * previous step, writes its rows and metadata into the receiver's region, then
+ * publishes the step's number in the receiver's flag with a system-scope release;
+ * the receiver waits for every peer's flag (acquire), copies locally, then
+ * acknowledges. Every wait is bounded by ex_timeout_ms: on expiry the stage sets
+ * MOE_EP_EXCHANGE_TIMEOUT in the step's error and the layer's record, finishes
+ * without the missing peer (its outputs are NaN) and never hangs; the layer is
+ * unusable afterwards (destroy it). The calls of every rank must be made in the
+ * same order (dispatch, combine, dispatch, ...), as for any collective.
+ */
+
+typedef enum {
+  MOE_EP_COMBINE_RANK_SUMS = 0, /* one float32 row per (token, rank): that rank's routes summed in slot order,
+                                   then the home rank sums the ranks' rows in rank order (an order the spec allows
+                                   within the combine budget; equal to the slot order when a token's routes live
+                                   on one rank) */
+  MOE_EP_COMBINE_SLOT_ORDER = 1 /* one float32 row per route; the home rank sums in slot order from +0:
+                                   bit for bit moe_ep_combine_reduce */
+} moe_ep_combine_order;
+
+/* Error bits of a step (out_error) and of the layer's record (moe_ep_layer_exchange_status). */
+#define MOE_EP_EXCHANGE_BAD_EXPERT_ID 1 /* some rank's topk_idx held an id outside [-1, E) */
+#define MOE_EP_EXCHANGE_OVERFLOW 2      /* some rank's aligned rows exceeded C */
+#define MOE_EP_EXCHANGE_TIMEOUT 4       /* a peer did not arrive within ex_timeout_ms */
+
+/**
+ * symmetric_bytes (out): bytes of the region every rank must expose;
+ * own_region (out): the address of the region the layer allocated for itself
+ * (device memory from cudaMalloc, whole allocation: IPC-exportable; or host
+ * memory for a CPU layer).
+ */
+MOE_EP_API moe_ep_status moe_ep_layer_exchange_info(const moe_ep_layer* layer, uint64_t* symmetric_bytes,
+                                                    uint64_t* own_region);
+
+/**
+ * The peer table: peer_regions[r] = the address, in this process, of rank r's
+ * region (num_ranks entries). peer_regions[rank] is this rank's own region:
+ * the one the layer allocated, or caller memory of symmetric_bytes bytes,
+ * zero-filled, that stays valid while the layer lives (a CPU provider passes a
+ * shared-memory mapping here). Call before the first dispatch, not during a capture.
+ */
+MOE_EP_API moe_ep_status moe_ep_layer_set_peers(moe_ep_layer* layer, const uint64_t* peer_regions);
+
+/** CUDA layers: the cudaIpcMemHandle_t (MOE_EP_IPC_HANDLE_BYTES bytes) of the layer's own region. */
+#define MOE_EP_IPC_HANDLE_BYTES 64
+MOE_EP_API moe_ep_status moe_ep_layer_ipc_handle(const moe_ep_layer* layer, uint8_t* handle, size_t handle_bytes);
+
+/**
+ * CUDA layers: the peer table from every rank's IPC handle ([num_ranks][64]
+ * bytes, rank order; this rank's own entry is not opened). The opened mappings
+ * are closed by moe_ep_layer_destroy.
+ */
+MOE_EP_API moe_ep_status moe_ep_layer_set_peers_ipc(moe_ep_layer* layer, const uint8_t* handles, size_t handle_bytes);
+
+/**
+ * Dispatch (collective): this rank's tokens to the ranks of their experts, into
+ * every rank's expert-major buffer in the spec's routing order (local expert,
+ * source rank, source token, slot), slabs aligned to ex_expert_alignment.
+ * A token crosses to a rank at most once, however many of its K experts live
+ * there; its copies into the slots are local writes on the receiver.
+ *   num_tokens:   T, 0 <= T <= ex_max_tokens (the same T need not hold on every rank).
+ *   row_bytes:    bytes of one token row, 1 <= row_bytes <= ex_token_bytes (the same on every rank).
+ *   tokens:       [T, row_bytes] bytes (any encoding: moved unchanged).
+ *   topk_idx:     [T, K] int32;  topk_weights: [T, K] float32.
+ *   out_tokens:   [C, row_bytes] bytes out: padding rows zero.
+ *   out_weights:  [C] float32 out: padding 0.
+ *   out_route_metadata: [C, 4] int32 out: (local_expert, src_rank, src_token, src_slot), -1 rows padding.
+ *   out_group_sizes:    [E_local] int32 out: the aligned slab sizes, cut at C.
+ *   out_tokens_per_expert: [E_local] int32 out, or NULL: routes per local expert.
+ *   out_error:    [1] int32 out: the step's error bits, the same on every rank
+ *                 (bad ids and overflow: rows that do not fit are dropped).
+ */
+MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream, int64_t num_tokens,
+                                               int64_t row_bytes, const void* tokens, const int32_t* topk_idx,
+                                               const float* topk_weights, void* out_tokens, float* out_weights,
+                                               int32_t* out_route_metadata, int32_t* out_group_sizes,
+                                               int32_t* out_tokens_per_expert, int32_t* out_error);
+
+/**
+ * Combine (collective) of the last dispatch: the expert-major rows back to their
+ * tokens, unweighted, summed per token in float32 (moe_ep_combine_order).
+ *   num_tokens:  T of the last dispatch on this rank.
+ *   y:           [C, H] float32: rows as dispatched (padding rows never read).
+ *   out:         [T, H] float32 out: the sums (+0 for a token with no route).
+ *   row_values:  [C] float32, or NULL: one value per row returned to its (token, slot)...
+ *   out_values:  [T, K] float32 out (with row_values): ...here; exactly 0 for a -1 slot.
+ *   out_error:   [1] int32 out, or NULL: this step's error bits (the dispatch's, and a timeout).
+ * The backward's exchanges are these two stages: combine_backward is a dispatch
+ * of the output cotangent rows, dispatch_backward a combine of the row
+ * cotangents with the router-weight cotangents as row_values.
+ */
+MOE_EP_API moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t num_tokens, const float* y,
+                                              float* out, const float* row_values, float* out_values,
+                                              int32_t* out_error);
+
+/**
+ * The layer's error record: the OR of every step's bits since the last clear.
+ * Waits for `stream` first (one host synchronisation). clear: 1 resets the record.
+ */
+MOE_EP_API moe_ep_status moe_ep_layer_exchange_status(moe_ep_layer* layer, void* stream, int32_t* bits, int32_t clear);
 
 /* ---------------------------------------------------------------- transport */
 

@@ -79,6 +79,17 @@ class LayerConfig(ctypes.Structure):
         ("intermediate_format", ctypes.c_int32),
         ("combine_format", ctypes.c_int32),
         ("with_backward", ctypes.c_int32),
+        # The device exchange (moe_ep_native.exchange); ex_num_ranks = 0: none.
+        ("ex_num_ranks", ctypes.c_int32),
+        ("ex_rank", ctypes.c_int32),
+        ("ex_num_topk", ctypes.c_int32),
+        ("ex_num_experts", ctypes.c_int64),
+        ("ex_max_tokens", ctypes.c_int64),
+        ("ex_token_bytes", ctypes.c_int64),
+        ("ex_expert_alignment", ctypes.c_int64),
+        ("ex_timeout_ms", ctypes.c_int64),
+        ("ex_num_sms", ctypes.c_int32),
+        ("ex_combine_order", ctypes.c_int32),
     ]
 
     @classmethod

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "cpu/fpenv.h"
+#include "exchange.h"
 #include "internal.h"
 
 struct moe_ep_layer {
@@ -38,6 +39,7 @@ struct moe_ep_layer {
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   moe_ep::cuda::TcWorkspace tc{};
 #endif
+  moe_ep::Exchange* ex = nullptr;  // the device exchange (exchange.cc), when config.ex_num_ranks >= 1
 };
 
 namespace moe_ep {
@@ -139,7 +141,8 @@ moe_ep_status check_config(const Check& ck, const moe_ep_layer_config& c) {
     return ck.bad("config->with_backward must be 0 or 1", std::to_string(c.with_backward));
   moe_ep_expert_desc d{c.max_rows, c.hidden, c.intermediate, c.num_local_experts, c.apply_topk_in_fc1,
                        c.has_clamp, c.gate_up_clamp, c.intermediate_format};
-  return check_desc(ck, &d);
+  MOE_EP_TRY(check_desc(ck, &d));
+  return exchange_check_config(ck, c);
 }
 
 moe_ep_status check_layer(const Check& ck, const moe_ep_layer* l, void* stream, int64_t num_rows) {
@@ -241,6 +244,9 @@ moe_ep_status guarded(const moe_ep_layer* l, Fn body) {
 }
 
 }  // namespace
+
+Exchange* layer_exchange(const moe_ep_layer* l) { return l->ex; }
+
 }  // namespace moe_ep
 
 using moe_ep::Check;
@@ -288,15 +294,22 @@ moe_ep_status moe_ep_layer_create(const moe_ep_layer_config* config, moe_ep_laye
 #endif
   if (!l->tensor_cores) moe_ep::staged_layout(l, static_cast<char*>(l->buffer));
   (void)sm_count;
+  st = moe_ep::exchange_create(cfg, &l->ex);
+  if (st != MOE_EP_OK) {
+    moe_ep::release(l);
+    delete l;
+    return st;
+  }
   *layer = l;
   return MOE_EP_OK;
 }
 
 moe_ep_status moe_ep_layer_destroy(moe_ep_layer* layer) {
   if (layer == nullptr) return MOE_EP_OK;
+  const moe_ep_status sx = moe_ep::exchange_destroy(layer->ex);
   const moe_ep_status st = moe_ep::release(layer);
   delete layer;
-  return st;
+  return st != MOE_EP_OK ? st : sx;
 }
 
 moe_ep_status moe_ep_layer_get_info(const moe_ep_layer* layer, moe_ep_layer_info* info) {

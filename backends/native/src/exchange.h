@@ -1,0 +1,59 @@
+// The device exchange's state hung off a layer (moe_ep_layer.ex) and the
+// implementation entry points exchange.cc calls: the CPU twin (exchange.cc) and
+// the CUDA kernels (cuda/exchange.cu).
+#ifndef MOE_EP_NATIVE_EXCHANGE_H_
+#define MOE_EP_NATIVE_EXCHANGE_H_
+
+#include <vector>
+
+#include "exchange_layout.h"
+#include "internal.h"
+
+namespace moe_ep {
+
+struct Exchange {
+  ex::Shape shape{};
+  ex::SymLayout sym{};
+  bool cuda = false;
+  int cuda_device = 0;
+  int64_t timeout_ms = 60000;
+  int num_blocks = 32;
+  int64_t token_bytes_max = 0;
+  void* own = nullptr;      // the region the layer allocated (zeroed)
+  void* region = nullptr;   // the region in use (own, or the caller's, from set_peers)
+  void* local = nullptr;    // the Local pieces (device memory on CUDA)
+  int64_t local_bytes = 0;
+  ex::Local loc{};
+  std::vector<uint64_t> peers;   // host copy of the table
+  std::vector<void*> opened;     // IPC mappings to close (CUDA)
+  bool connected = false;
+  int64_t last_tokens = -1;      // T of the last dispatch (host)
+};
+
+// Layer hooks (layer.cc calls these).
+moe_ep_status exchange_check_config(const Check& ck, const moe_ep_layer_config& c);
+moe_ep_status exchange_create(const moe_ep_layer_config& c, Exchange** out);
+moe_ep_status exchange_destroy(Exchange* x);
+// The layer's exchange state and configuration (layer.cc defines them).
+Exchange* layer_exchange(const moe_ep_layer* l);
+
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+namespace cuda {
+moe_ep_status ex_alloc_zero(int cuda_device, size_t bytes, void** out);
+moe_ep_status ex_free(void* p);
+moe_ep_status ex_copy_to_device(int cuda_device, void* dst, const void* src, size_t bytes);
+moe_ep_status ex_ipc_handle(const void* base, uint8_t* handle);
+moe_ep_status ex_ipc_open(int cuda_device, const uint8_t* handle, void** out);
+moe_ep_status ex_ipc_close(void* p);
+moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t row_bytes, const void* tokens,
+                          const float* weights, void* out_tokens, float* out_w, int32_t* out_meta, int32_t* out_gs,
+                          int32_t* out_tpe, int32_t* out_error);
+moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const float* y, float* out,
+                         const float* row_values, float* out_values, int32_t* out_error);
+moe_ep_status ex_status(void* stream, const Exchange& x, int32_t* bits, bool clear);
+}  // namespace cuda
+#endif
+
+}  // namespace moe_ep
+
+#endif  // MOE_EP_NATIVE_EXCHANGE_H_

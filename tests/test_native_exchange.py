@@ -1,0 +1,279 @@
+"""The device exchange of the native layer (``moe_ep_layer_dispatch`` /
+``moe_ep_layer_combine``).
+
+CPU (CI): the CPU twin of the protocol, one rank per thread over host memory
+(the very count table, offsets, flags, step numbers and bounded waits the CUDA
+kernels use): the expert-major rows, weights, metadata and slab sizes equal the
+spec's routing order for random routings (empty ranks, T = 0, repeated experts,
+-1 slots), the combine equals the slot-order sum (bit for bit in SLOT_ORDER,
+and in RANK_SUMS where a token's routes live on one rank), buffers are reused
+over steps, bad ids and overflow give the same error bits on every rank, and a
+peer that never arrives gives TIMEOUT within the bound. The front-end
+(``moe_ep(..., host_sync=False, exchange="device")``) against the static mode in
+the CPU mode, through the /dev/shm loopback provider.
+
+CUDA (skipped without a GPU): the same checks with the kernels, N processes on
+ONE GPU through the CUDA IPC loopback provider.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("moe_ep_native")
+
+from moe_ep_native._capi import LayerConfig, call, has_cuda  # noqa: E402
+from moe_ep_native.exchange import (  # noqa: E402
+    BAD_EXPERT_ID, OVERFLOW, RANK_SUMS, SLOT_ORDER, TIMEOUT, ExchangeLayer, with_exchange,
+)
+from moe_ep_native.layer import layer_config  # noqa: E402
+from moe_ep_spec import MoeEpConfig, NativeArgumentError  # noqa: E402
+
+
+def _ptr(a):
+    return a.ctypes.data if a is not None and a.size else None
+
+
+def _config(n, el, k, hidden=8):
+    return MoeEpConfig(num_experts=n * el, hidden=hidden, intermediate=4, num_topk=k, num_ranks=n)
+
+
+def _layers(n, el, k, cap, tmax, row_bytes, align=1, order=RANK_SUMS, timeout_s=20.0, hidden=8):
+    cfg = _config(n, el, k, hidden)
+    layers = []
+    for r in range(n):
+        base = layer_config(cfg, max_rows=cap, cuda_device=None, bf16_operands=False, with_backward=False)
+        layers.append(ExchangeLayer(with_exchange(base, num_ranks=n, rank=r, num_topk=k, max_tokens=tmax,
+                                                  token_bytes=row_bytes, expert_alignment=align, timeout_s=timeout_s,
+                                                  combine_order=order)))
+    regions = [lay.exchange_info()[1] for lay in layers]
+    for lay in layers:
+        lay.set_peers(regions)
+    return layers
+
+
+def _parallel(fns):
+    """Run one function per rank in threads (ctypes releases the GIL); re-raise the first error."""
+    out, errs = [None] * len(fns), []
+
+    def run(i):
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001
+            errs.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errs:
+        raise errs[0]
+    return out
+
+
+def _dispatch(layer, tokens, idx, w, cap, el):
+    t, rb = tokens.shape
+    out = dict(
+        tokens=np.full((cap, rb), 0xAB, np.uint8), w=np.full(cap, 7.0, np.float32),
+        meta=np.full((cap, 4), 99, np.int32), gs=np.full(el, -5, np.int32), tpe=np.full(el, -5, np.int32),
+        err=np.full(1, -1, np.int32),
+    )
+    layer.dispatch(None, t, rb, _ptr(tokens), _ptr(idx), _ptr(w), _ptr(out["tokens"]), _ptr(out["w"]),
+                   _ptr(out["meta"]), _ptr(out["gs"]), _ptr(out["tpe"]), _ptr(out["err"]))
+    return out
+
+
+def _combine(layer, t, y, k, values=None):
+    out = np.full((t, y.shape[1]), 5.0, np.float32)
+    ov = np.full((t, k), 5.0, np.float32) if values is not None else None
+    err = np.full(1, -1, np.int32)
+    layer.combine(None, t, _ptr(y), _ptr(out), _ptr(values), _ptr(ov), _ptr(err))
+    return out, ov, int(err[0])
+
+
+def _expected(idx_all, tok_all, w_all, n, el, k, align, cap):
+    """The spec's routing order per destination rank (section 4, static layout 10.4)."""
+    res = []
+    for d in range(n):
+        routes = []
+        for s in range(n):
+            for t in range(idx_all[s].shape[0]):
+                for kk in range(k):
+                    g = int(idx_all[s][t, kk])
+                    if g >= 0 and g // el == d:
+                        routes.append((g % el, s, t, kk))
+        routes.sort()
+        n_e = [sum(1 for r in routes if r[0] == e) for e in range(el)]
+        off = np.concatenate([[0], np.cumsum([-(-c // align) * align for c in n_e])])
+        rb = tok_all[0].shape[1]
+        tokens = np.zeros((cap, rb), np.uint8)
+        w = np.zeros(cap, np.float32)
+        meta = np.full((cap, 4), -1, np.int32)
+        seen = [0] * el
+        for le, s, t, kk in routes:
+            row = off[le] + seen[le]
+            seen[le] += 1
+            if row < cap:
+                tokens[row] = tok_all[s][t]
+                w[row] = w_all[s][t, kk]
+                meta[row] = (le, s, t, kk)
+        cut = np.minimum(off, cap)
+        res.append(dict(tokens=tokens, w=w, meta=meta, gs=(cut[1:] - cut[:-1]).astype(np.int32),
+                        tpe=np.asarray(n_e, np.int32), aligned=int(off[-1])))
+    return res
+
+
+def _routing(rng, n, el, k, t, empty_rank=None, repeat=False, unused=0.2):
+    e = n * el
+    idx = rng.integers(0, e, size=(t, k)).astype(np.int32)
+    if empty_rank is not None:  # no route to that rank
+        idx = np.where(idx // el == empty_rank, (idx + el) % e, idx).astype(np.int32)
+    if repeat and t:
+        idx[:, -1] = idx[:, 0]
+    idx[rng.random((t, k)) < unused] = -1
+    return idx
+
+
+CASES = [  # n, el, k, tokens per rank, align, capacity, empty rank, repeated experts
+    (1, 4, 2, (5,), 1, 16, None, False),
+    (2, 3, 4, (6, 0), 1, 64, None, True),
+    (2, 2, 3, (7, 5), 4, 64, 1, False),
+    (4, 2, 2, (3, 0, 4, 2), 2, 64, 2, True),
+    (3, 2, 5, (4, 4, 4), 8, 160, None, True),
+]
+
+
+@pytest.mark.parametrize("order", [RANK_SUMS, SLOT_ORDER], ids=["rank-sums", "slot-order"])
+@pytest.mark.parametrize("case", CASES, ids=[f"ep{c[0]}-el{c[1]}-k{c[2]}-t{'_'.join(map(str, c[3]))}" for c in CASES])
+def test_cpu_twin_dispatch_and_combine_follow_the_routing_order(case, order) -> None:
+    n, el, k, ts, align, cap, empty, repeat = case
+    rng = np.random.default_rng(hash(case) % 2**32)
+    hidden, rb = 8, 12
+    tmax = max(ts) + 2
+    layers = _layers(n, el, k, cap, tmax, rb + 4, align, order, hidden=hidden)
+    try:
+        for step in range(3):  # the same buffers over steps: step numbers, acknowledgements
+            idx = [_routing(rng, n, el, k, t, empty, repeat) for t in ts]
+            tok = [rng.integers(0, 256, size=(t, rb)).astype(np.uint8) for t in ts]
+            w = [rng.standard_normal((t, k)).astype(np.float32) for t in ts]
+            got = _parallel([lambda r=r: _dispatch(layers[r], tok[r], idx[r], w[r], cap, el) for r in range(n)])
+            want = _expected(idx, tok, w, n, el, k, align, cap)
+            for r in range(n):
+                assert got[r]["err"][0] == 0
+                np.testing.assert_array_equal(got[r]["meta"], want[r]["meta"], err_msg=f"rank {r} step {step}")
+                np.testing.assert_array_equal(got[r]["tokens"], want[r]["tokens"])
+                np.testing.assert_array_equal(got[r]["w"], want[r]["w"])
+                np.testing.assert_array_equal(got[r]["gs"], want[r]["gs"])
+                np.testing.assert_array_equal(got[r]["tpe"], want[r]["tpe"])
+            # Combine: expert outputs per buffer row (padding rows NaN: never read), values per row.
+            ys, vals = [], []
+            for r in range(n):
+                y = rng.standard_normal((cap, hidden)).astype(np.float32)
+                y[want[r]["meta"][:, 0] < 0] = np.nan
+                v = rng.standard_normal(cap).astype(np.float32)
+                ys.append(y)
+                vals.append(v)
+            outs = _parallel([lambda r=r: _combine(layers[r], ts[r], ys[r], k, vals[r]) for r in range(n)])
+            for s in range(n):
+                out, ov, err = outs[s]
+                assert err == 0
+                slot_rows = np.zeros((ts[s], k, hidden), np.float32)
+                slot_vals = np.zeros((ts[s], k), np.float32)
+                dest = np.full((ts[s], k), -1)
+                for d in range(n):
+                    for row, (le, src, t, kk) in enumerate(want[d]["meta"]):
+                        if src == s and le >= 0:
+                            slot_rows[t, kk] = ys[d][row]
+                            slot_vals[t, kk] = vals[d][row]
+                            dest[t, kk] = d
+                np.testing.assert_array_equal(ov, slot_vals)
+                ref = np.zeros((ts[s], hidden), np.float32)
+                for kk in range(k):  # slot order from +0 (moe_ep_combine_reduce)
+                    ref = np.where((dest[:, kk] >= 0)[:, None], ref + slot_rows[:, kk], ref).astype(np.float32)
+                one_rank = np.array([len(set(dest[t][dest[t] >= 0])) <= 1 for t in range(ts[s])], bool)
+                if order == SLOT_ORDER:
+                    np.testing.assert_array_equal(out, ref)
+                else:
+                    np.testing.assert_array_equal(out[one_rank], ref[one_rank])
+                    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        for lay in layers:
+            lay.close()
+
+
+@pytest.mark.parametrize("fault", ["bad-id", "overflow"])
+def test_cpu_twin_errors_reach_every_rank(fault) -> None:
+    n, el, k, cap = 2, 2, 2, 4
+    layers = _layers(n, el, k, cap, 4, 4)
+    try:
+        idx = [np.array([[0, 1], [2, -1]], np.int32), np.array([[3, -1]], np.int32)]
+        if fault == "bad-id":
+            idx[1][0, 1] = 9
+        else:
+            idx[0] = np.array([[0, 1], [0, 1], [0, 1], [1, 0]], np.int32)  # 8 rows to rank 0 > cap 4
+        tok = [np.ones((len(i), 4), np.uint8) for i in idx]
+        w = [np.ones(i.shape, np.float32) for i in idx]
+        got = _parallel([lambda r=r: _dispatch(layers[r], tok[r], idx[r], w[r], cap, el) for r in range(n)])
+        bit = BAD_EXPERT_ID if fault == "bad-id" else OVERFLOW
+        assert [g["err"][0] for g in got] == [bit, bit]
+        y = np.zeros((cap, 8), np.float32)
+        outs = _parallel([lambda r=r: _combine(layers[r], len(idx[r]), y, k) for r in range(n)])
+        for out, _, err in outs:
+            assert err == bit and np.isnan(out).all()
+        assert [lay.status(clear=True) for lay in layers] == [bit, bit]
+        assert [lay.status() for lay in layers] == [0, 0]
+    finally:
+        for lay in layers:
+            lay.close()
+
+
+def test_cpu_twin_peer_that_never_arrives_times_out_within_the_bound() -> None:
+    n, el, k, cap = 2, 2, 2, 8
+    layers = _layers(n, el, k, cap, 2, 4, timeout_s=0.5)
+    try:
+        idx = np.array([[0, 3]], np.int32)
+        start = time.monotonic()
+        got = _dispatch(layers[0], np.ones((1, 4), np.uint8), idx, np.ones((1, 2), np.float32), cap, el)  # rank 1 never comes
+        elapsed = time.monotonic() - start
+        assert got["err"][0] & TIMEOUT and elapsed < 5.0
+        assert (got["meta"] == -1).all() and (got["tokens"] == 0).all()
+        out, _, err = _combine(layers[0], 1, np.zeros((cap, 8), np.float32), k)
+        assert err & TIMEOUT and np.isnan(out).all()
+        assert layers[0].status() & TIMEOUT
+    finally:
+        for lay in layers:
+            lay.close()
+
+
+def test_exchange_config_is_checked_and_old_callers_are_unaffected() -> None:
+    cfg = _config(2, 2, 2)
+    base = layer_config(cfg, max_rows=4, cuda_device=None, bf16_operands=False, with_backward=False)
+    assert base.ex_num_ranks == 0
+    plain = ExchangeLayer(base)  # no exchange: the stages say so
+    try:
+        with pytest.raises(NativeArgumentError, match="ex_num_ranks >= 1"):
+            plain.exchange_info()
+    finally:
+        plain.close()
+    bad = with_exchange(layer_config(cfg, max_rows=4, cuda_device=None, bf16_operands=False, with_backward=False),
+                        num_ranks=2, rank=2, num_topk=2, max_tokens=4, token_bytes=4)
+    with pytest.raises(NativeArgumentError, match="ex_rank must be in"):
+        ExchangeLayer(bad)
+    good = ExchangeLayer(with_exchange(
+        layer_config(cfg, max_rows=4, cuda_device=None, bf16_operands=False, with_backward=False),
+        num_ranks=2, rank=0, num_topk=2, max_tokens=4, token_bytes=4))
+    try:
+        with pytest.raises(NativeArgumentError, match="peer table must be set first"):
+            _dispatch(good, np.ones((1, 4), np.uint8), np.zeros((1, 2), np.int32), np.ones((1, 2), np.float32), 4, 2)
+        size, base_addr = good.exchange_info()
+        assert size > 0 and base_addr % 256 == 0
+    finally:
+        good.close()
