@@ -61,6 +61,11 @@ struct GroupedGemmProblem {
   const uint16_t* b = nullptr;  // bf16 bit patterns, device, 16-byte aligned
   float* d = nullptr;           // float32, device, 16-byte aligned
   bool accumulate = false;      // D_g += A_g * B_g instead of D_g = A_g * B_g
+  // kNN/kNT: the expected rows per group, a host-side hint that picks the kernel (never
+  // read from the offsets): at most 128 (or n <= 128) takes the pingpong 64x128x128 kernel
+  // (decode), else the cooperative 128x256x64 one. 0: total_rows / num_groups. Results
+  // do not depend on it beyond float32 summation order.
+  int64_t rows_hint = 0;
 };
 
 // True when this build has the CUTLASS kernels (MOE_EP_NATIVE_WITH_CUTLASS) and the

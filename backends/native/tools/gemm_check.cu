@@ -1,0 +1,396 @@
+// moe_ep_gemm_check: checks the bf16 grouped GEMMs (src/cuda/gemm/grouped_gemm.h) against
+// a naive reference on the GPU, then times the DeepSeek-V3 expert shapes.
+//
+//   moe_ep_gemm_check            checks, then timings
+//   moe_ep_gemm_check --no-time  checks only
+//
+// Every check prints one line ("ok" or "MISMATCH ..."); the exit status is non-zero on
+// any mismatch or CUDA error. The reference multiplies the bf16 inputs exactly (the
+// products of two bf16 are exact in float32) and sums in float64; a result passes when
+// |d - ref| <= 1e-5 * sum_k |a_k| |b_k| (+ 1e-30) for every element. Rows (kNN, kNT) past
+// the last offset must be left untouched; kTN groups with no rows must be 0 (or their old
+// value with accumulate).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/gemm/grouped_gemm.h"
+
+using moe_ep::cuda::GemmLayout;
+using moe_ep::cuda::GroupedGemmProblem;
+
+namespace {
+
+#define CHECK_CUDA(expr)                                                                              \
+  do {                                                                                                \
+    cudaError_t e_ = (expr);                                                                          \
+    if (e_ != cudaSuccess) {                                                                          \
+      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, #expr); \
+      std::exit(2);                                                                                   \
+    }                                                                                                 \
+  } while (0)
+
+const char* layout_name(GemmLayout l) {
+  switch (l) {
+    case GemmLayout::kNN: return "NN";
+    case GemmLayout::kNT: return "NT";
+    case GemmLayout::kTN: return "TN";
+  }
+  return "?";
+}
+
+__host__ __device__ inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// Pseudo-random bf16 in about [-2, 2] with a few exponents, from a hash of (seed, i).
+__host__ __device__ inline uint16_t random_bf16(uint64_t seed, uint64_t i) {
+  uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ (seed * 0xD1B54A32D192ED03ull);
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 32;
+  const uint32_t sign = static_cast<uint32_t>(x & 1) << 15;
+  const uint32_t exponent = 125 + static_cast<uint32_t>((x >> 1) % 3);  // 2^-2 .. 2^0
+  const uint32_t mantissa = static_cast<uint32_t>((x >> 8) & 0x7F);
+  return static_cast<uint16_t>(sign | (exponent << 7) | mantissa);
+}
+
+__global__ void fill_bf16(uint16_t* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = random_bf16(seed, static_cast<uint64_t>(i));
+}
+
+__global__ void fill_float(float* p, int64_t n, uint64_t seed, float value, bool random) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = random ? bf16_to_float(random_bf16(seed, static_cast<uint64_t>(i))) : value;
+}
+
+__device__ int group_of_row(const int32_t* off, int groups, int64_t r) {
+  int lo = 0, hi = groups;  // off[lo] <= r < off[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (off[mid] <= r) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// ref / bound have the shape of d. ref = (accumulate ? d0 : 0) + sum a*b in float64;
+// bound = sum |a||b|. Elements no group owns get ref = d0, bound = 0 (must be untouched).
+__global__ void reference(GroupedGemmProblem p, const float* d0, double* ref, double* bound) {
+  const bool tn = p.layout == GemmLayout::kTN;
+  const int64_t rows = tn ? static_cast<int64_t>(p.num_groups) * p.m : p.total_rows;
+  const int64_t total = rows * p.n;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = idx / p.n, j = idx % p.n;
+    double s = 0.0, b = 0.0;
+    bool owned = true;
+    if (tn) {
+      const int g = static_cast<int>(row / p.m);
+      const int64_t i = row % p.m;
+      for (int64_t r = p.offsets[g]; r < p.offsets[g + 1]; ++r) {
+        const double prod = static_cast<double>(bf16_to_float(p.a[r * p.m + i]) * bf16_to_float(p.b[r * p.n + j]));
+        s += prod;
+        b += fabs(prod);
+      }
+    } else if (row >= p.offsets[p.num_groups]) {
+      owned = false;
+    } else {
+      const int g = group_of_row(p.offsets, p.num_groups, row);
+      const uint16_t* bg = p.b + static_cast<int64_t>(g) * p.k * p.n;
+      for (int64_t kk = 0; kk < p.k; ++kk) {
+        const float bv = p.layout == GemmLayout::kNN ? bf16_to_float(bg[kk * p.n + j]) : bf16_to_float(bg[j * p.k + kk]);
+        const double prod = static_cast<double>(bf16_to_float(p.a[row * p.k + kk]) * bv);
+        s += prod;
+        b += fabs(prod);
+      }
+    }
+    ref[idx] = owned ? (p.accumulate ? static_cast<double>(d0[idx]) : 0.0) + s : static_cast<double>(d0[idx]);
+    bound[idx] = owned ? b : 0.0;
+  }
+}
+
+template <class T>
+T* device_alloc(size_t count) {
+  T* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
+  return p;
+}
+
+unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)); }
+
+struct Buffers {
+  uint16_t* a = nullptr;
+  uint16_t* b = nullptr;
+  float* d = nullptr;
+  int32_t* off = nullptr;
+  void* ws = nullptr;
+  size_t ws_bytes = 0;
+  int64_t a_elems = 0, b_elems = 0, d_elems = 0;
+  void release() {
+    cudaFree(a); cudaFree(b); cudaFree(d); cudaFree(off); cudaFree(ws);
+    *this = Buffers{};
+  }
+};
+
+// Element counts of the operands of p.
+void operand_sizes(const GroupedGemmProblem& p, int64_t* a, int64_t* b, int64_t* d) {
+  if (p.layout == GemmLayout::kTN) {
+    *a = p.total_rows * p.m;
+    *b = p.total_rows * p.n;
+    *d = static_cast<int64_t>(p.num_groups) * p.m * p.n;
+  } else {
+    *a = p.total_rows * p.k;
+    *b = static_cast<int64_t>(p.num_groups) * p.k * p.n;
+    *d = p.total_rows * p.n;
+  }
+}
+
+Buffers make_buffers(GroupedGemmProblem& p, const std::vector<int32_t>& offsets, int sm_count, uint64_t seed) {
+  Buffers buf;
+  operand_sizes(p, &buf.a_elems, &buf.b_elems, &buf.d_elems);
+  buf.a = device_alloc<uint16_t>(buf.a_elems);
+  buf.b = device_alloc<uint16_t>(buf.b_elems);
+  buf.d = device_alloc<float>(buf.d_elems);
+  buf.off = device_alloc<int32_t>(offsets.size());
+  CHECK_CUDA(cudaMemcpy(buf.off, offsets.data(), offsets.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  fill_bf16<<<grid_for(buf.a_elems), 256>>>(buf.a, buf.a_elems, seed * 3 + 1);
+  fill_bf16<<<grid_for(buf.b_elems), 256>>>(buf.b, buf.b_elems, seed * 3 + 2);
+  CHECK_CUDA(cudaGetLastError());
+  p.a = buf.a;
+  p.b = buf.b;
+  p.d = buf.d;
+  p.offsets = buf.off;
+  buf.ws_bytes = moe_ep::cuda::grouped_gemm_workspace_bytes(p, sm_count);
+  CHECK_CUDA(cudaMalloc(&buf.ws, std::max<size_t>(buf.ws_bytes, 1)));
+  return buf;
+}
+
+int g_failures = 0;
+
+// One correctness check: layout, fixed dims, per-group row counts, extra rows past the
+// last offset, accumulate, launched directly or through a captured CUDA graph.
+// rows_hint (kNN/kNT) picks the kernel: 1 the pingpong 64x128 one, 1024 the cooperative 128x256 one.
+void check(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k, const std::vector<int>& rows,
+           int64_t extra_rows, bool accumulate, bool graph, int64_t rows_hint, int sm_count, uint64_t seed) {
+  GroupedGemmProblem p;
+  p.layout = layout;
+  p.num_groups = static_cast<int32_t>(rows.size());
+  std::vector<int32_t> off(rows.size() + 1, 0);
+  for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
+  p.total_rows = off.back() + extra_rows;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.accumulate = accumulate;
+  p.rows_hint = rows_hint;
+  const char* kernel = layout == GemmLayout::kTN ? "coop" : (rows_hint <= 128 || n <= 128 ? "pingpong" : "coop");
+  char label[256];
+  std::snprintf(label, sizeof(label), "check %-26s %s %-8s groups=%d m=%lld n=%lld k=%lld rows=%lld%s%s", name,
+                layout_name(layout), kernel, p.num_groups, static_cast<long long>(m), static_cast<long long>(n),
+                static_cast<long long>(k), static_cast<long long>(p.total_rows), accumulate ? " accumulate" : "",
+                graph ? " graph" : "");
+  if (!moe_ep::cuda::grouped_gemm_supported(p)) {
+    std::printf("%s: MISMATCH (grouped_gemm_supported() is false)\n", label);
+    ++g_failures;
+    return;
+  }
+  Buffers buf = make_buffers(p, off, sm_count, seed);
+  // D before: random values with accumulate; without, a NaN sentinel wherever the GEMM
+  // must write (so an unwritten output shows) and random values in the rows past the
+  // last offset (kNN, kNT: they must stay as they are).
+  fill_float<<<grid_for(buf.d_elems), 256>>>(buf.d, buf.d_elems, seed * 3 + 3, 0.f, true);
+  if (!accumulate) {
+    const size_t owned = layout == GemmLayout::kTN ? static_cast<size_t>(buf.d_elems) : static_cast<size_t>(off.back()) * n;
+    CHECK_CUDA(cudaMemset(buf.d, 0xFF, owned * sizeof(float)));
+  }
+  CHECK_CUDA(cudaGetLastError());
+  float* d0 = device_alloc<float>(buf.d_elems);
+  double* ref = device_alloc<double>(buf.d_elems);
+  double* bound = device_alloc<double>(buf.d_elems);
+  CHECK_CUDA(cudaMemcpy(d0, buf.d, buf.d_elems * sizeof(float), cudaMemcpyDeviceToDevice));
+  {
+    GroupedGemmProblem q = p;
+    q.d = d0;
+    reference<<<grid_for(buf.d_elems), 256>>>(q, d0, ref, bound);
+    CHECK_CUDA(cudaGetLastError());
+  }
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  cudaError_t e;
+  if (graph) {
+    cudaGraph_t g;
+    cudaGraphExec_t exec;
+    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    e = moe_ep::cuda::grouped_gemm_bf16(p, buf.ws, buf.ws_bytes, stream, sm_count);
+    CHECK_CUDA(cudaStreamEndCapture(stream, &g));
+    if (e == cudaSuccess) {
+      CHECK_CUDA(cudaGraphInstantiate(&exec, g, 0));
+      CHECK_CUDA(cudaGraphLaunch(exec, stream));
+      CHECK_CUDA(cudaGraphExecDestroy(exec));
+    }
+    CHECK_CUDA(cudaGraphDestroy(g));
+  } else {
+    e = moe_ep::cuda::grouped_gemm_bf16(p, buf.ws, buf.ws_bytes, stream, sm_count);
+  }
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) {
+    std::printf("%s: MISMATCH (launch: %s)\n", label, cudaGetErrorName(e));
+    ++g_failures;
+  } else {
+    std::vector<float> h_d(buf.d_elems);
+    std::vector<double> h_ref(buf.d_elems), h_bound(buf.d_elems);
+    CHECK_CUDA(cudaMemcpy(h_d.data(), buf.d, buf.d_elems * sizeof(float), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(h_ref.data(), ref, buf.d_elems * sizeof(double), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(h_bound.data(), bound, buf.d_elems * sizeof(double), cudaMemcpyDeviceToHost));
+    int64_t bad = 0, first = -1;
+    double worst = 0.0;  // max |d - ref| / bound
+    for (int64_t i = 0; i < buf.d_elems; ++i) {
+      const double err = std::fabs(static_cast<double>(h_d[i]) - h_ref[i]);
+      const double tol = 1e-5 * h_bound[i] + 1e-30;
+      const bool ok = std::isfinite(h_d[i]) ? err <= tol : (std::isnan(h_ref[i]) && std::isnan(h_d[i]));
+      if (!ok) {
+        if (first < 0) first = i;
+        ++bad;
+      } else if (h_bound[i] > 0) {
+        worst = std::max(worst, err / h_bound[i]);
+      }
+    }
+    if (bad == 0) {
+      std::printf("%s: ok (max |d-ref|/sum|ab| = %.2e)\n", label, worst);
+    } else {
+      std::printf("%s: MISMATCH %lld of %lld elements, first at %lld: d=%.9g ref=%.9g sum|ab|=%.9g\n", label,
+                  static_cast<long long>(bad), static_cast<long long>(buf.d_elems), static_cast<long long>(first),
+                  h_d[first], h_ref[first], h_bound[first]);
+      ++g_failures;
+    }
+  }
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  cudaFree(d0);
+  cudaFree(ref);
+  cudaFree(bound);
+  buf.release();
+}
+
+// Times one shape: warm-up, then `iters` launches between CUDA events.
+void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k, int groups, int rows_per_group,
+                int sm_count, int64_t rows_hint = 0) {
+  GroupedGemmProblem p;
+  p.layout = layout;
+  p.num_groups = groups;
+  std::vector<int32_t> off(groups + 1);
+  for (int g = 0; g <= groups; ++g) off[g] = g * rows_per_group;
+  p.total_rows = off.back();
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.rows_hint = rows_hint;
+  Buffers buf = make_buffers(p, off, sm_count, 7);
+  CHECK_CUDA(cudaMemset(buf.d, 0, buf.d_elems * sizeof(float)));
+  const int warmup = 3, iters = 20;
+  cudaEvent_t t0, t1;
+  CHECK_CUDA(cudaEventCreate(&t0));
+  CHECK_CUDA(cudaEventCreate(&t1));
+  for (int i = 0; i < warmup; ++i) CHECK_CUDA(moe_ep::cuda::grouped_gemm_bf16(p, buf.ws, buf.ws_bytes, 0, sm_count));
+  CHECK_CUDA(cudaEventRecord(t0));
+  for (int i = 0; i < iters; ++i) CHECK_CUDA(moe_ep::cuda::grouped_gemm_bf16(p, buf.ws, buf.ws_bytes, 0, sm_count));
+  CHECK_CUDA(cudaEventRecord(t1));
+  CHECK_CUDA(cudaEventSynchronize(t1));
+  float ms = 0.f;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
+  ms /= iters;
+  // FLOPs: 2 * rows * (fixed dims), rows summed over the groups.
+  const double fixed = layout == GemmLayout::kTN ? static_cast<double>(m) * n : static_cast<double>(n) * k;
+  const double flops = 2.0 * static_cast<double>(p.total_rows) * fixed;
+  const double bytes = 2.0 * (buf.a_elems + buf.b_elems) + 4.0 * buf.d_elems;
+  const int64_t hint = rows_hint > 0 ? rows_hint : rows_per_group;
+  const char* kernel = layout == GemmLayout::kTN ? "coop" : (hint <= 128 || n <= 128 ? "pingpong" : "coop");
+  std::printf("time  %-30s %s %-8s groups=%d rows/group=%d m=%lld n=%lld k=%lld: %.3f ms, %.1f TFLOP/s, %.2f TB/s (A+B+D once)\n",
+              name, layout_name(layout), kernel, groups, rows_per_group, static_cast<long long>(m), static_cast<long long>(n),
+              static_cast<long long>(k), ms, flops / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e12);
+  CHECK_CUDA(cudaEventDestroy(t0));
+  CHECK_CUDA(cudaEventDestroy(t1));
+  buf.release();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool timing = true;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--no-time") == 0) timing = false;
+  }
+  if (!moe_ep::cuda::grouped_gemm_built()) {
+    std::printf("moe_ep_gemm_check: this build has no CUTLASS grouped GEMM (MOE_EP_NATIVE_CUTLASS=OFF)\n");
+    return 1;
+  }
+  int device = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  std::printf("device %s, sm_%d%d, %d SMs\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+  if (prop.major != 9 || prop.minor != 0) {
+    std::printf("moe_ep_gemm_check: the kernels are sm_90a only\n");
+    return 1;
+  }
+  const int sms = prop.multiProcessorCount;
+
+  // Ragged groups: empty groups (first, middle, last), groups of 1 row, groups that are
+  // not a multiple of the 128-row tile, one larger than several tiles.
+  const std::vector<int> ragged = {0, 1, 129, 0, 300, 7, 256, 45, 0};
+  const std::vector<int> all_empty = {0, 0, 0};
+  for (GemmLayout layout : {GemmLayout::kNN, GemmLayout::kNT}) {
+    for (int64_t hint : {int64_t{1024}, int64_t{1}}) {  // the cooperative kernel, the pingpong kernel
+      for (bool acc : {false, true}) {
+        check("ragged, n,k off the tile", layout, 0, 264, 200, ragged, 13, acc, false, hint, sms, 1);
+        check("ragged, big n,k", layout, 0, 1024, 1536, ragged, 0, acc, false, hint, sms, 2);
+      }
+      check("all groups empty", layout, 0, 256, 128, all_empty, 5, false, false, hint, sms, 3);
+      check("one group", layout, 0, 512, 512, {1000}, 0, false, false, hint, sms, 4);
+      check("ragged, graph", layout, 0, 264, 200, ragged, 13, true, true, hint, sms, 5);
+    }
+    check("ragged, n = 8", layout, 0, 8, 64, ragged, 0, false, false, 0, sms, 10);
+  }
+  for (bool acc : {false, true}) {
+    check("ragged K, m,n off the tile", GemmLayout::kTN, 264, 136, 0, ragged, 11, acc, false, 0, sms, 6);
+    check("ragged K, big m,n", GemmLayout::kTN, 1024, 1536, 0, {0, 3, 77, 0, 512, 64, 1, 250}, 0, acc, false, 0, sms, 7);
+    check("all groups empty", GemmLayout::kTN, 256, 128, 0, all_empty, 5, acc, false, 0, sms, 8);
+  }
+  check("ragged K, graph", GemmLayout::kTN, 264, 136, 0, ragged, 11, false, true, 0, sms, 9);
+  std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
+
+  if (timing) {
+    // DeepSeek-V3 per rank: hidden 7168, intermediate 2048 (FC1 out 2I = 4096), 32 local experts.
+    time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms);
+    time_shape("FC2 forward (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms);
+    time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms);
+    time_shape("FC2 forward (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms);
+    // The other kernel on the same shapes, to check the rows_hint threshold.
+    time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms, 1);
+    time_shape("FC2 forward (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, 1);
+    time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms, 1024);
+    time_shape("FC2 forward (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms, 1024);
+    time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms);
+    time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, 1024);
+    time_shape("FC1 data grad", GemmLayout::kNT, 0, 7168, 4096, 32, 1024, sms);
+    time_shape("FC2 data grad", GemmLayout::kNT, 0, 2048, 7168, 32, 1024, sms);
+    time_shape("FC1 weight grad", GemmLayout::kTN, 7168, 4096, 0, 32, 1024, sms);
+    time_shape("FC2 weight grad", GemmLayout::kTN, 2048, 7168, 0, 32, 1024, sms);
+  }
+  return g_failures == 0 ? 0 : 1;
+}
