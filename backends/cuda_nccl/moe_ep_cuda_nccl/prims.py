@@ -185,6 +185,8 @@ class NativePrimitives(core.Primitives):
         return out
 
     def all_to_all(self, x: torch.Tensor, send_counts: List[int], recv_counts: List[int], group: Any) -> torch.Tensor:
+        if len(send_counts) == 1 and send_counts == recv_counts:
+            return x  # one rank: its rows stay where they are (callers never write into the result)
         if not x.is_cuda:
             return super().all_to_all(x, send_counts, recv_counts, group)
         x = x.contiguous()
@@ -212,13 +214,14 @@ class NativePrimitives(core.Primitives):
             return dequantize(w).transpose(1, 2).contiguous()
         return w
 
-    def forward_operands(self, activation: Any, x_buf: torch.Tensor, fc1: Any, fc2: Any) -> Tuple[Any, Any, Any]:
-        """bf16 operands stay bf16 (the layer's tensor-core path; exact, the decoded
-        rows of a bf16 activation are bf16 values) when the activation and both
-        weights are plain bf16 tensors; everything else is decoded to float32."""
-        if all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in (activation, fc1, fc2)):
-            return x_buf.to(torch.bfloat16), fc1, fc2
-        return x_buf.float(), self.decode(fc1), self.decode(fc2)
+    def forward_operands(self, activation: Any, tokens: Any, fc1: Any, fc2: Any) -> Tuple[Any, Any, Any]:
+        """The layer's operands from the buffer rows ``tokens`` (the activation's
+        encoding) and the weights: bf16 ones stay bf16 (the tensor-core path) when
+        the rows and both weights are plain bf16 tensors; everything else is
+        decoded to float32."""
+        if all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in (tokens, fc1, fc2)):
+            return tokens, fc1, fc2
+        return self.decode(tokens), self.decode(fc1), self.decode(fc2)
 
     def round_trip(self, values: torch.Tensor, fmt: Optional[MoeFormat]) -> torch.Tensor:
         if fmt is None:
@@ -232,6 +235,8 @@ class NativePrimitives(core.Primitives):
 
     def experts_forward(self, config, plan, x, w, fc1, fc2):
         y, c = expert_forward(config, x, w, fc1, fc2, _slab_sizes(plan, x.device))  # y after the combine round trip
+        if not config.static_layout:
+            return y, c  # every row is a route (rows of no expert, none here, the layer zeroes)
         valid = plan.valid_rows.unsqueeze(1)
         return torch.where(valid, y, torch.zeros_like(y)), torch.where(valid, c, torch.zeros_like(c))
 

@@ -49,6 +49,8 @@ __all__ = ["StaticPlan", "peer_capacity", "dispatch", "forward", "backward", "ch
 #: Error bits of the flags (and of ``StaticPlan.error``).
 BAD_EXPERT_ID = 1
 OVERFLOW = 2
+#: The device exchange (:mod:`moe_ep_cuda_nccl.device_exchange`): a peer did not arrive in time.
+TRANSPORT = 4
 
 _FLAGS: Dict[Tuple[str, int], Tuple[Any, torch.Tensor]] = {}
 _FLAGS_LOCK = threading.Lock()
@@ -256,6 +258,16 @@ def check_errors(config: MoeEpConfig, group: Any) -> None:
             torch.cuda.synchronize(flags.device)  # static calls may have run on any stream
         bits, aligned = (int(v) for v in flags.tolist())
         flags.zero_()
+        if bits & TRANSPORT:
+            from . import device_exchange
+
+            device_exchange.close(group)  # its layers are unusable after a timeout
+            raise E.TransportError(
+                f"rank {dist.get_rank(group)}: a peer of the device exchange did not arrive within "
+                f"MOE_EP_CUDA_NCCL_TIMEOUT_S in a static call since the last check (its outputs are NaN); "
+                f"the exchange was dropped and the next call makes a new one",
+                op="moe_ep_layer_dispatch", status=5, status_name="MOE_EP_ERR_COMM",
+            )
         if bits & BAD_EXPERT_ID:
             raise E.RoutingIndexError(
                 f"rank {dist.get_rank(group)}: topk_idx values must be in [-1, num_experts) = [-1, {config.num_experts}) "
@@ -299,8 +311,9 @@ def _dispatched(prims, config, group, activation, fc1, fc2, idx, weights, extra,
     payload = core.route_payload(activation, weights, config.num_topk, extra=extra)
     plan, recv = dispatch(prims, config, group, idx, payload)
     tokens = len(recv) - 1 - len(extra)
-    x_buf = prims.decode(core.rebuild(activation, recv[:tokens]))
-    x_buf, fc1_d, fc2_d = prims.forward_operands(activation, x_buf, prims.decode_weight(fc1), prims.decode_weight(fc2))
+    x_buf, fc1_d, fc2_d = prims.forward_operands(
+        activation, core.rebuild(activation, recv[:tokens]), prims.decode_weight(fc1), prims.decode_weight(fc2)
+    )
     return plan, x_buf, recv[tokens:], fc1_d, fc2_d
 
 

@@ -112,16 +112,16 @@ class Primitives:
         """``[T, H]`` float32 encoded in ``config.output_format``."""
         return encode_output(config, values)
 
-    def forward_operands(self, activation: Any, x_buf: torch.Tensor, fc1: Any, fc2: Any) -> Tuple[Any, Any, Any]:
-        """The operands :meth:`experts_forward` takes: the decoded buffer rows and
-        weights. Here bfloat16 ones on CUDA stay bfloat16 (exact), so that the
-        bf16 GEMMs can run; everything else is decoded to float32."""
+    def forward_operands(self, activation: Any, tokens: Any, fc1: Any, fc2: Any) -> Tuple[Any, Any, Any]:
+        """The operands :meth:`experts_forward` takes from the buffer rows ``tokens``
+        (in the activation's encoding) and the weights. Here bfloat16 ones on CUDA
+        stay bfloat16 (exact), so that the bf16 GEMMs can run; everything else is
+        decoded to float32."""
 
         def bf16_cuda(t: Any) -> bool:
             return isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_cuda
 
-        if bf16_cuda(activation):
-            x_buf = x_buf.to(torch.bfloat16)
+        x_buf = tokens if bf16_cuda(tokens) else self.decode(tokens)
         return (
             x_buf,
             fc1 if bf16_cuda(fc1) else self.decode(fc1),
@@ -344,6 +344,8 @@ def _pack(parts: Sequence[torch.Tensor], rows: int) -> Tuple[torch.Tensor, List[
         b = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
         blobs.append(b)
         layout.append((p.dtype, tuple(p.shape[1:]), b.shape[1]))
+    if len(blobs) == 1:
+        return blobs[0], layout  # one part: its bytes as they are (no copy)
     return torch.cat(blobs, dim=1), layout
 
 
@@ -368,6 +370,9 @@ def _row_elems(p: torch.Tensor) -> int:
 def _unpack(blob: torch.Tensor, layout: List[Tuple[torch.dtype, Tuple[int, ...], int]]) -> List[torch.Tensor]:
     out, col = [], 0
     rows = blob.shape[0]
+    if len(layout) == 1 and blob.is_contiguous() and blob.shape[1] == layout[0][2]:
+        dtype, tail, _ = layout[0]
+        return [blob.view(dtype).reshape((rows,) + tail)]  # the whole dense blob is the one part
     for dtype, tail, width in layout:
         # A fresh dense copy: .contiguous() returns a one-row slice as it is (its row stride
         # is the blob's), and .view(dtype) then fails on an offset or width that is not a
@@ -622,9 +627,8 @@ def forward(
     """The fused forward of one rank, given its plan and the received payload
     of :func:`route_payload` (token parts, then weights)."""
     prims = prims or TORCH
-    x_buf = prims.decode(buffer_tokens(plan, activation, recv[:-1]))
     w_buf = to_buffer(plan, recv[-1])
-    x_buf, fc1_d, fc2_d = prims.forward_operands(activation, x_buf, fc1, fc2)
+    x_buf, fc1_d, fc2_d = prims.forward_operands(activation, buffer_tokens(plan, activation, recv[:-1]), fc1, fc2)
     y, c = prims.experts_forward(config, plan, x_buf, w_buf, fc1_d, fc2_d)
     (back,) = exchange_back(plan, [from_buffer(plan, y)], group, prims)
     out = prims.encode_output(config, prims.sum_slots(plan, back))
@@ -646,10 +650,9 @@ def backward(
     :func:`route_payload` with the output cotangent as extra, and the stash
     (``fc1_c`` bfloat16)."""
     prims = prims or TORCH
-    x_buf = prims.decode(buffer_tokens(plan, activation, recv[:-2]))
     w_buf = to_buffer(plan, recv[-2])
     dy_buf = to_buffer(plan, recv[-1].float())
-    x_buf, fc1_d, fc2_d = prims.forward_operands(activation, x_buf, fc1, fc2)
+    x_buf, fc1_d, fc2_d = prims.forward_operands(activation, buffer_tokens(plan, activation, recv[:-2]), fc1, fc2)
     dx, dw, dfc1, dfc2 = prims.experts_backward(config, plan, x_buf, w_buf, fc1_d, fc2_d, fc1_c, dy_buf)
     dx_back, dw_back = exchange_back(plan, [from_buffer(plan, dx), from_buffer(plan, dw)], group, prims)
     return {
