@@ -141,34 +141,154 @@ def test_ids_are_stable() -> None:
 
 def test_full_table_covers_every_operation_and_ep_size() -> None:
     assert {c.op for c in FULL} == set(OPERATIONS)
-    assert {c.num_ranks for c in FULL} == {1, 2, 4}
+    assert {c.num_ranks for c in FULL} == {1, 2, 3, 4}
     for op in ("forward", "forward_stash", "backward", *LAYERED, "nan_isolation"):
-        assert {c.num_ranks for c in FULL if c.op == op} == {1, 2, 4}, op
-    assert {c.num_ranks for c in FULL if c.op == "bad_input"} == {1, 2}
+        assert {c.num_ranks for c in FULL if c.op == op} == {1, 2, 3, 4}, op
+    assert {c.num_ranks for c in FULL if c.op == "bad_input"} == {1, 2, 3}
     assert {c.bad for c in FULL if c.op == "bad_input"} == set(BAD_INPUTS)
     for fmt in ("bf16", "mxfp8", "nvfp4"):
         assert any(c.output_format == fmt for c in FULL)
         assert any(c.combine_format == fmt for c in FULL)
         assert any(c.intermediate_format == fmt for c in FULL)
     for axis, values in (
-        ("input_format", {"fp32", "bf16", "mxfp8", "nvfp4"}),
-        ("routing", {"uniform", "skewed", "one_rank", "unused_mixed", "all_unused"}),
-        ("tokens", {"even", "uneven", "zero_rank"}),
+        ("input_format", {"fp32", "bf16", "fp16", "mxfp8", "nvfp4"}),
+        ("routing", {"uniform", "skewed", "one_rank", "unused_mixed", "all_unused", "repeated"}),
+        ("tokens", {"even", "uneven", "zero_rank", "full", "zero_full"}),
         ("weights_in", {"fc1", "fc2"}),
         ("clamp", {False, True}),
         ("layout", {"dynamic", "static"}),
-        ("router_format", {"fp32", "bf16"}),
-        ("values", {"random", "edges"}),
+        ("router_format", {"fp32", "bf16", "fp16"}),
+        ("values", {"random", "edges", "large"}),
+        ("cotangent", {"fp32", "bf16", "fp16"}),
+        ("index_format", {"int32", "int64"}),
+        ("strided", {False, True}),
     ):
-        assert {getattr(c, axis) for c in FULL} == values, axis
+        assert {getattr(c, axis) for c in FULL if c.op != "formats"} == values, axis
+
+
+def test_full_table_reaches_the_sizes_and_shapes_of_issue_17() -> None:
+    table = [c for c in FULL if c.op != "formats"]
+    assert max(c.hidden for c in table) >= 2048 and max(c.intermediate for c in table) >= 256
+    assert any(c.hidden % 128 == 0 and c.hidden > 128 for c in table)
+    assert any(c.hidden % 16 and c.input_format in ("mxfp8", "nvfp4") for c in table)  # partial input blocks
+    assert any(c.intermediate % 16 and c.weight_format in ("mxfp8", "nvfp4") for c in table)
+    assert {c.num_topk % 4 for c in table} >= {1, 2, 3}
+    assert max(c.num_experts for c in table) > 32
+    assert any((c.num_experts // c.num_ranks) & (c.num_experts // c.num_ranks - 1) for c in table)  # not 2^n
+    assert any(c.clamp and c.clamp_limit != float(np.array(c.clamp_limit, np.float32).astype(BF16)) for c in table)
+    assert any(c.tokens in ("full", "zero_full") for c in table)
+
+    def received(c: Case) -> int:  # routes to rank 0 with `one_rank` routing and full ranks
+        return sum(c.tokens_per_rank()) * c.num_topk if c.routing == "one_rank" else 0
+
+    assert max(received(c) for c in table) > 32768  # a 16-bit row counter overflows
+    skewed = [c for c in table if c.routing == "skewed" and c.tokens == "full"]
+    assert max(c.max_tokens * c.num_ranks for c in skewed) >= 256  # expert 0 gets hundreds of rows
+    big = [c for c in table if c.hidden * c.intermediate >= 128 * 1024 or c.max_tokens >= 1024]
+    assert big and not any(c.quick for c in big), "realistic sizes are for the full table only"
+    # a rank with no token, and ranks receiving no route, in every operation and every format
+    empty = [c for c in table if c.tokens == "zero_rank" and c.routing == "one_rank"]
+    assert {c.op for c in empty} == {"forward", "forward_stash", "backward", *LAYERED}
+    for point in ("output_format", "combine_format", "intermediate_format", "input_format"):
+        assert {getattr(c, point) for c in empty} >= {"mxfp8", "nvfp4"}, point
+    # every bad input the spec's error classes name, on every operation that takes the input
+    assert {op for op, _ in BAD_INPUTS.values()} == {"config", "forward", "dispatch", "backward", *LAYERED[1:]}
+    assert {err for _, err in BAD_INPUTS.values()} == {
+        "ConfigError", "ShapeError", "DTypeError", "FormatError", "RoutingIndexError", "CapacityError", "StashError"
+    }
+    for op in ("forward", "dispatch", "backward"):
+        assert {err for o, err in BAD_INPUTS.values() if o == op} >= {"ShapeError", "DTypeError", "RoutingIndexError",
+                                                                      "CapacityError"}, op
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("forward", 2, 5, 40, routing="repeated"),
+        Case("forward", 4, 2, 16, input_format="fp16", weight_format="bf16", router_format="fp16",
+             index_format="int64", output_format="mxfp8"),
+        _in_table(Case("backward", 2, 2, 8, input_format="fp16", weight_format="fp32", router_format="fp16",
+                       index_format="int64", cotangent="fp16")),
+        Case("forward", 2, 2, 8, strided=True),
+        Case("forward", 3, 3, 9, tokens="full", routing="repeated", layout="static"),
+        Case("forward", 2, 2, 8, values="large"),
+    ],
+    ids=["repeated", "fp16-int64", "fp16-cotangent", "strided", "full", "large"],
+)
+def test_cases_build_the_inputs_their_ids_name(case: Case) -> None:
+    from moe_ep_conformance.runner import _world
+
+    world = _world(case, case.config())
+    for r, w in enumerate(world):
+        assert w.topk_idx.dtype == np.dtype(case.index_format), (r, w.topk_idx.dtype)
+        assert np.asarray(w.topk_weights).dtype == {"fp32": np.float32, "bf16": BF16, "fp16": np.float16}[case.router_format]
+        if case.input_format == "fp16":
+            assert w.activation.dtype == np.float16
+        if case.routing == "repeated":
+            assert (w.topk_idx[:, -1] == w.topk_idx[:, 0]).all(), "the last slot must repeat slot 0's expert"
+        if case.tokens == "full":
+            assert w.topk_idx.shape[0] == case.max_tokens == case.config().max_tokens_per_rank
+        for name in ("activation", "fc1_weight", "fc2_weight", "topk_idx", "topk_weights"):
+            a = getattr(w, name)
+            assert a.flags.c_contiguous != case.strided, f"rank {r} {name}: strided={case.strided}"
+        if case.values == "large":
+            assert np.abs(np.asarray(w.activation, np.float64)).max() > 64, "large values must leave unit scale"
+    if case.op == "backward" and case.cotangent == "fp16":
+        assert run_case(REFERENCE, case).outcome == "passed"
+
+
+@pytest.mark.parametrize(
+    "case, test_id",
+    [
+        (
+            Case("forward", 1, 3, 6, hidden=2048, intermediate=128, tokens="full", max_tokens=32, routing="skewed",
+                 output_format="mxfp8", input_format="mxfp8"),
+            "forward[reference-ep1-k3-e6-h2048-i128-out_mxfp8-comb_bf16-in_mxfp8-wt_bf16-skewed-full-mt32-w_fc1-"
+            "noclamp-dynamic]",
+        ),
+        (
+            Case("backward", 2, 2, 8, clamp=True, clamp_limit=0.7, weights_in="fc2"),
+            "backward[reference-ep2-k2-e8-out_bf16-comb_bf16-in_bf16-wt_bf16-uniform-even-w_fc2-clamp0.7-dynamic]",
+        ),
+        (
+            Case("backward", 2, 2, 8, input_format="fp16", weight_format="fp32", router_format="fp16",
+                 index_format="int64", cotangent="fp16", quick=True),
+            "backward[reference-ep2-k2-e8-out_bf16-comb_bf16-in_fp16-wt_fp32-tw_fp16-id_int64-uniform-even-w_fc1-"
+            "noclamp-dynamic-ct_fp16]",
+        ),
+        (
+            Case("nan_isolation", 2, 2, 8, strided=True, routing="unused_mixed"),
+            "nan_isolation[reference-ep2-k2-e8-out_bf16-comb_bf16-in_bf16-wt_bf16-unused_mixed-even-w_fc1-noclamp-"
+            "dynamic-strided]",
+        ),
+        (
+            Case("bad_input", 2, 2, 8, bad="backward_stash_mismatch"),
+            "bad_input[reference-ep2-k2-e8-out_bf16-comb_bf16-in_bf16-wt_bf16-uniform-even-w_fc1-noclamp-dynamic-"
+            "bad_backward_stash_mismatch]",
+        ),
+    ],
+    ids=["realistic", "inexact-clamp", "fp16-int64", "strided", "stash-mismatch"],
+)
+def test_pinned_ids_of_the_new_axes(case: Case, test_id: str) -> None:
+    assert case.test_id("reference") == test_id
+    assert _in_table(case).test_id("reference") == test_id
 
 
 def test_quick_subset() -> None:
     assert {c.op for c in QUICK} == set(OPERATIONS)
     assert all(c.quick for c in QUICK) and all(c in FULL for c in QUICK)
-    assert {c.output_format for c in QUICK} == {"bf16", "mxfp8", "nvfp4"}
-    assert {c.layout for c in QUICK} == {"dynamic", "static"}
-    assert {c.bad for c in QUICK if c.op == "bad_input"} == set(BAD_INPUTS)
+    table = [c for c in QUICK if c.op != "formats"]  # the format cases have their own axes
+    assert {c.output_format for c in table} == {"bf16", "mxfp8", "nvfp4"}
+    assert {c.layout for c in table} == {"dynamic", "static"}
+    assert {c.bad for c in table if c.op == "bad_input"} == set(BAD_INPUTS)
+    # the new axes of issue 17 are in the quick subset too (not the realistic sizes)
+    assert {c.num_ranks for c in table} == {2, 3, 4}
+    for axis, value in (("routing", "repeated"), ("tokens", "full"), ("input_format", "fp16"), ("router_format", "fp16"),
+                        ("index_format", "int64"), ("cotangent", "bf16"), ("strided", True), ("values", "large")):
+        assert any(getattr(c, axis) == value for c in table), (axis, value)
+    assert any(c.hidden % 16 for c in table) and any(c.hidden % 128 == 0 for c in table)
+    assert any(c.clamp and c.clamp_limit != 0.75 for c in table)
+    assert any(c.tokens == "zero_rank" and c.routing == "one_rank" for c in table)
     assert all_cases(quick=True) == QUICK and all_cases() == FULL
     ep4 = all_cases(num_ranks=[4])
     assert ep4 and all(c.num_ranks == 4 for c in ep4)
@@ -358,8 +478,9 @@ def _needs_more_than_limited(c: Case) -> bool:
 
 
 def test_capabilities_turn_cases_into_capability_skips() -> None:
-    results = {r.test_id: r for r in run_cases(Limited(), QUICK)}
-    for c in QUICK:
+    table = [c for c in QUICK if c.op != "formats"]  # the format cases have their own axes
+    results = {r.test_id: r for r in run_cases(Limited(), table)}
+    for c in table:
         r = results[c.test_id("limited")]
         if _needs_more_than_limited(c):
             assert r.outcome == "skipped" and r.reason.startswith("capability: "), r.describe()
@@ -491,13 +612,57 @@ def test_bad_input_needs_the_spec_error_class() -> None:
     r = run_case(WrongErrorClass(), shape)
     assert (r.outcome, r.reason) == (
         "failed",
-        "bad input 'activation_shape' on rank 1: expected moe_ep_spec.ShapeError; got builtins.ValueError: nope",
+        "bad input 'activation_shape' to forward on rank 1: expected moe_ep_spec.ShapeError; got builtins.ValueError: nope",
     )
     r = run_case(AcceptsAnything(), dtype)
     assert (r.outcome, r.reason) == (
         "failed",
-        "bad input 'activation_dtype' on rank 1 was accepted; expected moe_ep_spec.DTypeError",
+        "bad input 'activation_dtype' to forward on rank 1 was accepted; expected moe_ep_spec.DTypeError",
     )
+
+
+class ExpertSwapCombine(ReferenceBackend):
+    """Wrong on purpose: its combine reads the first row of local expert 1 where the
+    first row of expert 0 is, and back."""
+
+    name = "expert-swap-combine"
+
+    def combine(self, config, handles, expert_out):
+        swapped = []
+        for h, y in zip(handles, expert_out):
+            y = np.array(y, copy=True)
+            if h.tokens_per_expert[0] and h.tokens_per_expert[1]:
+                o0, o1 = int(h.expert_offsets[0]), int(h.expert_offsets[1])
+                y[[o0, o1]] = y[[o1, o0]]
+            swapped.append(y)
+        return super().combine(config, handles, swapped)
+
+
+def test_rows_between_dispatch_and_combine_are_expert_specific() -> None:
+    """The combine cases' expert outputs are an expert- and slot-specific transform of
+    the dispatched rows (issue 17, item 4): rows of different experts differ even
+    where the dispatched tokens are equal (one token sent to two experts of a rank)."""
+    from moe_ep_conformance.runner import _expert_rows
+
+    case = _in_table(Case("combine", 2, 2, 8, routing="one_rank", layout="static"))
+    cfg = case.config()
+    from moe_ep_conformance.runner import _dispatch_world, _world
+
+    dispatched = REFERENCE.dispatch(cfg, _dispatch_world(_world(case, cfg)))
+    rows = _expert_rows(cfg, dispatched)
+    meta = dispatched[0].handle.route_metadata
+    valid = meta[:, 0] >= 0
+    assert np.isnan(rows[0][~valid]).all(), "padding rows must be NaN (never read)"
+    key = {}
+    for i in np.nonzero(valid)[0]:
+        src, tok = int(meta[i, 1]), int(meta[i, 2])
+        key.setdefault((src, tok), []).append(rows[0][i])
+    shared = [v for v in key.values() if len(v) > 1]
+    assert shared, "the case must send some token to two experts of one rank"
+    for v in shared:
+        assert not np.array_equal(v[0], v[1]), "two routes of one token must not give equal rows"
+    r = run_case(ExpertSwapCombine(), case)
+    assert r.outcome == "failed", r.describe()
 
 
 def test_a_nan_scrubbing_backend_is_caught() -> None:
@@ -706,6 +871,53 @@ def test_report_json(tmp_path: Path) -> None:
     assert json.loads(path.read_text()) == json.loads(json.dumps(data))
 
 
+def test_report_names_worst_case_time_and_skip_reasons(tmp_path: Path) -> None:
+    report = _demo_report(tmp_path)
+    line = report.summary_line("demo", "1.2")
+    assert line.startswith("demo 1.2: 1 passed, 1 failed, 1 skipped, 1 xfailed, 1 xpassed in 1.2 s; "
+                           "worst passing error/budget 0.5 (forward[demo-ep2-k2-e8-"), line
+    assert "check 'rank 0 output', 0.25 s)" in line and "; slowest case " in line
+    assert report.skip_reasons("demo") == [
+        ("capability: output_format mxfp8 not supported", 1, Case("forward", 4, 2, 16, output_format="mxfp8").test_id("demo"))
+    ]
+    md = report.to_markdown().splitlines()
+    skipped = md[md.index("### Skipped") + 2]
+    assert skipped.startswith("- 1 case(s): capability: output_format mxfp8 not supported (e.g. `forward[demo-ep4-")
+    assert any(x.startswith("Time: 1.2 s. Worst passing case: `forward[demo-ep2-") and "check 'rank 0 output'" in x
+               for x in md)
+    details = report.to_json()["details"]["demo"]
+    assert details["worst_passing"]["check"] == "rank 0 output"
+    assert details["skip_reasons"][0]["reason"] == "capability: output_format mxfp8 not supported"
+    report.plugin_failures = ["plugin 'broken' (distribution broken-dist) failed at import: ImportError: no libfoo.so"]
+    md = report.to_markdown()
+    assert "## Plugins that failed to load" in md and "ImportError: no libfoo.so" in md
+    assert report.to_json()["plugin_failures"] == report.plugin_failures
+
+
+def test_a_plugin_that_failed_to_load_is_named_when_asked_for() -> None:
+    from moe_ep_conformance.usage import lookup_backend, plugin_failures
+    from moe_ep_spec.registry import PluginFailure
+
+    class Registry:
+        def get_backend(self, name):
+            raise moe_ep_spec.BackendNotFoundError(name, ["reference"], None)
+
+        def failures(self):
+            return (PluginFailure("broken", "broken-dist", "import", ImportError("libfoo.so: cannot open")),)
+
+    with pytest.raises(moe_ep_spec.BackendError) as info:
+        lookup_backend(Registry(), "broken")
+    assert str(info.value) == (
+        "backend 'broken' cannot be tested: its plugin 'broken' (distribution broken-dist) failed to import: "
+        "ImportError: libfoo.so: cannot open"
+    )
+    with pytest.raises(moe_ep_spec.BackendNotFoundError):
+        lookup_backend(Registry(), "other")
+    assert plugin_failures(Registry()) == [
+        "plugin 'broken' (distribution broken-dist) failed at import: ImportError: libfoo.so: cannot open"
+    ]
+
+
 def test_report_markdown(tmp_path: Path) -> None:
     report = _demo_report(tmp_path)
     md = report.to_markdown()
@@ -830,6 +1042,30 @@ def test_cli_keyword_selection(tmp_path: Path) -> None:
     assert all(f == (2.0 if t.startswith("dispatch_backward[") else 1.0) for t, f in factors.items())
     assert data["stale_expectations"] == []
     assert f'tests="{len(wanted)}"' in (tmp_path / "junit.xml").read_text()
+
+
+def test_cli_usage_errors_stop_before_the_run(tmp_path: Path) -> None:
+    proc = _cli(tmp_path, "--ep-size", "8")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr == "moe-ep: error: --ep-size 8: the full table has no case with that EP size; it has EP sizes 1, 2, 3, 4\n"
+    proc = _cli(tmp_path, "--quick", "--report-md", "no/such/dir/r.md")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "--report-md no/such/dir/r.md: cannot write the report there: the directory " in proc.stderr
+    proc = _cli(tmp_path, "--quick", "--report-json", str(tmp_path))
+    assert proc.returncode == 2 and "cannot write the report there: it is a directory" in proc.stderr
+
+
+def test_cli_output_names_no_install_paths(tmp_path: Path) -> None:
+    proc = _cli(tmp_path, "--quick", "--ep-size", "3", "-v")
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    _header_ok(out)
+    for leak in ("rootdir:", "configfile:", "site-packages", "dist-packages", str(Path(__file__).parents[1] / "conformance")):
+        assert leak not in out, leak
+    assert "suite.py::forward[reference-ep3-" in out
+    assert "deselected" in out and "skipped" not in out.split("MoeEp conformance summary")[-1].split(" in ")[-1]
+    line = next(x for x in out.splitlines() if x.startswith(f"reference {REFERENCE.version}: "))
+    assert " 0 skipped, 0 xfailed, 0 xpassed in " in line and "; slowest case " in line
 
 
 def test_cli_deselected_tolerance_entry_is_not_stale(tmp_path: Path) -> None:

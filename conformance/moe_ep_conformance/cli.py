@@ -82,11 +82,26 @@ def run(args: argparse.Namespace) -> int:
 
     import moe_ep_spec
 
+    from .usage import check_ep_sizes, check_report_path, lookup_backend
+
+    registry = moe_ep_spec.get_registry()
     for name in args.backend or []:
-        moe_ep_spec.get_backend(name)  # unknown or unavailable: `moe-ep: error: ...`, exit 2
+        lookup_backend(registry, name)  # unknown, unavailable or failed to load: `moe-ep: error: ...`, exit 2
     if getattr(args, "fuzz", None) is not None or getattr(args, "fuzz_case", None):
         return _run_fuzz(args)
-    return int(pytest.main(pytest_args(args)))
+    # Usage errors before the run, not after it: an EP size the table lacks, a report path that cannot be written.
+    check_ep_sizes(args.ep_size, args.quick)
+    for option, path in (("--report-json", args.report_json), ("--report-md", args.report_md), ("--junitxml", args.junitxml)):
+        check_report_path(option, path)
+    argv = pytest_args(args)  # every path made absolute here
+    # pytest prints test paths relative to the current directory: from the suite's
+    # own directory they read `suite.py::...`, never a site-packages path.
+    cwd = os.getcwd()
+    os.chdir(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        return int(pytest.main(argv))
+    finally:
+        os.chdir(cwd)
 
 
 def _run_fuzz(args: argparse.Namespace) -> int:

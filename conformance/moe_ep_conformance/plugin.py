@@ -25,6 +25,7 @@ from .cases import Case, all_cases
 from .expectations import ExpectationError, Expectations
 from .report import Record, Report
 from .runner import CaseResult, run_case, run_case_isolated
+from .usage import check_ep_sizes, check_report_path, lookup_backend, plugin_failures
 
 __all__ = ["ENV_PREFIXES"]
 
@@ -39,8 +40,9 @@ class _State:
         opt = config.getoption
         registry = moe_ep_spec.get_registry()
         names = opt("moe_ep_backend") or []
+        self.plugin_failures = plugin_failures(registry)
         if names:
-            self.backends = [registry.get_backend(n) for n in names]  # raises with the registered names
+            self.backends = [lookup_backend(registry, n) for n in names]  # raises with the registered names
         else:
             self.backends = [b for b in registry.list_backends() if b.is_available()]
         chosen = {b.name for b in self.backends}
@@ -48,6 +50,9 @@ class _State:
         self.unavailable = [
             (b.name, b.availability().reason) for b in registry.list_backends() if not names and b.name not in chosen
         ]
+        check_ep_sizes(opt("moe_ep_size"), opt("moe_ep_quick"))
+        for option, dest in (("--report-json", "moe_ep_report_json"), ("--report-md", "moe_ep_report_md")):
+            check_report_path(option, opt(dest))
         self.cases = all_cases(quick=opt("moe_ep_quick"), num_ranks=opt("moe_ep_size") or None)
         self.expectations = Expectations.load(opt("moe_ep_xfail_file") or (), opt("moe_ep_tolerance_file") or ())
         self.timeout_s: float = opt("moe_ep_timeout")
@@ -57,7 +62,7 @@ class _State:
         self.report_md: Optional[str] = opt("moe_ep_report_md")
         self.results: Dict[str, CaseResult] = {}
         self.xfail_reasons: Dict[str, str] = {}
-        self.report = Report(environment=_environment())
+        self.report = Report(environment=_environment(), plugin_failures=list(self.plugin_failures))
         for b in self.backends:
             self.report.backends[b.name] = {
                 "version": b.version,
@@ -108,7 +113,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
 
 
-def pytest_report_header(config: pytest.Config) -> List[str]:
+def _header(config: pytest.Config) -> List[str]:
     state = config.stash[_STATE]
     lines = [
         f"moe-ep-spec {moe_ep_spec.__version__}; python {platform.python_version()}; "
@@ -122,11 +127,28 @@ def pytest_report_header(config: pytest.Config) -> List[str]:
         )
     for name, reason in state.unavailable:
         lines.append(f"backend {name}: not run, unavailable here: {reason}")
+    for text in state.plugin_failures:
+        lines.append(f"backend plugin FAILED to load, not run: {text}")
     if not state.backends:
         lines.append("no available backend: nothing to test")
     env = state.report.environment
     lines.append("environment: " + (", ".join(f"{k}={v}" for k, v in env.items()) or "(no MOE_EP_/CUDA/NCCL/XLA/JAX variables set)"))
     return lines
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_report_header(config: pytest.Config) -> Any:
+    """The suite's header (what was tested), without pytest's rootdir/configfile
+    lines: they name the suite's install directory (site-packages), which says
+    nothing about the run."""
+    lines = yield
+    drop = ("rootdir:", "configfile:", "testpaths:")
+    out: List[Any] = [_header(config)]
+    for item in lines:
+        if isinstance(item, str):
+            item = [item]
+        out.append([line for line in item if not line.startswith(drop)])
+    return out
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -145,6 +167,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     state = config.stash[_STATE]
+    # An operation without a case here (e.g. none at this --ep-size) is not a test: pytest
+    # would otherwise report it as a skip ("got empty parameter set").
+    def has_case(item: pytest.Item) -> bool:
+        callspec = getattr(item, "callspec", None)
+        return callspec is None or isinstance(callspec.params.get("moe_ep_case"), tuple)
+
+    empty = [item for item in items if not has_case(item)]
+    if empty:
+        items[:] = [item for item in items if has_case(item)]
+        config.hook.pytest_deselected(items=empty)
     for item in items:
         state.expectations.factor_for(item.name)  # an entry matching a collected test is not stale
         entry = state.expectations.xfail_for(item.name)
@@ -193,21 +225,26 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     report = state.report
     report.stale = state.expectations.stale()
     tr = terminalreporter
-    if state.backends:
+    if state.backends or state.plugin_failures:
         tr.section("MoeEp conformance summary")
         for b in state.backends:
-            c = report.counts(b.name)
-            tr.write_line(
-                f"{b.name} {b.version}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, "
-                f"{c['xfailed']} xfailed, {c['xpassed']} xpassed; worst passing error/budget "
-                f"{report.worst_passing(b.name):.3g}"
-            )
+            tr.write_line(report.summary_line(b.name, b.version))
+            for reason, n, first in report.skip_reasons(b.name):
+                tr.write_line(f"  skipped {n} case(s): {reason} (e.g. {first})")
+        for text in state.plugin_failures:
+            tr.write_line(f"backend plugin FAILED to load, not run: {text}", red=True)
     for e in report.stale:
         tr.write_line(f"STALE expectation {e.pattern!r} ({e.source}) matched no test", yellow=True)
-    if state.report_json:
-        report.write_json(state.report_json)
-        tr.write_line(f"JSON report: {state.report_json}")
-    if state.report_md:
-        report.write_markdown(state.report_md)
-        tr.write_line(f"markdown report: {state.report_md}")
+    for option, path, write in (
+        ("--report-json", state.report_json, report.write_json),
+        ("--report-md", state.report_md, report.write_markdown),
+    ):
+        if not path:
+            continue
+        try:
+            write(path)
+        except OSError as exc:  # checked before the run; a disk that filled up since must not hide the summary
+            tr.write_line(f"{option} {path}: could not write the report: {exc}", red=True)
+        else:
+            tr.write_line(f"{'JSON' if option == '--report-json' else 'markdown'} report: {path}")
 

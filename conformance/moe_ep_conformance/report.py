@@ -7,11 +7,11 @@ import math
 import platform
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .cases import OPERATIONS
 from .expectations import Entry
-from .runner import CaseResult
+from .runner import CaseResult, Check
 
 __all__ = ["Record", "Report"]
 
@@ -62,6 +62,8 @@ class Report:
     records: List[Record] = field(default_factory=list)
     stale: List[Entry] = field(default_factory=list)
     environment: Dict[str, str] = field(default_factory=dict)
+    #: Plugins that failed to load (one sentence each: name, stage, error).
+    plugin_failures: List[str] = field(default_factory=list)
 
     def counts(self, backend: Optional[str] = None) -> Dict[str, int]:
         c = {o: 0 for o in FINAL_OUTCOMES}
@@ -74,6 +76,50 @@ class Report:
         ratios = [r.result.ratio for r in self.records if r.result.backend == backend and r.outcome == "passed"]
         return max(ratios, default=0.0)
 
+    def worst_passing_case(self, backend: str) -> Optional[Tuple[Record, Check]]:
+        """The passing case with the largest error/budget and its worst check
+        (None when no case passed with a non-zero error)."""
+        passed = [r for r in self.records if r.result.backend == backend and r.outcome == "passed" and r.result.checks]
+        if not passed:
+            return None
+        rec = max(passed, key=lambda r: r.result.ratio)
+        if rec.result.ratio <= 0:
+            return None
+        return rec, max(rec.result.checks, key=lambda c: c.ratio)
+
+    def total_time(self, backend: str) -> float:
+        """Seconds the backend's cases took, reference included."""
+        return sum(r.result.duration_s for r in self.records if r.result.backend == backend)
+
+    def slowest(self, backend: str) -> Optional[Record]:
+        recs = [r for r in self.records if r.result.backend == backend]
+        return max(recs, key=lambda r: r.result.duration_s) if recs else None
+
+    def skip_reasons(self, backend: str) -> List[Tuple[str, int, str]]:
+        """``(reason, number of cases, first test id)`` of the backend's skips, most frequent first."""
+        found: Dict[str, List[str]] = {}
+        for r in self.records:
+            if r.result.backend == backend and r.outcome == "skipped":
+                found.setdefault(r.result.reason or "(no reason given)", []).append(r.result.test_id)
+        return sorted(((k, len(v), v[0]) for k, v in found.items()), key=lambda x: (-x[1], x[0]))
+
+    def summary_line(self, backend: str, version: str = "") -> str:
+        """One line a user can act on: counts, time, the worst passing case and check, the slowest case."""
+        c = self.counts(backend)
+        text = (
+            f"{backend}{' ' + version if version else ''}: {c['passed']} passed, {c['failed']} failed, "
+            f"{c['skipped']} skipped, {c['xfailed']} xfailed, {c['xpassed']} xpassed in {self.total_time(backend):.1f} s; "
+            f"worst passing error/budget {self.worst_passing(backend):.3g}"
+        )
+        worst = self.worst_passing_case(backend)
+        if worst is not None:
+            rec, check = worst
+            text += f" ({rec.result.test_id}, check '{check.name}', {rec.result.duration_s:.2f} s)"
+        slow = self.slowest(backend)
+        if slow is not None:
+            text += f"; slowest case {slow.result.test_id} ({slow.result.duration_s:.2f} s)"
+        return text
+
     # ------------------------------------------------------------------ JSON
 
     def to_json(self) -> Dict[str, Any]:
@@ -83,8 +129,25 @@ class Report:
             "environment": self.environment,
             "backends": self.backends,
             "summary": {name: self.counts(name) for name in self.backends},
+            "details": {name: self._details(name) for name in self.backends},
+            "plugin_failures": list(self.plugin_failures),
             "stale_expectations": [{"pattern": e.pattern, "source": e.source, "reason": e.reason} for e in self.stale],
             "cases": [r.as_dict() for r in self.records],
+        }
+
+    def _details(self, backend: str) -> Dict[str, Any]:
+        worst = self.worst_passing_case(backend)
+        slow = self.slowest(backend)
+        return {
+            "duration_s": round(self.total_time(backend), 6),
+            "worst_passing": None if worst is None else {
+                "id": worst[0].result.test_id,
+                "check": worst[1].name,
+                "error_over_budget": _json_float(worst[1].ratio),
+                "duration_s": round(worst[0].result.duration_s, 6),
+            },
+            "slowest": None if slow is None else {"id": slow.result.test_id, "duration_s": round(slow.result.duration_s, 6)},
+            "skip_reasons": [{"reason": r, "cases": n, "first": first} for r, n, first in self.skip_reasons(backend)],
         }
 
     def write_json(self, path: str) -> None:
@@ -96,6 +159,12 @@ class Report:
 
     def to_markdown(self) -> str:
         out: List[str] = ["# MoeEp conformance report", ""]
+        if self.plugin_failures:
+            out.append("## Plugins that failed to load")
+            out.append("")
+            for text in self.plugin_failures:
+                out.append(f"- {_one_line(text)}")
+            out.append("")
         for name, meta in self.backends.items():
             counts = self.counts(name)
             out.append(f"## {name} {meta.get('version', '')}")
@@ -110,6 +179,18 @@ class Report:
                 "Totals: " + ", ".join(f"{counts[o]} {o}" for o in FINAL_OUTCOMES) +
                 f". Worst error/budget of a passing case: {self.worst_passing(name):.3g}."
             )
+            worst = self.worst_passing_case(name)
+            slow = self.slowest(name)
+            details = [f"Time: {self.total_time(name):.1f} s."]
+            if worst is not None:
+                details.append(
+                    f"Worst passing case: `{worst[0].result.test_id}`, check '{worst[1].name}' "
+                    f"({worst[1].ratio:.3g} of its budget, {worst[0].result.duration_s:.2f} s)."
+                )
+            if slow is not None:
+                details.append(f"Slowest case: `{slow.result.test_id}` ({slow.result.duration_s:.2f} s).")
+            out.append("")
+            out.append(" ".join(details))
             out.append("")
             out += self._table(name)
             out.append("")
@@ -119,6 +200,13 @@ class Report:
                 out.append("")
                 for r in failed:
                     out.append(f"- `{r.result.test_id}` ({r.outcome}): {_one_line(r.result.reason)}")
+                out.append("")
+            skips = self.skip_reasons(name)
+            if skips:
+                out.append("### Skipped")
+                out.append("")
+                for reason, n, first in skips:
+                    out.append(f"- {n} case(s): {_one_line(reason)} (e.g. `{first}`)")
                 out.append("")
         if self.stale:
             out.append("## Stale expectation entries")

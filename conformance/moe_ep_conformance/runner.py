@@ -13,6 +13,7 @@ import copy
 import multiprocessing as mp
 import pickle
 import queue as queue_module
+import re
 import threading
 import time
 import traceback
@@ -98,6 +99,15 @@ class CaseResult:
         elif self.reason:
             lines.append(f"  {self.reason}")
         return "\n".join(lines)
+
+
+_SITE_PACKAGES = re.compile(r"""[^\s"'(]*[/\\](?:site|dist)-packages[/\\]""")
+
+
+def _short_paths(text: str) -> str:
+    """File paths inside an installation (``.../site-packages/pkg/mod.py``) as
+    ``pkg/mod.py``: where the packages are installed says nothing about a failure."""
+    return _SITE_PACKAGES.sub("", text)
 
 
 class _Fail(Exception):
@@ -860,7 +870,7 @@ def run_case(
     except Exception as exc:  # noqa: BLE001 - a backend that cannot run the case fails it
         tb = traceback.format_exc(limit=-3)
         result.checks.append(
-            Check("run", False, float("inf"), 0.0, f"backend raised {type(exc).__name__}: {exc}\n{tb}")
+            Check("run", False, float("inf"), 0.0, _short_paths(f"backend raised {type(exc).__name__}: {exc}\n{tb}"))
         )
     finally:
         result.duration_s = time.perf_counter() - start
