@@ -277,3 +277,120 @@ def test_exchange_config_is_checked_and_old_callers_are_unaffected() -> None:
         assert size > 0 and base_addr % 256 == 0
     finally:
         good.close()
+
+
+# ----------------------------------------------------------------------------- the front-end
+
+torch = pytest.importorskip("torch")
+
+from moe_ep_spec.inputs import random_world  # noqa: E402
+
+import exchange_workers as XW  # noqa: E402
+from torch_workers import run_ranks  # noqa: E402
+
+FRONT = MoeEpConfig(
+    num_experts=8, hidden=64, intermediate=32, num_topk=3, num_ranks=2, max_tokens_per_rank=12,
+    recv_capacity=48, expert_alignment=4, generate_c=True,
+)
+
+
+def _world(config, seed, tokens):
+    world = random_world(config, num_tokens=list(tokens), seed=seed)
+    rng = np.random.default_rng(seed + 100)
+    grads = [rng.standard_normal((w.activation.shape[0], config.hidden)).astype(np.float32) for w in world]
+    return world, grads
+
+
+def _ok(results):
+    for r, res in enumerate(results):
+        assert not (isinstance(res, tuple) and res and res[0] == "error"), f"rank {r} failed:\n{res[1]}"
+    return results
+
+
+def _compare(results, exact_keys):
+    for rank, res in enumerate(results):
+        for step, (st, dv) in enumerate(zip(res["static"], res["device"])):
+            for key, want in st.items():
+                got = dv[key]
+                if key in exact_keys:
+                    assert np.array_equal(got, want, equal_nan=True), f"rank {rank} step {step}: {key} differs"
+                else:
+                    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=2e-2, atol=2e-2,
+                                               err_msg=f"rank {rank} step {step}: {key}")
+
+
+@pytest.mark.parametrize("world_size,tokens", [(2, (12, 1)), (4, (5, 12, 3, 7))], ids=["ep2", "ep4"])
+def test_front_end_device_exchange_equals_the_static_mode_on_cpu(world_size, tokens) -> None:
+    config = FRONT.replace(num_ranks=world_size, num_experts=4 * world_size, recv_capacity=24 * world_size)
+    world, grads = _world(config, 11, tokens)
+    results = _ok(run_ranks(XW.device_matches_static, world_size, config, world, grads, "slot", False, "cpu"))
+    _compare(results, exact_keys=set(results[0]["static"][0]))  # slot order: everything bit for bit
+
+
+def test_front_end_rank_sums_stay_close_and_fixed_parts_are_exact_on_cpu() -> None:
+    world, grads = _world(FRONT, 12, (12, 9))
+    results = _ok(run_ranks(XW.device_matches_static, 2, FRONT, world, grads, "rank", False, "cpu"))
+    _compare(results, exact_keys={"fc1_c", "route_metadata", "grad_fc1_weight", "grad_fc2_weight", "grad_topk_weights"})
+
+
+@pytest.mark.parametrize("mutate,expected", [
+    ("expert_id", r"RoutingIndexError: rank \d: topk_idx values must be in \[-1, num_experts\)"),
+    ("overflow", r"CapacityError: rank \d: received rows after aligning"),
+])
+def test_front_end_errors_make_every_output_nan_on_cpu(mutate, expected) -> None:
+    import re
+
+    world, _ = _world(FRONT, 6, (12, 12))
+    results = _ok(run_ranks(XW.device_errors, 2, FRONT, world, mutate, "cpu"))
+    for rank, res in enumerate(results):
+        assert res["all_nan"], f"rank {rank}: output not NaN"
+        assert re.search(expected, res["error"]), f"rank {rank}: {res['error']!r}"
+        assert res["good_is_finite"]
+
+
+def test_front_end_peer_that_never_arrives_raises_transport_error_on_cpu() -> None:
+    world, _ = _world(FRONT, 7, (6, 6))
+    results = _ok(run_ranks(XW.device_timeout, 2, FRONT, world, "cpu", timeout=120))
+    res = results[0]
+    assert res["error"].startswith("TransportError") and res["all_nan"] and res["seconds"] < 30, res
+
+
+# ----------------------------------------------------------------------------- CUDA: N ranks on ONE GPU
+
+def _one_gpu() -> bool:
+    try:
+        return has_cuda() and torch.cuda.is_available() and torch.cuda.device_count() >= 1
+    except Exception:  # noqa: BLE001
+        return False
+
+
+cuda = pytest.mark.skipif(not _one_gpu(), reason="needs a CUDA build of the native core and a GPU")
+
+
+@cuda
+@pytest.mark.parametrize("world_size,tokens", [(2, (12, 1)), (4, (5, 12, 3, 7))], ids=["ep2", "ep4"])
+@pytest.mark.parametrize("combine", ["slot", "rank"])
+def test_cuda_loopback_device_exchange_on_one_gpu(world_size, tokens, combine) -> None:
+    config = FRONT.replace(num_ranks=world_size, num_experts=4 * world_size, recv_capacity=24 * world_size)
+    world, grads = _world(config, 21, tokens)
+    results = _ok(run_ranks(XW.device_matches_static, world_size, config, world, grads, combine, False, "cuda",
+                            timeout=300))
+    # The exchange is exact; CUDA's float32 kernels against the CPU ones are compared within tolerance.
+    _compare(results, exact_keys={"route_metadata"})
+
+
+@cuda
+@pytest.mark.parametrize("mutate", ["expert_id", "overflow"])
+def test_cuda_loopback_errors(mutate) -> None:
+    world, _ = _world(FRONT, 6, (12, 12))
+    results = _ok(run_ranks(XW.device_errors, 2, FRONT, world, mutate, "cuda", timeout=300))
+    for res in results:
+        assert res["all_nan"] and res["error"] and res["good_is_finite"], res
+
+
+@cuda
+def test_cuda_loopback_peer_that_never_arrives_raises_transport_error() -> None:
+    world, _ = _world(FRONT, 7, (6, 6))
+    results = _ok(run_ranks(XW.device_timeout, 2, FRONT, world, "cuda", timeout=300))
+    res = results[0]
+    assert res["error"].startswith("TransportError") and res["all_nan"] and res["seconds"] < 60, res

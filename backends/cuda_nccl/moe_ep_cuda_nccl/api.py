@@ -29,10 +29,11 @@ from torch import Tensor
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_torch.api import LayerOps, _group, run_backward, run_forward
 
-from . import static
-from .prims import NATIVE, close_communicators
+from . import device_exchange, static
+from .prims import NATIVE
+from .prims import close_communicators as _close_nccl
 
-__all__ = ["moe_ep", "moe_ep_backward", "check_errors", "close_communicators", "OPS", "STATIC_OPS"]
+__all__ = ["moe_ep", "moe_ep_backward", "check_errors", "close_communicators", "OPS", "STATIC_OPS", "DEVICE_OPS"]
 
 #: Host-synchronised ops (one host synchronisation per call, any layout).
 OPS = LayerOps("moe_ep_cuda_nccl", partial(run_forward, NATIVE), partial(run_backward, NATIVE))
@@ -40,6 +41,24 @@ OPS = LayerOps("moe_ep_cuda_nccl", partial(run_forward, NATIVE), partial(run_bac
 STATIC_OPS = LayerOps(
     "moe_ep_cuda_nccl_static", partial(static.forward, NATIVE), partial(static.backward, NATIVE), fixed_rows=True
 )
+#: Static-shape ops over the native layer's device exchange (:mod:`moe_ep_cuda_nccl.device_exchange`).
+DEVICE_OPS = LayerOps(
+    "moe_ep_cuda_nccl_device",
+    partial(device_exchange.forward, NATIVE),
+    partial(device_exchange.backward, NATIVE),
+    fixed_rows=True,
+)
+
+
+def _ops(host_sync: bool, exchange: Optional[str]) -> LayerOps:
+    if exchange not in (None, "nccl", "device"):
+        raise ValueError(f"exchange must be None, 'nccl' or 'device'; got {exchange!r}")
+    if host_sync:
+        if exchange == "device":
+            raise ValueError("exchange='device' needs host_sync=False (the device exchange is static-layout only)")
+        return OPS
+    device = exchange == "device" or (exchange is None and device_exchange.enabled())
+    return DEVICE_OPS if device else STATIC_OPS
 
 
 def moe_ep(
@@ -52,6 +71,7 @@ def moe_ep(
     config: MoeEpConfig,
     group: Optional[Any] = None,
     host_sync: bool = True,
+    exchange: Optional[str] = None,
 ) -> Any:
     """The MoeEp layer on this rank (collective over ``group``); arguments and
     result as :func:`moe_ep_torch.api.moe_ep`.
@@ -64,8 +84,12 @@ def moe_ep(
             host synchronisation, capturable in a CUDA graph; a bad expert id
             or a capacity overflow on any rank makes every rank's output NaN
             and is raised by :func:`check_errors`.
+        exchange: with ``host_sync=False``: ``"nccl"`` (the static mode's NCCL
+            exchange), ``"device"`` (the native layer's device exchange,
+            :mod:`moe_ep_cuda_nccl.device_exchange`), None: ``"device"`` when
+            ``MOE_EP_CUDA_NCCL_EXCHANGE=device``, else ``"nccl"``.
     """
-    ops = OPS if host_sync else STATIC_OPS
+    ops = _ops(host_sync, exchange)
     return ops.moe_ep(activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config=config, group=group)
 
 
@@ -81,14 +105,22 @@ def moe_ep_backward(
     config: MoeEpConfig,
     group: Optional[Any] = None,
     host_sync: bool = True,
+    exchange: Optional[str] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The spec's explicit backward (collective): float32 ``(grad_activation,
     grad_fc1_weight, grad_fc2_weight, grad_topk_weights)``; ``host_sync`` as
-    :func:`moe_ep` (False: ``fc1_c`` has ``recv_capacity`` rows)."""
-    ops = OPS if host_sync else STATIC_OPS
+    :func:`moe_ep` (False: ``fc1_c`` has ``recv_capacity`` rows), ``exchange`` as :func:`moe_ep`."""
+    ops = _ops(host_sync, exchange)
     return ops.moe_ep_backward(
         grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c, config=config, group=group
     )
+
+
+def close_communicators(group: Optional[Any] = None) -> None:
+    """Destroy this process's NCCL communicators and device exchanges of ``group``
+    (all when None; see :func:`moe_ep_cuda_nccl.prims.close_communicators`)."""
+    device_exchange.close(group)
+    _close_nccl(group)
 
 
 def check_errors(config: MoeEpConfig, group: Optional[Any] = None) -> None:

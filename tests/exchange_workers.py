@@ -1,0 +1,129 @@
+"""Rank-process functions of tests/test_native_exchange.py (spawned by torch_workers.run_ranks)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict
+
+import numpy as np
+
+NAMES = ("grad_activation", "grad_fc1_weight", "grad_fc2_weight", "grad_topk_weights")
+
+
+def _bits(t) -> np.ndarray:
+    import torch
+
+    t = t.detach().cpu()
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.float().numpy()
+
+
+def _inputs(world_inputs, rank: int, dev, bf16: bool):
+    import torch
+
+    w = world_inputs[rank]
+    dt = torch.bfloat16 if bf16 else torch.float32
+
+    def f(a, dtype=dt):
+        return torch.from_numpy(np.asarray(a, dtype=np.float32)).to(dev).to(dtype)
+
+    idx = torch.from_numpy(w.topk_idx.astype(np.int64)).to(dev)
+    return f(w.activation), f(w.fc1_weight), f(w.fc2_weight), idx, f(w.topk_weights, torch.float32)
+
+
+def _run(ops, config, group, args, g):
+    from moe_ep_torch.api import config_to_json
+
+    act, fc1, fc2, idx, tw = args
+    y, fc1_c, meta = ops.forward_op(act, fc1, fc2, idx, tw, config_to_json(config), group.group_name)
+    grads = ops.backward_op(g, act, fc1, fc2, idx, tw, fc1_c, config_to_json(config), group.group_name)
+    out = {"output": _bits(y), "fc1_c": _bits(fc1_c), "route_metadata": _bits(meta)}
+    out.update({n: _bits(t) for n, t in zip(NAMES, grads)})
+    return out
+
+
+def device_matches_static(rank: int, config, world_inputs, grad_outputs, combine: str, bf16: bool,
+                          device: str) -> Dict[str, Any]:
+    """The static mode (NCCL exchange; on CPU tensors: gloo) and the device
+    exchange on the same inputs, twice each (buffers reused). device "cpu": both
+    on CPU tensors; "cuda": the static mode on CPU tensors, the device exchange
+    on cuda:0 (every rank on one GPU, CUDA IPC loopback)."""
+    import torch
+
+    os.environ["MOE_EP_CUDA_NCCL_COMBINE"] = combine
+    from moe_ep_cuda_nccl import api
+
+    group = torch.distributed.group.WORLD
+    cpu = torch.device("cpu")
+    dev = torch.device("cuda:0") if device == "cuda" else cpu
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    g = torch.from_numpy(grad_outputs[rank].astype(np.float32))
+    res: Dict[str, Any] = {"static": [], "device": []}
+    for _ in range(2):
+        res["static"].append(_run(api.STATIC_OPS, config, group, _inputs(world_inputs, rank, cpu, bf16), g))
+        res["device"].append(_run(api.DEVICE_OPS, config, group, _inputs(world_inputs, rank, dev, bf16), g.to(dev)))
+    api.check_errors(config)
+    api.close_communicators()
+    return res
+
+
+def device_errors(rank: int, config, world_inputs, mutate: str, device: str) -> Dict[str, Any]:
+    """A bad id / overflow on rank 1 through the device exchange: NaN everywhere, check_errors raises."""
+    import torch
+
+    from moe_ep_cuda_nccl import api
+
+    dev = torch.device("cuda:0") if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    act, fc1, fc2, idx, tw = _inputs(world_inputs, rank, dev, False)
+    bad = idx.clone()
+    if rank == 1:
+        if mutate == "expert_id":
+            bad[0, 0] = config.num_experts + 3
+        else:
+            bad[:] = 0
+    out = api.moe_ep(act, fc1, fc2, bad, tw, config=config, host_sync=False, exchange="device")
+    res = {"all_nan": bool(torch.isnan(out.float()).all())}
+    try:
+        api.check_errors(config)
+        res["error"] = ""
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    good = api.moe_ep(act, fc1, fc2, idx, tw, config=config, host_sync=False, exchange="device")
+    res["good_is_finite"] = bool(torch.isfinite(good.float()).all())
+    api.check_errors(config)
+    api.close_communicators()
+    return res
+
+
+def device_timeout(rank: int, config, world_inputs, device: str) -> Dict[str, Any]:
+    """Rank 1 connects, then never calls the layer: rank 0 must get TransportError within the timeout."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MOE_EP_CUDA_NCCL_TIMEOUT_S"] = "2"
+    from moe_ep_cuda_nccl import api
+
+    dev = torch.device("cuda:0") if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    act, fc1, fc2, idx, tw = _inputs(world_inputs, rank, dev, False)
+    api.moe_ep(act, fc1, fc2, idx, tw, config=config, host_sync=False, exchange="device")  # both: connected, one step
+    api.check_errors(config)
+    dist.barrier()
+    res: Dict[str, Any] = {}
+    if rank == 0:
+        start = time.monotonic()
+        out = api.moe_ep(act, fc1, fc2, idx, tw, config=config, host_sync=False, exchange="device")
+        try:
+            api.check_errors(config)
+            res["error"] = ""
+        except Exception as exc:  # noqa: BLE001
+            res["error"] = f"{type(exc).__name__}: {exc}"
+        res["seconds"] = time.monotonic() - start
+        res["all_nan"] = bool(torch.isnan(out.float()).all())
+    dist.barrier()
+    api.close_communicators()
+    return res
