@@ -17,7 +17,7 @@ import moe_ep_spec  # noqa: E402
 from moe_ep_spec import MoeEpConfig, RankInputs  # noqa: E402
 from moe_ep_spec.tolerance import compare  # noqa: E402
 
-from torch_module_workers import layer_errors, layer_forward  # noqa: E402
+from torch_module_workers import layer_checks  # noqa: E402
 from torch_workers import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,10 +29,23 @@ def _ok(results):
     return results
 
 
-@pytest.mark.parametrize("weight_format", [None, "mxfp8"])
-def test_layer_matches_the_reference_and_trains_every_input(weight_format):
+FORMATS = (None, "mxfp8")
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One 2-rank world for every check: the layer's forward with each weight
+    format, and the constructor's errors."""
     config = MoeEpConfig(num_experts=4, hidden=64, intermediate=32, num_topk=2, num_ranks=2)
-    results = _ok(run_ranks(layer_forward, 2, config, weight_format, timeout=180))
+    error_config = MoeEpConfig(num_experts=2, hidden=32, intermediate=32, num_topk=1, num_ranks=2)
+    results = _ok(run_ranks(layer_checks, 2, config, FORMATS, error_config, timeout=180))
+    return config, results
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_layer_matches_the_reference_and_trains_every_input(two_ranks, weight_format):
+    config, all_results = two_ranks
+    results = [r["forward"][weight_format] for r in all_results]
     fmt = weight_format
     world = []
     for r in results:
@@ -53,13 +66,12 @@ def test_layer_matches_the_reference_and_trains_every_input(weight_format):
         assert "backend='torch'" in r["repr"]
 
 
-def test_layer_constructor_errors():
-    config = MoeEpConfig(num_experts=2, hidden=32, intermediate=32, num_topk=1, num_ranks=1)
-    (errors,) = _ok(run_ranks(layer_errors, 1, config, timeout=120))
+def test_layer_constructor_errors(two_ranks):
+    errors = two_ranks[1][0]["errors"]
     texts = [f"{name}: {message}" for name, message in errors]
     assert texts[0].startswith("ConfigError: backend must be one of the torch-based backends ('torch', 'cuda-nccl'); got 'jax'")
     assert texts[1].startswith("DTypeError: dtype of the expert parameters must be torch.bfloat16 or torch.float32")
-    assert texts[2] == "ConfigError: the process group's size must equal config.num_ranks = 2; got 1"
+    assert texts[2] == "ConfigError: the process group's size must equal config.num_ranks = 3; got 2"
     assert texts[3].startswith("ConfigError: weight_format mxfp8 needs hidden to be a multiple of 32")
     assert texts[4].startswith("ConfigError: host_sync=False (the static-shape mode) needs backend 'cuda-nccl'")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["layer_forward", "layer_errors"]
+__all__ = ["layer_forward", "layer_errors", "layer_checks"]
 
 
 def _np(t):
@@ -61,7 +61,7 @@ def layer_errors(rank: int, config) -> list:
     for kwargs in (
         {"backend": "jax"},
         {"dtype": torch.float16},
-        {"config": config.replace(num_ranks=2, num_experts=4)},
+        {"config": config.replace(num_ranks=config.num_ranks + 1, num_experts=config.num_ranks + 1)},
         {"weight_format": "mxfp8", "config": config.replace(hidden=48)},
         {"host_sync": False},
     ):
@@ -73,4 +73,12 @@ def layer_errors(rank: int, config) -> list:
             out.append((type(exc).__name__, str(exc)))
         else:
             out.append(("no error", repr(kwargs)))
+    return out
+
+
+def layer_checks(rank: int, config, weight_formats, error_config) -> dict:
+    """:func:`layer_forward` for every weight format, and on rank 0 the
+    constructor's errors for ``error_config`` (one process group for all)."""
+    out = {"forward": {fmt: layer_forward(rank, config, fmt) for fmt in weight_formats}}
+    out["errors"] = layer_errors(rank, error_config)
     return out
