@@ -759,12 +759,11 @@ class _Runner:
             other[last] = RankInputs(x.activation, x.fc1_weight, x.fc2_weight, np.array(x.topk_idx)[perm],
                                      np.array(x.topk_weights)[perm])
             stash = [f.stash for f in self.reference.forward(cfg, other)]
-        elif kind == "stash_rows":
-            s = stash[last]
-            stash[last] = Stash(np.concatenate([s.fc1_c, np.zeros((1, s.fc1_c.shape[1]), BF16)]),
-                                np.concatenate([s.route_metadata, np.full((1, 4), -1, np.int32)]))
+        elif kind == "stash_rows":  # on every rank (see _bad_layered)
+            stash = [Stash(np.concatenate([s.fc1_c, np.zeros((1, s.fc1_c.shape[1]), BF16)]),
+                           np.concatenate([s.route_metadata, np.full((1, 4), -1, np.int32)])) for s in stash]
         elif kind == "stash_dtype":
-            stash[last] = Stash(stash[last].fc1_c.astype(np.float32), stash[last].route_metadata)
+            stash = [Stash(s.fc1_c.astype(np.float32), s.route_metadata) for s in stash]
         elif kind == "grad_shape":
             grads[last] = np.zeros((grads[last].shape[0], cfg.hidden + 1), np.float32)
         elif kind == "grad_dtype":
@@ -775,33 +774,36 @@ class _Runner:
 
     def _bad_layered(self, kind: str, op: str, world: List[RankInputs]) -> List[Any]:
         """Arguments of a bad combine / dispatch_backward / combine_backward: the
-        backend's own handles of a good dispatch, one cotangent broken."""
+        backend's own handles of a good dispatch, one cotangent broken on every
+        rank (a process-per-rank backend's other ranks would otherwise wait in
+        the collective until the failed rank's world is torn down, seconds per
+        case; the one-bad-rank path is tried by the forward, dispatch and
+        backward kinds)."""
         cfg = self.config
-        last = cfg.num_ranks - 1
         dispatched = self.call("dispatch", _dispatch_world(world))
         handles = [d.handle for d in dispatched]
         ref_d = self.reference.dispatch(cfg, _dispatch_world(world))
         if op == "combine_backward":
             grads = [self.cot((x.topk_idx.shape[0], cfg.hidden)) for x in world]
             if kind == "grad_shape":
-                grads[last] = np.zeros((grads[last].shape[0] + 1, cfg.hidden), np.float32)
+                grads = [np.zeros((g.shape[0] + 1, cfg.hidden), np.float32) for g in grads]
             elif kind == "grad_dtype":
-                grads[last] = np.asarray(grads[last], np.float64)
+                grads = [np.asarray(g, np.float64) for g in grads]
             return [handles, grads]
         rows = self.rows(ref_d)
         if op == "combine":
             if kind == "expert_out_shape":
-                rows[last] = np.zeros((rows[last].shape[0] + 1, cfg.hidden), np.float32)
+                rows = [np.zeros((y.shape[0] + 1, cfg.hidden), np.float32) for y in rows]
             elif kind == "expert_out_dtype":
-                rows[last] = np.asarray(rows[last], np.float64)
+                rows = [np.asarray(y, np.float64) for y in rows]
             elif kind == "world_size":
                 rows = rows[:-1]
             return [handles, rows]
         g_w = [self.cot((d.handle.num_recv_rows,), ~d.handle.valid_rows) for d in ref_d]
         if kind == "grad_shape":
-            rows[last] = np.zeros((rows[last].shape[0], cfg.hidden + 1), np.float32)
+            rows = [np.zeros((y.shape[0], cfg.hidden + 1), np.float32) for y in rows]
         elif kind == "grad_dtype":
-            g_w[last] = np.asarray(g_w[last], np.float64)
+            g_w = [np.asarray(g, np.float64) for g in g_w]
         return [handles, rows, g_w]
 
 
