@@ -68,3 +68,11 @@ def test_backends_pyproject_builds_as_written(tmp_path: Path) -> None:
     exec(compile(blocks[0], "docs/backends.md", "exec"), module.__dict__)
     line = next(row for row in text.splitlines() if row.startswith("echo ") and "moe-ep-echo" in row)
     assert line.split("moe-ep-echo")[1].strip() == _capability_summary(module.EchoBackend())
+
+
+def test_readme_python_example_prints_what_it_says(capsys) -> None:
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"## Using it from Python\n\n```python\n(.*?)```", text, flags=re.S).group(1)
+    printed = re.search(r"It prints:\n\n```text\n(.*?)```", text, flags=re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out == printed

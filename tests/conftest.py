@@ -1,0 +1,52 @@
+"""Test-suite configuration: which tests are ``slow``.
+
+``python -m pytest -q`` runs everything (CI does), in parallel workers
+(pytest-xdist, ``-n auto`` in pyproject.toml). The working loop is
+``python -m pytest -q -m "not slow"``: it leaves out the tests listed here,
+the large tables that re-run whole conformance matrices in CPU stand-ins for
+GPU modes, fresh virtual environments and the like, each of which takes tens of
+seconds or minutes on a small machine. The marks are kept here, by test file and
+test name, rather than in the test files, so that those stay as their owners
+write them.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import pytest
+
+__all__ = ["SLOW"]
+
+#: test file -> the tests marked slow: a function's name (every parametrisation of it),
+#: one parametrisation (``name[id]``), or ``*`` for the whole file.
+#: Times are one serial run on the 2-core development machine.
+SLOW: Dict[str, Tuple[str, ...]] = {
+    # cuda-nccl in its CPU test mode: the full conformance table (about 230 s) and the
+    # static mode against the synced one (15 to 40 s each); its availability, header and
+    # transport tests stay in the working loop.
+    "test_cuda_nccl.py": (
+        "test_full_conformance_table_passes_in_cpu_mode",
+        "test_static_mode_matches_the_synced_mode_bit_for_bit_on_cpu",
+        "test_static_mode_errors_make_every_output_nan_and_check_errors_raise",
+        "test_static_mode_needs_capacity_and_max_tokens",
+    ),
+    # the full conformance table on the reference (about 85 s; CI's main job runs it too)
+    "test_mutants.py": ("test_reference_passes[full]",),
+    # a fresh virtual environment, an install and the conformance suite (about 30 s)
+    "test_example_plugin.py": ("*",),
+    # the quick conformance table through the native XLA FFI targets (about 30 s)
+    "test_jax_ffi.py": ("test_conformance_quick_table_at_ep_1_and_2",),
+    # the training example: two ranks for 20 steps (about 10 s plus start-up)
+    "test_torch_module.py": ("test_training_example_loss_decreases",),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    for item in items:
+        names = SLOW.get(item.path.name)
+        if names is None:
+            continue
+        function = getattr(item, "originalname", None) or item.name.split("[")[0]
+        if "*" in names or function in names or item.name in names:
+            item.add_marker(pytest.mark.slow)
