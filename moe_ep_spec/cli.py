@@ -427,13 +427,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_run_command(sub)
 
+    broken: Dict[str, str] = {}
     for ep in sorted(metadata.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         try:
             ep.load()(sub)
         except Exception as exc:  # a broken add-on must not break the core CLI
-            print(f"moe-ep: could not load command {ep.name!r}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            broken[ep.name] = f"{type(exc).__name__}: {exc}"
+            print(f"moe-ep: could not load command {ep.name!r}: {broken[ep.name]}", file=sys.stderr)
     for name, add_on in ADD_ON_COMMANDS.items():
-        if name not in sub.choices:
+        if name not in sub.choices and name not in broken:
             p = sub.add_parser(name, help=f"{add_on.summary} (not installed: {add_on.install})", add_help=False)
             p.set_defaults(func=_missing_command(name, add_on), missing_command=True)
     return parser
