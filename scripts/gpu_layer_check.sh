@@ -13,6 +13,7 @@
 #   conformance  the full conformance table on cuda-nccl on CUDA at EP 1;
 #   sanitizer    compute-sanitizer memcheck, racecheck and initcheck on one forward+backward of each mode;
 #   layer        scripts/gpu_cuda_nccl_layer.py --time (graph capture, timing against the torch backend);
+#   profile      scripts/gpu_layer_profile.py (CUDA-event times and the top kernels, forward and backward);
 #   bench        moe-ep bench at the DeepSeek-V3 per-rank shape (EP 1), JSON under $OUT.
 # Logs go to $OUT/gpu-layer (or reports/gpu-layer without OUT).
 set -uo pipefail
@@ -30,7 +31,7 @@ export PYTHONPATH="$PWD/backends/native${PYTHONPATH:+:$PYTHONPATH}"
 "$py" -m pip install -q --no-build-isolation --no-deps -e . -e ./conformance -e ./bench -e ./backends/torch \
   -e ./backends/cuda_nccl 2>&1 | grep -v "^WARNING" || true
 status=0
-steps=" ${STEPS:-gemm tests conformance sanitizer layer bench} "
+steps=" ${STEPS:-gemm tests conformance sanitizer layer profile bench} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -45,7 +46,7 @@ if want gemm; then
 fi
 if want tests; then
   echo "== tests"
-  timeout 420 "$py" -m pytest -q -p no:cacheprovider -rs tests/test_native_layer.py tests/test_native_cuda.py \
+  timeout 420 "$py" -m pytest -q -p no:cacheprovider -n 0 -m "not slow" -rs tests/test_native_layer.py tests/test_native_cuda.py \
     tests/test_cuda_nccl.py 2>&1 | tail -n 40 | tee "$out/tests.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want conformance; then
@@ -67,10 +68,15 @@ if want layer; then
     --experts-per-rank 32 --topk 8 --iters 5 2>&1 | tail -n 30 | tee "$out/layer.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
+if want profile; then
+  echo "== where the time goes: scripts/gpu_layer_profile.py (EP 1, DeepSeek-V3 per-rank shape)"
+  timeout 300 "$py" scripts/gpu_layer_profile.py 2>&1 | tee "$out/profile.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 if want bench; then
   echo "== moe-ep bench, EP 1, DeepSeek-V3 per-rank shape"
   timeout 540 "$py" -m moe_ep_spec.cli bench ${BENCH_ARGS:---device cuda --ep-size 1 --backend torch --backend cuda-nccl \
-    --tokens 128 --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 --topk 8 --format bf16} \
+    --tokens 128 --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 --topk 8 --format bf16 \
+    --intermediate-format bf16 --op forward --op forward_backward} \
     --json "$out/bench.json" 2>&1 | tail -n 40 | tee "$out/bench.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit $status

@@ -59,6 +59,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=_positive, default=None, help="top-k K (default 8 on cuda, 4 on cpu)")
     p.add_argument("--format", action="append", choices=FORMATS, metavar="FMT",
                    help="bf16 or mxfp8 (repeatable; default both)")
+    p.add_argument("--intermediate-format", choices=("none", "bf16", "mxfp8", "nvfp4"), default="none",
+                   help="the layers' intermediate_format, the rounding of the FC2 operand (default none: exact "
+                        "float32, which fast kernels feed to bf16 tensor cores as three bf16 pieces)")
     p.add_argument("--op", action="append", choices=OPS, metavar="OP",
                    help="dispatch, combine, forward, forward_backward (repeatable; default all)")
     p.add_argument("--repeats", type=_positive, default=None, help="timed calls per measurement (default 20 cuda, 5 cpu)")
@@ -140,6 +143,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         timeout_s=args.timeout,
         baselines=not args.no_baselines,
         include_slow=args.include_slow,
+        intermediate_format=None if args.intermediate_format == "none" else args.intermediate_format,
     )
     for fmt in formats:
         settings.config(fmt, max(tokens))  # raises ConfigError on a bad shape
@@ -157,6 +161,8 @@ def _command(settings: BenchSettings, backends: Sequence[str]) -> str:
               "--experts", str(settings.experts), "--topk", str(settings.topk)]
     for f in settings.formats:
         parts += ["--format", f]
+    if settings.intermediate_format is not None:
+        parts += ["--intermediate-format", settings.intermediate_format]
     if settings.ops != OPS:
         for op in settings.ops:
             parts += ["--op", op]

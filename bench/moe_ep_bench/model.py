@@ -140,6 +140,8 @@ class BenchSettings:
     timeout_s: float = 300.0
     baselines: bool = True
     include_slow: bool = False
+    #: The spec's intermediate_format of every layer (None: the exact float32 FC2 operand).
+    intermediate_format: Optional[str] = None
 
     @property
     def num_local_experts(self) -> int:
@@ -155,6 +157,7 @@ class BenchSettings:
             num_ranks=self.ep_size,
             output_format=fmt,
             combine_format=fmt,
+            intermediate_format=self.intermediate_format,
             generate_c=generate_c,
             max_tokens_per_rank=tokens,
         )
@@ -170,6 +173,7 @@ class BenchSettings:
             "topk": self.topk,
             "tokens": list(self.tokens),
             "formats": list(self.formats),
+            "intermediate_format": self.intermediate_format,
             "ops": list(self.ops),
             "repeats": self.repeats,
             "warmup": self.warmup,

@@ -1,0 +1,93 @@
+"""Where the time of one cuda-nccl layer goes, on one GPU (EP 1): CUDA-event
+times of forward and forward+backward, and the top kernels of each under
+torch.profiler, for the exact (float32) FC2 operand and for a bf16
+intermediate_format.
+
+    python scripts/gpu_layer_profile.py --tokens 4096      # the DeepSeek-V3 per-rank shape by default
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from datetime import timedelta
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--top", type=int, default=14, help="kernels listed per profile")
+    args = parser.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_ep_cuda_nccl import api as cn
+    from moe_ep_spec import MoeEpConfig
+    from moe_ep_spec.launch import free_loopback_port
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_loopback_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=120), device_id=dev)
+    t, h, i, e, k = args.tokens, args.hidden, args.intermediate, args.experts, args.topk
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
+    w1 = (torch.randn(e, h, 2 * i, device=dev, generator=g) / h**0.5).to(torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(e, i, h, device=dev, generator=g) / i**0.5).to(torch.bfloat16).requires_grad_()
+    idx = torch.rand(t, e, device=dev, generator=g).topk(k, dim=1).indices
+    tw = torch.softmax(torch.randn(t, k, device=dev, generator=g), dim=1).requires_grad_()
+    dy = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
+    flops = 2 * t * k * h * 3 * i  # forward: FC1 (2I) + FC2 (I)
+
+    def timed(fn, iters: int) -> float:
+        for _ in range(2):
+            fn()
+        samples = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            samples.append(a.elapsed_time(b))
+        return statistics.median(samples)
+
+    for inter in (None, "bf16"):
+        config = MoeEpConfig(num_experts=e, hidden=h, intermediate=i, num_topk=k, num_ranks=1,
+                             intermediate_format=inter, generate_c=True)
+
+        def fwd():
+            with torch.no_grad():
+                return cn.moe_ep(x, w1, w2, idx, tw, config=config)
+
+        def fwd_bwd():
+            for p in (x, w1, w2, tw):
+                p.grad = None
+            cn.moe_ep(x, w1, w2, idx, tw, config=config).backward(dy)
+
+        f_ms, fb_ms = timed(fwd, args.iters), timed(fwd_bwd, args.iters)
+        print(f"== intermediate_format {inter}: forward {f_ms:.3f} ms ({flops / f_ms / 1e9:.0f} TFLOP/s), "
+              f"forward+backward {fb_ms:.3f} ms", flush=True)
+        for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            print(f"-- {name}: top kernels by CUDA time", flush=True)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70),
+                  flush=True)
+    cn.close_communicators()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    sys.exit(main())
