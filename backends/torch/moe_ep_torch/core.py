@@ -250,17 +250,28 @@ def make_plan(
         send_route = torch.zeros(0, dtype=torch.int64, device=device)
         counts = torch.zeros(n * el, dtype=torch.int64, device=device)
         code = torch.tensor(error_code(input_error), device=device)
-    mine = torch.cat([counts, code.reshape(1).to(torch.int64), torch.tensor([fingerprint(config, fingerprint_extra)], device=device)])
+    # The configuration and the input encodings are fingerprinted apart: a mismatch of
+    # the first is a ConfigError, of the second a DTypeError (spec section 12: dispatch
+    # tokens whose encoding differs between ranks).
+    prints_mine = torch.tensor([fingerprint(config), fingerprint(config, fingerprint_extra)], device=device)
+    mine = torch.cat([counts, code.reshape(1).to(torch.int64), prints_mine])
     table = prims.all_gather(mine, group).tolist()  # the one host synchronisation
     codes = [int(row[n * el]) for row in table]
     prints = [int(row[n * el + 1]) for row in table]
+    encodings = [int(row[n * el + 2]) for row in table]
     if codes[rank] == _ROUTING_CODE and input_error is None:
         input_error = _routing_error(config, idx, rank)
     _raise_gathered(codes, input_error, rank)
     if len(set(prints)) != 1:
         raise E.ConfigError(
             f"rank {rank}: the ranks disagree on the configuration (fingerprints {prints}); every rank must pass "
-            f"the same MoeEpConfig and the same hidden size and input encodings"
+            f"the same MoeEpConfig"
+        )
+    if len(set(encodings)) != 1:
+        raise E.DTypeError(
+            f"rank {rank}: the ranks pass inputs in different encodings (fingerprints {encodings}); every rank must "
+            f"pass its inputs in the same encoding (the same plain dtype, or the same block format)",
+            name="tokens",
         )
     per = [[int(v) for v in row[: n * el]] for row in table]  # per[src][dest * el + e]
     send_counts = [sum(per[rank][d * el : (d + 1) * el]) for d in range(n)]
