@@ -521,6 +521,10 @@ def _wide_cases() -> Iterable[Case]:
     yield Case("combine", 4, 6, 36, layout="static", routing="repeated", output_format="mxfp8", combine_format="nvfp4")
     yield Case("dispatch_backward", 2, 5, 40, routing="repeated", cotangent="fp16")
     yield Case("combine_backward", 4, 6, 36, layout="static", cotangent="bf16")
+    # large expert ids (above 255: an 8-bit id or counter wraps), int64
+    yield Case("forward", 3, 8, 288, index_format="int64", tokens="full", routing="repeated")
+    yield Case("backward", 2, 4, 260, index_format="int64", tokens="full", clamp=True)
+    yield Case("dispatch", 4, 6, 320, index_format="int64", tokens="full", layout="static")
     # partial input blocks: hidden 72 and intermediate 40 (neither a multiple of 32 or 16)
     part = dict(hidden=72, intermediate=40)
     for act, wt in (("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("nvfp4", "mxfp8")):
