@@ -55,11 +55,16 @@ if want conformance; then
     2>&1 | tail -n 25 | tee "$out/conformance.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want sanitizer; then
-  for tool in memcheck racecheck initcheck; do
+  for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck}; do
     echo "== compute-sanitizer $tool (one forward+backward per mode, no graphs)"
-    timeout 240 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
+    timeout 240 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 --print-limit 8 \
       "$py" scripts/gpu_cuda_nccl_layer.py --no-graph --tokens 64 --hidden 256 --intermediate 128 \
-      2>&1 | tail -n 12 | tee "$out/sanitizer-$tool.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      > "$out/sanitizer-$tool.txt" 2>&1
+    rc=$?
+    grep -m 8 -A 6 -E "^========= (Invalid|Uninitialized|Race|Error)" "$out/sanitizer-$tool.txt" || true
+    grep -E "SUMMARY|static == synced" "$out/sanitizer-$tool.txt" || true
+    echo "compute-sanitizer $tool: rc=$rc"
+    [ "$rc" -eq 0 ] || status=1
   done
 fi
 if want layer; then

@@ -211,3 +211,21 @@ def test_cuda_tensor_core_layer_matches_the_cpu_float32_kernels(name) -> None:
         assert np.all(np.isfinite(got)), f"{label} must be written everywhere"
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * mag, err_msg=f"{label} vs the CPU float32 kernels")
     layer.close()
+
+
+def test_a_bf16_cotangent_gives_what_its_float32_values_give() -> None:
+    config = CONFIGS["fc1-clamp-int_none-comb_bf16"]
+    x, w, fc1, fc2, gs, dy = _case(config, [4, 3, 0], seed=5)
+    dy_bf16 = dy.astype(BF16)
+    layer = Layer(layer_config(config, max_rows=x.shape[0], cuda_device=None, bf16_operands=True, with_backward=True))
+    _, c = _layer_forward(layer, x, w, fc1, fc2, gs, config)
+    rows = x.shape[0]
+    results = []
+    for d, as_bf16 in ((dy_bf16.astype(np.float32), False), (np.ascontiguousarray(dy_bf16).view(np.uint16), True)):
+        outs = [np.full(s, np.nan, np.float32) for s in [(rows, config.hidden), (rows,), fc1.shape, fc2.shape]]
+        layer.experts_backward(None, rows, _ptr(x.view(np.uint16)), _ptr(w), _ptr(fc1.view(np.uint16)),
+                               _ptr(fc2.view(np.uint16)), _ptr(c), _ptr(d), _ptr(gs), *[_ptr(o) for o in outs],
+                               dy_bf16=as_bf16)
+        results.append(outs)
+    for got, want, label in zip(results[1], results[0], ["dx", "dw", "dfc1", "dfc2"]):
+        np.testing.assert_array_equal(got, want, err_msg=f"{label}: a bf16 cotangent is its float32 values")

@@ -327,9 +327,12 @@ def expert_backward(
     group_sizes: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The native layer's experts backward on tensors: float32 ``(dx [C, H], dw [C],
-    dfc1 [E_local, H, 2I], dfc2 [E_local, I, H])`` from the bf16 stash ``fc1_c``."""
+    dfc1 [E_local, H, 2I], dfc2 [E_local, I, H])`` from the bf16 stash ``fc1_c`` and
+    the cotangent rows ``dy`` ``[C, H]`` (bfloat16 passes as is, others as float32)."""
     bf16, x, fc1, fc2 = _operands(x, fc1, fc2)
-    w, dy = _f32(w), _f32(dy)
+    w = _f32(w)
+    dy_bf16 = dy.dtype == torch.bfloat16
+    dy = dy.contiguous() if dy_bf16 else _f32(dy)
     stash = fc1_c.to(torch.bfloat16).contiguous()
     gs = group_sizes.to(torch.int32).contiguous()
     rows, h = int(x.shape[0]), config.hidden
@@ -341,7 +344,7 @@ def expert_backward(
     _, stream = where(x)
     layer.experts_backward(
         stream, rows, ptr(x), ptr(w), ptr(fc1), ptr(fc2), ptr(stash), ptr(dy), ptr(gs), ptr(dx), ptr(dw), ptr(dfc1),
-        ptr(dfc2),
+        ptr(dfc2), dy_bf16=dy_bf16,
     )
     return dx, dw, dfc1, dfc2
 

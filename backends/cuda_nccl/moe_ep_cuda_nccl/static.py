@@ -364,7 +364,7 @@ def backward(
             )
 
     plan, x_buf, (w_buf, dy_buf), fc1_d, fc2_d = _dispatched(
-        prims, config, group, activation, fc1, fc2, idx, weights, [grad_output.float()], check_stash
+        prims, config, group, activation, fc1, fc2, idx, weights, [core.cotangent(grad_output)], check_stash
     )
     dx, dw, dfc1, dfc2 = expert_backward(config, x_buf, w_buf, fc1_d, fc2_d, fc1_c, dy_buf, plan.group_sizes)
     back_dx, back_dw = return_rows(prims, plan, [dx, dw], group)

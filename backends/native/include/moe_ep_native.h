@@ -340,15 +340,18 @@ MOE_EP_API moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void*
  * The experts' backward (docs/spec.md section 9.2: recomputed from the stash,
  * every rounding point straight-through). Needs config.with_backward = 1.
  *   num_rows, x, w, fc1, fc2, group_sizes: as moe_ep_layer_experts_forward.
- *   fc1_c: [C, 2I] uint16 bf16: the stash.   dy: [C, H] float32: the cotangent of every row.
+ *   fc1_c: [C, 2I] uint16 bf16: the stash.
+ *   dy:    [C, H] dy_dtype: the cotangent of every row; dy_dtype MOE_EP_DTYPE_F32, or
+ *          MOE_EP_DTYPE_BF16 for a bf16 cotangent (exact: on tensor cores it is then
+ *          one bf16 operand instead of three pieces).
  *   dx: [C, H] float32 out;  dw: [C] float32 out (rows of no expert: zero);
  *   dfc1: [E_local, H, 2I] float32 out;  dfc2: [E_local, I, H] float32 out (zero for an expert with no rows).
  */
 MOE_EP_API moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void* stream, int64_t num_rows,
                                                        const void* x, const float* w, const void* fc1,
-                                                       const void* fc2, const uint16_t* fc1_c, const float* dy,
-                                                       const int32_t* group_sizes, float* dx, float* dw, float* dfc1,
-                                                       float* dfc2);
+                                                       const void* fc2, const uint16_t* fc1_c, const void* dy,
+                                                       int32_t dy_dtype, const int32_t* group_sizes, float* dx,
+                                                       float* dw, float* dfc1, float* dfc2);
 
 /* ----------------------------------------------------------------- exchange */
 

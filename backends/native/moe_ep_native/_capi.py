@@ -174,7 +174,7 @@ _PROTOTYPES = {
     "moe_ep_layer_destroy": (_I32, [_P]),
     "moe_ep_layer_get_info": (_I32, [_P, ctypes.POINTER(LayerInfo)]),
     "moe_ep_layer_experts_forward": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P]),
-    "moe_ep_layer_experts_backward": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "moe_ep_layer_experts_backward": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _I32, _P, _P, _P, _P, _P]),
     "moe_ep_has_nccl": (ctypes.c_int, []),
     "moe_ep_comm_unique_id": (_I32, [_P, ctypes.c_size_t]),
     "moe_ep_comm_init": (_I32, [_P, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, _I64, ctypes.POINTER(_P)]),

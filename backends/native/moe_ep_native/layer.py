@@ -148,11 +148,13 @@ class Layer:
         dw: Optional[int],
         dfc1: Optional[int],
         dfc2: Optional[int],
+        dy_bf16: bool = False,
     ) -> None:
         """``moe_ep_layer_experts_backward``: as :meth:`experts_forward` plus fc1_c
-        ``[C, 2I] bf16`` and dy ``[C, H] float32`` in; dx ``[C, H]``, dw ``[C]``,
-        dfc1 ``[E_local, H, 2I]``, dfc2 ``[E_local, I, H]`` float32 out."""
+        ``[C, 2I] bf16`` and dy ``[C, H]`` (float32, or bf16 with ``dy_bf16``) in;
+        dx ``[C, H]``, dw ``[C]``, dfc1 ``[E_local, H, 2I]``, dfc2 ``[E_local, I, H]``
+        float32 out."""
         call(
-            "moe_ep_layer_experts_backward", self._handle, stream, num_rows, x, w, fc1, fc2, fc1_c, dy, group_sizes,
-            dx, dw, dfc1, dfc2,
+            "moe_ep_layer_experts_backward", self._handle, stream, num_rows, x, w, fc1, fc2, fc1_c, dy,
+            int(DType.BF16 if dy_bf16 else DType.F32), group_sizes, dx, dw, dfc1, dfc2,
         )

@@ -150,6 +150,7 @@ struct TcWorkspace {
   float* a;            // [C, I] a = (w dY or dY) W2^T (backward)
   float* h;            // [C, I] h (backward)
   float* z;            // [C, H] z = h W2 (backward, apply_topk_in_fc1 = 0)
+  float* dy32;         // [C, H] a bf16 cotangent in float32 (backward, apply_topk_in_fc1 = 0)
   int sm_count;
 };
 // Bytes of the tensor-core workspace (0 when the build or the shape has no tensor-core path).
@@ -160,8 +161,8 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
                          const float* w, const uint16_t* fc1, const uint16_t* fc2, const int32_t* group_sizes, float* y,
                          uint16_t* fc1_c, const TcWorkspace& ws);
 moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint16_t* x, const float* w,
-                          const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const float* dy,
-                          const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,
+                          const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const void* dy,
+                          int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,
                           const TcWorkspace& ws);
 // Device memory for a layer on cuda_device (cudaMalloc after cudaSetDevice), and its release.
 moe_ep_status device_alloc(int cuda_device, size_t bytes, void** out);

@@ -33,6 +33,7 @@ struct moe_ep_layer {
   float* fc1_32 = nullptr;    // [E, H, 2I] (bf16 operands only)
   float* fc2_32 = nullptr;    // [E, I, H] (bf16 operands only)
   float* c32 = nullptr;       // [C, 2I] the FC1 output
+  float* dy32 = nullptr;      // [C, H] a bf16 cotangent in float32 (with_backward)
   void* expert_ws = nullptr;  // max(forward, backward) expert workspace
   uint8_t* rt_data = nullptr;   // [C, H] codes of the combine round trip (CPU)
   uint8_t* rt_scale = nullptr;  // [C, ceil(H/16)] scales of it (CPU)
@@ -63,6 +64,7 @@ size_t staged_layout(moe_ep_layer* l, char* base) {
   l->fc1_32 = bf16 ? reinterpret_cast<float*>(take(E * H * 2 * I * sizeof(float))) : nullptr;
   l->fc2_32 = bf16 ? reinterpret_cast<float*>(take(E * I * H * sizeof(float))) : nullptr;
   l->c32 = reinterpret_cast<float*>(take(C * 2 * I * sizeof(float)));
+  l->dy32 = l->cfg.with_backward ? reinterpret_cast<float*>(take(C * H * sizeof(float))) : nullptr;
   size_t ws = forward_workspace_bytes(d);
   if (l->cfg.with_backward) ws = std::max(ws, backward_workspace_bytes(d));
   l->expert_ws = take(ws);
@@ -219,14 +221,20 @@ moe_ep_status staged_forward(moe_ep_layer* l, void* stream, int64_t C, const voi
 }
 
 moe_ep_status staged_backward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w, const void* fc1,
-                              const void* fc2, const uint16_t* fc1_c, const float* dy, const int32_t* group_sizes,
-                              float* dx, float* dw, float* dfc1, float* dfc2) {
+                              const void* fc2, const uint16_t* fc1_c, const void* dy, int32_t dy_dtype,
+                              const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2) {
   moe_ep_expert_desc d = l->desc;
   d.num_rows = C;
   const float *x32, *fc1_32, *fc2_32;
   MOE_EP_TRY(stage_operands(l, stream, C, x, fc1, fc2, &x32, &fc1_32, &fc2_32));
-  return MOE_EP_LAYER_IMPL(l, expert_backward(stream, d, x32, w, fc1_32, fc2_32, fc1_c, dy, group_sizes, dx, dw, dfc1,
-                                              dfc2, l->expert_ws));
+  const float* dyf = static_cast<const float*>(dy);
+  if (dy_dtype == MOE_EP_DTYPE_BF16) {
+    if (C > 0)
+      MOE_EP_TRY(MOE_EP_LAYER_IMPL(l, dequantize(stream, MOE_EP_FORMAT_BF16, dy, nullptr, C, d.hidden, 1, l->dy32)));
+    dyf = l->dy32;
+  }
+  return MOE_EP_LAYER_IMPL(l, expert_backward(stream, d, x32, w, fc1_32, fc2_32, fc1_c, dyf, group_sizes, dx, dw,
+                                              dfc1, dfc2, l->expert_ws));
 }
 
 // Runs body() with the CPU floating-point environment the kernels need, turning exceptions into statuses.
@@ -354,8 +362,8 @@ moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, in
 
 moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void* stream, int64_t num_rows, const void* x,
                                             const float* w, const void* fc1, const void* fc2, const uint16_t* fc1_c,
-                                            const float* dy, const int32_t* group_sizes, float* dx, float* dw,
-                                            float* dfc1, float* dfc2) {
+                                            const void* dy, int32_t dy_dtype, const int32_t* group_sizes, float* dx,
+                                            float* dw, float* dfc1, float* dfc2) {
   const Check ck{"moe_ep_layer_experts_backward"};
   MOE_EP_TRY(moe_ep::check_layer(ck, layer, stream, num_rows));
   if (!layer->cfg.with_backward)
@@ -363,7 +371,9 @@ moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void* stream, i
   MOE_EP_TRY(moe_ep::check_operands(ck, layer, num_rows, x, w, fc1, fc2, group_sizes));
   const int64_t H = layer->desc.hidden, I = layer->desc.intermediate, E = layer->desc.num_local_experts;
   MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, num_rows * 2 * I, 2));
-  MOE_EP_TRY(ck.ptr("dy", dy, num_rows * H, 4));
+  if (dy_dtype != MOE_EP_DTYPE_F32 && dy_dtype != MOE_EP_DTYPE_BF16)
+    return ck.bad("dy_dtype must be MOE_EP_DTYPE_F32 (0) or MOE_EP_DTYPE_BF16 (1)", std::to_string(dy_dtype));
+  MOE_EP_TRY(ck.ptr("dy", dy, num_rows * H, dy_dtype == MOE_EP_DTYPE_BF16 ? 2 : 4));
   MOE_EP_TRY(ck.ptr("dx", dx, num_rows * H, 4));
   MOE_EP_TRY(ck.ptr("dw", dw, num_rows, 4));
   MOE_EP_TRY(ck.ptr("dfc1", dfc1, E * H * 2 * I, 4));
@@ -375,11 +385,11 @@ moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void* stream, i
       d.num_rows = num_rows;
       return moe_ep::cuda::tc_backward(stream, d, static_cast<const uint16_t*>(x), w,
                                        static_cast<const uint16_t*>(fc1), static_cast<const uint16_t*>(fc2), fc1_c, dy,
-                                       group_sizes, dx, dw, dfc1, dfc2, layer->tc);
+                                       dy_dtype, group_sizes, dx, dw, dfc1, dfc2, layer->tc);
     }
 #endif
-    return moe_ep::staged_backward(layer, stream, num_rows, x, w, fc1, fc2, fc1_c, dy, group_sizes, dx, dw, dfc1,
-                                   dfc2);
+    return moe_ep::staged_backward(layer, stream, num_rows, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes, dx, dw,
+                                   dfc1, dfc2);
   });
 }
 

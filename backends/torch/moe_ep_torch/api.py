@@ -175,7 +175,7 @@ def run_backward(
     ``(grad_activation, grad_fc1_weight, grad_fc2_weight, grad_topk_weights)``."""
     _check_group(config, group)
     _check(config, group, activation, fc1, fc2, idx, weights)
-    payload = core.route_payload(activation, weights, config.num_topk, extra=[grad_output.float()])
+    payload = core.route_payload(activation, weights, config.num_topk, extra=[core.cotangent(grad_output)])
     plan, recv = core.make_plan(
         config, idx, int(activation.shape[0]), group, activation.device, None,
         "|".join(_encoding(t) for t in (activation, fc1, fc2)), payload, prims,

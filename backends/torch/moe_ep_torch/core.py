@@ -31,7 +31,7 @@ from moe_ep_spec.formats import MoeFormat
 from . import formats as TF
 
 __all__ = [
-    "Plan", "Primitives", "TORCH", "make_plan", "route_payload", "exchange", "exchange_back", "forward", "backward",
+    "Plan", "Primitives", "TORCH", "make_plan", "route_payload", "cotangent", "exchange", "exchange_back", "forward", "backward",
     "ERROR_CODES",
 ]
 
@@ -133,8 +133,9 @@ class Primitives:
         return experts_forward(config, plan, x, w, fc1, fc2)
 
     def experts_backward(self, config: MoeEpConfig, plan: "Plan", x, w, fc1, fc2, fc1_c, dy):
-        """See :func:`experts_backward`; ``fc1_c`` is the bfloat16 stash."""
-        return experts_backward(config, plan, x, w, fc1, fc2, fc1_c.float(), dy)
+        """See :func:`experts_backward`; ``fc1_c`` is the bfloat16 stash, ``dy`` the
+        cotangent rows of :func:`cotangent` (bfloat16 or float32)."""
+        return experts_backward(config, plan, x, w, fc1, fc2, fc1_c.float(), dy.float())
 
     def sum_slots(self, plan: "Plan", send_rows: torch.Tensor) -> torch.Tensor:
         """The Form-A reduction of send-order rows: ``[T, ...]`` float32, slot order from +0."""
@@ -159,6 +160,7 @@ class Plan:
         tokens_per_expert: host list ``[E_local]``; expert_offsets: host list
             ``[E_local + 1]``: the slab starts in the buffer.
         route_metadata: ``[R, 4] int32`` in buffer order, ``-1`` rows for padding.
+        dense: the buffer has no padding and ``rows`` is ``arange`` (dynamic layout).
     """
 
     rank: int
@@ -176,6 +178,9 @@ class Plan:
     tokens_per_expert: List[int]
     expert_offsets: List[int]
     route_metadata: torch.Tensor
+
+    #: The dynamic layout: buffer row i is expert-major route i (``rows`` is ``arange``).
+    dense: bool = False
 
     @property
     def valid_rows(self) -> torch.Tensor:
@@ -308,8 +313,7 @@ def make_plan(
         local = torch.zeros_like(send_route)
     meta_send = torch.stack([local, t, s], dim=1).to(torch.int32)
     parts = [meta_send] + (payload(send_route) if payload is not None else [])
-    blob, layout = _pack(parts, send_route.numel())
-    received = _unpack(prims.all_to_all(blob, send_counts, recv_counts, group), layout)
+    received = _exchange_parts(parts, send_route.numel(), send_counts, recv_counts, group, prims)
     meta_recv = received[0]
     src = torch.repeat_interleave(
         torch.arange(n, device=device, dtype=torch.int32), torch.tensor(recv_counts, device=device)
@@ -343,6 +347,7 @@ def make_plan(
         tokens_per_expert=per_expert,
         expert_offsets=offsets,
         route_metadata=route_metadata,
+        dense=not config.static_layout,
     )
     return plan, received[1:]
 
@@ -395,11 +400,27 @@ def _unpack(blob: torch.Tensor, layout: List[Tuple[torch.dtype, Tuple[int, ...],
     return out
 
 
+def _exchange_parts(
+    parts: Sequence[torch.Tensor], rows: int, send_counts: List[int], recv_counts: List[int], group: Any,
+    prims: Primitives,
+) -> List[torch.Tensor]:
+    """Per-row parts (``[rows, ...]`` each) to their ranks, one all-to-all of each
+    part's bytes (no packing: nothing is copied into or out of a combined blob);
+    returns the received parts, ``[sum(recv_counts), ...]`` each, in their dtypes."""
+    out = []
+    for p in parts:
+        flat = p.contiguous().reshape(rows, _row_elems(p))
+        b = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+        got = prims.all_to_all(b, send_counts, recv_counts, group)
+        got = got if p.dtype == torch.uint8 else got.view(p.dtype)
+        out.append(got.reshape((got.shape[0],) + tuple(p.shape[1:])))
+    return out
+
+
 def exchange(plan: Plan, parts: Sequence[torch.Tensor], group: Any, prims: Optional[Primitives] = None) -> List[torch.Tensor]:
     """Send per-route rows (send order) to their expert's rank; returns the
-    received rows in received order. One all-to-all of packed bytes."""
-    blob, layout = _pack(parts, plan.send_route.numel())
-    return _unpack((prims or TORCH).all_to_all(blob, plan.send_counts, plan.recv_counts, group), layout)
+    received rows in received order. One all-to-all per part."""
+    return _exchange_parts(parts, plan.send_route.numel(), plan.send_counts, plan.recv_counts, group, prims or TORCH)
 
 
 def exchange_back(
@@ -407,8 +428,8 @@ def exchange_back(
 ) -> List[torch.Tensor]:
     """The reverse of :func:`exchange`: received-order rows back to their source
     rank, in send order."""
-    blob, layout = _pack(parts, int(sum(plan.recv_counts)))
-    return _unpack((prims or TORCH).all_to_all(blob, plan.recv_counts, plan.send_counts, group), layout)
+    rows = int(sum(plan.recv_counts))
+    return _exchange_parts(parts, rows, plan.recv_counts, plan.send_counts, group, prims or TORCH)
 
 
 # ----------------------------------------------------------------------------- experts
@@ -557,6 +578,8 @@ def experts_backward(
 
 def to_buffer(plan: Plan, recv_rows: torch.Tensor) -> torch.Tensor:
     """Received-order rows into the expert-major buffer (padding rows zero)."""
+    if plan.dense:
+        return recv_rows[plan.order]  # one gather: buffer row i is expert-major route i
     out = torch.zeros((plan.num_rows,) + tuple(recv_rows.shape[1:]), dtype=recv_rows.dtype, device=recv_rows.device)
     out[plan.rows] = recv_rows[plan.order]
     return out
@@ -565,7 +588,7 @@ def to_buffer(plan: Plan, recv_rows: torch.Tensor) -> torch.Tensor:
 def from_buffer(plan: Plan, buf: torch.Tensor) -> torch.Tensor:
     """Expert-major buffer rows back to received order (padding never read)."""
     out = torch.empty((plan.order.numel(),) + tuple(buf.shape[1:]), dtype=buf.dtype, device=buf.device)
-    out[plan.order] = buf[plan.rows]
+    out[plan.order] = buf if plan.dense else buf[plan.rows]
     return out
 
 
@@ -611,6 +634,13 @@ def rebuild(t: Any, parts: List[torch.Tensor]) -> Any:
 def buffer_tokens(plan: Plan, t: Any, recv_parts: List[torch.Tensor]) -> Any:
     """Received token parts into the expert-major buffer, in the tokens' encoding."""
     return rebuild(t, [to_buffer(plan, p) for p in recv_parts])
+
+
+def cotangent(grad_output: torch.Tensor) -> torch.Tensor:
+    """The output cotangent as it travels to the experts: bfloat16 stays bfloat16
+    (exact, half the bytes; the expert backward reads it as is), anything else
+    becomes float32."""
+    return grad_output if grad_output.dtype == torch.bfloat16 else grad_output.float()
 
 
 def route_payload(activation: Any, topk_weights: torch.Tensor, num_topk: int, extra: Sequence[torch.Tensor] = ()):
@@ -662,7 +692,7 @@ def backward(
     (``fc1_c`` bfloat16)."""
     prims = prims or TORCH
     w_buf = to_buffer(plan, recv[-2])
-    dy_buf = to_buffer(plan, recv[-1].float())
+    dy_buf = to_buffer(plan, recv[-1])
     x_buf, fc1_d, fc2_d = prims.forward_operands(activation, buffer_tokens(plan, activation, recv[:-2]), fc1, fc2)
     dx, dw, dfc1, dfc2 = prims.experts_backward(config, plan, x_buf, w_buf, fc1_d, fc2_d, fc1_c, dy_buf)
     dx_back, dw_back = exchange_back(plan, [from_buffer(plan, dx), from_buffer(plan, dw)], group, prims)

@@ -178,6 +178,31 @@ __global__ void fc2_epilogue_kernel(float* __restrict__ y, const float* __restri
   }
 }
 
+// The same for the element-wise formats (none, bf16) four values at a time
+// (H a multiple of 8, so a float4 never crosses a row).
+template <bool kRoundBf16, bool kWeight>
+__global__ void fc2_epilogue_vec4_kernel(float4* __restrict__ y, const float* __restrict__ w,
+                                         const int32_t* __restrict__ off, int num_experts, int64_t C, int64_t H) {
+  const int64_t q = H / 4;  // float4 per row
+  const int64_t total = C * q;
+  const int64_t end = off == nullptr ? C : off[num_experts];
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = t / q;
+    if (r >= end) {
+      y[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      continue;
+    }
+    float4 v = y[t];
+    if (kWeight) {
+      const float wr = w[r];
+      v = make_float4(fmul(wr, v.x), fmul(wr, v.y), fmul(wr, v.z), fmul(wr, v.w));
+    }
+    if (kRoundBf16)
+      v = make_float4(bf16_round_trip(v.x), bf16_round_trip(v.y), bf16_round_trip(v.z), bf16_round_trip(v.w));
+    y[t] = v;
+  }
+}
+
 // ------------------------------------------------------------------ backward kernels
 
 // src [C, n] float32 (times w[r] when w is set) as bf16 planes; rows of no expert zero.
@@ -260,6 +285,12 @@ __global__ void __launch_bounds__(kDotThreads)
   }
 }
 
+// out[i] = the float32 value of bf16 bits in[i].
+__global__ void bf16_to_float_kernel(const uint16_t* __restrict__ in, int64_t n, float* __restrict__ out) {
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < n; t += int64_t{gridDim.x} * blockDim.x)
+    out[t] = bf16_to_float(in[t]);
+}
+
 // Rows r >= off[E] of x [C, n]: zero (the grouped GEMMs write only the experts' rows).
 __global__ void zero_tail_rows_kernel(float* __restrict__ x, const int32_t* __restrict__ off, int num_experts,
                                       int64_t C, int64_t n) {
@@ -309,6 +340,18 @@ void launch_fc1_epilogue(unsigned blocks, cudaStream_t s, const float* c, const 
 template <int kFmt>
 void launch_fc2_epilogue(unsigned blocks, cudaStream_t s, float* y, const float* w, const int32_t* off, int E,
                          int64_t C, int64_t H, bool weight) {
+  if constexpr (kFmt == MOE_EP_FORMAT_NONE || kFmt == MOE_EP_FORMAT_BF16) {
+    if (H % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0) {
+      constexpr bool kBf16 = kFmt == MOE_EP_FORMAT_BF16;
+      const unsigned b = blocks_for(C * (H / 4));
+      float4* y4 = reinterpret_cast<float4*>(y);
+      if (weight)
+        fc2_epilogue_vec4_kernel<kBf16, true><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
+      else
+        fc2_epilogue_vec4_kernel<kBf16, false><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
+      return;
+    }
+  }
   if (weight)
     fc2_epilogue_kernel<kFmt, true><<<blocks, kThreads, 0, s>>>(y, w, off, E, C, H);
   else
@@ -388,7 +431,10 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
     w.dc = reinterpret_cast<uint16_t*>(take(kPlanes * C * 2 * I * sizeof(uint16_t)));
     w.a = reinterpret_cast<float*>(take(C * I * sizeof(float)));
     w.h = reinterpret_cast<float*>(take(C * I * sizeof(float)));
-    if (!d.apply_topk_in_fc1) w.z = reinterpret_cast<float*>(take(C * H * sizeof(float)));
+    if (!d.apply_topk_in_fc1) {
+      w.z = reinterpret_cast<float*>(take(C * H * sizeof(float)));
+      w.dy32 = reinterpret_cast<float*>(take(C * H * sizeof(float)));
+    }
   }
   if (ws != nullptr) *ws = w;
   return at;
@@ -433,8 +479,8 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
 }
 
 moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint16_t* x, const float* w,
-                          const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const float* dy,
-                          const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,
+                          const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const void* dy,
+                          int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,
                           const TcWorkspace& ws) {
   const cudaStream_t s = as_stream(stream);
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E64 = d.num_local_experts;
@@ -449,21 +495,40 @@ moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint1
   tc_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
   MOE_EP_CUDA_CHECK_LAUNCH("tc_offsets_kernel");
   const bool in_fc1 = d.apply_topk_in_fc1 != 0;
-  // right = dY (weight in FC1) or w dY (weight in FC2), as planes.
-  split_rows_kernel<<<blocks_for(C * H), kThreads, 0, s>>>(dy, in_fc1 ? nullptr : w, ws.offsets, E, C, H, ws.right);
+  // right = dY (weight in FC1) or w dY (weight in FC2), as planes: one plane when it is
+  // a bf16 cotangent itself (weight in FC1), whose rows of no expert are never read.
+  const bool bf16_dy = dy_dtype == MOE_EP_DTYPE_BF16;
+  const int right_planes = (bf16_dy && in_fc1) ? 1 : kPlanes;
+  const uint16_t* right = ws.right;
+  float* dy32 = ws.z;  // a bf16 cotangent decoded (weight in FC2: dw needs dY in float32)
+  if (bf16_dy && in_fc1) {
+    right = static_cast<const uint16_t*>(dy);
+  } else if (bf16_dy) {
+    bf16_to_float_kernel<<<blocks_for(C * H), kThreads, 0, s>>>(static_cast<const uint16_t*>(dy), C * H, ws.dy32);
+    MOE_EP_CUDA_CHECK_LAUNCH("bf16_to_float_kernel");
+    dy32 = ws.dy32;
+    split_rows_kernel<<<blocks_for(C * H), kThreads, 0, s>>>(dy32, w, ws.offsets, E, C, H, ws.right);
+  } else {
+    dy32 = const_cast<float*>(static_cast<const float*>(dy));
+    split_rows_kernel<<<blocks_for(C * H), kThreads, 0, s>>>(dy32, in_fc1 ? nullptr : w, ws.offsets, E, C, H,
+                                                              ws.right);
+  }
   MOE_EP_CUDA_CHECK_LAUNCH("split_rows_kernel");
   const int64_t rp = C * H, lp = C * I, dp = C * 2 * I;  // plane strides
-  for (int pl = 0; pl < kPlanes; ++pl)
-    MOE_EP_TRY(gemm.run(GemmLayout::kNT, 0, I, H, ws.right + pl * rp, fc2, ws.a, pl > 0, "dY W2^T"));
+  for (int pl = 0; pl < right_planes; ++pl)
+    MOE_EP_TRY(gemm.run(GemmLayout::kNT, 0, I, H, right + pl * rp, fc2, ws.a, pl > 0, "dY W2^T"));
   const SwigluParams p{C, I, d.apply_topk_in_fc1, d.has_clamp, d.gate_up_clamp};
   swiglu_backward_tc_kernel<<<blocks_for(C * I), kThreads, 0, s>>>(fc1_c, ws.a, w, ws.offsets, E, ws.h, ws.dc,
                                                                     ws.left, p);
   MOE_EP_CUDA_CHECK_LAUNCH("swiglu_backward_tc_kernel");
   // dW2 = left^T right over the eight largest plane pairs (all but lo x lo), largest first.
   static const int kPairs[8][2] = {{0, 0}, {0, 1}, {1, 0}, {1, 1}, {0, 2}, {2, 0}, {1, 2}, {2, 1}};
-  for (int q = 0; q < 8; ++q)
-    MOE_EP_TRY(gemm.run(GemmLayout::kTN, I, H, 0, ws.left + kPairs[q][0] * lp, ws.right + kPairs[q][1] * rp,
-                               dfc2, q > 0, "dW2"));
+  int q_done = 0;
+  for (int q = 0; q < 8; ++q) {
+    if (kPairs[q][1] >= right_planes) continue;
+    MOE_EP_TRY(gemm.run(GemmLayout::kTN, I, H, 0, ws.left + kPairs[q][0] * lp, right + kPairs[q][1] * rp, dfc2,
+                        q_done++ > 0, "dW2"));
+  }
   // dW1 = x^T dc; dx = dc W1^T.
   for (int pl = 0; pl < kPlanes; ++pl)
     MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc + pl * dp, dfc1, pl > 0, "dW1"));
@@ -479,7 +544,7 @@ moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint1
     // h as planes into `left` (it holds h already when the weight is in FC2), z = h W2.
     for (int pl = 0; pl < kPlanes; ++pl)
       MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, H, I, ws.left + pl * lp, fc2, ws.z, pl > 0, "h W2"));
-    row_dot_kernel<<<rows_grid, kDotThreads, 0, s>>>(dy, ws.z, ws.offsets, E, C, H, dw);
+    row_dot_kernel<<<rows_grid, kDotThreads, 0, s>>>(dy32, ws.z, ws.offsets, E, C, H, dw);
   }
   MOE_EP_CUDA_CHECK_LAUNCH("row_dot_kernel");
   return MOE_EP_OK;
