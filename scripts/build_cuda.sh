@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
-"$py" -m pip install -q --disable-pip-version-check "nvidia-cutlass==4.2.0.0" "nvidia-nccl-cu13==2.28.9"
+"$py" -m pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==4.2.0.0" "nvidia-nccl-cu13==2.28.9"
 cmake -S backends/native -B build-cuda -G Ninja -DMOE_EP_NATIVE_CUDA=ON -DMOE_EP_NATIVE_NCCL=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a -DPython3_EXECUTABLE="$(command -v "$py")" > /tmp/moe_ep_build_cuda_configure.log
 cmake --build build-cuda -j "${JOBS:-1}"
