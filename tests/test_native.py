@@ -524,3 +524,15 @@ def test_size_checks_do_not_overflow_and_pointers_must_be_aligned():
         call("moe_ep_quantize", 0, None, 1, x.ctypes.data + 1, 1, 8, 1, out.ctypes.data, None)
     with pytest.raises(NativeArgumentError, match=r"num_experts must be <= 1073741824 \(2\^30\); got 1073741825"):
         call("moe_ep_plan_routes", 0, None, x.ctypes.data, 1, 1, 2**30 + 1, *([x.ctypes.data] * 4))
+
+
+def test_combine_reduce_of_no_tokens_takes_an_empty_route_pos_whatever_the_rows() -> None:
+    """A rank with T = 0 that still received rows (the static mode): its empty route_pos
+    array reaches the C ABI as NULL (the torch front-end passes NULL for an empty tensor),
+    which must not be held to the identity's rule num_rows == num_tokens * num_topk."""
+    from moe_ep_native._capi import call
+
+    rows = np.ones((5, 8), np.float32)
+    call("moe_ep_combine_reduce", 0, None, rows.ctypes.data, 5, None, 0, 2, 8, None)
+    with pytest.raises(NativeArgumentError, match=r"num_rows must be num_tokens \* num_topk = 2"):
+        call("moe_ep_combine_reduce", 0, None, rows.ctypes.data, 5, None, 1, 2, 8, np.empty((1, 8), np.float32).ctypes.data)

@@ -168,7 +168,8 @@ MOE_EP_API moe_ep_status moe_ep_permute_rows(moe_ep_device device, void* stream,
  * (a NaN in an unused row never reaches the sum).
  *   rows:      [num_rows, hidden] float32: the returned (decoded) expert outputs.
  *   route_pos: [num_tokens * num_topk] int32: row of each route, -1 = none; NULL
- *              means the identity (row t*K+k, num_rows must be num_tokens*num_topk).
+ *              means the identity (row t*K+k, num_rows must be num_tokens*num_topk,
+ *              unless num_tokens is 0: then there is nothing to reduce).
  *   out:       [num_tokens, hidden] float32.
  * CPU rejects a row index out of range; CUDA adds nothing for it.
  */

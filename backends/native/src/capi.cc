@@ -283,7 +283,9 @@ moe_ep_status moe_ep_combine_reduce(moe_ep_device device, void* stream, const fl
   MOE_EP_TRY(ck.product("num_tokens * num_topk", num_tokens, num_topk, kInt32Limit));
   MOE_EP_TRY(ck.product("num_rows * hidden", num_rows, hidden, kElemLimit));
   MOE_EP_TRY(ck.product("num_tokens * hidden", num_tokens, hidden, kElemLimit));
-  if (route_pos == nullptr && num_rows != num_tokens * num_topk)
+  // NULL route_pos is the identity; with no tokens there is nothing to reduce (and the
+  // caller's empty route_pos array is NULL), whatever num_rows is.
+  if (route_pos == nullptr && num_tokens > 0 && num_rows != num_tokens * num_topk)
     return ck.bad("num_rows must be num_tokens * num_topk = " + std::to_string(num_tokens * num_topk) +
                       " when route_pos is NULL",
                   std::to_string(num_rows));
