@@ -18,16 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-reports}/gpu-exchange"
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-py="${PYTHON:-python3}"
-if compgen -G ".whl/*.whl" > /dev/null; then  # the device image has no pytest (docs/gpu.md)
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export MOE_EP_NATIVE_LIBRARY="${MOE_EP_NATIVE_LIBRARY:-$PWD/.devbuild/libmoe_ep_native.so}"
-export PYTHONPATH="$PWD/backends/native:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
-timeout 120 "$py" -m pip install -q --no-build-isolation --no-deps -e . -e ./conformance -e ./backends/torch \
-  -e ./backends/cuda_nccl 2>&1 | grep -v "^WARNING" || true
+. scripts/device_env.sh
 status=0
 steps=" ${STEPS:-tests smoke sanitizer timing} "
 want() { [[ "$steps" == *" $1 "* ]]; }

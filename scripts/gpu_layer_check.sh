@@ -20,16 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-reports}/gpu-layer"
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-lo}"
-py="${PYTHON:-python3}"
-if compgen -G ".whl/*.whl" > /dev/null; then  # the device image has no pytest (docs/gpu.md)
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export MOE_EP_NATIVE_LIBRARY="${MOE_EP_NATIVE_LIBRARY:-$PWD/.devbuild/libmoe_ep_native.so}"
-export PYTHONPATH="$PWD/backends/native${PYTHONPATH:+:$PYTHONPATH}"
-"$py" -m pip install -q --no-build-isolation --no-deps -e . -e ./conformance -e ./bench -e ./backends/torch \
-  -e ./backends/cuda_nccl 2>&1 | grep -v "^WARNING" || true
+. scripts/device_env.sh
 status=0
 steps=" ${STEPS:-gemm tests conformance sanitizer layer profile bench} "
 want() { [[ "$steps" == *" $1 "* ]]; }

@@ -44,6 +44,31 @@ def _cuda_device_count() -> Optional[int]:
         return None
 
 
+def _native_availability() -> Optional[Availability]:
+    """The native core's part of the availability check (installed, loading, built
+    with CUDA and NCCL; the CPU test mode needs neither): an Availability when that
+    decides (unavailable, or available in the CPU mode), None to go on checking."""
+    if importlib.util.find_spec("moe_ep_native") is None:
+        return Availability(False, "moe-ep-native is not installed (pip install backends/native)")
+    try:
+        import moe_ep_native
+
+        moe_ep_native.load()
+    except Exception as exc:  # noqa: BLE001 - report, never raise
+        return Availability(False, f"the native core did not load: {type(exc).__name__}: {exc}")
+    if _on_cpu():
+        return Availability(True)
+    if not moe_ep_native.has_cuda():
+        return Availability(
+            False, "libmoe_ep_native was built without CUDA (rebuild with MOE_EP_NATIVE_CUDA=1 MOE_EP_NATIVE_NCCL=1)"
+        )
+    if not moe_ep_native.has_nccl():
+        return Availability(
+            False, "libmoe_ep_native was built without the NCCL transport (rebuild with MOE_EP_NATIVE_NCCL=1)"
+        )
+    return None
+
+
 class CudaNcclBackend(TorchBackend):
     """MoeEp on CUDA: the native core's kernels (codecs, grouped SwiGLU MLP
     forward and backward, Form-A reduction) and its NCCL transport (count
@@ -72,25 +97,11 @@ class CudaNcclBackend(TorchBackend):
         base = super().availability()
         if not base.available:
             return base
-        if importlib.util.find_spec("moe_ep_native") is None:
-            return Availability(False, "moe-ep-native is not installed (pip install backends/native)")
-        try:
-            import moe_ep_native
-            import torch
+        native = _native_availability()
+        if native is not None:
+            return native
+        import torch
 
-            moe_ep_native.load()
-        except Exception as exc:  # noqa: BLE001 - report, never raise
-            return Availability(False, f"the native core did not load: {type(exc).__name__}: {exc}")
-        if _on_cpu():
-            return Availability(True)
-        if not moe_ep_native.has_cuda():
-            return Availability(
-                False, "libmoe_ep_native was built without CUDA (rebuild with MOE_EP_NATIVE_CUDA=1 MOE_EP_NATIVE_NCCL=1)"
-            )
-        if not moe_ep_native.has_nccl():
-            return Availability(
-                False, "libmoe_ep_native was built without the NCCL transport (rebuild with MOE_EP_NATIVE_NCCL=1)"
-            )
         if not torch.cuda.is_available():
             return Availability(False, "no CUDA device is visible to torch (torch.cuda.is_available() is False)")
         return Availability(True)
@@ -110,24 +121,9 @@ class CudaNcclBackend(TorchBackend):
         base = super().quick_availability()
         if not base.available:
             return base
-        if importlib.util.find_spec("moe_ep_native") is None:
-            return Availability(False, "moe-ep-native is not installed (pip install backends/native)")
-        try:
-            import moe_ep_native
-
-            moe_ep_native.load()
-        except Exception as exc:  # noqa: BLE001 - report, never raise
-            return Availability(False, f"the native core did not load: {type(exc).__name__}: {exc}")
-        if _on_cpu():
-            return Availability(True)
-        if not moe_ep_native.has_cuda():
-            return Availability(
-                False, "libmoe_ep_native was built without CUDA (rebuild with MOE_EP_NATIVE_CUDA=1 MOE_EP_NATIVE_NCCL=1)"
-            )
-        if not moe_ep_native.has_nccl():
-            return Availability(
-                False, "libmoe_ep_native was built without the NCCL transport (rebuild with MOE_EP_NATIVE_NCCL=1)"
-            )
+        native = _native_availability()
+        if native is not None:
+            return native
         version = installed_version("torch") or ""
         if version.endswith("+cpu"):
             return Availability(False, f"torch {version} is a CPU-only build (install a CUDA build of torch)")

@@ -235,24 +235,10 @@ __global__ void swiglu_backward_tc_kernel(const uint16_t* __restrict__ fc1_c, co
     if (r < end) {
       const float g_raw = bf16_to_float(fc1_c[r * 2 * I + i]);
       const float u_raw = bf16_to_float(fc1_c[r * 2 * I + I + i]);
-      float g = g_raw, u = u_raw, gate_mask = 1.0f, up_mask = 1.0f;
-      if (p.has_clamp) {
-        const float lim = p.limit;
-        gate_mask = g_raw <= lim ? 1.0f : 0.0f;
-        up_mask = (u_raw >= -lim && u_raw <= lim) ? 1.0f : 0.0f;
-        g = clamp_gate(g_raw, lim);
-        u = clamp_up(u_raw, lim);
-      }
-      const float sig = sigmoid(g);
-      const float s = fmul(g, sig);
-      h = fmul(s, u);
-      const float dh = p.apply_topk_in_fc1 ? fmul(a[t], w[r]) : a[t];
-      dg = fmul(fmul(fmul(dh, u), sig), fadd(1.0f, fmul(g, fsub(1.0f, sig))));
-      du = fmul(dh, s);
-      if (p.has_clamp) {
-        dg = fmul(dg, gate_mask);
-        du = fmul(du, up_mask);
-      }
+      const SwigluGrad gr = swiglu_grad(g_raw, u_raw, p.apply_topk_in_fc1 ? fmul(a[t], w[r]) : a[t], p);
+      h = gr.h;
+      dg = gr.dg;
+      du = gr.du;
       lv = p.apply_topk_in_fc1 ? fmul(w[r], h) : h;
     }
     h_out[t] = h;

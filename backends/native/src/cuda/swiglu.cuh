@@ -42,6 +42,36 @@ __device__ __forceinline__ float swiglu_operand(float g, float u, float w, const
   return p.apply_topk_in_fc1 ? fmul(w, h) : h;
 }
 
+// The backward of one element (docs/spec.md 9.2) from the stash's raw g~, u~ and dh:
+// masks m_g = [g~ <= L], m_u = [-L <= u~ <= L] (1 without a clamp), g and u clamped,
+// sig = sigmoid(g), s = g sig, h = s u, dg = dh u sig (1 + g (1 - sig)) m_g and
+// du = dh s m_u, evaluated left to right as in the reference (masks multiply: NaN stays NaN).
+struct SwigluGrad {
+  float h, dg, du;
+};
+
+__device__ __forceinline__ SwigluGrad swiglu_grad(float g_raw, float u_raw, float dh, const SwigluParams& p) {
+  float g = g_raw, u = u_raw, gate_mask = 1.0f, up_mask = 1.0f;
+  if (p.has_clamp) {
+    const float lim = p.limit;
+    gate_mask = g_raw <= lim ? 1.0f : 0.0f;
+    up_mask = (u_raw >= -lim && u_raw <= lim) ? 1.0f : 0.0f;
+    g = clamp_gate(g_raw, lim);
+    u = clamp_up(u_raw, lim);
+  }
+  const float sig = sigmoid(g);
+  const float s = fmul(g, sig);
+  SwigluGrad out;
+  out.h = fmul(s, u);
+  out.dg = fmul(fmul(fmul(dh, u), sig), fadd(1.0f, fmul(g, fsub(1.0f, sig))));
+  out.du = fmul(dh, s);
+  if (p.has_clamp) {
+    out.dg = fmul(out.dg, gate_mask);
+    out.du = fmul(out.du, up_mask);
+  }
+  return out;
+}
+
 }  // namespace detail
 }  // namespace cuda
 }  // namespace moe_ep
