@@ -986,6 +986,36 @@ class DecodeMxfp8BeyondFloat32Finite(Mutant):
 
 
 #: The mutants the conformance suite must catch.
+class CombineExpertSlabsSwapped(Mutant):
+    """Section 6.3 (routing): combine returns every received row to its own (source
+    token, slot). This backend swaps the rows of local experts 0 and 1 wholesale when
+    their slabs have the same size (a kernel with two experts' offsets exchanged): the
+    shapes still fit, so only the values can tell, and they can only when the two
+    experts' outputs differ for the same token (the suite's expert-specific transform)."""
+
+    name = "mutant-combine-expert-slabs-swapped"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        if op != "combine":
+            return ()
+
+        def factory(orig):
+            def scatter_slots(config, handles, rows):
+                swapped = []
+                for h, r in zip(handles, rows):
+                    r = np.array(r, copy=True)
+                    first = np.flatnonzero(h.route_metadata[:, 0] == 0)
+                    second = np.flatnonzero(h.route_metadata[:, 0] == 1)
+                    if len(first) == len(second) and len(first):
+                        r[first], r[second] = r[second].copy(), r[first].copy()
+                    swapped.append(r)
+                return orig(config, handles, swapped)
+
+            return scatter_slots
+
+        return [(W, "scatter_slots", factory)]
+
+
 MUTANTS: Tuple[Type[ReferenceBackend], ...] = (
     GateUpSwapped,
     ClampGateBothSides,
@@ -1023,6 +1053,8 @@ MUTANTS: Tuple[Type[ReferenceBackend], ...] = (
     SlotSumOneUlpHigh,
     DecodeNanScaleAsZero,
     DecodeMxfp8BeyondFloat32Finite,
+    # Routing with equal shapes, caught by the layered cases' expert-specific transform.
+    CombineExpertSlabsSwapped,
 )
 
 #: Mutants of rules the conformance table does not exercise (known suite gaps): none.

@@ -70,6 +70,7 @@ CAUGHT_BY: Dict[str, Tuple[str, ...]] = {
     "mutant-slot-sum-one-ulp-high": ("formats",),
     "mutant-decode-nan-scale-as-zero": ("formats",),
     "mutant-decode-mxfp8-finite-beyond-float32": ("formats",),
+    "mutant-combine-expert-slabs-swapped": ("combine",),
 }
 
 #: Mutants the quick subset cannot catch, checked against full_cases() instead
