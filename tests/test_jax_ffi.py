@@ -204,7 +204,7 @@ def test_ffi_kernels_is_an_expert_kernels_provider() -> None:
     assert set(native.TARGETS) <= set(native.extension().registrations("cpu"))
     assert "cpu" in native.register()
     ext = native.extension()
-    assert ext.abi_version() == ext.HEADER_ABI_VERSION == 1
+    assert ext.abi_version() == ext.HEADER_ABI_VERSION == 2
     assert "moe_ep_native" in ext.build_info()
 
 
@@ -398,7 +398,8 @@ def test_expert_forward_and_backward_match_the_xla_provider(fmt, apply, clamp, i
     (y, c), grads = _run(partial(fwd_bwd, KF), x, w, w1, w2, _GROUPS, dy)
     (y_x, c_x), grads_x = _run(partial(fwd_bwd, KX), x, w, w1, w2, _GROUPS, dy)
     _close("y", y, y_x)
-    _close("c", c, c_x)
+    assert c.dtype == jnp.bfloat16  # the stash itself, from the layer object's epilogue
+    _close("c (the stash)", np.asarray(c, np.float32), c_x, rel=2.0**-8)  # bf16 rounding + float32 rounding
     for name, a, b in zip(("dx", "dw", "dfc1", "dfc2"), grads, grads_x):
         _close(name, a, b)
     used = int(_GROUPS.sum())  # rows of no expert: exact zeros
@@ -497,16 +498,14 @@ def test_routing_handlers_reject_bad_shapes_and_report_the_cores_errors() -> Non
 @on_cpu
 def test_expert_handlers_reject_bad_shapes_and_report_the_cores_errors() -> None:
     c, h, i, el = 8, 16, 4, 2
-    f32 = jnp.float32
+    f32, bf16 = jnp.float32, jnp.bfloat16
     x, w = jnp.ones((c, h), f32), jnp.ones((c,), f32)
     w1, w2 = jnp.ones((el, h, 2 * i), f32) / 8, jnp.ones((el, i, h), f32) / 8
     gs = jnp.asarray(np.array([3, 2], np.int32))
-    ws = native.extension().expert_forward_workspace(c, h, i, el, True, False, 0.0, 0)
-    assert ws > 0
     attrs = dict(apply_topk_in_fc1=True, has_clamp=False, gate_up_clamp=np.float32(0), intermediate_format=np.int32(0))
-    res = [_sds((c, h), f32), _sds((c, 2 * i), f32), _sds((ws,), jnp.uint8)]
-    y, cc, _ = _ffi("moe_ep_expert_forward", res, x, w, w1, w2, gs, **attrs)
-    assert y.shape == (c, h) and not np.asarray(y[5:]).any()
+    res = [_sds((c, h), f32), _sds((c, 2 * i), bf16)]
+    y, stash = _ffi("moe_ep_expert_forward", res, x, w, w1, w2, gs, **attrs)
+    assert y.shape == (c, h) and not np.asarray(y[5:]).any() and stash.dtype == bf16
     fwd = partial(_ffi, "moe_ep_expert_forward")
     with _raises("moe_ep_expert_forward: fc2 must have shape [E_local, I, H] (from fc1) = [2, 4, 16]; got [2, 5, 16]"):
         fwd(res, x, w, w1, jnp.ones((el, i + 1, h), f32), gs, **attrs)
@@ -516,35 +515,77 @@ def test_expert_handlers_reject_bad_shapes_and_report_the_cores_errors() -> None
         fwd(res, x, w[:7], w1, w2, gs, **attrs)
     with _raises("moe_ep_expert_forward: group_sizes must have shape [E_local] (from fc1) = [2]; got [3]"):
         fwd(res, x, w, w1, w2, jnp.zeros((3,), jnp.int32), **attrs)
-    with _raises("moe_ep_expert_forward: c must have shape [C, 2I] = [8, 8]; got [8, 4]"):
-        fwd([res[0], _sds((c, i), f32), res[2]], x, w, w1, w2, gs, **attrs)
-    with _raises(f"moe_ep_expert_forward: workspace must be a rank-1 u8 buffer of at least {ws} bytes"):
-        fwd(res[:2] + [_sds((ws - 1,), jnp.uint8)], x, w, w1, w2, gs, **attrs)
+    with _raises("moe_ep_expert_forward: fc1_c must have shape [C, 2I] = [8, 8]; got [8, 4]"):
+        fwd([res[0], _sds((c, i), bf16)], x, w, w1, w2, gs, **attrs)
     with _raises("moe_ep_expert_forward: attribute intermediate_format must be 0 (none), 1 (bf16), 2 (mxfp8) or 3 (nvfp4); got 9"):
         fwd(res, x, w, w1, w2, gs, **{**attrs, "intermediate_format": np.int32(9)})
+    # the layer's operands: one dtype, float32 or bfloat16
+    with _raises("moe_ep_expert_forward: fc1 must have dtype float32 (the dtype of x: the layer's operand dtype); got bfloat16"):
+        fwd(res, x, w, w1.astype(bf16), w2, gs, **attrs)
+    with _raises("moe_ep_expert_forward: x must have dtype float32 or bfloat16; got float16"):
+        fwd(res, x.astype(jnp.float16), w, w1.astype(jnp.float16), w2.astype(jnp.float16), gs, **attrs)
+    with _raises("Wrong buffer dtype"):  # the stash result is bf16 (XLA's own binding check)
+        fwd([res[0], _sds((c, 2 * i), f32)], x, w, w1, w2, gs, **attrs)
     # the core's own checks: a data error and a bad description, with its message
     with _raises("moe_ep_expert_forward: group_sizes[1] must be >= 0; got -3") as err:
         fwd(res, x, w, w1, w2, jnp.asarray(np.array([3, -3], np.int32)), **attrs)
-    assert "MOE_EP_ERR_INVALID_ARGUMENT" in str(err.value)
+    assert str(err.value).count("moe_ep_expert_forward") >= 1 and "MOE_EP_ERR_INVALID_ARGUMENT" in str(err.value)
     with _raises("sum(group_sizes) must be <= num_rows = 8; got 9"):
         fwd(res, x, w, w1, w2, jnp.asarray(np.array([4, 5], np.int32)), **attrs)
-    with _raises("desc.gate_up_clamp must be finite and > 0 when desc.has_clamp is 1"):
+    with _raises("gate_up_clamp must be finite and > 0 when"):
         fwd(res, x, w, w1, w2, gs, **{**attrs, "has_clamp": True})
 
-    wsb = native.extension().expert_backward_workspace(c, h, i, el, True, False, 0.0, 0)
-    bres = [_sds((c, h), f32), _sds((c,), f32), _sds((el, h, 2 * i), f32), _sds((el, i, h), f32), _sds((wsb,), jnp.uint8)]
-    stash = cc.astype(jnp.bfloat16)
-    dx, dw, d1, d2, _ = _ffi("moe_ep_expert_backward", bres, x, w, w1, w2, stash, x, gs, **attrs)
+    bres = [_sds((c, h), f32), _sds((c,), f32), _sds((el, h, 2 * i), f32), _sds((el, i, h), f32)]
+    dx, dw, d1, d2 = _ffi("moe_ep_expert_backward", bres, x, w, w1, w2, stash, x, gs, **attrs)
     assert dx.shape == (c, h) and d1.shape == (el, h, 2 * i)
+    # a bf16 cotangent enters as is: the same gradients as its float32 value (exact on the CPU)
+    got = _ffi("moe_ep_expert_backward", bres, x, w, w1, w2, stash, x.astype(bf16), gs, **attrs)
+    for a, b in zip(got, (dx, dw, d1, d2)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
     bwd = partial(_ffi, "moe_ep_expert_backward")
     with _raises("moe_ep_expert_backward: fc1_c must have shape [C, 2I] = [8, 8]; got [8, 4]"):
         bwd(bres, x, w, w1, w2, stash[:, :4], x, gs, **attrs)
     with _raises("moe_ep_expert_backward: dfc2 must have shape [E_local, I, H] = [2, 4, 16]; got [2, 16, 4]"):
-        bwd(bres[:3] + [_sds((el, h, i), f32), bres[4]], x, w, w1, w2, stash, x, gs, **attrs)
-    with _raises(f"moe_ep_expert_backward: workspace must be a rank-1 u8 buffer of at least {wsb} bytes"):
-        bwd(bres[:4] + [_sds((wsb - 256,), jnp.uint8)], x, w, w1, w2, stash, x, gs, **attrs)
+        bwd(bres[:3] + [_sds((el, h, i), f32)], x, w, w1, w2, stash, x, gs, **attrs)
+    with _raises("moe_ep_expert_backward: dy must have dtype float32 or bfloat16; got float16"):
+        bwd(bres, x, w, w1, w2, stash, x.astype(jnp.float16), gs, **attrs)
     with _raises("Wrong buffer dtype"):  # fc1_c must be the bf16 stash (XLA's own binding check)
         bwd(bres, x, w, w1, w2, stash.astype(f32), x, gs, **attrs)
+
+
+@on_cpu
+def test_expert_handlers_keep_one_layer_object_per_configuration_and_device() -> None:
+    """The handlers run the layer object's stages: one layer per (configuration,
+    device, operand dtype), made on first use and grown (never per call);
+    bf16 operands give a bf16 layer, everything else a float32 one."""
+    cfg = MoeEpConfig(num_experts=_EL, hidden=_H, intermediate=40, num_topk=2, num_ranks=1, gate_up_clamp=0.5)
+    _, w, _, _ = _expert_inputs(21, "fp32")
+    rng = np.random.default_rng(22)
+    w1 = jnp.asarray((rng.standard_normal((_EL, _H, 80)) / 8).astype(np.float32))
+    w2 = jnp.asarray((rng.standard_normal((_EL, 40, _H)) / 6).astype(np.float32))
+
+    def mine():
+        return [r for r in native.extension().layer_cache_info() if (r["hidden"], r["intermediate"], r["num_local_experts"]) == (_H, 40, _EL)]
+
+    def step(x, w, w1, w2, gs):
+        y, c = KF.expert_forward(cfg, x, w, w1, w2, gs)
+        return KF.expert_backward(cfg, x, w, w1, w2, c, y, gs)
+
+    x = jnp.asarray(rng.standard_normal((_C, _H)).astype(np.float32))
+    for _ in range(2):
+        _run(step, x, w, w1, w2, _GROUPS)
+    for _ in range(2):
+        _run(step, x.astype(jnp.bfloat16), w, w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), _GROUPS)
+    live = [r for r in mine() if r["live"]]
+    assert sorted(r["operand_dtype"] for r in live) == ["bfloat16", "float32"], mine()
+    assert all(r["max_rows"] == _C and r["with_backward"] and r["device"] == "cpu" for r in live), live
+    made = len(mine())
+    _run(step, x, w, w1, w2, _GROUPS)  # again: no new layer
+    assert len(mine()) == made
+    big = jnp.concatenate([x, x])  # more rows: a larger layer replaces the float32 one
+    _run(step, big, jnp.concatenate([w, w]), w1, w2, _GROUPS)
+    live = [r for r in mine() if r["live"] and r["operand_dtype"] == "float32"]
+    assert len(mine()) == made + 1 and [r["max_rows"] for r in live] == [2 * _C]
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -776,7 +817,10 @@ def test_cuda_expert_handlers_match_the_cpu_handlers(fmt, apply, clamp, inter) -
     cpu_dev = jax.devices("cpu")[0]  # the CPU handlers: inputs committed to the host device
     want = jax.jit(fwd_bwd)(*jax.device_put((x, w, w1, w2, _GROUPS, dy), cpu_dev))
     for name, a, b in zip(("y", "c", "dx", "dw", "dfc1", "dfc2"), jax.tree_util.tree_leaves(gpu), jax.tree_util.tree_leaves(want)):
-        _close(f"cuda vs cpu {name}", a, b)
+        if name == "c":  # the bf16 stash: one bf16 rounding of nearly equal values
+            _close(f"cuda vs cpu {name}", np.asarray(a, np.float32), np.asarray(b, np.float32), rel=2.0**-8)
+        else:
+            _close(f"cuda vs cpu {name}", a, b)
 
 
 @CUDA

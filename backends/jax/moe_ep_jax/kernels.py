@@ -115,7 +115,9 @@ class ExpertKernels(Protocol):
         Returns:
             ``y`` ``[C, H] float32``: the expert output before the combine
             round trip; ``c`` ``[C, 2I] float32``: the FC1 output before the
-            clamp (the stash is its bf16 rounding).
+            clamp (the stash is its bf16 rounding), or ``bfloat16``: the stash
+            itself, when the provider's kernels round it (the layer's bf16
+            rounding of it is then the identity).
         """
         ...
 

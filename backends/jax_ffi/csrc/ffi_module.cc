@@ -2,13 +2,17 @@
 // (backends/native/include/moe_ep_native.h), and the nanobind module that hands
 // them to JAX (jax.ffi.register_ffi_target).
 //
-// Every handler is a thin layer over one C ABI entry point:
+// Every handler is a thin layer over the C ABI:
 //   1. it checks the ranks and extents of its buffers against each other and
 //      against its attributes, and returns ffi::Error::InvalidArgument with a
 //      message naming the rule, the value seen and what is allowed (JAX raises
 //      it as an exception whose message contains that text);
 //   2. it calls the C ABI with MOE_EP_DEVICE_CPU (host buffers, no stream) or
-//      MOE_EP_DEVICE_CUDA (device buffers, XLA's stream);
+//      MOE_EP_DEVICE_CUDA (device buffers, XLA's stream): the format, plan and
+//      combine handlers one entry point each; the two expert handlers the
+//      stages of a layer object (moe_ep_layer_experts_forward/backward) that
+//      they keep per configuration, device and operand dtype (the layer cache
+//      below: made once, its workspaces allocated then, never per call);
 //   3. it turns a status other than MOE_EP_OK into an ffi::Error carrying
 //      moe_ep_last_error() (the core's own rule/value/allowed message).
 //
@@ -16,17 +20,24 @@
 // (the CUDA handlers exist only when the core is built with
 // MOE_EP_NATIVE_CUDA=ON); XLA picks the one of the platform it compiles for.
 // The CUDA handlers only enqueue work on XLA's stream, never synchronise and
-// never allocate (scratch memory is an extra result buffer that XLA assigns),
-// so they are marked command-buffer compatible (CUDA graphs).
+// never allocate (the expert stages' scratch is the layer's, allocated when the
+// layer is made: at XLA's initialize stage, before any capture), so they are
+// marked command-buffer compatible (CUDA graphs).
 //
 // XLA:CPU runs its threads with denormals flushed to zero (FTZ/DAZ); the
 // core's CPU entry points set the IEEE environment they need for the duration
 // of each call themselves (backends/native/src/cpu/fpenv.h).
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
+#include <cstring>
 #include <initializer_list>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -358,22 +369,6 @@ auto BindSlotSum(B b) {
 
 // ----------------------------------------------------------------------------- experts
 
-// The expert description from the buffers' extents and the attributes; the
-// buffers' shapes are checked by the callers.
-moe_ep_expert_desc Desc(int64_t c, int64_t h, int64_t i, int64_t el, bool apply_topk_in_fc1, bool has_clamp,
-                        float gate_up_clamp, int32_t intermediate_format) {
-  moe_ep_expert_desc d{};
-  d.num_rows = c;
-  d.hidden = h;
-  d.intermediate = i;
-  d.num_local_experts = el;
-  d.apply_topk_in_fc1 = apply_topk_in_fc1 ? 1 : 0;
-  d.has_clamp = has_clamp ? 1 : 0;
-  d.gate_up_clamp = gate_up_clamp;
-  d.intermediate_format = intermediate_format;
-  return d;
-}
-
 // Shapes shared by forward and backward: x [C, H], w [C], fc1 [El, H, 2I],
 // fc2 [El, I, H], group_sizes [El]. Sets c, h, i, el.
 ffi::Error ExpertShapes(const char* kT, Dims x, Dims w, Dims fc1, Dims fc2, Dims gs, int64_t* c, int64_t* h,
@@ -401,106 +396,288 @@ ffi::Error ExpectFormatAttr(const char* kT, int32_t intermediate_format) {
                  std::to_string(intermediate_format));
 }
 
-ffi::Error ExpectWorkspace(const char* kT, Dims got, size_t need) {
-  if (got.size() == 1 && got[0] >= static_cast<int64_t>(need)) return ffi::Error::Success();
-  return Invalid(kT,
-                 "workspace must be a rank-1 u8 buffer of at least " + std::to_string(need) +
-                     " bytes (moe_ep_jax_ffi._ffi." + (std::string(kT).find("backward") != std::string::npos
-                                                           ? "expert_backward_workspace"
-                                                           : "expert_forward_workspace") +
-                     " gives the size)",
-                 ShapeStr(got));
+// ----------------------------------------------------------------------------- the layer cache
+
+// One moe_ep_layer per (device, device ordinal, operand dtype, shape and
+// configuration fields), made on first use and kept for the life of the
+// process: the handlers allocate nothing per call (the layer's workspaces are
+// allocated once, at creation). A layer serves every row count up to its
+// max_rows; a call with more rows (or the first backward, which needs
+// with_backward) makes a larger layer that replaces it. The replaced layer is
+// never freed (a CUDA graph XLA captured earlier may still hold its
+// workspaces), nor is any layer freed at exit (the CUDA context may be gone by
+// then); so the memory kept is at most the sum of the sizes each configuration
+// grew through.
+//
+// A layer is used by one thread at a time: every stage call holds its slot's
+// mutex (on the CPU for the whole computation, on CUDA while it enqueues work
+// on XLA's stream; XLA runs one device's kernels in stream order).
+//
+// On CUDA the layer is made at XLA's initialize stage (before XLA captures the
+// program into a command buffer: the initialize handler of the bundle), so the
+// execute handler only looks it up. An execute handler that finds no layer
+// while its stream is being captured returns an error instead of allocating
+// inside the capture.
+struct LayerKey {
+  int32_t device, ordinal, dtype;
+  int64_t hidden, intermediate, experts;
+  int32_t apply_topk_in_fc1, has_clamp;
+  uint32_t clamp_bits;  // the float's bits (so the key is ordered and exact)
+  int32_t intermediate_format;
+
+  auto Tie() const {
+    return std::tie(device, ordinal, dtype, hidden, intermediate, experts, apply_topk_in_fc1, has_clamp, clamp_bits,
+                    intermediate_format);
+  }
+  bool operator<(const LayerKey& o) const { return Tie() < o.Tie(); }
+};
+
+struct LayerSlot {
+  std::mutex mu;                  // held for every stage call
+  moe_ep_layer* layer = nullptr;  // the current layer (guarded by the cache's mutex for replacement)
+  int64_t max_rows = 0;
+  bool with_backward = false;
+};
+
+struct LayerRecord {  // one layer ever made, for layer_cache_info()
+  LayerKey key;
+  int64_t max_rows;
+  bool with_backward;
+  bool live;
+  moe_ep_layer_info info;
+};
+
+class LayerCache {
+ public:
+  // The slot of `key` whose layer takes `rows` rows (and the backward when
+  // `backward`), made or grown when needed (`may_create` false: an error
+  // instead). On success `*lock` holds the slot's mutex.
+  ffi::Error Acquire(const char* kT, const LayerKey& key, int64_t rows, bool backward, bool may_create,
+                     LayerSlot** out, std::unique_lock<std::mutex>* lock) {
+    LayerSlot* slot;
+    {
+      std::lock_guard<std::mutex> guard(mu_);
+      std::unique_ptr<LayerSlot>& owned = slots_[key];
+      if (!owned) owned = std::make_unique<LayerSlot>();
+      slot = owned.get();
+    }
+    std::unique_lock<std::mutex> held(slot->mu);
+    if (slot->layer == nullptr || slot->max_rows < rows || (backward && !slot->with_backward)) {
+      if (!may_create)
+        return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                          std::string(kT) + ": no layer object for this configuration exists and the stream is being "
+                                            "captured into a CUDA graph (the layer is made at XLA's initialize "
+                                            "stage, or on a first run outside capture; it is never allocated "
+                                            "inside a capture)");
+      const int64_t max_rows = std::max(rows, slot->max_rows);
+      const bool with_backward = backward || slot->with_backward;
+      moe_ep_layer* made = nullptr;
+      MOE_EP_FFI_TRY(Make(kT, key, max_rows, with_backward, &made));
+      slot->layer = made;  // a replaced layer stays allocated (see above)
+      slot->max_rows = max_rows;
+      slot->with_backward = with_backward;
+      LayerRecord rec{key, max_rows, with_backward, true, {}};
+      rec.info.struct_size = sizeof rec.info;
+      moe_ep_layer_get_info(made, &rec.info);
+      std::lock_guard<std::mutex> guard(mu_);
+      for (LayerRecord& r : records_)
+        if (r.live && !(r.key < key) && !(key < r.key)) r.live = false;
+      records_.push_back(rec);
+    }
+    *out = slot;
+    *lock = std::move(held);
+    return ffi::Error::Success();
+  }
+
+  std::vector<LayerRecord> Records() {
+    std::lock_guard<std::mutex> guard(mu_);
+    return records_;
+  }
+
+ private:
+  static ffi::Error Make(const char* kT, const LayerKey& key, int64_t max_rows, bool with_backward,
+                         moe_ep_layer** out) {
+    moe_ep_layer_config cfg{};
+    cfg.struct_size = sizeof cfg;  // MOE_EP_LAYER_CONFIG_INIT
+    cfg.device = key.device;
+    cfg.cuda_device = key.device == MOE_EP_DEVICE_CUDA ? key.ordinal : 0;
+    cfg.operand_dtype = key.dtype;
+    cfg.max_rows = max_rows;
+    cfg.hidden = key.hidden;
+    cfg.intermediate = key.intermediate;
+    cfg.num_local_experts = key.experts;
+    cfg.apply_topk_in_fc1 = key.apply_topk_in_fc1;
+    cfg.has_clamp = key.has_clamp;
+    std::memcpy(&cfg.gate_up_clamp, &key.clamp_bits, sizeof cfg.gate_up_clamp);
+    cfg.intermediate_format = key.intermediate_format;
+    // The combine round trip stays the jax layer's: its rows travel encoded
+    // (the all-to-all moves the codes), so the layer must not round y itself.
+    cfg.combine_format = MOE_EP_FORMAT_NONE;
+    cfg.with_backward = with_backward ? 1 : 0;
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+    int current = -1;  // moe_ep_layer_create selects the layer's device; XLA's thread keeps its own
+    if (key.device == MOE_EP_DEVICE_CUDA) cudaGetDevice(&current);
+#endif
+    const moe_ep_status st = moe_ep_layer_create(&cfg, out);
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+    if (current >= 0) cudaSetDevice(current);
+#endif
+    return FromStatus(kT, st);
+  }
+
+  std::mutex mu_;
+  std::map<LayerKey, std::unique_ptr<LayerSlot>> slots_;
+  std::vector<LayerRecord> records_;
+};
+
+LayerCache& Cache() {
+  static LayerCache* cache = new LayerCache();  // never destroyed (see above)
+  return *cache;
 }
 
-ffi::Error ExpertForward(Dev dev, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> fc1,
-                         ffi::Buffer<ffi::F32> fc2, ffi::Buffer<ffi::S32> group_sizes,
-                         ffi::Result<ffi::Buffer<ffi::F32>> y, ffi::Result<ffi::Buffer<ffi::F32>> c_out,
-                         ffi::Result<ffi::Buffer<ffi::U8>> workspace, bool apply_topk_in_fc1, bool has_clamp,
+// Where a stage runs: the device, its ordinal, the stream, and whether the
+// call may make a layer (false while the stream is captured into a CUDA graph).
+struct Where {
+  Dev dev;
+  int32_t ordinal;
+  bool may_create;
+};
+
+const char* kOperandDtypes = "float32 or bfloat16";
+
+moe_ep_dtype OperandDtype(ffi::DataType t) {
+  return t == ffi::DataType::BF16 ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32;
+}
+
+// x, fc1 and fc2: one dtype, float32 or bfloat16 (the layer's operand_dtype).
+ffi::Error ExpectOperandDtypes(const char* kT, ffi::DataType x, ffi::DataType fc1, ffi::DataType fc2) {
+  if (x != ffi::DataType::F32 && x != ffi::DataType::BF16)
+    return Invalid(kT, std::string("x must have dtype ") + kOperandDtypes, DtypeName(x));
+  MOE_EP_FFI_TRY(ExpectDtype(kT, "fc1", fc1, x, " (the dtype of x: the layer's operand dtype)"));
+  return ExpectDtype(kT, "fc2", fc2, x, " (the dtype of x: the layer's operand dtype)");
+}
+
+LayerKey KeyOf(const Where& at, ffi::DataType dtype, int64_t h, int64_t i, int64_t el, bool apply_topk_in_fc1,
+               bool has_clamp, float gate_up_clamp, int32_t intermediate_format) {
+  LayerKey k{};
+  k.device = at.dev.device;
+  k.ordinal = at.ordinal;
+  k.dtype = OperandDtype(dtype);
+  k.hidden = h;
+  k.intermediate = i;
+  k.experts = el;
+  k.apply_topk_in_fc1 = apply_topk_in_fc1 ? 1 : 0;
+  k.has_clamp = has_clamp ? 1 : 0;
+  const float clamp = has_clamp ? gate_up_clamp : 0.0f;  // ignored without the clamp: one layer
+  std::memcpy(&k.clamp_bits, &clamp, sizeof clamp);
+  k.intermediate_format = intermediate_format;
+  return k;
+}
+
+// moe_ep_layer_experts_forward of the cached layer. `execute` false: the
+// initialize stage (make the layer, run nothing).
+ffi::Error ExpertForward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer fc1,
+                         ffi::AnyBuffer fc2, ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> fc1_c, bool apply_topk_in_fc1, bool has_clamp,
                          float gate_up_clamp, int32_t intermediate_format) {
   constexpr const char* kT = "moe_ep_expert_forward";
   int64_t c, h, i, el;
   MOE_EP_FFI_TRY(ExpertShapes(kT, x.dimensions(), w.dimensions(), fc1.dimensions(), fc2.dimensions(),
                               group_sizes.dimensions(), &c, &h, &i, &el));
+  MOE_EP_FFI_TRY(ExpectOperandDtypes(kT, x.element_type(), fc1.element_type(), fc2.element_type()));
   MOE_EP_FFI_TRY(ExpectShape(kT, "y", "[C, H]", y->dimensions(), {c, h}));
-  MOE_EP_FFI_TRY(ExpectShape(kT, "c", "[C, 2I]", c_out->dimensions(), {c, 2 * i}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "fc1_c", "[C, 2I]", fc1_c->dimensions(), {c, 2 * i}));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, intermediate_format));
-  const moe_ep_expert_desc d = Desc(c, h, i, el, apply_topk_in_fc1, has_clamp, gate_up_clamp, intermediate_format);
-  const size_t need = moe_ep_expert_forward_workspace(&d);
-  MOE_EP_FFI_TRY(ExpectWorkspace(kT, workspace->dimensions(), need));
-  const size_t have = workspace->element_count();
-  return FromStatus(kT, moe_ep_expert_forward(
-      dev.device, dev.stream, &d, static_cast<const float*>(DataOrNull(x)), static_cast<const float*>(DataOrNull(w)),
-      static_cast<const float*>(DataOrNull(fc1)), static_cast<const float*>(DataOrNull(fc2)),
-      static_cast<const int32_t*>(DataOrNull(group_sizes)), static_cast<float*>(DataOrNull(*y)),
-      static_cast<float*>(DataOrNull(*c_out)), DataOrNull(*workspace), have));
+  const LayerKey key = KeyOf(at, x.element_type(), h, i, el, apply_topk_in_fc1, has_clamp, gate_up_clamp,
+                             intermediate_format);
+  LayerSlot* slot = nullptr;
+  std::unique_lock<std::mutex> lock;
+  MOE_EP_FFI_TRY(Cache().Acquire(kT, key, c, /*backward=*/false, at.may_create, &slot, &lock));
+  if (!execute) return ffi::Error::Success();
+  return FromStatus(kT, moe_ep_layer_experts_forward(
+      slot->layer, at.dev.stream, c, DataOrNull(x), static_cast<const float*>(DataOrNull(w)), DataOrNull(fc1),
+      DataOrNull(fc2), static_cast<const int32_t*>(DataOrNull(group_sizes)), static_cast<float*>(DataOrNull(*y)),
+      static_cast<uint16_t*>(DataOrNull(*fc1_c))));
 }
 
 template <typename B>
 auto BindExpertForward(B b) {
   return std::move(b)
-      .template Arg<ffi::Buffer<ffi::F32>>()      // x [C, H] f32: decoded input rows, expert-major (padding rows zero)
+      .template Arg<ffi::AnyBuffer>()             // x [C, H] f32 or bf16: input rows, expert-major (padding rows zero)
       .template Arg<ffi::Buffer<ffi::F32>>()      // w [C] f32: router weight of every row (0 in padding)
-      .template Arg<ffi::Buffer<ffi::F32>>()      // fc1 [E_local, H, 2I] f32: decoded FC1 (gate 0..I-1, up I..2I-1)
-      .template Arg<ffi::Buffer<ffi::F32>>()      // fc2 [E_local, I, H] f32: decoded FC2
+      .template Arg<ffi::AnyBuffer>()             // fc1 [E_local, H, 2I] x's dtype (gate 0..I-1, up I..2I-1)
+      .template Arg<ffi::AnyBuffer>()             // fc2 [E_local, I, H] x's dtype
       .template Arg<ffi::Buffer<ffi::S32>>()      // group_sizes [E_local] s32: slab sizes, each >= 0, sum <= C
       .template Ret<ffi::Buffer<ffi::F32>>()      // y [C, H] f32: expert output before the combine round trip
-      .template Ret<ffi::Buffer<ffi::F32>>()      // c [C, 2I] f32: FC1 output before the clamp (stash = its bf16)
-      .template Ret<ffi::Buffer<ffi::U8>>()       // workspace [>= expert_forward_workspace bytes] u8: scratch, discarded
+      .template Ret<ffi::Buffer<ffi::BF16>>()     // fc1_c [C, 2I] bf16: the stash (bf16 of the pre-clamp FC1 output)
       .template Attr<bool>("apply_topk_in_fc1")   // true: y = R_int(w*h) W2; false: y = w * (R_int(h) W2)
       .template Attr<bool>("has_clamp")           // the SwiGLU clamp
       .template Attr<float>("gate_up_clamp")      // its limit L > 0, finite (ignored without has_clamp)
       .template Attr<int32_t>("intermediate_format");  // R_int along I: 0 none, 1 bf16, 2 mxfp8, 3 nvfp4
 }
 
-ffi::Error ExpertBackward(Dev dev, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> fc1,
-                          ffi::Buffer<ffi::F32> fc2, ffi::Buffer<ffi::BF16> fc1_c, ffi::Buffer<ffi::F32> dy,
+ffi::Error ExpertBackward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer fc1,
+                          ffi::AnyBuffer fc2, ffi::Buffer<ffi::BF16> fc1_c, ffi::AnyBuffer dy,
                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::Buffer<ffi::F32>> dx,
                           ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::Result<ffi::Buffer<ffi::F32>> dfc1,
-                          ffi::Result<ffi::Buffer<ffi::F32>> dfc2, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
-                          bool apply_topk_in_fc1, bool has_clamp, float gate_up_clamp, int32_t intermediate_format) {
+                          ffi::Result<ffi::Buffer<ffi::F32>> dfc2, bool apply_topk_in_fc1, bool has_clamp,
+                          float gate_up_clamp, int32_t intermediate_format) {
   constexpr const char* kT = "moe_ep_expert_backward";
   int64_t c, h, i, el;
   MOE_EP_FFI_TRY(ExpertShapes(kT, x.dimensions(), w.dimensions(), fc1.dimensions(), fc2.dimensions(),
                               group_sizes.dimensions(), &c, &h, &i, &el));
+  MOE_EP_FFI_TRY(ExpectOperandDtypes(kT, x.element_type(), fc1.element_type(), fc2.element_type()));
   MOE_EP_FFI_TRY(ExpectShape(kT, "fc1_c", "[C, 2I]", fc1_c.dimensions(), {c, 2 * i}));
   MOE_EP_FFI_TRY(ExpectShape(kT, "dy", "[C, H]", dy.dimensions(), {c, h}));
+  if (dy.element_type() != ffi::DataType::F32 && dy.element_type() != ffi::DataType::BF16)
+    return Invalid(kT, std::string("dy must have dtype ") + kOperandDtypes, DtypeName(dy.element_type()));
   MOE_EP_FFI_TRY(ExpectShape(kT, "dx", "[C, H]", dx->dimensions(), {c, h}));
   MOE_EP_FFI_TRY(ExpectShape(kT, "dw", "[C]", dw->dimensions(), {c}));
   MOE_EP_FFI_TRY(ExpectShape(kT, "dfc1", "[E_local, H, 2I]", dfc1->dimensions(), {el, h, 2 * i}));
   MOE_EP_FFI_TRY(ExpectShape(kT, "dfc2", "[E_local, I, H]", dfc2->dimensions(), {el, i, h}));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, intermediate_format));
-  const moe_ep_expert_desc d = Desc(c, h, i, el, apply_topk_in_fc1, has_clamp, gate_up_clamp, intermediate_format);
-  const size_t need = moe_ep_expert_backward_workspace(&d);
-  MOE_EP_FFI_TRY(ExpectWorkspace(kT, workspace->dimensions(), need));
-  const size_t have = workspace->element_count();
-  return FromStatus(kT, moe_ep_expert_backward(
-      dev.device, dev.stream, &d, static_cast<const float*>(DataOrNull(x)), static_cast<const float*>(DataOrNull(w)),
-      static_cast<const float*>(DataOrNull(fc1)), static_cast<const float*>(DataOrNull(fc2)),
-      static_cast<const uint16_t*>(DataOrNull(fc1_c)), static_cast<const float*>(DataOrNull(dy)),
-      static_cast<const int32_t*>(DataOrNull(group_sizes)), static_cast<float*>(DataOrNull(*dx)),
-      static_cast<float*>(DataOrNull(*dw)), static_cast<float*>(DataOrNull(*dfc1)),
-      static_cast<float*>(DataOrNull(*dfc2)), DataOrNull(*workspace), have));
+  const LayerKey key = KeyOf(at, x.element_type(), h, i, el, apply_topk_in_fc1, has_clamp, gate_up_clamp,
+                             intermediate_format);
+  LayerSlot* slot = nullptr;
+  std::unique_lock<std::mutex> lock;
+  MOE_EP_FFI_TRY(Cache().Acquire(kT, key, c, /*backward=*/true, at.may_create, &slot, &lock));
+  if (!execute) return ffi::Error::Success();
+  return FromStatus(kT, moe_ep_layer_experts_backward(
+      slot->layer, at.dev.stream, c, DataOrNull(x), static_cast<const float*>(DataOrNull(w)), DataOrNull(fc1),
+      DataOrNull(fc2), static_cast<const uint16_t*>(DataOrNull(fc1_c)), DataOrNull(dy),
+      OperandDtype(dy.element_type()), static_cast<const int32_t*>(DataOrNull(group_sizes)),
+      static_cast<float*>(DataOrNull(*dx)), static_cast<float*>(DataOrNull(*dw)),
+      static_cast<float*>(DataOrNull(*dfc1)), static_cast<float*>(DataOrNull(*dfc2))));
 }
 
 template <typename B>
 auto BindExpertBackward(B b) {
   return std::move(b)
-      .template Arg<ffi::Buffer<ffi::F32>>()      // x [C, H] f32: decoded input rows (as the forward's)
+      .template Arg<ffi::AnyBuffer>()             // x [C, H] f32 or bf16: input rows (as the forward's)
       .template Arg<ffi::Buffer<ffi::F32>>()      // w [C] f32: router weights
-      .template Arg<ffi::Buffer<ffi::F32>>()      // fc1 [E_local, H, 2I] f32: decoded FC1
-      .template Arg<ffi::Buffer<ffi::F32>>()      // fc2 [E_local, I, H] f32: decoded FC2
+      .template Arg<ffi::AnyBuffer>()             // fc1 [E_local, H, 2I] x's dtype
+      .template Arg<ffi::AnyBuffer>()             // fc2 [E_local, I, H] x's dtype
       .template Arg<ffi::Buffer<ffi::BF16>>()     // fc1_c [C, 2I] bf16: the stash (pre-clamp FC1 output)
-      .template Arg<ffi::Buffer<ffi::F32>>()      // dy [C, H] f32: output cotangent of every row
+      .template Arg<ffi::AnyBuffer>()             // dy [C, H] f32 or bf16: output cotangent of every row
       .template Arg<ffi::Buffer<ffi::S32>>()      // group_sizes [E_local] s32: slab sizes
       .template Ret<ffi::Buffer<ffi::F32>>()      // dx [C, H] f32
       .template Ret<ffi::Buffer<ffi::F32>>()      // dw [C] f32
       .template Ret<ffi::Buffer<ffi::F32>>()      // dfc1 [E_local, H, 2I] f32 (zero for an expert with no rows)
       .template Ret<ffi::Buffer<ffi::F32>>()      // dfc2 [E_local, I, H] f32 (zero for an expert with no rows)
-      .template Ret<ffi::Buffer<ffi::U8>>()       // workspace [>= expert_backward_workspace bytes] u8: scratch, discarded
       .template Attr<bool>("apply_topk_in_fc1")   // as the forward's
       .template Attr<bool>("has_clamp")           // as the forward's
       .template Attr<float>("gate_up_clamp")      // as the forward's
       .template Attr<int32_t>("intermediate_format");  // as the forward's (straight-through: not applied backward)
+}
+
+// The expert stages' handlers: the CPU one (host buffers; the ordinal keeps
+// XLA:CPU's virtual devices, which run concurrently, on separate layers) and,
+// in a CUDA build, CUDA's initialize and execute handlers.
+template <typename Impl>
+auto StageOnCpu(Impl impl) {
+  return [impl](int32_t ordinal, auto... args) -> ffi::Error {
+    return impl(Where{Dev{MOE_EP_DEVICE_CPU, nullptr}, ordinal, true}, true, std::move(args)...);
+  };
 }
 
 // ----------------------------------------------------------------------------- device wrappers
@@ -521,6 +698,35 @@ auto OnCuda(Impl impl) {
     return impl(Dev{MOE_EP_DEVICE_CUDA, static_cast<void*>(stream)}, std::move(args)...);
   };
 }
+
+// Whether `stream` is being captured into a CUDA graph (then nothing may be allocated).
+bool Capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// CUDA's initialize stage: makes (or grows) the layer before XLA runs or
+// captures the program; runs nothing.
+template <typename Impl>
+auto StageInitCuda(Impl impl) {
+  return [impl](cudaStream_t stream, int32_t ordinal, auto... args) -> ffi::Error {
+    return impl(Where{Dev{MOE_EP_DEVICE_CUDA, static_cast<void*>(stream)}, ordinal, !Capturing(stream)}, false,
+                std::move(args)...);
+  };
+}
+
+// CUDA's execute stage: the layer's stage on XLA's stream (enqueue only).
+template <typename Impl>
+auto StageOnCuda(Impl impl) {
+  return [impl](cudaStream_t stream, int32_t ordinal, auto... args) -> ffi::Error {
+    return impl(Where{Dev{MOE_EP_DEVICE_CUDA, static_cast<void*>(stream)}, ordinal, !Capturing(stream)}, true,
+                std::move(args)...);
+  };
+}
 #endif
 
 }  // namespace
@@ -539,9 +745,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPlanRoutesCpu, mf::OnCpu(mf::PlanRoutes), MOE
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPermuteRowsCpu, mf::OnCpu(mf::PermuteRows), MOE_EP_CPU_BIND(BindPermuteRows));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceCpu, mf::OnCpu(mf::CombineReduce), MOE_EP_CPU_BIND(BindCombineReduce));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpSlotSumCpu, mf::OnCpu(mf::SlotSum), MOE_EP_CPU_BIND(BindSlotSum));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertForwardCpu, mf::OnCpu(mf::ExpertForward), MOE_EP_CPU_BIND(BindExpertForward));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertBackwardCpu, mf::OnCpu(mf::ExpertBackward),
-                              MOE_EP_CPU_BIND(BindExpertBackward));
+#define MOE_EP_CPU_STAGE_BIND(B) mf::B(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>())
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertForwardCpu, mf::StageOnCpu(mf::ExpertForward),
+                              MOE_EP_CPU_STAGE_BIND(BindExpertForward));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertBackwardCpu, mf::StageOnCpu(mf::ExpertBackward),
+                              MOE_EP_CPU_STAGE_BIND(BindExpertBackward));
 
 #ifdef MOE_EP_NATIVE_WITH_CUDA
 #define MOE_EP_CMD_BUFFER {ffi::Traits::kCmdBufferCompatible}
@@ -557,10 +765,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceCuda, mf::OnCuda(mf::CombineRedu
                               MOE_EP_CUDA_BIND(BindCombineReduce), MOE_EP_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpSlotSumCuda, mf::OnCuda(mf::SlotSum), MOE_EP_CUDA_BIND(BindSlotSum),
                               MOE_EP_CMD_BUFFER);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertForwardCuda, mf::OnCuda(mf::ExpertForward),
-                              MOE_EP_CUDA_BIND(BindExpertForward), MOE_EP_CMD_BUFFER);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertBackwardCuda, mf::OnCuda(mf::ExpertBackward),
-                              MOE_EP_CUDA_BIND(BindExpertBackward), MOE_EP_CMD_BUFFER);
+// The expert stages: an initialize handler (makes the layer object before any
+// capture) and the execute handler (enqueues the stage; command-buffer
+// compatible: no allocation, no synchronisation, the layer's workspaces fixed).
+#define MOE_EP_CUDA_STAGE_BIND(B, STAGE) \
+  mf::B(ffi::Ffi::Bind<STAGE>().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertForwardCudaInit, mf::StageInitCuda(mf::ExpertForward),
+                              MOE_EP_CUDA_STAGE_BIND(BindExpertForward, ffi::ExecutionStage::kInitialize));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertForwardCuda, mf::StageOnCuda(mf::ExpertForward),
+                              MOE_EP_CUDA_STAGE_BIND(BindExpertForward, ffi::ExecutionStage::kExecute),
+                              MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertBackwardCudaInit, mf::StageInitCuda(mf::ExpertBackward),
+                              MOE_EP_CUDA_STAGE_BIND(BindExpertBackward, ffi::ExecutionStage::kInitialize));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertBackwardCuda, mf::StageOnCuda(mf::ExpertBackward),
+                              MOE_EP_CUDA_STAGE_BIND(BindExpertBackward, ffi::ExecutionStage::kExecute),
+                              MOE_EP_CMD_BUFFER);
 #endif
 
 // ----------------------------------------------------------------------------- the Python module
@@ -572,16 +791,38 @@ nb::capsule Capsule(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
-size_t ForwardWorkspace(int64_t c, int64_t h, int64_t i, int64_t el, bool apply, bool has_clamp, float clamp,
-                        int32_t fmt) {
-  const moe_ep_expert_desc d = mf::Desc(c, h, i, el, apply, has_clamp, clamp, fmt);
-  return moe_ep_expert_forward_workspace(&d);
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+// {stage: capsule} for jax.ffi.register_ffi_target: a handler bundle.
+template <typename I, typename E>
+nb::dict Bundle(I* initialize, E* execute) {
+  nb::dict d;
+  d["initialize"] = Capsule(initialize);
+  d["execute"] = Capsule(execute);
+  return d;
 }
+#endif
 
-size_t BackwardWorkspace(int64_t c, int64_t h, int64_t i, int64_t el, bool apply, bool has_clamp, float clamp,
-                         int32_t fmt) {
-  const moe_ep_expert_desc d = mf::Desc(c, h, i, el, apply, has_clamp, clamp, fmt);
-  return moe_ep_expert_backward_workspace(&d);
+// Every layer object the expert handlers have made in this process.
+nb::list LayerCacheInfo() {
+  nb::list out;
+  for (const mf::LayerRecord& r : mf::Cache().Records()) {
+    nb::dict d;
+    d["device"] = r.key.device == MOE_EP_DEVICE_CUDA ? "cuda" : "cpu";
+    d["ordinal"] = r.key.ordinal;
+    d["operand_dtype"] = r.key.dtype == MOE_EP_DTYPE_BF16 ? "bfloat16" : "float32";
+    d["hidden"] = r.key.hidden;
+    d["intermediate"] = r.key.intermediate;
+    d["num_local_experts"] = r.key.experts;
+    d["intermediate_format"] = r.key.intermediate_format;
+    d["max_rows"] = r.max_rows;
+    d["with_backward"] = r.with_backward;
+    d["live"] = r.live;
+    d["tensor_cores"] = r.info.tensor_cores != 0;
+    d["fc2_operand_planes"] = r.info.fc2_operand_planes;
+    d["workspace_bytes"] = r.info.workspace_bytes;
+    out.append(d);
+  }
+  return out;
 }
 
 }  // namespace
@@ -611,8 +852,8 @@ NB_MODULE(_ffi, m) {
           d["moe_ep_permute_rows"] = Capsule(MoeEpPermuteRowsCuda);
           d["moe_ep_combine_reduce"] = Capsule(MoeEpCombineReduceCuda);
           d["moe_ep_slot_sum"] = Capsule(MoeEpSlotSumCuda);
-          d["moe_ep_expert_forward"] = Capsule(MoeEpExpertForwardCuda);
-          d["moe_ep_expert_backward"] = Capsule(MoeEpExpertBackwardCuda);
+          d["moe_ep_expert_forward"] = Bundle(MoeEpExpertForwardCudaInit, MoeEpExpertForwardCuda);
+          d["moe_ep_expert_backward"] = Bundle(MoeEpExpertBackwardCudaInit, MoeEpExpertBackwardCuda);
         }
 #endif
         return d;
@@ -632,13 +873,9 @@ NB_MODULE(_ffi, m) {
   m.attr("HEADER_ABI_VERSION") = MOE_EP_NATIVE_ABI_VERSION;
   m.def("has_cuda", []() { return moe_ep_has_cuda() != 0; }, "Whether the core was built with CUDA.");
   m.def("build_info", []() { return std::string(moe_ep_build_info()); }, "The core's version, compiler and CUDA archs.");
-  m.def("expert_forward_workspace", &ForwardWorkspace, nb::arg("num_rows"), nb::arg("hidden"), nb::arg("intermediate"),
-        nb::arg("num_local_experts"), nb::arg("apply_topk_in_fc1"), nb::arg("has_clamp"), nb::arg("gate_up_clamp"),
-        nb::arg("intermediate_format"),
-        "Bytes of the workspace result moe_ep_expert_forward needs (0 for an invalid description: the call then "
-        "reports why).");
-  m.def("expert_backward_workspace", &BackwardWorkspace, nb::arg("num_rows"), nb::arg("hidden"),
-        nb::arg("intermediate"), nb::arg("num_local_experts"), nb::arg("apply_topk_in_fc1"), nb::arg("has_clamp"),
-        nb::arg("gate_up_clamp"), nb::arg("intermediate_format"),
-        "Bytes of the workspace result moe_ep_expert_backward needs.");
+  m.def("layer_cache_info", &LayerCacheInfo,
+        "One dict per layer object (moe_ep_layer) the expert handlers made in this process, in the order made: "
+        "device, ordinal, operand_dtype, hidden, intermediate, num_local_experts, intermediate_format, max_rows, "
+        "with_backward, live (False once a larger layer replaced it), tensor_cores, fc2_operand_planes, "
+        "workspace_bytes.");
 }

@@ -8,8 +8,13 @@ runs on CUDA GPUs and the extension was built with ``MOE_EP_NATIVE_CUDA=ON``.
 
 Inputs reach the handlers as the C ABI wants them:
 
+- the expert steps run the native layer object's stages (one layer per
+  configuration, device and operand dtype, cached in the extension): when the
+  rows and both weights are plain bfloat16 they go as they are (operand dtype
+  bf16: tensor-core GEMMs on CUDA), else all three are decoded to float32;
+  the forward returns the bf16 stash itself as ``c``;
 - plain float16/bfloat16/float32 tensors are converted to float32 with
-  ``astype`` (exact);
+  ``astype`` (exact) where float32 is wanted;
 - :class:`moe_ep_jax.formats.BlockScaled` tensors are decoded by the native
   ``moe_ep_dequantize``: their codes (mxfp8 ``float8_e4m3fn`` data and
   ``float8_e8m0fnu`` scales, nvfp4 ``uint8`` data and ``float8_e4m3fn`` scales)
@@ -251,45 +256,51 @@ class FfiKernels:
             "intermediate_format": _code(config.intermediate_format),
         }
 
-    def _workspace(self, which: str, c: int, h: int, i: int, el: int, attrs: dict) -> int:
-        fn = getattr(native.extension(), f"expert_{which}_workspace")
-        return int(
-            fn(c, h, i, el, attrs["apply_topk_in_fc1"], attrs["has_clamp"], float(attrs["gate_up_clamp"]),
-               int(attrs["intermediate_format"]))
-        )
+    def _operands(self, x: Tensor, fc1: Tensor, fc2: Tensor) -> Tuple[jax.Array, jax.Array, jax.Array]:
+        """The layer object's operands: the bfloat16 arrays themselves when ``x``,
+        ``fc1`` and ``fc2`` are all plain bfloat16 (operand dtype bf16: the
+        tensor-core GEMMs on CUDA), else all three decoded to float32 (exact)."""
+        plain = [t for t in (x, fc1, fc2) if not isinstance(t, F.BlockScaled)]
+        if len(plain) == 3 and all(jnp.asarray(t).dtype == jnp.bfloat16 for t in plain):
+            return jnp.asarray(x), jnp.asarray(fc1), jnp.asarray(fc2)
+        return self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2)
 
     def expert_forward(self, config, x, w, fc1, fc2, group_sizes):  # type: ignore[no-untyped-def]
-        xf, w1, w2 = self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2)
-        c_rows, h = xf.shape
-        el, _, i2 = w1.shape
+        """``(y [C, H] float32, c [C, 2I] bfloat16)``: ``c`` is the stash itself
+        (the bf16 rounding of the pre-clamp FC1 output, which the layer object
+        writes in its epilogue), so the jax layer's ``round_to_bf16`` of it is
+        the identity."""
+        xs, w1, w2 = self._operands(x, fc1, fc2)
+        c_rows, h = xs.shape
+        i2 = w1.shape[2]
         i = i2 // 2
         if c_rows == 0:
-            return _XLA.expert_forward(config, xf, w, w1, w2, group_sizes)
-        attrs = self._expert_attrs(config)
-        ws = self._workspace("forward", c_rows, h, i, el, attrs)
-        y, c, _ = _call(
+            return _XLA.expert_forward(config, self.dequantize(x), w, self.dequantize(fc1), self.dequantize(fc2),
+                                       group_sizes)
+        y, c = _call(
             "moe_ep_expert_forward",
-            [_sds((c_rows, h), _F32), _sds((c_rows, 2 * i), _F32), _sds((ws,), _U8)],
-            xf, jnp.asarray(w).astype(_F32), w1, w2, jnp.asarray(group_sizes).astype(_I32),
-            **attrs,
+            [_sds((c_rows, h), _F32), _sds((c_rows, 2 * i), jnp.bfloat16)],
+            xs, jnp.asarray(w).astype(_F32), w1, w2, jnp.asarray(group_sizes).astype(_I32),
+            **self._expert_attrs(config),
         )
         return y, c
 
     def expert_backward(self, config, x, w, fc1, fc2, fc1_c, dy, group_sizes):  # type: ignore[no-untyped-def]
-        xf, w1, w2 = self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2)
-        c_rows, h = xf.shape
+        xs, w1, w2 = self._operands(x, fc1, fc2)
+        c_rows, h = xs.shape
         el, _, i2 = w1.shape
         i = i2 // 2
         if c_rows == 0:
-            return _XLA.expert_backward(config, xf, w, w1, w2, fc1_c, dy, group_sizes)
-        attrs = self._expert_attrs(config)
-        ws = self._workspace("backward", c_rows, h, i, el, attrs)
-        dx, dw, dfc1, dfc2, _ = _call(
+            return _XLA.expert_backward(config, self.dequantize(x), w, self.dequantize(fc1), self.dequantize(fc2),
+                                        fc1_c, dy, group_sizes)
+        dy = jnp.asarray(dy)
+        if dy.dtype != jnp.bfloat16:  # a bf16 cotangent enters the layer as is (exact)
+            dy = dy.astype(_F32)
+        dx, dw, dfc1, dfc2 = _call(
             "moe_ep_expert_backward",
-            [_sds((c_rows, h), _F32), _sds((c_rows,), _F32), _sds((el, h, 2 * i), _F32), _sds((el, i, h), _F32),
-             _sds((ws,), _U8)],
-            xf, jnp.asarray(w).astype(_F32), w1, w2, jnp.asarray(fc1_c).astype(jnp.bfloat16),
-            jnp.asarray(dy).astype(_F32), jnp.asarray(group_sizes).astype(_I32),
-            **attrs,
+            [_sds((c_rows, h), _F32), _sds((c_rows,), _F32), _sds((el, h, 2 * i), _F32), _sds((el, i, h), _F32)],
+            xs, jnp.asarray(w).astype(_F32), w1, w2, jnp.asarray(fc1_c).astype(jnp.bfloat16), dy,
+            jnp.asarray(group_sizes).astype(_I32),
+            **self._expert_attrs(config),
         )
         return dx, dw, dfc1, dfc2

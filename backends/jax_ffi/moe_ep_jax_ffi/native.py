@@ -15,8 +15,8 @@ target                     C ABI call
 ``moe_ep_permute_rows``    ``moe_ep_permute_rows``
 ``moe_ep_combine_reduce``  ``moe_ep_combine_reduce`` (with ``route_pos``)
 ``moe_ep_slot_sum``        ``moe_ep_combine_reduce`` (``route_pos`` NULL)
-``moe_ep_expert_forward``  ``moe_ep_expert_forward`` (+ workspace result)
-``moe_ep_expert_backward`` ``moe_ep_expert_backward`` (+ workspace result)
+``moe_ep_expert_forward``  ``moe_ep_layer_experts_forward`` (a cached layer object)
+``moe_ep_expert_backward`` ``moe_ep_layer_experts_backward`` (a cached layer object)
 =========================  =================================================
 
 Nothing here imports jax or the extension until asked (:func:`extension`,
@@ -140,11 +140,22 @@ def register() -> Tuple[str, ...]:
         import jax
 
         for platform in ext.platforms():
-            for name, capsule in ext.registrations(platform).items():
-                jax.ffi.register_ffi_target(name, capsule, platform=platform)
+            for name, handler in ext.registrations(platform).items():
+                # A stage bundle ({"initialize": ..., "execute": ...}: the CUDA
+                # expert stages) carries its command-buffer trait here; a single
+                # handler reports its own traits.
+                kw = {"traits": _command_buffer_trait()} if isinstance(handler, dict) else {}
+                jax.ffi.register_ffi_target(name, handler, platform=platform, **kw)
             _registered[platform] = True
         _registered["done"] = True
     return registered_platforms()
+
+
+def _command_buffer_trait() -> Any:
+    """XLA's COMMAND_BUFFER_COMPATIBLE custom-call trait (the execute stage may be captured in a CUDA graph)."""
+    from jaxlib import xla_client
+
+    return xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
 
 
 def registered_platforms() -> Tuple[str, ...]:
