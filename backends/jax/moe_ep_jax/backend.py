@@ -221,7 +221,7 @@ class JaxBackend(MoeEpBackend):
     version = __version__
 
     def __init__(
-        self, exchange: Optional[str] = None, kernels: Any = None, fast_compile: Optional[bool] = None, cache_size: int = 512
+        self, exchange: Optional[str] = None, kernels: Any = None, fast_compile: Optional[bool] = None, cache_size: int = 64
     ) -> None:
         self.exchange = exchange
         self.kernels = kernels
@@ -362,8 +362,16 @@ class JaxBackend(MoeEpBackend):
             compiled = lowered.compile(options) if options else lowered.compile()
             with self._lock:
                 self._cache[full_key] = compiled
+                evicted = False
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
+                    evicted = True
+            if evicted:
+                # jax's own caches (lowerings, compilations) still hold what was dropped here;
+                # without this an XLA:CPU process keeps every executable's code mapped and,
+                # after a few thousand programs, runs out of memory maps (vm.max_map_count)
+                # and crashes inside the compiler.
+                jax.clear_caches()
         out = compiled(*placed)
         return jax.tree_util.tree_map(np.asarray, out)
 
