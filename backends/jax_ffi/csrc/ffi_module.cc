@@ -403,9 +403,9 @@ ffi::Error ExpectFormatAttr(const char* kT, int32_t intermediate_format) {
 // process: the handlers allocate nothing per call (the layer's workspaces are
 // allocated once, at creation). A layer serves every row count up to its
 // max_rows; a call with more rows (or the first backward, which needs
-// with_backward) makes a larger layer that replaces it. The replaced layer is
+// with_backward) makes a larger layer that replaces it. A replaced CUDA layer is
 // never freed (a CUDA graph XLA captured earlier may still hold its
-// workspaces), nor is any layer freed at exit (the CUDA context may be gone by
+// workspaces; a replaced CPU layer is), nor is any layer freed at exit (the CUDA context may be gone by
 // then); so the memory kept is at most the sum of the sizes each configuration
 // grew through.
 //
@@ -473,7 +473,11 @@ class LayerCache {
       const bool with_backward = backward || slot->with_backward;
       moe_ep_layer* made = nullptr;
       MOE_EP_FFI_TRY(Make(kT, key, max_rows, with_backward, &made));
-      slot->layer = made;  // a replaced layer stays allocated (see above)
+      // A replaced CPU layer is freed (nothing can hold its host workspaces: no graph
+      // captures them, and the slot's mutex is held); a replaced CUDA layer stays
+      // allocated (see above).
+      if (slot->layer != nullptr && key.device == MOE_EP_DEVICE_CPU) moe_ep_layer_destroy(slot->layer);
+      slot->layer = made;
       slot->max_rows = max_rows;
       slot->with_backward = with_backward;
       LayerRecord rec{key, max_rows, with_backward, true, {}};
