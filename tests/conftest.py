@@ -40,6 +40,10 @@ SLOW: Dict[str, Tuple[str, ...]] = {
         "test_front_end_errors_make_every_output_nan_on_cpu",
         "test_front_end_peer_that_never_arrives_raises_transport_error_on_cpu",
     ),
+    # the bench's cuda-nccl, jax and jax-ffi drivers in spawned rank processes (13 s of setup)
+    "test_bench.py": ("test_other_drivers_time_the_layer_on_cpu",),
+    # CMake configures of the CUDA build (about 30 s together; CI compiles it in full)
+    "test_native_build.py": ("*",),
     # the full conformance table on the reference (about 85 s; CI's main job runs it too)
     "test_mutants.py": ("test_reference_passes[full]",),
     # a fresh virtual environment, an install and the conformance suite (about 30 s)
