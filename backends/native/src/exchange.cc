@@ -212,6 +212,8 @@ moe_ep_status cpu_combine(Exchange& x, int64_t T, const float* y, float* out, co
 moe_ep_status alloc_zero(Exchange* x, size_t bytes, void** out) {
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (x->cuda) return cuda::ex_alloc_zero(x->cuda_device, bytes, out);
+#else
+  (void)x;  // CPU-only build: host memory
 #endif
   void* p = std::aligned_alloc(256, align256(bytes));
   if (p == nullptr) return fail(MOE_EP_ERR_INTERNAL, "moe_ep_layer_create: out of host memory for the exchange");
