@@ -66,6 +66,24 @@ inline BackwardWorkspace backward_workspace(const moe_ep_expert_desc& d, void* w
   return ws;
 }
 
+// ------------------------------------------------------------------ slab offsets
+
+// One thread: off[0] = 0, off[e + 1] = min(off[e] + max(group_sizes[e], 0), C), as
+// int64 (the float32 kernels) or int32 (the grouped GEMMs' offsets).
+template <typename Offset>
+__global__ void slab_offsets_kernel(const int32_t* __restrict__ group_sizes, int num_experts, int64_t num_rows,
+                                    Offset* __restrict__ off) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int64_t o = 0;
+  off[0] = 0;
+  for (int e = 0; e < num_experts; ++e) {
+    const int64_t g = group_sizes[e];
+    o += g > 0 ? g : 0;
+    if (o > num_rows) o = num_rows;
+    off[e + 1] = static_cast<Offset>(o);
+  }
+}
+
 // ------------------------------------------------------------------ arithmetic
 
 // Products and sums round separately, as on the CPU (the build also passes

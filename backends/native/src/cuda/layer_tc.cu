@@ -44,20 +44,6 @@ constexpr int kPlanes = 3;
 
 // ------------------------------------------------------------------ helpers
 
-// One thread: off[0] = 0, off[e + 1] = min(off[e] + max(group_sizes[e], 0), C), int32.
-__global__ void tc_offsets_kernel(const int32_t* __restrict__ group_sizes, int num_experts, int64_t num_rows,
-                                  int32_t* __restrict__ off) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  int64_t o = 0;
-  off[0] = 0;
-  for (int e = 0; e < num_experts; ++e) {
-    const int64_t g = group_sizes[e];
-    o += g > 0 ? g : 0;
-    if (o > num_rows) o = num_rows;
-    off[e + 1] = static_cast<int32_t>(o);
-  }
-}
-
 __device__ __forceinline__ uint16_t bf16_trunc(float v) { return static_cast<uint16_t>(__float_as_uint(v) >> 16); }
 
 // v == hi + mid + lo (see the file comment); NaN and +-Inf in hi alone.
@@ -434,8 +420,8 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   const int E = static_cast<int>(d.num_local_experts);
   if (C == 0) return MOE_EP_OK;
   const Gemm gemm{d, ws, s};
-  tc_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
-  MOE_EP_CUDA_CHECK_LAUNCH("tc_offsets_kernel");
+  slab_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
+  MOE_EP_CUDA_CHECK_LAUNCH("slab_offsets_kernel");
   MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, 2 * I, H, x, fc1, ws.c, false, "FC1"));
 
   const SwigluParams p{C, I, d.apply_topk_in_fc1, d.has_clamp, d.gate_up_clamp};
@@ -478,8 +464,8 @@ moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint1
     return gemm_status(err, "zero weight gradients");
   }
   const Gemm gemm{d, ws, s};
-  tc_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
-  MOE_EP_CUDA_CHECK_LAUNCH("tc_offsets_kernel");
+  slab_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
+  MOE_EP_CUDA_CHECK_LAUNCH("slab_offsets_kernel");
   const bool in_fc1 = d.apply_topk_in_fc1 != 0;
   // right = dY (weight in FC1) or w dY (weight in FC2), as planes: one plane when it is
   // a bf16 cotangent itself (weight in FC1), whose rows of no expert are never read.
