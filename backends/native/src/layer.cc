@@ -84,6 +84,7 @@ moe_ep_status alloc(moe_ep_layer* l, size_t bytes) {
   l->buffer = std::aligned_alloc(256, align256(bytes));
   if (l->buffer == nullptr)
     return fail(MOE_EP_ERR_INTERNAL, "moe_ep_layer_create: out of host memory (" + std::to_string(bytes) + " bytes)");
+  std::memset(l->buffer, 0, align256(bytes));  // once, at creation: nothing reads unwritten memory
   return MOE_EP_OK;
 }
 

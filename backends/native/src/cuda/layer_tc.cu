@@ -541,9 +541,13 @@ moe_ep_status device_alloc(int cuda_device, size_t bytes, void** out) {
   if (bytes == 0) return MOE_EP_OK;
   cudaError_t err = cudaSetDevice(cuda_device);
   if (err == cudaSuccess) err = cudaMalloc(out, bytes);
+  // Zeroed once, at creation: no stage ever reads memory that nothing wrote (the grouped
+  // GEMMs' own workspace included, which CUTLASS may read before it writes all of it).
+  if (err == cudaSuccess) err = cudaMemset(*out, 0, bytes);
   if (err != cudaSuccess) {
+    if (*out != nullptr) cudaFree(*out);
     *out = nullptr;
-    return fail(MOE_EP_ERR_CUDA, "moe_ep_layer_create: cudaMalloc of " + std::to_string(bytes) + " bytes on device " +
+    return fail(MOE_EP_ERR_CUDA, "moe_ep_layer_create: allocating and zeroing " + std::to_string(bytes) + " bytes on device " +
                                      std::to_string(cuda_device) + " failed: " + cudaGetErrorName(err) + ": " +
                                      cudaGetErrorString(err));
   }
