@@ -206,7 +206,12 @@ def timing() -> int:
 
     td, tc = med(disp), med(comb)
     bd, bc = med(copy_disp), med(copy_comb)
-    assert int(err.item()) == 0 and layer.status() == 0
+    error_bits, status = int(err.item()), layer.status()
+    if error_bits != 0 or status != 0:
+        raise SystemExit(
+            f"timing run: the exchange reported error bits {error_bits:#x} and status {status} (both must be 0); "
+            f"the timings of a failed exchange mean nothing"
+        )
     gb_d, gb_c = cap * rb / 1e9, cap * H * 4 / 1e9
     print(f"EP 1, T={T}, H={H}, top-{k}, {E} experts, symmetric region {size / 2**20:.0f} MiB")
     print(f"dispatch: {td * 1e3:8.1f} us   copy of the per-route rows: {bd * 1e3:8.1f} us   ratio {td / bd:5.2f} "
