@@ -185,8 +185,6 @@ class NativePrimitives(core.Primitives):
         return out
 
     def all_to_all(self, x: torch.Tensor, send_counts: List[int], recv_counts: List[int], group: Any) -> torch.Tensor:
-        if len(send_counts) == 1 and send_counts == recv_counts:
-            return x  # one rank: its rows stay where they are (callers never write into the result)
         if not x.is_cuda:
             return super().all_to_all(x, send_counts, recv_counts, group)
         x = x.contiguous()

@@ -360,8 +360,6 @@ def _pack(parts: Sequence[torch.Tensor], rows: int) -> Tuple[torch.Tensor, List[
         b = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
         blobs.append(b)
         layout.append((p.dtype, tuple(p.shape[1:]), b.shape[1]))
-    if len(blobs) == 1:
-        return blobs[0], layout  # one part: its bytes as they are (no copy)
     return torch.cat(blobs, dim=1), layout
 
 
@@ -386,9 +384,6 @@ def _row_elems(p: torch.Tensor) -> int:
 def _unpack(blob: torch.Tensor, layout: List[Tuple[torch.dtype, Tuple[int, ...], int]]) -> List[torch.Tensor]:
     out, col = [], 0
     rows = blob.shape[0]
-    if len(layout) == 1 and blob.is_contiguous() and blob.shape[1] == layout[0][2]:
-        dtype, tail, _ = layout[0]
-        return [blob.view(dtype).reshape((rows,) + tail)]  # the whole dense blob is the one part
     for dtype, tail, width in layout:
         # A fresh dense copy: .contiguous() returns a one-row slice as it is (its row stride
         # is the blob's), and .view(dtype) then fails on an offset or width that is not a
@@ -407,6 +402,8 @@ def _exchange_parts(
     """Per-row parts (``[rows, ...]`` each) to their ranks, one all-to-all of each
     part's bytes (no packing: nothing is copied into or out of a combined blob);
     returns the received parts, ``[sum(recv_counts), ...]`` each, in their dtypes."""
+    if len(send_counts) == 1:
+        return [p.contiguous() for p in parts]  # one rank: the rows stay where they are
     out = []
     for p in parts:
         flat = p.contiguous().reshape(rows, _row_elems(p))

@@ -304,13 +304,13 @@ struct Gemm {
 };
 
 template <int kFmt>
-void launch_fc1_epilogue(unsigned blocks, cudaStream_t s, const float* c, const float* w, const int32_t* off, int E,
+void launch_fc1_epilogue_as(unsigned blocks, cudaStream_t s, const float* c, const float* w, const int32_t* off, int E,
                          uint16_t* stash, uint16_t* op, int planes, const SwigluParams& p) {
   fc1_epilogue_kernel<kFmt><<<blocks, kThreads, 0, s>>>(c, w, off, E, stash, op, planes, p);
 }
 
 template <int kFmt>
-void launch_fc2_epilogue(unsigned blocks, cudaStream_t s, float* y, const float* w, const int32_t* off, int E,
+void launch_fc2_epilogue_as(unsigned blocks, cudaStream_t s, float* y, const float* w, const int32_t* off, int E,
                          int64_t C, int64_t H, bool weight) {
   if constexpr (kFmt == MOE_EP_FORMAT_NONE || kFmt == MOE_EP_FORMAT_BF16) {
     if (H % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0) {
@@ -328,6 +328,27 @@ void launch_fc2_epilogue(unsigned blocks, cudaStream_t s, float* y, const float*
     fc2_epilogue_kernel<kFmt, true><<<blocks, kThreads, 0, s>>>(y, w, off, E, C, H);
   else
     fc2_epilogue_kernel<kFmt, false><<<blocks, kThreads, 0, s>>>(y, w, off, E, C, H);
+}
+
+// The epilogues for a format known at run time (MOE_EP_FORMAT_NONE: no rounding).
+void launch_fc1_epilogue(int32_t fmt, unsigned blocks, cudaStream_t s, const float* c, const float* w,
+                         const int32_t* off, int E, uint16_t* stash, uint16_t* op, int planes, const SwigluParams& p) {
+  switch (fmt) {
+    case MOE_EP_FORMAT_BF16: return launch_fc1_epilogue_as<MOE_EP_FORMAT_BF16>(blocks, s, c, w, off, E, stash, op, planes, p);
+    case MOE_EP_FORMAT_MXFP8: return launch_fc1_epilogue_as<MOE_EP_FORMAT_MXFP8>(blocks, s, c, w, off, E, stash, op, planes, p);
+    case MOE_EP_FORMAT_NVFP4: return launch_fc1_epilogue_as<MOE_EP_FORMAT_NVFP4>(blocks, s, c, w, off, E, stash, op, planes, p);
+    default: return launch_fc1_epilogue_as<MOE_EP_FORMAT_NONE>(blocks, s, c, w, off, E, stash, op, planes, p);
+  }
+}
+
+void launch_fc2_epilogue(int32_t fmt, unsigned blocks, cudaStream_t s, float* y, const float* w, const int32_t* off,
+                         int E, int64_t C, int64_t H, bool weight) {
+  switch (fmt) {
+    case MOE_EP_FORMAT_BF16: return launch_fc2_epilogue_as<MOE_EP_FORMAT_BF16>(blocks, s, y, w, off, E, C, H, weight);
+    case MOE_EP_FORMAT_MXFP8: return launch_fc2_epilogue_as<MOE_EP_FORMAT_MXFP8>(blocks, s, y, w, off, E, C, H, weight);
+    case MOE_EP_FORMAT_NVFP4: return launch_fc2_epilogue_as<MOE_EP_FORMAT_NVFP4>(blocks, s, y, w, off, E, C, H, weight);
+    default: return launch_fc2_epilogue_as<MOE_EP_FORMAT_NONE>(blocks, s, y, w, off, E, C, H, weight);
+  }
 }
 
 int block_of_format(int32_t fmt) {
@@ -427,12 +448,7 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   const SwigluParams p{C, I, d.apply_topk_in_fc1, d.has_clamp, d.gate_up_clamp};
   const int planes = tc_operand_planes(d.intermediate_format);
   const unsigned b1 = blocks_for(C * div_up(I, block_of_format(d.intermediate_format)));
-  switch (d.intermediate_format) {
-    case MOE_EP_FORMAT_BF16: launch_fc1_epilogue<MOE_EP_FORMAT_BF16>(b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p); break;
-    case MOE_EP_FORMAT_MXFP8: launch_fc1_epilogue<MOE_EP_FORMAT_MXFP8>(b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p); break;
-    case MOE_EP_FORMAT_NVFP4: launch_fc1_epilogue<MOE_EP_FORMAT_NVFP4>(b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p); break;
-    default: launch_fc1_epilogue<MOE_EP_FORMAT_NONE>(b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p); break;
-  }
+  launch_fc1_epilogue(d.intermediate_format, b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p);
   MOE_EP_CUDA_CHECK_LAUNCH("fc1_epilogue_kernel");
 
   for (int pl = 0; pl < planes; ++pl)
@@ -440,12 +456,7 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
 
   const bool weight = !d.apply_topk_in_fc1;
   const unsigned b2 = blocks_for(C * div_up(H, block_of_format(combine_format)));
-  switch (combine_format) {
-    case MOE_EP_FORMAT_BF16: launch_fc2_epilogue<MOE_EP_FORMAT_BF16>(b2, s, y, w, ws.offsets, E, C, H, weight); break;
-    case MOE_EP_FORMAT_MXFP8: launch_fc2_epilogue<MOE_EP_FORMAT_MXFP8>(b2, s, y, w, ws.offsets, E, C, H, weight); break;
-    case MOE_EP_FORMAT_NVFP4: launch_fc2_epilogue<MOE_EP_FORMAT_NVFP4>(b2, s, y, w, ws.offsets, E, C, H, weight); break;
-    default: launch_fc2_epilogue<MOE_EP_FORMAT_NONE>(b2, s, y, w, ws.offsets, E, C, H, weight); break;
-  }
+  launch_fc2_epilogue(combine_format, b2, s, y, w, ws.offsets, E, C, H, weight);
   MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_kernel");
   return MOE_EP_OK;
 }
@@ -526,12 +537,7 @@ moe_ep_status round_trip_rows(void* stream, int32_t fmt, float* y, int64_t rows,
   if (fmt == MOE_EP_FORMAT_NONE || rows == 0 || n == 0) return MOE_EP_OK;
   const cudaStream_t s = as_stream(stream);
   const unsigned b = blocks_for(rows * div_up(n, block_of_format(fmt)));
-  switch (fmt) {
-    case MOE_EP_FORMAT_BF16: launch_fc2_epilogue<MOE_EP_FORMAT_BF16>(b, s, y, nullptr, nullptr, 0, rows, n, false); break;
-    case MOE_EP_FORMAT_MXFP8: launch_fc2_epilogue<MOE_EP_FORMAT_MXFP8>(b, s, y, nullptr, nullptr, 0, rows, n, false); break;
-    case MOE_EP_FORMAT_NVFP4: launch_fc2_epilogue<MOE_EP_FORMAT_NVFP4>(b, s, y, nullptr, nullptr, 0, rows, n, false); break;
-    default: break;
-  }
+  launch_fc2_epilogue(fmt, b, s, y, nullptr, nullptr, 0, rows, n, false);
   MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_kernel (round trip)");
   return MOE_EP_OK;
 }
