@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -116,7 +115,7 @@ def _smoke_rank(rank, n, port, q):
             store.get(f"done/{r}")
         layer.close()
         q.put((rank, ok, lines))
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         import traceback
 
         q.put((rank, False, [traceback.format_exc()]))

@@ -41,7 +41,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from moe_ep_spec import BlockScaledTensor, MoeEpConfig, MoeFormat, RankInputs
-from moe_ep_spec.errors import ConfigError
 from moe_ep_spec.formats import BF16, FLOAT8_E4M3, FLOAT8_E8M0
 
 __all__ = ["FORMAT_POINTS", "FormatCase", "format_cases", "check_format_case", "HIDDEN", "INTERMEDIATE"]

@@ -16,7 +16,6 @@ CPU kernels, with ``torch.distributed`` (gloo) moving the rows.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import threading
 from typing import Any, Dict, List, Optional, Tuple
