@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
-def _make(n, rank, el, k, cap, tmax, rb, hidden, order, timeout_s=30.0, align=1):
+def _make(n, rank, el, k, cap, tmax, rb, hidden, order, timeout_s=30.0, align=1, num_sms=0):
     from moe_ep_native.exchange import ExchangeLayer, with_exchange
     from moe_ep_native.layer import layer_config
     from moe_ep_spec import MoeEpConfig
@@ -27,7 +27,8 @@ def _make(n, rank, el, k, cap, tmax, rb, hidden, order, timeout_s=30.0, align=1)
     cfg = MoeEpConfig(num_experts=n * el, hidden=hidden, intermediate=128, num_topk=k, num_ranks=n)
     base = layer_config(cfg, max_rows=cap, cuda_device=0, bf16_operands=True, with_backward=False)
     return ExchangeLayer(with_exchange(base, num_ranks=n, rank=rank, num_topk=k, max_tokens=tmax, token_bytes=rb,
-                                       expert_alignment=align, timeout_s=timeout_s, combine_order=order))
+                                       expert_alignment=align, timeout_s=timeout_s, combine_order=order,
+                                       num_sms=num_sms))
 
 
 def _smoke_rank(rank, n, port, q):
@@ -145,7 +146,7 @@ def smoke(n: int) -> int:
     return status
 
 
-def timing() -> int:
+def timing(num_sms: int = 0) -> int:
     import torch
 
     from moe_ep_native.exchange import RANK_SUMS
@@ -154,7 +155,7 @@ def timing() -> int:
     T, k, E, H = 4096, 8, 256, 7168
     rb = 2 * H
     cap = T * k
-    layer = _make(1, 0, E, k, cap, T, rb, H, RANK_SUMS)
+    layer = _make(1, 0, E, k, cap, T, rb, H, RANK_SUMS, num_sms=num_sms)
     size, own = layer.exchange_info()
     layer.set_peers([own])
     dev = torch.device("cuda:0")
@@ -212,7 +213,8 @@ def timing() -> int:
             f"the timings of a failed exchange mean nothing"
         )
     gb_d, gb_c = cap * rb / 1e9, cap * H * 4 / 1e9
-    print(f"EP 1, T={T}, H={H}, top-{k}, {E} experts, symmetric region {size / 2**20:.0f} MiB")
+    print(f"EP 1, T={T}, H={H}, top-{k}, {E} experts, symmetric region {size / 2**20:.0f} MiB, "
+          f"exchange blocks {num_sms or 'default'}")
     print(f"dispatch: {td * 1e3:8.1f} us   copy of the per-route rows: {bd * 1e3:8.1f} us   ratio {td / bd:5.2f} "
           f"(target <= 1.2; {gb_d / td * 1e3:.0f} GB/s of per-route bytes)")
     print(f"combine:  {tc * 1e3:8.1f} us   copy of the per-route rows: {bc * 1e3:8.1f} us   ratio {tc / bc:5.2f} "
@@ -225,10 +227,13 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", type=int, default=0)
     ap.add_argument("--time", action="store_true")
+    ap.add_argument("--sms", type=int, action="append", default=None,
+                    help="with --time: the exchange's thread blocks (repeatable: one timing per value; 0 = default)")
     a = ap.parse_args()
     rc = 0
     if a.smoke:
         rc |= smoke(a.smoke)
     if a.time:
-        rc |= timing()
+        for sms in a.sms or [0]:
+            rc |= timing(sms)
     sys.exit(rc)

@@ -52,7 +52,7 @@ if want sanitizer; then
   done
 fi
 if want timing; then
-  run timing 60 "$py" scripts/gpu_exchange_check.py --time
+  run timing 90 "$py" scripts/gpu_exchange_check.py --time ${TIMING_ARGS:-}
 fi
 echo "gpu_exchange_check: $([ "$status" -eq 0 ] && echo PASS || echo FAIL) (logs in $out)"
 exit "$status"

@@ -24,6 +24,11 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--top", type=int, default=14, help="kernels listed per profile")
+    parser.add_argument("--mode", choices=("synced", "static", "device"), default="synced",
+                        help="synced: host_sync=True; static: host_sync=False over NCCL; device: host_sync=False over "
+                             "the native layer's device exchange")
+    parser.add_argument("--intermediate-format", action="append", default=None,
+                        help="repeatable; 'none' for the exact float32 FC2 operand (default: none and bf16)")
     args = parser.parse_args()
 
     import torch
@@ -61,18 +66,24 @@ def main() -> None:
             samples.append(a.elapsed_time(b))
         return statistics.median(samples)
 
-    for inter in (None, "bf16"):
+    static = args.mode != "synced"
+    align = 16
+    extra = dict(max_tokens_per_rank=t, recv_capacity=t * k + e * (align - 1), expert_alignment=align) if static else {}
+    call = dict(host_sync=not static, exchange={"synced": None, "static": "nccl", "device": "device"}[args.mode])
+    print(f"mode {args.mode}: moe_ep(..., {', '.join(f'{a}={b!r}' for a, b in call.items())})", flush=True)
+    for inter_name in args.intermediate_format or ["none", "bf16"]:
+        inter = None if inter_name == "none" else inter_name
         config = MoeEpConfig(num_experts=e, hidden=h, intermediate=i, num_topk=k, num_ranks=1,
-                             intermediate_format=inter, generate_c=True)
+                             intermediate_format=inter, generate_c=True, **extra)
 
         def fwd():
             with torch.no_grad():
-                return cn.moe_ep(x, w1, w2, idx, tw, config=config)
+                return cn.moe_ep(x, w1, w2, idx, tw, config=config, **call)
 
         def fwd_bwd():
             for p in (x, w1, w2, tw):
                 p.grad = None
-            cn.moe_ep(x, w1, w2, idx, tw, config=config).backward(dy)
+            cn.moe_ep(x, w1, w2, idx, tw, config=config, **call).backward(dy)
 
         f_ms, fb_ms = timed(fwd, args.iters), timed(fwd_bwd, args.iters)
         print(f"== intermediate_format {inter}: forward {f_ms:.3f} ms ({flops / f_ms / 1e9:.0f} TFLOP/s), "

@@ -52,7 +52,7 @@ extern "C" {
 #endif
 
 /** Bumped on any incompatible change of a signature or a struct below. */
-#define MOE_EP_NATIVE_ABI_VERSION 2
+#define MOE_EP_NATIVE_ABI_VERSION 3
 
 typedef enum {
   MOE_EP_OK = 0,
@@ -297,6 +297,12 @@ typedef struct {
   int64_t ex_timeout_ms;        /* bound of every wait for a peer (0: 60000) */
   int32_t ex_num_sms;           /* thread blocks of the copy kernels (0: 32) */
   int32_t ex_combine_order;     /* moe_ep_combine_order */
+  /* Appended in ABI 3. */
+  int32_t expert_out_dtype;     /* moe_ep_dtype of the expert-output rows y (experts_forward writes them, combine
+                                   reads them): MOE_EP_DTYPE_F32 (0, default) or MOE_EP_DTYPE_BF16, which needs
+                                   combine_format MOE_EP_FORMAT_BF16 (the rows are then bf16 values exactly: half
+                                   the bytes for the same numbers) */
+  int32_t reserved0;            /* 0 */
 } moe_ep_layer_config;
 
 #define MOE_EP_LAYER_CONFIG_INIT {sizeof(moe_ep_layer_config)}
@@ -329,13 +335,14 @@ MOE_EP_API moe_ep_status moe_ep_layer_get_info(const moe_ep_layer* layer, moe_ep
  *   group_sizes: [E_local] int32 (device memory on CUDA): slab sizes from row 0;
  *                each >= 0, sum <= C (CPU rejects others; CUDA counts a
  *                negative size as 0 and ends the slabs at C).
- *   y:           [C, H] float32 out: R_comb of the expert output; rows of no expert zero.
+ *   y:           [C, H] config.expert_out_dtype out (float32 by default, bf16 bit patterns with
+ *                MOE_EP_DTYPE_BF16): R_comb of the expert output; rows of no expert zero.
  *   fc1_c:       [C, 2I] uint16 bf16 out, or NULL: the stash (the bf16 rounding of
  *                the FC1 output before the clamp); rows of no expert zero.
  */
 MOE_EP_API moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, int64_t num_rows,
                                                       const void* x, const float* w, const void* fc1, const void* fc2,
-                                                      const int32_t* group_sizes, float* y, uint16_t* fc1_c);
+                                                      const int32_t* group_sizes, void* y, uint16_t* fc1_c);
 
 /**
  * The experts' backward (docs/spec.md section 9.2: recomputed from the stash,
@@ -453,7 +460,8 @@ MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream
  * Combine (collective) of the last dispatch: the expert-major rows back to their
  * tokens, unweighted, summed per token in float32 (moe_ep_combine_order).
  *   num_tokens:  T of the last dispatch on this rank.
- *   y:           [C, H] float32: rows as dispatched (padding rows never read).
+ *   y:           [C, H] config.expert_out_dtype (float32, or bf16 bit patterns): rows as
+ *                dispatched (padding rows never read); sums are float32 either way.
  *   out:         [T, H] float32 out: the sums (+0 for a token with no route).
  *   row_values:  [C] float32, or NULL: one value per row returned to its (token, slot)...
  *   out_values:  [T, K] float32 out (with row_values): ...here; exactly 0 for a -1 slot.
@@ -462,7 +470,7 @@ MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream
  * of the output cotangent rows, dispatch_backward a combine of the row
  * cotangents with the router-weight cotangents as row_values.
  */
-MOE_EP_API moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t num_tokens, const float* y,
+MOE_EP_API moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t num_tokens, const void* y,
                                               float* out, const float* row_values, float* out_values,
                                               int32_t* out_error);
 

@@ -15,7 +15,7 @@ __all__ = ["ABI_VERSION", "Format", "Status", "DType", "ExpertDesc", "LayerConfi
            "abi_version", "has_cuda", "has_nccl", "build_info"]
 
 #: The ABI this binding was written for (MOE_EP_NATIVE_ABI_VERSION).
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 #: Set to a file path to load that library instead of the installed one.
 LIBRARY_ENV = "MOE_EP_NATIVE_LIBRARY"
@@ -90,6 +90,9 @@ class LayerConfig(ctypes.Structure):
         ("ex_timeout_ms", ctypes.c_int64),
         ("ex_num_sms", ctypes.c_int32),
         ("ex_combine_order", ctypes.c_int32),
+        # ABI 3: the dtype of the expert-output rows (DType; BF16 needs combine_format bf16).
+        ("expert_out_dtype", ctypes.c_int32),
+        ("reserved0", ctypes.c_int32),
     ]
 
     @classmethod

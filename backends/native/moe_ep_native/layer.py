@@ -50,6 +50,7 @@ def layer_config(
     cuda_device: Optional[int],
     bf16_operands: bool,
     with_backward: bool,
+    bf16_expert_out: bool = False,
 ) -> LayerConfig:
     """The ``moe_ep_layer_config`` of one rank of ``config``.
 
@@ -58,6 +59,10 @@ def layer_config(
         cuda_device: the CUDA device ordinal, or None for the CPU implementation.
         bf16_operands: x, fc1 and fc2 are bf16 (else float32).
         with_backward: also allocate what the backward needs.
+        bf16_expert_out: the expert-output rows ``y`` of ``experts_forward`` (and the
+            device exchange's combine) are bf16 instead of float32; needs
+            ``config.combine_format`` bf16 (the rows are bf16 values then: the same
+            numbers in half the bytes).
     """
     if max_rows < 0:
         raise ConfigError(f"max_rows must be >= 0; got {max_rows}", field="max_rows", value=max_rows)
@@ -76,6 +81,7 @@ def layer_config(
         intermediate_format=int(_FORMAT[config.intermediate_format]),
         combine_format=int(_FORMAT[config.combine_format]),
         with_backward=int(bool(with_backward)),
+        expert_out_dtype=int(DType.BF16 if bf16_expert_out else DType.F32),
     )
 
 
@@ -92,6 +98,7 @@ class Layer:
         self.max_rows = int(config.max_rows)
         self.with_backward = bool(config.with_backward)
         self.bf16_operands = config.operand_dtype == DType.BF16
+        self.bf16_expert_out = config.expert_out_dtype == DType.BF16
         self.cuda_device: Optional[int] = int(config.cuda_device) if config.device == 1 else None
         call("moe_ep_layer_create", ctypes.byref(config), ctypes.byref(self._handle))
         raw = _RawLayerInfo()

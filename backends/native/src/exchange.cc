@@ -441,7 +441,7 @@ moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream, int64_t n
                               out_route_metadata, out_group_sizes, out_tokens_per_expert, out_error);
 }
 
-moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t num_tokens, const float* y, float* out,
+moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t num_tokens, const void* y_rows, float* out,
                                    const float* row_values, float* out_values, int32_t* out_error) {
   const Check ck{"moe_ep_layer_combine"};
   Exchange* x;
@@ -452,6 +452,7 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
     return ck.bad("num_tokens must be the last dispatch's T = " + std::to_string(x->last_tokens),
                   std::to_string(num_tokens));
   const moe_ep::ex::Shape& s = x->shape;
+  const float* y = static_cast<const float*>(y_rows);
   MOE_EP_TRY(ck.ptr("y", y, s.C * s.H, 4));
   MOE_EP_TRY(ck.ptr("out", out, num_tokens * s.H, 4));
   if (row_values != nullptr || out_values != nullptr) {  // NULL stands for an empty array

@@ -151,15 +151,18 @@ struct TcWorkspace {
   float* h;            // [C, I] h (backward)
   float* z;            // [C, H] z = h W2 (backward, apply_topk_in_fc1 = 0)
   float* dy32;         // [C, H] a bf16 cotangent in float32 (backward, apply_topk_in_fc1 = 0)
+  float* y32;          // [C, H] the FC2 output in float32 (forward, bf16 expert-output rows only)
   int sm_count;
 };
 // Bytes of the tensor-core workspace (0 when the build or the shape has no tensor-core path).
-size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backward, void* base, TcWorkspace* ws);
+size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backward, bool bf16_out, void* base,
+                           TcWorkspace* ws);
 // bf16 FC2 operand planes the forward needs for this intermediate format (1: exactly bf16, else 3).
 int tc_operand_planes(int32_t intermediate_format);
-moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, const uint16_t* x,
-                         const float* w, const uint16_t* fc1, const uint16_t* fc2, const int32_t* group_sizes, float* y,
-                         uint16_t* fc1_c, const TcWorkspace& ws);
+// y: [C, H] float32, or bf16 (bf16_out: combine_format is bf16, the rows are written as their bf16 encoding).
+moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, bool bf16_out,
+                         const uint16_t* x, const float* w, const uint16_t* fc1, const uint16_t* fc2,
+                         const int32_t* group_sizes, void* y, uint16_t* fc1_c, const TcWorkspace& ws);
 moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint16_t* x, const float* w,
                           const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const void* dy,
                           int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,

@@ -34,6 +34,7 @@ struct moe_ep_layer {
   float* fc2_32 = nullptr;    // [E, I, H] (bf16 operands only)
   float* c32 = nullptr;       // [C, 2I] the FC1 output
   float* dy32 = nullptr;      // [C, H] a bf16 cotangent in float32 (with_backward)
+  float* y32 = nullptr;       // [C, H] the float32 expert output (bf16 expert_out_dtype only)
   void* expert_ws = nullptr;  // max(forward, backward) expert workspace
   uint8_t* rt_data = nullptr;   // [C, H] codes of the combine round trip (CPU)
   uint8_t* rt_scale = nullptr;  // [C, ceil(H/16)] scales of it (CPU)
@@ -65,6 +66,8 @@ size_t staged_layout(moe_ep_layer* l, char* base) {
   l->fc2_32 = bf16 ? reinterpret_cast<float*>(take(E * I * H * sizeof(float))) : nullptr;
   l->c32 = reinterpret_cast<float*>(take(C * 2 * I * sizeof(float)));
   l->dy32 = l->cfg.with_backward ? reinterpret_cast<float*>(take(C * H * sizeof(float))) : nullptr;
+  l->y32 = l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16 ? reinterpret_cast<float*>(take(C * H * sizeof(float)))
+                                                         : nullptr;
   size_t ws = forward_workspace_bytes(d);
   if (l->cfg.with_backward) ws = std::max(ws, backward_workspace_bytes(d));
   l->expert_ws = take(ws);
@@ -142,6 +145,14 @@ moe_ep_status check_config(const Check& ck, const moe_ep_layer_config& c) {
                   std::to_string(c.combine_format));
   if (c.with_backward != 0 && c.with_backward != 1)
     return ck.bad("config->with_backward must be 0 or 1", std::to_string(c.with_backward));
+  if (c.expert_out_dtype != MOE_EP_DTYPE_F32 && c.expert_out_dtype != MOE_EP_DTYPE_BF16)
+    return ck.bad("config->expert_out_dtype must be MOE_EP_DTYPE_F32 (0) or MOE_EP_DTYPE_BF16 (1)",
+                  std::to_string(c.expert_out_dtype));
+  if (c.expert_out_dtype == MOE_EP_DTYPE_BF16 && c.combine_format != MOE_EP_FORMAT_BF16)
+    return ck.bad("config->expert_out_dtype MOE_EP_DTYPE_BF16 needs combine_format MOE_EP_FORMAT_BF16 (1): only "
+                  "then are the expert-output rows bf16 values; got combine_format",
+                  std::to_string(c.combine_format));
+  if (c.reserved0 != 0) return ck.bad("config->reserved0 must be 0", std::to_string(c.reserved0));
   moe_ep_expert_desc d{c.max_rows, c.hidden, c.intermediate, c.num_local_experts, c.apply_topk_in_fc1,
                        c.has_clamp, c.gate_up_clamp, c.intermediate_format};
   MOE_EP_TRY(check_desc(ck, &d));
@@ -199,17 +210,21 @@ moe_ep_status stage_operands(moe_ep_layer* l, void* stream, int64_t C, const voi
 }
 
 moe_ep_status staged_forward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w, const void* fc1,
-                             const void* fc2, const int32_t* group_sizes, float* y, uint16_t* fc1_c) {
+                             const void* fc2, const int32_t* group_sizes, void* y_out, uint16_t* fc1_c) {
   moe_ep_expert_desc d = l->desc;
   d.num_rows = C;
   const int64_t H = d.hidden, I = d.intermediate;
   const float *x32, *fc1_32, *fc2_32;
   MOE_EP_TRY(stage_operands(l, stream, C, x, fc1, fc2, &x32, &fc1_32, &fc2_32));
+  const bool bf16_out = l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
+  float* y = bf16_out ? l->y32 : static_cast<float*>(y_out);
   MOE_EP_TRY(MOE_EP_LAYER_IMPL(l, expert_forward(stream, d, x32, w, fc1_32, fc2_32, group_sizes, y, l->c32,
                                                  l->expert_ws)));
   if (C == 0) return MOE_EP_OK;
   if (fc1_c != nullptr)
     MOE_EP_TRY(MOE_EP_LAYER_IMPL(l, quantize(stream, MOE_EP_FORMAT_BF16, l->c32, C, 2 * I, 1, fc1_c, nullptr)));
+  // bf16 rows (combine_format bf16): the bf16 encoding is the round trip itself.
+  if (bf16_out) return MOE_EP_LAYER_IMPL(l, quantize(stream, MOE_EP_FORMAT_BF16, y, C, H, 1, y_out, nullptr));
   const moe_ep_format f = static_cast<moe_ep_format>(l->cfg.combine_format);
   if (f == MOE_EP_FORMAT_NONE) return MOE_EP_OK;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
@@ -284,7 +299,9 @@ moe_ep_status moe_ep_layer_create(const moe_ep_layer_config* config, moe_ep_laye
       delete l;
       return st;
     }
-    if (sm90) bytes = moe_ep::cuda::tc_workspace_layout(l->desc, sm_count, cfg.with_backward != 0, nullptr, nullptr);
+    if (sm90)
+      bytes = moe_ep::cuda::tc_workspace_layout(l->desc, sm_count, cfg.with_backward != 0,
+                                                cfg.expert_out_dtype == MOE_EP_DTYPE_BF16, nullptr, nullptr);
     if (bytes > 0) {
       l->tensor_cores = true;
       l->planes = moe_ep::cuda::tc_operand_planes(cfg.intermediate_format);
@@ -299,7 +316,8 @@ moe_ep_status moe_ep_layer_create(const moe_ep_layer_config* config, moe_ep_laye
   }
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (l->tensor_cores)
-    moe_ep::cuda::tc_workspace_layout(l->desc, sm_count, cfg.with_backward != 0, l->buffer, &l->tc);
+    moe_ep::cuda::tc_workspace_layout(l->desc, sm_count, cfg.with_backward != 0,
+                                      cfg.expert_out_dtype == MOE_EP_DTYPE_BF16, l->buffer, &l->tc);
 #endif
   if (!l->tensor_cores) moe_ep::staged_layout(l, static_cast<char*>(l->buffer));
   (void)sm_count;
@@ -339,12 +357,13 @@ moe_ep_status moe_ep_layer_get_info(const moe_ep_layer* layer, moe_ep_layer_info
 
 moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, int64_t num_rows, const void* x,
                                            const float* w, const void* fc1, const void* fc2,
-                                           const int32_t* group_sizes, float* y, uint16_t* fc1_c) {
+                                           const int32_t* group_sizes, void* y, uint16_t* fc1_c) {
   const Check ck{"moe_ep_layer_experts_forward"};
   MOE_EP_TRY(moe_ep::check_layer(ck, layer, stream, num_rows));
   MOE_EP_TRY(moe_ep::check_operands(ck, layer, num_rows, x, w, fc1, fc2, group_sizes));
   const int64_t H = layer->desc.hidden, I = layer->desc.intermediate;
-  MOE_EP_TRY(ck.ptr("y", y, num_rows * H, 4));
+  const bool bf16_out = layer->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
+  MOE_EP_TRY(ck.ptr("y", y, num_rows * H, bf16_out ? 2 : 4));
   if (fc1_c != nullptr) MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, num_rows * 2 * I, 2));
   return moe_ep::guarded(layer, [&]() -> moe_ep_status {
 #ifdef MOE_EP_NATIVE_WITH_CUDA
@@ -352,8 +371,8 @@ moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, in
       moe_ep_expert_desc d = layer->desc;
       d.num_rows = num_rows;
       moe_ep::cuda::TcWorkspace ws = layer->tc;
-      return moe_ep::cuda::tc_forward(stream, d, layer->cfg.combine_format, static_cast<const uint16_t*>(x), w,
-                                      static_cast<const uint16_t*>(fc1), static_cast<const uint16_t*>(fc2),
+      return moe_ep::cuda::tc_forward(stream, d, layer->cfg.combine_format, bf16_out, static_cast<const uint16_t*>(x),
+                                      w, static_cast<const uint16_t*>(fc1), static_cast<const uint16_t*>(fc2),
                                       group_sizes, y, fc1_c, ws);
     }
 #endif

@@ -189,6 +189,78 @@ __global__ void fc2_epilogue_vec4_kernel(float4* __restrict__ y, const float* __
   }
 }
 
+// The expert output as bf16 rows (combine_format bf16: the encoding is the round
+// trip): y = bf16(w * z) or bf16(z), four values at a time (H a multiple of 4);
+// rows of no expert zero.
+template <bool kWeight>
+__global__ void fc2_epilogue_bf16_out_kernel(const float4* __restrict__ z, const float* __restrict__ w,
+                                             const int32_t* __restrict__ off, int num_experts, int64_t C, int64_t H,
+                                             uint2* __restrict__ y) {
+  const int64_t q = H / 4;
+  const int64_t total = C * q;
+  const int64_t end = off[num_experts];
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = t / q;
+    if (r >= end) {
+      y[t] = make_uint2(0u, 0u);
+      continue;
+    }
+    float4 v = z[t];
+    if (kWeight) {
+      const float wr = w[r];
+      v = make_float4(fmul(wr, v.x), fmul(wr, v.y), fmul(wr, v.z), fmul(wr, v.w));
+    }
+    const uint32_t lo = static_cast<uint32_t>(bf16_from_float(v.x)) | (static_cast<uint32_t>(bf16_from_float(v.y)) << 16);
+    const uint32_t hi = static_cast<uint32_t>(bf16_from_float(v.z)) | (static_cast<uint32_t>(bf16_from_float(v.w)) << 16);
+    y[t] = make_uint2(lo, hi);
+  }
+}
+
+// FC1 epilogue for the element-wise intermediate formats (none, bf16), four columns
+// per thread (I a multiple of 4): the same values as fc1_epilogue_kernel, with 16-byte
+// loads of c and 8-byte stores of the stash and of a one-plane operand.
+template <bool kRoundBf16>
+__global__ void fc1_epilogue_vec4_kernel(const float* __restrict__ c, const float* __restrict__ w,
+                                         const int32_t* __restrict__ off, int num_experts, uint16_t* __restrict__ stash,
+                                         uint16_t* __restrict__ op, int planes, SwigluParams p) {
+  const int64_t I = p.I;
+  const int64_t q = I / 4;
+  const int64_t total = p.C * q;
+  const int64_t end = off[num_experts];
+  const int64_t plane_stride = p.C * I;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = t / q, k0 = (t - r * q) * 4;
+    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint2 sg = make_uint2(0u, 0u), su = make_uint2(0u, 0u);
+    if (r < end) {
+      const float4 g4 = *reinterpret_cast<const float4*>(c + r * 2 * I + k0);
+      const float4 u4 = *reinterpret_cast<const float4*>(c + r * 2 * I + I + k0);
+      const float g[4] = {g4.x, g4.y, g4.z, g4.w}, u[4] = {u4.x, u4.y, u4.z, u4.w};
+      const float wr = w[r];
+      uint16_t bg[4], bu[4];
+      for (int j = 0; j < 4; ++j) {
+        bg[j] = bf16_from_float(g[j]);
+        bu[j] = bf16_from_float(u[j]);
+        o[j] = swiglu_operand(g[j], u[j], wr, p);
+        if (kRoundBf16) o[j] = bf16_round_trip(o[j]);
+      }
+      sg = make_uint2(bg[0] | (uint32_t{bg[1]} << 16), bg[2] | (uint32_t{bg[3]} << 16));
+      su = make_uint2(bu[0] | (uint32_t{bu[1]} << 16), bu[2] | (uint32_t{bu[3]} << 16));
+    }
+    if (stash != nullptr) {
+      *reinterpret_cast<uint2*>(stash + r * 2 * I + k0) = sg;
+      *reinterpret_cast<uint2*>(stash + r * 2 * I + I + k0) = su;
+    }
+    if (planes == 1) {
+      uint16_t b[4];
+      for (int j = 0; j < 4; ++j) b[j] = bf16_from_float(o[j]);  // o is a bf16 value (one plane)
+      *reinterpret_cast<uint2*>(op + r * I + k0) = make_uint2(b[0] | (uint32_t{b[1]} << 16), b[2] | (uint32_t{b[3]} << 16));
+    } else {
+      for (int j = 0; j < 4; ++j) put_planes(op, plane_stride, r * I + k0 + j, planes, o[j]);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ backward kernels
 
 // src [C, n] float32 (times w[r] when w is set) as bf16 planes; rows of no expert zero.
@@ -306,6 +378,15 @@ struct Gemm {
 template <int kFmt>
 void launch_fc1_epilogue_as(unsigned blocks, cudaStream_t s, const float* c, const float* w, const int32_t* off, int E,
                          uint16_t* stash, uint16_t* op, int planes, const SwigluParams& p) {
+  if constexpr (kFmt == MOE_EP_FORMAT_NONE || kFmt == MOE_EP_FORMAT_BF16) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(c) | reinterpret_cast<uintptr_t>(stash) |
+                        reinterpret_cast<uintptr_t>(op);
+    if (p.I % 4 == 0 && a % 16 == 0) {
+      const unsigned b = blocks_for(p.C * (p.I / 4));
+      fc1_epilogue_vec4_kernel<kFmt == MOE_EP_FORMAT_BF16><<<b, kThreads, 0, s>>>(c, w, off, E, stash, op, planes, p);
+      return;
+    }
+  }
   fc1_epilogue_kernel<kFmt><<<blocks, kThreads, 0, s>>>(c, w, off, E, stash, op, planes, p);
 }
 
@@ -388,7 +469,8 @@ int tc_operand_planes(int32_t intermediate_format) {
   return (intermediate_format == MOE_EP_FORMAT_BF16 || intermediate_format == MOE_EP_FORMAT_NVFP4) ? 1 : kPlanes;
 }
 
-size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backward, void* base, TcWorkspace* ws) {
+size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backward, bool bf16_out, void* base,
+                           TcWorkspace* ws) {
   if (!grouped_gemm_built()) return 0;
   bool ok = d.num_local_experts <= 1024;
   size_t gemm_bytes = 0;
@@ -419,6 +501,7 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
   w.gemm_bytes = gemm_bytes;
   w.c = reinterpret_cast<float*>(take(C * 2 * I * sizeof(float)));
   w.left = reinterpret_cast<uint16_t*>(take(kPlanes * C * I * sizeof(uint16_t)));
+  if (bf16_out) w.y32 = reinterpret_cast<float*>(take(C * H * sizeof(float)));
   if (backward) {
     w.right = reinterpret_cast<uint16_t*>(take(kPlanes * C * H * sizeof(uint16_t)));
     w.dc = reinterpret_cast<uint16_t*>(take(kPlanes * C * 2 * I * sizeof(uint16_t)));
@@ -433,9 +516,9 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
   return at;
 }
 
-moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, const uint16_t* x,
-                         const float* w, const uint16_t* fc1, const uint16_t* fc2, const int32_t* group_sizes, float* y,
-                         uint16_t* fc1_c, const TcWorkspace& ws) {
+moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, bool bf16_out,
+                         const uint16_t* x, const float* w, const uint16_t* fc1, const uint16_t* fc2,
+                         const int32_t* group_sizes, void* y_out, uint16_t* fc1_c, const TcWorkspace& ws) {
   const cudaStream_t s = as_stream(stream);
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
   const int E = static_cast<int>(d.num_local_experts);
@@ -451,10 +534,22 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   launch_fc1_epilogue(d.intermediate_format, b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p);
   MOE_EP_CUDA_CHECK_LAUNCH("fc1_epilogue_kernel");
 
+  float* y = bf16_out ? ws.y32 : static_cast<float*>(y_out);
   for (int pl = 0; pl < planes; ++pl)
     MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, H, I, ws.left + static_cast<int64_t>(pl) * C * I, fc2, y, pl > 0, "FC2"));
 
   const bool weight = !d.apply_topk_in_fc1;
+  if (bf16_out) {  // combine_format bf16 (the layer checked it); H is a multiple of 8 (the GEMMs need it)
+    const unsigned b = blocks_for(C * (H / 4));
+    const float4* z4 = reinterpret_cast<const float4*>(y);
+    uint2* y2 = static_cast<uint2*>(y_out);
+    if (weight)
+      fc2_epilogue_bf16_out_kernel<true><<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C, H, y2);
+    else
+      fc2_epilogue_bf16_out_kernel<false><<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C, H, y2);
+    MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_bf16_out_kernel");
+    return MOE_EP_OK;
+  }
   const unsigned b2 = blocks_for(C * div_up(H, block_of_format(combine_format)));
   launch_fc2_epilogue(combine_format, b2, s, y, w, ws.offsets, E, C, H, weight);
   MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_kernel");
