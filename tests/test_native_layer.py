@@ -229,3 +229,70 @@ def test_a_bf16_cotangent_gives_what_its_float32_values_give() -> None:
         results.append(outs)
     for got, want, label in zip(results[1], results[0], ["dx", "dw", "dfc1", "dfc2"]):
         np.testing.assert_array_equal(got, want, err_msg=f"{label}: a bf16 cotangent is its float32 values")
+
+
+@pytest.mark.parametrize("weight_in_fc1", [True, False], ids=["weight_fc1", "weight_fc2"])
+def test_bf16_expert_output_rows_are_the_bf16_encoding_of_the_float32_ones(weight_in_fc1) -> None:
+    """expert_out_dtype bf16 (combine_format bf16): the same numbers as the float32 rows,
+    which are bf16 values already, in half the bytes; rows of no expert zero."""
+    config = CONFIGS["fc1-clamp-int_none-comb_bf16"].replace(apply_topk_in_fc1=weight_in_fc1)
+    x, w, fc1, fc2, gs, dy = _case(config, [3, 0, 5], seed=4)
+    rows = x.shape[0]
+    f32 = Layer(layer_config(config, max_rows=rows, cuda_device=None, bf16_operands=True, with_backward=False))
+    b16 = Layer(layer_config(config, max_rows=rows, cuda_device=None, bf16_operands=True, with_backward=False,
+                             bf16_expert_out=True))
+    assert b16.bf16_expert_out and not f32.bf16_expert_out
+    y_ref, c_ref = _layer_forward(f32, x, w, fc1, fc2, gs, config)
+    y = np.full((rows, config.hidden), 0xFFFF, np.uint16)
+    c = np.full((rows, 2 * config.intermediate), 0xFFFF, np.uint16)
+    xs, f1, f2 = x.view(np.uint16), fc1.view(np.uint16), fc2.view(np.uint16)
+    b16.experts_forward(None, rows, _ptr(xs), _ptr(w), _ptr(f1), _ptr(f2), _ptr(gs), _ptr(y), _ptr(c))
+    assert y_ref.astype(BF16).astype(np.float32).tobytes() == y_ref.tobytes(), "float32 rows are bf16 values"
+    np.testing.assert_array_equal(y.view(BF16).astype(np.float32), y_ref, err_msg="bf16 rows vs float32 rows")
+    np.testing.assert_array_equal(c, c_ref, err_msg="the stash does not depend on the rows' dtype")
+    assert not np.any(y[sum(gs):]), "rows of no expert are zero"
+
+
+def test_bf16_expert_output_rows_need_a_bf16_combine_format() -> None:
+    config = CONFIGS["fc2-int_mxfp8-comb_mxfp8"]
+    with pytest.raises(NativeArgumentError, match=r"combine_format must be MOE_EP_FORMAT_BF16 \(1\) when "
+                                                  r"config->expert_out_dtype is MOE_EP_DTYPE_BF16 .*; got 2"):
+        Layer(layer_config(config, max_rows=8, cuda_device=None, bf16_operands=True, with_backward=False,
+                           bf16_expert_out=True))
+    cfg = layer_config(CONFIGS["fc1-clamp-int_none-comb_bf16"], max_rows=8, cuda_device=None, bf16_operands=True,
+                       with_backward=False)
+    cfg.expert_out_dtype = 3
+    with pytest.raises(NativeArgumentError, match=r"expert_out_dtype must be .*; got 3"):
+        Layer(cfg)
+    cfg.expert_out_dtype = 0
+    cfg.reserved0 = 1
+    with pytest.raises(NativeArgumentError, match=r"reserved0 must be 0; got 1"):
+        Layer(cfg)
+
+
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device and a native build with CUDA")
+def test_cuda_bf16_expert_output_rows_equal_the_float32_rows() -> None:
+    import torch
+
+    config = CONFIGS["fc1-clamp-int_none-comb_bf16"]
+    sizes = [130, 0, 257]
+    x, w, fc1, fc2, gs, dy = _case(config, sizes, seed=5)
+    rows = x.shape[0]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
+    xt, f1t, f2t, wt, gst = t(x.view(np.uint16)), t(fc1.view(np.uint16)), t(fc2.view(np.uint16)), t(w), t(gs)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    p = lambda a: a.data_ptr() if a.numel() else None  # noqa: E731
+    outs = {}
+    for bf16_out in (False, True):
+        layer = Layer(layer_config(config, max_rows=rows, cuda_device=dev.index, bf16_operands=True,
+                                   with_backward=False, bf16_expert_out=bf16_out))
+        y = torch.full((rows, config.hidden), float("nan"), dtype=torch.bfloat16 if bf16_out else torch.float32,
+                       device=dev)
+        c = torch.zeros((rows, 2 * config.intermediate), dtype=torch.int16, device=dev)
+        layer.experts_forward(stream, rows, p(xt), p(wt), p(f1t), p(f2t), p(gst), p(y), p(c))
+        torch.cuda.synchronize()
+        outs[bf16_out] = (y.float().cpu(), c.cpu())
+        layer.close()
+    assert torch.equal(outs[True][0], outs[False][0]), "bf16 rows must hold exactly the float32 rows' values"
+    assert torch.equal(outs[True][1], outs[False][1]), "the stash does not depend on the rows' dtype"

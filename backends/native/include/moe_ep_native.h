@@ -339,6 +339,10 @@ MOE_EP_API moe_ep_status moe_ep_layer_get_info(const moe_ep_layer* layer, moe_ep
  *                MOE_EP_DTYPE_BF16): R_comb of the expert output; rows of no expert zero.
  *   fc1_c:       [C, 2I] uint16 bf16 out, or NULL: the stash (the bf16 rounding of
  *                the FC1 output before the clamp); rows of no expert zero.
+ * With a device exchange (config.ex_num_ranks >= 1) whose last dispatch reported
+ * an error (its out_error bits: the same on every rank), y and fc1_c are all NaN
+ * (the spec's all-ranks NaN rule), decided on the device: no host synchronisation.
+ * The same holds for every output of moe_ep_layer_experts_backward.
  */
 MOE_EP_API moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, int64_t num_rows,
                                                       const void* x, const float* w, const void* fc1, const void* fc2,

@@ -174,6 +174,9 @@ moe_ep_status device_free(void* p);
 moe_ep_status device_props(int cuda_device, int* sm_count, bool* is_sm90);
 // In-place combine round trip of y [C, H] (rows past off are left as they are).
 moe_ep_status round_trip_rows(void* stream, int32_t fmt, float* y, int64_t rows, int64_t n);
+// p[0, n) of dtype (moe_ep_dtype) all NaN when *error != 0 (device memory), else untouched: a grid
+// of at most a few blocks per SM whose threads return at once when there is no error.
+moe_ep_status nan_on_error(void* stream, const int32_t* error, void* p, int64_t n, int32_t dtype);
 }  // namespace cuda
 #endif
 

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <limits>
 #include <new>
 #include <string>
@@ -149,8 +150,8 @@ moe_ep_status check_config(const Check& ck, const moe_ep_layer_config& c) {
     return ck.bad("config->expert_out_dtype must be MOE_EP_DTYPE_F32 (0) or MOE_EP_DTYPE_BF16 (1)",
                   std::to_string(c.expert_out_dtype));
   if (c.expert_out_dtype == MOE_EP_DTYPE_BF16 && c.combine_format != MOE_EP_FORMAT_BF16)
-    return ck.bad("config->expert_out_dtype MOE_EP_DTYPE_BF16 needs combine_format MOE_EP_FORMAT_BF16 (1): only "
-                  "then are the expert-output rows bf16 values; got combine_format",
+    return ck.bad("config->combine_format must be MOE_EP_FORMAT_BF16 (1) when config->expert_out_dtype is "
+                  "MOE_EP_DTYPE_BF16 (only then are the expert-output rows bf16 values)",
                   std::to_string(c.combine_format));
   if (c.reserved0 != 0) return ck.bad("config->reserved0 must be 0", std::to_string(c.reserved0));
   moe_ep_expert_desc d{c.max_rows, c.hidden, c.intermediate, c.num_local_experts, c.apply_topk_in_fc1,
@@ -267,6 +268,33 @@ moe_ep_status guarded(const moe_ep_layer* l, Fn body) {
   }
 }
 
+// With an exchange: when its last dispatch reported an error (a bad id or an overflow on
+// some rank, or a peer that never came), the stage's outputs are all NaN, as the all-ranks
+// NaN rule asks; nothing is read or written when there was none.
+struct Output {
+  void* p;
+  int64_t n;
+  int32_t dtype;
+};
+moe_ep_status nan_on_dispatch_error(const moe_ep_layer* l, void* stream, std::initializer_list<Output> outs) {
+  if (l->ex == nullptr || l->ex->last_tokens < 0) return MOE_EP_OK;
+  const int32_t* err = l->ex->loc.step_err;
+  for (const Output& o : outs) {
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+    if (is_cuda(l)) {
+      MOE_EP_TRY(cuda::nan_on_error(stream, err, o.p, o.n, o.dtype));
+      continue;
+    }
+#endif
+    if (*err == 0 || o.p == nullptr) continue;
+    for (int64_t i = 0; i < o.n; ++i) {
+      if (o.dtype == MOE_EP_DTYPE_BF16) static_cast<uint16_t*>(o.p)[i] = 0x7FC0;
+      else static_cast<float*>(o.p)[i] = std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+  return MOE_EP_OK;
+}
+
 }  // namespace
 
 Exchange* layer_exchange(const moe_ep_layer* l) { return l->ex; }
@@ -371,12 +399,15 @@ moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, in
       moe_ep_expert_desc d = layer->desc;
       d.num_rows = num_rows;
       moe_ep::cuda::TcWorkspace ws = layer->tc;
-      return moe_ep::cuda::tc_forward(stream, d, layer->cfg.combine_format, bf16_out, static_cast<const uint16_t*>(x),
-                                      w, static_cast<const uint16_t*>(fc1), static_cast<const uint16_t*>(fc2),
-                                      group_sizes, y, fc1_c, ws);
-    }
+      MOE_EP_TRY(moe_ep::cuda::tc_forward(stream, d, layer->cfg.combine_format, bf16_out,
+                                          static_cast<const uint16_t*>(x), w, static_cast<const uint16_t*>(fc1),
+                                          static_cast<const uint16_t*>(fc2), group_sizes, y, fc1_c, ws));
+    } else
 #endif
-    return moe_ep::staged_forward(layer, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c);
+      MOE_EP_TRY(moe_ep::staged_forward(layer, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c));
+    return moe_ep::nan_on_dispatch_error(
+        layer, stream,
+        {{y, num_rows * H, bf16_out ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32}, {fc1_c, num_rows * 2 * I, MOE_EP_DTYPE_BF16}});
   });
 }
 
@@ -403,13 +434,17 @@ moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void* stream, i
     if (layer->tensor_cores) {
       moe_ep_expert_desc d = layer->desc;
       d.num_rows = num_rows;
-      return moe_ep::cuda::tc_backward(stream, d, static_cast<const uint16_t*>(x), w,
-                                       static_cast<const uint16_t*>(fc1), static_cast<const uint16_t*>(fc2), fc1_c, dy,
-                                       dy_dtype, group_sizes, dx, dw, dfc1, dfc2, layer->tc);
-    }
+      MOE_EP_TRY(moe_ep::cuda::tc_backward(stream, d, static_cast<const uint16_t*>(x), w,
+                                           static_cast<const uint16_t*>(fc1), static_cast<const uint16_t*>(fc2), fc1_c,
+                                           dy, dy_dtype, group_sizes, dx, dw, dfc1, dfc2, layer->tc));
+    } else
 #endif
-    return moe_ep::staged_backward(layer, stream, num_rows, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes, dx, dw,
-                                   dfc1, dfc2);
+      MOE_EP_TRY(moe_ep::staged_backward(layer, stream, num_rows, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes,
+                                         dx, dw, dfc1, dfc2));
+    constexpr int32_t f32 = MOE_EP_DTYPE_F32;
+    return moe_ep::nan_on_dispatch_error(layer, stream,
+                                         {{dx, num_rows * H, f32}, {dw, num_rows, f32}, {dfc1, E * H * 2 * I, f32},
+                                          {dfc2, E * I * H, f32}});
   });
 }
 

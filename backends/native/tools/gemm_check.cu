@@ -328,12 +328,68 @@ void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64
   buf.release();
 }
 
+// --initcheck-probe (run under compute-sanitizer --tool initcheck): does initcheck see the
+// grouped GEMM's stores into D as initialising writes? D comes fresh from cudaMalloc (never
+// written), the GEMM writes every row of it (no accumulate), then read_after_gemm_kernel
+// reads them. A control buffer written by an ordinary kernel is read by
+// read_after_plain_kernel. A report naming read_after_gemm_kernel (and none naming the
+// control) means the tool does not track the GEMM's (TMA) stores; a report in the control
+// would mean the tool is misused.
+__global__ void read_after_gemm_kernel(const float* d, int64_t n, float* sink) {
+  float acc = 0.0f;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    acc += d[i];
+  if (acc == 12345.0f) *sink = acc;  // keeps the loads
+}
+__global__ void write_plain_kernel(float* d, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    d[i] = 1.0f;
+}
+__global__ void read_after_plain_kernel(const float* d, int64_t n, float* sink) {
+  float acc = 0.0f;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    acc += d[i];
+  if (acc == 12345.0f) *sink = acc;
+}
+
+int initcheck_probe(int sm_count) {
+  for (int64_t hint : {int64_t{1024}, int64_t{1}}) {  // the cooperative kernel, the pingpong kernel
+    GroupedGemmProblem p;
+    p.layout = GemmLayout::kNN;
+    const std::vector<int> rows = {64, 200, 0, 33};
+    std::vector<int32_t> off(rows.size() + 1, 0);
+    for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
+    p.num_groups = static_cast<int32_t>(rows.size());
+    p.total_rows = off.back();
+    p.n = 256;
+    p.k = 128;
+    p.rows_hint = hint;
+    Buffers buf = make_buffers(p, off, sm_count, 11);
+    CHECK_CUDA(cudaMemset(buf.ws, 0, std::max<size_t>(buf.ws_bytes, 1)));
+    float* sink = device_alloc<float>(1);
+    float* plain = device_alloc<float>(buf.d_elems);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(moe_ep::cuda::grouped_gemm_bf16(p, buf.ws, buf.ws_bytes, nullptr, sm_count));
+    read_after_gemm_kernel<<<grid_for(buf.d_elems), 256>>>(buf.d, buf.d_elems, sink);
+    write_plain_kernel<<<grid_for(buf.d_elems), 256>>>(plain, buf.d_elems);
+    read_after_plain_kernel<<<grid_for(buf.d_elems), 256>>>(plain, buf.d_elems, sink);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::printf("initcheck probe (%s kernel): the GEMM wrote %lld floats of a fresh D, then two read kernels ran\n",
+                hint == 1 ? "pingpong" : "cooperative", static_cast<long long>(buf.d_elems));
+    cudaFree(sink);
+    cudaFree(plain);
+    buf.release();
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool timing = true;
+  bool timing = true, probe = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) timing = false;
+    if (std::strcmp(argv[i], "--initcheck-probe") == 0) probe = true;
   }
   if (!moe_ep::cuda::grouped_gemm_built()) {
     std::printf("moe_ep_gemm_check: this build has no CUTLASS grouped GEMM (MOE_EP_NATIVE_CUTLASS=OFF)\n");
@@ -349,6 +405,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int sms = prop.multiProcessorCount;
+  if (probe) return initcheck_probe(sms);
 
   // Ragged groups: empty groups (first, middle, last), groups of 1 row, groups that are
   // not a multiple of the 128-row tile, one larger than several tiles.

@@ -637,6 +637,22 @@ moe_ep_status round_trip_rows(void* stream, int32_t fmt, float* y, int64_t rows,
   return MOE_EP_OK;
 }
 
+__global__ void nan_on_error_kernel(const int32_t* __restrict__ error, void* __restrict__ p, int64_t n, bool bf16) {
+  if (*error == 0) return;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < n; t += int64_t{gridDim.x} * blockDim.x) {
+    if (bf16) static_cast<uint16_t*>(p)[t] = 0x7FC0;
+    else static_cast<float*>(p)[t] = __int_as_float(0x7fc00000);
+  }
+}
+
+moe_ep_status nan_on_error(void* stream, const int32_t* error, void* p, int64_t n, int32_t dtype) {
+  if (n == 0 || p == nullptr) return MOE_EP_OK;
+  const unsigned blocks = std::min(blocks_for(n), 1024u);  // a no-op launch when there is no error
+  nan_on_error_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(error, p, n, dtype == MOE_EP_DTYPE_BF16);
+  MOE_EP_CUDA_CHECK_LAUNCH("nan_on_error_kernel");
+  return MOE_EP_OK;
+}
+
 moe_ep_status device_alloc(int cuda_device, size_t bytes, void** out) {
   *out = nullptr;
   if (bytes == 0) return MOE_EP_OK;
