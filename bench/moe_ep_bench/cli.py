@@ -81,6 +81,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget-gb", type=float, default=80.0, metavar="GB",
                    help="per-GPU memory the default expert count may use (default 80)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--cuda-nccl-mode", choices=("synced", "static", "device"), default=None,
+                   help="how the cuda-nccl layer runs: synced (host_sync=True, one host synchronisation per call), "
+                        "static (host_sync=False over NCCL) or device (host_sync=False over the native layer's device "
+                        "exchange); default device on cuda, synced on cpu")
 
 
 def add_command(subparsers: Any) -> None:
@@ -144,6 +148,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         baselines=not args.no_baselines,
         include_slow=args.include_slow,
         intermediate_format=None if args.intermediate_format == "none" else args.intermediate_format,
+        cuda_nccl_mode=args.cuda_nccl_mode or ("device" if device == "cuda" else "synced"),
     )
     for fmt in formats:
         settings.config(fmt, max(tokens))  # raises ConfigError on a bad shape
@@ -163,6 +168,8 @@ def _command(settings: BenchSettings, backends: Sequence[str]) -> str:
         parts += ["--format", f]
     if settings.intermediate_format is not None:
         parts += ["--intermediate-format", settings.intermediate_format]
+    if "cuda-nccl" in backends:
+        parts += ["--cuda-nccl-mode", settings.cuda_nccl_mode]
     if settings.ops != OPS:
         for op in settings.ops:
             parts += ["--op", op]

@@ -142,6 +142,9 @@ class BenchSettings:
     include_slow: bool = False
     #: The spec's intermediate_format of every layer (None: the exact float32 FC2 operand).
     intermediate_format: Optional[str] = None
+    #: How the cuda-nccl layer runs: ``synced`` (host_sync=True), ``static`` (host_sync=False
+    #: over NCCL) or ``device`` (host_sync=False over the native layer's device exchange).
+    cuda_nccl_mode: str = "synced"
 
     @property
     def num_local_experts(self) -> int:
@@ -174,6 +177,7 @@ class BenchSettings:
             "tokens": list(self.tokens),
             "formats": list(self.formats),
             "intermediate_format": self.intermediate_format,
+            "cuda_nccl_mode": self.cuda_nccl_mode,
             "ops": list(self.ops),
             "repeats": self.repeats,
             "warmup": self.warmup,

@@ -70,8 +70,13 @@ def _resolve(name: str) -> Any:
     return _resolve_process_group(name)
 
 
-def _check(config: MoeEpConfig, group: Any, activation: Tensor, fc1: Any, fc2: Any, idx: Tensor, weights: Tensor) -> None:
-    """The spec's input rules for torch tensors (messages as moe_ep_spec.validation)."""
+def _check(
+    config: MoeEpConfig, group: Any, activation: Tensor, fc1: Any, fc2: Any, idx: Tensor, weights: Tensor,
+    *, group_moves_rows: bool = True,
+) -> None:
+    """The spec's input rules for torch tensors (messages as moe_ep_spec.validation).
+    ``group_moves_rows`` False: the group's collectives never see the tensors (a
+    device exchange moves them), so any backend of the group takes any device."""
     rank = dist.get_rank(group)
     p = f"rank {rank}: "
     h, i, el, k = config.hidden, config.intermediate, config.num_local_experts, config.num_topk
@@ -107,6 +112,8 @@ def _check(config: MoeEpConfig, group: Any, activation: Tensor, fc1: Any, fc2: A
     for name, t in (("fc1_weight", fc1), ("fc2_weight", fc2), ("topk_idx", idx), ("topk_weights", weights)):
         if t.device != device:
             raise E.DeviceError(f"{p}{name} must be on the activation's device {device}; got {t.device}")
+    if not group_moves_rows:
+        return
     backend = dist.get_backend(group)
     if backend == "nccl" and device.type != "cuda":
         raise E.DeviceError(f"{p}an NCCL process group needs CUDA tensors; got tensors on {device}")

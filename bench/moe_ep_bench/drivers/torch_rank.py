@@ -212,16 +212,23 @@ class Runner:
         from moe_ep_torch import core
         from moe_ep_torch import formats as TF
 
+        s, fmt, t = self.s, job.format, job.tokens
+        config = s.config(fmt)
+        call: Dict[str, Any] = {}
         if job.target == "cuda-nccl":
             from moe_ep_cuda_nccl import api
 
             name = "moe_ep_cuda_nccl.api.moe_ep"
+            if s.cuda_nccl_mode != "synced":
+                # The static layout: capacity for the worst case of these tokens, no host synchronisation.
+                config = s.config(fmt, t)
+                config = config.replace(recv_capacity=config.worst_case_recv_rows())
+                call = {"host_sync": False, "exchange": "device" if s.cuda_nccl_mode == "device" else "nccl"}
+                name += f"(host_sync=False, exchange={call['exchange']!r})"
         else:
             from moe_ep_torch import api
 
             name = "moe_ep_torch.api.moe_ep"
-        s, fmt, t = self.s, job.format, job.tokens
-        config = s.config(fmt)
         inp = self.inputs(fmt, t)
         nsets = len(inp["idx"])
         group, dev, k = self.group, self.dev, s.topk
@@ -259,7 +266,8 @@ class Runner:
 
             def forward(i: int) -> Any:
                 with torch.no_grad():
-                    return api.moe_ep(inp["tokens"][i], w["fc1"], w["fc2"], inp["idx"][i], inp["weights"][i], config=config)
+                    return api.moe_ep(inp["tokens"][i], w["fc1"], w["fc2"], inp["idx"][i], inp["weights"][i], config=config,
+                                      **call)
 
             times = self.measure(forward, nsets)
             label = f"{name}, no grad; {timer}"
@@ -280,7 +288,7 @@ class Runner:
                     leaf.grad = None
 
             def fwd_bwd(i: int) -> Any:
-                out = api.moe_ep(acts[i], fc1, fc2, inp["idx"][i], tws[i], config=config)
+                out = api.moe_ep(acts[i], fc1, fc2, inp["idx"][i], tws[i], config=config, **call)
                 out.backward(gys[i])
                 return None
 
