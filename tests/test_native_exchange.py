@@ -6,7 +6,8 @@ CPU (CI): the CPU twin of the protocol, one rank per thread over host memory
 kernels use): the expert-major rows, weights, metadata and slab sizes equal the
 spec's routing order for random routings (empty ranks, T = 0, repeated experts,
 -1 slots), the combine equals the slot-order sum (bit for bit in SLOT_ORDER,
-and in RANK_SUMS where a token's routes live on one rank), buffers are reused
+and in RANK_SUMS where a token's routes live on one rank), bf16 expert-output
+rows sum to the very bits of float32 rows of the same values, buffers are reused
 over steps, bad ids and overflow give the same error bits on every rank, and a
 peer that never arrives gives TIMEOUT within the bound. The front-end
 (``moe_ep(..., host_sync=False, exchange="device")``) against the static mode in
@@ -44,11 +45,12 @@ def _config(n, el, k, hidden=8):
     return MoeEpConfig(num_experts=n * el, hidden=hidden, intermediate=4, num_topk=k, num_ranks=n)
 
 
-def _layers(n, el, k, cap, tmax, row_bytes, align=1, order=RANK_SUMS, timeout_s=20.0, hidden=8):
-    cfg = _config(n, el, k, hidden)
+def _layers(n, el, k, cap, tmax, row_bytes, align=1, order=RANK_SUMS, timeout_s=20.0, hidden=8, bf16_out=False):
+    cfg = _config(n, el, k, hidden)  # combine_format bf16 (the default): bf16 expert-output rows allowed
     layers = []
     for r in range(n):
-        base = layer_config(cfg, max_rows=cap, cuda_device=None, bf16_operands=False, with_backward=False)
+        base = layer_config(cfg, max_rows=cap, cuda_device=None, bf16_operands=False, with_backward=False,
+                            bf16_expert_out=bf16_out)
         layers.append(ExchangeLayer(with_exchange(base, num_ranks=n, rank=r, num_topk=k, max_tokens=tmax,
                                                   token_bytes=row_bytes, expert_alignment=align, timeout_s=timeout_s,
                                                   combine_order=order)))
@@ -199,14 +201,95 @@ def test_cpu_twin_dispatch_and_combine_follow_the_routing_order(case, order) -> 
                 for kk in range(k):  # slot order from +0 (moe_ep_combine_reduce)
                     ref = np.where((dest[:, kk] >= 0)[:, None], ref + slot_rows[:, kk], ref).astype(np.float32)
                 one_rank = np.array([len(set(dest[t][dest[t] >= 0])) <= 1 for t in range(ts[s])], bool)
+                # RANK_SUMS: per expert rank its routes in slot order from +0, then the ranks in rank order from +0
+                rank_ref = np.zeros((ts[s], hidden), np.float32)
+                for d in range(n):
+                    part = np.zeros((ts[s], hidden), np.float32)
+                    for kk in range(k):
+                        part = np.where((dest[:, kk] == d)[:, None], part + slot_rows[:, kk], part).astype(np.float32)
+                    has = (dest == d).any(axis=1)[:, None]
+                    rank_ref = np.where(has, rank_ref + part, rank_ref).astype(np.float32)
                 if order == SLOT_ORDER:
                     np.testing.assert_array_equal(out, ref)
                 else:
                     np.testing.assert_array_equal(out[one_rank], ref[one_rank])
-                    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+                    np.testing.assert_array_equal(out, rank_ref)
     finally:
         for lay in layers:
             lay.close()
+
+
+def _bf16_rows(rng, shape):
+    """Random bf16 bit patterns (uint16) with specials mixed in: -0, subnormals, infinities, NaN."""
+    bits = (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    specials = np.array([0x8000, 0x0001, 0x807F, 0x0080, 0x7F80, 0xFF80, 0x7FC1, 0x7F7F], np.uint16)
+    pick = rng.random(shape) < 0.05
+    bits[pick] = specials[rng.integers(0, len(specials), size=int(pick.sum()))]
+    return bits
+
+
+def _as_f32(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("order", [RANK_SUMS, SLOT_ORDER], ids=["rank-sums", "slot-order"])
+@pytest.mark.parametrize("case", CASES, ids=[f"ep{c[0]}-el{c[1]}-k{c[2]}-t{'_'.join(map(str, c[3]))}" for c in CASES])
+def test_cpu_twin_combine_of_bf16_rows_equals_float32_rows_of_the_same_values(case, order) -> None:
+    n, el, k, ts, align, cap, empty, repeat = case
+    rng = np.random.default_rng(hash(case) % 2**32 + 7)
+    hidden, rb = 8, 12
+    tmax = max(ts) + 2
+    groups = [_layers(n, el, k, cap, tmax, rb, align, order, hidden=hidden, bf16_out=b) for b in (False, True)]
+    try:
+        for step in range(2):
+            idx = [_routing(rng, n, el, k, t, empty, repeat) for t in ts]
+            tok = [rng.integers(0, 256, size=(t, rb)).astype(np.uint8) for t in ts]
+            w = [rng.standard_normal((t, k)).astype(np.float32) for t in ts]
+            for layers in groups:
+                got = _parallel([lambda r=r: _dispatch(layers[r], tok[r], idx[r], w[r], cap, el) for r in range(n)])
+                assert all(g["err"][0] == 0 for g in got)
+            bits = [_bf16_rows(rng, (cap, hidden)) for _ in range(n)]
+            vals = [rng.standard_normal(cap).astype(np.float32) for _ in range(n)]
+            f32 = _parallel([lambda r=r: _combine(groups[0][r], ts[r], _as_f32(bits[r]), k, vals[r]) for r in range(n)])
+            b16 = _parallel([lambda r=r: _combine(groups[1][r], ts[r], bits[r], k, vals[r]) for r in range(n)])
+            for r in range(n):
+                (o32, v32, e32), (o16, v16, e16) = f32[r], b16[r]
+                assert e32 == e16 == 0
+                np.testing.assert_array_equal(o16.view(np.uint32), o32.view(np.uint32), err_msg=f"rank {r} step {step}")
+                np.testing.assert_array_equal(v16.view(np.uint32), v32.view(np.uint32))
+    finally:
+        for layers in groups:
+            for lay in layers:
+                lay.close()
+
+
+def test_cpu_twin_combine_checks_the_alignment_of_y_by_its_dtype() -> None:
+    """y is aligned to its element: 2 bytes for bf16 rows, 4 for float32 rows; the
+    binding's y_bf16 must be the layer's dtype."""
+    el, k, cap, hidden = 2, 2, 8, 8
+    idx = np.array([[0, 1], [1, -1]], np.int32)
+    for bf16 in (False, True):
+        (layer,) = _layers(1, el, k, cap, 2, 4, hidden=hidden, bf16_out=bf16)
+        try:
+            _dispatch(layer, np.ones((2, 4), np.uint8), idx, np.ones((2, 2), np.float32), cap, el)
+            size = 2 if bf16 else 4
+            raw = np.zeros(cap * hidden * size + 8, np.uint8)
+            out = np.zeros((2, hidden), np.float32)
+            base = raw.ctypes.data + (-raw.ctypes.data) % 4  # 4-byte aligned
+            rule = rf"y \(.*\) must be aligned to {size} bytes; got an address 1"
+            with pytest.raises(NativeArgumentError, match=rule):
+                layer.combine(None, 2, base + 1, _ptr(out))
+            if bf16:
+                layer.combine(None, 2, base + 2, _ptr(out))  # 2-byte aligned is enough for bf16 rows
+                np.testing.assert_array_equal(out, 0.0)
+            else:
+                with pytest.raises(NativeArgumentError, match=r"must be aligned to 4 bytes; got an address 2"):
+                    layer.combine(None, 2, base + 2, _ptr(out))
+            with pytest.raises(NativeArgumentError, match=r"y must have the layer's expert_out_dtype"):
+                layer.combine(None, 2, base, _ptr(out), y_bf16=not bf16)
+            layer.combine(None, 2, base, _ptr(out), y_bf16=bf16)
+        finally:
+            layer.close()
 
 
 @pytest.mark.parametrize("fault", ["bad-id", "overflow"])

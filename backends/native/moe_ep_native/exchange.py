@@ -24,7 +24,9 @@ import os
 import uuid
 from typing import Any, List, Optional, Sequence
 
-from ._capi import LayerConfig, call, load
+from moe_ep_spec.errors import NativeArgumentError
+
+from ._capi import LayerConfig, Status, call, load
 from .layer import Layer
 
 __all__ = [
@@ -133,8 +135,20 @@ class ExchangeLayer(Layer):
         call("moe_ep_layer_dispatch", self._handle, stream, num_tokens, row_bytes, tokens, topk_idx, topk_weights,
              out_tokens, out_weights, out_route_metadata, out_group_sizes, out_tokens_per_expert, out_error)
 
-    def combine(self, stream, num_tokens, y, out, row_values=None, out_values=None, out_error=None) -> None:
-        """``moe_ep_layer_combine``."""
+    def combine(self, stream, num_tokens, y, out, row_values=None, out_values=None, out_error=None,
+                y_bf16: Optional[bool] = None) -> None:
+        """``moe_ep_layer_combine``: ``y`` ``[C, H]`` rows of the layer's expert-output
+        dtype (bf16 bit patterns for a layer made with ``bf16_expert_out``, else
+        float32). ``y_bf16``, when given, is the caller's dtype of ``y``; it must be
+        the layer's (the C ABI takes y's dtype from the layer's configuration)."""
+        if y_bf16 is not None and bool(y_bf16) != self.bf16_expert_out:
+            names = {True: "bf16", False: "float32"}
+            raise NativeArgumentError(
+                f"moe_ep_layer_combine: y must have the layer's expert_out_dtype "
+                f"({names[self.bf16_expert_out]}, fixed at creation); got {names[bool(y_bf16)]} rows (y_bf16={y_bf16})",
+                op="moe_ep_layer_combine", status=int(Status.INVALID_ARGUMENT),
+                status_name="MOE_EP_ERR_INVALID_ARGUMENT",
+            )
         call("moe_ep_layer_combine", self._handle, stream, num_tokens, y, out, row_values, out_values, out_error)
 
     def status(self, stream: Optional[int] = None, clear: bool = False) -> int:

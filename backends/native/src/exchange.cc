@@ -3,7 +3,9 @@
 // protocol, tested in CI. The twin runs the very steps of the CUDA kernels
 // (cuda/exchange.cu) on host memory, one rank per thread or process: the count
 // table, the slab offsets, the flags and their step numbers, the
-// acknowledgements, the bounded waits. Both share exchange_layout.h.
+// acknowledgements, the bounded waits. Both share exchange_layout.h. (The
+// kernels' one-rank shortcut, combine_send writing the output itself, has no
+// twin here: it writes the very numbers of the two passes.)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -73,6 +75,7 @@ moe_ep_status cpu_dispatch(Exchange& x, int64_t T, int64_t row_bytes, const void
     const int32_t g = l.route_expert[r];
     l.route_dest[r] = g >= 0 ? static_cast<int32_t>(g / s.El) : -1;
   }
+  for (int64_t t = 0; t < T; ++t) ex::token_ranks(l.route_dest + t * s.K, s.K, l.tok_ranks + t * s.K);
   if (!(err & ex::kTimeout)) {
     for (int32_t p = 0; p < s.N; ++p) {
       char* base = peer(x, p);
@@ -95,7 +98,9 @@ moe_ep_status cpu_dispatch(Exchange& x, int64_t T, int64_t row_bytes, const void
           }
           meta[t * s.K + k] = m;
         }
-        if (has) std::memcpy(rows + t * s.stride, static_cast<const char*>(tokens) + t * row_bytes, row_bytes);
+        // This rank's own rows stay in `tokens` (the placement reads them there).
+        if (has && p != s.rank)
+          std::memcpy(rows + t * s.stride, static_cast<const char*>(tokens) + t * row_bytes, row_bytes);
       }
     }
   }
@@ -116,7 +121,9 @@ moe_ep_status cpu_dispatch(Exchange& x, int64_t T, int64_t row_bytes, const void
   const char* region = static_cast<const char*>(x.region);
   for (int32_t src = 0; src < s.N; ++src) {
     const ex::RouteMeta* meta = reinterpret_cast<const ex::RouteMeta*>(region + L.dmeta) + src * s.Tmax * s.K;
-    const char* rows = region + L.drows + src * s.Tmax * s.stride;
+    const bool own_rows = src == s.rank;
+    const char* rows = own_rows ? static_cast<const char*>(tokens) : region + L.drows + src * s.Tmax * s.stride;
+    const int64_t row_stride = own_rows ? row_bytes : s.stride;
     for (int64_t t = 0; t < l.tsrc[src]; ++t)
       for (int64_t k = 0; k < s.K; ++k) {
         const ex::RouteMeta m = meta[t * s.K + k];
@@ -124,7 +131,7 @@ moe_ep_status cpu_dispatch(Exchange& x, int64_t T, int64_t row_bytes, const void
         if (m.le >= 0) row = ex::route_row(s, l.off, l.pref, src, m.le, m.pos);
         l.rowmap[(src * s.Tmax + t) * s.K + k] = row;
         if (row < 0) continue;
-        std::memcpy(static_cast<char*>(out_tokens) + row * row_bytes, rows + t * s.stride, row_bytes);
+        std::memcpy(static_cast<char*>(out_tokens) + row * row_bytes, rows + t * row_stride, row_bytes);
         out_w[row] = m.w;
         int32_t* md = out_meta + 4 * static_cast<int64_t>(row);
         md[0] = m.le, md[1] = src, md[2] = static_cast<int32_t>(t), md[3] = static_cast<int32_t>(k);
@@ -141,7 +148,17 @@ moe_ep_status cpu_dispatch(Exchange& x, int64_t T, int64_t row_bytes, const void
   return MOE_EP_OK;
 }
 
-moe_ep_status cpu_combine(Exchange& x, int64_t T, const float* y, float* out, const float* row_values,
+// One element of a y row as float32 (bf16: exact, its bits are the high half).
+float y_value(const float* y, int64_t i) { return y[i]; }
+float y_value(const uint16_t* y, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(y[i]) << 16;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+template <typename Y>
+moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, float* out, const float* row_values,
                           float* out_values, int32_t* out_error) {
   const ex::Shape& s = x.shape;
   const ex::SymLayout& L = x.sym;
@@ -161,14 +178,15 @@ moe_ep_status cpu_combine(Exchange& x, int64_t T, const float* y, float* out, co
           if (rm[k] < 0) continue;
           has = true;
           if (row_values != nullptr) cvals[t * s.K + k] = row_values[rm[k]];
-          if (s.order == 1) std::memcpy(crows + (k * s.Tmax + t) * s.H, y + rm[k] * s.H, 4 * s.H);
+          if (s.order == 1)
+            for (int64_t h = 0; h < s.H; ++h) crows[(k * s.Tmax + t) * s.H + h] = y_value(y, rm[k] * s.H + h);
         }
         if (s.order == 1 || !has) continue;
         float* dst = crows + (static_cast<int64_t>(s.rank) * s.Tmax + t) * s.H;
         for (int64_t h = 0; h < s.H; ++h) {
           float acc = 0.0f;
           for (int64_t k = 0; k < s.K; ++k)
-            if (rm[k] >= 0) acc += y[rm[k] * s.H + h];
+            if (rm[k] >= 0) acc += y_value(y, rm[k] * s.H + h);
           dst[h] = acc;
         }
       }
@@ -185,17 +203,14 @@ moe_ep_status cpu_combine(Exchange& x, int64_t T, const float* y, float* out, co
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (int64_t t = 0; t < T; ++t) {
     const int32_t* dest = l.route_dest + t * s.K;
+    const int32_t* ranks = l.tok_ranks + t * s.K;  // RANK_SUMS: the ranks to add, in rank order
     for (int64_t h = 0; h < s.H; ++h) {
       float acc = 0.0f;
       if (s.order == 1) {
         for (int64_t k = 0; k < s.K; ++k)
           if (dest[k] >= 0) acc += crows[(k * s.Tmax + t) * s.H + h];
       } else {
-        for (int32_t p = 0; p < s.N; ++p) {
-          bool here = false;
-          for (int64_t k = 0; k < s.K; ++k) here = here || dest[k] == p;
-          if (here) acc += crows[(p * s.Tmax + t) * s.H + h];
-        }
+        for (int64_t j = 0; j < s.K && ranks[j] >= 0; ++j) acc += crows[(ranks[j] * s.Tmax + t) * s.H + h];
       }
       out[t * s.H + h] = err ? nan : acc;
     }
@@ -288,10 +303,15 @@ moe_ep_status exchange_create(const moe_ep_layer_config& c, Exchange** out) {
   x->cuda = c.device == MOE_EP_DEVICE_CUDA;
   x->cuda_device = c.cuda_device;
   x->timeout_ms = c.ex_timeout_ms > 0 ? c.ex_timeout_ms : 60000;
-  x->num_blocks = c.ex_num_sms > 0 ? c.ex_num_sms : 32;
+  x->num_blocks = c.ex_num_sms > 0 ? c.ex_num_sms : 32;  // the CPU twin has no blocks
+  x->y_bf16 = c.expert_out_dtype == MOE_EP_DTYPE_BF16;
   x->token_bytes_max = c.ex_token_bytes;
   x->peers.assign(static_cast<size_t>(s.N), 0);
-  moe_ep_status st = alloc_zero(x, static_cast<size_t>(x->sym.bytes), &x->own);
+  moe_ep_status st = MOE_EP_OK;
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  if (x->cuda && c.ex_num_sms == 0) st = cuda::ex_default_blocks(x->cuda_device, &x->num_blocks);
+#endif
+  if (st == MOE_EP_OK) st = alloc_zero(x, static_cast<size_t>(x->sym.bytes), &x->own);
   x->local_bytes = ex::local_bytes_carve(s, nullptr, nullptr);
   if (st == MOE_EP_OK) st = alloc_zero(x, static_cast<size_t>(x->local_bytes), &x->local);
   if (st != MOE_EP_OK) {
@@ -452,8 +472,9 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
     return ck.bad("num_tokens must be the last dispatch's T = " + std::to_string(x->last_tokens),
                   std::to_string(num_tokens));
   const moe_ep::ex::Shape& s = x->shape;
-  const float* y = static_cast<const float*>(y_rows);
-  MOE_EP_TRY(ck.ptr("y", y, s.C * s.H, 4));
+  const bool y_bf16 = x->y_bf16;  // y's element type: the layer's expert_out_dtype
+  MOE_EP_TRY(ck.ptr(y_bf16 ? "y (bf16 rows: config->expert_out_dtype)" : "y (float32 rows: config->expert_out_dtype)",
+                    y_rows, s.C * s.H, y_bf16 ? 2 : 4));
   MOE_EP_TRY(ck.ptr("out", out, num_tokens * s.H, 4));
   if (row_values != nullptr || out_values != nullptr) {  // NULL stands for an empty array
     MOE_EP_TRY(ck.ptr("row_values", row_values, s.C, 4));
@@ -461,10 +482,15 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
   }
   if (out_error != nullptr) MOE_EP_TRY(ck.ptr("out_error", out_error, 1, 4));
 #ifdef MOE_EP_NATIVE_WITH_CUDA
-  if (x->cuda) return moe_ep::cuda::ex_combine(stream, *x, num_tokens, y, out, row_values, out_values, out_error);
+  if (x->cuda)
+    return moe_ep::cuda::ex_combine(stream, *x, num_tokens, y_rows, y_bf16, out, row_values, out_values, out_error);
 #endif
   moe_ep::cpu::IeeeFpEnv fp_env;
-  return moe_ep::cpu_combine(*x, num_tokens, y, out, row_values, out_values, out_error);
+  if (y_bf16)
+    return moe_ep::cpu_combine(*x, num_tokens, static_cast<const uint16_t*>(y_rows), out, row_values, out_values,
+                               out_error);
+  return moe_ep::cpu_combine(*x, num_tokens, static_cast<const float*>(y_rows), out, row_values, out_values,
+                             out_error);
 }
 
 moe_ep_status moe_ep_layer_exchange_status(moe_ep_layer* layer, void* stream, int32_t* bits, int32_t clear) {

@@ -17,7 +17,8 @@ struct Exchange {
   bool cuda = false;
   int cuda_device = 0;
   int64_t timeout_ms = 60000;
-  int num_blocks = 32;
+  int num_blocks = 32;            // thread blocks of the copy kernels (CUDA default: 2 per multiprocessor)
+  bool y_bf16 = false;            // combine's y rows are bf16 (config.expert_out_dtype), else float32
   int64_t token_bytes_max = 0;
   void* own = nullptr;      // the region the layer allocated (zeroed)
   void* region = nullptr;   // the region in use (own, or the caller's, from set_peers)
@@ -39,6 +40,7 @@ Exchange* layer_exchange(const moe_ep_layer* l);
 
 #ifdef MOE_EP_NATIVE_WITH_CUDA
 namespace cuda {
+moe_ep_status ex_default_blocks(int cuda_device, int* out);
 moe_ep_status ex_alloc_zero(int cuda_device, size_t bytes, void** out);
 moe_ep_status ex_free(void* p);
 moe_ep_status ex_copy_to_device(int cuda_device, void* dst, const void* src, size_t bytes);
@@ -48,7 +50,8 @@ moe_ep_status ex_ipc_close(void* p);
 moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t row_bytes, const void* tokens,
                           const float* weights, void* out_tokens, float* out_w, int32_t* out_meta, int32_t* out_gs,
                           int32_t* out_tpe, int32_t* out_error);
-moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const float* y, float* out,
+// y: [C, H] float32, or bf16 bit patterns with y_bf16.
+moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const void* y, bool y_bf16, float* out,
                          const float* row_values, float* out_values, int32_t* out_error);
 moe_ep_status ex_status(void* stream, const Exchange& x, int32_t* bits, bool clear);
 }  // namespace cuda

@@ -15,7 +15,8 @@
 //           (-1: not for this rank), the route's index among the source's routes
 //           to that expert (token-major) and the router weight.
 //   drows:  [N][Tmax][stride] bytes: the token rows (one per source token with a
-//           route here).
+//           route here; a rank's own rows are not copied: it places them from
+//           its tokens).
 //   cvals:  [Tmax][K] float32: per-route values returned by combine.
 //   crows:  RANK_SUMS: [N][Tmax][H] float32 (one row per expert rank);
 //           SLOT_ORDER: [K][Tmax][H] float32 (one row per slot).
@@ -82,6 +83,7 @@ struct Local {
   int32_t* sticky_err;  // [1] the record since the last clear
   int32_t* excl;        // [E] exclusive prefix of this rank's routes per expert
   int32_t* route_dest;  // [Tmax*K] destination rank of each own route (-1: none)
+  int32_t* tok_ranks;   // [Tmax*K] per own token: the ranks of its routes, ascending, each once, then -1
   int32_t* off;         // [El + 1] aligned slab starts
   int32_t* nloc;        // [El] routes per local expert
   int32_t* pref;        // [N][El] routes from lower source ranks per local expert
@@ -104,6 +106,7 @@ MOE_EP_HD int64_t local_bytes_carve(const Shape& s, char* base, Local* out) {
   l.sticky_err = reinterpret_cast<int32_t*>(take(4));
   l.excl = reinterpret_cast<int32_t*>(take(4 * s.E));
   l.route_dest = reinterpret_cast<int32_t*>(take(4 * s.Tmax * s.K));
+  l.tok_ranks = reinterpret_cast<int32_t*>(take(4 * s.Tmax * s.K));
   l.off = reinterpret_cast<int32_t*>(take(4 * (s.El + 1)));
   l.nloc = reinterpret_cast<int32_t*>(take(4 * s.El));
   l.pref = reinterpret_cast<int32_t*>(take(4 * s.N * s.El));
@@ -172,6 +175,20 @@ MOE_EP_HD bool is_padding(const Shape& s, const int32_t* off, const int32_t* nlo
   for (int64_t le = 0; le < s.El; ++le)
     if (r >= off[le] && r < off[le + 1]) return r - off[le] >= nloc[le];
   return true;
+}
+
+// One token's route ranks (dest[K], -1: no route) as the home rank sums them in
+// MOE_EP_COMBINE_RANK_SUMS: ascending, each once, then -1 up to K entries.
+MOE_EP_HD void token_ranks(const int32_t* dest, int64_t K, int32_t* out) {
+  int64_t n = 0;
+  for (int32_t prev = -1;; ++n) {
+    int32_t next = -1;
+    for (int64_t k = 0; k < K; ++k)
+      if (dest[k] > prev && (next < 0 || dest[k] < next)) next = dest[k];
+    if (next < 0) break;
+    out[n] = prev = next;
+  }
+  for (; n < K; ++n) out[n] = -1;
 }
 
 // The aligned slab size of local expert le cut at C.

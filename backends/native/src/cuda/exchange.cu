@@ -8,14 +8,23 @@
 //             acknowledgement of the previous step) -> send (one warp per
 //             (token, destination rank): the token's K route records, and its
 //             row once if any of its routes goes there, stored into the
-//             receiver's region) -> sync (system fence, publish the step in every
-//             peer's flag with a release store, wait for every peer's flag with
-//             acquire loads, offsets from the gathered count table) -> place
-//             (local copies of the received rows into the expert-major buffer,
-//             padding rows zeroed) -> ack.
-//   combine:  begin -> send (per (source rank, token) one float32 row: the
-//             routes here summed in slot order, or one row per route) -> sync ->
-//             finish (the home rank's sum, NaN on any error) -> ack.
+//             receiver's region; rows to this rank itself stay in `tokens`) ->
+//             sync (system fence, publish the step in every peer's flag with a
+//             release store, wait for every peer's flag with acquire loads,
+//             offsets from the gathered count table) -> place (one warp per
+//             received route: its row copied locally into the expert-major
+//             buffer; padding rows zeroed) -> ack.
+//   combine:  begin -> send (one warp per (source rank, token, piece of H): one
+//             float32 row per source token, the routes here summed in slot
+//             order, or one row per route; y float32 or bf16) -> sync -> finish
+//             (one warp per (token, piece of H): the home rank's sum, NaN on any
+//             error) -> ack. One rank alone (N = 1) skips a pass: send writes the
+//             slot-order sums into the output itself (what finish would write:
+//             +0 + s is s for a sum s started at +0, and the slot rows' sum from +0
+//             is the same sum), and finish writes only an error's NaN.
+// The copy kernels (send, place, finish) run kCopyThreads threads per block,
+// x.num_blocks blocks (default: 2 per multiprocessor), grid-stride over warp-sized
+// items, every lane with several 16-byte loads in flight.
 // Every wait is bounded by the layer's timeout (%globaltimer): on expiry the
 // step's error gets MOE_EP_EXCHANGE_TIMEOUT, which travels to the peers in the
 // flags, and the kernels finish without the missing data.
@@ -23,6 +32,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "exchange.h"
@@ -32,6 +42,8 @@ namespace cuda {
 namespace {
 
 using ex::RouteMeta;
+
+constexpr int kCopyThreads = 512;  // threads per block of the copy kernels
 
 struct Dev {
   ex::Shape s;
@@ -78,13 +90,20 @@ __device__ uint64_t bounded_wait(const uint64_t* p, uint64_t t0, uint64_t timeou
   return v;
 }
 
-// One warp copies `bytes` bytes (16-byte pieces when both ends and the size allow).
+// One warp copies `bytes` bytes: 16-byte pieces, four per lane in flight, when both
+// ends and the size allow; else 4-byte pieces or bytes.
 __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
   if ((a & 15) == 0) {
     const int4* s4 = reinterpret_cast<const int4*>(src);
     int4* d4 = reinterpret_cast<int4*>(dst);
-    for (int64_t i = lane; i < bytes / 16; i += 32) d4[i] = s4[i];
+    const int64_t n = bytes / 16;
+    int64_t i = lane;
+    for (; i + 96 < n; i += 128) {
+      const int4 v0 = s4[i], v1 = s4[i + 32], v2 = s4[i + 64], v3 = s4[i + 96];
+      d4[i] = v0, d4[i + 32] = v1, d4[i + 64] = v2, d4[i + 96] = v3;
+    }
+    for (; i < n; i += 32) d4[i] = s4[i];
   } else if ((a & 3) == 0) {
     const int* s4 = reinterpret_cast<const int*>(src);
     int* d4 = reinterpret_cast<int*>(dst);
@@ -148,14 +167,24 @@ __global__ void dispatch_begin(Dev d, int64_t T) {  // <<<1, 32>>>
   if (lane == 0) *d.l.step_err = err;
 }
 
-__global__ void dispatch_send(Dev d, int64_t T, int64_t row_bytes, const char* __restrict__ tokens,
-                              const float* __restrict__ weights) {
+// One thread per own token: its routes' destination ranks and its rank list (the
+// combine's); block 0: this rank's count-table row into every peer; one warp per
+// (token, destination rank): the token's K route records, and its row once if any
+// of its routes goes there (not to this rank itself: dispatch_place reads its own
+// rows from `tokens`).
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    dispatch_send(Dev d, int64_t T, int64_t row_bytes, const char* __restrict__ tokens,
+                  const float* __restrict__ weights) {
   const ex::Shape& s = d.s;
   const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t gthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t r = gtid; r < T * s.K; r += gthreads) {
-    const int32_t g = d.l.route_expert[r];
-    d.l.route_dest[r] = g >= 0 ? static_cast<int32_t>(g / s.El) : -1;
+  for (int64_t t = gtid; t < T; t += gthreads) {
+    int32_t* dest = d.l.route_dest + t * s.K;
+    for (int64_t k = 0; k < s.K; ++k) {
+      const int32_t g = d.l.route_expert[t * s.K + k];
+      dest[k] = g >= 0 ? static_cast<int32_t>(g / s.El) : -1;
+    }
+    ex::token_ranks(dest, s.K, d.l.tok_ranks + t * s.K);
   }
   if (*d.l.step_err & ex::kTimeout) return;
   if (blockIdx.x == 0) {
@@ -186,7 +215,7 @@ __global__ void dispatch_send(Dev d, int64_t T, int64_t row_bytes, const char* _
       }
       meta[k] = m;
     }
-    if (__any_sync(0xffffffffu, has))
+    if (p != s.rank && __any_sync(0xffffffffu, has))  // p is warp-uniform
       warp_copy(base + d.L.drows + (static_cast<int64_t>(s.rank) * s.Tmax + t) * s.stride, tokens + t * row_bytes,
                 row_bytes, lane);
   }
@@ -225,33 +254,38 @@ __device__ bool padding_row(const Dev& d, int64_t r) {
   return r - off[lo] >= d.l.nloc[lo];
 }
 
-__global__ void dispatch_place(Dev d, int64_t row_bytes, char* __restrict__ out_tokens, float* __restrict__ out_w,
-                               int32_t* __restrict__ out_meta) {
+// One warp per received route (source rank, token, slot): its buffer row from the
+// gathered offsets (rowmap, weight, metadata) and the token row copied there (this
+// rank's own rows from `tokens`, the peers' from the region); then one warp per
+// padding row: zeros, weight 0, metadata -1.
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    dispatch_place(Dev d, int64_t row_bytes, const char* __restrict__ tokens, char* __restrict__ out_tokens,
+                   float* __restrict__ out_w, int32_t* __restrict__ out_meta) {
   const ex::Shape& s = d.s;
   const int lane = threadIdx.x & 31;
-  const int64_t received = s.N * s.Tmax;
-  for (int64_t item = warp_id(); item < received + s.C; item += num_warps()) {
-    if (item < received) {
-      const int32_t src = static_cast<int32_t>(item / s.Tmax);
-      const int64_t t = item % s.Tmax;
+  const int64_t routes = s.N * s.Tmax * s.K;  // item = (src * Tmax + t) * K + k
+  const RouteMeta* meta = reinterpret_cast<const RouteMeta*>(d.own + d.L.dmeta);
+  for (int64_t item = warp_id(); item < routes + s.C; item += num_warps()) {
+    if (item < routes) {
+      const int64_t st = item / s.K;
+      const int32_t src = static_cast<int32_t>(st / s.Tmax);
+      const int64_t t = st % s.Tmax;
       if (t >= d.l.tsrc[src]) continue;
-      const RouteMeta* meta = reinterpret_cast<const RouteMeta*>(d.own + d.L.dmeta) + item * s.K;
-      const char* row_src = d.own + d.L.drows + item * s.stride;
-      for (int64_t k = 0; k < s.K; ++k) {
-        const RouteMeta m = meta[k];
-        const int32_t row = m.le >= 0 ? ex::route_row(s, d.l.off, d.l.pref, src, m.le, m.pos) : -1;
-        if (lane == 0) {
-          d.l.rowmap[item * s.K + k] = row;
-          if (row >= 0) {
-            out_w[row] = m.w;
-            int32_t* md = out_meta + 4 * static_cast<int64_t>(row);
-            md[0] = m.le, md[1] = src, md[2] = static_cast<int32_t>(t), md[3] = static_cast<int32_t>(k);
-          }
+      const RouteMeta m = meta[item];
+      const int32_t row = m.le >= 0 ? ex::route_row(s, d.l.off, d.l.pref, src, m.le, m.pos) : -1;
+      if (lane == 0) {
+        d.l.rowmap[item] = row;
+        if (row >= 0) {
+          out_w[row] = m.w;
+          int32_t* md = out_meta + 4 * static_cast<int64_t>(row);
+          md[0] = m.le, md[1] = src, md[2] = static_cast<int32_t>(t), md[3] = static_cast<int32_t>(item % s.K);
         }
-        if (row >= 0) warp_copy(out_tokens + row * row_bytes, row_src, row_bytes, lane);
       }
+      if (row < 0) continue;
+      const char* from = src == s.rank ? tokens + t * row_bytes : d.own + d.L.drows + st * s.stride;
+      warp_copy(out_tokens + static_cast<int64_t>(row) * row_bytes, from, row_bytes, lane);
     } else {
-      const int64_t r = item - received;
+      const int64_t r = item - routes;
       if (!padding_row(d, r)) continue;
       warp_zero(out_tokens + r * row_bytes, row_bytes, lane);
       if (lane == 0) {
@@ -268,6 +302,91 @@ __global__ void stage_ack(Dev d, int which, int64_t ack_off) {  // <<<1, 32>>>
 
 // ------------------------------------------------------------------ combine
 
+// How a warp reads a piece of a row of Y (float32 or bf16 bit patterns): kVec, in
+// 16-byte vectors of V elements (rows 16-byte aligned), else element by element.
+// A piece is kPieceVecs accesses per lane.
+constexpr int kPieceVecs = 4;
+
+template <typename Y, bool kVec>
+struct Cols {
+  using Elem = Y;
+  using Raw = typename std::conditional<kVec, uint4, Y>::type;
+  static constexpr int V = kVec ? 16 / static_cast<int>(sizeof(Y)) : 1;
+  static constexpr int64_t kPiece = 32 * V * kPieceVecs;  // elements of one warp's piece
+  static __device__ __forceinline__ Raw load(const Y* p) { return *reinterpret_cast<const Raw*>(p); }
+};
+
+// Raw loads as float32 (bf16: exactly, its bits are the high half of the float's).
+__device__ __forceinline__ float bf16_bits(uint32_t hi) { return __uint_as_float(hi & 0xffff0000u); }
+__device__ __forceinline__ void unpack(float r, float (&v)[1]) { v[0] = r; }
+__device__ __forceinline__ void unpack(uint16_t r, float (&v)[1]) { v[0] = bf16_bits(static_cast<uint32_t>(r) << 16); }
+__device__ __forceinline__ void unpack(uint4 r, float (&v)[4]) {  // 4 float32
+  v[0] = __uint_as_float(r.x), v[1] = __uint_as_float(r.y), v[2] = __uint_as_float(r.z), v[3] = __uint_as_float(r.w);
+}
+__device__ __forceinline__ void unpack(uint4 r, float (&v)[8]) {  // 8 bf16, element 0 in the low half of r.x
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[2 * i] = bf16_bits(w[i] << 16), v[2 * i + 1] = bf16_bits(w[i]);
+}
+
+template <int V>
+__device__ __forceinline__ void store(float* p, const float (&v)[V]) {
+  if constexpr (V == 1) {
+    *p = v[0];
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; i += 4) *reinterpret_cast<float4*>(p + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+  }
+}
+
+// acc = (((+0 + r_0) + r_1) + ...) over the rows r_j = row(j), j < n, that are not
+// NULL, in that order (float32, round to nearest), at the C::V elements from h;
+// the loads of kSumBatch rows are in flight at once.
+constexpr int kSumBatch = 4;
+
+template <typename C, typename Row>
+__device__ __forceinline__ void sum_rows(int64_t n, Row row, int64_t h, float (&acc)[C::V]) {
+#pragma unroll
+  for (int u = 0; u < C::V; ++u) acc[u] = 0.0f;
+  for (int64_t j0 = 0; j0 < n; j0 += kSumBatch) {
+    typename C::Raw raw[kSumBatch];
+    bool ok[kSumBatch];
+#pragma unroll
+    for (int j = 0; j < kSumBatch; ++j) {
+      const typename C::Elem* p = j0 + j < n ? row(j0 + j) : nullptr;
+      ok[j] = p != nullptr;
+      if (ok[j]) raw[j] = C::load(p + h);
+    }
+#pragma unroll
+    for (int j = 0; j < kSumBatch; ++j) {
+      if (!ok[j]) continue;
+      float v[C::V];
+      unpack(raw[j], v);
+#pragma unroll
+      for (int u = 0; u < C::V; ++u) acc[u] = __fadd_rn(acc[u], v[u]);
+    }
+  }
+}
+
+// The warp's piece [h0, h1) of row `from`, as float32, into row `to`.
+template <typename C>
+__device__ __forceinline__ void copy_piece(float* to, const typename C::Elem* from, int64_t h0, int64_t h1, int lane) {
+  typename C::Raw raw[kPieceVecs];
+#pragma unroll
+  for (int i = 0; i < kPieceVecs; ++i) {
+    const int64_t h = h0 + (lane + 32 * i) * C::V;
+    if (h < h1) raw[i] = C::load(from + h);
+  }
+#pragma unroll
+  for (int i = 0; i < kPieceVecs; ++i) {
+    const int64_t h = h0 + (lane + 32 * i) * C::V;
+    if (h >= h1) continue;
+    float v[C::V];
+    unpack(raw[i], v);
+    store(to + h, v);
+  }
+}
+
 __global__ void combine_begin(Dev d) {  // <<<1, 32>>>
   const uint64_t seq = d.l.seq[1] + 1;
   const int32_t err = wait_peers(d, d.L.comb_ack, [seq](uint64_t v) { return v + 1 >= seq; }, false);
@@ -278,49 +397,54 @@ __global__ void combine_begin(Dev d) {  // <<<1, 32>>>
   }
 }
 
-__global__ void combine_send(Dev d, const float* __restrict__ y, const float* __restrict__ row_values) {
+// One warp per (source rank, token, piece of H) with routes here. RANK_SUMS: their
+// y rows summed in slot order in float32 into the source's row for this rank;
+// SLOT_ORDER: each route's y row, as float32, into the source's row for its slot.
+// Piece 0 also returns the routes' values. `direct` (N = 1, this rank is the only
+// source and the home rank): the sums in slot order go straight into `direct`,
+// every token's row (a token with no route: +0), and nothing at all on an error
+// (combine_finish writes the NaN).
+template <typename Y, bool kVec>
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    combine_send(Dev d, const Y* __restrict__ y, const float* __restrict__ row_values, float* __restrict__ direct) {
+  using C = Cols<Y, kVec>;
   const ex::Shape& s = d.s;
-  if (*d.l.step_err & ex::kTimeout) return;
+  const int32_t err = *d.l.step_err;
+  if ((err & ex::kTimeout) || (direct != nullptr && err != 0)) return;
   const int lane = threadIdx.x & 31;
-  const bool vec = (s.H % 4 == 0) && (reinterpret_cast<uintptr_t>(y) % 16 == 0);
-  for (int64_t item = warp_id(); item < s.N * s.Tmax; item += num_warps()) {
-    const int32_t src = static_cast<int32_t>(item / s.Tmax);
-    const int64_t t = item % s.Tmax;
+  const int64_t pieces = detail::div_up(s.H, C::kPiece);
+  for (int64_t item = warp_id(); item < s.N * s.Tmax * pieces; item += num_warps()) {
+    const int64_t st = item / pieces, h0 = (item % pieces) * C::kPiece;
+    const int64_t h1 = h0 + C::kPiece < s.H ? h0 + C::kPiece : s.H;
+    const int32_t src = static_cast<int32_t>(st / s.Tmax);
+    const int64_t t = st % s.Tmax;
     if (t >= d.l.tsrc[src]) continue;
-    const int32_t* rm = d.l.rowmap + item * s.K;
+    const int32_t* rm = d.l.rowmap + st * s.K;
     char* base = peer(d, src);
     float* crows = reinterpret_cast<float*>(base + d.L.crows);
-    bool has = false;
-    for (int64_t k = 0; k < s.K; ++k) {
-      const int32_t row = rm[k];
-      if (row < 0) continue;
-      has = true;
-      if (row_values != nullptr && lane == 0) reinterpret_cast<float*>(base + d.L.cvals)[t * s.K + k] = row_values[row];
-      if (s.order == 1)
-        warp_copy(reinterpret_cast<char*>(crows + (k * s.Tmax + t) * s.H),
-                  reinterpret_cast<const char*>(y + static_cast<int64_t>(row) * s.H), 4 * s.H, lane);
+    if (h0 == 0 && row_values != nullptr)
+      for (int64_t k = lane; k < s.K; k += 32)
+        if (rm[k] >= 0) reinterpret_cast<float*>(base + d.L.cvals)[t * s.K + k] = row_values[rm[k]];
+    if (s.order == 1 && direct == nullptr) {
+      for (int64_t k = 0; k < s.K; ++k)
+        if (rm[k] >= 0)
+          copy_piece<C>(crows + (k * s.Tmax + t) * s.H, y + static_cast<int64_t>(rm[k]) * s.H, h0, h1, lane);
+      continue;
     }
-    if (s.order == 1 || !has) continue;
-    float* dst = crows + (static_cast<int64_t>(s.rank) * s.Tmax + t) * s.H;
-    if (vec) {
-      for (int64_t h = 4 * lane; h < s.H; h += 128) {
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int64_t k = 0; k < s.K; ++k) {
-          const int32_t row = rm[k];
-          if (row < 0) continue;
-          const float4 v = *reinterpret_cast<const float4*>(y + static_cast<int64_t>(row) * s.H + h);
-          acc.x = __fadd_rn(acc.x, v.x), acc.y = __fadd_rn(acc.y, v.y);
-          acc.z = __fadd_rn(acc.z, v.z), acc.w = __fadd_rn(acc.w, v.w);
-        }
-        *reinterpret_cast<float4*>(dst + h) = acc;
-      }
-    } else {
-      for (int64_t h = lane; h < s.H; h += 32) {
-        float acc = 0.0f;
-        for (int64_t k = 0; k < s.K; ++k)
-          if (rm[k] >= 0) acc = __fadd_rn(acc, y[static_cast<int64_t>(rm[k]) * s.H + h]);
-        dst[h] = acc;
-      }
+    float* to = direct != nullptr ? direct + t * s.H : crows + (static_cast<int64_t>(s.rank) * s.Tmax + t) * s.H;
+    if (direct == nullptr) {
+      bool has = false;
+      for (int64_t k = 0; k < s.K; ++k) has = has || rm[k] >= 0;
+      if (!has) continue;  // no row goes back (the home rank does not read it)
+    }
+    const auto route_row = [&](int64_t k) -> const Y* {
+      const int32_t r = rm[k];
+      return r >= 0 ? y + static_cast<int64_t>(r) * s.H : nullptr;
+    };
+    for (int64_t h = h0 + lane * C::V; h < h1; h += 32 * C::V) {
+      float acc[C::V];
+      sum_rows<C>(s.K, route_row, h, acc);
+      store(to + h, acc);
     }
   }
 }
@@ -338,8 +462,16 @@ __global__ void combine_sync(Dev d) {  // <<<1, 32>>>
   }
 }
 
-__global__ void combine_finish(Dev d, int64_t T, float* __restrict__ out, float* __restrict__ out_values,
-                               int32_t* out_error) {
+// One warp per (token, piece of H): the home rank's sum from +0 (SLOT_ORDER: the
+// slot rows of the token's routes in slot order; RANK_SUMS: the rows of the ranks
+// in tok_ranks, in rank order), NaN on any error; piece 0 also the per-route values.
+// `direct`: combine_send wrote the sums, only an error's NaN is written here (the
+// step's error only grows from combine_send to here, so no sum is left unwritten).
+template <bool kVec>
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    combine_finish(Dev d, int64_t T, bool direct, float* __restrict__ out, float* __restrict__ out_values,
+                   int32_t* out_error) {
+  using C = Cols<float, kVec>;
   const ex::Shape& s = d.s;
   const int lane = threadIdx.x & 31;
   const int32_t err = *d.l.step_err;
@@ -347,26 +479,50 @@ __global__ void combine_finish(Dev d, int64_t T, float* __restrict__ out, float*
   const float nan = __int_as_float(0x7fc00000);
   const float* crows = reinterpret_cast<const float*>(d.own + d.L.crows);
   const float* cvals = reinterpret_cast<const float*>(d.own + d.L.cvals);
-  for (int64_t t = warp_id(); t < T; t += num_warps()) {
+  const int64_t pieces = detail::div_up(s.H, C::kPiece);
+  for (int64_t item = warp_id(); item < T * pieces; item += num_warps()) {
+    const int64_t t = item / pieces, h0 = (item % pieces) * C::kPiece;
+    const int64_t h1 = h0 + C::kPiece < s.H ? h0 + C::kPiece : s.H;
     const int32_t* dest = d.l.route_dest + t * s.K;
-    for (int64_t h = lane; h < s.H; h += 32) {
-      float acc = 0.0f;
-      if (s.order == 1) {
-        for (int64_t k = 0; k < s.K; ++k)
-          if (dest[k] >= 0) acc = __fadd_rn(acc, crows[(k * s.Tmax + t) * s.H + h]);
-      } else {
-        for (int32_t p = 0; p < s.N; ++p) {
-          bool here = false;
-          for (int64_t k = 0; k < s.K; ++k) here = here || dest[k] == p;
-          if (here) acc = __fadd_rn(acc, crows[(static_cast<int64_t>(p) * s.Tmax + t) * s.H + h]);
-        }
-      }
-      out[t * s.H + h] = err ? nan : acc;
-    }
-    if (out_values != nullptr)
+    if (h0 == 0 && out_values != nullptr)
       for (int64_t k = lane; k < s.K; k += 32)
         out_values[t * s.K + k] = err ? nan : (dest[k] >= 0 ? cvals[t * s.K + k] : 0.0f);
+    if (direct && err == 0) continue;
+    const int32_t* ranks = d.l.tok_ranks + t * s.K;
+    const auto slot_row = [&](int64_t k) -> const float* {
+      return dest[k] >= 0 ? crows + (k * s.Tmax + t) * s.H : nullptr;
+    };
+    const auto rank_row = [&](int64_t j) -> const float* {
+      return ranks[j] >= 0 ? crows + (static_cast<int64_t>(ranks[j]) * s.Tmax + t) * s.H : nullptr;
+    };
+    for (int64_t h = h0 + lane * C::V; h < h1; h += 32 * C::V) {
+      float acc[C::V];
+      if (err) {
+#pragma unroll
+        for (int u = 0; u < C::V; ++u) acc[u] = nan;
+      } else if (s.order == 1) {
+        sum_rows<C>(s.K, slot_row, h, acc);
+      } else {
+        sum_rows<C>(s.K, rank_row, h, acc);
+      }
+      store(out + t * s.H + h, acc);
+    }
   }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// combine_send for y of element type Y, 16-byte vectors where the rows and `direct` allow.
+template <typename Y>
+moe_ep_status launch_combine_send(cudaStream_t st, unsigned blocks, const Dev& d, const void* y,
+                                  const float* row_values, float* direct) {
+  const Y* rows = static_cast<const Y*>(y);
+  const bool vec = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) &&
+                   (direct == nullptr || aligned16(direct));
+  if (vec) combine_send<Y, true><<<blocks, kCopyThreads, 0, st>>>(d, rows, row_values, direct);
+  else combine_send<Y, false><<<blocks, kCopyThreads, 0, st>>>(d, rows, row_values, direct);
+  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_send");
+  return MOE_EP_OK;
 }
 
 Dev make_dev(const Exchange& x) {
@@ -384,6 +540,14 @@ moe_ep_status cuda_fail(const char* what, cudaError_t err) {
 }
 
 }  // namespace
+
+moe_ep_status ex_default_blocks(int cuda_device, int* out) {
+  int sms = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cuda_device);
+  if (err != cudaSuccess) return cuda_fail("moe_ep_layer_create: the device's multiprocessor count", err);
+  *out = 2 * (sms > 0 ? sms : 1);  // two blocks of kCopyThreads per multiprocessor
+  return MOE_EP_OK;
+}
 
 moe_ep_status ex_alloc_zero(int cuda_device, size_t bytes, void** out) {
   cudaError_t err = cudaSetDevice(cuda_device);
@@ -435,29 +599,34 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
   const unsigned blocks = static_cast<unsigned>(x.num_blocks);
   dispatch_begin<<<1, 32, 0, st>>>(d, T);
   MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_begin");
-  dispatch_send<<<blocks, 256, 0, st>>>(d, T, row_bytes, static_cast<const char*>(tokens), weights);
+  dispatch_send<<<blocks, kCopyThreads, 0, st>>>(d, T, row_bytes, static_cast<const char*>(tokens), weights);
   MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_send");
   dispatch_sync<<<1, 32, 0, st>>>(d, out_gs, out_tpe, out_error);
   MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_sync");
-  dispatch_place<<<blocks, 256, 0, st>>>(d, row_bytes, static_cast<char*>(out_tokens), out_w, out_meta);
+  dispatch_place<<<blocks, kCopyThreads, 0, st>>>(d, row_bytes, static_cast<const char*>(tokens),
+                                                  static_cast<char*>(out_tokens), out_w, out_meta);
   MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_place");
   stage_ack<<<1, 32, 0, st>>>(d, 0, x.sym.disp_ack);
   MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_ack");
   return MOE_EP_OK;
 }
 
-moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const float* y, float* out,
+moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const void* y, bool y_bf16, float* out,
                          const float* row_values, float* out_values, int32_t* out_error) {
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
   const unsigned blocks = static_cast<unsigned>(x.num_blocks);
+  float* direct = x.shape.N == 1 ? out : nullptr;  // one rank: the sums go straight into out
   combine_begin<<<1, 32, 0, st>>>(d);
   MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_begin");
-  combine_send<<<blocks, 256, 0, st>>>(d, y, row_values);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_send");
+  if (y_bf16) MOE_EP_TRY(launch_combine_send<uint16_t>(st, blocks, d, y, row_values, direct));
+  else MOE_EP_TRY(launch_combine_send<float>(st, blocks, d, y, row_values, direct));
   combine_sync<<<1, 32, 0, st>>>(d);
   MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_sync");
-  combine_finish<<<blocks, 256, 0, st>>>(d, T, out, out_values, out_error);
+  if (x.shape.H % 4 == 0 && aligned16(out))
+    combine_finish<true><<<blocks, kCopyThreads, 0, st>>>(d, T, direct != nullptr, out, out_values, out_error);
+  else
+    combine_finish<false><<<blocks, kCopyThreads, 0, st>>>(d, T, direct != nullptr, out, out_values, out_error);
   MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_finish");
   stage_ack<<<1, 32, 0, st>>>(d, 1, x.sym.comb_ack);
   MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_ack");
