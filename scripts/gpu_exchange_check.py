@@ -95,7 +95,7 @@ def _smoke_layer(rank, n, store, el, k, hidden, rb, tmax, cap, bf16_out):
         b["y"].copy_(b["wo"].unsqueeze(1) + b["xo"][:, :1].float())
         b["v"].copy_(b["wo"] * 2)
         layer.combine(s, T, b["y"].data_ptr(), b["out"].data_ptr(), b["v"].data_ptr(), b["ov"].data_ptr(),
-                      b["cerr"].data_ptr())
+                      b["cerr"].data_ptr(), y_bf16=b["y"].dtype == torch.bfloat16)
 
     lines, ok = [], True
     graph = None
@@ -207,7 +207,8 @@ def timing(num_sms: int = 0) -> int:
                               mo.data_ptr(), gs.data_ptr(), None, err.data_ptr())
 
     def comb(name):
-        layers[name].combine(s, T, ys[name].data_ptr(), outs[name].data_ptr(), None, None, None)
+        layers[name].combine(s, T, ys[name].data_ptr(), outs[name].data_ptr(), None, None, None,
+                             y_bf16=name == "bf16")
 
     # Checks, bit for bit: the placed rows, the combine against the slot-order sum from +0, and the
     # bf16-rows combine against the float32-rows one.

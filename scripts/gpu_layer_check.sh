@@ -11,6 +11,7 @@
 #   gemm         the grouped-GEMM check program (every layout against a float32 reference, then TFLOP/s);
 #   tests        tests/test_native_layer.py, tests/test_native_cuda.py, tests/test_cuda_nccl.py;
 #   conformance  the full conformance table on cuda-nccl on CUDA at EP 1;
+#   probe        gemm_check --initcheck-probe under initcheck: whether the tool tracks the GEMM's TMA stores;
 #   sanitizer    compute-sanitizer memcheck, racecheck and initcheck on one forward+backward of each mode;
 #   layer        scripts/gpu_cuda_nccl_layer.py --time (graph capture, timing against the torch backend);
 #   profile      scripts/gpu_layer_profile.py (CUDA-event times and the top kernels, forward and backward);
@@ -22,7 +23,7 @@ out="${OUT:-reports}/gpu-layer"
 mkdir -p "$out"
 . scripts/device_env.sh
 status=0
-steps=" ${STEPS:-gemm tests conformance sanitizer layer profile bench} "
+steps=" ${STEPS:-gemm tests conformance probe sanitizer layer profile bench} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -44,6 +45,13 @@ if want conformance; then
   echo "== conformance: cuda-nccl on CUDA, EP 1"
   timeout 480 "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 --report-md "$out/conformance-ep1.md" \
     2>&1 | tail -n 25 | tee "$out/conformance.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if want probe; then
+  echo "== does initcheck see the grouped GEMM's (TMA) stores? gemm_check --initcheck-probe under initcheck"
+  timeout 120 compute-sanitizer --tool initcheck --print-limit 4 .devbuild/moe_ep_gemm_check --initcheck-probe \
+    > "$out/initcheck-probe.txt" 2>&1
+  echo "initcheck probe: rc=$?"
+  grep -E "^========= +at |initcheck probe|ERROR SUMMARY" "$out/initcheck-probe.txt" | sort | uniq -c | head -12
 fi
 if want sanitizer; then
   for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck}; do

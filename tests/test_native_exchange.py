@@ -97,7 +97,7 @@ def _combine(layer, t, y, k, values=None):
     out = np.full((t, y.shape[1]), 5.0, np.float32)
     ov = np.full((t, k), 5.0, np.float32) if values is not None else None
     err = np.full(1, -1, np.int32)
-    layer.combine(None, t, _ptr(y), _ptr(out), _ptr(values), _ptr(ov), _ptr(err))
+    layer.combine(None, t, _ptr(y), _ptr(out), _ptr(values), _ptr(ov), _ptr(err), y_bf16=y.dtype == np.uint16)
     return out, ov, int(err[0])
 
 
@@ -264,30 +264,32 @@ def test_cpu_twin_combine_of_bf16_rows_equals_float32_rows_of_the_same_values(ca
 
 
 def test_cpu_twin_combine_checks_the_alignment_of_y_by_its_dtype() -> None:
-    """y is aligned to its element: 2 bytes for bf16 rows, 4 for float32 rows; the
-    binding's y_bf16 must be the layer's dtype."""
+    """y is aligned to its element: 2 bytes for bf16 rows, 4 for float32 rows (the
+    call's y_dtype, whatever the layer's expert_out_dtype); a y_dtype that is
+    neither is refused with the rule."""
     el, k, cap, hidden = 2, 2, 8, 8
     idx = np.array([[0, 1], [1, -1]], np.int32)
-    for bf16 in (False, True):
-        (layer,) = _layers(1, el, k, cap, 2, 4, hidden=hidden, bf16_out=bf16)
+    for layer_bf16 in (False, True):
+        (layer,) = _layers(1, el, k, cap, 2, 4, hidden=hidden, bf16_out=layer_bf16)
         try:
             _dispatch(layer, np.ones((2, 4), np.uint8), idx, np.ones((2, 2), np.float32), cap, el)
-            size = 2 if bf16 else 4
-            raw = np.zeros(cap * hidden * size + 8, np.uint8)
-            out = np.zeros((2, hidden), np.float32)
-            base = raw.ctypes.data + (-raw.ctypes.data) % 4  # 4-byte aligned
-            rule = rf"y \(.*\) must be aligned to {size} bytes; got an address 1"
-            with pytest.raises(NativeArgumentError, match=rule):
-                layer.combine(None, 2, base + 1, _ptr(out))
-            if bf16:
-                layer.combine(None, 2, base + 2, _ptr(out))  # 2-byte aligned is enough for bf16 rows
-                np.testing.assert_array_equal(out, 0.0)
-            else:
-                with pytest.raises(NativeArgumentError, match=r"must be aligned to 4 bytes; got an address 2"):
-                    layer.combine(None, 2, base + 2, _ptr(out))
-            with pytest.raises(NativeArgumentError, match=r"y must have the layer's expert_out_dtype"):
-                layer.combine(None, 2, base, _ptr(out), y_bf16=not bf16)
-            layer.combine(None, 2, base, _ptr(out), y_bf16=bf16)
+            for bf16 in (False, True):
+                size = 2 if bf16 else 4
+                raw = np.zeros(cap * hidden * size + 8, np.uint8)
+                out = np.zeros((2, hidden), np.float32)
+                base = raw.ctypes.data + (-raw.ctypes.data) % 4  # 4-byte aligned
+                with pytest.raises(NativeArgumentError, match=rf"y must be aligned to {size} bytes; got an address 1"):
+                    layer.combine(None, 2, base + 1, _ptr(out), y_bf16=bf16)
+                if bf16:
+                    layer.combine(None, 2, base + 2, _ptr(out), y_bf16=True)  # 2-byte aligned is enough for bf16
+                    np.testing.assert_array_equal(out, 0.0)
+                else:
+                    with pytest.raises(NativeArgumentError, match=r"must be aligned to 4 bytes; got an address 2"):
+                        layer.combine(None, 2, base + 2, _ptr(out), y_bf16=False)
+                layer.combine(None, 2, base, _ptr(out), y_bf16=bf16)
+            with pytest.raises(NativeArgumentError, match=r"y_dtype must be MOE_EP_DTYPE_F32 \(0\) or "
+                                                          r"MOE_EP_DTYPE_BF16 \(1\); got 7"):
+                call("moe_ep_layer_combine", layer._handle, None, 2, base, 7, _ptr(out), None, None, None)
         finally:
             layer.close()
 

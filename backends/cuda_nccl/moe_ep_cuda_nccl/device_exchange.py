@@ -38,6 +38,7 @@ from moe_ep_native import exchange as X
 from moe_ep_native.layer import layer_config
 from moe_ep_spec import errors as E
 from moe_ep_spec.config import MoeEpConfig
+from moe_ep_spec.formats import MoeFormat
 from moe_ep_torch import core
 from moe_ep_torch.api import _check, _check_group
 
@@ -84,6 +85,11 @@ def close(group: Any = None) -> None:
         layer.close()
 
 
+def _bf16_rows(config: MoeEpConfig) -> bool:
+    """Whether the expert-output rows travel as bf16 (combine_format bf16: they are bf16 values)."""
+    return config.combine_format is MoeFormat.BF16
+
+
 def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, token_bytes: int) -> X.ExchangeLayer:
     """The exchange layer of this call (made and connected on first use: collective)."""
     cuda_device = device.index if device.type == "cuda" else None
@@ -102,7 +108,7 @@ def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, to
         _GENERATION[group.group_name] = gen + 1
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     base = layer_config(config, max_rows=int(config.recv_capacity), cuda_device=cuda_device, bf16_operands=bf16,
-                        with_backward=True)
+                        with_backward=True, bf16_expert_out=_bf16_rows(config))
     cfg = X.with_exchange(
         base, num_ranks=n, rank=rank, num_topk=config.num_topk, max_tokens=int(config.max_tokens_per_rank),
         token_bytes=token_bytes + 4 * config.hidden, expert_alignment=config.expert_alignment,
@@ -129,21 +135,31 @@ def _bf16(activation: Any, fc1: Any, fc2: Any) -> bool:
 
 def _dispatch(prims, config, group, activation, fc1, fc2, idx, weights, extra):
     """Host checks, then the layer's dispatch of the token rows (+ ``extra`` per-token rows).
-    Returns ``(layer, x_buf, extra buffers, w_buf, meta, group_sizes, tokens_per_expert, error, fc1_d, fc2_d)``."""
+    Returns ``(layer, x_buf, extra buffers, w_buf, meta, group_sizes, tokens_per_expert, error, fc1_d, fc2_d)``.
+
+    A plain activation with no extra rows moves as it is: its rows are the
+    dispatch's input and the received buffer is the experts' operand (no packing,
+    no copy). Otherwise the parts are packed into one byte row per token."""
     t = int(idx.shape[0])
     dev = idx.device
-    parts = core.gather_rows(activation, torch.arange(t, device=dev))
-    token_part_count = len(parts)
-    blob, layout = core.pack_rows(parts, t)
-    token_bytes = int(blob.shape[1])
-    blob, layout = core.pack_rows(parts + [e.float() for e in extra], t)
-    layer = _layer(config, group, dev, _bf16(activation, fc1, fc2), token_bytes)
     cap, el, k = int(config.recv_capacity), config.num_local_experts, config.num_topk
-    blob = blob.contiguous()
-    rb = int(blob.shape[1])
+    plain = isinstance(activation, torch.Tensor) and not extra
+    if plain:
+        blob = activation.contiguous()
+        token_bytes = blob.element_size() * config.hidden
+        rb = token_bytes
+        x_rows = torch.empty((cap, config.hidden), dtype=blob.dtype, device=dev)
+    else:
+        parts = core.gather_rows(activation, torch.arange(t, device=dev))
+        token_part_count = len(parts)
+        token_bytes = sum(int(p[0].numel()) * p.element_size() for p in parts) if t else _row_bytes(activation, config)
+        blob, layout = core.pack_rows(parts + [e for e in extra], t)
+        blob = blob.contiguous()
+        rb = int(blob.shape[1])
+        x_rows = torch.empty((cap, rb), dtype=torch.uint8, device=dev)
+    layer = _layer(config, group, dev, _bf16(activation, fc1, fc2), token_bytes)
     idx32 = idx.to(torch.int32).contiguous()
     w32 = weights.float().reshape(t, k).contiguous()
-    x_rows = torch.empty((cap, rb), dtype=torch.uint8, device=dev)
     w_buf = torch.empty(cap, dtype=torch.float32, device=dev)
     meta = torch.empty((cap, 4), dtype=torch.int32, device=dev)
     gs = torch.empty(el, dtype=torch.int32, device=dev)
@@ -152,10 +168,26 @@ def _dispatch(prims, config, group, activation, fc1, fc2, idx, weights, extra):
     _, stream = where(idx32)
     layer.dispatch(stream, t, rb, ptr(blob), ptr(idx32), ptr(w32), ptr(x_rows), ptr(w_buf), ptr(meta), ptr(gs),
                    ptr(tpe), ptr(err))
-    recv = core.unpack_rows(x_rows, layout)
-    x_buf = prims.decode(core.rebuild(activation, recv[:token_part_count]))
+    if plain:
+        x_buf, recv_extra = x_rows, []
+    else:
+        recv = core.unpack_rows(x_rows, layout)
+        x_buf, recv_extra = core.rebuild(activation, recv[:token_part_count]), recv[token_part_count:]
+    # The rows in the activation's encoding: bf16 rows and weights stay bf16 (tensor cores), the rest is decoded.
     x_buf, fc1_d, fc2_d = prims.forward_operands(activation, x_buf, prims.decode_weight(fc1), prims.decode_weight(fc2))
-    return layer, x_buf, recv[token_part_count:], w_buf, meta, gs, tpe, err, fc1_d, fc2_d
+    return layer, x_buf, recv_extra, w_buf, meta, gs, tpe, err, fc1_d, fc2_d
+
+
+def _row_bytes(activation: Any, config: MoeEpConfig) -> int:
+    """Bytes of one token row of the activation's encoding (for a dispatch of no tokens)."""
+    parts = core.gather_rows(activation, torch.zeros(0, dtype=torch.int64, device=activation.device))
+    total = 0
+    for p in parts:
+        n = 1
+        for d in p.shape[1:]:
+            n *= int(d)
+        total += n * p.element_size()
+    return total
 
 
 def _record(config: MoeEpConfig, group: Any, err: torch.Tensor, tpe: torch.Tensor) -> None:
@@ -171,32 +203,30 @@ def forward(
     weights: torch.Tensor,
 ) -> Dict[str, Any]:
     """The fused forward over the device exchange: ``{"output", "fc1_c", "route_metadata"}`` as
-    :func:`moe_ep_cuda_nccl.static.forward`."""
+    :func:`moe_ep_cuda_nccl.static.forward`. Three native stages (dispatch, experts,
+    combine); on an error of any rank the layer itself makes the expert outputs and
+    the stash NaN and the combine makes the output NaN (no host synchronisation)."""
     _check_group(config, group)
     static._require_static(config, dist.get_rank(group))
-    _check(config, group, activation, fc1, fc2, idx, weights)
+    _check(config, group, activation, fc1, fc2, idx, weights, group_moves_rows=False)
     layer, x_buf, _, w_buf, meta, gs, tpe, err, fc1_d, fc2_d = _dispatch(
         prims, config, group, activation, fc1, fc2, idx, weights, []
     )
     _, x, f1, f2 = _operands(x_buf, fc1_d, fc2_d)
     rows, h, i = int(x.shape[0]), config.hidden, config.intermediate
-    w = w_buf.contiguous()
-    y = torch.empty((rows, h), dtype=torch.float32, device=x.device)
+    y_dtype = torch.bfloat16 if layer.bf16_expert_out else torch.float32
+    y = torch.empty((rows, h), dtype=y_dtype, device=x.device)
     c = torch.empty((rows, 2 * i), dtype=torch.bfloat16, device=x.device)
     _, stream = where(x)
-    layer.experts_forward(stream, rows, ptr(x), ptr(w), ptr(f1), ptr(f2), ptr(gs), ptr(y), ptr(c))
-    c = c.masked_fill(meta[:, :1] < 0, 0.0)
+    layer.experts_forward(stream, rows, ptr(x), ptr(w_buf), ptr(f1), ptr(f2), ptr(gs), ptr(y), ptr(c))
+    # Padding rows of the stash are zero (their rows of x are zero, but not 0 * inf); NaN stays NaN.
+    c.masked_fill_((meta[:, :1] < 0) & (err.reshape(1, 1) == 0), 0.0)
     t = int(idx.shape[0])
     out = torch.empty((t, h), dtype=torch.float32, device=x.device)
     cerr = torch.empty(1, dtype=torch.int32, device=x.device)  # the dispatch's bits and a combine timeout
-    layer.combine(stream, t, ptr(y), ptr(out), None, None, ptr(cerr))
-    bad = cerr.reshape(()) != 0
+    layer.combine(stream, t, ptr(y), ptr(out), None, None, ptr(cerr), y_bf16=layer.bf16_expert_out)  # NaN on any error
     _record(config, group, cerr, tpe)
-    return {
-        "output": prims.encode_output(config, out.masked_fill(bad, float("nan"))),
-        "fc1_c": c.float().masked_fill(bad, float("nan")).to(torch.bfloat16),
-        "route_metadata": meta,
-    }
+    return {"output": prims.encode_output(config, out), "fc1_c": c, "route_metadata": meta}
 
 
 def backward(
@@ -208,7 +238,7 @@ def backward(
     with the router-weight cotangents as per-route values)."""
     _check_group(config, group)
     static._require_static(config, dist.get_rank(group))
-    _check(config, group, activation, fc1, fc2, idx, weights)
+    _check(config, group, activation, fc1, fc2, idx, weights, group_moves_rows=False)
     want = (config.recv_capacity, 2 * config.intermediate)
     if tuple(fc1_c.shape) != want:
         raise E.StashError(
@@ -216,29 +246,25 @@ def backward(
             f"in the static mode; got {tuple(fc1_c.shape)}"
         )
     layer, x_buf, (dy_buf,), w_buf, meta, gs, tpe, err, fc1_d, fc2_d = _dispatch(
-        prims, config, group, activation, fc1, fc2, idx, weights, [grad_output]
+        prims, config, group, activation, fc1, fc2, idx, weights, [core.cotangent(grad_output)]
     )
     _, x, f1, f2 = _operands(x_buf, fc1_d, fc2_d)
     rows, h = int(x.shape[0]), config.hidden
-    w, dy = w_buf.contiguous(), dy_buf.float().contiguous()
+    # A bf16 cotangent stays bf16 (exact; the layer reads it as is), anything else float32.
+    dy = dy_buf.contiguous() if dy_buf.dtype == torch.bfloat16 else dy_buf.float().contiguous()
     stash = fc1_c.to(torch.bfloat16).contiguous()
     dx = torch.empty((rows, h), dtype=torch.float32, device=x.device)
     dw = torch.empty((rows,), dtype=torch.float32, device=x.device)
     dfc1 = torch.empty(f1.shape, dtype=torch.float32, device=x.device)
     dfc2 = torch.empty(f2.shape, dtype=torch.float32, device=x.device)
     _, stream = where(x)
-    layer.experts_backward(stream, rows, ptr(x), ptr(w), ptr(f1), ptr(f2), ptr(stash), ptr(dy), ptr(gs), ptr(dx),
-                           ptr(dw), ptr(dfc1), ptr(dfc2))
+    # On an error of any rank the layer makes dx, dw, dfc1 and dfc2 NaN, the combine gx and gw.
+    layer.experts_backward(stream, rows, ptr(x), ptr(w_buf), ptr(f1), ptr(f2), ptr(stash), ptr(dy), ptr(gs),
+                           ptr(dx), ptr(dw), ptr(dfc1), ptr(dfc2), dy_bf16=dy.dtype == torch.bfloat16)
     t, k = int(idx.shape[0]), config.num_topk
     gx = torch.empty((t, h), dtype=torch.float32, device=x.device)
     gw = torch.empty((t, k), dtype=torch.float32, device=x.device)
     cerr = torch.empty(1, dtype=torch.int32, device=x.device)
-    layer.combine(stream, t, ptr(dx), ptr(gx), ptr(dw), ptr(gw), ptr(cerr))
-    bad = cerr.reshape(()) != 0
+    layer.combine(stream, t, ptr(dx), ptr(gx), ptr(dw), ptr(gw), ptr(cerr), y_bf16=False)
     _record(config, group, cerr, tpe)
-    return (
-        gx.masked_fill(bad, float("nan")),
-        dfc1.masked_fill(bad, float("nan")),
-        dfc2.masked_fill(bad, float("nan")),
-        gw.masked_fill(bad, float("nan")),
-    )
+    return gx, dfc1, dfc2, gw

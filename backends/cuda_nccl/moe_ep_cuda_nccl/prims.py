@@ -11,6 +11,12 @@ layer's (:mod:`moe_ep_torch.core`, :mod:`moe_ep_torch.api`).
 
 CPU tensors (the development mode of :data:`CPU_ENV`) run the native core's
 CPU kernels, with ``torch.distributed`` (gloo) moving the rows.
+
+Block-scaled operands (mxfp8, nvfp4 rows and weights) reach the experts as
+:class:`BlockScaledOperand`: decoded to bf16 (``moe_ep_dequantize_bf16``: exact,
+or NaN with a device flag where bf16 cannot hold a value) for the layer's
+tensor-core path, or to float32 where bf16 is not exact; :func:`operands` says
+how the choice is made in each mode (docs/cuda-nccl.md, "Block-scaled operands").
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -32,7 +40,8 @@ from moe_ep_spec.formats import MoeFormat
 from moe_ep_torch import core
 from moe_ep_torch import formats as TF
 
-__all__ = ["NativePrimitives", "NATIVE", "CPU_ENV", "TIMEOUT_ENV", "close_communicators"]
+__all__ = ["NativePrimitives", "NATIVE", "CPU_ENV", "TIMEOUT_ENV", "close_communicators", "BlockScaledOperand",
+           "dequantize_bf16", "operands", "inexact_decodes"]
 
 #: ``1``: the backend runs on CPU tensors too (native CPU kernels, gloo): for
 #: testing this front-end on machines without a GPU.
@@ -97,8 +106,237 @@ def dequantize(t: TF.TorchBlockScaled) -> torch.Tensor:
     return out
 
 
+def dequantize_bf16(
+    t: TF.TorchBlockScaled, inexact: Optional[torch.Tensor] = None, *, weight: bool = False
+) -> torch.Tensor:
+    """``moe_ep_dequantize_bf16``: the exact values of a TorchBlockScaled (blocked along
+    its last axis) as bfloat16, in one pass (one kernel on CUDA).
+
+    Args:
+        t: rows ``[..., n]``; or, with ``weight``, an expert weight as stored:
+            ``[E, N, K]`` blocked along K (the GEMM's reduction axis).
+        inexact: ``[1] int32`` on ``t``'s device, or None: 1 is ORed in (on the
+            device, no synchronisation) when some value is not a bf16 value.
+    Returns:
+        ``[..., n] bfloat16``, or ``[E, K, N] bfloat16`` for a weight (transposed
+        back, as :func:`moe_ep_torch.formats.decode_weight`); NaN where bf16 cannot
+        hold a value (mxfp8 magnitudes below 2^-126 off bf16's subnormal grid; nvfp4
+        never).
+    """
+    data, scale = (p.contiguous() for p in TF.raw(t))
+    n = int(t.n)
+    shape = t.shape
+    if weight:
+        out = torch.empty((shape[0], n, shape[1]), dtype=torch.bfloat16, device=data.device)
+        rows = int(shape[1])
+    else:
+        out = torch.empty(shape, dtype=torch.bfloat16, device=data.device)
+        rows = 0
+    if out.numel() == 0:
+        return out
+    outer = out.numel() // n
+    dev, stream = where(data)
+    flag = None if inexact is None else inexact.data_ptr()
+    C.call("moe_ep_dequantize_bf16", dev, stream, int(_FORMAT[t.format]), ptr(data), ptr(scale), outer, n, 1, rows,
+           ptr(out), flag)
+    return out
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
+
+
+# ----------------------------------------------------------------------------- block-scaled operands
+
+
+@dataclass(frozen=True)
+class BlockScaledOperand:
+    """A block-scaled operand of the experts, not decoded yet: the operand dtype of
+    the layer (bf16 tensor cores or float32 kernels) is chosen with the other two
+    operands in :func:`operands`.
+
+    Attributes:
+        source: the TorchBlockScaled, blocked along its last axis.
+        weight: True for an expert weight (stored ``[E, N, K]`` blocked along K,
+            decoded to ``[E, K, N]``); False for the buffer rows ``[C, H]``.
+    """
+
+    source: TF.TorchBlockScaled
+    weight: bool
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """The decoded operand's shape."""
+        s = self.source.shape
+        return (s[0], s[2], s[1]) if self.weight else s
+
+    @property
+    def device(self) -> torch.device:
+        return self.source.device
+
+    @property
+    def exact_in_bf16(self) -> bool:
+        """Known without looking at the values: nvfp4 always is (E2M1 x E4M3 has at
+        most 6 significant bits in [2^-10, 2688]); so is an empty operand."""
+        return self.source.format is MoeFormat.NVFP4 or self.source.data.numel() == 0
+
+    def bf16(self, inexact: Optional[torch.Tensor]) -> torch.Tensor:
+        """``self.shape`` bfloat16 (:func:`dequantize_bf16`)."""
+        return dequantize_bf16(self.source, inexact, weight=self.weight)
+
+    def f32(self) -> torch.Tensor:
+        """``self.shape`` float32, exact (the float32 kernels' operand)."""
+        values = dequantize(self.source)
+        return values.transpose(1, 2).contiguous() if self.weight else values
+
+
+def _pending(t: Any, weight: bool) -> Any:
+    """A TorchBlockScaled as a BlockScaledOperand; anything else unchanged. A weight
+    that did not pass through :meth:`NativePrimitives.decode_weight` (the backward of
+    ``moe_ep_torch.api.run_backward`` passes them as given) is the stored ``[E, N, K]``."""
+    if isinstance(t, TF.TorchBlockScaled):
+        return BlockScaledOperand(t, weight)
+    return t
+
+
+#: Per device: the static mode's record of inexact bf16 decodes ([1] int32, ORed by the decode kernels).
+_RECORDS: Dict[Tuple[str, Optional[int]], torch.Tensor] = {}
+#: Host-checked verdicts on mxfp8 weights: id(data) -> (weakref to data, (pointers, versions, shape), exact).
+_VERDICTS: Dict[int, Tuple[Any, Tuple[Any, ...], bool]] = {}
+_OPERANDS_LOCK = threading.Lock()
+
+
+def _record(device: torch.device) -> torch.Tensor:
+    """``[1] int32`` on ``device``: the OR of the inexact flags of every decode whose
+    flag the host did not read (made on first use, which must not be inside a CUDA-graph
+    capture: a tensor made there would be zeroed by every replay)."""
+    key = (device.type, device.index)
+    with _OPERANDS_LOCK:
+        rec = _RECORDS.get(key)
+        if rec is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise E.MoeEpError(
+                    "cuda-nccl: the record of inexact bf16 decodes on this device does not exist yet and cannot be "
+                    "made during CUDA-graph capture; run the layer (forward and backward, as captured) once before "
+                    "capturing it"
+                )
+            rec = _RECORDS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        return rec
+
+
+def inexact_decodes(device: Optional[torch.device] = None, clear: bool = True) -> bool:
+    """Whether an operand decoded without a host check (the static modes, CUDA-graph
+    replays, weights with a cached verdict) held a value bf16 cannot hold since the
+    last clear: such values were decoded to NaN, so the results that depend on them
+    are NaN. One host synchronisation. ``device``: the current CUDA device by default
+    (the CPU for the CPU mode when no CUDA device is there)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    with _OPERANDS_LOCK:
+        rec = _RECORDS.get((device.type, device.index))
+    if rec is None:
+        return False
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # decodes may have run on any stream
+    bad = bool(int(rec.item()))
+    if clear:
+        rec.zero_()
+    return bad
+
+
+def _verdict_key(t: TF.TorchBlockScaled) -> Tuple[Any, ...]:
+    d, s = t.data, t.scale
+    return (d.data_ptr(), s.data_ptr(), d._version, s._version, tuple(d.shape), t.format.value, str(d.device))
+
+
+def _cached_verdict(t: TF.TorchBlockScaled) -> Optional[bool]:
+    """The host-checked exactness of a weight's bf16 decode while it is the same tensor
+    object with the same memory and version counters (an in-place update bumps the
+    version: checked again), else None."""
+    with _OPERANDS_LOCK:
+        entry = _VERDICTS.get(id(t.data))
+    if entry is None or entry[0]() is not t.data or entry[1] != _verdict_key(t):
+        return None
+    return entry[2]
+
+
+def _remember_verdict(t: TF.TorchBlockScaled, exact: bool) -> None:
+    with _OPERANDS_LOCK:
+        if len(_VERDICTS) >= 256:  # forget the entries of dead tensors
+            for k in [k for k, e in _VERDICTS.items() if e[0]() is None]:
+                del _VERDICTS[k]
+        _VERDICTS[id(t.data)] = (weakref.ref(t.data), _verdict_key(t), exact)
+
+
+def _capturing(t: Any) -> bool:
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def operands(x: Any, fc1: Any, fc2: Any, *, host_check: bool) -> Tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(bf16, x, fc1, fc2)``: the layer's operands, contiguous, all bf16 (the
+    tensor-core path on CUDA) or all float32, from plain tensors and
+    :class:`BlockScaledOperand` s.
+
+    - Plain tensors only: bf16 when all three are bf16 (as before).
+    - With a block-scaled operand and every plain one bf16: the block-scaled ones are
+      decoded to bf16 (:func:`dequantize_bf16`; weights transposed in the same pass).
+      nvfp4 is exact in bf16 by construction. mxfp8 is exact unless a value lies below
+      2^-126 off bf16's subnormal grid (scale codes 0..2 only), which the decode kernel
+      turns into NaN and flags on the device. Then:
+
+      - ``host_check`` (the host-synchronised mode, outside a CUDA-graph capture): the
+        flags of the mxfp8 rows (every call) and of weights without a cached verdict
+        come to the host in one read (one synchronisation; none when there is no such
+        operand). Any inexact value: everything is decoded to float32 instead (exact,
+        the float32 kernels), so the result never depends on a value bf16 rounded. A
+        weight's verdict is kept while it is the same tensor with the same version
+        (``_version``: in-place updates bump it); a weight known inexact goes straight
+        to float32, one known exact is decoded without a read (a change that bypassed
+        the version counter still decodes to NaN, recorded in :func:`inexact_decodes`).
+      - no ``host_check`` (the static modes, CUDA-graph capture): no synchronisation is
+        allowed, so the bf16 operands are used as decoded: every value is exact, or NaN
+        where bf16 cannot hold it, so the results that depend on such a value are NaN
+        (visibly not the spec's), and the device record of :func:`inexact_decodes` says so.
+    - Otherwise (a plain float32 or float16 operand): everything float32.
+    """
+    ops = [x, fc1, fc2]
+    pending = [isinstance(t, BlockScaledOperand) for t in ops]
+    if not any(pending):
+        return _operands(x, fc1, fc2)
+    if not all(p or t.dtype == torch.bfloat16 for t, p in zip(ops, pending)):
+        return _operands(x, fc1, fc2)  # float32 kernels: the block-scaled ones decode to float32
+    first = ops[pending.index(True)]
+    # The operands whose bf16 decode may be inexact (mxfp8 with values).
+    maybe = [p and not t.exact_in_bf16 for t, p in zip(ops, pending)]
+    check = [False] * 3
+    if host_check and not _capturing(first):
+        verdicts = [_cached_verdict(t.source) if m and t.weight else None for t, m in zip(ops, maybe)]
+        if any(v is False for v in verdicts):
+            return _operands(x, fc1, fc2)  # a weight known inexact: float32
+        if any(m and v is None for m, v in zip(maybe, verdicts)):
+            check = maybe  # a read is due: it covers every mxfp8 operand (no cached verdict trusted then)
+    flags = torch.zeros(3, dtype=torch.int32, device=first.device) if any(check) else None
+    rec = _record(first.device) if any(m and not c for m, c in zip(maybe, check)) else None
+    decoded = [
+        (t.bf16(flags[i : i + 1] if check[i] else rec if maybe[i] else None) if pending[i] else t)
+        for i, t in enumerate(ops)
+    ]
+    if flags is None:
+        return _operands(*decoded)
+    bits = flags.tolist()  # the one host synchronisation
+    for t, c, b in zip(ops, check, bits):
+        if c and t.weight:
+            _remember_verdict(t.source, b == 0)
+    if any(bits):
+        return _operands(x, fc1, fc2)  # a value bf16 cannot hold: float32 for all three (exact)
+    return _operands(*decoded)
+    bits = flags.tolist()  # the one host synchronisation
+    for i, (t, p) in enumerate(zip(ops, pending)):
+        if check[i] and t.weight:
+            _remember_verdict(t.source, bits[i] == 0)
+    if any(bits):
+        return _operands(*(t.f32() if p else t for t, p in zip(ops, pending)))
+    return _operands(*decoded)
 
 
 class NativePrimitives(core.Primitives):
@@ -207,18 +445,17 @@ class NativePrimitives(core.Primitives):
         return t.float()
 
     def decode_weight(self, w: Any) -> Any:
-        if isinstance(w, TF.TorchBlockScaled):
-            return dequantize(w).transpose(1, 2).contiguous()
-        return w
+        """A block-scaled weight as a :class:`BlockScaledOperand` (decoded when the
+        layer's operand dtype is chosen, :func:`operands`); a plain one unchanged."""
+        return _pending(w, weight=True)
 
     def forward_operands(self, activation: Any, tokens: Any, fc1: Any, fc2: Any) -> Tuple[Any, Any, Any]:
         """The layer's operands from the buffer rows ``tokens`` (the activation's
-        encoding) and the weights: bf16 ones stay bf16 (the tensor-core path) when
-        the rows and both weights are plain bf16 tensors; everything else is
-        decoded to float32."""
-        if all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in (tokens, fc1, fc2)):
-            return tokens, fc1, fc2
-        return self.decode(tokens), self.decode(fc1), self.decode(fc2)
+        encoding) and the weights, as given: block-scaled ones as
+        :class:`BlockScaledOperand` s. :meth:`experts_forward` / :func:`expert_forward`
+        (and :func:`_operands`) turn them into all-bf16 operands (the tensor-core path)
+        or all-float32 ones (:func:`operands`)."""
+        return _pending(tokens, weight=False), _pending(fc1, weight=True), _pending(fc2, weight=True)
 
     def round_trip(self, values: torch.Tensor, fmt: Optional[MoeFormat]) -> torch.Tensor:
         if fmt is None:
@@ -231,6 +468,8 @@ class NativePrimitives(core.Primitives):
     # ---------------------------------------------------------------- experts
 
     def experts_forward(self, config, plan, x, w, fc1, fc2):
+        # A core.Plan is the host-synchronised mode's: block-scaled operands may be checked on the host.
+        _, x, fc1, fc2 = operands(x, fc1, fc2, host_check=isinstance(plan, core.Plan))
         y, c = expert_forward(config, x, w, fc1, fc2, _slab_sizes(plan, x.device))  # y after the combine round trip
         if not config.static_layout:
             return y, c  # every row is a route (rows of no expert, none here, the layer zeroes)
@@ -238,6 +477,7 @@ class NativePrimitives(core.Primitives):
         return torch.where(valid, y, torch.zeros_like(y)), torch.where(valid, c, torch.zeros_like(c))
 
     def experts_backward(self, config, plan, x, w, fc1, fc2, fc1_c, dy):
+        _, x, fc1, fc2 = operands(x, fc1, fc2, host_check=isinstance(plan, core.Plan))
         return expert_backward(config, x, w, fc1, fc2, fc1_c, dy, _slab_sizes(plan, x.device))
 
     def sum_slots(self, plan: Any, send_rows: torch.Tensor) -> torch.Tensor:
@@ -287,8 +527,14 @@ def layer_for(config: MoeEpConfig, rows: int, device: torch.device, bf16: bool, 
         return made
 
 
-def _operands(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> Tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(bf16, x, fc1, fc2)``: all three bf16 when they all are, else all float32; contiguous."""
+def _operands(x: Any, fc1: Any, fc2: Any) -> Tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(bf16, x, fc1, fc2)``: all three bf16 when they all are plain bf16 tensors, else
+    all float32; contiguous. A :class:`BlockScaledOperand` still pending here is decoded
+    to float32: the device exchange (:mod:`moe_ep_cuda_nccl.device_exchange`) makes its
+    layer float32 for block-scaled inputs and calls this directly; the other paths
+    resolve them first with :func:`operands`."""
+    if any(isinstance(t, BlockScaledOperand) for t in (x, fc1, fc2)):
+        x, fc1, fc2 = (t.f32() if isinstance(t, BlockScaledOperand) else t for t in (x, fc1, fc2))
     if x.dtype == fc1.dtype == fc2.dtype == torch.bfloat16:
         return True, x.contiguous(), fc1.contiguous(), fc2.contiguous()
     return False, _f32(x), _f32(fc1), _f32(fc2)
@@ -299,9 +545,11 @@ def expert_forward(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The native layer's experts forward on tensors: ``(y [C, H] float32, fc1_c [C, 2I] bfloat16)``:
     ``y`` after the combine round trip, the stash of the FC1 output. ``x``, ``fc1``, ``fc2``
-    bf16 (the tensor-core path on CUDA) or any float dtype (float32 kernels);
-    ``group_sizes`` ``[E_local] int32`` on the rows' device: slab sizes from row 0."""
-    bf16, x, fc1, fc2 = _operands(x, fc1, fc2)
+    bf16 (the tensor-core path on CUDA), any float dtype (float32 kernels) or
+    :class:`BlockScaledOperand` s (decoded without a host check: :func:`operands`; the
+    static mode calls this directly); ``group_sizes`` ``[E_local] int32`` on the rows'
+    device: slab sizes from row 0."""
+    bf16, x, fc1, fc2 = operands(x, fc1, fc2, host_check=False)
     w = _f32(w)
     gs = group_sizes.to(torch.int32).contiguous()  # every operand bound to a name: alive until the call returns
     rows, h, i = int(x.shape[0]), config.hidden, config.intermediate
@@ -325,8 +573,9 @@ def expert_backward(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The native layer's experts backward on tensors: float32 ``(dx [C, H], dw [C],
     dfc1 [E_local, H, 2I], dfc2 [E_local, I, H])`` from the bf16 stash ``fc1_c`` and
-    the cotangent rows ``dy`` ``[C, H]`` (bfloat16 passes as is, others as float32)."""
-    bf16, x, fc1, fc2 = _operands(x, fc1, fc2)
+    the cotangent rows ``dy`` ``[C, H]`` (bfloat16 passes as is, others as float32);
+    operands as :func:`expert_forward`."""
+    bf16, x, fc1, fc2 = operands(x, fc1, fc2, host_check=False)
     w = _f32(w)
     dy_bf16 = dy.dtype == torch.bfloat16
     dy = dy.contiguous() if dy_bf16 else _f32(dy)

@@ -124,6 +124,34 @@ MOE_EP_API moe_ep_status moe_ep_quantize(moe_ep_device device, void* stream, moe
 MOE_EP_API moe_ep_status moe_ep_dequantize(moe_ep_device device, void* stream, moe_ep_format fmt, const void* data,
                                            const void* scale, int64_t outer, int64_t n, int64_t inner, float* out);
 
+/**
+ * Decode block-scaled codes to bf16 operands (the tensor-core GEMMs' input): every
+ * value moe_ep_dequantize gives, as its bf16 bit pattern when bf16 holds it exactly;
+ * a value bf16 cannot hold decodes to NaN (0x7FC0) and sets *out_inexact, so the
+ * result is exact or visibly not, never silently rounded.
+ *   fmt:   MOE_EP_FORMAT_MXFP8 or MOE_EP_FORMAT_NVFP4.
+ *   data, scale: as moe_ep_quantize writes them for the view [outer, n, inner].
+ *   transpose_rows: 0: out has the view's layout [outer, n, inner]. R >= 1 (needs
+ *          inner = 1 and outer a multiple of R): the view is [outer / R, R, n] and out
+ *          [outer / R, n, R], every [R, n] matrix transposed (expert weights stored
+ *          [E, N, K] blocked along K, decoded to a GEMM's [E, K, N] in one pass).
+ *   out:   uint16 bf16 bits, [outer, n, inner] or [outer / R, n, R].
+ *   out_inexact: [1] int32 (device memory for CUDA), or NULL: 1 is ORed in (never
+ *          cleared here) when some value was not a bf16 value; the caller zeroes it.
+ * Which values are not bf16 values: none for nvfp4 (E2M1 x E4M3 has at most 6
+ * significant bits and a magnitude in [2^-10, 2688]); for mxfp8 (E4M3 x 2^(c - 127))
+ * only magnitudes below 2^-126 off bf16's subnormal grid (multiples of 2^-133),
+ * which needs a scale code c <= 2. A magnitude of 2^128 or more is +-Inf, as in
+ * moe_ep_dequantize (not inexact). NaN blocks and codes give 0x7FC0 (not inexact).
+ * CUDA: one kernel, 16-byte loads and stores when n is a multiple of 16 (mxfp8) or
+ * 32 (nvfp4), inner = 1, R is a multiple of 8 and data and out are 16-byte aligned;
+ * element by element otherwise. Capturable in a CUDA graph.
+ */
+MOE_EP_API moe_ep_status moe_ep_dequantize_bf16(moe_ep_device device, void* stream, moe_ep_format fmt,
+                                                const void* data, const void* scale, int64_t outer, int64_t n,
+                                                int64_t inner, int64_t transpose_rows, uint16_t* out,
+                                                int32_t* out_inexact);
+
 /* ------------------------------------------------------------- plan/permute */
 
 /**
@@ -295,7 +323,8 @@ typedef struct {
   int64_t ex_token_bytes;       /* the most bytes of one token row a dispatch moves (>= 1) */
   int64_t ex_expert_alignment;  /* A >= 1: every local expert's slab is a multiple of A rows */
   int64_t ex_timeout_ms;        /* bound of every wait for a peer (0: 60000) */
-  int32_t ex_num_sms;           /* thread blocks of the copy kernels (0: 32) */
+  int32_t ex_num_sms;           /* thread blocks of the copy kernels (0: 2 per multiprocessor of the device;
+                                   the CPU implementation ignores it) */
   int32_t ex_combine_order;     /* moe_ep_combine_order */
   /* Appended in ABI 3. */
   int32_t expert_out_dtype;     /* moe_ep_dtype of the expert-output rows y (experts_forward writes them, combine
@@ -464,8 +493,10 @@ MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream
  * Combine (collective) of the last dispatch: the expert-major rows back to their
  * tokens, unweighted, summed per token in float32 (moe_ep_combine_order).
  *   num_tokens:  T of the last dispatch on this rank.
- *   y:           [C, H] config.expert_out_dtype (float32, or bf16 bit patterns): rows as
- *                dispatched (padding rows never read); sums are float32 either way.
+ *   y:           [C, H] y_dtype: rows as dispatched (padding rows never read).
+ *   y_dtype:     MOE_EP_DTYPE_F32, or MOE_EP_DTYPE_BF16 (bf16 bit patterns: e.g. the rows of
+ *                experts_forward with expert_out_dtype bf16); sums are float32 either way,
+ *                the same numbers for the same values.
  *   out:         [T, H] float32 out: the sums (+0 for a token with no route).
  *   row_values:  [C] float32, or NULL: one value per row returned to its (token, slot)...
  *   out_values:  [T, K] float32 out (with row_values): ...here; exactly 0 for a -1 slot.
@@ -475,7 +506,7 @@ MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream
  * cotangents with the router-weight cotangents as row_values.
  */
 MOE_EP_API moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t num_tokens, const void* y,
-                                              float* out, const float* row_values, float* out_values,
+                                              int32_t y_dtype, float* out, const float* row_values, float* out_values,
                                               int32_t* out_error);
 
 /**

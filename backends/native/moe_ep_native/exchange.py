@@ -24,9 +24,8 @@ import os
 import uuid
 from typing import Any, List, Optional, Sequence
 
-from moe_ep_spec.errors import NativeArgumentError
 
-from ._capi import LayerConfig, Status, call, load
+from ._capi import DType, LayerConfig, call, load
 from .layer import Layer
 
 __all__ = [
@@ -53,7 +52,7 @@ _PROTOTYPES = {
     "moe_ep_layer_ipc_handle": (_I32, [_P, _P, ctypes.c_size_t]),
     "moe_ep_layer_set_peers_ipc": (_I32, [_P, _P, ctypes.c_size_t]),
     "moe_ep_layer_dispatch": (_I32, [_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
-    "moe_ep_layer_combine": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P]),
+    "moe_ep_layer_combine": (_I32, [_P, _P, _I64, _P, _I32, _P, _P, _P, _P]),
     "moe_ep_layer_exchange_status": (_I32, [_P, _P, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
 }
 _READY = False
@@ -136,20 +135,11 @@ class ExchangeLayer(Layer):
              out_tokens, out_weights, out_route_metadata, out_group_sizes, out_tokens_per_expert, out_error)
 
     def combine(self, stream, num_tokens, y, out, row_values=None, out_values=None, out_error=None,
-                y_bf16: Optional[bool] = None) -> None:
-        """``moe_ep_layer_combine``: ``y`` ``[C, H]`` rows of the layer's expert-output
-        dtype (bf16 bit patterns for a layer made with ``bf16_expert_out``, else
-        float32). ``y_bf16``, when given, is the caller's dtype of ``y``; it must be
-        the layer's (the C ABI takes y's dtype from the layer's configuration)."""
-        if y_bf16 is not None and bool(y_bf16) != self.bf16_expert_out:
-            names = {True: "bf16", False: "float32"}
-            raise NativeArgumentError(
-                f"moe_ep_layer_combine: y must have the layer's expert_out_dtype "
-                f"({names[self.bf16_expert_out]}, fixed at creation); got {names[bool(y_bf16)]} rows (y_bf16={y_bf16})",
-                op="moe_ep_layer_combine", status=int(Status.INVALID_ARGUMENT),
-                status_name="MOE_EP_ERR_INVALID_ARGUMENT",
-            )
-        call("moe_ep_layer_combine", self._handle, stream, num_tokens, y, out, row_values, out_values, out_error)
+                y_bf16: bool = False) -> None:
+        """``moe_ep_layer_combine``: ``y`` ``[C, H]`` float32 rows, or bf16 bit patterns
+        with ``y_bf16`` (e.g. the rows of a layer made with ``bf16_expert_out``)."""
+        call("moe_ep_layer_combine", self._handle, stream, num_tokens, y, int(DType.BF16 if y_bf16 else DType.F32),
+             out, row_values, out_values, out_error)
 
     def status(self, stream: Optional[int] = None, clear: bool = False) -> int:
         """The layer's error record (waits for ``stream``)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from moe_ep_spec.validation import check_shape
 
 from ._capi import ExpertDesc, Format, Status, call, load
 
-__all__ = ["quantize", "dequantize", "plan_routes", "permute_rows", "combine_reduce", "expert_forward",
+__all__ = ["quantize", "dequantize", "dequantize_bf16", "plan_routes", "permute_rows", "combine_reduce", "expert_forward",
            "expert_backward", "RoutePlan", "ExpertOutputs", "ExpertGrads", "expert_desc"]
 
 _CPU = 0
@@ -108,6 +108,40 @@ def dequantize(t: Union[BlockScaledTensor, np.ndarray]) -> np.ndarray:
     out = np.empty(a.shape, np.float32)
     call("moe_ep_dequantize", _CPU, None, Format.BF16, _ptr(bits), None, bits.size, 1, 1, _ptr(out))
     return out
+
+
+def dequantize_bf16(t: BlockScaledTensor, *, transpose: bool = False) -> Tuple[np.ndarray, bool]:
+    """Decode a :class:`~moe_ep_spec.BlockScaledTensor` to bfloat16 without rounding
+    (``moe_ep_dequantize_bf16``): ``(values, inexact)``.
+
+    Returns:
+        values: ``[t.shape] bfloat16``: the exact decoded values; NaN where bf16 cannot
+            hold one (mxfp8 magnitudes below 2^-126 off bf16's subnormal grid). With
+            ``transpose``: ``[t.shape[:-2] + (t.shape[-1], t.shape[-2])] bfloat16``,
+            the last two axes swapped (needs ``t`` blocked along its last axis).
+        inexact: whether some value was not a bf16 value.
+    """
+    if not isinstance(t, BlockScaledTensor):
+        raise DTypeError(f"dequantize_bf16 takes a BlockScaledTensor; got {type(t).__name__}", name="t", got=type(t))
+    t.validate()
+    outer, n, inner = _view(t.shape, t.axis)
+    rows = 0
+    out_shape = t.shape
+    if transpose:
+        if len(t.shape) < 2 or t.axis != len(t.shape) - 1:
+            raise ShapeError(
+                f"dequantize_bf16(transpose=True) needs a tensor of >= 2 axes blocked along its last axis; got shape "
+                f"{t.shape} blocked along axis {t.axis}", name="t", got=t.shape)
+        rows = int(t.shape[-2])
+        out_shape = t.shape[:-2] + (t.shape[-1], t.shape[-2])
+    out = np.empty(out_shape, np.uint16)
+    flag = np.zeros(1, np.int32)
+    data = np.ascontiguousarray(t.data).view(np.uint8)
+    scale = np.ascontiguousarray(t.scale).view(np.uint8)
+    if out.size:
+        call("moe_ep_dequantize_bf16", _CPU, None, _FORMAT[t.format], _ptr(data), _ptr(scale), outer, n, inner, rows,
+             _ptr(out), _ptr(flag))
+    return out.view(BF16), bool(flag[0])
 
 
 # ----------------------------------------------------------------------------- routing

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cpu/fpenv.h"
+#include "dequantize_bf16.h"
 #include "internal.h"
 
 #define MOE_EP_STR_(x) #x
@@ -229,6 +230,34 @@ moe_ep_status moe_ep_dequantize(moe_ep_device device, void* stream, moe_ep_forma
   MOE_EP_TRY(ck.ptr("out", out, count, 4));
   if (count == 0) return MOE_EP_OK;
   MOE_EP_DISPATCH(device, dequantize(stream, fmt, data, scale, outer, n, inner, out))
+}
+
+moe_ep_status moe_ep_dequantize_bf16(moe_ep_device device, void* stream, moe_ep_format fmt, const void* data,
+                                     const void* scale, int64_t outer, int64_t n, int64_t inner, int64_t transpose_rows,
+                                     uint16_t* out, int32_t* out_inexact) {
+  const Check ck{"moe_ep_dequantize_bf16"};
+  MOE_EP_TRY(check_device(ck, device, stream));
+  if (fmt != MOE_EP_FORMAT_MXFP8 && fmt != MOE_EP_FORMAT_NVFP4)
+    return ck.bad("fmt must be MOE_EP_FORMAT_MXFP8 (2) or MOE_EP_FORMAT_NVFP4 (3) (the block-scaled formats; bf16 "
+                  "data is already bf16)",
+                  std::to_string(static_cast<int>(fmt)));
+  MOE_EP_TRY(check_view(ck, outer, n, inner));
+  MOE_EP_TRY(ck.nonneg("transpose_rows", transpose_rows));
+  if (transpose_rows > 0) {
+    if (inner != 1)
+      return ck.bad("inner must be 1 when transpose_rows >= 1 (the matrices are blocked along their last axis)",
+                    std::to_string(inner));
+    if (outer % transpose_rows != 0)
+      return ck.bad("outer must be a multiple of transpose_rows = " + std::to_string(transpose_rows) +
+                        " (the view is [outer / transpose_rows, transpose_rows, n])",
+                    std::to_string(outer));
+  }
+  const int64_t count = outer * n * inner;
+  MOE_EP_TRY(check_format(ck, fmt, data, scale, count));
+  MOE_EP_TRY(ck.ptr("out", out, count, 2));
+  MOE_EP_TRY(ck.ptr("out_inexact", out_inexact, 0, 4));
+  if (count == 0) return MOE_EP_OK;
+  MOE_EP_DISPATCH(device, dequantize_bf16(stream, fmt, data, scale, outer, n, inner, transpose_rows, out, out_inexact))
 }
 
 moe_ep_status moe_ep_plan_routes(moe_ep_device device, void* stream, const int32_t* topk_idx, int64_t num_tokens,

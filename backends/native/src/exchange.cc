@@ -304,7 +304,6 @@ moe_ep_status exchange_create(const moe_ep_layer_config& c, Exchange** out) {
   x->cuda_device = c.cuda_device;
   x->timeout_ms = c.ex_timeout_ms > 0 ? c.ex_timeout_ms : 60000;
   x->num_blocks = c.ex_num_sms > 0 ? c.ex_num_sms : 32;  // the CPU twin has no blocks
-  x->y_bf16 = c.expert_out_dtype == MOE_EP_DTYPE_BF16;
   x->token_bytes_max = c.ex_token_bytes;
   x->peers.assign(static_cast<size_t>(s.N), 0);
   moe_ep_status st = MOE_EP_OK;
@@ -461,8 +460,9 @@ moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream, int64_t n
                               out_route_metadata, out_group_sizes, out_tokens_per_expert, out_error);
 }
 
-moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t num_tokens, const void* y_rows, float* out,
-                                   const float* row_values, float* out_values, int32_t* out_error) {
+moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t num_tokens, const void* y_rows,
+                                   int32_t y_dtype, float* out, const float* row_values, float* out_values,
+                                   int32_t* out_error) {
   const Check ck{"moe_ep_layer_combine"};
   Exchange* x;
   MOE_EP_TRY(moe_ep::get(ck, layer, &x));
@@ -472,9 +472,10 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
     return ck.bad("num_tokens must be the last dispatch's T = " + std::to_string(x->last_tokens),
                   std::to_string(num_tokens));
   const moe_ep::ex::Shape& s = x->shape;
-  const bool y_bf16 = x->y_bf16;  // y's element type: the layer's expert_out_dtype
-  MOE_EP_TRY(ck.ptr(y_bf16 ? "y (bf16 rows: config->expert_out_dtype)" : "y (float32 rows: config->expert_out_dtype)",
-                    y_rows, s.C * s.H, y_bf16 ? 2 : 4));
+  if (y_dtype != MOE_EP_DTYPE_F32 && y_dtype != MOE_EP_DTYPE_BF16)
+    return ck.bad("y_dtype must be MOE_EP_DTYPE_F32 (0) or MOE_EP_DTYPE_BF16 (1)", std::to_string(y_dtype));
+  const bool y_bf16 = y_dtype == MOE_EP_DTYPE_BF16;
+  MOE_EP_TRY(ck.ptr("y", y_rows, s.C * s.H, y_bf16 ? 2 : 4));
   MOE_EP_TRY(ck.ptr("out", out, num_tokens * s.H, 4));
   if (row_values != nullptr || out_values != nullptr) {  // NULL stands for an empty array
     MOE_EP_TRY(ck.ptr("row_values", row_values, s.C, 4));

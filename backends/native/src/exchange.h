@@ -18,7 +18,6 @@ struct Exchange {
   int cuda_device = 0;
   int64_t timeout_ms = 60000;
   int num_blocks = 32;            // thread blocks of the copy kernels (CUDA default: 2 per multiprocessor)
-  bool y_bf16 = false;            // combine's y rows are bf16 (config.expert_out_dtype), else float32
   int64_t token_bytes_max = 0;
   void* own = nullptr;      // the region the layer allocated (zeroed)
   void* region = nullptr;   // the region in use (own, or the caller's, from set_peers)

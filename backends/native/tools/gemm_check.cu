@@ -287,9 +287,76 @@ void check(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k,
   buf.release();
 }
 
+// kNN with a bf16 D: the same kernel's float32 D rounded to nearest even, bit for bit (the
+// two instantiations share tile, schedule and mainloop, so their accumulators are equal),
+// rows past the last offset untouched.
+void check_bf16_out(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int64_t extra_rows,
+                    int64_t rows_hint, int sm_count, uint64_t seed) {
+  GroupedGemmProblem p;
+  p.layout = GemmLayout::kNN;
+  p.num_groups = static_cast<int32_t>(rows.size());
+  std::vector<int32_t> off(rows.size() + 1, 0);
+  for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
+  p.total_rows = off.back() + extra_rows;
+  p.n = n;
+  p.k = k;
+  p.rows_hint = rows_hint;
+  char label[256];
+  std::snprintf(label, sizeof(label), "check %-26s NN %-8s bf16 D groups=%d n=%lld k=%lld rows=%lld", name,
+                rows_hint <= 128 || n <= 128 ? "pingpong" : "coop", p.num_groups, static_cast<long long>(n),
+                static_cast<long long>(k), static_cast<long long>(p.total_rows));
+  Buffers buf = make_buffers(p, off, sm_count, seed);
+  uint16_t* d16 = device_alloc<uint16_t>(buf.d_elems);
+  CHECK_CUDA(cudaMemset(d16, 0x5A, buf.d_elems * sizeof(uint16_t)));  // a sentinel everywhere
+  GroupedGemmProblem q = p;
+  q.d = nullptr;
+  q.d_bf16 = d16;
+  const size_t ws16 = moe_ep::cuda::grouped_gemm_workspace_bytes(q, sm_count);
+  void* ws = nullptr;
+  CHECK_CUDA(cudaMalloc(&ws, std::max<size_t>(ws16, 1)));
+  cudaError_t e = moe_ep::cuda::grouped_gemm_bf16(p, buf.ws, buf.ws_bytes, nullptr, sm_count);
+  if (e == cudaSuccess) e = moe_ep::cuda::grouped_gemm_bf16(q, ws, ws16, nullptr, sm_count);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (!moe_ep::cuda::grouped_gemm_supported(q) || e != cudaSuccess) {
+    std::printf("%s: MISMATCH (supported %d, launch %s)\n", label, moe_ep::cuda::grouped_gemm_supported(q) ? 1 : 0,
+                cudaGetErrorName(e));
+    ++g_failures;
+  } else {
+    std::vector<float> h_d(buf.d_elems);
+    std::vector<uint16_t> h_16(buf.d_elems);
+    CHECK_CUDA(cudaMemcpy(h_d.data(), buf.d, buf.d_elems * sizeof(float), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(h_16.data(), d16, buf.d_elems * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+    const int64_t owned = static_cast<int64_t>(off.back()) * n;
+    int64_t bad = 0, first = -1;
+    for (int64_t i = 0; i < buf.d_elems; ++i) {
+      uint16_t want = 0x5A5A;
+      if (i < owned) {
+        uint32_t u;
+        std::memcpy(&u, &h_d[i], 4);
+        want = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);  // round to nearest even (finite)
+      }
+      if (h_16[i] != want) {
+        if (first < 0) first = i;
+        ++bad;
+      }
+    }
+    if (bad == 0) {
+      std::printf("%s: ok (bit for bit the float32 D rounded to bf16; rows past the slabs untouched)\n", label);
+    } else {
+      std::printf("%s: MISMATCH %lld of %lld elements, first at %lld: bf16 %04x, float32 D %.9g\n", label,
+                  static_cast<long long>(bad), static_cast<long long>(buf.d_elems), static_cast<long long>(first),
+                  h_16[first], h_d[first]);
+      ++g_failures;
+    }
+  }
+  cudaFree(ws);
+  cudaFree(d16);
+  buf.release();
+}
+
 // Times one shape: warm-up, then `iters` launches between CUDA events.
 void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k, int groups, int rows_per_group,
-                int sm_count, int64_t rows_hint = 0) {
+                int sm_count, int64_t rows_hint = 0, bool bf16_d = false) {
   GroupedGemmProblem p;
   p.layout = layout;
   p.num_groups = groups;
@@ -302,13 +369,21 @@ void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64
   p.rows_hint = rows_hint;
   Buffers buf = make_buffers(p, off, sm_count, 7);
   CHECK_CUDA(cudaMemset(buf.d, 0, buf.d_elems * sizeof(float)));
+  void* ws = buf.ws;
+  size_t ws_bytes = buf.ws_bytes;
+  if (bf16_d) {  // D as bf16 into the float buffer's memory (half of it), its own workspace
+    p.d_bf16 = reinterpret_cast<uint16_t*>(buf.d);
+    p.d = nullptr;
+    ws_bytes = moe_ep::cuda::grouped_gemm_workspace_bytes(p, sm_count);
+    CHECK_CUDA(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 1)));
+  }
   const int warmup = 3, iters = 20;
   cudaEvent_t t0, t1;
   CHECK_CUDA(cudaEventCreate(&t0));
   CHECK_CUDA(cudaEventCreate(&t1));
-  for (int i = 0; i < warmup; ++i) CHECK_CUDA(moe_ep::cuda::grouped_gemm_bf16(p, buf.ws, buf.ws_bytes, 0, sm_count));
+  for (int i = 0; i < warmup; ++i) CHECK_CUDA(moe_ep::cuda::grouped_gemm_bf16(p, ws, ws_bytes, 0, sm_count));
   CHECK_CUDA(cudaEventRecord(t0));
-  for (int i = 0; i < iters; ++i) CHECK_CUDA(moe_ep::cuda::grouped_gemm_bf16(p, buf.ws, buf.ws_bytes, 0, sm_count));
+  for (int i = 0; i < iters; ++i) CHECK_CUDA(moe_ep::cuda::grouped_gemm_bf16(p, ws, ws_bytes, 0, sm_count));
   CHECK_CUDA(cudaEventRecord(t1));
   CHECK_CUDA(cudaEventSynchronize(t1));
   float ms = 0.f;
@@ -317,7 +392,7 @@ void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64
   // FLOPs: 2 * rows * (fixed dims), rows summed over the groups.
   const double fixed = layout == GemmLayout::kTN ? static_cast<double>(m) * n : static_cast<double>(n) * k;
   const double flops = 2.0 * static_cast<double>(p.total_rows) * fixed;
-  const double bytes = 2.0 * (buf.a_elems + buf.b_elems) + 4.0 * buf.d_elems;
+  const double bytes = 2.0 * (buf.a_elems + buf.b_elems) + (bf16_d ? 2.0 : 4.0) * buf.d_elems;
   const int64_t hint = rows_hint > 0 ? rows_hint : rows_per_group;
   const char* kernel = layout == GemmLayout::kTN ? "coop" : (hint <= 128 || n <= 128 ? "pingpong" : "coop");
   std::printf("time  %-30s %s %-8s groups=%d rows/group=%d m=%lld n=%lld k=%lld: %.3f ms, %.1f TFLOP/s, %.2f TB/s (A+B+D once)\n",
@@ -325,6 +400,7 @@ void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64
               static_cast<long long>(k), ms, flops / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e12);
   CHECK_CUDA(cudaEventDestroy(t0));
   CHECK_CUDA(cudaEventDestroy(t1));
+  if (bf16_d) cudaFree(ws);
   buf.release();
 }
 
@@ -429,12 +505,18 @@ int main(int argc, char** argv) {
     check("all groups empty", GemmLayout::kTN, 256, 128, 0, all_empty, 5, acc, false, 0, sms, 8);
   }
   check("ragged K, graph", GemmLayout::kTN, 264, 136, 0, ragged, 11, false, true, 0, sms, 9);
+  for (int64_t hint : {int64_t{1024}, int64_t{1}}) {
+    check_bf16_out("ragged, n,k off the tile", 264, 200, ragged, 13, hint, sms, 12);
+    check_bf16_out("ragged, big n,k", 1024, 1536, ragged, 0, hint, sms, 13);
+  }
   std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
 
   if (timing) {
     // DeepSeek-V3 per rank: hidden 7168, intermediate 2048 (FC1 out 2I = 4096), 32 local experts.
     time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms);
     time_shape("FC2 forward (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms);
+    time_shape("FC2 forward, bf16 D (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, 0, true);
+    time_shape("FC2 forward, bf16 D (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms, 0, true);
     time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms);
     time_shape("FC2 forward (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms);
     // The other kernel on the same shapes, to check the rows_hint threshold.

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "dequantize_bf16.h"
 #include "internal.h"
 
 namespace moe_ep {
@@ -131,6 +132,47 @@ moe_ep_status dequantize(void*, moe_ep_format fmt, const void* data, const void*
         uint8_t nib = (i % 2) ? static_cast<uint8_t>(byte >> 4) : static_cast<uint8_t>(byte & 0xF);
         out[at(o, i, k, n, inner)] = static_cast<float>(e2m1_value(nib) * sv);
       }
+  return MOE_EP_OK;
+}
+
+namespace {
+
+// The element (o, i, k) of the [outer, n, inner] view, decoded exactly to float32
+// (as dequantize: exact except an mxfp8 magnitude >= 2^128, which is +-Inf).
+inline float decode_one(moe_ep_format fmt, const uint8_t* d, const uint8_t* sc, int64_t o, int64_t i, int64_t k,
+                        int64_t n, int64_t inner) {
+  if (fmt == MOE_EP_FORMAT_MXFP8) {
+    const uint8_t s = sc[(o * ceil_div(n, kMxfp8Block) + i / kMxfp8Block) * inner + k];
+    if (s == 0xFF) return std::numeric_limits<float>::quiet_NaN();
+    return static_cast<float>(e4m3_value(d[at(o, i, k, n, inner)]) * std::ldexp(1.0, static_cast<int>(s) - 127));
+  }
+  const double sv = e4m3_value(sc[(o * ceil_div(n, kNvfp4Block) + i / kNvfp4Block) * inner + k]);
+  const uint8_t byte = d[(o * ceil_div(n, 2) + i / 2) * inner + k];
+  const uint8_t nib = (i % 2) ? static_cast<uint8_t>(byte >> 4) : static_cast<uint8_t>(byte & 0xF);
+  return static_cast<float>(e2m1_value(nib) * sv);
+}
+
+}  // namespace
+
+moe_ep_status dequantize_bf16(void*, moe_ep_format fmt, const void* data, const void* scale, int64_t outer, int64_t n,
+                              int64_t inner, int64_t transpose_rows, uint16_t* out, int32_t* inexact) {
+  const uint8_t* d = static_cast<const uint8_t*>(data);
+  const uint8_t* sc = static_cast<const uint8_t*>(scale);
+  bool any = false;
+  if (transpose_rows == 0) {
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t k = 0; k < inner; ++k)
+          out[at(o, i, k, n, inner)] = bf16_exact_bits(decode_one(fmt, d, sc, o, i, k, n, inner), &any);
+  } else {
+    // inner == 1: row o = b * R + r of the view lands in column r of matrix b: out[b, i, r].
+    const int64_t R = transpose_rows;
+    for (int64_t o = 0; o < outer; ++o) {
+      const int64_t b = o / R, r = o % R;
+      for (int64_t i = 0; i < n; ++i) out[(b * n + i) * R + r] = bf16_exact_bits(decode_one(fmt, d, sc, o, i, 0, n, 1), &any);
+    }
+  }
+  if (any && inexact != nullptr) *inexact |= 1;
   return MOE_EP_OK;
 }
 

@@ -34,6 +34,20 @@ inline uint16_t bf16_from_float(float f) {
 }
 inline float bf16_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
 
+// The bf16 bits of an exactly decoded float32 value f without rounding: bf16 is
+// float32's upper half (same sign, exponent and leading 7 fraction bits, the
+// subnormals included), so bf16 holds f exactly iff f's lower 16 bits are zero.
+// NaN gives 0x7FC0; an inexact f gives 0x7FC0 too and sets *inexact.
+inline uint16_t bf16_exact_bits(float f, bool* inexact) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+  if ((u & 0xFFFFu) != 0) {
+    *inexact = true;
+    return 0x7FC0u;
+  }
+  return static_cast<uint16_t>(u >> 16);
+}
+
 // E4M3 (fn): 0x7F / 0xFF are NaN; magnitudes of codes 0..0x7E.
 inline double e4m3_magnitude(int code) {
   int e = (code >> 3) & 0xF, m = code & 0x7;

@@ -128,12 +128,21 @@ __device__ __forceinline__ uint32_t e4m3_mag_code(uint32_t mag, int e) {
   return static_cast<uint32_t>(code < 0x7E ? code : 0x7E);
 }
 
+// One mxfp8 element given its block's scale value sv = 2^(scale - 127) (any
+// value when nan_scale): E4M3(code) * sv; NaN for a NaN scale or a NaN data code
+// (0x7F / 0xFF). Exact except overflow to +-Inf (E4M3 has 4 significant bits and
+// is a multiple of 2^-9, so the product is a multiple of 2^-136: never below
+// float32's subnormal grid).
+__device__ __forceinline__ float mxfp8_value(uint32_t code, float sv, bool nan_scale) {
+  if (nan_scale || (code & 0x7Fu) == 0x7Fu) return bitsf(kQuietNaN);
+  const float v = fmul(e4m3_magnitude(code & 0x7Fu), sv);
+  return (code & 0x80u) ? -v : v;
+}
+
 // Decode one mxfp8 element: E4M3(code) * 2^(scale - 127); NaN for a NaN scale
 // (0xFF) or a NaN data code (0x7F / 0xFF). Exact except overflow to +-Inf.
 __device__ __forceinline__ float mxfp8_decode(uint32_t code, uint32_t scale_code) {
-  if (scale_code == 0xFFu || (code & 0x7Fu) == 0x7Fu) return bitsf(kQuietNaN);
-  const float v = fmul(e4m3_magnitude(code & 0x7Fu), exp2_exact(static_cast<int>(scale_code) - 127));
-  return (code & 0x80u) ? -v : v;
+  return mxfp8_value(code, exp2_exact(static_cast<int>(scale_code) - 127), scale_code == 0xFFu);
 }
 
 // Encode one mxfp8 block of `len` (1..32) elements x[j * stride] into
@@ -219,15 +228,28 @@ __device__ __forceinline__ uint32_t nvfp4_code(uint32_t u, float s) {
   return sign | e2m1_mag_index(bitsf(mag), s);
 }
 
-// Decode one nvfp4 element: E2M1(nibble) * E4M3(scale code); NaN for a NaN
-// scale (0x7F / 0xFF). The product is exact.
-__device__ __forceinline__ float nvfp4_decode(uint32_t nibble, uint32_t scale_code) {
-  if ((scale_code & 0x7Fu) == 0x7Fu) return bitsf(kQuietNaN);
-  float s = e4m3_magnitude(scale_code & 0x7Fu);
-  if (scale_code & 0x80u) s = -s;
+// The signed value of an nvfp4 scale code (E4M3); nan: the NaN codes 0x7F / 0xFF.
+__device__ __forceinline__ float nvfp4_scale_value(uint32_t scale_code, bool& nan) {
+  nan = (scale_code & 0x7Fu) == 0x7Fu;
+  const float s = e4m3_magnitude(scale_code & 0x7Fu);
+  return (scale_code & 0x80u) ? -s : s;
+}
+
+// One nvfp4 element given its block's scale value s (nvfp4_scale_value):
+// E2M1(nibble) * s, NaN for a NaN scale. The product is exact.
+__device__ __forceinline__ float nvfp4_value(uint32_t nibble, float s, bool nan_scale) {
+  if (nan_scale) return bitsf(kQuietNaN);
   float v = e2m1_magnitude(nibble & 7u);
   if (nibble & 8u) v = -v;
   return fmul(v, s);
+}
+
+// Decode one nvfp4 element: E2M1(nibble) * E4M3(scale code); NaN for a NaN
+// scale (0x7F / 0xFF). The product is exact.
+__device__ __forceinline__ float nvfp4_decode(uint32_t nibble, uint32_t scale_code) {
+  bool nan;
+  const float s = nvfp4_scale_value(scale_code, nan);
+  return nvfp4_value(nibble, s, nan);
 }
 
 // The scale code of one nvfp4 block of `len` (1..16) elements x[j * stride] and
@@ -249,6 +271,35 @@ __device__ __forceinline__ Nvfp4Scale nvfp4_block_scale(const float* x, int64_t 
 __device__ __forceinline__ void nvfp4_round_trip_block(float* p, int len) {
   const Nvfp4Scale sc = nvfp4_block_scale(p, 1, len);
   for (int j = 0; j < len; ++j) p[j] = nvfp4_decode(nvfp4_code(fbits(p[j]), sc.value), sc.code);
+}
+
+// ------------------------------------------------------------------ bf16 operands
+
+// The bf16 bits of an exactly decoded float32 value f, without rounding: bf16 is
+// float32's upper half (sign, exponent, the leading 7 fraction bits; its
+// subnormals are float32's subnormals with a zero lower half), so bf16 holds f
+// exactly iff f's lower 16 bits are zero. NaN gives 0x7FC0; so does an f bf16
+// cannot hold, with inexact set (moe_ep_dequantize_bf16: exact or NaN, never rounded).
+//
+// Which decoded values bf16 holds (the claims of moe_ep_native.h):
+// - nvfp4: E2M1 magnitudes are 0 or s * 2^q with significand s in {1, 1.5} (<= 2
+//   significant bits); E4M3 magnitudes have <= 4 (normals 1.xxx, subnormals m * 2^-9,
+//   m <= 7). A product has <= 6 significant bits (1.1b * 1.111b = 10.1101b) and a
+//   magnitude in [0.5 * 2^-9, 6 * 448] = [2^-10, 2688], inside bf16's normal range
+//   (8 significant bits, 2^-126 .. 2^128): always exact.
+// - mxfp8: E4M3 * 2^(c - 127) has <= 4 significant bits and is a multiple of
+//   2^(c - 136). At or above 2^-126 bf16 is normal and holds it (below 2^128; from
+//   2^128 on float32 and bf16 are both +-Inf, as the spec's decode). Below 2^-126 bf16
+//   holds exactly the multiples of 2^-133: guaranteed for c >= 3, not for c <= 2
+//   (e.g. E4M3 2^-9 at c = 0 is 2^-136). Those are the only inexact values.
+__device__ __forceinline__ uint16_t bf16_exact_bits(float f, bool& inexact) {
+  const uint32_t u = fbits(f);
+  if ((u & kAbsMask) > kInfBits) return 0x7FC0u;
+  if ((u & 0xFFFFu) != 0u) {
+    inexact = true;
+    return 0x7FC0u;
+  }
+  return static_cast<uint16_t>(u >> 16);
 }
 
 }  // namespace detail

@@ -5,6 +5,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/format_math.cuh"
+#include "dequantize_bf16.h"
 #include "internal.h"
 
 namespace moe_ep {
@@ -89,6 +90,226 @@ __global__ void nvfp4_dequantize_kernel(const uint8_t* __restrict__ data, const 
   }
 }
 
+// ------------------------------------------------------------------ decode to bf16 (moe_ep_dequantize_bf16)
+//
+// Memory-bound: one byte (mxfp8) or half a byte (nvfp4) in, two bytes out per
+// element. The fast kernels move 16 bytes per load and per store:
+// - rows (inner = 1, no transpose): a thread decodes one 16-byte chunk of codes
+//   (16 mxfp8 or 32 nvfp4 elements, inside one row since n is a multiple of the
+//   chunk) and stores 2 or 4 16-byte vectors;
+// - transposed (the expert weights [E, N, K] -> [E, K, N]): a block decodes a tile of
+//   64 rows x 4 chunks through shared memory and writes it transposed, 8 bf16 a store.
+// Anything else (inner > 1, ragged or misaligned) takes the element-by-element kernel.
+// Every kernel ORs 1 into *inexact (when given) if some value is not a bf16 value
+// (those decode to NaN, see bf16_exact_bits): one vote per warp, one atomic per warp
+// that saw one, no host synchronisation.
+
+constexpr int kTileRows = 64;  // rows of the transposed kernel's tile
+
+// Every thread of the block calls this (no early return), so whole warps vote.
+__device__ __forceinline__ void report_inexact(bool inexact, int32_t* flag) {
+  const bool any = __any_sync(0xFFFFFFFFu, inexact);
+  if (any && flag != nullptr && (threadIdx.x & 31u) == 0u) atomicOr(flag, 1);
+}
+
+// The scale of one 16-byte chunk's block(s), decoded once per chunk.
+struct ChunkScale {
+  float v0, v1;    // mxfp8: 2^(code - 127) (v1 unused); nvfp4: elements 0..15, 16..31 of the chunk
+  bool nan0, nan1;
+};
+
+__device__ __forceinline__ ChunkScale mxfp8_chunk_scale(uint32_t sc) {
+  const float v = exp2_exact(static_cast<int>(sc) - 127);
+  return ChunkScale{v, v, sc == 0xFFu, sc == 0xFFu};
+}
+
+__device__ __forceinline__ ChunkScale nvfp4_chunk_scale(uint32_t sc0, uint32_t sc1) {
+  ChunkScale s;
+  s.v0 = nvfp4_scale_value(sc0, s.nan0);
+  s.v1 = nvfp4_scale_value(sc1, s.nan1);
+  return s;
+}
+
+// Elements 8q .. 8q + 7 of a 16-byte chunk of codes as 8 packed bf16 (element 8q + 2j
+// in the low half of word j), decoded one group at a time so that few values are live.
+// mxfp8: 16 codes, byte j = element j, one block. nvfp4: 32 elements, byte j holds
+// 2j (low nibble) and 2j + 1 (high); elements 0..15 in one block, 16..31 in the next.
+template <bool kMx>
+__device__ __forceinline__ uint4 chunk_bf16x8(const uint4 raw, int q, const ChunkScale& s, bool& inexact) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t out[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint16_t lo, hi;
+    if constexpr (kMx) {
+      const uint32_t word = w[2 * q + j / 2], sh = (j & 1) * 16;
+      lo = bf16_exact_bits(mxfp8_value((word >> sh) & 0xFFu, s.v0, s.nan0), inexact);
+      hi = bf16_exact_bits(mxfp8_value((word >> (sh + 8)) & 0xFFu, s.v0, s.nan0), inexact);
+    } else {
+      const uint32_t byte = (w[q] >> (8 * j)) & 0xFFu;
+      const float sv = q < 2 ? s.v0 : s.v1;
+      const bool nan = q < 2 ? s.nan0 : s.nan1;
+      lo = bf16_exact_bits(nvfp4_value(byte & 0xFu, sv, nan), inexact);
+      hi = bf16_exact_bits(nvfp4_value(byte >> 4, sv, nan), inexact);
+    }
+    out[j] = lo | (uint32_t{hi} << 16);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// Rows: data [outer, n] codes (n a multiple of the chunk), out [outer, n] bf16. Chunk t
+// starts at byte 16 t of data (n codes a row for mxfp8, n / 2 bytes for nvfp4) and at
+// element t * V of out. A thread loads kUnroll chunks (coalesced: a warp's lanes take
+// neighbouring chunks) before decoding any, to keep enough bytes in flight.
+constexpr int kUnroll = 4;
+
+template <bool kMx>
+__global__ void __launch_bounds__(kThreads)
+    bf16_rows_kernel(const uint4* __restrict__ data, const uint8_t* __restrict__ scale, int64_t outer, int64_t n,
+                     uint4* __restrict__ out, int32_t* __restrict__ flag) {
+  constexpr int V = kMx ? 16 : 32;  // elements of one 16-byte chunk
+  const int64_t per_row = n / V, total = outer * per_row;
+  const int64_t nb = div_up(n, kMx ? kMxfp8Block : kNvfp4Block);
+  bool inexact = false;
+  const int64_t step = int64_t{gridDim.x} * blockDim.x * kUnroll;
+  for (int64_t base = blockIdx.x * int64_t{blockDim.x} * kUnroll + threadIdx.x; base < total; base += step) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t t = base + int64_t{u} * blockDim.x;
+      if (t < total) raw[u] = __ldg(data + t);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t t = base + int64_t{u} * blockDim.x;
+      if (t >= total) break;
+      const int64_t row = t / per_row, c = t - row * per_row;
+      // mxfp8: 16 elements inside one block of 32; nvfp4: blocks 2c and 2c + 1 of the row.
+      const ChunkScale s = kMx ? mxfp8_chunk_scale(scale[row * nb + c / 2])
+                               : nvfp4_chunk_scale(scale[row * nb + 2 * c], scale[row * nb + 2 * c + 1]);
+#pragma unroll
+      for (int q = 0; q < V / 8; ++q) out[t * (V / 8) + q] = chunk_bf16x8<kMx>(raw[u], q, s, inexact);
+    }
+  }
+  report_inexact(inexact, flag);
+}
+
+// Transposed: data [B, R, n] (blocked along n), out [B, n, R] bf16; R a multiple of 8,
+// n of the chunk V. A block takes tiles of kTileRows rows x TK = 4 V columns: thread
+// (r = tid / 4, c = tid % 4) loads chunk c of row r (each row's 4 chunks are 64
+// contiguous bytes: whole sectors) and writes its V values down column r of the
+// shared tile; then 8 threads store each of the TK output rows' 64 bf16 as 8
+// 16-byte vectors (128 contiguous bytes). The tile's column of row r in chunk c is
+// r ^ (8 c): a warp's 2-byte writes (rows 8w..8w+7, chunks 0..3) then fall in 16
+// distinct banks, and the 8-column segment s of a chunk-c row is physical segment s ^ c.
+template <bool kMx>
+__global__ void __launch_bounds__(kThreads)
+    bf16_transpose_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale, int64_t batches,
+                          int64_t R, int64_t n, uint16_t* __restrict__ out, int32_t* __restrict__ flag) {
+  constexpr int V = kMx ? 16 : 32;
+  constexpr int TK = 4 * V;
+  static_assert(kThreads == 4 * kTileRows, "one chunk per thread");
+  static_assert((TK * 8) % kThreads == 0, "whole store rounds");
+  __shared__ __align__(16) uint16_t tile[TK][kTileRows];
+  const int64_t row_bytes = kMx ? n : n / 2;
+  const int64_t nb = div_up(n, kMx ? kMxfp8Block : kNvfp4Block);
+  const int64_t rt = div_up(R, kTileRows), kt = div_up(n, TK), per_batch = rt * kt, tiles = batches * per_batch;
+  const int lr = static_cast<int>(threadIdx.x) >> 2, lc = static_cast<int>(threadIdx.x) & 3;
+  bool inexact = false;
+  for (int64_t tid = blockIdx.x; tid < tiles; tid += gridDim.x) {
+    const int64_t b = tid / per_batch, rk = tid - b * per_batch;
+    const int64_t r0 = (rk / kt) * kTileRows, k0 = (rk % kt) * TK;
+    const int64_t row = r0 + lr, k = k0 + int64_t{lc} * V;
+    const int pc = lr ^ (lc << 3);
+    if (row < R && k < n) {
+      const int64_t o = b * R + row;
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(data + o * row_bytes + (kMx ? k : k / 2)));
+      const ChunkScale s = kMx ? mxfp8_chunk_scale(scale[o * nb + k / kMxfp8Block])
+                               : nvfp4_chunk_scale(scale[o * nb + k / kNvfp4Block], scale[o * nb + k / kNvfp4Block + 1]);
+#pragma unroll
+      for (int q = 0; q < V / 8; ++q) {
+        const uint4 p = chunk_bf16x8<kMx>(raw, q, s, inexact);
+        const uint32_t w[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) tile[lc * V + 8 * q + j][pc] = static_cast<uint16_t>(w[j / 2] >> ((j & 1) * 16));
+      }
+    }  // rows past R and columns past n stay unwritten: they are never stored
+    __syncthreads();
+#pragma unroll
+    for (int it = 0; it < TK * 8 / kThreads; ++it) {
+      const int idx = it * kThreads + static_cast<int>(threadIdx.x);
+      const int kk = idx >> 3, seg = idx & 7, c = kk / V;
+      const int64_t kg = k0 + kk, rg = r0 + seg * 8;
+      if (kg < n && rg < R)
+        *reinterpret_cast<uint4*>(out + (b * n + kg) * R + rg) =
+            *reinterpret_cast<const uint4*>(&tile[kk][(seg ^ c) << 3]);
+    }
+    __syncthreads();
+  }
+  report_inexact(inexact, flag);
+}
+
+// Element by element (any inner, any alignment): thread t writes out[t]. R = 0: out
+// is the view [outer, n, inner]; R >= 1 (inner = 1): out is [outer / R, n, R].
+template <bool kMx>
+__global__ void bf16_elements_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale,
+                                     int64_t outer, int64_t n, int64_t inner, int64_t R, uint16_t* __restrict__ out,
+                                     int32_t* __restrict__ flag) {
+  const int64_t total = outer * n * inner;
+  const int64_t nb = div_up(n, kMx ? kMxfp8Block : kNvfp4Block), np = div_up(n, 2);
+  bool inexact = false;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    int64_t o, k, i;
+    if (R == 0) {
+      i = t % inner;
+      const int64_t ok = t / inner;
+      k = ok % n;
+      o = ok / n;
+    } else {
+      const int64_t r = t % R, bk = t / R;
+      k = bk % n;
+      o = (bk / n) * R + r;
+      i = 0;
+    }
+    float f;
+    if constexpr (kMx) {
+      f = mxfp8_decode(data[(o * n + k) * inner + i], scale[(o * nb + k / kMxfp8Block) * inner + i]);
+    } else {
+      const uint32_t byte = data[(o * np + k / 2) * inner + i];
+      f = nvfp4_decode((k & 1) ? (byte >> 4) : (byte & 0xFu), scale[(o * nb + k / kNvfp4Block) * inner + i]);
+    }
+    out[t] = bf16_exact_bits(f, inexact);
+  }
+  report_inexact(inexact, flag);
+}
+
+template <bool kMx>
+moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const uint8_t* scale, int64_t outer,
+                                     int64_t n, int64_t inner, int64_t R, uint16_t* out, int32_t* flag) {
+  constexpr int64_t V = kMx ? 16 : 32;
+  const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  if (inner == 1 && n % V == 0 && aligned) {
+    if (R == 0) {
+      const int64_t chunks = outer * (n / V);
+      bf16_rows_kernel<kMx><<<blocks_for(div_up(chunks, kUnroll)), kThreads, 0, s>>>(reinterpret_cast<const uint4*>(data), scale,
+                                                                     outer, n, reinterpret_cast<uint4*>(out), flag);
+      MOE_EP_CUDA_CHECK_LAUNCH("bf16_rows_kernel");
+      return MOE_EP_OK;
+    }
+    if (R % 8 == 0) {
+      const int64_t tiles = (outer / R) * div_up(R, kTileRows) * div_up(n, 4 * V);
+      const unsigned grid = static_cast<unsigned>(tiles < kMaxBlocks ? tiles : kMaxBlocks);
+      bf16_transpose_kernel<kMx><<<grid, kThreads, 0, s>>>(data, scale, outer / R, R, n, out, flag);
+      MOE_EP_CUDA_CHECK_LAUNCH("bf16_transpose_kernel");
+      return MOE_EP_OK;
+    }
+  }
+  bf16_elements_kernel<kMx><<<blocks_for(outer * n * inner), kThreads, 0, s>>>(data, scale, outer, n, inner, R, out,
+                                                                              flag);
+  MOE_EP_CUDA_CHECK_LAUNCH("bf16_elements_kernel");
+  return MOE_EP_OK;
+}
+
 }  // namespace
 
 moe_ep_status quantize(void* stream, moe_ep_format fmt, const float* x, int64_t outer, int64_t n, int64_t inner,
@@ -145,6 +366,22 @@ moe_ep_status dequantize(void* stream, moe_ep_format fmt, const void* data, cons
       return MOE_EP_OK;
     default:
       return fail(MOE_EP_ERR_INTERNAL, "cuda::dequantize: unexpected format " + std::to_string(static_cast<int>(fmt)));
+  }
+}
+
+moe_ep_status dequantize_bf16(void* stream, moe_ep_format fmt, const void* data, const void* scale, int64_t outer,
+                              int64_t n, int64_t inner, int64_t transpose_rows, uint16_t* out, int32_t* inexact) {
+  const cudaStream_t s = as_stream(stream);
+  const auto* d = static_cast<const uint8_t*>(data);
+  const auto* sc = static_cast<const uint8_t*>(scale);
+  switch (fmt) {
+    case MOE_EP_FORMAT_MXFP8:
+      return launch_dequantize_bf16<true>(s, d, sc, outer, n, inner, transpose_rows, out, inexact);
+    case MOE_EP_FORMAT_NVFP4:
+      return launch_dequantize_bf16<false>(s, d, sc, outer, n, inner, transpose_rows, out, inexact);
+    default:
+      return fail(MOE_EP_ERR_INTERNAL,
+                  "cuda::dequantize_bf16: unexpected format " + std::to_string(static_cast<int>(fmt)));
   }
 }
 

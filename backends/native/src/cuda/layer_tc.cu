@@ -347,6 +347,12 @@ __global__ void zero_tail_rows_kernel(float* __restrict__ x, const int32_t* __re
 
 // ------------------------------------------------------------------ launches
 
+// Blocks of a grid-stride kernel that only touches a tail of its `total` elements (the
+// rows past the last expert's slab): a few per SM instead of one per 256 elements.
+unsigned tail_blocks(int64_t total, const TcWorkspace& ws) {
+  return std::min(blocks_for(total), static_cast<unsigned>(std::max(ws.sm_count, 1) * 8));
+}
+
 moe_ep_status gemm_status(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return MOE_EP_OK;
   return fail(MOE_EP_ERR_CUDA, std::string("grouped GEMM (") + what + ") failed: " + cudaGetErrorName(err) + ": " +
@@ -358,7 +364,7 @@ struct Gemm {
   const TcWorkspace& ws;
   cudaStream_t stream;
   moe_ep_status run(GemmLayout layout, int64_t m, int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, float* out,
-                    bool accumulate, const char* what) const {
+                    bool accumulate, const char* what, uint16_t* out_bf16 = nullptr) const {
     GroupedGemmProblem p;
     p.layout = layout;
     p.num_groups = static_cast<int32_t>(d.num_local_experts);
@@ -370,6 +376,7 @@ struct Gemm {
     p.a = a;
     p.b = b;
     p.d = out;
+    p.d_bf16 = out_bf16;
     p.accumulate = accumulate;
     return gemm_status(grouped_gemm_bf16(p, ws.gemm, ws.gemm_bytes, stream, ws.sm_count), what);
   }
@@ -432,17 +439,24 @@ void launch_fc2_epilogue(int32_t fmt, unsigned blocks, cudaStream_t s, float* y,
   }
 }
 
+// With bf16 expert-output rows: whether FC2 writes them itself (nothing but their bf16
+// rounding follows: the router weight is in FC1 and the FC2 operand is one bf16 plane).
+bool fc2_writes_bf16(const moe_ep_expert_desc& d) {
+  return d.apply_topk_in_fc1 != 0 && tc_operand_planes(d.intermediate_format) == 1;
+}
+
 int block_of_format(int32_t fmt) {
   return fmt == MOE_EP_FORMAT_MXFP8 ? 32 : (fmt == MOE_EP_FORMAT_NVFP4 ? 16 : 1);
 }
 
 // Every grouped GEMM the layer runs for d, for the workspace size and the support check.
 template <typename Fn>
-void for_each_problem(const moe_ep_expert_desc& d, bool backward, Fn fn) {
+void for_each_problem(const moe_ep_expert_desc& d, bool backward, bool bf16_out, Fn fn) {
   const int64_t H = d.hidden, I = d.intermediate;
-  auto make = [&](GemmLayout l, int64_t m, int64_t n, int64_t k) {
+  auto make = [&](GemmLayout l, int64_t m, int64_t n, int64_t k, bool d_bf16 = false) {
     GroupedGemmProblem p;
     p.layout = l;
+    p.d_bf16 = d_bf16 ? reinterpret_cast<uint16_t*>(uintptr_t{256}) : nullptr;  // a stand-in: sizes only
     p.num_groups = static_cast<int32_t>(d.num_local_experts);
     p.total_rows = d.num_rows;
     p.m = m;
@@ -452,6 +466,7 @@ void for_each_problem(const moe_ep_expert_desc& d, bool backward, Fn fn) {
   };
   make(GemmLayout::kNN, 0, 2 * I, H);  // FC1
   make(GemmLayout::kNN, 0, H, I);      // FC2 (and z = h W2)
+  if (bf16_out && fc2_writes_bf16(d)) make(GemmLayout::kNN, 0, H, I, true);  // FC2 straight into bf16 rows
   if (backward) {
     make(GemmLayout::kNT, 0, I, H);      // a = dY W2^T
     make(GemmLayout::kNT, 0, H, 2 * I);  // dx = dc W1^T
@@ -474,12 +489,12 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
   if (!grouped_gemm_built()) return 0;
   bool ok = d.num_local_experts <= 1024;
   size_t gemm_bytes = 0;
-  for_each_problem(d, backward, [&](const GroupedGemmProblem& p) {
+  for_each_problem(d, backward, bf16_out, [&](const GroupedGemmProblem& p) {
     GroupedGemmProblem q = p;
     // supported() also checks pointer alignment: give it aligned stand-ins.
     q.a = reinterpret_cast<const uint16_t*>(uintptr_t{256});
     q.b = q.a;
-    q.d = reinterpret_cast<float*>(uintptr_t{256});
+    q.d = q.d_bf16 != nullptr ? nullptr : reinterpret_cast<float*>(uintptr_t{256});
     q.offsets = reinterpret_cast<const int32_t*>(uintptr_t{256});
     if (!grouped_gemm_supported(q)) ok = false;
     gemm_bytes = std::max(gemm_bytes, grouped_gemm_workspace_bytes(q, sm_count));
@@ -501,7 +516,7 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
   w.gemm_bytes = gemm_bytes;
   w.c = reinterpret_cast<float*>(take(C * 2 * I * sizeof(float)));
   w.left = reinterpret_cast<uint16_t*>(take(kPlanes * C * I * sizeof(uint16_t)));
-  if (bf16_out) w.y32 = reinterpret_cast<float*>(take(C * H * sizeof(float)));
+  if (bf16_out && !fc2_writes_bf16(d)) w.y32 = reinterpret_cast<float*>(take(C * H * sizeof(float)));
   if (backward) {
     w.right = reinterpret_cast<uint16_t*>(take(kPlanes * C * H * sizeof(uint16_t)));
     w.dc = reinterpret_cast<uint16_t*>(take(kPlanes * C * 2 * I * sizeof(uint16_t)));
@@ -534,11 +549,20 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   launch_fc1_epilogue(d.intermediate_format, b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p);
   MOE_EP_CUDA_CHECK_LAUNCH("fc1_epilogue_kernel");
 
+  const bool weight = !d.apply_topk_in_fc1;
+  if (bf16_out && fc2_writes_bf16(d)) {
+    // Nothing happens to the FC2 output but its bf16 rounding (the combine round trip):
+    // the GEMM writes the bf16 rows itself; rows of no expert are zeroed (as float pairs).
+    MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, H, I, ws.left, fc2, nullptr, false, "FC2", static_cast<uint16_t*>(y_out)));
+    zero_tail_rows_kernel<<<tail_blocks(C * H / 2, ws), kThreads, 0, s>>>(static_cast<float*>(y_out), ws.offsets, E,
+                                                                           C, H / 2);
+    MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel");
+    return MOE_EP_OK;
+  }
   float* y = bf16_out ? ws.y32 : static_cast<float*>(y_out);
   for (int pl = 0; pl < planes; ++pl)
     MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, H, I, ws.left + static_cast<int64_t>(pl) * C * I, fc2, y, pl > 0, "FC2"));
 
-  const bool weight = !d.apply_topk_in_fc1;
   if (bf16_out) {  // combine_format bf16 (the layer checked it); H is a multiple of 8 (the GEMMs need it)
     const unsigned b = blocks_for(C * (H / 4));
     const float4* z4 = reinterpret_cast<const float4*>(y);
@@ -612,7 +636,7 @@ moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint1
     MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc + pl * dp, dfc1, pl > 0, "dW1"));
   for (int pl = 0; pl < kPlanes; ++pl)
     MOE_EP_TRY(gemm.run(GemmLayout::kNT, 0, H, 2 * I, ws.dc + pl * dp, fc1, dx, pl > 0, "dc W1^T"));
-  zero_tail_rows_kernel<<<blocks_for(C * H), kThreads, 0, s>>>(dx, ws.offsets, E, C, H);
+  zero_tail_rows_kernel<<<tail_blocks(C * H, ws), kThreads, 0, s>>>(dx, ws.offsets, E, C, H);
   MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel");
   // dw: <a, h> (weight in FC1, a = dY W2^T) or <dY, h W2> (weight in FC2).
   const unsigned rows_grid = static_cast<unsigned>(std::min<int64_t>(C, 65535));

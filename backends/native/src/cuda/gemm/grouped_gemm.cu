@@ -46,7 +46,8 @@ bool grouped_gemm_supported(const GroupedGemmProblem& p) {
   if (!grouped_gemm_built()) return false;
   if (p.num_groups < 1 || p.num_groups > 1024) return false;
   if (p.total_rows < 0 || p.total_rows >= kMaxDim) return false;
-  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d)) return false;
+  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || !aligned16(p.d_bf16)) return false;
+  if (p.d_bf16 != nullptr && (p.layout != GemmLayout::kNN || p.accumulate)) return false;
   switch (p.layout) {
     case GemmLayout::kNN:
     case GemmLayout::kNT:
@@ -64,6 +65,9 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmProblem& p, int sm_count) {
   // The larger of the kernels the layout may pick: the size does not depend on rows_hint.
   switch (p.layout) {
     case GemmLayout::kNN:
+      if (p.d_bf16 != nullptr)
+        return std::max(gemm_detail::grouped_gemm_nn_coop_bf16_workspace_bytes(p, sm_count),
+                        gemm_detail::grouped_gemm_nn_pingpong_bf16_workspace_bytes(p, sm_count));
       return std::max(gemm_detail::grouped_gemm_nn_coop_workspace_bytes(p, sm_count),
                       gemm_detail::grouped_gemm_nn_pingpong_workspace_bytes(p, sm_count));
     case GemmLayout::kNT:
@@ -78,13 +82,17 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmProblem& p, int sm_count) {
 cudaError_t grouped_gemm_bf16(const GroupedGemmProblem& p, void* workspace, size_t workspace_bytes,
                               cudaStream_t stream, int sm_count) {
   if (!grouped_gemm_supported(p)) return cudaErrorNotSupported;
-  if (p.offsets == nullptr || p.d == nullptr) return cudaErrorInvalidValue;
+  if (p.offsets == nullptr || (p.d == nullptr && p.d_bf16 == nullptr)) return cudaErrorInvalidValue;
   if (p.total_rows > 0 && (p.a == nullptr || p.b == nullptr)) return cudaErrorInvalidValue;
   cudaError_t e = resolve_sm_count(&sm_count);
   if (e != cudaSuccess) return e;
 #if defined(MOE_EP_NATIVE_WITH_CUTLASS)
   switch (p.layout) {
     case GemmLayout::kNN:
+      if (p.d_bf16 != nullptr)
+        return few_rows(p)
+                   ? gemm_detail::grouped_gemm_nn_pingpong_bf16_launch(p, workspace, workspace_bytes, stream, sm_count)
+                   : gemm_detail::grouped_gemm_nn_coop_bf16_launch(p, workspace, workspace_bytes, stream, sm_count);
       return few_rows(p) ? gemm_detail::grouped_gemm_nn_pingpong_launch(p, workspace, workspace_bytes, stream, sm_count)
                          : gemm_detail::grouped_gemm_nn_coop_launch(p, workspace, workspace_bytes, stream, sm_count);
     case GemmLayout::kNT:

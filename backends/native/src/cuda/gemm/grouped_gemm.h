@@ -60,6 +60,9 @@ struct GroupedGemmProblem {
   const uint16_t* a = nullptr;  // bf16 bit patterns, device, 16-byte aligned
   const uint16_t* b = nullptr;  // bf16 bit patterns, device, 16-byte aligned
   float* d = nullptr;           // float32, device, 16-byte aligned
+  // kNN without accumulate only: D as bf16 instead (d then unused): the float32 accumulator
+  // rounded to nearest even, [total_rows, n] bf16 bit patterns, device, 16-byte aligned.
+  uint16_t* d_bf16 = nullptr;
   bool accumulate = false;      // D_g += A_g * B_g instead of D_g = A_g * B_g
   // kNN/kNT: the expected rows per group, a host-side hint that picks the kernel (never
   // read from the offsets): at most 128 (or n <= 128) takes the pingpong 64x128x128 kernel
@@ -71,7 +74,8 @@ struct GroupedGemmProblem {
 // True when this build has the CUTLASS kernels (MOE_EP_NATIVE_WITH_CUTLASS) and the
 // problem is supported: num_groups in [1, 1024]; every row length (k and n for
 // kNN/kNT, m and n for kTN) a positive multiple of 8 elements and below 2^31; total_rows
-// in [0, 2^31); non-null operands 16-byte aligned. Does not look at the offsets. The
+// in [0, 2^31); non-null operands 16-byte aligned; d_bf16 only with kNN and no accumulate.
+// Does not look at the offsets. The
 // device must be sm_90 (the kernels are sm_90a only): callers check the device once.
 bool grouped_gemm_supported(const GroupedGemmProblem& p);
 

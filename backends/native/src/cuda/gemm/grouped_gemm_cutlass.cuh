@@ -1,4 +1,4 @@
-// The CUTLASS 4.2 ptr-array grouped GEMM (sm_90a, bf16 x bf16 -> float32, float32
+// The CUTLASS 4.2 ptr-array grouped GEMM (sm_90a, bf16 x bf16 -> float32 or bf16, float32
 // accumulate) shared by the per-instantiation TUs grouped_gemm_{nn,nt,tn}{,_pingpong}.cu. Include it
 // only from those TUs (each instantiates ONE kernel: ~100 s and ~3.4 GB of nvcc each),
 // compiled with -DNDEBUG for sm_90a.
@@ -55,13 +55,17 @@ struct PingpongSchedule {
 //   kNN: A row-major (K-major), B row-major (N-major),  D row-major;
 //   kNT: A row-major (K-major), B column-major (K-major), D row-major;
 //   kTN: A column-major (M-major), B row-major (N-major), D row-major.
-template <GemmLayout kLayout, class TileShape_, class ClusterShape_, class Schedule>
+// Out: the element of D (float, or cutlass::bfloat16_t: the float32 accumulator rounded to
+// nearest even in the epilogue; then D is GroupedGemmProblem::d_bf16, kNN without accumulate).
+template <GemmLayout kLayout, class TileShape_, class ClusterShape_, class Schedule, class Out = float>
 struct GroupedGemm {
   static constexpr GemmLayout layout = kLayout;
+  static constexpr bool kBf16Out = std::is_same<Out, cutlass::bfloat16_t>::value;
+  static_assert(!kBf16Out || kLayout == GemmLayout::kNN, "a bf16 D is for the forward (kNN) only");
   using ElementA = cutlass::bfloat16_t;
   using ElementB = cutlass::bfloat16_t;
-  using ElementC = float;
-  using ElementD = float;
+  using ElementC = Out;
+  using ElementD = Out;
   using ElementAccumulator = float;
   using LayoutA = std::conditional_t<kLayout == GemmLayout::kTN, cutlass::layout::ColumnMajor,
                                      cutlass::layout::RowMajor>;
@@ -69,7 +73,7 @@ struct GroupedGemm {
                                      cutlass::layout::RowMajor>;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 16 / sizeof(ElementA);  // 8 elements: 16-byte TMA rows
-  static constexpr int kAlignCD = 16 / sizeof(ElementD);  // 4 elements
+  static constexpr int kAlignCD = 16 / sizeof(ElementD);  // 4 (float) or 8 (bf16) elements
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
@@ -97,6 +101,12 @@ struct GroupedGemm {
   using StrideD = typename GemmKernel::InternalStrideD;
   static_assert(std::is_same<StrideC, StrideD>::value, "C aliases D: one stride array serves both");
   using Shape = typename ProblemShape::UnderlyingProblemShape;
+
+  // The problem's D as this instantiation's element.
+  static __host__ __device__ ElementD* d_of(const GroupedGemmProblem& p) {
+    if constexpr (kBf16Out) return reinterpret_cast<ElementD*>(p.d_bf16);
+    else return p.d;
+  }
 };
 
 // Where the per-group arrays and CUTLASS's workspace sit in the caller's workspace.
@@ -185,7 +195,7 @@ __global__ void build_group_args(GroupedGemmProblem p, typename G::Shape* shapes
     shapes[g] = cute::make_shape(rows > 0 ? static_cast<int>(p.m) : 0, static_cast<int>(p.n), rows);
     ptr_a[g] = a + start * p.m;
     ptr_b[g] = b + start * p.n;
-    ptr_d[g] = p.d + static_cast<int64_t>(g) * p.m * p.n;
+    ptr_d[g] = G::d_of(p) + static_cast<int64_t>(g) * p.m * p.n;
     stride_a[g] = leading_stride<typename G::StrideA>(p.m);
     stride_b[g] = leading_stride<typename G::StrideB>(p.n);
   } else {
@@ -193,7 +203,7 @@ __global__ void build_group_args(GroupedGemmProblem p, typename G::Shape* shapes
     shapes[g] = cute::make_shape(rows, static_cast<int>(p.n), static_cast<int>(p.k));
     ptr_a[g] = a + start * p.k;
     ptr_b[g] = b + static_cast<int64_t>(g) * p.k * p.n;
-    ptr_d[g] = p.d + start * p.n;
+    ptr_d[g] = G::d_of(p) + start * p.n;
     stride_a[g] = leading_stride<typename G::StrideA>(p.k);
     stride_b[g] = leading_stride<typename G::StrideB>(G::layout == GemmLayout::kNT ? p.k : p.n);
   }
