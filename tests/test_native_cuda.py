@@ -308,3 +308,85 @@ def test_kernels_capture_in_a_cuda_graph_and_replay_on_new_inputs():
         got_dx = host_of(grads[0], np.float32, (c_rows, h))
         np.testing.assert_allclose(got_dx, want_g.dx, rtol=0, atol=1e-3 * max(1.0, np.abs(want_g.dx).max()),
                                    err_msg=f"replay {seed}: dx")
+
+
+def _plan_ids(rng, t, k, e, kind):
+    if kind == "mixed":  # -1 slots and bad ids on both sides of [0, e) among the routed ones
+        idx = rng.integers(-3, e + 2, size=(t, k)).astype(np.int32)
+        if idx.size > 3:
+            idx.reshape(-1)[:3] = [2**31 - 1, -(2**31), e]
+        return idx
+    if kind == "one":  # every id routed to one expert (the largest bucket possible)
+        return np.full((t, k), e - 1, np.int32)
+    if kind == "unrouted":
+        return np.where(rng.random((t, k)) < 0.5, -1, e + 7).astype(np.int32)
+    return rng.integers(0, e, size=(t, k)).astype(np.int32)  # "uniform"
+
+
+@pytest.mark.parametrize("mode", ["auto", "single", "multi"])
+@pytest.mark.parametrize("t,k,e,kind", [
+    (4096, 8, 256, "uniform"),  # the layer's shape: 127 units (warps) in 32 blocks
+    (4096, 8, 256, "mixed"),
+    (4096, 8, 256, "one"),
+    (4096, 8, 256, "unrouted"),
+    (3000, 8, 1, "mixed"),  # E = 1
+    (40000, 8, 8, "mixed"),  # the most units (1024), 32 rows per scan thread
+    (5000, 5, 12000, "mixed"),  # one warp per block (its counters fill the shared memory)
+    (2000, 16, 64, "uniform"),
+    (33, 8, 256, "mixed"),  # multi: one unit of 264 >= E + 2 ids
+    (10, 1, 1, "mixed"),
+    (0, 4, 256, "mixed"),
+])
+def test_plan_routes_multi_block_equal_cpu(monkeypatch, mode, t, k, e, kind):
+    """The plan's one-block and multi-block kernels (MOE_EP_PLAN_ROUTES forces
+    one where it can run) against the CPU plan, bit for bit, over the cases
+    where they differ: many units and blocks, unit boundaries that do not fall
+    on warp steps, E = 1, large E, every id in one bucket, only unrouted ids."""
+    if mode != "auto":
+        monkeypatch.setenv("MOE_EP_PLAN_ROUTES", mode)
+    rng = np.random.default_rng(t * 7 + k * 3 + e)
+    idx = _plan_ids(rng, t, k, e, kind)
+    want = host.plan_routes(idx, e)
+    n = t * k
+    outs = [empty(4 * n) for _ in range(3)] + [empty(4 * (e + 1))]
+    for rep in range(2):  # a second call over the first one's outputs (the scratch rows live in route_pos)
+        call("moe_ep_plan_routes", CUDA, stream(), dev(idx).data_ptr(), t, k, e, *[o.data_ptr() for o in outs])
+        send, pos, exp = (host_of(o, np.int32, (n,)) for o in outs[:3])
+        counts = host_of(outs[3], np.int32, (e + 1,))
+        np.testing.assert_array_equal(send, want.send_route, err_msg=f"call {rep}: send_route")
+        np.testing.assert_array_equal(pos, want.route_pos, err_msg=f"call {rep}: route_pos")
+        np.testing.assert_array_equal(exp, want.route_expert, err_msg=f"call {rep}: route_expert")
+        np.testing.assert_array_equal(counts[:e], want.counts, err_msg=f"call {rep}: counts")
+        assert counts[e] == want.num_bad
+
+
+def test_plan_routes_multi_block_replays_in_a_cuda_graph():
+    """The multi-block plan (three kernels, no workspace) captured once and
+    replayed on new ids written into the same buffer."""
+    t, k, e = 4096, 8, 256
+    n = t * k
+    idx_d = dev(np.zeros((t, k), np.int32))
+    outs = [empty(4 * n) for _ in range(3)] + [empty(4 * (e + 1))]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+
+    def plan():
+        call("moe_ep_plan_routes", CUDA, torch.cuda.current_stream().cuda_stream, idx_d.data_ptr(), t, k, e,
+             *[o.data_ptr() for o in outs])
+
+    with torch.cuda.stream(s):
+        plan()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan()
+    for seed in (1, 2):
+        ids = _plan_ids(np.random.default_rng(seed), t, k, e, "mixed")
+        idx_d.copy_(torch.from_numpy(ids.view(np.uint8).reshape(-1)))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = host.plan_routes(ids, e)
+        np.testing.assert_array_equal(host_of(outs[0], np.int32, (n,)), want.send_route, err_msg=f"replay {seed}")
+        np.testing.assert_array_equal(host_of(outs[1], np.int32, (n,)), want.route_pos, err_msg=f"replay {seed}")
+        np.testing.assert_array_equal(host_of(outs[2], np.int32, (n,)), want.route_expert, err_msg=f"replay {seed}")
+        np.testing.assert_array_equal(host_of(outs[3], np.int32, (e + 1,))[:e], want.counts)

@@ -1,7 +1,9 @@
 // CUDA routing: the route plan (a stable counting sort of route ids by expert,
-// one thread block, no host synchronisation), the permutation of token rows
-// into send order, and the Form-A combine reduction.
+// no host synchronisation), the permutation of token rows into send order, and
+// the Form-A combine reduction.
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "cuda/common.cuh"
@@ -13,25 +15,227 @@ namespace {
 
 using namespace detail;
 
+// ------------------------------------------------------------------ plan_routes
+//
+// Buckets: expert e in [0, E) for a routed id; one "unrouted" bucket E (-1 slots
+// and bad ids, which fill the tail of send_route in route order). Two ways:
+//  * multi-block (plan_hist_kernel, plan_scan_kernel, plan_place_kernel): the N
+//    route ids are cut into U contiguous "units" of at least E + 2 ids, one warp
+//    each, U <= kPlanMaxUnits, in route order. A unit's row of E + 2 counters
+//    (its routed ids per expert, its unrouted ids, its bad ids) lives, between
+//    the three kernels, in the unit's own slice of the route_pos output (which is
+//    written last, by the same warp, after it has read the row back): no
+//    workspace, no allocation, nothing shared between blocks but kernel order.
+//    topk_idx must not overlap an output (the last kernel reads it again after
+//    route_pos and route_expert were written).
+//  * one block (plan_routes_kernel): small inputs (one launch is faster there),
+//    and E too large for a unit's counters in shared memory.
+// Both give the CPU twin's outputs bit for bit, deterministically.
+
 constexpr int kPlanThreads = 1024;
-// Per-expert cursors live in shared memory when they fit (E * 4 bytes next to
-// the kernel's static shared memory, under the 48 KiB default); otherwise the
-// kernel uses the `counts` output itself as its cursor array (global memory,
-// same code through a generic pointer) and rewrites it at the end.
+// Per-expert cursors of the one-block kernel live in shared memory when they fit
+// (E * 4 bytes next to the kernel's static shared memory, under the 48 KiB
+// default); otherwise the kernel uses the `counts` output itself as its cursor
+// array (global memory, same code through a generic pointer) and rewrites it at
+// the end.
 constexpr int64_t kPlanSharedExperts = 10240;
 
-// plan_routes in one block of kPlanThreads threads, over N = T * K route ids.
-// Buckets: expert e in [0, E) for a routed id; one "unrouted" bucket (-1 slots
-// and bad ids, which fill the tail of send_route in route order).
+// Multi-block sizing: a unit holds at least max(E + 2, kPlanUnitMinRoutes) ids;
+// at most kPlanMaxUnits units (32 per plan_scan_kernel thread column); up to
+// kPlanMaxWarps units (warps) per block, each with E + 2 ints of dynamic shared
+// memory, all under kPlanSmemInts ints (48 KiB less room for static shared memory).
+constexpr int64_t kPlanUnitMinRoutes = 256;
+constexpr int kPlanScanRows = 32;  // rows (units) per plan_scan_kernel thread, at most
+constexpr int kPlanScanGroups = 32;
+constexpr int64_t kPlanMaxUnits = int64_t{kPlanScanRows} * kPlanScanGroups;
+constexpr int kPlanMaxWarps = 4;
+constexpr int64_t kPlanSmemInts = 12288 - 64;
+// The automatic choice takes the multi-block kernels from this many route ids
+// (and at least two units); below, the one-block kernel.
+constexpr int64_t kPlanMultiMinRoutes = 2048;
+constexpr int kPlanBatch = 8;  // route ids per lane loaded before they are used
+
+// Unit u's ids: [u * N / U, (u + 1) * N / U), at least floor(N / U) >= E + 2 of them.
+__device__ __forceinline__ int64_t unit_begin(int64_t u, int64_t num_routes, int64_t num_units) {
+  return u * num_routes / num_units;
+}
+
+// Pass 1: unit u (one warp) counts its ids per bucket in shared memory (row[e]:
+// routed ids of expert e; row[E]: unrouted ids, bad ones included; row[E + 1]:
+// bad ids), writes route_expert for its ids, then stores the row in
+// route_pos[begin, begin + E + 2).
+__global__ void __launch_bounds__(kPlanMaxWarps * 32)
+    plan_hist_kernel(const int32_t* __restrict__ topk, int64_t num_routes, int num_experts, int64_t num_units,
+                     int32_t* __restrict__ route_pos, int32_t* __restrict__ route_expert) {
+  extern __shared__ int s_rows[];
+  const int E = num_experts, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t u = int64_t{blockIdx.x} * (blockDim.x >> 5) + warp;
+  if (u >= num_units) return;  // whole warps; no block barrier below
+  int* row = s_rows + warp * (E + 2);
+  for (int e = lane; e < E + 2; e += 32) row[e] = 0;
+  __syncwarp();
+  const int64_t lo = unit_begin(u, num_routes, num_units), hi = unit_begin(u + 1, num_routes, num_units);
+  for (int64_t base = lo; base < hi; base += kPlanBatch * 32) {
+    int v[kPlanBatch];
+#pragma unroll
+    for (int i = 0; i < kPlanBatch; ++i) {
+      const int64_t r = base + i * 32 + lane;
+      v[i] = r < hi ? topk[r] : -1;
+    }
+#pragma unroll
+    for (int i = 0; i < kPlanBatch; ++i) {
+      const int64_t r = base + i * 32 + lane;
+      if (r < hi) {
+        const bool routed = v[i] >= 0 && v[i] < E;
+        atomicAdd(&row[routed ? v[i] : E], 1);
+        if (!routed && v[i] != -1) atomicAdd(&row[E + 1], 1);
+        route_expert[r] = routed ? v[i] : -1;
+      }
+    }
+  }
+  __syncwarp();
+  for (int e = lane; e < E + 2; e += 32) route_pos[lo + e] = row[e];
+}
+
+// Pass 2: for every column c in [0, E + 2) of the U x (E + 2) unit rows, an
+// exclusive prefix over units, in place (row u then holds the ids of bucket c in
+// units before u); the column totals go to counts (c < E: counts[c]; c = E + 1:
+// counts[E], the bad ids). Block: 32 columns x 32 groups of <= 32 consecutive rows.
+__global__ void __launch_bounds__(kPlanScanGroups * 32)
+    plan_scan_kernel(int64_t num_routes, int num_experts, int64_t num_units, int32_t* route_pos,
+                     int32_t* __restrict__ counts) {
+  __shared__ int s_part[kPlanScanGroups][33];
+  const int cols = num_experts + 2;
+  const int tx = threadIdx.x, g = threadIdx.y;
+  const int c = blockIdx.x * 32 + tx;
+  const int64_t rows_per_group = div_up(num_units, kPlanScanGroups);  // <= kPlanScanRows
+  const int64_t r0 = g * rows_per_group;
+  int v[kPlanScanRows];
+  int sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPlanScanRows; ++i) {
+    const int64_t u = r0 + i;
+    v[i] = 0;
+    if (i < rows_per_group && u < num_units && c < cols) v[i] = route_pos[unit_begin(u, num_routes, num_units) + c];
+    sum += v[i];
+  }
+  s_part[g][tx] = sum;
+  __syncthreads();
+  int before = 0, total = 0;
+  for (int j = 0; j < kPlanScanGroups; ++j) {
+    const int p = s_part[j][tx];
+    if (j < g) before += p;
+    total += p;
+  }
+#pragma unroll
+  for (int i = 0; i < kPlanScanRows; ++i) {
+    const int64_t u = r0 + i;
+    if (i < rows_per_group && u < num_units && c < cols) route_pos[unit_begin(u, num_routes, num_units) + c] = before;
+    before += v[i];
+  }
+  if (g == 0 && c < cols && c != num_experts) counts[c < num_experts ? c : num_experts] = total;
+}
+
+// Pass 3: every block computes the experts' first send positions (exclusive
+// prefix of counts[0, E)) into warp 0's row; each unit's cursor row is then that
+// plus its row of pass 2 (the unrouted cursor: all routed ids plus the unit's
+// share). Then unit by unit, in route order, 32 ids at a time: lanes with the
+// same bucket (__match_any_sync) take consecutive positions in lane order from
+// the bucket's cursor, which the group's lowest lane advances. Route order is
+// kept within every bucket: units are in route order, ids inside a unit too.
+// route_pos of the unit's ids is written here, after its row was read.
+__global__ void __launch_bounds__(kPlanMaxWarps * 32)
+    plan_place_kernel(const int32_t* __restrict__ topk, int64_t num_routes, int num_experts, int64_t num_units,
+                      const int32_t* __restrict__ counts, int32_t* __restrict__ send_route, int32_t* route_pos) {
+  extern __shared__ int s_rows[];
+  __shared__ int s_warp_sum[kPlanMaxWarps];
+  const int E = num_experts, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nthreads = blockDim.x, nwarps = nthreads >> 5;
+  const int64_t u = int64_t{blockIdx.x} * nwarps + warp;
+  const bool active = u < num_units;  // warp-uniform; every warp reaches every barrier
+  const int64_t lo = active ? unit_begin(u, num_routes, num_units) : 0;
+  const int64_t hi = active ? unit_begin(u + 1, num_routes, num_units) : 0;
+  int* row = s_rows + warp * (E + 2);
+  int* first = s_rows;  // [E]: the experts' first send positions (warp 0's row until it is made)
+
+  // Block-wide exclusive prefix of counts[0, E): each thread sums a run of
+  // consecutive experts, a scan over threads, then each thread writes its run.
+  const int per = static_cast<int>(div_up(E, nthreads));
+  const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
+  int mine = 0;
+  for (int e = e0; e < e1; ++e) mine += counts[e];
+  int incl = mine;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+    if (lane >= d) incl += y;
+  }
+  if (lane == 31) s_warp_sum[warp] = incl;
+  __syncthreads();
+  int routed_total = 0, before = 0;
+  for (int w = 0; w < nwarps; ++w) {
+    const int ws = s_warp_sum[w];
+    if (w < warp) before += ws;
+    routed_total += ws;
+  }
+  int run = before + incl - mine;
+  for (int e = e0; e < e1; ++e) {
+    const int cnt = counts[e];
+    first[e] = run;
+    run += cnt;
+  }
+  __syncthreads();
+  // Cursor rows: warps 1.. first (they read warp 0's row), then warp 0 in place.
+  if (warp > 0 && active)
+    for (int e = lane; e <= E; e += 32) row[e] = (e < E ? first[e] : routed_total) + route_pos[lo + e];
+  __syncthreads();
+  if (warp == 0)  // block 0.. always has an active warp 0
+    for (int e = lane; e <= E; e += 32) row[e] = (e < E ? row[e] : routed_total) + route_pos[lo + e];
+  __syncwarp();
+  if (!active) return;  // no block barrier below
+
+  const unsigned lanes_below = (1u << lane) - 1u;
+  for (int64_t base = lo; base < hi; base += kPlanBatch * 32) {
+    int v[kPlanBatch];
+#pragma unroll
+    for (int i = 0; i < kPlanBatch; ++i) {
+      const int64_t r = base + i * 32 + lane;
+      v[i] = r < hi ? topk[r] : 0;
+    }
+#pragma unroll
+    for (int i = 0; i < kPlanBatch; ++i) {
+      const int64_t r = base + i * 32 + lane;
+      const bool valid = r < hi;
+      const int bucket = valid ? ((v[i] >= 0 && v[i] < E) ? v[i] : E) : E + 1;  // E + 1: never placed
+      const unsigned peers = __match_any_sync(0xFFFFFFFFu, bucket);
+      const int leader = __ffs(peers) - 1;
+      int start = 0;
+      if (valid && lane == leader) {
+        start = row[bucket];
+        row[bucket] = start + __popc(peers);
+      }
+      start = __shfl_sync(0xFFFFFFFFu, start, leader);
+      if (valid) {
+        const int pos = start + __popc(peers & lanes_below);
+        send_route[pos] = static_cast<int32_t>(r);
+        route_pos[r] = bucket < E ? pos : -1;
+      }
+      __syncwarp();  // this step's cursor updates before the next step's reads
+    }
+  }
+}
+
+// The one-block plan, kPlanThreads threads over N = T * K route ids:
 //  1. histogram of routed ids per expert (atomics), bad-id count, route_expert;
 //  2. in-place exclusive prefix sum of the histogram: each expert's first send
 //     position; the unrouted cursor starts at their total;
 //  3. placement, chunk by chunk of kPlanThreads route ids in route order, and
-//     inside a chunk warp by warp (one warp per step, __syncthreads between):
-//     lanes with the same bucket (__match_any_sync) take consecutive positions
-//     in lane order from the bucket's cursor, and the group's lowest lane then
-//     advances the cursor. Route order is therefore kept within every bucket:
-//     the sort is stable by route id;
+//     inside a chunk warp by warp (one warp per step, __syncthreads between; only
+//     the warps that hold ids of the chunk): lanes with the same bucket
+//     (__match_any_sync) take consecutive positions in lane order from the
+//     bucket's cursor, and the group's lowest lane then advances the cursor.
+//     Route order is therefore kept within every bucket: the sort is stable by
+//     route id;
 //  4. the cursors now hold each expert's end position: counts[e] = end[e] -
 //     end[e - 1], taken top-down in chunks so that an in-place rewrite of
 //     `counts` never reads a value it already overwrote; counts[E] = bad ids.
@@ -109,7 +313,9 @@ __global__ void __launch_bounds__(kPlanThreads)
     }
     const unsigned peers = __match_any_sync(0xFFFFFFFFu, bucket);
     const int rank = __popc(peers & lanes_below);
-    for (int w = 0; w < nwarps; ++w) {
+    const int64_t left = num_routes - chunk;  // > 0; the same in every thread
+    const int busy_warps = left >= nthreads ? nwarps : static_cast<int>((left + 31) >> 5);
+    for (int w = 0; w < busy_warps; ++w) {
       if (warp == w) {  // warp-uniform
         int* slot = bucket < E ? &cursor[bucket] : &s_tail;
         const int start = valid ? *slot : 0;
@@ -189,6 +395,18 @@ bool fits_unit(int64_t row_bytes, const void* a, const void* b, size_t unit) {
          reinterpret_cast<uintptr_t>(b) % unit == 0;
 }
 
+// Multi-block or one block. MOE_EP_PLAN_ROUTES=single|multi overrides the
+// automatic choice (timing and tests of both ways; "multi" where it can run: a
+// unit's counters in shared memory and at least E + 2 route ids).
+bool plan_multi_block(int64_t num_routes, int64_t num_experts) {
+  const int64_t row = num_experts + 2;
+  const bool can = row <= kPlanSmemInts && num_routes >= row;
+  const char* force = std::getenv("MOE_EP_PLAN_ROUTES");
+  if (force != nullptr && std::strcmp(force, "single") == 0) return false;
+  if (force != nullptr && std::strcmp(force, "multi") == 0) return can;
+  return can && num_routes >= std::max(kPlanMultiMinRoutes, 2 * row);
+}
+
 }  // namespace
 
 moe_ep_status plan_routes(void* stream, const int32_t* topk_idx, int64_t num_tokens, int64_t num_topk,
@@ -197,12 +415,30 @@ moe_ep_status plan_routes(void* stream, const int32_t* topk_idx, int64_t num_tok
   const int64_t num_routes = num_tokens * num_topk;
   if (num_experts < 1 || num_experts > INT32_MAX - 2 * kPlanThreads || num_routes >= INT32_MAX)
     return fail(MOE_EP_ERR_INTERNAL, "cuda::plan_routes: sizes out of range (capi checks them)");
+  const cudaStream_t s = as_stream(stream);
+  const int E = static_cast<int>(num_experts);
+  const int64_t row = num_experts + 2;  // a unit's counters
+  if (plan_multi_block(num_routes, num_experts)) {
+    const int64_t num_units =  // >= 1 (num_routes >= row), each unit >= row ids
+        std::max<int64_t>(1, std::min(kPlanMaxUnits, num_routes / std::max(row, kPlanUnitMinRoutes)));
+    const int warps = static_cast<int>(std::min<int64_t>(kPlanMaxWarps, kPlanSmemInts / row));           // >= 1
+    const unsigned blocks = static_cast<unsigned>(div_up(num_units, warps));
+    const size_t smem = static_cast<size_t>(warps * row) * sizeof(int);
+    plan_hist_kernel<<<blocks, warps * 32, smem, s>>>(topk_idx, num_routes, E, num_units, route_pos, route_expert);
+    MOE_EP_CUDA_CHECK_LAUNCH("plan_hist_kernel");
+    plan_scan_kernel<<<static_cast<unsigned>(div_up(row, 32)), dim3(32, kPlanScanGroups), 0, s>>>(
+        num_routes, E, num_units, route_pos, counts);
+    MOE_EP_CUDA_CHECK_LAUNCH("plan_scan_kernel");
+    plan_place_kernel<<<blocks, warps * 32, smem, s>>>(topk_idx, num_routes, E, num_units, counts, send_route,
+                                                       route_pos);
+    MOE_EP_CUDA_CHECK_LAUNCH("plan_place_kernel");
+    return MOE_EP_OK;
+  }
   const bool shared = num_experts <= kPlanSharedExperts;
   const size_t smem = shared ? static_cast<size_t>(num_experts) * sizeof(int) : 0;
   // Always launched: counts is written even when there are no routes.
-  plan_routes_kernel<<<1, kPlanThreads, smem, as_stream(stream)>>>(topk_idx, num_routes, static_cast<int>(num_experts),
-                                                                   send_route, route_pos, route_expert, counts,
-                                                                   shared ? 1 : 0);
+  plan_routes_kernel<<<1, kPlanThreads, smem, s>>>(topk_idx, num_routes, E, send_route, route_pos, route_expert,
+                                                   counts, shared ? 1 : 0);
   MOE_EP_CUDA_CHECK_LAUNCH("plan_routes_kernel");
   return MOE_EP_OK;
 }
