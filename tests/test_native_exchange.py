@@ -93,12 +93,20 @@ def _dispatch(layer, tokens, idx, w, cap, el):
     return out
 
 
-def _combine(layer, t, y, k, values=None):
-    out = np.full((t, y.shape[1]), 5.0, np.float32)
+def _combine(layer, t, y, k, values=None, out_bf16=False):
+    out = np.full((t, y.shape[1]), 0x5A5A if out_bf16 else 5.0, np.uint16 if out_bf16 else np.float32)
     ov = np.full((t, k), 5.0, np.float32) if values is not None else None
     err = np.full(1, -1, np.int32)
-    layer.combine(None, t, _ptr(y), _ptr(out), _ptr(values), _ptr(ov), _ptr(err), y_bf16=y.dtype == np.uint16)
+    layer.combine(None, t, _ptr(y), _ptr(out), _ptr(values), _ptr(ov), _ptr(err), y_bf16=y.dtype == np.uint16,
+                  out_bf16=out_bf16)
     return out, ov, int(err[0])
+
+
+def _bf16_encode(f):
+    """float32 -> bf16 bits: nearest, ties to even; NaN quieted with its sign (the spec's bf16 encoding)."""
+    u = np.ascontiguousarray(f, np.float32).view(np.uint32).astype(np.uint64)
+    rne = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(f), ((u >> 16) | 0x40).astype(np.uint16), rne)
 
 
 def _expected(idx_all, tok_all, w_all, n, el, k, align, cap):
@@ -251,11 +259,15 @@ def test_cpu_twin_combine_of_bf16_rows_equals_float32_rows_of_the_same_values(ca
             bits = [_bf16_rows(rng, (cap, hidden)) for _ in range(n)]
             vals = [rng.standard_normal(cap).astype(np.float32) for _ in range(n)]
             f32 = _parallel([lambda r=r: _combine(groups[0][r], ts[r], _as_f32(bits[r]), k, vals[r]) for r in range(n)])
-            b16 = _parallel([lambda r=r: _combine(groups[1][r], ts[r], bits[r], k, vals[r]) for r in range(n)])
+            b16 = _parallel([lambda r=r: _combine(groups[1][r], ts[r], bits[r], k, vals[r], out_bf16=step == 1)
+                             for r in range(n)])
             for r in range(n):
                 (o32, v32, e32), (o16, v16, e16) = f32[r], b16[r]
                 assert e32 == e16 == 0
-                np.testing.assert_array_equal(o16.view(np.uint32), o32.view(np.uint32), err_msg=f"rank {r} step {step}")
+                if step == 1:  # a bf16 output: the bf16 encoding of the float32 sums
+                    np.testing.assert_array_equal(o16, _bf16_encode(o32), err_msg=f"rank {r}: bf16 output")
+                else:
+                    np.testing.assert_array_equal(o16.view(np.uint32), o32.view(np.uint32), err_msg=f"rank {r}")
                 np.testing.assert_array_equal(v16.view(np.uint32), v32.view(np.uint32))
     finally:
         for layers in groups:
@@ -289,7 +301,10 @@ def test_cpu_twin_combine_checks_the_alignment_of_y_by_its_dtype() -> None:
                 layer.combine(None, 2, base, _ptr(out), y_bf16=bf16)
             with pytest.raises(NativeArgumentError, match=r"y_dtype must be MOE_EP_DTYPE_F32 \(0\) or "
                                                           r"MOE_EP_DTYPE_BF16 \(1\); got 7"):
-                call("moe_ep_layer_combine", layer._handle, None, 2, base, 7, _ptr(out), None, None, None)
+                call("moe_ep_layer_combine", layer._handle, None, 2, base, 7, _ptr(out), 0, None, None, None)
+            with pytest.raises(NativeArgumentError, match=r"out_dtype must be MOE_EP_DTYPE_F32 \(0\) or "
+                                                          r"MOE_EP_DTYPE_BF16 \(1\); got 5"):
+                call("moe_ep_layer_combine", layer._handle, None, 2, base, 0, _ptr(out), 5, None, None, None)
         finally:
             layer.close()
 

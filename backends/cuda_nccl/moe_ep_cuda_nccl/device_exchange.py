@@ -219,14 +219,17 @@ def forward(
     c = torch.empty((rows, 2 * i), dtype=torch.bfloat16, device=x.device)
     _, stream = where(x)
     layer.experts_forward(stream, rows, ptr(x), ptr(w_buf), ptr(f1), ptr(f2), ptr(gs), ptr(y), ptr(c))
-    # Padding rows of the stash are zero (their rows of x are zero, but not 0 * inf); NaN stays NaN.
-    c.masked_fill_((meta[:, :1] < 0) & (err.reshape(1, 1) == 0), 0.0)
+    # The layer zeroes the stash's padding rows itself (whatever the weights hold), and makes y
+    # and the stash NaN when any rank's dispatch failed.
     t = int(idx.shape[0])
-    out = torch.empty((t, h), dtype=torch.float32, device=x.device)
+    # A bf16 output is encoded by the combine itself; other formats from its float32 sums.
+    bf16_out = config.output_format is MoeFormat.BF16
+    out = torch.empty((t, h), dtype=torch.bfloat16 if bf16_out else torch.float32, device=x.device)
     cerr = torch.empty(1, dtype=torch.int32, device=x.device)  # the dispatch's bits and a combine timeout
-    layer.combine(stream, t, ptr(y), ptr(out), None, None, ptr(cerr), y_bf16=layer.bf16_expert_out)  # NaN on any error
+    layer.combine(stream, t, ptr(y), ptr(out), None, None, ptr(cerr), y_bf16=layer.bf16_expert_out,
+                  out_bf16=bf16_out)  # NaN on any error
     _record(config, group, cerr, tpe)
-    return {"output": prims.encode_output(config, out), "fc1_c": c, "route_metadata": meta}
+    return {"output": out if bf16_out else prims.encode_output(config, out), "fc1_c": c, "route_metadata": meta}
 
 
 def backward(

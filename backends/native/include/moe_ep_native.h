@@ -156,7 +156,8 @@ MOE_EP_API moe_ep_status moe_ep_dequantize_bf16(moe_ep_device device, void* stre
 
 /**
  * Plan one rank's routes (docs/spec.md section 4), stable by route id.
- *   topk_idx:     [num_tokens, num_topk] int32: expert ids, -1 = unused slot.
+ *   topk_idx:     [num_tokens, num_topk] int32: expert ids, -1 = unused slot (must not overlap an output:
+ *                 the CUDA implementation reads it again after writing route_pos and route_expert).
  *   send_route:   [num_tokens * num_topk] int32 out: route ids sorted by
  *                 (expert, route id); the first sum(counts[0:num_experts])
  *                 entries are routed, the rest hold the unrouted route ids
@@ -368,7 +369,9 @@ MOE_EP_API moe_ep_status moe_ep_layer_get_info(const moe_ep_layer* layer, moe_ep
  *                MOE_EP_DTYPE_BF16): R_comb of the expert output; rows of no expert zero.
  *   fc1_c:       [C, 2I] uint16 bf16 out, or NULL: the stash (the bf16 rounding of
  *                the FC1 output before the clamp); rows of no expert zero.
- * With a device exchange (config.ex_num_ranks >= 1) whose last dispatch reported
+ * With a device exchange (config.ex_num_ranks >= 1), after its dispatch, the stash
+ * rows of the slabs' padding (rows past a local expert's routes) are zero, whatever
+ * the weights hold. With a device exchange whose last dispatch reported
  * an error (its out_error bits: the same on every rank), y and fc1_c are all NaN
  * (the spec's all-ranks NaN rule), decided on the device: no host synchronisation.
  * The same holds for every output of moe_ep_layer_experts_backward.
@@ -497,7 +500,9 @@ MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream
  *   y_dtype:     MOE_EP_DTYPE_F32, or MOE_EP_DTYPE_BF16 (bf16 bit patterns: e.g. the rows of
  *                experts_forward with expert_out_dtype bf16); sums are float32 either way,
  *                the same numbers for the same values.
- *   out:         [T, H] float32 out: the sums (+0 for a token with no route).
+ *   out:         [T, H] out_dtype out: the sums (+0 for a token with no route), float32, or
+ *                their bf16 encoding (nearest, ties to even: the output encoding for bf16).
+ *   out_dtype:   MOE_EP_DTYPE_F32 or MOE_EP_DTYPE_BF16.
  *   row_values:  [C] float32, or NULL: one value per row returned to its (token, slot)...
  *   out_values:  [T, K] float32 out (with row_values): ...here; exactly 0 for a -1 slot.
  *   out_error:   [1] int32 out, or NULL: this step's error bits (the dispatch's, and a timeout).
@@ -506,8 +511,8 @@ MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream
  * cotangents with the router-weight cotangents as row_values.
  */
 MOE_EP_API moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t num_tokens, const void* y,
-                                              int32_t y_dtype, float* out, const float* row_values, float* out_values,
-                                              int32_t* out_error);
+                                              int32_t y_dtype, void* out, int32_t out_dtype, const float* row_values,
+                                              float* out_values, int32_t* out_error);
 
 /**
  * The layer's error record: the OR of every step's bits since the last clear.

@@ -52,7 +52,7 @@ _PROTOTYPES = {
     "moe_ep_layer_ipc_handle": (_I32, [_P, _P, ctypes.c_size_t]),
     "moe_ep_layer_set_peers_ipc": (_I32, [_P, _P, ctypes.c_size_t]),
     "moe_ep_layer_dispatch": (_I32, [_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
-    "moe_ep_layer_combine": (_I32, [_P, _P, _I64, _P, _I32, _P, _P, _P, _P]),
+    "moe_ep_layer_combine": (_I32, [_P, _P, _I64, _P, _I32, _P, _I32, _P, _P, _P]),
     "moe_ep_layer_exchange_status": (_I32, [_P, _P, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
 }
 _READY = False
@@ -135,11 +135,13 @@ class ExchangeLayer(Layer):
              out_tokens, out_weights, out_route_metadata, out_group_sizes, out_tokens_per_expert, out_error)
 
     def combine(self, stream, num_tokens, y, out, row_values=None, out_values=None, out_error=None,
-                y_bf16: bool = False) -> None:
+                y_bf16: bool = False, out_bf16: bool = False) -> None:
         """``moe_ep_layer_combine``: ``y`` ``[C, H]`` float32 rows, or bf16 bit patterns
-        with ``y_bf16`` (e.g. the rows of a layer made with ``bf16_expert_out``)."""
-        call("moe_ep_layer_combine", self._handle, stream, num_tokens, y, int(DType.BF16 if y_bf16 else DType.F32),
-             out, row_values, out_values, out_error)
+        with ``y_bf16`` (e.g. the rows of a layer made with ``bf16_expert_out``);
+        ``out`` ``[T, H]`` float32, or bf16 with ``out_bf16``."""
+        dt = lambda bf16: int(DType.BF16 if bf16 else DType.F32)  # noqa: E731
+        call("moe_ep_layer_combine", self._handle, stream, num_tokens, y, dt(y_bf16), out, dt(out_bf16), row_values,
+             out_values, out_error)
 
     def status(self, stream: Optional[int] = None, clear: bool = False) -> int:
         """The layer's error record (waits for ``stream``)."""

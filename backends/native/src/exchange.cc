@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 
+#include "cpu/formats.h"
 #include "cpu/fpenv.h"
 #include "exchange.h"
 
@@ -157,8 +158,12 @@ float y_value(const uint16_t* y, int64_t i) {
   return v;
 }
 
-template <typename Y>
-moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, float* out, const float* row_values,
+// One output element: float32 as summed, or its bf16 encoding (nearest, ties to even).
+void put_out(float* out, int64_t i, float v) { out[i] = v; }
+void put_out(uint16_t* out, int64_t i, float v) { out[i] = cpu::bf16_from_float(v); }
+
+template <typename Y, typename O>
+moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, O* out, const float* row_values,
                           float* out_values, int32_t* out_error) {
   const ex::Shape& s = x.shape;
   const ex::SymLayout& L = x.sym;
@@ -212,7 +217,7 @@ moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, float* out, const 
       } else {
         for (int64_t j = 0; j < s.K && ranks[j] >= 0; ++j) acc += crows[(ranks[j] * s.Tmax + t) * s.H + h];
       }
-      out[t * s.H + h] = err ? nan : acc;
+      put_out(out, t * s.H + h, err ? nan : acc);
     }
     if (out_values != nullptr)
       for (int64_t k = 0; k < s.K; ++k)
@@ -461,8 +466,8 @@ moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream, int64_t n
 }
 
 moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t num_tokens, const void* y_rows,
-                                   int32_t y_dtype, float* out, const float* row_values, float* out_values,
-                                   int32_t* out_error) {
+                                   int32_t y_dtype, void* out, int32_t out_dtype, const float* row_values,
+                                   float* out_values, int32_t* out_error) {
   const Check ck{"moe_ep_layer_combine"};
   Exchange* x;
   MOE_EP_TRY(moe_ep::get(ck, layer, &x));
@@ -476,7 +481,10 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
     return ck.bad("y_dtype must be MOE_EP_DTYPE_F32 (0) or MOE_EP_DTYPE_BF16 (1)", std::to_string(y_dtype));
   const bool y_bf16 = y_dtype == MOE_EP_DTYPE_BF16;
   MOE_EP_TRY(ck.ptr("y", y_rows, s.C * s.H, y_bf16 ? 2 : 4));
-  MOE_EP_TRY(ck.ptr("out", out, num_tokens * s.H, 4));
+  if (out_dtype != MOE_EP_DTYPE_F32 && out_dtype != MOE_EP_DTYPE_BF16)
+    return ck.bad("out_dtype must be MOE_EP_DTYPE_F32 (0) or MOE_EP_DTYPE_BF16 (1)", std::to_string(out_dtype));
+  const bool out_bf16 = out_dtype == MOE_EP_DTYPE_BF16;
+  MOE_EP_TRY(ck.ptr("out", out, num_tokens * s.H, out_bf16 ? 2 : 4));
   if (row_values != nullptr || out_values != nullptr) {  // NULL stands for an empty array
     MOE_EP_TRY(ck.ptr("row_values", row_values, s.C, 4));
     MOE_EP_TRY(ck.ptr("out_values", out_values, num_tokens * s.K, 4));
@@ -484,14 +492,19 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
   if (out_error != nullptr) MOE_EP_TRY(ck.ptr("out_error", out_error, 1, 4));
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (x->cuda)
-    return moe_ep::cuda::ex_combine(stream, *x, num_tokens, y_rows, y_bf16, out, row_values, out_values, out_error);
+    return moe_ep::cuda::ex_combine(stream, *x, num_tokens, y_rows, y_bf16, out, out_bf16, row_values, out_values,
+                                    out_error);
 #endif
   moe_ep::cpu::IeeeFpEnv fp_env;
-  if (y_bf16)
-    return moe_ep::cpu_combine(*x, num_tokens, static_cast<const uint16_t*>(y_rows), out, row_values, out_values,
+  const auto run = [&](auto* typed_out) {
+    if (y_bf16)
+      return moe_ep::cpu_combine(*x, num_tokens, static_cast<const uint16_t*>(y_rows), typed_out, row_values,
+                                 out_values, out_error);
+    return moe_ep::cpu_combine(*x, num_tokens, static_cast<const float*>(y_rows), typed_out, row_values, out_values,
                                out_error);
-  return moe_ep::cpu_combine(*x, num_tokens, static_cast<const float*>(y_rows), out, row_values, out_values,
-                             out_error);
+  };
+  if (out_bf16) return run(static_cast<uint16_t*>(out));
+  return run(static_cast<float*>(out));
 }
 
 moe_ep_status moe_ep_layer_exchange_status(moe_ep_layer* layer, void* stream, int32_t* bits, int32_t clear) {

@@ -49,9 +49,9 @@ moe_ep_status ex_ipc_close(void* p);
 moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t row_bytes, const void* tokens,
                           const float* weights, void* out_tokens, float* out_w, int32_t* out_meta, int32_t* out_gs,
                           int32_t* out_tpe, int32_t* out_error);
-// y: [C, H] float32, or bf16 bit patterns with y_bf16.
-moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const void* y, bool y_bf16, float* out,
-                         const float* row_values, float* out_values, int32_t* out_error);
+// y: [C, H] float32, or bf16 bit patterns with y_bf16; out: [T, H] float32, or bf16 with out_bf16.
+moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const void* y, bool y_bf16, void* out,
+                         bool out_bf16, const float* row_values, float* out_values, int32_t* out_error);
 moe_ep_status ex_status(void* stream, const Exchange& x, int32_t* bits, bool clear);
 }  // namespace cuda
 #endif

@@ -177,6 +177,10 @@ moe_ep_status round_trip_rows(void* stream, int32_t fmt, float* y, int64_t rows,
 // p[0, n) of dtype (moe_ep_dtype) all NaN when *error != 0 (device memory), else untouched: a grid
 // of at most a few blocks per SM whose threads return at once when there is no error.
 moe_ep_status nan_on_error(void* stream, const int32_t* error, void* p, int64_t n, int32_t dtype);
+// rows [min(off[g] + valid[g], off[g + 1]), off[g + 1]) of x [rows, n] bf16, every g < groups, cut at
+// `rows`: zero (the padding rows of an exchange's slabs). One block per group: only padding is touched.
+moe_ep_status zero_padding_rows(void* stream, const int32_t* off, const int32_t* valid, int64_t groups, uint16_t* x,
+                                int64_t rows, int64_t n);
 }  // namespace cuda
 #endif
 

@@ -295,6 +295,24 @@ moe_ep_status nan_on_dispatch_error(const moe_ep_layer* l, void* stream, std::in
   return MOE_EP_OK;
 }
 
+// With an exchange after its dispatch: the stash rows of the slabs' padding (alignment rows
+// past each local expert's routes) are zero whatever the weights hold (0 * inf is NaN).
+moe_ep_status zero_stash_padding(const moe_ep_layer* l, void* stream, uint16_t* fc1_c, int64_t rows) {
+  if (l->ex == nullptr || l->ex->last_tokens < 0 || fc1_c == nullptr) return MOE_EP_OK;
+  const int64_t n = 2 * l->desc.intermediate, groups = l->desc.num_local_experts;
+  const int32_t* off = l->ex->loc.off;
+  const int32_t* valid = l->ex->loc.nloc;
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  if (is_cuda(l)) return cuda::zero_padding_rows(stream, off, valid, groups, fc1_c, rows, n);
+#endif
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t end = std::min<int64_t>(off[g + 1], rows);
+    const int64_t start = std::min<int64_t>(static_cast<int64_t>(off[g]) + valid[g], end);
+    if (end > start) std::memset(fc1_c + start * n, 0, static_cast<size_t>((end - start) * n) * sizeof(uint16_t));
+  }
+  return MOE_EP_OK;
+}
+
 }  // namespace
 
 Exchange* layer_exchange(const moe_ep_layer* l) { return l->ex; }
@@ -405,6 +423,7 @@ moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, in
     } else
 #endif
       MOE_EP_TRY(moe_ep::staged_forward(layer, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c));
+    MOE_EP_TRY(moe_ep::zero_stash_padding(layer, stream, fc1_c, num_rows));
     return moe_ep::nan_on_dispatch_error(
         layer, stream,
         {{y, num_rows * H, bf16_out ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32}, {fc1_c, num_rows * 2 * I, MOE_EP_DTYPE_BF16}});

@@ -35,6 +35,7 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
+#include "cuda/format_math.cuh"
 #include "exchange.h"
 
 namespace moe_ep {
@@ -338,6 +339,19 @@ __device__ __forceinline__ void store(float* p, const float (&v)[V]) {
     for (int i = 0; i < V; i += 4) *reinterpret_cast<float4*>(p + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
   }
 }
+// The same sums as bf16 (the output's encoding when it is bf16: nearest, ties to even).
+template <int V>
+__device__ __forceinline__ void store(uint16_t* p, const float (&v)[V]) {
+  if constexpr (V == 1) {
+    *p = detail::bf16_from_float(v[0]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; i += 4)
+      *reinterpret_cast<uint2*>(p + i) =
+          make_uint2(detail::bf16_from_float(v[i]) | (uint32_t{detail::bf16_from_float(v[i + 1])} << 16),
+                     detail::bf16_from_float(v[i + 2]) | (uint32_t{detail::bf16_from_float(v[i + 3])} << 16));
+  }
+}
 
 // acc = (((+0 + r_0) + r_1) + ...) over the rows r_j = row(j), j < n, that are not
 // NULL, in that order (float32, round to nearest), at the C::V elements from h;
@@ -404,9 +418,9 @@ __global__ void combine_begin(Dev d) {  // <<<1, 32>>>
 // source and the home rank): the sums in slot order go straight into `direct`,
 // every token's row (a token with no route: +0), and nothing at all on an error
 // (combine_finish writes the NaN).
-template <typename Y, bool kVec>
+template <typename Y, bool kVec, typename O>
 __global__ void __launch_bounds__(kCopyThreads, 2)
-    combine_send(Dev d, const Y* __restrict__ y, const float* __restrict__ row_values, float* __restrict__ direct) {
+    combine_send(Dev d, const Y* __restrict__ y, const float* __restrict__ row_values, O* __restrict__ direct) {
   using C = Cols<Y, kVec>;
   const ex::Shape& s = d.s;
   const int32_t err = *d.l.step_err;
@@ -431,7 +445,6 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
           copy_piece<C>(crows + (k * s.Tmax + t) * s.H, y + static_cast<int64_t>(rm[k]) * s.H, h0, h1, lane);
       continue;
     }
-    float* to = direct != nullptr ? direct + t * s.H : crows + (static_cast<int64_t>(s.rank) * s.Tmax + t) * s.H;
     if (direct == nullptr) {
       bool has = false;
       for (int64_t k = 0; k < s.K; ++k) has = has || rm[k] >= 0;
@@ -441,10 +454,12 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
       const int32_t r = rm[k];
       return r >= 0 ? y + static_cast<int64_t>(r) * s.H : nullptr;
     };
+    float* to = crows + (static_cast<int64_t>(s.rank) * s.Tmax + t) * s.H;
     for (int64_t h = h0 + lane * C::V; h < h1; h += 32 * C::V) {
       float acc[C::V];
       sum_rows<C>(s.K, route_row, h, acc);
-      store(to + h, acc);
+      if (direct != nullptr) store(direct + t * s.H + h, acc);
+      else store(to + h, acc);
     }
   }
 }
@@ -467,9 +482,9 @@ __global__ void combine_sync(Dev d) {  // <<<1, 32>>>
 // in tok_ranks, in rank order), NaN on any error; piece 0 also the per-route values.
 // `direct`: combine_send wrote the sums, only an error's NaN is written here (the
 // step's error only grows from combine_send to here, so no sum is left unwritten).
-template <bool kVec>
+template <bool kVec, typename O>
 __global__ void __launch_bounds__(kCopyThreads, 2)
-    combine_finish(Dev d, int64_t T, bool direct, float* __restrict__ out, float* __restrict__ out_values,
+    combine_finish(Dev d, int64_t T, bool direct, O* __restrict__ out, float* __restrict__ out_values,
                    int32_t* out_error) {
   using C = Cols<float, kVec>;
   const ex::Shape& s = d.s;
@@ -512,16 +527,39 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// combine_send for y of element type Y, 16-byte vectors where the rows and `direct` allow.
-template <typename Y>
+// combine_send for y of element type Y and output element O (at one rank combine_send
+// writes the output), 16-byte vectors where the rows and `direct` allow.
+template <typename Y, typename O>
 moe_ep_status launch_combine_send(cudaStream_t st, unsigned blocks, const Dev& d, const void* y,
-                                  const float* row_values, float* direct) {
+                                  const float* row_values, O* direct) {
   const Y* rows = static_cast<const Y*>(y);
   const bool vec = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) &&
                    (direct == nullptr || aligned16(direct));
-  if (vec) combine_send<Y, true><<<blocks, kCopyThreads, 0, st>>>(d, rows, row_values, direct);
-  else combine_send<Y, false><<<blocks, kCopyThreads, 0, st>>>(d, rows, row_values, direct);
+  if (vec) combine_send<Y, true, O><<<blocks, kCopyThreads, 0, st>>>(d, rows, row_values, direct);
+  else combine_send<Y, false, O><<<blocks, kCopyThreads, 0, st>>>(d, rows, row_values, direct);
   MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_send");
+  return MOE_EP_OK;
+}
+
+// The combine's five launches for output element O (float, or uint16_t bf16 bits).
+template <typename O>
+moe_ep_status combine_as(cudaStream_t st, const Dev& d, int num_blocks, int64_t comb_ack, int64_t T, const void* y,
+                         bool y_bf16, O* out, const float* row_values, float* out_values, int32_t* out_error) {
+  const unsigned blocks = static_cast<unsigned>(num_blocks);
+  O* direct = d.s.N == 1 ? out : nullptr;  // one rank: the sums go straight into out
+  combine_begin<<<1, 32, 0, st>>>(d);
+  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_begin");
+  if (y_bf16) MOE_EP_TRY(launch_combine_send<uint16_t>(st, blocks, d, y, row_values, direct));
+  else MOE_EP_TRY(launch_combine_send<float>(st, blocks, d, y, row_values, direct));
+  combine_sync<<<1, 32, 0, st>>>(d);
+  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_sync");
+  if (d.s.H % 4 == 0 && aligned16(out))
+    combine_finish<true><<<blocks, kCopyThreads, 0, st>>>(d, T, direct != nullptr, out, out_values, out_error);
+  else
+    combine_finish<false><<<blocks, kCopyThreads, 0, st>>>(d, T, direct != nullptr, out, out_values, out_error);
+  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_finish");
+  stage_ack<<<1, 32, 0, st>>>(d, 1, comb_ack);
+  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_ack");
   return MOE_EP_OK;
 }
 
@@ -611,26 +649,15 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
   return MOE_EP_OK;
 }
 
-moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const void* y, bool y_bf16, float* out,
-                         const float* row_values, float* out_values, int32_t* out_error) {
+moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const void* y, bool y_bf16, void* out,
+                         bool out_bf16, const float* row_values, float* out_values, int32_t* out_error) {
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
-  const unsigned blocks = static_cast<unsigned>(x.num_blocks);
-  float* direct = x.shape.N == 1 ? out : nullptr;  // one rank: the sums go straight into out
-  combine_begin<<<1, 32, 0, st>>>(d);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_begin");
-  if (y_bf16) MOE_EP_TRY(launch_combine_send<uint16_t>(st, blocks, d, y, row_values, direct));
-  else MOE_EP_TRY(launch_combine_send<float>(st, blocks, d, y, row_values, direct));
-  combine_sync<<<1, 32, 0, st>>>(d);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_sync");
-  if (x.shape.H % 4 == 0 && aligned16(out))
-    combine_finish<true><<<blocks, kCopyThreads, 0, st>>>(d, T, direct != nullptr, out, out_values, out_error);
-  else
-    combine_finish<false><<<blocks, kCopyThreads, 0, st>>>(d, T, direct != nullptr, out, out_values, out_error);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_finish");
-  stage_ack<<<1, 32, 0, st>>>(d, 1, x.sym.comb_ack);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_ack");
-  return MOE_EP_OK;
+  if (out_bf16)
+    return combine_as(st, d, x.num_blocks, x.sym.comb_ack, T, y, y_bf16, static_cast<uint16_t*>(out), row_values,
+                      out_values, out_error);
+  return combine_as(st, d, x.num_blocks, x.sym.comb_ack, T, y, y_bf16, static_cast<float*>(out), row_values,
+                    out_values, out_error);
 }
 
 moe_ep_status ex_status(void* stream, const Exchange& x, int32_t* bits, bool clear) {
