@@ -437,6 +437,11 @@ def test_drivers_cover_every_backend_and_say_what_they_skip() -> None:
     assert [j.describe() for j in jobs if j.target == "weight_read"] == ["weight_read (device copy of the local bf16 weights)"]
     assert {j.target for j in jobs} == {"cuda-nccl"} | set(BASELINES)
     assert unsupported("cuda-nccl", "dispatch", "bf16").startswith("skipped:")
+    # --cuda-nccl-mode device: the device exchange's stages are timed too (bf16 rows).
+    dev = BenchSettings(**{**s.__dict__, "cuda_nccl_mode": "device"})
+    mine = {(j.op, j.format) for j in make_jobs(dev, ["cuda-nccl"], baselines=False) if j.target == "cuda-nccl"}
+    assert {("dispatch", "bf16"), ("combine", "bf16")} <= mine and ("dispatch", "mxfp8") not in mine
+    assert unsupported("cuda-nccl", "combine", "mxfp8", dev).startswith("skipped: the bench times the device exchange")
     assert unsupported("torch", "forward_backward", "mxfp8").startswith("unsupported:")
     assert unsupported("torch", "dispatch", "mxfp8") is None
     backend = type("B", (), {"name": "jax-ffi"})()

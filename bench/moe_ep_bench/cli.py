@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             for fmt in settings.formats:
                 for t in settings.tokens:
                     for op in settings.ops:
-                        why = unsupported(name, op, fmt)
+                        why = unsupported(name, op, fmt, settings)
                         if why is not None:
                             status = "skipped" if why.startswith("skipped") else "unsupported"
                             rows.append(Row(backend=name, kind="backend", op=op, tokens=t, format=fmt,

@@ -86,12 +86,21 @@ def variant(target: str, settings: BenchSettings) -> str:
     return ""
 
 
-def unsupported(backend: str, op: str, fmt: str) -> Optional[str]:
-    """Why the torch driver does not time ``op`` in ``fmt`` on ``backend``, or None."""
-    if op not in BACKENDS[backend]:
+def unsupported(backend: str, op: str, fmt: str, settings: Optional[BenchSettings] = None) -> Optional[str]:
+    """Why the torch driver does not time ``op`` in ``fmt`` on ``backend``, or None.
+    ``cuda-nccl`` in the ``device`` mode also times the native layer's device
+    exchange stages (dispatch and combine) on bf16 rows."""
+    exchange_stage = (
+        backend == "cuda-nccl" and op in ("dispatch", "combine") and settings is not None
+        and settings.cuda_nccl_mode == "device"
+    )
+    if exchange_stage and fmt != "bf16":
+        return f"skipped: the bench times the device exchange's stages on bf16 rows only (format {fmt})"
+    if op not in BACKENDS[backend] and not exchange_stage:
         return (
             f"skipped: the bench times {backend}'s layer only (moe_ep_cuda_nccl.api.moe_ep: forward, "
-            "forward_backward); it has no separate dispatch/combine entry point"
+            "forward_backward) outside --cuda-nccl-mode device, where the device exchange's dispatch and combine "
+            "are stages of their own"
         )
     if op == "forward_backward" and fmt != "bf16":
         api = "moe_ep_torch.api.moe_ep" if backend == "torch" else "moe_ep_cuda_nccl.api.moe_ep"
@@ -113,7 +122,7 @@ def make_jobs(settings: BenchSettings, backends: Sequence[str], baselines: bool)
         for t in settings.tokens:
             for op in settings.ops:
                 for b in backends:
-                    if unsupported(b, op, fmt) is None:
+                    if unsupported(b, op, fmt, settings) is None:
                         specs.append((b, op, t, fmt))
                 if baselines and op in ("dispatch", "combine"):
                     specs.append(("all_to_all", op, t, fmt))

@@ -234,6 +234,8 @@ class Runner:
         group, dev, k = self.group, self.dev, s.topk
         extra = f"moe-ep-bench|{fmt}"
         timer = "CUDA events" if self.cuda else "perf_counter"
+        if job.target == "cuda-nccl" and job.op in ("dispatch", "combine"):
+            return self.job_device_exchange(job, config, inp)
         if job.op == "dispatch":
 
             def dispatch(i: int) -> Any:
@@ -300,6 +302,67 @@ class Runner:
             label = f"{name} then .backward() (bf16 leaves, requires_grad); {timer}"
         else:
             raise ValueError(job.op)
+        return {"status": "ok", "times_ms": times, "label": label}
+
+    def job_device_exchange(self, job: Job, config: Any, inp: Dict[str, Any]) -> Dict[str, Any]:
+        """``cuda-nccl --cuda-nccl-mode device``: the native layer's device exchange
+        stages alone (``moe_ep_layer_dispatch`` / ``moe_ep_layer_combine``,
+        :mod:`moe_ep_native.exchange`, peers through the loopback provider), on bf16
+        rows, into buffers made once: dispatch moves the token rows into the
+        expert-major buffer; combine (after an untimed dispatch of the same set)
+        sums bf16 expert rows per token and writes the bf16 output."""
+        import torch
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        from moe_ep_native import exchange as X
+        from moe_ep_native.layer import layer_config
+
+        s, t, dev, k = self.s, job.tokens, self.dev, self.s.topk
+        cap = config.worst_case_recv_rows()
+        config = config.replace(recv_capacity=cap)
+        rb = 2 * s.hidden
+        base = layer_config(config, max_rows=cap, cuda_device=dev.index if self.cuda else None, bf16_operands=True,
+                            with_backward=False)
+        layer = X.ExchangeLayer(X.with_exchange(base, num_ranks=s.ep_size, rank=self.rank, num_topk=k, max_tokens=t,
+                                                token_bytes=rb, expert_alignment=1, timeout_s=s.timeout_s))
+        store = dist.PrefixStore(f"moe_ep_bench_exchange/{job.id}/", _get_default_store())
+        try:
+            X.connect_loopback(layer, store, "peers")
+            nsets = len(inp["idx"])
+            toks = [x.to(torch.bfloat16).contiguous() for x in inp["tokens"]]
+            idxs = [x.to(torch.int32).contiguous() for x in inp["idx"]]
+            ws = [x.float().contiguous() for x in inp["weights"]]
+            x_rows = torch.empty((cap, s.hidden), dtype=torch.bfloat16, device=dev)
+            w_buf = torch.empty(cap, dtype=torch.float32, device=dev)
+            meta = torch.empty((cap, 4), dtype=torch.int32, device=dev)
+            gs = torch.empty(config.num_local_experts, dtype=torch.int32, device=dev)
+            err = torch.empty(1, dtype=torch.int32, device=dev)
+            y = torch.randn((cap, s.hidden), generator=self.gen("expert_out", job.format, t, 0), device=dev).to(
+                torch.bfloat16)
+            out = torch.empty((t, s.hidden), dtype=torch.bfloat16, device=dev)
+            stream = torch.cuda.current_stream(dev).cuda_stream if self.cuda else None
+            p = lambda a: a.data_ptr() if a.numel() else None  # noqa: E731
+
+            def dispatch(i: int) -> Any:
+                layer.dispatch(stream, t, rb, p(toks[i]), p(idxs[i]), p(ws[i]), p(x_rows), p(w_buf), p(meta), p(gs),
+                               None, p(err))
+
+            def combine(i: int) -> Any:
+                layer.combine(stream, t, p(y), p(out), None, None, p(err), y_bf16=True, out_bf16=True)
+
+            timer = "CUDA events" if self.cuda else "perf_counter"
+            if job.op == "dispatch":
+                times = self.measure(dispatch, nsets)
+                label = f"moe_ep_layer_dispatch (device exchange, bf16 rows into the expert-major buffer); {timer}"
+            else:
+                times = self.measure(combine, nsets, pre=dispatch)
+                label = f"moe_ep_layer_combine (device exchange, bf16 rows, bf16 output); {timer}"
+            self.sync()
+            if int(err.item()) != 0:
+                raise RuntimeError(f"the device exchange reported error bits {int(err.item()):#x} while timed")
+        finally:
+            self.sync()
+            layer.close()
         return {"status": "ok", "times_ms": times, "label": label}
 
     def _splits(self, job: Job, i: int) -> tuple:
