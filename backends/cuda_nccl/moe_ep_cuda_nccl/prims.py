@@ -124,6 +124,11 @@ def dequantize_bf16(
         never).
     """
     data, scale = (p.contiguous() for p in TF.raw(t))
+    if inexact is not None and (inexact.dtype != torch.int32 or inexact.numel() < 1 or inexact.device != data.device):
+        raise E.DeviceError(
+            f"dequantize_bf16: inexact must be an int32 tensor of >= 1 element on the codes' device {data.device}; "
+            f"got {inexact.dtype} with {inexact.numel()} elements on {inexact.device}"
+        )
     n = int(t.n)
     shape = t.shape
     if weight:

@@ -1,0 +1,280 @@
+"""Block-scaled operands in the cuda-nccl front-end (docs/cuda-nccl.md, "Block-scaled operands").
+
+mxfp8 / nvfp4 rows and weights are decoded to bf16 (``moe_ep_dequantize_bf16``)
+for the layer's tensor-core path where bf16 holds them exactly:
+
+- :func:`moe_ep_cuda_nccl.prims.operands` in-process on CPU tensors: the choice
+  of operand dtype, the host check of the host-synchronised mode (one read; the
+  weights' verdicts kept per tensor version), the static mode's NaN and record,
+  the float32 fallback;
+- the layer end to end in the CPU mode (2 ranks, gloo): every mode equals the
+  float32 forward of the same values bit for bit (the CPU layer's bf16 operands
+  run the float32 kernels), the synchronised mode also with values bf16 cannot
+  hold (it falls back to float32), the static mode turns exactly the results
+  that depend on them into NaN and records it.
+On CUDA the same worker runs on the device machine (scripts/gpu_block_scaled_check.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("moe_ep_cuda_nccl")
+
+from moe_ep_cuda_nccl import prims as P  # noqa: E402
+from moe_ep_spec import MoeEpConfig  # noqa: E402
+from moe_ep_spec.formats import MoeFormat  # noqa: E402
+from moe_ep_spec.inputs import random_world  # noqa: E402
+from moe_ep_torch import formats as TF  # noqa: E402
+
+import cuda_nccl_block_scaled_workers as BW  # noqa: E402
+from torch_workers import run_ranks  # noqa: E402
+
+TINY = BW.TINY
+
+
+def _rows(fmt: str, tiny: bool = False, seed: int = 0) -> TF.TorchBlockScaled:
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((6, 64)).astype(np.float32))
+    if tiny:
+        x[2, :32] = TINY
+    return P.quantize(x, MoeFormat(fmt))
+
+
+def _weight(fmt: str, tiny: bool = False, seed: int = 1) -> TF.TorchBlockScaled:
+    """An expert weight as stored: [E, N, K] = [2, 48, 64] blocked along K."""
+    w = torch.from_numpy(np.random.default_rng(seed).standard_normal((2, 48, 64)).astype(np.float32))
+    if tiny:
+        w[1, 5, 32:] = TINY
+    return P.quantize(w, MoeFormat(fmt))
+
+
+class _Spy:
+    """Counts the bf16 decodes and the flags they were given (None, the record, or a fresh slot)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls = []
+        real = P.dequantize_bf16
+
+        def spy(t, inexact=None, *, weight=False):
+            self.calls.append(("none" if inexact is None else "record" if inexact.numel() == 1 and
+                               inexact.data_ptr() == P._record(inexact.device).data_ptr() else "read", weight))
+            return real(t, inexact, weight=weight)
+
+        monkeypatch.setattr(P, "dequantize_bf16", spy)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state():
+    P._VERDICTS.clear()
+    P.inexact_decodes(torch.device("cpu"), clear=True)
+    yield
+    P._VERDICTS.clear()
+
+
+def _ops(x, w1, w2):
+    return P._pending(x, False), P._pending(w1, True), P._pending(w2, True)
+
+
+# ----------------------------------------------------------------------------- operands()
+
+
+@pytest.mark.parametrize("host_check", [True, False])
+def test_block_scaled_rows_and_weights_become_exact_bf16_operands(monkeypatch, host_check):
+    spy = _Spy(monkeypatch)
+    x, w1, w2 = _rows("mxfp8"), _weight("mxfp8"), _weight("nvfp4")
+    bf16, xo, w1o, w2o = P.operands(*_ops(x, w1, w2), host_check=host_check)
+    assert bf16 and xo.dtype == w1o.dtype == w2o.dtype == torch.bfloat16
+    assert torch.equal(xo.float(), P.dequantize(x))
+    assert torch.equal(w1o.float(), P.dequantize(w1).transpose(1, 2))  # [E, K, N]
+    assert torch.equal(w2o.float(), P.dequantize(w2).transpose(1, 2))
+    # nvfp4 is exact by construction: no flag; mxfp8 flags read on the host, or the static record.
+    want = "read" if host_check else "record"
+    assert spy.calls == [(want, False), (want, True), ("none", True)]
+    assert not P.inexact_decodes(torch.device("cpu"))
+
+
+def test_plain_bf16_operands_join_block_scaled_ones_on_tensor_cores():
+    x = _rows("nvfp4")
+    w1 = torch.randn(2, 64, 48).to(torch.bfloat16)
+    w2 = _weight("mxfp8")
+    bf16, xo, w1o, w2o = P.operands(*_ops(x, w1, w2), host_check=True)
+    assert bf16 and w1o.data_ptr() == w1.data_ptr()
+    assert torch.equal(xo.float(), P.dequantize(x))
+
+
+def test_a_float32_operand_makes_every_operand_float32():
+    x = _rows("mxfp8")
+    bf16, xo, w1o, w2o = P.operands(*_ops(x, torch.randn(2, 64, 48), _weight("mxfp8")), host_check=True)
+    assert not bf16 and xo.dtype == w1o.dtype == w2o.dtype == torch.float32
+    assert torch.equal(xo, P.dequantize(x))
+
+
+def test_synced_mode_falls_back_to_float32_when_a_row_value_is_not_a_bf16_value(monkeypatch):
+    spy = _Spy(monkeypatch)
+    x = _rows("mxfp8", tiny=True)
+    bf16, xo, w1o, _ = P.operands(*_ops(x, _weight("mxfp8"), _weight("mxfp8")), host_check=True)
+    assert not bf16 and xo.dtype == torch.float32
+    assert torch.equal(xo, P.dequantize(x)) and (xo[2, :32] == TINY).all()  # exact, not rounded, not NaN
+    assert torch.equal(w1o, P.dequantize(_weight("mxfp8")).transpose(1, 2))
+    assert [c[0] for c in spy.calls] == ["read"] * 3  # one read covered all three
+    assert not P.inexact_decodes(torch.device("cpu")), "a checked decode is not recorded: it was not used"
+
+
+def test_synced_mode_keeps_a_weights_verdict_per_tensor_version(monkeypatch):
+    spy = _Spy(monkeypatch)
+    rows = torch.randn(6, 64).to(torch.bfloat16)
+    w1, w2 = _weight("mxfp8", tiny=True), _weight("mxfp8")
+    assert not P.operands(*_ops(rows, w1, w2), host_check=True)[0]  # inexact: float32
+    assert len(spy.calls) == 2
+    assert not P.operands(*_ops(rows, w1, w2), host_check=True)[0]
+    assert len(spy.calls) == 2, "a weight known inexact goes to float32 without decoding to bf16"
+    # An in-place update bumps the version: checked again, now exact.
+    with torch.no_grad():
+        good = _weight("mxfp8", seed=5)
+        w1.data.copy_(good.data)
+        w1.scale.copy_(good.scale)
+    bf16, _, w1o, _ = P.operands(*_ops(rows, w1, w2), host_check=True)
+    assert bf16 and torch.equal(w1o.float(), P.dequantize(good).transpose(1, 2))
+    assert spy.calls[2:] == [("read", True), ("read", True)]
+    # Known exact, bf16 rows: decoded without a read (the static record guards them).
+    assert P.operands(*_ops(rows, w1, w2), host_check=True)[0]
+    assert spy.calls[4:] == [("record", True), ("record", True)]
+    # mxfp8 rows need a read every call: it then covers the weights too.
+    assert P.operands(*_ops(_rows("mxfp8"), w1, w2), host_check=True)[0]
+    assert spy.calls[6:] == [("read", False), ("read", True), ("read", True)]
+
+
+def test_static_mode_decodes_to_nan_and_records_it(monkeypatch):
+    x = _rows("mxfp8", tiny=True)
+    bf16, xo, _, _ = P.operands(*_ops(x, _weight("mxfp8"), _weight("nvfp4")), host_check=False)
+    assert bf16
+    nan = torch.isnan(xo.float())
+    assert nan[2, :32].all() and nan.sum() == 32, "exactly the values bf16 cannot hold are NaN"
+    assert torch.equal(xo.float()[~nan], P.dequantize(x)[~nan])
+    assert P.inexact_decodes(torch.device("cpu")) and not P.inexact_decodes(torch.device("cpu"))
+
+
+def test_the_device_exchange_path_still_gets_float32():
+    """device_exchange makes its layer float32 for block-scaled inputs and calls _operands on them."""
+    x, w1, w2 = _ops(_rows("mxfp8"), _weight("mxfp8"), _weight("nvfp4"))
+    bf16, xo, w1o, w2o = P._operands(x, w1, w2)
+    assert not bf16 and xo.dtype == w1o.dtype == w2o.dtype == torch.float32
+    assert torch.equal(w2o, P.dequantize(_weight("nvfp4")).transpose(1, 2))
+
+
+def test_weights_that_skip_decode_weight_are_still_the_stored_transpose():
+    """moe_ep_torch.api.run_backward hands forward_operands the weights as given."""
+    w = _weight("mxfp8")
+    x, w1, w2 = P.NATIVE.forward_operands(None, _rows("mxfp8"), w, P.NATIVE.decode_weight(w))
+    assert isinstance(w1, P.BlockScaledOperand) and w1.weight and w1.shape == (2, 64, 48)
+    assert isinstance(w2, P.BlockScaledOperand) and w2.weight and not x.weight
+
+
+def test_dequantize_bf16_checks_its_flag():
+    from moe_ep_spec.errors import DeviceError
+
+    with pytest.raises(DeviceError, match=r"inexact must be an int32 tensor of >= 1 element on the codes' device cpu; "
+                                          r"got torch.int64 with 1 elements on cpu"):
+        P.dequantize_bf16(_rows("mxfp8"), torch.zeros(1, dtype=torch.int64))
+
+
+# ----------------------------------------------------------------------------- the layer, CPU mode
+
+CONFIG = MoeEpConfig(
+    num_experts=8, hidden=64, intermediate=32, num_topk=2, num_ranks=2, max_tokens_per_rank=12,
+    recv_capacity=40, expert_alignment=4,
+)
+
+
+def _ok(results):
+    for r, res in enumerate(results):
+        assert not (isinstance(res, tuple) and res and res[0] == "error"), f"rank {r} failed:\n{res[1]}"
+    return results
+
+
+@pytest.mark.parametrize("act_fmt,w_fmt", [("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("mxfp8", "bf16"), ("bf16", "mxfp8"),
+                                           ("nvfp4", "mxfp8")])
+def test_every_mode_equals_the_float32_forward_on_cpu(act_fmt, w_fmt):
+    world = random_world(CONFIG, num_tokens=[12, 9], seed=3)
+    results = _ok(run_ranks(BW.block_scaled_modes, 2, CONFIG, world, act_fmt, w_fmt, "", "cpu"))
+    for r, res in enumerate(results):
+        for mode in ("synced", "static", "device"):
+            for key in (mode, f"{mode}_again"):
+                np.testing.assert_array_equal(res[key], res["f32"], err_msg=f"rank {r}: {key} differs from float32")
+            assert not res[f"inexact_{mode}"]
+        assert res["bf16_layer"], f"rank {r}: no layer took bf16 operands"
+
+
+@pytest.mark.parametrize("tiny", ["act", "fc1"])
+def test_values_bf16_cannot_hold_fall_back_when_synced_and_are_nan_when_static(tiny):
+    world = random_world(CONFIG, num_tokens=[12, 9], seed=4)
+    results = _ok(run_ranks(BW.block_scaled_modes, 2, CONFIG, world, "mxfp8", "mxfp8", tiny, "cpu"))
+    nan_rows = []
+    for r, res in enumerate(results):
+        assert np.isfinite(torch.from_numpy(res["f32"]).view(torch.bfloat16).float().numpy()).all()
+        for key in ("synced", "synced_again", "device", "device_again"):  # float32 operands there: exact
+            np.testing.assert_array_equal(res[key], res["f32"], err_msg=f"rank {r}: {key}")
+        assert not res["inexact_synced"] and not res["inexact_device"]
+        static = torch.from_numpy(res["static"]).view(torch.bfloat16).float().numpy()
+        nan = np.isnan(static).all(axis=1)
+        assert np.isnan(static[nan]).all() and not np.isnan(static[~nan]).any(), "whole rows NaN, the rest finite"
+        np.testing.assert_array_equal(res["static"][~nan], res["f32"][~nan], err_msg=f"rank {r}: the other rows")
+        np.testing.assert_array_equal(res["static_again"], res["static"])
+        nan_rows.append(np.flatnonzero(nan))
+    if tiny == "act":
+        assert list(nan_rows[0]) == [0] and nan_rows[1].size == 0, nan_rows
+    else:
+        assert sum(len(n) for n in nan_rows) > 0, "some token reaches a local expert 0"
+    assert any(res["inexact_static"] for res in results), "the static mode recorded the inexact decode"
+
+
+# ----------------------------------------------------------------------------- CUDA (device machine)
+
+
+def _gpu_ready() -> bool:
+    try:
+        import moe_ep_native
+
+        return torch.cuda.is_available() and moe_ep_native.has_cuda() and moe_ep_native.has_nccl()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+needs_gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a GPU and a native build with CUDA and NCCL")
+CONFIG_EP1 = CONFIG.replace(num_ranks=1, num_experts=4)
+
+
+def _bf16_values(bits: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(bits).view(torch.bfloat16).float().numpy()
+
+
+@needs_gpu
+@pytest.mark.parametrize("act_fmt,w_fmt", [("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("bf16", "mxfp8")])
+def test_cuda_tensor_cores_take_block_scaled_operands(act_fmt, w_fmt):
+    """EP 1 on cuda:0: the synced and static modes run the tensor-core path (bit for bit
+    the same), within one bf16 step of the float32 kernels on the same values."""
+    world = random_world(CONFIG_EP1, num_tokens=[12], seed=3)
+    (res,) = _ok(run_ranks(BW.block_scaled_modes, 1, CONFIG_EP1, world, act_fmt, w_fmt, "", "cuda", backend="nccl"))
+    assert res["bf16_layer"]
+    for key in ("synced_again", "static", "static_again"):
+        np.testing.assert_array_equal(res[key], res["synced"], err_msg=key)
+    np.testing.assert_array_equal(res["device"], res["f32"], err_msg="device exchange: float32 operands")
+    got, want = _bf16_values(res["synced"]), _bf16_values(res["f32"])
+    slack = 1e-4 * np.sqrt(np.mean(want**2))  # float32 summation order in sums that cancel
+    assert np.all(np.abs(got - want) <= 2.0**-7 * np.abs(want) + slack), "more than one bf16 step from float32"
+
+
+@needs_gpu
+@pytest.mark.parametrize("tiny", ["act", "fc1"])
+def test_cuda_values_bf16_cannot_hold(tiny):
+    world = random_world(CONFIG_EP1, num_tokens=[12], seed=4)
+    (res,) = _ok(run_ranks(BW.block_scaled_modes, 1, CONFIG_EP1, world, "mxfp8", "mxfp8", tiny, "cuda", backend="nccl"))
+    for key in ("synced", "synced_again", "device"):
+        np.testing.assert_array_equal(res[key], res["f32"], err_msg=f"{key}: the float32 fallback")
+    static = _bf16_values(res["static"])
+    nan = np.isnan(static).all(axis=1)
+    assert nan.any() and not np.isnan(static[~nan]).any() and res["inexact_static"]
+    if tiny == "act":
+        assert list(np.flatnonzero(nan)) == [0]
