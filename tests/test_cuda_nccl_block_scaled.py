@@ -156,6 +156,24 @@ def test_static_mode_decodes_to_nan_and_records_it(monkeypatch):
     assert P.inexact_decodes(torch.device("cpu")) and not P.inexact_decodes(torch.device("cpu"))
 
 
+def test_check_errors_raises_a_static_inexact_decode_with_the_rule():
+    from moe_ep_cuda_nccl import static
+    from moe_ep_spec import FormatError, MoeEpConfig
+
+    x = _rows("mxfp8", tiny=True)
+    P.operands(*_ops(x, _weight("mxfp8"), _weight("nvfp4")), host_check=False)
+    group = object()  # no static call recorded flags for it: only the decode record speaks
+    config = MoeEpConfig(num_experts=2, hidden=64, intermediate=32, num_topk=1, num_ranks=1)
+    monkeypatch_rank = pytest.MonkeyPatch()
+    monkeypatch_rank.setattr(static.dist, "get_rank", lambda g: 0)
+    try:
+        with pytest.raises(FormatError, match=r"block-scaled operands must decode to bf16 exactly .* host_sync=True"):
+            static.check_errors(config, group)
+        static.check_errors(config, group)  # the record was cleared
+    finally:
+        monkeypatch_rank.undo()
+
+
 def test_the_device_exchange_path_still_gets_float32():
     """device_exchange makes its layer float32 for block-scaled inputs and calls _operands on them."""
     x, w1, w2 = _ops(_rows("mxfp8"), _weight("mxfp8"), _weight("nvfp4"))

@@ -250,7 +250,9 @@ def _record(plan: StaticPlan, group: Any) -> None:
 
 def check_errors(config: MoeEpConfig, group: Any) -> None:
     """Raise the spec's error for what static calls on ``group`` recorded since
-    the last check, and clear the flags (one host synchronisation)."""
+    the last check, and clear the flags (one host synchronisation): a transport
+    timeout, a bad expert id, an overflow, then a block-scaled value the bf16
+    operands could not hold (:func:`moe_ep_cuda_nccl.prims.inexact_decodes`)."""
     with _FLAGS_LOCK:
         entries = [e for (name, _), e in _FLAGS.items() if e[0] is group]
     for _, flags in entries:
@@ -282,6 +284,16 @@ def check_errors(config: MoeEpConfig, group: Any) -> None:
                 limit=config.recv_capacity,
                 got=aligned,
             )
+    from .prims import inexact_decodes
+
+    device = entries[0][1].device if entries else None
+    if inexact_decodes(device):
+        raise E.FormatError(
+            f"rank {dist.get_rank(group)}: block-scaled operands must decode to bf16 exactly for the tensor cores in "
+            f"the static mode; a value did not (an mxfp8 magnitude below 2^-126 off bf16's grid, from a scale code "
+            f"<= 2) in a static call since the last check, and the results depending on it are NaN; use "
+            f"host_sync=True (it takes the float32 path then) or rescale the blocks"
+        )
 
 
 # ----------------------------------------------------------------------------- the layer
