@@ -12,7 +12,12 @@
 #   smoke      scripts/gpu_exchange_check.py --smoke 2 and 4: the kernels against the spec's order bit for bit,
 #              eager steps then CUDA-graph replays on new inputs;
 #   sanitizer  compute-sanitizer memcheck and racecheck on the EP 2 smoke (both processes);
-#   timing     EP 1 dispatch/combine of 4096 tokens (hidden 7168, top-8) against a device copy of the per-route rows.
+#   timing     EP 1 dispatch/combine of 4096 tokens (hidden 7168, top-8) against a device copy of the per-route rows;
+#   conformance  the whole conformance table on cuda-nccl over the device exchange (MOE_EP_CUDA_NCCL_EXCHANGE=device)
+#              at EP 2 and at EP 4, every rank on cuda:0 (--device cuda-shared): both layouts, every operation,
+#              the same kernels (docs/cuda-nccl.md, "The world-level backend over the device exchange").
+#              Not in the default STEPS (at most 250 s per EP size): STEPS=conformance bash scripts/gpu_exchange_check.sh;
+#              CONFORMANCE_EP=2 (or 4) runs one size, CONFORMANCE_ARGS=--quick the representative subset.
 # Logs go to $OUT/gpu-exchange (or reports/gpu-exchange without OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +58,14 @@ if want sanitizer; then
 fi
 if want timing; then
   run timing 90 "$py" scripts/gpu_exchange_check.py --time ${TIMING_ARGS:-}
+fi
+if want conformance; then
+  for ep in ${CONFORMANCE_EP:-2 4}; do
+    run "conformance-ep$ep" 250 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_CUDA_NCCL_TIMEOUT_S=60 \
+      MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl \
+      --ep-size "$ep" --device cuda-shared --timeout 200 --report-json "$out/conformance-ep$ep.json" \
+      --report-md "$out/conformance-ep$ep.md" ${CONFORMANCE_ARGS:-}
+  done
 fi
 echo "gpu_exchange_check: $([ "$status" -eq 0 ] && echo PASS || echo FAIL) (logs in $out)"
 exit "$status"

@@ -40,6 +40,9 @@ SLOW: Dict[str, Tuple[str, ...]] = {
         "test_front_end_errors_make_every_output_nan_on_cpu",
         "test_front_end_peer_that_never_arrives_raises_transport_error_on_cpu",
     ),
+    # cuda-nccl's world-level backend over the device exchange in its CPU test mode: the full
+    # conformance table at EP 2 and 4 (about 35 s); the quick tables stay in the loop.
+    "test_cuda_nccl_device_conformance.py": ("test_full_table_at_ep_2_and_4_over_the_device_exchange_on_cpu",),
     # the bench's cuda-nccl, jax and jax-ffi drivers in spawned rank processes (13 s of setup)
     "test_bench.py": ("test_other_drivers_time_the_layer_on_cpu",),
     # CMake configures of the CUDA build (about 30 s together; CI compiles it in full)

@@ -25,8 +25,9 @@ def add_command(subparsers: Any) -> None:
     p.add_argument("--xfail-file", action="append", metavar="PATH", help="expected failures file (repeatable)")
     p.add_argument("--tolerance-file", action="append", metavar="PATH", help="tolerance overrides file (repeatable)")
     p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="per-case time limit")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where process-per-rank backends run their ranks (cuda: rank r on cuda:r)")
+    p.add_argument("--device", choices=("cpu", "cuda", "cuda-shared"), default="cpu",
+                   help="where process-per-rank backends run their ranks (cuda: rank r on cuda:r; cuda-shared: every "
+                        "rank on cuda:0, for backends whose ranks can share one GPU)")
     p.add_argument("--isolate", action="store_true", help="run world backends' cases in their own processes")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     p.add_argument("-v", "--verbose", action="count", default=0, help="list every test")

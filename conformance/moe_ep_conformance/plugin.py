@@ -100,8 +100,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="tolerance overrides: 'PATTERN FACTOR' per line (repeatable)")
     group.addoption("--case-timeout", dest="moe_ep_timeout", type=float, default=120.0, metavar="SECONDS",
                     help="a case that takes longer fails (process-per-rank backends, or with --isolate)")
-    group.addoption("--device", dest="moe_ep_device", choices=("cpu", "cuda"), default="cpu",
-                    help="where process-per-rank backends run their ranks (cuda: rank r on cuda:r)")
+    group.addoption("--device", dest="moe_ep_device", choices=("cpu", "cuda", "cuda-shared"), default="cpu",
+                    help="where process-per-rank backends run their ranks (cuda: rank r on cuda:r; cuda-shared: "
+                         "every rank on cuda:0, for backends whose ranks can share one GPU)")
     group.addoption("--isolate", dest="moe_ep_isolate", action="store_true",
                     help="run every case of a world backend in its own process (hangs and crashes fail the case)")
 

@@ -830,13 +830,22 @@ def _formats(runner: _Runner) -> List[Check]:
 _OPS["formats"] = _formats
 
 
+#: The values of ``device`` (the ``--device`` option).
+DEVICES = ("cpu", "cuda", "cuda-shared")
+
+
 def _devices(device: str, num_ranks: int) -> List[str]:
-    """Per-rank devices: ``cpu`` for all, or ``cuda`` -> ``cuda:0 .. cuda:n-1``."""
+    """Per-rank devices: ``cpu`` for all, ``cuda`` -> ``cuda:0 .. cuda:n-1``, or
+    ``cuda-shared`` -> ``cuda:0`` for every rank (one GPU shared by all ranks: for
+    backends whose ranks can share a GPU, e.g. ``cuda-nccl`` with
+    ``MOE_EP_CUDA_NCCL_EXCHANGE=device``; NCCL itself refuses it)."""
     if device == "cpu":
         return ["cpu"] * num_ranks
     if device == "cuda":
         return [f"cuda:{r}" for r in range(num_ranks)]
-    raise ValueError(f"device must be 'cpu' or 'cuda'; got {device!r}")
+    if device == "cuda-shared":
+        return ["cuda:0"] * num_ranks
+    raise ValueError(f"device must be one of {DEVICES}; got {device!r}")
 
 
 def run_case(
@@ -850,8 +859,9 @@ def run_case(
 ) -> CaseResult:
     """Run ``case`` on ``backend``, judge it against the reference, never raise.
 
-    ``device``: where a process-per-rank backend's ranks run (``cpu``, or
-    ``cuda``: rank r on ``cuda:r``). World backends choose their own device."""
+    ``device``: where a process-per-rank backend's ranks run (``cpu``; ``cuda``: rank
+    r on ``cuda:r``; ``cuda-shared``: every rank on ``cuda:0``). World backends
+    choose their own device."""
     reference = reference or moe_ep_spec.get_backend("reference")
     test_id = case.test_id(backend.name)
     start = time.perf_counter()

@@ -6,7 +6,10 @@
 - :mod:`moe_ep_cuda_nccl.backend`: the world-level spec interface
   (``moe_ep_spec.get_backend("cuda-nccl")``);
 - :mod:`moe_ep_cuda_nccl.prims`: the native kernels and transport as the torch
-  layer's primitives; :mod:`moe_ep_cuda_nccl.static`: the static-shape mode.
+  layer's primitives; :mod:`moe_ep_cuda_nccl.static`: the static-shape mode;
+  :mod:`moe_ep_cuda_nccl.device_exchange`: the static-shape mode over the native
+  layer's device exchange; :mod:`moe_ep_cuda_nccl.device_world`: the world-level
+  interface over it (``MOE_EP_CUDA_NCCL_EXCHANGE=device``; ranks may share one GPU).
 """
 
 from __future__ import annotations

@@ -22,10 +22,18 @@ __version__ = "0.1.0"
 
 #: See :data:`moe_ep_cuda_nccl.prims.CPU_ENV` (kept here so that detection imports nothing heavy).
 CPU_ENV = "MOE_EP_CUDA_NCCL_ON_CPU"
+#: See :data:`moe_ep_cuda_nccl.device_exchange.EXCHANGE_ENV`: ``device`` runs the world-level
+#: calls over the device exchange (:mod:`moe_ep_cuda_nccl.device_world`).
+EXCHANGE_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE"
 
 
 def _on_cpu() -> bool:
     return os.environ.get(CPU_ENV, "") == "1"
+
+
+def _device_exchange() -> bool:
+    """Whether ``MOE_EP_CUDA_NCCL_EXCHANGE=device`` (checked again, strictly, when a call runs)."""
+    return os.environ.get(EXCHANGE_ENV, "") == "device"
 
 
 def _cuda_device_count() -> Optional[int]:
@@ -62,7 +70,7 @@ def _native_availability() -> Optional[Availability]:
         return Availability(
             False, "libmoe_ep_native was built without CUDA (rebuild with MOE_EP_NATIVE_CUDA=1 MOE_EP_NATIVE_NCCL=1)"
         )
-    if not moe_ep_native.has_nccl():
+    if not moe_ep_native.has_nccl() and not _device_exchange():
         return Availability(
             False, "libmoe_ep_native was built without the NCCL transport (rebuild with MOE_EP_NATIVE_NCCL=1)"
         )
@@ -78,6 +86,10 @@ class CudaNcclBackend(TorchBackend):
     backward and dispatch/combine in both layouts, at any EP size. With
     ``MOE_EP_CUDA_NCCL_ON_CPU=1`` it also runs on CPU tensors (the native CPU
     kernels, gloo in place of NCCL): a test mode for machines without a GPU.
+
+    With ``MOE_EP_CUDA_NCCL_EXCHANGE=device`` every call runs over the native
+    layer's device exchange instead of NCCL, with a gloo process group
+    (:mod:`moe_ep_cuda_nccl.device_world`): ranks may then share one GPU.
     """
 
     name = "cuda-nccl"
@@ -112,7 +124,69 @@ class CudaNcclBackend(TorchBackend):
         out = super().framework_versions()
         out["moe_ep_native"] = moe_ep_native.build_info()
         out["native_nccl"] = "yes" if moe_ep_native.has_nccl() else "no"
+        out["exchange"] = "device (loopback provider, gloo group)" if _device_exchange() else "nccl"
         return out
+
+    # ------------------------------------------------- the device exchange (MOE_EP_CUDA_NCCL_EXCHANGE=device)
+
+    @staticmethod
+    def _world() -> Any:
+        """:mod:`moe_ep_cuda_nccl.device_world` when the device exchange is asked for, else None."""
+        from . import device_exchange
+
+        if not device_exchange.enabled():  # raises ConfigError on a value other than nccl / device
+            return None
+        from . import device_world
+
+        return device_world
+
+    def _prepare(self, config: Any, ctx: Any) -> Any:
+        world = self._world()
+        return world.prepare(ctx) if world is not None else super()._prepare(config, ctx)
+
+    def forward_rank(self, config, ctx, inputs):  # type: ignore[no-untyped-def]
+        world = self._world()
+        if world is None:
+            return super().forward_rank(config, ctx, inputs)
+        self.require(config, "forward")
+        return world.forward(config, ctx, inputs)
+
+    def backward_rank(self, config, ctx, inputs, grad_output, stash):  # type: ignore[no-untyped-def]
+        world = self._world()
+        if world is None:
+            return super().backward_rank(config, ctx, inputs, grad_output, stash)
+        self.require(config, "backward")
+        return world.backward(config, ctx, inputs, grad_output, stash)
+
+    def dispatch_rank(self, config, ctx, inputs):  # type: ignore[no-untyped-def]
+        world = self._world()
+        if world is None:
+            return super().dispatch_rank(config, ctx, inputs)
+        self.require(config, "dispatch")
+        return world.dispatch(config, ctx, inputs)
+
+    def combine_rank(self, config, ctx, handle, expert_out):  # type: ignore[no-untyped-def]
+        world = self._world()
+        if world is None:
+            return super().combine_rank(config, ctx, handle, expert_out)
+        self.require(config, "combine")
+        return world.combine(config, ctx, handle, expert_out)
+
+    def combine_backward_rank(self, config, ctx, handle, grad_output):  # type: ignore[no-untyped-def]
+        world = self._world()
+        if world is None:
+            return super().combine_backward_rank(config, ctx, handle, grad_output)
+        self.require(config, "combine_backward")
+        return world.combine_backward(config, ctx, handle, grad_output)
+
+    def dispatch_backward_rank(  # type: ignore[no-untyped-def]
+        self, config, ctx, handle, grad_tokens, grad_topk_weights
+    ):
+        world = self._world()
+        if world is None:
+            return super().dispatch_backward_rank(config, ctx, handle, grad_tokens, grad_topk_weights)
+        self.require(config, "dispatch_backward")
+        return world.dispatch_backward(config, ctx, handle, grad_tokens, grad_topk_weights)
 
     def quick_availability(self) -> Availability:
         """From what is installed, without importing torch (``moe-ep backends``):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,9 +45,10 @@ from moe_ep_torch.api import _check, _check_group
 from . import static
 from .prims import TIMEOUT_ENV, NativePrimitives, _operands, ptr, where
 
-__all__ = ["EXCHANGE_ENV", "COMBINE_ENV", "enabled", "forward", "backward", "close"]
+__all__ = ["EXCHANGE_ENV", "COMBINE_ENV", "enabled", "forward", "backward", "backward_and_metadata", "move", "close"]
 
-#: ``device``: every ``host_sync=False`` call uses the device exchange (default ``nccl``: the static mode's NCCL exchange).
+#: ``device``: every ``host_sync=False`` call uses the device exchange (default ``nccl``: the static mode's NCCL
+#: exchange), and so does every call of the world-level backend (:mod:`moe_ep_cuda_nccl.device_world`).
 EXCHANGE_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE"
 #: ``rank`` (default): one combine row per (token, rank); ``slot``: one per route (the slot-order sum).
 COMBINE_ENV = "MOE_EP_CUDA_NCCL_COMBINE"
@@ -74,10 +75,14 @@ def _combine_order() -> int:
     return X.SLOT_ORDER if value == "slot" else X.RANK_SUMS
 
 
-def close(group: Any = None) -> None:
-    """Drop the exchange layers of ``group`` (all when None); local, not collective."""
+def close(group: Any = None, keep: Any = None) -> None:
+    """Drop the exchange layers of ``group`` (all when None), but those of the
+    configuration ``keep`` (None: none kept); local, not collective: call it when
+    no peer can still be in a stage of these layers (e.g. after a host collective
+    that every rank reaches after its last call)."""
     with _LOCK:
-        keys = [k for k, (g, _) in _LAYERS.items() if group is None or g is group]
+        keys = [k for k, (g, _) in _LAYERS.items()
+                if (group is None or g is group) and (keep is None or k[0] != keep)]  # k[0]: the configuration
         layers = [_LAYERS.pop(k)[1] for k in keys]
     for layer in layers:
         if layer.cuda_device is not None:
@@ -134,8 +139,22 @@ def _bf16(activation: Any, fc1: Any, fc2: Any) -> bool:
 
 
 def _dispatch(prims, config, group, activation, fc1, fc2, idx, weights, extra):
-    """Host checks, then the layer's dispatch of the token rows (+ ``extra`` per-token rows).
-    Returns ``(layer, x_buf, extra buffers, w_buf, meta, group_sizes, tokens_per_expert, error, fc1_d, fc2_d)``.
+    """The layer's dispatch of the token rows (+ ``extra`` per-token rows), then the experts' operands.
+    Returns ``(layer, x_buf, extra buffers, w_buf, meta, group_sizes, tokens_per_expert, error, fc1_d, fc2_d)``."""
+    layer, x_buf, recv_extra, w_buf, meta, gs, tpe, err = move(
+        config, group, activation, idx, weights, extra, _bf16(activation, fc1, fc2)
+    )
+    # The rows in the activation's encoding: bf16 rows and weights stay bf16 (tensor cores), the rest is decoded.
+    x_buf, fc1_d, fc2_d = prims.forward_operands(activation, x_buf, prims.decode_weight(fc1), prims.decode_weight(fc2))
+    return layer, x_buf, recv_extra, w_buf, meta, gs, tpe, err, fc1_d, fc2_d
+
+
+def move(config: MoeEpConfig, group: Any, activation: Any, idx: torch.Tensor, weights: torch.Tensor, extra: List[Any],
+         bf16: bool) -> Tuple[Any, ...]:
+    """The layer's dispatch (collective) of the token rows (+ ``extra`` per-token rows):
+    ``(layer, x_buf [C, ...] in the activation's encoding, extra buffers [C, ...], w_buf [C]
+    float32, meta [C, 4] int32, group_sizes [E_local] int32, tokens_per_expert [E_local] int32,
+    error [1] int32)``; padding rows zero. ``bf16``: the layer's operands (a key of the layer).
 
     A plain activation with no extra rows moves as it is: its rows are the
     dispatch's input and the received buffer is the experts' operand (no packing,
@@ -157,7 +176,7 @@ def _dispatch(prims, config, group, activation, fc1, fc2, idx, weights, extra):
         blob = blob.contiguous()
         rb = int(blob.shape[1])
         x_rows = torch.empty((cap, rb), dtype=torch.uint8, device=dev)
-    layer = _layer(config, group, dev, _bf16(activation, fc1, fc2), token_bytes)
+    layer = _layer(config, group, dev, bf16, token_bytes)
     idx32 = idx.to(torch.int32).contiguous()
     w32 = weights.float().reshape(t, k).contiguous()
     w_buf = torch.empty(cap, dtype=torch.float32, device=dev)
@@ -173,9 +192,7 @@ def _dispatch(prims, config, group, activation, fc1, fc2, idx, weights, extra):
     else:
         recv = core.unpack_rows(x_rows, layout)
         x_buf, recv_extra = core.rebuild(activation, recv[:token_part_count]), recv[token_part_count:]
-    # The rows in the activation's encoding: bf16 rows and weights stay bf16 (tensor cores), the rest is decoded.
-    x_buf, fc1_d, fc2_d = prims.forward_operands(activation, x_buf, prims.decode_weight(fc1), prims.decode_weight(fc2))
-    return layer, x_buf, recv_extra, w_buf, meta, gs, tpe, err, fc1_d, fc2_d
+    return layer, x_buf, recv_extra, w_buf, meta, gs, tpe, err
 
 
 def _row_bytes(activation: Any, config: MoeEpConfig) -> int:
@@ -239,6 +256,15 @@ def backward(
     """The spec backward over the device exchange (a dispatch of the tokens with
     the output cotangent, the experts backward, a combine of the row cotangents
     with the router-weight cotangents as per-route values)."""
+    return backward_and_metadata(prims, config, group, grad_output, activation, fc1, fc2, idx, weights, fc1_c)[0]
+
+
+def backward_and_metadata(
+    prims: NativePrimitives, config: MoeEpConfig, group: Any, grad_output: torch.Tensor, activation: Any, fc1: Any,
+    fc2: Any, idx: torch.Tensor, weights: torch.Tensor, fc1_c: torch.Tensor,
+) -> Tuple[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """:func:`backward`, and the ``[C, 4] int32`` route metadata of its dispatch (what
+    the forward's stash holds for the same routing: a caller may compare them)."""
     _check_group(config, group)
     static._require_static(config, dist.get_rank(group))
     _check(config, group, activation, fc1, fc2, idx, weights, group_moves_rows=False)
@@ -270,4 +296,4 @@ def backward(
     cerr = torch.empty(1, dtype=torch.int32, device=x.device)
     layer.combine(stream, t, ptr(dx), ptr(gx), ptr(dw), ptr(gw), ptr(cerr), y_bf16=False)
     _record(config, group, cerr, tpe)
-    return gx, dfc1, dfc2, gw
+    return (gx, dfc1, dfc2, gw), meta

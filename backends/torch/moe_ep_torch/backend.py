@@ -56,8 +56,12 @@ def release(version: str) -> Tuple[int, ...]:
     return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
 
-def process_group(ctx: RankContext) -> Any:
-    """The process group of ``ctx`` (the default group, initialised on first use)."""
+def process_group(ctx: RankContext, backend: Optional[str] = None) -> Any:
+    """The process group of ``ctx`` (the default group, initialised on first use).
+
+    ``backend``: the group's torch.distributed backend; None: NCCL for a CUDA
+    device, gloo otherwise. (``"gloo"`` on a CUDA device suits a caller whose
+    collectives take CPU tensors only, e.g. ranks sharing one GPU, which NCCL refuses.)"""
     import torch
     import torch.distributed as dist
 
@@ -72,13 +76,14 @@ def process_group(ctx: RankContext) -> Any:
             f"rank {ctx.rank}: a different torch.distributed process group is already initialised in this process; "
             f"the torch backend's world-level API needs its own (rendezvous {ctx.rendezvous})"
         )
+    backend = backend or ("nccl" if cuda else "gloo")
     dist.init_process_group(
-        backend="nccl" if cuda else "gloo",
+        backend=backend,
         init_method=ctx.rendezvous,
         rank=ctx.rank,
         world_size=ctx.num_ranks,
         timeout=timedelta(seconds=ctx.timeout_s),
-        **({"device_id": torch.device(ctx.device)} if cuda else {}),
+        **({"device_id": torch.device(ctx.device)} if cuda and backend == "nccl" else {}),
     )
     group = _GROUPS[ctx.rendezvous] = dist.group.WORLD
     return group

@@ -31,8 +31,8 @@ from moe_ep_spec.formats import MoeFormat
 from . import formats as TF
 
 __all__ = [
-    "Plan", "Primitives", "TORCH", "make_plan", "route_payload", "cotangent", "exchange", "exchange_back", "forward", "backward",
-    "ERROR_CODES",
+    "Plan", "Primitives", "TORCH", "make_plan", "share_table", "route_payload", "cotangent", "exchange",
+    "exchange_back", "forward", "backward", "ERROR_CODES",
 ]
 
 #: Error classes that travel between ranks as codes (0 = no error).
@@ -215,6 +215,75 @@ def _routing_error(config: MoeEpConfig, idx: torch.Tensor, rank: int) -> E.Routi
     )
 
 
+def share_table(
+    config: MoeEpConfig,
+    counts: torch.Tensor,
+    code: torch.Tensor,
+    group: Any,
+    device: torch.device,
+    input_error: Optional[BaseException] = None,
+    idx: Optional[torch.Tensor] = None,
+    fingerprint_extra: str = "",
+    prims: Optional[Primitives] = None,
+    values: Sequence[int] = (),
+) -> Tuple[List[List[int]], List[List[int]]]:
+    """The count table of :func:`make_plan` (collective: one all-gather, one host
+    sync), with every rank's input error shared: all ranks raise together.
+
+    ``counts`` ``[num_ranks * num_local_experts] int64`` (this rank's routes per
+    destination rank and local expert), ``code`` a scalar: 0, or the
+    RoutingIndexError code when ``idx`` (int64) holds a bad id; ``input_error``
+    this rank's validation failure (or None). ``values``: further integers of
+    this rank that every rank gets (the same number on every rank).
+    Raises the shared error, a ConfigError when the ranks' configurations differ,
+    a DTypeError when their input encodings (``fingerprint_extra``) differ, and in
+    the static layout the CapacityError of any rank whose aligned rows overflow.
+    Returns ``(per, vals)``: ``per[src][dest * num_local_experts + e]`` and every
+    rank's ``values``."""
+    prims = prims or TORCH
+    n, el = config.num_ranks, config.num_local_experts
+    rank = dist.get_rank(group)
+    # The configuration and the input encodings are fingerprinted apart: a mismatch of
+    # the first is a ConfigError, of the second a DTypeError (spec section 12: dispatch
+    # tokens whose encoding differs between ranks).
+    prints_mine = torch.tensor([fingerprint(config), fingerprint(config, fingerprint_extra)], device=device)
+    extra = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+    mine = torch.cat([counts.to(device=device, dtype=torch.int64), code.reshape(1).to(device=device, dtype=torch.int64),
+                      prints_mine, extra])
+    table = prims.all_gather(mine, group).tolist()  # the one host synchronisation
+    codes = [int(row[n * el]) for row in table]
+    prints = [int(row[n * el + 1]) for row in table]
+    encodings = [int(row[n * el + 2]) for row in table]
+    if codes[rank] == _ROUTING_CODE and input_error is None:
+        input_error = _routing_error(config, idx, rank)
+    _raise_gathered(codes, input_error, rank)
+    if len(set(prints)) != 1:
+        raise E.ConfigError(
+            f"rank {rank}: the ranks disagree on the configuration (fingerprints {prints}); every rank must pass "
+            f"the same MoeEpConfig"
+        )
+    if len(set(encodings)) != 1:
+        raise E.DTypeError(
+            f"rank {rank}: the ranks pass inputs in different encodings (fingerprints {encodings}); every rank must "
+            f"pass its inputs in the same encoding (the same plain dtype, or the same block format)",
+            name="tokens",
+        )
+    per = [[int(v) for v in row[: n * el]] for row in table]  # per[src][dest * el + e]
+    if config.static_layout:
+        align = config.expert_alignment
+        for d in range(n):
+            slabs = [-(-sum(per[s][d * el + e] for s in range(n)) // align) * align for e in range(el)]
+            if sum(slabs) > config.recv_capacity:  # type: ignore[operator]
+                routes = sum(sum(per[s][d * el : (d + 1) * el]) for s in range(n))
+                raise E.CapacityError(
+                    f"rank {d}: received rows after aligning every expert's slab to expert_alignment = {align} must be "
+                    f"<= recv_capacity = {config.recv_capacity}; got {sum(slabs)} ({routes} routes)",
+                    limit=config.recv_capacity,
+                    got=sum(slabs),
+                )
+    return per, [[int(v) for v in row[n * el + 3 :]] for row in table]
+
+
 def make_plan(
     config: MoeEpConfig,
     topk_idx: Optional[torch.Tensor],
@@ -255,45 +324,12 @@ def make_plan(
         send_route = torch.zeros(0, dtype=torch.int64, device=device)
         counts = torch.zeros(n * el, dtype=torch.int64, device=device)
         code = torch.tensor(error_code(input_error), device=device)
-    # The configuration and the input encodings are fingerprinted apart: a mismatch of
-    # the first is a ConfigError, of the second a DTypeError (spec section 12: dispatch
-    # tokens whose encoding differs between ranks).
-    prints_mine = torch.tensor([fingerprint(config), fingerprint(config, fingerprint_extra)], device=device)
-    mine = torch.cat([counts, code.reshape(1).to(torch.int64), prints_mine])
-    table = prims.all_gather(mine, group).tolist()  # the one host synchronisation
-    codes = [int(row[n * el]) for row in table]
-    prints = [int(row[n * el + 1]) for row in table]
-    encodings = [int(row[n * el + 2]) for row in table]
-    if codes[rank] == _ROUTING_CODE and input_error is None:
-        input_error = _routing_error(config, idx, rank)
-    _raise_gathered(codes, input_error, rank)
-    if len(set(prints)) != 1:
-        raise E.ConfigError(
-            f"rank {rank}: the ranks disagree on the configuration (fingerprints {prints}); every rank must pass "
-            f"the same MoeEpConfig"
-        )
-    if len(set(encodings)) != 1:
-        raise E.DTypeError(
-            f"rank {rank}: the ranks pass inputs in different encodings (fingerprints {encodings}); every rank must "
-            f"pass its inputs in the same encoding (the same plain dtype, or the same block format)",
-            name="tokens",
-        )
-    per = [[int(v) for v in row[: n * el]] for row in table]  # per[src][dest * el + e]
+    per, _ = share_table(config, counts, code, group, device, input_error, idx, fingerprint_extra, prims)
     send_counts = [sum(per[rank][d * el : (d + 1) * el]) for d in range(n)]
     recv_counts = [sum(per[s][rank * el : (rank + 1) * el]) for s in range(n)]
     per_expert = [sum(per[s][rank * el + e] for s in range(n)) for e in range(el)]
     if config.static_layout:
         align = config.expert_alignment
-        for d in range(n):
-            slabs = [-(-sum(per[s][d * el + e] for s in range(n)) // align) * align for e in range(el)]
-            if sum(slabs) > config.recv_capacity:  # type: ignore[operator]
-                routes = sum(sum(per[s][d * el : (d + 1) * el]) for s in range(n))
-                raise E.CapacityError(
-                    f"rank {d}: received rows after aligning every expert's slab to expert_alignment = {align} must be "
-                    f"<= recv_capacity = {config.recv_capacity}; got {sum(slabs)} ({routes} routes)",
-                    limit=config.recv_capacity,
-                    got=sum(slabs),
-                )
         slabs = [-(-c // align) * align for c in per_expert]
         offsets = [0]
         for s in slabs:
