@@ -174,12 +174,16 @@ def test_check_errors_raises_a_static_inexact_decode_with_the_rule():
         monkeypatch_rank.undo()
 
 
-def test_the_device_exchange_path_still_gets_float32():
-    """device_exchange makes its layer float32 for block-scaled inputs and calls _operands on them."""
-    x, w1, w2 = _ops(_rows("mxfp8"), _weight("mxfp8"), _weight("nvfp4"))
-    bf16, xo, w1o, w2o = P._operands(x, w1, w2)
-    assert not bf16 and xo.dtype == w1o.dtype == w2o.dtype == torch.float32
-    assert torch.equal(w2o, P.dequantize(_weight("nvfp4")).transpose(1, 2))
+def test_the_device_exchange_path_takes_bf16_operands_for_block_scaled_inputs():
+    """device_exchange makes its layer bf16 for block-scaled (and bf16) inputs and decodes them
+    without a host check (its mode never synchronises); a float32 input keeps it float32."""
+    from moe_ep_cuda_nccl import device_exchange as DX
+
+    rows, w1, w2 = _rows("mxfp8"), _weight("mxfp8"), _weight("nvfp4")
+    assert DX._bf16(rows, w1, w2) and not DX._bf16(P.dequantize(rows), w1, w2)
+    bf16, xo, w1o, w2o = P.operands(*_ops(rows, w1, w2), host_check=False)
+    assert bf16 and xo.dtype == w1o.dtype == w2o.dtype == torch.bfloat16
+    assert torch.equal(w2o.float(), P.dequantize(_weight("nvfp4")).transpose(1, 2))
 
 
 def test_weights_that_skip_decode_weight_are_still_the_stored_transpose():
@@ -232,20 +236,23 @@ def test_values_bf16_cannot_hold_fall_back_when_synced_and_are_nan_when_static(t
     nan_rows = []
     for r, res in enumerate(results):
         assert np.isfinite(torch.from_numpy(res["f32"]).view(torch.bfloat16).float().numpy()).all()
-        for key in ("synced", "synced_again", "device", "device_again"):  # float32 operands there: exact
+        for key in ("synced", "synced_again"):  # the host check sends them to float32: exact
             np.testing.assert_array_equal(res[key], res["f32"], err_msg=f"rank {r}: {key}")
-        assert not res["inexact_synced"] and not res["inexact_device"]
+        assert not res["inexact_synced"]
+        # The static modes (NCCL and the device exchange) never synchronise: bf16 operands as decoded.
         static = torch.from_numpy(res["static"]).view(torch.bfloat16).float().numpy()
         nan = np.isnan(static).all(axis=1)
         assert np.isnan(static[nan]).all() and not np.isnan(static[~nan]).any(), "whole rows NaN, the rest finite"
-        np.testing.assert_array_equal(res["static"][~nan], res["f32"][~nan], err_msg=f"rank {r}: the other rows")
-        np.testing.assert_array_equal(res["static_again"], res["static"])
+        for key in ("static", "static_again", "device", "device_again"):
+            np.testing.assert_array_equal(res[key][~nan], res["f32"][~nan], err_msg=f"rank {r}: {key}, other rows")
+            assert np.isnan(torch.from_numpy(res[key]).view(torch.bfloat16).float().numpy()[nan]).all(), key
         nan_rows.append(np.flatnonzero(nan))
     if tiny == "act":
         assert list(nan_rows[0]) == [0] and nan_rows[1].size == 0, nan_rows
     else:
         assert sum(len(n) for n in nan_rows) > 0, "some token reaches a local expert 0"
     assert any(res["inexact_static"] for res in results), "the static mode recorded the inexact decode"
+    assert any(res["inexact_device"] for res in results), "the device-exchange mode recorded it too"
 
 
 # ----------------------------------------------------------------------------- CUDA (device machine)

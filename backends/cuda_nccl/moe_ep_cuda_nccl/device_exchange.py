@@ -40,10 +40,11 @@ from moe_ep_spec import errors as E
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.formats import MoeFormat
 from moe_ep_torch import core
+from moe_ep_torch import formats as TF
 from moe_ep_torch.api import _check, _check_group
 
 from . import static
-from .prims import TIMEOUT_ENV, NativePrimitives, _operands, ptr, where
+from .prims import TIMEOUT_ENV, NativePrimitives, operands, ptr, where
 
 __all__ = ["EXCHANGE_ENV", "COMBINE_ENV", "enabled", "forward", "backward", "backward_and_metadata", "move", "close"]
 
@@ -135,7 +136,12 @@ def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, to
 
 
 def _bf16(activation: Any, fc1: Any, fc2: Any) -> bool:
-    return all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in (activation, fc1, fc2))
+    """Whether the layer's operands are bf16 (tensor cores): bf16 tensors and block-scaled
+    inputs (decoded to bf16 without a host check: :func:`moe_ep_cuda_nccl.prims.operands`)."""
+    return all(
+        isinstance(t, TF.TorchBlockScaled) or (isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16)
+        for t in (activation, fc1, fc2)
+    )
 
 
 def _dispatch(prims, config, group, activation, fc1, fc2, idx, weights, extra):
@@ -229,7 +235,7 @@ def forward(
     layer, x_buf, _, w_buf, meta, gs, tpe, err, fc1_d, fc2_d = _dispatch(
         prims, config, group, activation, fc1, fc2, idx, weights, []
     )
-    _, x, f1, f2 = _operands(x_buf, fc1_d, fc2_d)
+    _, x, f1, f2 = operands(x_buf, fc1_d, fc2_d, host_check=False)
     rows, h, i = int(x.shape[0]), config.hidden, config.intermediate
     y_dtype = torch.bfloat16 if layer.bf16_expert_out else torch.float32
     y = torch.empty((rows, h), dtype=y_dtype, device=x.device)
@@ -277,7 +283,7 @@ def backward_and_metadata(
     layer, x_buf, (dy_buf,), w_buf, meta, gs, tpe, err, fc1_d, fc2_d = _dispatch(
         prims, config, group, activation, fc1, fc2, idx, weights, [core.cotangent(grad_output)]
     )
-    _, x, f1, f2 = _operands(x_buf, fc1_d, fc2_d)
+    _, x, f1, f2 = operands(x_buf, fc1_d, fc2_d, host_check=False)
     rows, h = int(x.shape[0]), config.hidden
     # A bf16 cotangent stays bf16 (exact; the layer reads it as is), anything else float32.
     dy = dy_buf.contiguous() if dy_buf.dtype == torch.bfloat16 else dy_buf.float().contiguous()

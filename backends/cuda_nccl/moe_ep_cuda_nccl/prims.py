@@ -335,13 +335,6 @@ def operands(x: Any, fc1: Any, fc2: Any, *, host_check: bool) -> Tuple[bool, tor
     if any(bits):
         return _operands(x, fc1, fc2)  # a value bf16 cannot hold: float32 for all three (exact)
     return _operands(*decoded)
-    bits = flags.tolist()  # the one host synchronisation
-    for i, (t, p) in enumerate(zip(ops, pending)):
-        if check[i] and t.weight:
-            _remember_verdict(t.source, bits[i] == 0)
-    if any(bits):
-        return _operands(*(t.f32() if p else t for t, p in zip(ops, pending)))
-    return _operands(*decoded)
 
 
 class NativePrimitives(core.Primitives):
