@@ -114,6 +114,10 @@ def forward(args) -> bool:
         runs = {
             "block-scaled, synced": lambda: api.moe_ep(a, b1, b2, idx, tw, config=config),
             "block-scaled, static": lambda: api.moe_ep(a, b1, b2, idx, tw, config=config, host_sync=False),
+            "block-scaled, device exchange": lambda: api.moe_ep(a, b1, b2, idx, tw, config=config, host_sync=False,
+                                                                exchange="device"),
+            "bf16 inputs (no decode), device exchange": lambda: api.moe_ep(
+                a32.bfloat16(), v1.bfloat16(), v2.bfloat16(), idx, tw, config=config, host_sync=False, exchange="device"),
             "bf16 inputs (no decode), synced": lambda: api.moe_ep(a32.bfloat16(), v1.bfloat16(), v2.bfloat16(), idx, tw,
                                                                   config=config),
             "float32 path, synced": lambda: api.moe_ep(a32, v1, v2, idx, tw, config=config),
@@ -124,21 +128,23 @@ def forward(args) -> bool:
                 outs[name] = fn()
                 times[name] = _time(fn, args.iters)
         api.check_errors(config)
-        same = bool(torch.equal(outs["block-scaled, static"].view(torch.int16),
-                                outs["block-scaled, synced"].view(torch.int16)))
+        bits = lambda name: outs[name].view(torch.int16)  # noqa: E731
+        same = bool(torch.equal(bits("block-scaled, static"), bits("block-scaled, synced")))
+        # The decode is exact, so the block-scaled inputs run the very GEMMs of their bf16 values: bit for bit.
+        exact = bool(torch.equal(bits("block-scaled, synced"), bits("bf16 inputs (no decode), synced"))) and bool(
+            torch.equal(bits("block-scaled, device exchange"), bits("bf16 inputs (no decode), device exchange")))
         ref = outs["float32 path, synced"].float()
         got = outs["block-scaled, synced"].float()
-        # One bf16 step of the result, plus the float32 summation-order error of a sum that cancels
-        # (relative to the terms, of the order of the output's RMS; 1e-4 of it is far above 2^-24 * K).
-        slack = 1e-4 * ref.square().mean().sqrt()
-        steps = bool(torch.all((got - ref).abs() <= 2.0**-7 * ref.abs() + slack))
+        rel = ((got - ref).abs() / ref.abs().clamp_min(2.0**-20)).max().item()  # information: another summation order
         inexact = prims.inexact_decodes(dev, clear=True)
-        ok &= same and steps and not inexact
+        ok &= same and exact and not inexact
         print(f"== forward {fmt}: tokens {t}, hidden {h}, intermediate {i}, experts {e}, top-{k} (EP 1)")
         for name in runs:
             print(f"  {name:34} {times[name]:9.3f} ms")
-        print(f"  static = synced bit for bit: {same}; within one bf16 step of float32: {steps}; "
-              f"inexact decodes recorded: {inexact}")
+        print(f"  static = synced bit for bit: {same}; block-scaled = their bf16 values bit for bit (synced and "
+              f"device exchange): {exact}; inexact decodes recorded: {inexact}; largest relative difference to the "
+              f"float32 path (tensor-core summation order, not checked here; the conformance suite checks the "
+              f"budgets): {rel:.3g}")
     dist.destroy_process_group()
     return ok
 
