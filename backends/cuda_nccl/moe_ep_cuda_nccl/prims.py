@@ -229,6 +229,16 @@ def _record(device: torch.device) -> torch.Tensor:
         return rec
 
 
+def inexact_decodes_anywhere(clear: bool = True) -> bool:
+    """:func:`inexact_decodes` over every device that has a record (one synchronisation each)."""
+    with _OPERANDS_LOCK:
+        devices = [torch.device(kind, index) if index is not None else torch.device(kind) for kind, index in _RECORDS]
+    found = False
+    for device in devices:
+        found |= inexact_decodes(device, clear=clear)
+    return found
+
+
 def inexact_decodes(device: Optional[torch.device] = None, clear: bool = True) -> bool:
     """Whether an operand decoded without a host check (the static modes, CUDA-graph
     replays, weights with a cached verdict) held a value bf16 cannot hold since the

@@ -252,7 +252,8 @@ def check_errors(config: MoeEpConfig, group: Any) -> None:
     """Raise the spec's error for what static calls on ``group`` recorded since
     the last check, and clear the flags (one host synchronisation): a transport
     timeout, a bad expert id, an overflow, then a block-scaled value the bf16
-    operands could not hold (:func:`moe_ep_cuda_nccl.prims.inexact_decodes`)."""
+    operands could not hold (:func:`moe_ep_cuda_nccl.prims.inexact_decodes`, on
+    every device with a record)."""
     with _FLAGS_LOCK:
         entries = [e for (name, _), e in _FLAGS.items() if e[0] is group]
     for _, flags in entries:
@@ -284,10 +285,9 @@ def check_errors(config: MoeEpConfig, group: Any) -> None:
                 limit=config.recv_capacity,
                 got=aligned,
             )
-    from .prims import inexact_decodes
+    from .prims import inexact_decodes_anywhere
 
-    device = entries[0][1].device if entries else None
-    if inexact_decodes(device):
+    if inexact_decodes_anywhere():
         raise E.FormatError(
             f"rank {dist.get_rank(group)}: block-scaled operands must decode to bf16 exactly for the tensor cores in "
             f"the static mode; a value did not (an mxfp8 magnitude below 2^-126 off bf16's grid, from a scale code "
