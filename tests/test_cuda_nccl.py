@@ -117,6 +117,17 @@ def test_static_mode_matches_the_synced_mode_bit_for_bit_on_cpu(variant) -> None
         assert (res["static"]["route_metadata"][:, 0] >= 0).any(), f"rank {rank}: no routed rows"
 
 
+def test_static_mode_with_a_rank_of_no_tokens_matches_the_synced_mode_on_cpu() -> None:
+    """A rank with T = 0 in the static mode (its empty route_pos reaches the native
+    reduction as NULL): the same results as the synced mode on both ranks."""
+    world, grads = _world(CONFIG, seed=5, tokens=(0, 9))
+    results = _ok(run_ranks(W.static_matches_synced, 2, CONFIG, world, grads, "cpu"))
+    assert results[0]["static"]["output"].shape[0] == 0
+    for rank, res in enumerate(results):
+        for key, want in res["synced"].items():
+            assert np.array_equal(res["static"][key], want, equal_nan=True), f"rank {rank}: static {key} differs"
+
+
 def test_static_mode_block_scaled_output_matches_the_synced_mode_on_cpu() -> None:
     config = CONFIG.replace(output_format="mxfp8", combine_format="mxfp8", intermediate_format="nvfp4")
     world, _ = _world(config, seed=5)
