@@ -24,7 +24,7 @@ import moe_ep_spec
 from .cases import Case, all_cases
 from .expectations import ExpectationError, Expectations
 from .report import Record, Report
-from .runner import CaseResult, run_case, run_case_isolated
+from .runner import DEVICES, CaseResult, run_case, run_case_isolated
 from .usage import check_ep_sizes, check_report_path, lookup_backend, plugin_failures
 
 __all__ = ["ENV_PREFIXES"]
@@ -100,7 +100,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="tolerance overrides: 'PATTERN FACTOR' per line (repeatable)")
     group.addoption("--case-timeout", dest="moe_ep_timeout", type=float, default=120.0, metavar="SECONDS",
                     help="a case that takes longer fails (process-per-rank backends, or with --isolate)")
-    group.addoption("--device", dest="moe_ep_device", choices=("cpu", "cuda", "cuda-shared"), default="cpu",
+    group.addoption("--device", dest="moe_ep_device", choices=DEVICES, default="cpu",
                     help="where process-per-rank backends run their ranks (cuda: rank r on cuda:r; cuda-shared: "
                          "every rank on cuda:0, for backends whose ranks can share one GPU)")
     group.addoption("--isolate", dest="moe_ep_isolate", action="store_true",

@@ -140,53 +140,31 @@ class CudaNcclBackend(TorchBackend):
 
         return device_world
 
-    def _prepare(self, config: Any, ctx: Any) -> Any:
+    def _via_world(self, op: str, config: Any, *args: Any) -> Any:
+        """The world-level op ``op``: over the device exchange when it is enabled, else the torch backend's."""
         world = self._world()
-        return world.prepare(ctx) if world is not None else super()._prepare(config, ctx)
+        if world is None:
+            return getattr(super(), f"{op}_rank")(config, *args)
+        self.require(config, op)
+        return getattr(world, op)(config, *args)
 
     def forward_rank(self, config, ctx, inputs):  # type: ignore[no-untyped-def]
-        world = self._world()
-        if world is None:
-            return super().forward_rank(config, ctx, inputs)
-        self.require(config, "forward")
-        return world.forward(config, ctx, inputs)
+        return self._via_world("forward", config, ctx, inputs)
 
     def backward_rank(self, config, ctx, inputs, grad_output, stash):  # type: ignore[no-untyped-def]
-        world = self._world()
-        if world is None:
-            return super().backward_rank(config, ctx, inputs, grad_output, stash)
-        self.require(config, "backward")
-        return world.backward(config, ctx, inputs, grad_output, stash)
+        return self._via_world("backward", config, ctx, inputs, grad_output, stash)
 
     def dispatch_rank(self, config, ctx, inputs):  # type: ignore[no-untyped-def]
-        world = self._world()
-        if world is None:
-            return super().dispatch_rank(config, ctx, inputs)
-        self.require(config, "dispatch")
-        return world.dispatch(config, ctx, inputs)
+        return self._via_world("dispatch", config, ctx, inputs)
 
     def combine_rank(self, config, ctx, handle, expert_out):  # type: ignore[no-untyped-def]
-        world = self._world()
-        if world is None:
-            return super().combine_rank(config, ctx, handle, expert_out)
-        self.require(config, "combine")
-        return world.combine(config, ctx, handle, expert_out)
+        return self._via_world("combine", config, ctx, handle, expert_out)
 
     def combine_backward_rank(self, config, ctx, handle, grad_output):  # type: ignore[no-untyped-def]
-        world = self._world()
-        if world is None:
-            return super().combine_backward_rank(config, ctx, handle, grad_output)
-        self.require(config, "combine_backward")
-        return world.combine_backward(config, ctx, handle, grad_output)
+        return self._via_world("combine_backward", config, ctx, handle, grad_output)
 
-    def dispatch_backward_rank(  # type: ignore[no-untyped-def]
-        self, config, ctx, handle, grad_tokens, grad_topk_weights
-    ):
-        world = self._world()
-        if world is None:
-            return super().dispatch_backward_rank(config, ctx, handle, grad_tokens, grad_topk_weights)
-        self.require(config, "dispatch_backward")
-        return world.dispatch_backward(config, ctx, handle, grad_tokens, grad_topk_weights)
+    def dispatch_backward_rank(self, config, ctx, handle, grad_tokens, grad_topk_weights):  # type: ignore[no-untyped-def]
+        return self._via_world("dispatch_backward", config, ctx, handle, grad_tokens, grad_topk_weights)
 
     def quick_availability(self) -> Availability:
         """From what is installed, without importing torch (``moe-ep backends``):

@@ -27,6 +27,7 @@ collectively).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import Any, Dict, List, Tuple
@@ -175,11 +176,11 @@ def move(config: MoeEpConfig, group: Any, activation: Any, idx: torch.Tensor, we
         rb = token_bytes
         x_rows = torch.empty((cap, config.hidden), dtype=blob.dtype, device=dev)
     else:
-        parts = core.gather_rows(activation, torch.arange(t, device=dev))
+        # Every row of the activation, as its payload parts (no gather: all rows move).
+        parts = list(TF.raw(activation)) if isinstance(activation, TF.TorchBlockScaled) else [activation]
         token_part_count = len(parts)
-        token_bytes = sum(int(p[0].numel()) * p.element_size() for p in parts) if t else _row_bytes(activation, config)
-        blob, layout = core.pack_rows(parts + [e for e in extra], t)
-        blob = blob.contiguous()
+        token_bytes = sum(math.prod(p.shape[1:]) * p.element_size() for p in parts)
+        blob, layout = core.pack_rows(parts + list(extra), t)
         rb = int(blob.shape[1])
         x_rows = torch.empty((cap, rb), dtype=torch.uint8, device=dev)
     layer = _layer(config, group, dev, bf16, token_bytes)
@@ -199,18 +200,6 @@ def move(config: MoeEpConfig, group: Any, activation: Any, idx: torch.Tensor, we
         recv = core.unpack_rows(x_rows, layout)
         x_buf, recv_extra = core.rebuild(activation, recv[:token_part_count]), recv[token_part_count:]
     return layer, x_buf, recv_extra, w_buf, meta, gs, tpe, err
-
-
-def _row_bytes(activation: Any, config: MoeEpConfig) -> int:
-    """Bytes of one token row of the activation's encoding (for a dispatch of no tokens)."""
-    parts = core.gather_rows(activation, torch.zeros(0, dtype=torch.int64, device=activation.device))
-    total = 0
-    for p in parts:
-        n = 1
-        for d in p.shape[1:]:
-            n *= int(d)
-        total += n * p.element_size()
-    return total
 
 
 def _record(config: MoeEpConfig, group: Any, err: torch.Tensor, tpe: torch.Tensor) -> None:
@@ -285,8 +274,7 @@ def backward_and_metadata(
     )
     _, x, f1, f2 = operands(x_buf, fc1_d, fc2_d, host_check=False)
     rows, h = int(x.shape[0]), config.hidden
-    # A bf16 cotangent stays bf16 (exact; the layer reads it as is), anything else float32.
-    dy = dy_buf.contiguous() if dy_buf.dtype == torch.bfloat16 else dy_buf.float().contiguous()
+    dy = dy_buf  # bf16 or float32 (core.cotangent), dense (unpack_rows copies)
     stash = fc1_c.to(torch.bfloat16).contiguous()
     dx = torch.empty((rows, h), dtype=torch.float32, device=x.device)
     dw = torch.empty((rows,), dtype=torch.float32, device=x.device)

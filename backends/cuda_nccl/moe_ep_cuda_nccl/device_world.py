@@ -400,20 +400,11 @@ def combine_backward(config: MoeEpConfig, ctx: RankContext, handle: DispatchHand
         v.validate_grad("grad_output", grad_output, (t, config.hidden), "(num_tokens, hidden)", ctx.rank)
 
     group, device, st, xcfg = _layered(config, ctx, handle, check)
-    cap, el, h = int(xcfg.recv_capacity), config.num_local_experts, config.hidden  # type: ignore[arg-type]
     idx = torch.from_numpy(np.ascontiguousarray(st["topk_idx"], dtype=np.int32)).to(device)
     g = TB.to_torch(grad_output, device).float().contiguous()
-    layer = DX._layer(xcfg, group, device, False, 4 * h)
     w = torch.zeros((t, config.num_topk), dtype=torch.float32, device=device)
-    x_rows = torch.empty((cap, h), dtype=torch.float32, device=device)
-    w_buf = torch.empty(cap, dtype=torch.float32, device=device)
-    meta = torch.empty((cap, 4), dtype=torch.int32, device=device)
-    gs = torch.empty(el, dtype=torch.int32, device=device)
-    tpe = torch.empty(el, dtype=torch.int32, device=device)
-    err = torch.empty(1, dtype=torch.int32, device=device)
-    _, stream = where(x_rows)
-    layer.dispatch(stream, t, 4 * h, ptr(g), ptr(idx), ptr(w), ptr(x_rows), ptr(w_buf), ptr(meta), ptr(gs), ptr(tpe),
-                   ptr(err))
+    # The float32 cotangent rows move as the dispatch's plain rows (4 * hidden bytes each).
+    _, x_rows, _, _, _, _, tpe, err = DX.move(xcfg, group, g, idx, w, [], False)
     DX._record(xcfg, group, err, tpe)
     _check_record(xcfg, group)
     return x_rows[: handle.num_recv_rows].cpu().numpy()

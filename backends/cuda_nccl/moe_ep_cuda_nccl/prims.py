@@ -537,10 +537,8 @@ def layer_for(config: MoeEpConfig, rows: int, device: torch.device, bf16: bool, 
 
 def _operands(x: Any, fc1: Any, fc2: Any) -> Tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(bf16, x, fc1, fc2)``: all three bf16 when they all are plain bf16 tensors, else
-    all float32; contiguous. A :class:`BlockScaledOperand` still pending here is decoded
-    to float32: the device exchange (:mod:`moe_ep_cuda_nccl.device_exchange`) makes its
-    layer float32 for block-scaled inputs and calls this directly; the other paths
-    resolve them first with :func:`operands`."""
+    all float32; contiguous. A :class:`BlockScaledOperand` still pending here (the float32
+    fallbacks of :func:`operands`) is decoded to float32."""
     if any(isinstance(t, BlockScaledOperand) for t in (x, fc1, fc2)):
         x, fc1, fc2 = (t.f32() if isinstance(t, BlockScaledOperand) else t for t in (x, fc1, fc2))
     if x.dtype == fc1.dtype == fc2.dtype == torch.bfloat16:

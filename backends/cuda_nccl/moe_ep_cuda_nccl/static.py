@@ -42,7 +42,7 @@ from moe_ep_spec.config import MoeEpConfig
 from moe_ep_torch import core
 from moe_ep_torch.api import _check, _check_group
 
-from .prims import NativePrimitives, combine_reduce, expert_backward, expert_forward, ptr, where
+from .prims import NativePrimitives, combine_reduce, expert_backward, expert_forward, inexact_decodes_anywhere, ptr, where
 
 __all__ = ["StaticPlan", "peer_capacity", "dispatch", "forward", "backward", "check_errors", "error_flags"]
 
@@ -285,8 +285,6 @@ def check_errors(config: MoeEpConfig, group: Any) -> None:
                 limit=config.recv_capacity,
                 got=aligned,
             )
-    from .prims import inexact_decodes_anywhere
-
     if inexact_decodes_anywhere():
         raise E.FormatError(
             f"rank {dist.get_rank(group)}: block-scaled operands must decode to bf16 exactly for the tensor cores in "

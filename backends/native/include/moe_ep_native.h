@@ -367,12 +367,14 @@ MOE_EP_API moe_ep_status moe_ep_layer_get_info(const moe_ep_layer* layer, moe_ep
  *                negative size as 0 and ends the slabs at C).
  *   y:           [C, H] config.expert_out_dtype out (float32 by default, bf16 bit patterns with
  *                MOE_EP_DTYPE_BF16): R_comb of the expert output; rows of no expert zero.
+ *                16-byte aligned on the tensor-core path (moe_ep_layer_get_info says which).
  *   fc1_c:       [C, 2I] uint16 bf16 out, or NULL: the stash (the bf16 rounding of
  *                the FC1 output before the clamp); rows of no expert zero.
  * With a device exchange (config.ex_num_ranks >= 1), after its dispatch, the stash
  * rows of the slabs' padding (rows past a local expert's routes) are zero, whatever
- * the weights hold. With a device exchange whose last dispatch reported
- * an error (its out_error bits: the same on every rank), y and fc1_c are all NaN
+ * the weights hold. With a device exchange whose last step reported an error
+ * (the dispatch's out_error bits, the same on every rank, or a combine's
+ * timeout), y and fc1_c are all NaN
  * (the spec's all-ranks NaN rule), decided on the device: no host synchronisation.
  * The same holds for every output of moe_ep_layer_experts_backward.
  */

@@ -136,8 +136,9 @@ class Layer:
     ) -> None:
         """``moe_ep_layer_experts_forward``: x ``[C, H]``, w ``[C] float32``, fc1
         ``[E_local, H, 2I]``, fc2 ``[E_local, I, H]`` (the layer's operand dtype),
-        group_sizes ``[E_local] int32`` in; y ``[C, H] float32`` (after the combine
-        round trip) and fc1_c ``[C, 2I] bf16`` (or None) out."""
+        group_sizes ``[E_local] int32`` in; y ``[C, H]`` (after the combine round trip;
+        float32, or bf16 for a layer made with ``bf16_expert_out``) and fc1_c
+        ``[C, 2I] bf16`` (or None) out."""
         call("moe_ep_layer_experts_forward", self._handle, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c)
 
     def experts_backward(

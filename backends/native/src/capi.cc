@@ -6,7 +6,6 @@
 #include <string>
 
 #include "cpu/fpenv.h"
-#include "dequantize_bf16.h"
 #include "internal.h"
 
 #define MOE_EP_STR_(x) #x

@@ -151,12 +151,7 @@ moe_ep_status cpu_dispatch(Exchange& x, int64_t T, int64_t row_bytes, const void
 
 // One element of a y row as float32 (bf16: exact, its bits are the high half).
 float y_value(const float* y, int64_t i) { return y[i]; }
-float y_value(const uint16_t* y, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(y[i]) << 16;
-  float v;
-  std::memcpy(&v, &bits, 4);
-  return v;
-}
+float y_value(const uint16_t* y, int64_t i) { return cpu::bf16_to_float(y[i]); }
 
 // One output element: float32 as summed, or its bf16 encoding (nearest, ties to even).
 void put_out(float* out, int64_t i, float v) { out[i] = v; }

@@ -114,6 +114,11 @@ inline size_t backward_workspace_bytes(const moe_ep_expert_desc& d) { return bac
                          void* data, void* scale);                                                                 \
   moe_ep_status dequantize(void* stream, moe_ep_format fmt, const void* data, const void* scale, int64_t outer,     \
                            int64_t n, int64_t inner, float* out);                                                  \
+  /* fmt MXFP8 or NVFP4; outer * n * inner > 0; transpose_rows 0, or >= 1 with inner == 1 and */                \
+  /* outer % transpose_rows == 0; inexact NULL or a 4-byte aligned int32 (capi.cc checks them) */                  \
+  moe_ep_status dequantize_bf16(void* stream, moe_ep_format fmt, const void* data, const void* scale,             \
+                                int64_t outer, int64_t n, int64_t inner, int64_t transpose_rows, uint16_t* out,    \
+                                int32_t* inexact);                                                                 \
   moe_ep_status plan_routes(void* stream, const int32_t* topk_idx, int64_t num_tokens, int64_t num_topk,           \
                             int64_t num_experts, int32_t* send_route, int32_t* route_pos, int32_t* route_expert,    \
                             int32_t* counts);                                                                      \

@@ -268,9 +268,41 @@ moe_ep_status guarded(const moe_ep_layer* l, Fn body) {
   }
 }
 
-// With an exchange: when its last dispatch reported an error (a bad id or an overflow on
-// some rank, or a peer that never came), the stage's outputs are all NaN, as the all-ranks
-// NaN rule asks; nothing is read or written when there was none.
+// The experts' stages on the layer's path (tensor cores or staged), arguments checked.
+moe_ep_status experts_forward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w, const void* fc1,
+                              const void* fc2, const int32_t* group_sizes, void* y, uint16_t* fc1_c) {
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  if (l->tensor_cores) {
+    moe_ep_expert_desc d = l->desc;
+    d.num_rows = C;
+    return cuda::tc_forward(stream, d, l->cfg.combine_format, l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16,
+                            static_cast<const uint16_t*>(x), w, static_cast<const uint16_t*>(fc1),
+                            static_cast<const uint16_t*>(fc2), group_sizes, y, fc1_c, l->tc);
+  }
+#endif
+  return staged_forward(l, stream, C, x, w, fc1, fc2, group_sizes, y, fc1_c);
+}
+
+moe_ep_status experts_backward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w,
+                               const void* fc1, const void* fc2, const uint16_t* fc1_c, const void* dy,
+                               int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, float* dfc1,
+                               float* dfc2) {
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  if (l->tensor_cores) {
+    moe_ep_expert_desc d = l->desc;
+    d.num_rows = C;
+    return cuda::tc_backward(stream, d, static_cast<const uint16_t*>(x), w, static_cast<const uint16_t*>(fc1),
+                             static_cast<const uint16_t*>(fc2), fc1_c, dy, dy_dtype, group_sizes, dx, dw, dfc1, dfc2,
+                             l->tc);
+  }
+#endif
+  return staged_backward(l, stream, C, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes, dx, dw, dfc1, dfc2);
+}
+
+// With an exchange: when its last step reported an error (its dispatch's: a bad id or an
+// overflow on some rank, or a peer that never came; or a combine's timeout), the stage's
+// outputs are all NaN, as the all-ranks NaN rule asks; nothing is read or written when there
+// was none.
 struct Output {
   void* p;
   int64_t n;
@@ -411,18 +443,11 @@ moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, in
   const bool bf16_out = layer->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
   MOE_EP_TRY(ck.ptr("y", y, num_rows * H, bf16_out ? 2 : 4));
   if (fc1_c != nullptr) MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, num_rows * 2 * I, 2));
+  // The tensor-core path stores whole 16-byte vectors of y (the GEMM's TMA, the bf16 epilogue).
+  if (layer->tensor_cores && reinterpret_cast<uintptr_t>(y) % 16 != 0)
+    return ck.bad("y must be 16-byte aligned on the tensor-core path", std::to_string(reinterpret_cast<uintptr_t>(y)));
   return moe_ep::guarded(layer, [&]() -> moe_ep_status {
-#ifdef MOE_EP_NATIVE_WITH_CUDA
-    if (layer->tensor_cores) {
-      moe_ep_expert_desc d = layer->desc;
-      d.num_rows = num_rows;
-      moe_ep::cuda::TcWorkspace ws = layer->tc;
-      MOE_EP_TRY(moe_ep::cuda::tc_forward(stream, d, layer->cfg.combine_format, bf16_out,
-                                          static_cast<const uint16_t*>(x), w, static_cast<const uint16_t*>(fc1),
-                                          static_cast<const uint16_t*>(fc2), group_sizes, y, fc1_c, ws));
-    } else
-#endif
-      MOE_EP_TRY(moe_ep::staged_forward(layer, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c));
+    MOE_EP_TRY(moe_ep::experts_forward(layer, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c));
     MOE_EP_TRY(moe_ep::zero_stash_padding(layer, stream, fc1_c, num_rows));
     return moe_ep::nan_on_dispatch_error(
         layer, stream,
@@ -449,17 +474,8 @@ moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void* stream, i
   MOE_EP_TRY(ck.ptr("dfc1", dfc1, E * H * 2 * I, 4));
   MOE_EP_TRY(ck.ptr("dfc2", dfc2, E * I * H, 4));
   return moe_ep::guarded(layer, [&]() -> moe_ep_status {
-#ifdef MOE_EP_NATIVE_WITH_CUDA
-    if (layer->tensor_cores) {
-      moe_ep_expert_desc d = layer->desc;
-      d.num_rows = num_rows;
-      MOE_EP_TRY(moe_ep::cuda::tc_backward(stream, d, static_cast<const uint16_t*>(x), w,
-                                           static_cast<const uint16_t*>(fc1), static_cast<const uint16_t*>(fc2), fc1_c,
-                                           dy, dy_dtype, group_sizes, dx, dw, dfc1, dfc2, layer->tc));
-    } else
-#endif
-      MOE_EP_TRY(moe_ep::staged_backward(layer, stream, num_rows, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes,
-                                         dx, dw, dfc1, dfc2));
+    MOE_EP_TRY(moe_ep::experts_backward(layer, stream, num_rows, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes, dx,
+                                        dw, dfc1, dfc2));
     constexpr int32_t f32 = MOE_EP_DTYPE_F32;
     return moe_ep::nan_on_dispatch_error(layer, stream,
                                          {{dx, num_rows * H, f32}, {dw, num_rows, f32}, {dfc1, E * H * 2 * I, f32},

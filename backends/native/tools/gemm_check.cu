@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/formats.h"
 #include "cuda/gemm/grouped_gemm.h"
 
 using moe_ep::cuda::GemmLayout;
@@ -330,11 +331,7 @@ void check_bf16_out(const char* name, int64_t n, int64_t k, const std::vector<in
     int64_t bad = 0, first = -1;
     for (int64_t i = 0; i < buf.d_elems; ++i) {
       uint16_t want = 0x5A5A;
-      if (i < owned) {
-        uint32_t u;
-        std::memcpy(&u, &h_d[i], 4);
-        want = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);  // round to nearest even (finite)
-      }
+      if (i < owned) want = moe_ep::cpu::bf16_from_float(h_d[i]);  // the project's bf16 encoding
       if (h_16[i] != want) {
         if (first < 0) first = i;
         ++bad;

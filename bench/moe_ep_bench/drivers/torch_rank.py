@@ -235,7 +235,7 @@ class Runner:
         extra = f"moe-ep-bench|{fmt}"
         timer = "CUDA events" if self.cuda else "perf_counter"
         if job.target == "cuda-nccl" and job.op in ("dispatch", "combine"):
-            return self.job_device_exchange(job, config, inp)
+            return self.job_device_exchange(job, config, inp, timer)
         if job.op == "dispatch":
 
             def dispatch(i: int) -> Any:
@@ -304,7 +304,7 @@ class Runner:
             raise ValueError(job.op)
         return {"status": "ok", "times_ms": times, "label": label}
 
-    def job_device_exchange(self, job: Job, config: Any, inp: Dict[str, Any]) -> Dict[str, Any]:
+    def job_device_exchange(self, job: Job, config: Any, inp: Dict[str, Any], timer: str) -> Dict[str, Any]:
         """``cuda-nccl --cuda-nccl-mode device``: the native layer's device exchange
         stages alone (``moe_ep_layer_dispatch`` / ``moe_ep_layer_combine``,
         :mod:`moe_ep_native.exchange`, peers through the loopback provider), on bf16
@@ -314,12 +314,12 @@ class Runner:
         import torch
         from torch.distributed.distributed_c10d import _get_default_store
 
+        from moe_ep_cuda_nccl.prims import ptr as p
         from moe_ep_native import exchange as X
         from moe_ep_native.layer import layer_config
 
         s, t, dev, k = self.s, job.tokens, self.dev, self.s.topk
-        cap = config.worst_case_recv_rows()
-        config = config.replace(recv_capacity=cap)
+        cap = int(config.recv_capacity)  # the static layout job_backend set (the worst case)
         rb = 2 * s.hidden
         base = layer_config(config, max_rows=cap, cuda_device=dev.index if self.cuda else None, bf16_operands=True,
                             with_backward=False)
@@ -341,7 +341,6 @@ class Runner:
                 torch.bfloat16)
             out = torch.empty((t, s.hidden), dtype=torch.bfloat16, device=dev)
             stream = torch.cuda.current_stream(dev).cuda_stream if self.cuda else None
-            p = lambda a: a.data_ptr() if a.numel() else None  # noqa: E731
 
             def dispatch(i: int) -> Any:
                 layer.dispatch(stream, t, rb, p(toks[i]), p(idxs[i]), p(ws[i]), p(x_rows), p(w_buf), p(meta), p(gs),
@@ -350,15 +349,13 @@ class Runner:
             def combine(i: int) -> Any:
                 layer.combine(stream, t, p(y), p(out), None, None, p(err), y_bf16=True, out_bf16=True)
 
-            timer = "CUDA events" if self.cuda else "perf_counter"
             if job.op == "dispatch":
                 times = self.measure(dispatch, nsets)
                 label = f"moe_ep_layer_dispatch (device exchange, bf16 rows into the expert-major buffer); {timer}"
             else:
                 times = self.measure(combine, nsets, pre=dispatch)
                 label = f"moe_ep_layer_combine (device exchange, bf16 rows, bf16 output); {timer}"
-            self.sync()
-            if int(err.item()) != 0:
+            if int(err.item()) != 0:  # waits for the stream
                 raise RuntimeError(f"the device exchange reported error bits {int(err.item()):#x} while timed")
         finally:
             self.sync()

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "dequantize_bf16.h"
 #include "internal.h"
 
 namespace moe_ep {

@@ -5,7 +5,6 @@
 
 #include "cuda/common.cuh"
 #include "cuda/format_math.cuh"
-#include "dequantize_bf16.h"
 #include "internal.h"
 
 namespace moe_ep {
