@@ -66,11 +66,16 @@ class _Spy:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_state():
+def _fresh_state(monkeypatch):
+    """Fresh verdicts and record; the kept weight decodes off (the tests of operands() count
+    decodes), except in the tests of decoded_weight, which turn them on."""
+    monkeypatch.setenv(P.WEIGHT_CACHE_ENV, "0")
     P._VERDICTS.clear()
+    P.forget_decoded_weights()
     P.inexact_decodes(torch.device("cpu"), clear=True)
     yield
     P._VERDICTS.clear()
+    P.forget_decoded_weights()
 
 
 def _ops(x, w1, w2):
@@ -192,6 +197,63 @@ def test_weights_that_skip_decode_weight_are_still_the_stored_transpose():
     x, w1, w2 = P.NATIVE.forward_operands(None, _rows("mxfp8"), w, P.NATIVE.decode_weight(w))
     assert isinstance(w1, P.BlockScaledOperand) and w1.weight and w1.shape == (2, 64, 48)
     assert isinstance(w2, P.BlockScaledOperand) and w2.weight and not x.weight
+
+
+# ----------------------------------------------------------------------------- decoded_weight()
+
+
+def test_a_weights_bf16_decode_is_kept_while_the_weight_is_unchanged(monkeypatch):
+    monkeypatch.setenv(P.WEIGHT_CACHE_ENV, "1")
+    spy = _Spy(monkeypatch)
+    rows = torch.randn(6, 64).to(torch.bfloat16)
+    w1, w2 = _weight("mxfp8"), _weight("nvfp4")
+    first = P.operands(*_ops(rows, w1, w2), host_check=False)
+    assert first[0] and len(spy.calls) == 2
+    again = P.operands(*_ops(rows, w1, w2), host_check=False)
+    assert len(spy.calls) == 2, "the second call decodes nothing"
+    assert again[2] is first[2] and again[3] is first[3]
+    assert torch.equal(again[2].float(), P.dequantize(w1).transpose(1, 2))
+    # An in-place update (an optimizer step) bumps the version: decoded again, new values.
+    with torch.no_grad():
+        other = _weight("mxfp8", seed=7)
+        w1.data.copy_(other.data)
+        w1.scale.copy_(other.scale)
+    third = P.operands(*_ops(rows, w1, w2), host_check=False)
+    assert len(spy.calls) == 3 and spy.calls[2][1], "only the changed weight is decoded again"
+    assert torch.equal(third[2].float(), P.dequantize(other).transpose(1, 2))
+    assert third[3] is first[3]
+    assert not P.inexact_decodes(torch.device("cpu"))
+
+
+def test_a_kept_decode_that_holds_nan_flags_every_call_that_uses_it(monkeypatch):
+    monkeypatch.setenv(P.WEIGHT_CACHE_ENV, "1")
+    rows = torch.randn(6, 64).to(torch.bfloat16)
+    w1, w2 = _weight("mxfp8", tiny=True), _weight("mxfp8")
+    for call in range(3):
+        bf16, _, w1o, _ = P.operands(*_ops(rows, w1, w2), host_check=False)
+        assert bf16 and torch.isnan(w1o.float()).sum() == 32
+        assert P.inexact_decodes(torch.device("cpu")), f"call {call}: the record must say so every time"
+    # The synchronised mode reads the kept decode's flag too, and falls back to float32.
+    bf16, _, w1o, _ = P.operands(*_ops(rows, _weight("mxfp8", tiny=True), w2), host_check=True)
+    assert not bf16 and (w1o[1, 32:, 5] == TINY).all()
+
+
+def test_kept_decodes_die_with_their_weight_and_can_be_turned_off(monkeypatch):
+    import gc
+
+    monkeypatch.setenv(P.WEIGHT_CACHE_ENV, "1")
+    w = _weight("mxfp8")
+    P.decoded_weight(w, None)
+    assert len(P._DECODED) == 1
+    del w
+    gc.collect()
+    assert not P._DECODED, "the decode is freed with its weight"
+    monkeypatch.setenv(P.WEIGHT_CACHE_ENV, "0")
+    w = _weight("mxfp8")
+    assert P.decoded_weight(w, None) is not P.decoded_weight(w, None) and not P._DECODED
+    monkeypatch.setenv(P.WEIGHT_CACHE_ENV, "yes")
+    with pytest.raises(P.E.MoeEpError, match=r"MOE_EP_CUDA_NCCL_WEIGHT_CACHE must be '0' .* got 'yes'"):
+        P.decoded_weight(w, None)
 
 
 def test_dequantize_bf16_checks_its_flag():

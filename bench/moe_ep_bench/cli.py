@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from . import __version__
-from .model import FORMATS, OPS, BenchSettings, auto_experts, combine_bytes, defaults, dispatch_bytes, gemm_flops, make_routing
+from .model import DEFAULT_FORMATS, FORMATS, OPS, BenchSettings, auto_experts, combine_bytes, defaults, dispatch_bytes, gemm_flops, make_routing
 from .progress import make_progress
 from .results import Row, add_ratios, dumps, finish, format_table, report
 
@@ -58,7 +58,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="experts E (default on cuda: 256, or as many as fit --memory-budget-gb at this EP size; 16 on cpu)")
     p.add_argument("--topk", type=_positive, default=None, help="top-k K (default 8 on cuda, 4 on cpu)")
     p.add_argument("--format", action="append", choices=FORMATS, metavar="FMT",
-                   help="bf16 or mxfp8 (repeatable; default both)")
+                   help="bf16, mxfp8 or nvfp4 (repeatable; default bf16 and mxfp8)")
     p.add_argument("--intermediate-format", choices=("none", "bf16", "mxfp8", "nvfp4"), default="none",
                    help="the layers' intermediate_format, the rounding of the FC2 operand (default none: exact "
                         "float32, which fast kernels feed to bf16 tensor cores as three bf16 pieces)")
@@ -128,7 +128,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     else:
         experts = -(-max(int(d["experts"]), topk) // ep) * ep  # type: ignore[arg-type]
     tokens = tuple(dict.fromkeys(args.tokens)) if args.tokens else tuple(d["tokens"])  # type: ignore[arg-type]
-    formats = tuple(dict.fromkeys(args.format)) if args.format else FORMATS
+    formats = tuple(dict.fromkeys(args.format)) if args.format else DEFAULT_FORMATS
     ops = tuple(op for op in OPS if op in args.op) if args.op else OPS
     settings = BenchSettings(
         device=device,

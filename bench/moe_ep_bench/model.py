@@ -21,6 +21,7 @@ from moe_ep_spec.inputs import random_topk
 __all__ = [
     "OPS",
     "FORMATS",
+    "DEFAULT_FORMATS",
     "BenchSettings",
     "Routing",
     "make_routing",
@@ -35,7 +36,9 @@ __all__ = [
 #: The operations timed on every backend, in report order.
 OPS = ("dispatch", "combine", "forward", "forward_backward")
 #: The formats a run can sweep (``--format``).
-FORMATS = ("bf16", "mxfp8")
+FORMATS = ("bf16", "mxfp8", "nvfp4")
+#: The formats swept when ``--format`` is not given.
+DEFAULT_FORMATS = ("bf16", "mxfp8")
 
 #: World backends (numpy, one process simulating every rank) skip a case whose
 #: fused forward needs more than this many floating-point operations over the
@@ -114,7 +117,7 @@ class BenchSettings:
         ep_size: the EP size (ranks).
         hidden, intermediate, experts, topk: the layer's shape.
         tokens: tokens per rank of every case.
-        formats: the formats swept (``bf16``, ``mxfp8``).
+        formats: the formats swept (``bf16``, ``mxfp8``, ``nvfp4``).
         ops: the operations timed (a subset of :data:`OPS`).
         repeats, warmup: timed and untimed calls per measurement.
         input_sets: distinct random input sets, used in turn.

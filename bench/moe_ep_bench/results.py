@@ -50,7 +50,7 @@ class Row:
         op: one of :data:`~moe_ep_bench.model.OPS`. Baselines take the op whose
             bytes or GEMMs they stand for.
         tokens: tokens per rank.
-        format: ``bf16`` or ``mxfp8``: the tokens' encoding in dispatch, the
+        format: ``bf16``, ``mxfp8`` or ``nvfp4``: the tokens' encoding in dispatch, the
             combine and output format, the weights' encoding in the fused layer.
         status: one of :data:`STATUSES`; reason says why when not ``ok``.
         label: how it was measured (the function, the timer).

@@ -41,7 +41,8 @@ from moe_ep_torch import core
 from moe_ep_torch import formats as TF
 
 __all__ = ["NativePrimitives", "NATIVE", "CPU_ENV", "TIMEOUT_ENV", "close_communicators", "BlockScaledOperand",
-           "dequantize_bf16", "operands", "inexact_decodes"]
+           "dequantize_bf16", "operands", "inexact_decodes", "decoded_weight", "forget_decoded_weights",
+           "WEIGHT_CACHE_ENV"]
 
 #: ``1``: the backend runs on CPU tensors too (native CPU kernels, gloo): for
 #: testing this front-end on machines without a GPU.
@@ -186,8 +187,11 @@ class BlockScaledOperand:
         return self.source.format is MoeFormat.NVFP4 or self.source.data.numel() == 0
 
     def bf16(self, inexact: Optional[torch.Tensor]) -> torch.Tensor:
-        """``self.shape`` bfloat16 (:func:`dequantize_bf16`)."""
-        return dequantize_bf16(self.source, inexact, weight=self.weight)
+        """``self.shape`` bfloat16 (:func:`dequantize_bf16`); a weight's decode is kept
+        between calls while the weight is unchanged (:func:`decoded_weight`)."""
+        if self.weight:
+            return decoded_weight(self.source, inexact)
+        return dequantize_bf16(self.source, inexact, weight=False)
 
     def f32(self) -> torch.Tensor:
         """``self.shape`` float32, exact (the float32 kernels' operand)."""
@@ -285,6 +289,77 @@ def _remember_verdict(t: TF.TorchBlockScaled, exact: bool) -> None:
 
 def _capturing(t: Any) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+#: ``0``: decode block-scaled weights on every call instead of keeping their bf16 decode.
+WEIGHT_CACHE_ENV = "MOE_EP_CUDA_NCCL_WEIGHT_CACHE"
+#: The bf16 decodes of block-scaled weights: id(data) -> (weakref to data, _verdict_key, decode, own flag,
+#: CUDA event recorded after the decode or None).
+_DECODED: Dict[int, Tuple[Any, Tuple[Any, ...], torch.Tensor, Optional[torch.Tensor], Any]] = {}
+
+
+def _weight_cache_on() -> bool:
+    value = os.environ.get(WEIGHT_CACHE_ENV, "1")
+    if value not in ("0", "1"):
+        raise E.MoeEpError(f"{WEIGHT_CACHE_ENV} must be '0' (decode weights every call) or '1' (keep the decode); "
+                           f"got {value!r}")
+    return value == "1"
+
+
+def decoded_weight(t: TF.TorchBlockScaled, inexact: Optional[torch.Tensor]) -> torch.Tensor:
+    """A block-scaled expert weight (stored ``[E, N, K]``) as ``[E, K, N] bfloat16``
+    (:func:`dequantize_bf16` with ``weight=True``), decoded once and kept while it is
+    the same tensor object with the same memory and version counters (``_version``:
+    an in-place update, an optimizer step, bumps it and the next call decodes again;
+    the forward and the backward of one step share one decode).
+
+    The decode's own inexact flag is kept with it and ORed into ``inexact`` on every
+    use (one small device operation, no synchronisation), so a cached decode that
+    holds NaN flags every call that uses it, as a fresh decode would.
+
+    Not cached: inside a CUDA-graph capture (a replay must read the weight's memory
+    as it is then, so the decode is captured), and with ``MOE_EP_CUDA_NCCL_WEIGHT_CACHE=0``.
+    The memory kept is one bf16 copy of each live block-scaled weight; it is freed
+    with the weight (a weak reference) or by :func:`forget_decoded_weights`.
+    """
+    if _capturing(t.data) or not _weight_cache_on():
+        return dequantize_bf16(t, inexact, weight=True)
+    key = _verdict_key(t)
+    with _OPERANDS_LOCK:
+        entry = _DECODED.get(id(t.data))
+    if entry is None or entry[0]() is not t.data or entry[1] != key:
+        own = None if t.format is MoeFormat.NVFP4 else torch.zeros(1, dtype=torch.int32, device=t.data.device)
+        decoded = dequantize_bf16(t, own, weight=True)
+        ident = id(t.data)
+
+        def _drop(_ref: Any, ident: int = ident) -> None:
+            with _OPERANDS_LOCK:
+                live = _DECODED.get(ident)
+                if live is not None and live[0] is _ref:
+                    del _DECODED[ident]
+
+        done = None
+        if decoded.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        entry = (weakref.ref(t.data, _drop), key, decoded, own, done)
+        with _OPERANDS_LOCK:
+            _DECODED[ident] = entry
+    elif entry[4] is not None:
+        # A decode made on another stream: this stream waits for it, and the memory is
+        # not reused before this stream's work on it is done (if the entry is dropped).
+        stream = torch.cuda.current_stream(entry[2].device)
+        stream.wait_event(entry[4])
+        entry[2].record_stream(stream)
+    if inexact is not None and entry[3] is not None:
+        inexact.bitwise_or_(entry[3])
+    return entry[2]
+
+
+def forget_decoded_weights() -> None:
+    """Free every kept bf16 decode of a block-scaled weight (:func:`decoded_weight`)."""
+    with _OPERANDS_LOCK:
+        _DECODED.clear()
 
 
 def operands(x: Any, fc1: Any, fc2: Any, *, host_check: bool) -> Tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]:
