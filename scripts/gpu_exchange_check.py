@@ -200,13 +200,13 @@ def timing(num_sms: int = 0) -> int:
     ys = {"bf16": torch.randn((cap, H), device=dev, generator=g).to(torch.bfloat16)}
     ys["float32"] = ys["bf16"].float()  # the same values
     outs = {name: torch.empty((T, H), dtype=torch.float32, device=dev) for name in ys}
-    s = torch.cuda.current_stream().cuda_stream
-
     def disp(name="float32"):
+        s = torch.cuda.current_stream().cuda_stream  # read per call: a graph capture runs on its own stream
         layers[name].dispatch(s, T, rb, x.data_ptr(), idx.data_ptr(), w.data_ptr(), xo.data_ptr(), wo.data_ptr(),
                               mo.data_ptr(), gs.data_ptr(), None, err.data_ptr())
 
     def comb(name):
+        s = torch.cuda.current_stream().cuda_stream
         layers[name].combine(s, T, ys[name].data_ptr(), outs[name].data_ptr(), None, None, None,
                              y_bf16=name == "bf16")
 
@@ -284,6 +284,32 @@ def timing(num_sms: int = 0) -> int:
         print(f"combine ({name + ' y)':9s}  {tc[name] * 1e3:8.1f} us   copy of the per-route rows: "
               f"{bc[name] * 1e3:8.1f} us   ratio {tc[name] / bc[name]:5.2f} "
               f"(target <= 1.2; {gb_c / tc[name] * 1e3:.0f} GB/s of per-route bytes)")
+    # The same stages replayed from CUDA graphs (no launch gaps), and where a dispatch's time goes.
+    graphs = {}
+    for what, fn in (("dispatch", disp), ("combine (bf16 y)", lambda: comb("bf16"))):
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm-up on the side stream, as torch's graph capture recommends
+            with torch.cuda.graph(graph, stream=side):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs[what] = graph
+    print(f"graph replay: dispatch {med(graphs['dispatch'].replay) * 1e3:8.1f} us (ratio "
+          f"{med(graphs['dispatch'].replay) / bd:5.2f}), combine (bf16 y) "
+          f"{med(graphs['combine (bf16 y)'].replay) * 1e3:8.1f} us (ratio {med(graphs['combine (bf16 y)'].replay) / bc['bf16']:5.2f})")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            disp()
+            comb("bf16")
+        torch.cuda.synchronize()
+    print("kernels of 5 dispatches and 5 combines (bf16 y):")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    if int(err.item()) != 0 or any(layer.status() for layer in layers.values()):
+        raise SystemExit(f"timing run: error bits {int(err.item()):#x} after the graph replays")
     for layer in layers.values():
         layer.close()
     return 0

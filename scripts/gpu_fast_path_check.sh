@@ -14,7 +14,10 @@
 #   conformance  the conformance table of cuda-nccl on CUDA at EP 1;
 #   profile      scripts/gpu_layer_profile.py --mode device (where the time of one layer goes);
 #   bench        moe-ep bench at the DeepSeek-V3 per-rank shape (EP 1, --cuda-nccl-mode device), JSON under $OUT;
-#   sanitizer    compute-sanitizer memcheck and racecheck on the exchange (EP 2 loopback) and the route planner.
+#   sanitizer    compute-sanitizer memcheck and racecheck on the exchange (EP 2 loopback) and the route planner;
+#   jaxffi       the jax-ffi module compiled over the carried core (.devbuild/libmoe_ep_native_core.a, from
+#                JAX_FFI_CORE=1 bash scripts/build_cuda.sh), its tests, its conformance table on CUDA at EP 1
+#                and its bench (BENCH_JAX_ARGS), memcheck on the quick table at EP 1 (11 layers, every format);
 # Logs go to $OUT/gpu-fast (or reports/gpu-fast without OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +25,7 @@ out="${OUT:-reports}/gpu-fast"
 mkdir -p "$out"
 . scripts/device_env.sh
 status=0
-steps=" ${STEPS:-tests time conformance profile bench sanitizer} "
+steps=" ${STEPS:-tests time conformance profile bench sanitizer jaxffi} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 run() {  # run NAME SECONDS CMD...: keep a log, print its tail, remember a failure
   local name="$1" secs="$2"; shift 2
@@ -71,6 +74,21 @@ if want sanitizer; then
     run "sanitizer-plan-routes-$tool" 120 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
       "$py" -m pytest -q -p no:cacheprovider -n 0 tests/test_native_cuda.py -k plan_routes
   done
+fi
+if want jaxffi; then
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  run jaxffi-build 300 env MOE_EP_NATIVE_CUDA=ON MOE_EP_CUDA_ARCHS=90a \
+    MOE_EP_NATIVE_CORE_LIBRARY="$PWD/.devbuild/libmoe_ep_native_core.a" \
+    "$py" -m pip install -v --no-build-isolation --no-deps -e ./backends/jax -e ./backends/jax_ffi
+  run jaxffi-info 60 "$py" -c "import jax, moe_ep_jax_ffi.native as n; print(jax.devices(), n.extension().build_info(), n.platforms())"
+  run tests-jax-ffi 400 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py
+  run conformance-jax-ffi 450 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
+    --timeout 300 --report-md "$out/conformance-jax-ffi-ep1.md"
+  TAIL=30 run bench-jax-ffi 400 "$py" -m moe_ep_spec.cli bench ${BENCH_JAX_ARGS:---device cuda --ep-size 1 \
+    --backend jax-ffi --tokens 128 --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 --topk 8 \
+    --format bf16 --intermediate-format bf16} --json "$out/bench-jax-ffi.json" --no-progress
+  run sanitizer-jax-ffi-memcheck 400 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+    "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 --quick --timeout 300
 fi
 echo "gpu_fast_path_check: $([ "$status" -eq 0 ] && echo PASS || echo FAIL) (logs in $out)"
 exit "$status"
