@@ -8,8 +8,9 @@
 #
 # Steps (STEPS, default all; each bounded):
 #   tests        the CUDA tests of the fast path: tests/test_native_cuda.py (route planner),
-#                test_native_decode_bf16.py, test_cuda_nccl_block_scaled.py, and the CUDA parts of
-#                test_native_layer.py and test_native_exchange.py;
+#                test_native_decode_bf16.py, test_cuda_nccl_block_scaled.py, the CUDA parts of
+#                test_native_layer.py and test_native_exchange.py, and test_native_exchange_nccl.py
+#                (the NCCL peer provider at EP 1);
 #   time         scripts/gpu_plan_routes_time.py, gpu_exchange_check.py --time, gpu_block_scaled_check.py;
 #   conformance  the conformance table of cuda-nccl on CUDA at EP 1;
 #   profile      scripts/gpu_layer_profile.py --mode device (where the time of one layer goes);
@@ -49,6 +50,7 @@ if want tests; then
     tests/test_native_decode_bf16.py tests/test_cuda_nccl_block_scaled.py
   run tests-layer-exchange 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_layer.py \
     tests/test_native_exchange.py -k cuda
+  run tests-exchange-nccl 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange_nccl.py
 fi
 if want time; then
   run plan-routes 90 "$py" scripts/gpu_plan_routes_time.py

@@ -11,11 +11,15 @@ into the expert-major buffer locally, and the combine returns one float32 row
 per (token, rank) (``MOE_EP_CUDA_NCCL_COMBINE=rank``, the default: the routes of
 a token on one rank summed there in slot order, the home rank summing the ranks'
 rows in rank order, an order the spec allows within the combine budget) or one
-row per route (``=slot``: the slot-order sum, bit for bit the static mode). No
-NCCL communicator is used: the peers' memory comes from the loopback provider of
-:mod:`moe_ep_native.exchange` (CUDA IPC between the ranks' processes, which
-must share one host; CPU tensors: ``/dev/shm``), set up through
-``torch.distributed``'s store on the first call of a process group.
+row per route (``=slot``: the slot-order sum, bit for bit the static mode). The
+peers' memory comes from a provider of :mod:`moe_ep_native.exchange`, set up
+through ``torch.distributed``'s store on the first call of a process group and
+chosen by ``MOE_EP_EXCHANGE_PEERS``: ``auto`` (default: NCCL symmetric memory,
+the LSA pointers of one NVLink domain, when every rank has its own GPU; CUDA IPC
+between the ranks' processes, which must share one host, when some share one,
+or when NCCL's provider is unsupported on one host), ``nccl`` or ``ipc``. CPU
+tensors: ``/dev/shm``. The NCCL provider's communicator serves only this setup
+and lives as long as the layer.
 
 One native layer per (configuration, device, operand dtype, token bytes, group)
 holds the exchange and runs the experts between the two stages. Its timeout is
@@ -56,6 +60,8 @@ EXCHANGE_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE"
 COMBINE_ENV = "MOE_EP_CUDA_NCCL_COMBINE"
 #: Thread blocks of the exchange's copy kernels (0: the library's default).
 SMS_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE_SMS"
+#: Where the peers' memory comes from: ``auto`` (default), ``nccl`` (NCCL symmetric memory) or ``ipc`` (CUDA IPC).
+PEERS_ENV = "MOE_EP_EXCHANGE_PEERS"
 
 _LAYERS: Dict[Tuple[Any, ...], Tuple[Any, X.ExchangeLayer]] = {}
 _GENERATION: Dict[str, int] = {}
@@ -92,6 +98,16 @@ def close(group: Any = None, keep: Any = None) -> None:
         layer.close()
 
 
+def _peers() -> str:
+    value = os.environ.get(PEERS_ENV, "auto")
+    if value not in X.PROVIDERS:
+        raise E.ConfigError(
+            f"{PEERS_ENV} must be one of {', '.join(repr(p) for p in X.PROVIDERS)}; got {value!r}",
+            field=PEERS_ENV, value=value,
+        )
+    return value
+
+
 def _bf16_rows(config: MoeEpConfig) -> bool:
     """Whether the expert-output rows travel as bf16 (combine_format bf16: they are bf16 values)."""
     return config.combine_format is MoeFormat.BF16
@@ -101,6 +117,7 @@ def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, to
     """The exchange layer of this call (made and connected on first use: collective)."""
     cuda_device = device.index if device.type == "cuda" else None
     order = _combine_order()
+    peers = _peers()
     key = (config, cuda_device, bf16, token_bytes, order, group.group_name, id(group))
     with _LOCK:
         entry = _LAYERS.get(key)
@@ -127,7 +144,7 @@ def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, to
 
     store = dist.PrefixStore(f"moe_ep_cuda_nccl_exchange/{group.group_name}/{gen}/", _get_default_store())
     try:
-        X.connect_loopback(layer, store, "peers")
+        X.connect(layer, store, "peers", provider=peers)  # layer.provider: closed after the layer by layer.close()
     except BaseException:
         layer.close()
         raise

@@ -470,6 +470,37 @@ MOE_EP_API moe_ep_status moe_ep_layer_ipc_handle(const moe_ep_layer* layer, uint
  */
 MOE_EP_API moe_ep_status moe_ep_layer_set_peers_ipc(moe_ep_layer* layer, const uint8_t* handles, size_t handle_bytes);
 
+/** An NCCL communicator (section "transport"; declared here for the NCCL peer provider). */
+typedef struct moe_ep_comm moe_ep_comm;
+
+/**
+ * CUDA layers: the peer table from NCCL's symmetric memory (the LSA pointers of
+ * one NVLink domain), for ranks on distinct GPUs. Collective over comm: every
+ * rank of the layer's exchange calls it with its layer and its rank's comm.
+ *   layer: a CUDA layer made with config.ex_num_ranks >= 1 whose peers are not set yet.
+ *   comm:  a communicator from moe_ep_comm_init with num_ranks = config.ex_num_ranks,
+ *          rank = config.ex_rank and cuda_device = config.cuda_device.
+ * Steps: the runtime NCCL must be the very version the library was compiled
+ * against (before NCCL 2.31 the device API needs it; else MOE_EP_ERR_UNSUPPORTED
+ * naming both); ncclMemAlloc of symmetric_bytes rounded up to 4096 bytes
+ * (NCCL_WIN_REQUIRED_ALIGNMENT), zero-filled; ncclCommWindowRegister of it with
+ * NCCL_WIN_COLL_SYMMETRIC; ncclDevCommCreate (no resources); when NCCL's LSA team
+ * does not hold every rank (ranks on more than one NVLink domain, or NCCL without
+ * symmetric-memory support for them) everything is undone and the answer is
+ * MOE_EP_ERR_UNSUPPORTED (use the IPC loopback or the grouped send/recv exchange);
+ * else one small kernel reads every rank's LSA pointer of the window (this rank's
+ * own entry is the window's local mapping, used as the region) and the table is
+ * set as by moe_ep_layer_set_peers. Every host wait on NCCL is bounded by comm's
+ * timeout_ms (MOE_EP_ERR_COMM on expiry or an NCCL failure).
+ * The layer owns the memory, the window and the device communicator:
+ * moe_ep_layer_destroy releases them (ncclDevCommDestroy, ncclCommWindowDeregister,
+ * ncclMemFree), so comm must outlive the layer. The layer's own region
+ * (moe_ep_layer_exchange_info) is then unused. Call once, before the first
+ * dispatch, never during a CUDA-graph capture. Builds without the NCCL transport
+ * answer MOE_EP_ERR_UNSUPPORTED, and so do CPU layers.
+ */
+MOE_EP_API moe_ep_status moe_ep_layer_set_peers_nccl(moe_ep_layer* layer, moe_ep_comm* comm);
+
 /**
  * Dispatch (collective): this rank's tokens to the ranks of their experts, into
  * every rank's expert-major buffer in the spec's routing order (local expert,
@@ -548,8 +579,7 @@ MOE_EP_API moe_ep_status moe_ep_layer_exchange_status(moe_ep_layer* layer, void*
 
 #define MOE_EP_UNIQUE_ID_BYTES 128
 
-/** An NCCL communicator over num_ranks ranks (opaque). */
-typedef struct moe_ep_comm moe_ep_comm;
+/* moe_ep_comm, an NCCL communicator over num_ranks ranks (opaque), is declared in section "exchange". */
 
 /** 1 when the library was built with the NCCL transport, else 0. */
 MOE_EP_API int moe_ep_has_nccl(void);

@@ -1,17 +1,25 @@
 """The device exchange of the native layer (``moe_ep_layer_dispatch`` /
-``moe_ep_layer_combine`` and the peer table), and its loopback provider.
+``moe_ep_layer_combine`` and the peer table), and its peer providers.
 
 The exchange kernels take the addresses of every rank's symmetric region from a
-table and do not care where they come from. The loopback provider here builds
-that table for ranks that are processes on ONE machine:
+table and do not care where they come from. The providers here build that table
+(collectively, through a key-value store: ``set(key, bytes)`` / ``get(key)``,
+e.g. ``torch.distributed``'s store):
 
-- CUDA layers: every rank exports its region as a CUDA IPC handle, the handles
-  travel through a key-value store (``set(key, bytes)`` / ``get(key)``, e.g.
-  ``torch.distributed``'s store) and every rank opens its peers' handles. This
-  runs N ranks on one GPU (NCCL refuses two ranks on one GPU; CUDA IPC between
-  processes on one GPU works): correctness, not speed (the contexts take turns).
-- CPU layers (the CPU twin of the protocol, for CI): every rank's region is a
-  file in ``/dev/shm`` mapped by every rank.
+- :func:`connect_loopback` ("ipc"), for ranks that are processes on ONE machine:
+  - CUDA layers: every rank exports its region as a CUDA IPC handle, the handles
+    travel through the store and every rank opens its peers' handles. This also
+    runs N ranks on one GPU (NCCL refuses two ranks on one GPU; CUDA IPC between
+    processes on one GPU works): correctness, not speed (the contexts take turns).
+  - CPU layers (the CPU twin of the protocol, for CI): every rank's region is a
+    file in ``/dev/shm`` mapped by every rank.
+- :func:`connect_nccl` ("nccl"), CUDA layers on distinct GPUs of one NVLink
+  domain: an NCCL communicator (its unique id through the store) and
+  ``moe_ep_layer_set_peers_nccl``: the regions are one NCCL symmetric window,
+  the table its LSA pointers (needs a build with the NCCL transport, run with the
+  NCCL it was compiled against).
+- :func:`connect` picks one ("auto": NCCL when the ranks are on distinct GPUs,
+  the IPC loopback when some share one).
 
 Framework-neutral: pointers and streams are plain integers.
 """
@@ -21,16 +29,20 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import socket
 import uuid
-from typing import Any, List, Optional, Sequence
+import warnings
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
+from moe_ep_spec.errors import NativeError
 
-from ._capi import DType, LayerConfig, call, load
+from ._capi import DType, LayerConfig, Status, call, has_nccl, load
+from .comm import Communicator, unique_id
 from .layer import Layer
 
 __all__ = [
     "BAD_EXPERT_ID", "OVERFLOW", "TIMEOUT", "RANK_SUMS", "SLOT_ORDER", "IPC_HANDLE_BYTES", "with_exchange",
-    "ExchangeLayer", "Loopback", "connect_loopback",
+    "PROVIDERS", "ExchangeLayer", "Loopback", "NcclPeers", "connect_loopback", "connect_nccl", "connect",
 ]
 
 #: Error bits (MOE_EP_EXCHANGE_*).
@@ -42,6 +54,8 @@ RANK_SUMS = 0
 SLOT_ORDER = 1
 #: MOE_EP_IPC_HANDLE_BYTES.
 IPC_HANDLE_BYTES = 64
+#: The peer providers :func:`connect` takes.
+PROVIDERS = ("ipc", "nccl", "auto")
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -51,6 +65,7 @@ _PROTOTYPES = {
     "moe_ep_layer_set_peers": (_I32, [_P, ctypes.POINTER(ctypes.c_uint64)]),
     "moe_ep_layer_ipc_handle": (_I32, [_P, _P, ctypes.c_size_t]),
     "moe_ep_layer_set_peers_ipc": (_I32, [_P, _P, ctypes.c_size_t]),
+    "moe_ep_layer_set_peers_nccl": (_I32, [_P, _P]),
     "moe_ep_layer_dispatch": (_I32, [_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "moe_ep_layer_combine": (_I32, [_P, _P, _I64, _P, _I32, _P, _I32, _P, _P, _P]),
     "moe_ep_layer_exchange_status": (_I32, [_P, _P, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
@@ -63,7 +78,14 @@ def _load() -> None:
     if not _READY:
         lib = load()
         for name, (res, args) in _PROTOTYPES.items():
-            fn = getattr(lib, name)  # ctypes caches the function object: call() finds these prototypes
+            try:
+                fn = getattr(lib, name)  # ctypes caches the function object: call() finds these prototypes
+            except AttributeError:
+                raise NativeError(
+                    f"the native library must export {name} (this binding's exchange); it does not: the library is "
+                    f"older than the package, rebuild it (pip install --no-build-isolation -e backends/native)",
+                    op=name,
+                ) from None
             fn.restype, fn.argtypes = res, args
         _READY = True
 
@@ -106,7 +128,10 @@ class ExchangeLayer(Layer):
         self.num_ranks, self.rank = int(config.ex_num_ranks), int(config.ex_rank)
         self.num_topk = int(config.ex_num_topk)
         self.max_tokens, self.token_bytes = int(config.ex_max_tokens), int(config.ex_token_bytes)
-        self.provider: Optional["Loopback"] = None
+        #: The bound of every wait of the exchange (0 in the config: the library's 60 s).
+        self.timeout_s = (int(config.ex_timeout_ms) or 60000) / 1000.0
+        #: What keeps the peer table valid (closed after the layer by :meth:`close`).
+        self.provider: Optional[Union["Loopback", "NcclPeers"]] = None
 
     def exchange_info(self) -> "tuple[int, int]":
         """``(symmetric_bytes, own_region)``."""
@@ -127,6 +152,22 @@ class ExchangeLayer(Layer):
         blob = b"".join(bytes(h) for h in handles)
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         call("moe_ep_layer_set_peers_ipc", self._handle, ctypes.cast(buf, _P), len(blob))
+
+    def set_peers_nccl(self, comm: Communicator) -> None:
+        """``moe_ep_layer_set_peers_nccl`` (collective over ``comm``): the peer table from an
+        NCCL symmetric window the layer allocates and owns (released when the layer is
+        closed, so ``comm`` must stay open until then).
+
+        Raises:
+            NativeError: ``MOE_EP_ERR_UNSUPPORTED`` in a build without the NCCL transport,
+                for a CPU layer, when the running NCCL is not the one the library was built
+                against, or when the ranks are not all in one NVLink (LSA) team (nothing
+                is left set up then); TransportError on an NCCL failure or timeout.
+            NativeArgumentError: ``comm`` does not match the layer (ranks, rank, device).
+        """
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"comm must be a moe_ep_native.comm.Communicator; got {type(comm).__name__}")
+        call("moe_ep_layer_set_peers_nccl", self._handle, comm._live())
 
     def dispatch(self, stream, num_tokens, row_bytes, tokens, topk_idx, topk_weights, out_tokens, out_weights,
                  out_route_metadata, out_group_sizes, out_tokens_per_expert, out_error) -> None:
@@ -159,6 +200,8 @@ class ExchangeLayer(Layer):
 class Loopback:
     """The peer table of one rank built over a store (see the module doc); keeps
     the CPU mappings alive until :meth:`close`."""
+
+    kind = "ipc"
 
     def __init__(self) -> None:
         self._maps: List[Any] = []
@@ -219,3 +262,140 @@ def connect_loopback(layer: ExchangeLayer, store: Any, prefix: str) -> Loopback:
         layer.set_peers(regions)
     layer.provider = lb
     return lb
+
+
+class NcclPeers:
+    """The NCCL provider of one rank (:func:`connect_nccl`): holds the communicator
+    the layer's window lives on; :meth:`close` (after the layer's, which
+    :meth:`ExchangeLayer.close` guarantees) destroys it."""
+
+    kind = "nccl"
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm: Optional[Communicator] = comm
+
+    def close(self) -> None:
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.close()
+
+
+def _unsupported(op: str, message: str) -> NativeError:
+    return NativeError(message, op=op, status=int(Status.UNSUPPORTED), status_name="MOE_EP_ERR_UNSUPPORTED")
+
+
+def connect_nccl(layer: ExchangeLayer, store: Any, prefix: str, timeout_s: Optional[float] = None) -> NcclPeers:
+    """Fill a CUDA ``layer``'s peer table from an NCCL symmetric window (collective
+    over the layer's ranks): rank 0 makes an NCCL unique id and shares it through
+    ``store`` under ``prefix``, every rank joins the communicator on the layer's
+    device (``timeout_s``: the bound of its waits, default the layer's) and calls
+    :meth:`ExchangeLayer.set_peers_nccl`. The layer owns the window; the returned
+    :class:`NcclPeers` (also ``layer.provider``) owns the communicator, which
+    ``layer.close()`` destroys after the layer.
+
+    Raises:
+        ValueError: a CPU layer.
+        NativeError: ``MOE_EP_ERR_UNSUPPORTED`` (see :meth:`ExchangeLayer.set_peers_nccl`;
+            a build without the NCCL transport says so on every rank, before the store);
+            TransportError when the communicator does not form or NCCL fails.
+    """
+    if layer.cuda_device is None:
+        raise ValueError("connect_nccl: the NCCL provider serves CUDA layers only (a CPU layer: connect_loopback)")
+    if not has_nccl():
+        raise _unsupported(
+            "moe_ep_layer_set_peers_nccl",
+            "connect_nccl: this build of the native core has no NCCL transport (rebuild with MOE_EP_NATIVE_CUDA=1 "
+            "and MOE_EP_NATIVE_NCCL=1; docs/native.md): use the IPC loopback (provider 'ipc')",
+        )
+    n, rank = layer.num_ranks, layer.rank
+    key = f"{prefix}/nccl/uid"
+    if rank == 0:
+        store.set(key, unique_id())
+    uid = _get(store, key)
+    comm = Communicator(uid, n, rank, layer.cuda_device, timeout_s=layer.timeout_s if timeout_s is None else timeout_s)
+    try:
+        layer.set_peers_nccl(comm)
+    except BaseException:
+        try:
+            comm.close()
+        except NativeError:  # the set-up's error is the one to report
+            pass
+        raise
+    peers = NcclPeers(comm)
+    layer.provider = peers
+    return peers
+
+
+def _where(cuda_device: int) -> Tuple[str, str]:
+    """(this host, the CUDA device's UUID) of a device ordinal, through the CUDA driver
+    (framework-neutral; ordinals as the runtime's: CUDA_VISIBLE_DEVICES applies)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:  # pragma: no cover - not Linux
+        boot = ""
+    host = f"{socket.gethostname()}/{boot}"
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise NativeError(f"connect: the CUDA driver (libcuda.so.1) could not be loaded: {exc}", op="connect") from None
+    dev = ctypes.c_int()
+    raw = ctypes.create_string_buffer(16)
+    get_uuid = getattr(cu, "cuDeviceGetUuid_v2", None) or cu.cuDeviceGetUuid
+    steps = (
+        ("cuInit", lambda: cu.cuInit(0)),
+        ("cuDeviceGet", lambda: cu.cuDeviceGet(ctypes.byref(dev), int(cuda_device))),
+        ("cuDeviceGetUuid", lambda: get_uuid(raw, dev)),
+    )
+    for what, step in steps:
+        code = step()
+        if code != 0:
+            raise NativeError(f"connect: {what} failed for CUDA device {cuda_device} (CUresult {code})", op="connect")
+    return host, raw.raw.hex()
+
+
+def connect(layer: ExchangeLayer, store: Any, prefix: str, provider: str = "auto") -> Union[Loopback, NcclPeers]:
+    """Fill ``layer``'s peer table with one of :data:`PROVIDERS` (collective; keys under ``prefix``):
+
+    - ``"ipc"``: :func:`connect_loopback` (CUDA IPC between processes of one host, or
+      ``/dev/shm`` for CPU layers);
+    - ``"nccl"``: :func:`connect_nccl` (CUDA layers on distinct GPUs of one NVLink domain);
+    - ``"auto"``: CPU layers and one rank take the loopback; otherwise the ranks share
+      (host, GPU UUID) through the store and take NCCL when every rank is on its own GPU,
+      the IPC loopback when some share one (NCCL refuses two ranks on one GPU; all must be
+      on one host then). When NCCL answers ``MOE_EP_ERR_UNSUPPORTED`` (no NCCL in the
+      build, another NCCL at run time than at build time, ranks outside one NVLink
+      team), the ranks fall back to the IPC loopback if they share one host (a warning
+      says why), else the error is raised.
+
+    Returns the provider object (also ``layer.provider``; ``layer.close()`` closes it).
+    """
+    if provider not in PROVIDERS:
+        raise ValueError(f"provider must be one of {', '.join(repr(p) for p in PROVIDERS)}; got {provider!r}")
+    if provider == "ipc":
+        return connect_loopback(layer, store, prefix)
+    if provider == "nccl":
+        return connect_nccl(layer, store, prefix)
+    if layer.cuda_device is None or layer.num_ranks == 1:
+        return connect_loopback(layer, store, prefix)
+    n, rank = layer.num_ranks, layer.rank
+    host, gpu = _where(layer.cuda_device)
+    store.set(f"{prefix}/where/{rank}", f"{host}\n{gpu}".encode())
+    where = [_get(store, f"{prefix}/where/{r}").decode().split("\n") for r in range(n)]
+    one_host = len({h for h, _ in where}) == 1
+    distinct = len({g for _, g in where}) == n
+    if not distinct:
+        if not one_host:
+            raise ValueError(
+                "connect: some ranks share a GPU (NCCL refuses that) and the ranks are on more than one host (the "
+                "IPC loopback needs one): no peer provider fits; put every rank on its own GPU"
+            )
+        return connect_loopback(layer, store, prefix)
+    try:
+        return connect_nccl(layer, store, prefix)
+    except NativeError as exc:
+        if exc.status != int(Status.UNSUPPORTED) or not one_host:
+            raise
+        warnings.warn(f"connect: the NCCL peer provider is unsupported here, using the IPC loopback instead: {exc}",
+                      RuntimeWarning, stacklevel=2)
+        return connect_loopback(layer, store, prefix)

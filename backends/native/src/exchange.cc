@@ -332,6 +332,13 @@ moe_ep_status exchange_destroy(Exchange* x) {
     if (st == MOE_EP_OK) st = s2;
   }
 #endif
+#ifdef MOE_EP_NATIVE_WITH_NCCL_DEVICE
+  if (x->nccl != nullptr) {
+    const moe_ep_status s2 = lsa::ex_release(x->nccl);
+    x->nccl = nullptr;
+    if (st == MOE_EP_OK) st = s2;
+  }
+#endif
   const moe_ep_status a = free_mem(x, x->own), b = free_mem(x, x->local);
   delete x;
   if (st == MOE_EP_OK) st = a;
@@ -419,6 +426,35 @@ moe_ep_status moe_ep_layer_set_peers_ipc(moe_ep_layer* layer, const uint8_t* han
   }
 #endif
   return moe_ep::fail(MOE_EP_ERR_UNSUPPORTED, "moe_ep_layer_set_peers_ipc: IPC handles exist for CUDA layers only");
+}
+
+moe_ep_status moe_ep_layer_set_peers_nccl(moe_ep_layer* layer, moe_ep_comm* comm) {
+  const Check ck{"moe_ep_layer_set_peers_nccl"};
+  Exchange* x;
+  MOE_EP_TRY(moe_ep::get(ck, layer, &x));
+#ifdef MOE_EP_NATIVE_WITH_NCCL_DEVICE
+  if (!x->cuda)
+    return moe_ep::fail(MOE_EP_ERR_UNSUPPORTED,
+                        "moe_ep_layer_set_peers_nccl: NCCL's symmetric windows serve CUDA layers only (a CPU layer "
+                        "takes host memory through moe_ep_layer_set_peers); got a CPU layer");
+  if (comm == nullptr) return ck.bad("comm must be a communicator from moe_ep_comm_init", "NULL");
+  if (x->connected || !x->opened.empty() || x->nccl != nullptr)
+    return ck.bad("the peers were set already (make a new layer to reconnect)", "a second call");
+  return moe_ep::lsa::ex_set_peers(layer, *x, comm);
+#else
+  (void)x, (void)comm;
+#ifdef MOE_EP_NATIVE_WITH_NCCL
+  return moe_ep::fail(MOE_EP_ERR_UNSUPPORTED,
+                      "moe_ep_layer_set_peers_nccl: this build's NCCL has no device API (nccl_device.h, NCCL >= 2.28): "
+                      "rebuild against nvidia-nccl-cu13==2.28.9 (the NCCL it runs with), or use the IPC loopback "
+                      "(moe_ep_layer_set_peers_ipc) or moe_ep_layer_set_peers");
+#else
+  return moe_ep::fail(MOE_EP_ERR_UNSUPPORTED,
+                      "moe_ep_layer_set_peers_nccl: this build of the native core has no NCCL transport (rebuild with "
+                      "MOE_EP_NATIVE_CUDA=ON and MOE_EP_NATIVE_NCCL=ON; docs/native.md), so it has no NCCL peer "
+                      "provider: use the IPC loopback (moe_ep_layer_set_peers_ipc) or moe_ep_layer_set_peers");
+#endif
+#endif
 }
 
 moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream, int64_t num_tokens, int64_t row_bytes,

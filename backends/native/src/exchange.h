@@ -11,6 +11,10 @@
 
 namespace moe_ep {
 
+#ifdef MOE_EP_NATIVE_WITH_NCCL_DEVICE
+struct NcclWindow;  // the NCCL provider's window (nccl/lsa_peers.cu)
+#endif
+
 struct Exchange {
   ex::Shape shape{};
   ex::SymLayout sym{};
@@ -26,6 +30,9 @@ struct Exchange {
   ex::Local loc{};
   std::vector<uint64_t> peers;   // host copy of the table
   std::vector<void*> opened;     // IPC mappings to close (CUDA)
+#ifdef MOE_EP_NATIVE_WITH_NCCL_DEVICE
+  NcclWindow* nccl = nullptr;    // the NCCL provider's memory, window and device communicator (released by destroy)
+#endif
   bool connected = false;
   int64_t last_tokens = -1;      // T of the last dispatch (host)
 };
@@ -54,6 +61,16 @@ moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const void*
                          bool out_bf16, const float* row_values, float* out_values, int32_t* out_error);
 moe_ep_status ex_status(void* stream, const Exchange& x, int32_t* bits, bool clear);
 }  // namespace cuda
+#endif
+
+#ifdef MOE_EP_NATIVE_WITH_NCCL_DEVICE
+namespace lsa {
+// moe_ep_layer_set_peers_nccl after the layer checks (a CUDA layer with an exchange, not connected yet):
+// the comm checks, the symmetric window, the peer table; on success x.nccl owns the window.
+moe_ep_status ex_set_peers(moe_ep_layer* layer, Exchange& x, moe_ep_comm* comm);
+// Releases what ex_set_peers made (NULL: nothing); the communicator must still be alive.
+moe_ep_status ex_release(NcclWindow* w);
+}  // namespace lsa
 #endif
 
 }  // namespace moe_ep

@@ -1,7 +1,7 @@
 // The NCCL transport of the C ABI (moe_ep_native.h, section "transport").
 //
 // Every communicator is non-blocking (ncclConfig_t.blocking = 0): NCCL calls
-// return at once, and ready() polls ncclCommGetAsyncError on the host until
+// return at once, and nccl_ready() polls ncclCommGetAsyncError on the host until
 // NCCL has finished enqueuing, at most timeout_ms, so that a peer that never
 // arrives ends in MOE_EP_ERR_COMM instead of a hang. Nothing here waits for the
 // GPU, so the collectives can be captured in a CUDA graph.
@@ -16,19 +16,9 @@
 #include "internal.h"
 
 #ifdef MOE_EP_NATIVE_WITH_NCCL
-#include <cuda_runtime.h>
-#include <nccl.h>
-
-struct moe_ep_comm {
-  ncclComm_t nccl = nullptr;
-  int32_t num_ranks = 0;
-  int32_t rank = 0;
-  int32_t device = 0;
-  int64_t timeout_ms = 0;
-};
+#include "nccl/comm_internal.h"
 
 namespace moe_ep {
-namespace {
 
 std::string nccl_message(const char* op, const char* what, ncclResult_t r) {
   std::string msg = std::string(op) + ": " + what + " failed: " + ncclGetErrorString(r);
@@ -37,25 +27,7 @@ std::string nccl_message(const char* op, const char* what, ncclResult_t r) {
   return msg;
 }
 
-// Sets the communicator's device for the scope of a call and restores the caller's.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    ok_ = cudaSetDevice(device) == cudaSuccess;
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  bool ok() const { return ok_; }
-
- private:
-  int previous_ = -1;
-  bool ok_ = false;
-};
-
-// Polls until NCCL has finished the host side of the last call on `comm`.
-moe_ep_status ready(const char* op, ncclComm_t comm, ncclResult_t issued, int64_t timeout_ms) {
+moe_ep_status nccl_ready(const char* op, ncclComm_t comm, ncclResult_t issued, int64_t timeout_ms) {
   if (issued != ncclSuccess && issued != ncclInProgress) return fail(MOE_EP_ERR_COMM, nccl_message(op, "NCCL", issued));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   ncclResult_t state = issued;
@@ -70,6 +42,8 @@ moe_ep_status ready(const char* op, ncclComm_t comm, ncclResult_t issued, int64_
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }
+
+namespace {
 
 moe_ep_status bad(const char* op, const std::string& rule, const std::string& got) {
   return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(op) + ": " + rule + "; got " + got);
@@ -131,7 +105,7 @@ moe_ep_status moe_ep_comm_init(const uint8_t* id, size_t id_bytes, int32_t num_r
   ncclComm_t nccl = nullptr;
   const ncclResult_t r = ncclCommInitRankConfig(&nccl, num_ranks, uid, rank, &config);
   if (nccl == nullptr) return moe_ep::fail(MOE_EP_ERR_COMM, moe_ep::nccl_message(op, "ncclCommInitRankConfig", r));
-  const moe_ep_status st = moe_ep::ready(op, nccl, r, timeout_ms);
+  const moe_ep_status st = moe_ep::nccl_ready(op, nccl, r, timeout_ms);
   if (st != MOE_EP_OK) {
     ncclCommAbort(nccl);
     return st;
@@ -150,7 +124,7 @@ moe_ep_status moe_ep_comm_destroy(moe_ep_comm* comm) {
   moe_ep_status st = MOE_EP_OK;
   if (comm->nccl != nullptr) {
     moe_ep::DeviceGuard guard(comm->device);
-    st = moe_ep::ready(op, comm->nccl, ncclCommFinalize(comm->nccl), comm->timeout_ms);
+    st = moe_ep::nccl_ready(op, comm->nccl, ncclCommFinalize(comm->nccl), comm->timeout_ms);
     if (st == MOE_EP_OK) {
       const ncclResult_t r = ncclCommDestroy(comm->nccl);
       if (r != ncclSuccess) st = moe_ep::fail(MOE_EP_ERR_COMM, moe_ep::nccl_message(op, "ncclCommDestroy", r));
@@ -183,7 +157,7 @@ moe_ep_status moe_ep_comm_all_gather(moe_ep_comm* comm, void* stream, const void
   if (!guard.ok()) return moe_ep::device_error(op, comm->device);
   const ncclResult_t r = ncclAllGather(send, recv, static_cast<size_t>(bytes), ncclUint8, comm->nccl,
                                        static_cast<cudaStream_t>(stream));
-  return moe_ep::ready(op, comm->nccl, r, comm->timeout_ms);
+  return moe_ep::nccl_ready(op, comm->nccl, r, comm->timeout_ms);
 }
 
 moe_ep_status moe_ep_comm_exchange(moe_ep_comm* comm, void* stream, const void* send, const int64_t* send_rows,
@@ -223,7 +197,7 @@ moe_ep_status moe_ep_comm_exchange(moe_ep_comm* comm, void* stream, const void* 
     recv_off += recv_rows[p];
   }
   const ncclResult_t end = ncclGroupEnd();
-  return moe_ep::ready(op, comm->nccl, (r == ncclSuccess || r == ncclInProgress) ? end : r, comm->timeout_ms);
+  return moe_ep::nccl_ready(op, comm->nccl, (r == ncclSuccess || r == ncclInProgress) ? end : r, comm->timeout_ms);
 }
 
 }  // extern "C"
