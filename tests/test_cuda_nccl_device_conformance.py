@@ -148,6 +148,122 @@ def test_handles_carry_the_routing_and_a_foreign_handle_is_refused_on_every_rank
         call_world(device_backend, "combine", config, foreign, rows, reuse=False, timeout_s=60)
 
 
+# ----------------------------------------------------------------------------- bf16 decodes that are not exact
+
+#: mxfp8 encodes it at E8M0 scale code 0 as E4M3 3 * 2^-9, i.e. 3 * 2^-136: not a bf16 value (bf16's
+#: subnormals are the multiples of 2^-133), so the bf16 operand decode makes it NaN and flags it.
+TINY = 3 * 2.0**-136
+EXTREME_CONFIG = MoeEpConfig(num_experts=8, hidden=64, intermediate=32, num_topk=2, num_ranks=2,
+                             max_tokens_per_rank=12, generate_c=True)
+
+
+def _extreme_world(config: MoeEpConfig, tiny: str, seed: int = 4):
+    """mxfp8 inputs on both ranks; rank 0 alone holds values whose bf16 decode is not exact:
+    ``act`` in its token 0 (every block of the row at scale code 0), ``fc1`` in column 0 of its
+    local expert 0's FC1 weight (blocked along H: both blocks at scale code 0). Rank 1's
+    values are ordinary."""
+    from moe_ep_spec import formats as F
+
+    world = random_world(config, num_tokens=[12, 9], input_format="mxfp8", seed=seed)
+    w0 = world[0]
+    if tiny == "act":
+        act = F.dequantize(w0.activation).astype(np.float64)
+        act[0] = TINY * (np.arange(1, config.hidden + 1) % 7 + 1)
+        enc = F.quantize(act, "mxfp8", axis=1)
+        assert (enc.scale_codes()[0] <= 2).all()
+        world[0] = dataclasses.replace(w0, activation=enc)
+    else:
+        fc1 = F.dequantize(w0.fc1_weight).astype(np.float64)
+        fc1[0, :, 0] = TINY
+        enc = F.quantize(fc1, "mxfp8", axis=1)
+        assert (enc.scale_codes()[0, :, 0] <= 2).all()
+        world[0] = dataclasses.replace(w0, fc1_weight=enc)
+    # The world's own values hold no other such code: rank 1 is ordinary.
+    for x in (world[1].activation, world[1].fc1_weight, world[1].fc2_weight):
+        assert (x.scale_codes() > 2).all()
+    return world
+
+
+def _finite(x) -> bool:
+    from moe_ep_spec import formats as F
+
+    values = F.dequantize(x) if isinstance(x, F.BlockScaledTensor) else np.asarray(x, dtype=np.float32)
+    return bool(np.isfinite(values).all())
+
+
+def _matches_reference_on_every_rank(backend, config: MoeEpConfig, world, devices=None) -> None:
+    """Forward (with the stash) and backward of ``world``: every rank's results finite and
+    within the reference's budgets; no rank raises."""
+    ref = get_backend("reference")
+    got = call_world(backend, "forward", config, world, reuse=False, timeout_s=180, devices=devices)
+    want, budgets = ref.forward_and_budget(config, world)
+    rng = np.random.default_rng(7)
+    grads = [rng.standard_normal((w.topk_idx.shape[0], config.hidden)).astype(np.float32) for w in world]
+    stash = [f.stash for f in want]
+    got_b = call_world(backend, "backward", config, world, grads, stash, reuse=False, timeout_s=180, devices=devices)
+    want_b, bud_b = ref.backward_and_budget(config, world, grads, stash)
+    for r in range(config.num_ranks):
+        assert _finite(got[r].output), f"rank {r}: the output holds NaN"
+        _close(f"rank {r} output", got[r].output, want[r].output, budgets[r].output)
+        assert np.array_equal(got[r].route_metadata, want[r].route_metadata)
+        _close(f"rank {r} fc1_c", got[r].fc1_c, want[r].fc1_c, budgets[r].fc1_c)
+        for name in ("grad_activation", "grad_fc1_weight", "grad_fc2_weight", "grad_topk_weights"):
+            assert _finite(getattr(got_b[r], name)), f"rank {r}: {name} holds NaN"
+            _close(f"rank {r} {name}", getattr(got_b[r], name), getattr(want_b[r], name), getattr(bud_b[r], name))
+
+
+@pytest.mark.parametrize("layout", ["dynamic", "static"])
+@pytest.mark.parametrize("tiny", ["act", "fc1"])
+def test_values_bf16_cannot_hold_on_one_rank_give_every_rank_the_reference(device_backend, tiny, layout) -> None:
+    """mxfp8 values whose bf16 decode is not exact on rank 0 only: the ranks share that in the
+    table and all run exact float32 operands for the call, so no rank raises and no NaN
+    reaches rank 1 through the combine (before: rank 1 got rank 0's NaN expert rows, or
+    raised FormatError while its peer returned NaN)."""
+    config = EXTREME_CONFIG if layout == "dynamic" else EXTREME_CONFIG.replace(recv_capacity=40, expert_alignment=4)
+    _matches_reference_on_every_rank(device_backend, config, _extreme_world(config, tiny))
+
+
+def test_the_inexact_check_reads_flags_only_for_low_scale_codes(monkeypatch) -> None:
+    """The host check before the table: no decode for ordinary mxfp8 values (a screen of the
+    scale codes), nvfp4, bf16 or float32 inputs; a decode with a flag for codes <= 2."""
+    from moe_ep_cuda_nccl import device_world as W
+    from moe_ep_cuda_nccl import prims as P
+    from moe_ep_torch import backend as TB
+
+    calls = []
+    real = P.dequantize_bf16
+
+    def spy(t, inexact=None, *, weight=False):
+        calls.append(weight)
+        return real(t, inexact, weight=weight)
+
+    monkeypatch.setattr(P, "dequantize_bf16", spy)
+    cpu = torch.device("cpu")
+
+    def ops(w):
+        return (TB.to_torch(w.activation, cpu), TB.to_torch(w.fc1_weight, cpu, weight=True),
+                TB.to_torch(w.fc2_weight, cpu, weight=True))
+
+    world = _extreme_world(EXTREME_CONFIG, "act")
+    assert W._decodes_inexactly(*ops(world[0])) and calls == [False]  # only the activation has low codes
+    calls.clear()
+    assert not W._decodes_inexactly(*ops(world[1])) and calls == []
+    for fmt in ("nvfp4", "bf16", "fp32"):
+        w = random_world(EXTREME_CONFIG, num_tokens=[4, 4], input_format=fmt, seed=1)[0]
+        assert not W._decodes_inexactly(*ops(w)) and calls == [], fmt
+    fc1 = _extreme_world(EXTREME_CONFIG, "fc1")[0]
+    assert W._decodes_inexactly(*ops(fc1)) and calls == [True]
+    # exact values at a low scale code are decoded, and found exact: 2^-133 and its multiples are bf16 values
+    from moe_ep_spec import formats as F
+
+    calls.clear()
+    act = np.full((2, EXTREME_CONFIG.hidden), 2.0**-133)
+    exact = dataclasses.replace(world[1], activation=F.quantize(act, "mxfp8", axis=1))
+    assert (exact.activation.scale_codes() <= 2).all()
+    assert not W._decodes_inexactly(*ops(exact)) and calls == [False]
+    assert not P.inexact_decodes(cpu), "the check does not touch the device record"
+
+
 # ----------------------------------------------------------------------------- options
 
 
@@ -198,3 +314,16 @@ def test_quick_table_at_ep_2_and_4_on_one_gpu(tmp_path) -> None:
         tmp_path, "--quick", "--ep-size", "2", "--ep-size", "4", "--device", "cuda-shared", env=env, timeout=1800,
     )
     assert failed == 0 and skipped == 0 and passed >= 80, (passed, failed, skipped)
+
+
+@pytest.mark.skipif(not _one_gpu(), reason="needs a CUDA build of the native core and a GPU")
+@pytest.mark.parametrize("tiny", ["act", "fc1"])
+def test_values_bf16_cannot_hold_on_one_rank_on_one_gpu(monkeypatch, tiny) -> None:
+    """The CPU test above on the device machine: 2 ranks on cuda:0 (CUDA IPC through the
+    loopback provider), bf16 operands on tensor cores unless a rank's decode is inexact."""
+    env = dict(DEVICE_ENV, MOE_EP_CUDA_NCCL_ON_CPU="", MOE_EP_CUDA_NCCL_TIMEOUT_S="60", MOE_EP_EXCHANGE_PEERS="ipc")
+    for k, val in env.items():
+        monkeypatch.setenv(k, val)
+    backend = type(get_backend("cuda-nccl", require_available=False))()
+    config = EXTREME_CONFIG.replace(recv_capacity=40, expert_alignment=4)
+    _matches_reference_on_every_rank(backend, config, _extreme_world(config, tiny), devices=["cuda:0", "cuda:0"])

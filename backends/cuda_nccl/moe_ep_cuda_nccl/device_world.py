@@ -19,6 +19,18 @@ Per call, before any device stage:
   fingerprints, its token count). Every rank raises a rank's input error
   together, as the ``torch`` backend does, so no rank is left waiting in a stage.
   The layered calls share their argument checks the same way (one small all-gather).
+- **The operand dtype** of ``forward`` and ``backward``, in the same collective.
+  Block-scaled (and bf16) inputs run on bf16 operands, decoded without a host
+  check inside the stages (:func:`moe_ep_cuda_nccl.prims.operands`): a value bf16
+  cannot hold (an mxfp8 magnitude below 2^-126 off bf16's grid: scale codes 0..2)
+  would decode to NaN, and through the combine that NaN would reach the other
+  ranks' tokens. So each rank checks its own mxfp8 inputs on the host first
+  (:func:`_decodes_inexactly`: a screen of the scale codes, then, only when a code
+  is below 3, the decode's flag, read as the host-synchronised mode reads it) and
+  shares the verdict in the table; when any rank's decode would be inexact, every
+  rank runs that call on exact float32 operands (the inputs decoded to float32
+  before the dispatch: the host-synchronised mode's fallback, taken by all ranks
+  alike since the layer's operand dtype is a key of the collective exchange).
 - **The layout.** The exchange is static-layout only. A static configuration
   runs as it is. A dynamic one (``recv_capacity`` None) runs with
   ``recv_capacity`` = the worst case (``num_ranks * max_tokens_per_rank *
@@ -65,11 +77,13 @@ from moe_ep_spec.api import (
 )
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import MoeEpError, StashError
+from moe_ep_spec.formats import MoeFormat
 from moe_ep_torch import backend as TB
 from moe_ep_torch import core
 from moe_ep_torch import formats as TF
 
 from . import device_exchange as DX
+from . import prims as P
 from . import static
 from .prims import NATIVE, ptr, where
 
@@ -110,38 +124,38 @@ def _pow2(n: int) -> int:
 
 
 def _counts(config: MoeEpConfig, topk_idx: Any) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(idx int64 [T, K], counts [E] int64, code [])`` on the CPU, as :func:`moe_ep_torch.core.make_plan` counts."""
+    """``(idx int64 [T, K], counts [E] int64, code [])`` on the CPU (:func:`moe_ep_torch.core.count_routes`,
+    the counting of :func:`moe_ep_torch.core.make_plan`)."""
     idx = torch.from_numpy(np.asarray(topk_idx).astype(np.int64))
-    e = config.num_experts
-    bad = bool(((idx < -1) | (idx >= e)).any())
-    flat = idx.reshape(-1)
-    expert = flat[flat >= 0]
-    counts = torch.zeros(e, dtype=torch.int64) if bad else torch.bincount(expert.clamp(0, e - 1), minlength=e)[:e]
-    return idx, counts, torch.tensor(core._ROUTING_CODE if bad else 0, dtype=torch.int64)
+    _, _, counts, code = core.count_routes(config, idx)
+    return idx, counts, code
 
 
 class _Table:
     """What every rank knows after the host collective."""
 
-    def __init__(self, config: MoeEpConfig, per: List[List[int]], tokens: List[int], rank: int) -> None:
+    def __init__(self, config: MoeEpConfig, per: List[List[int]], tokens: List[int], inexact: List[int],
+                 rank: int) -> None:
         n, el = config.num_ranks, config.num_local_experts
         self.xconfig = exchange_config(config, _pow2(max(tokens + [1])))
         per_expert = [sum(per[s][rank * el + e] for s in range(n)) for e in range(el)]
         #: Rows of this rank's buffer as the spec has them (the routed rows; the capacity when static).
         self.rows = int(config.recv_capacity) if config.static_layout else sum(per_expert)  # type: ignore[arg-type]
+        #: Whether some rank's bf16 decode of its inputs would be inexact: every rank then runs float32 operands.
+        self.inexact = any(inexact)
 
 
 def _table(config: MoeEpConfig, group: Any, topk_idx: Any, num_tokens: int, error: Optional[BaseException],
-           encodings: str) -> _Table:
-    """The host collective before any stage (shares ``error``; see the module doc)."""
+           encodings: str, inexact: bool = False) -> _Table:
+    """The host collective before any stage (shares ``error`` and ``inexact``; see the module doc)."""
     if error is None:
         idx, counts, code = _counts(config, topk_idx)
     else:
         idx, counts = None, torch.zeros(config.num_experts, dtype=torch.int64)
         code = torch.tensor(core.error_code(error), dtype=torch.int64)
     per, vals = core.share_table(config, counts, code, group, _CPU, error, idx, encodings, core.TORCH,
-                                 values=(num_tokens,))
-    table = _Table(config, per, [row[0] for row in vals], dist.get_rank(group))
+                                 values=(num_tokens, int(bool(inexact))))
+    table = _Table(config, per, [row[0] for row in vals], [row[1] for row in vals], dist.get_rank(group))
     DX.close(group, keep=table.xconfig)  # every rank is past its last stage of the other layers
     return table
 
@@ -223,26 +237,85 @@ def _rank_inputs(inputs: RankInputs, device: torch.device) -> Tuple[Any, Any, An
             to(inputs.fc2_weight, device, weight=True), to(inputs.topk_idx, device), to(inputs.topk_weights, device))
 
 
-def _fused_table(config: MoeEpConfig, ctx: RankContext, group: Any, inputs: RankInputs, check: Any = None) -> _Table:
+#: The smallest E8M0 scale code at which every mxfp8 value is a bf16 value (docs/cuda-nccl.md,
+#: "Block-scaled operands": codes 0..2 may give magnitudes below 2^-126 off bf16's subnormal grid).
+_MXFP8_BF16_EXACT_SCALE = 3
+
+
+def _decodes_inexactly(activation: Any, fc1: Any, fc2: Any) -> bool:
+    """Whether this rank's inputs would run on bf16 operands (:func:`moe_ep_cuda_nccl.device_exchange._bf16`)
+    and the bf16 decode of one of them would hold a value bf16 cannot hold (decoded to NaN).
+
+    Checked on the host, before any stage: the mxfp8 inputs' scale codes are screened
+    (one read; nothing more when none is below 3, the usual case), then only those with
+    such a code are decoded (:func:`moe_ep_cuda_nccl.prims.dequantize_bf16`, the layer's
+    decode) with fresh flags, read in one synchronisation as the host-synchronised
+    mode's check does (:func:`moe_ep_cuda_nccl.prims.operands`). The device record of
+    :func:`moe_ep_cuda_nccl.prims.inexact_decodes` is not touched: these decodes are
+    not used. Every row of the activation is checked (any may reach a peer's experts);
+    the weights are this rank's experts', whose outputs return to every rank."""
+    if not DX._bf16(activation, fc1, fc2):
+        return False  # float32 operands: every decode is exact
+    maybe = [(t, weight) for t, weight in ((activation, False), (fc1, True), (fc2, True))
+             if isinstance(t, TF.TorchBlockScaled) and t.format is MoeFormat.MXFP8 and t.data.numel()]
+    if not maybe:
+        return False  # nvfp4 and bf16 are exact in bf16 by construction
+    low = torch.stack([(TF.raw(t)[1] < _MXFP8_BF16_EXACT_SCALE).any() for t, _ in maybe]).tolist()
+    maybe = [m for m, is_low in zip(maybe, low) if is_low]
+    if not maybe:
+        return False
+    flags = torch.zeros(len(maybe), dtype=torch.int32, device=maybe[0][0].device)
+    for i, (t, weight) in enumerate(maybe):
+        P.dequantize_bf16(t, flags[i : i + 1], weight=weight)
+    return any(flags.tolist())
+
+
+def _exact_float32(activation: Any, fc1: Any, fc2: Any) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three inputs as float32 tensors with the same values (block-scaled ones decoded
+    exactly; weights as ``[E, H, 2I]`` / ``[E, I, H]``): the layer then runs its float32
+    operands, the spec's float32 numbers."""
+
+    def f32(t: Any, weight: bool) -> torch.Tensor:
+        if isinstance(t, TF.TorchBlockScaled):
+            return P.BlockScaledOperand(t, weight).f32()
+        return t.float()
+
+    return f32(activation, False), f32(fc1, True), f32(fc2, True)
+
+
+def _fused_table(config: MoeEpConfig, ctx: RankContext, group: Any, inputs: RankInputs, device: torch.device,
+                 check: Any = None) -> Tuple[_Table, Tuple[Any, Any, Any, torch.Tensor, torch.Tensor]]:
+    """The host collective of ``forward`` and ``backward`` (after ``check(num_tokens)``), and
+    this rank's inputs on ``device``: as given, or as exact float32 ones when some
+    rank's bf16 decode would be inexact (:func:`_decodes_inexactly`; every rank alike)."""
     error: Optional[BaseException] = None
+    ops: Optional[Tuple[Any, Any, Any, torch.Tensor, torch.Tensor]] = None
+    inexact = False
     try:
         num_tokens = v.validate_rank_inputs(config, inputs, ctx.rank)
         if check is not None:
             check(num_tokens)
+        ops = _rank_inputs(inputs, device)
+        inexact = _decodes_inexactly(*ops[:3])
     except MoeEpError as exc:
         error, num_tokens = exc, 0
     encodings = "" if error else "|".join(
         _encoding(x) for x in (inputs.activation, inputs.fc1_weight, inputs.fc2_weight)
     )
-    return _table(config, group, None if error else inputs.topk_idx, num_tokens, error, encodings)
+    table = _table(config, group, None if error else inputs.topk_idx, num_tokens, error, encodings, inexact)
+    if ops is None:  # the collective raises every rank's input error; reaching here without inputs is a bug
+        raise MoeEpError(f"rank {ctx.rank}: internal error: the host collective passed a rank without its inputs")
+    if table.inexact:
+        ops = _exact_float32(*ops[:3]) + ops[3:]
+    return table, ops
 
 
 def forward(config: MoeEpConfig, ctx: RankContext, inputs: RankInputs) -> ForwardResult:
     """``forward_rank``: the three stages of :func:`moe_ep_cuda_nccl.device_exchange.forward`."""
     group, device = prepare(ctx)
-    table = _fused_table(config, ctx, group, inputs)
+    table, ops = _fused_table(config, ctx, group, inputs, device)
     xcfg = table.xconfig
-    out = DX.forward(NATIVE, xcfg, group, *_rank_inputs(inputs, device))
+    out = DX.forward(NATIVE, xcfg, group, *ops)
     _check_record(xcfg, group)
     output = TB.to_numpy(out["output"])
     if not config.generate_c:
@@ -263,7 +336,7 @@ def backward(config: MoeEpConfig, ctx: RankContext, inputs: RankInputs, grad_out
         if not isinstance(stash, Stash):
             raise StashError(f"rank {ctx.rank}: stash must be a Stash; got {type(stash).__name__}")
 
-    table = _fused_table(config, ctx, group, inputs, check)
+    table, (act, fc1, fc2, idx, tw) = _fused_table(config, ctx, group, inputs, device, check)
     xcfg, rows = table.xconfig, table.rows
     cap = int(xcfg.recv_capacity)  # type: ignore[arg-type]
     error: Optional[BaseException] = None
@@ -274,7 +347,6 @@ def backward(config: MoeEpConfig, ctx: RankContext, inputs: RankInputs, grad_out
     fc1_c = torch.zeros((cap, 2 * config.intermediate), dtype=torch.bfloat16, device=device)
     if error is None:
         fc1_c[:rows] = TB.to_torch(stash.fc1_c, device)
-    act, fc1, fc2, idx, tw = _rank_inputs(inputs, device)
     g = TB.to_torch(grad_output, device)
     grads, meta = DX.backward_and_metadata(NATIVE, xcfg, group, g, act, fc1, fc2, idx, tw, fc1_c)
     _check_record(xcfg, group)
@@ -346,21 +418,38 @@ def _layered(config: MoeEpConfig, ctx: RankContext, handle: Any,
     return group, device, st, xcfg
 
 
+def _combine_stage(config: MoeEpConfig, ctx: RankContext, handle: DispatchHandle, check: Any, rows: np.ndarray,
+                   values: Optional[np.ndarray] = None,
+                   prepare_rows: Any = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A layered call's stages after its shared checks (:func:`_layered`): the routing's
+    dispatch stage, then the combine stage of ``rows`` (``[R, hidden]``, float32, padded
+    to the capacity; ``prepare_rows(y)`` applied when given) with ``values`` (``[R]``) as
+    per-route values when given. Returns ``(out [T, hidden], out_values [T, K] or None)``,
+    float32, after the error record is read."""
+    group, device, st, xcfg = _layered(config, ctx, handle, check)
+    cap = int(xcfg.recv_capacity)  # type: ignore[arg-type]
+    layer, _ = _routing(xcfg, group, device, st["topk_idx"])
+    y = _padded(TB.to_torch(rows, device).float(), cap)
+    if prepare_rows is not None:
+        y = prepare_rows(y).contiguous()
+    gw = None if values is None else _padded(TB.to_torch(values, device).float(), cap)
+    t, k = handle.num_tokens, config.num_topk
+    out = torch.empty((t, config.hidden), dtype=torch.float32, device=device)
+    out_w = None if gw is None else torch.empty((t, k), dtype=torch.float32, device=device)
+    err = torch.empty(1, dtype=torch.int32, device=device)
+    _, stream = where(y)
+    layer.combine(stream, t, ptr(y), ptr(out), None if gw is None else ptr(gw),
+                  None if out_w is None else ptr(out_w), ptr(err), y_bf16=False)
+    DX._record(xcfg, group, err, torch.zeros(config.num_local_experts, dtype=torch.int32, device=device))
+    _check_record(xcfg, group)
+    return out, out_w
+
+
 def combine(config: MoeEpConfig, ctx: RankContext, handle: DispatchHandle, expert_out: np.ndarray) -> Any:
     """``combine_rank``: the routing's dispatch stage, then the combine stage of the
     expert outputs after their ``combine_format`` round trip."""
-    group, device, st, xcfg = _layered(config, ctx, handle, lambda: v.validate_expert_out(config, expert_out, handle))
-    cap = int(xcfg.recv_capacity)  # type: ignore[arg-type]
-    layer, _ = _routing(xcfg, group, device, st["topk_idx"])
-    y = _padded(TB.to_torch(expert_out, device).float(), cap)
-    y = NATIVE.round_trip(y, config.combine_format).contiguous()
-    t = handle.num_tokens
-    out = torch.empty((t, config.hidden), dtype=torch.float32, device=device)
-    err = torch.empty(1, dtype=torch.int32, device=device)
-    _, stream = where(y)
-    layer.combine(stream, t, ptr(y), ptr(out), None, None, ptr(err), y_bf16=False)
-    DX._record(xcfg, group, err, torch.zeros(config.num_local_experts, dtype=torch.int32, device=device))
-    _check_record(xcfg, group)
+    out, _ = _combine_stage(config, ctx, handle, lambda: v.validate_expert_out(config, expert_out, handle), expert_out,
+                            prepare_rows=lambda y: NATIVE.round_trip(y, config.combine_format))
     return TB.to_numpy(NATIVE.encode_output(config, out))
 
 
@@ -374,19 +463,9 @@ def dispatch_backward(config: MoeEpConfig, ctx: RankContext, handle: DispatchHan
         v.validate_grad("grad_tokens", grad_tokens, (rows, config.hidden), "(received rows, hidden)", ctx.rank)
         v.validate_grad("grad_topk_weights", grad_topk_weights, (rows,), "(received rows,)", ctx.rank)
 
-    group, device, st, xcfg = _layered(config, ctx, handle, check)
-    cap = int(xcfg.recv_capacity)  # type: ignore[arg-type]
-    layer, _ = _routing(xcfg, group, device, st["topk_idx"])
-    gt = _padded(TB.to_torch(grad_tokens, device).float(), cap)
-    gw = _padded(TB.to_torch(grad_topk_weights, device).float(), cap)
-    t, k = handle.num_tokens, config.num_topk
-    out = torch.empty((t, config.hidden), dtype=torch.float32, device=device)
-    out_w = torch.empty((t, k), dtype=torch.float32, device=device)
-    err = torch.empty(1, dtype=torch.int32, device=device)
-    _, stream = where(gt)
-    layer.combine(stream, t, ptr(gt), ptr(out), ptr(gw), ptr(out_w), ptr(err), y_bf16=False)
-    DX._record(xcfg, group, err, torch.zeros(config.num_local_experts, dtype=torch.int32, device=device))
-    _check_record(xcfg, group)
+    out, out_w = _combine_stage(config, ctx, handle, check, grad_tokens, grad_topk_weights)
+    if out_w is None:  # _combine_stage returns them whenever values are given
+        raise MoeEpError(f"rank {ctx.rank}: internal error: the combine stage returned no router-weight cotangents")
     return DispatchGrads(grad_tokens=out.cpu().numpy(), grad_topk_weights=out_w.cpu().numpy())
 
 

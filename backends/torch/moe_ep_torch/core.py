@@ -31,7 +31,7 @@ from moe_ep_spec.formats import MoeFormat
 from . import formats as TF
 
 __all__ = [
-    "Plan", "Primitives", "TORCH", "make_plan", "share_table", "route_payload", "cotangent", "exchange",
+    "Plan", "Primitives", "TORCH", "make_plan", "count_routes", "share_table", "route_payload", "cotangent", "exchange",
     "exchange_back", "forward", "backward", "ERROR_CODES",
 ]
 
@@ -284,6 +284,27 @@ def share_table(
     return per, [[int(v) for v in row[n * el + 3 :]] for row in table]
 
 
+def count_routes(
+    config: MoeEpConfig, idx: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's routes in ``idx`` (``[T, K] int64`` expert ids), on its device, as
+    :func:`make_plan` counts them for :func:`share_table`: ``(route, expert, counts,
+    code)``: the route ids ``token * K + slot`` of the routed slots (id >= 0),
+    token-major, and their experts; the routes per global expert ``[num_experts]
+    int64`` (= per (destination rank, local expert); all zero when an id is bad); the
+    error code ``[]``: 0, or the RoutingIndexError code when an id lies outside
+    ``[-1, num_experts)``."""
+    e = config.num_experts
+    bad_ids = ((idx < -1) | (idx >= e)).any()
+    flat = idx.reshape(-1)
+    route = torch.nonzero(flat >= 0).reshape(-1)  # token-major
+    expert = flat[route]
+    counts = torch.bincount(expert.clamp(0, e - 1), minlength=e)[:e]
+    counts = torch.where(bad_ids, torch.zeros_like(counts), counts)
+    code = torch.where(bad_ids, torch.tensor(_ROUTING_CODE, device=idx.device), torch.tensor(0, device=idx.device))
+    return route, expert, counts, code
+
+
 def make_plan(
     config: MoeEpConfig,
     topk_idx: Optional[torch.Tensor],
@@ -309,16 +330,10 @@ def make_plan(
     rank = dist.get_rank(group)
     if input_error is None:
         idx = topk_idx.to(device=device, dtype=torch.int64)  # type: ignore[union-attr]
-        bad_ids = ((idx < -1) | (idx >= config.num_experts)).any()
-        flat = idx.reshape(-1)
-        route = torch.nonzero(flat >= 0).reshape(-1)  # token-major
-        expert = flat[route]
+        route, expert, counts, code = count_routes(config, idx)
         dest = torch.div(expert, el, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)  # by destination, token-major within
         send_route = route[order]
-        counts = torch.bincount(expert.clamp(0, n * el - 1), minlength=n * el)[: n * el]  # per (dest, local expert)
-        counts = torch.where(bad_ids, torch.zeros_like(counts), counts)
-        code = torch.where(bad_ids, torch.tensor(_ROUTING_CODE, device=device), torch.tensor(0, device=device))
     else:
         idx = None
         send_route = torch.zeros(0, dtype=torch.int64, device=device)
