@@ -24,7 +24,7 @@
 //             is the same sum), and finish writes only an error's NaN.
 // The copy kernels (send, place, finish) run kCopyThreads threads per block,
 // x.num_blocks blocks (default: 2 per multiprocessor), grid-stride over warp-sized
-// items, every lane with several 16-byte loads in flight.
+// items, every lane with several 16-byte loads in flight (read-only loads, streaming stores).
 // Every wait is bounded by the layer's timeout (%globaltimer): on expiry the
 // step's error gets MOE_EP_EXCHANGE_TIMEOUT, which travels to the peers in the
 // flags, and the kernels finish without the missing data.
@@ -91,7 +91,7 @@ __device__ uint64_t bounded_wait(const uint64_t* p, uint64_t t0, uint64_t timeou
   return v;
 }
 
-// One warp copies `bytes` bytes: 16-byte pieces, four per lane in flight, when both
+// One warp copies `bytes` bytes: 16-byte pieces, eight (then four) per lane in flight, when both
 // ends and the size allow; else 4-byte pieces or bytes.
 __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
@@ -100,11 +100,18 @@ __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t by
     int4* d4 = reinterpret_cast<int4*>(dst);
     const int64_t n = bytes / 16;
     int64_t i = lane;
-    for (; i + 96 < n; i += 128) {
-      const int4 v0 = s4[i], v1 = s4[i + 32], v2 = s4[i + 64], v3 = s4[i + 96];
-      d4[i] = v0, d4[i + 32] = v1, d4[i + 64] = v2, d4[i + 96] = v3;
+    for (; i + 224 < n; i += 256) {  // eight 16-byte loads in flight per lane (4 KiB per warp)
+      int4 v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = __ldg(s4 + i + 32 * j);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) __stcs(d4 + i + 32 * j, v[j]);  // streaming: written once, read by a later kernel
     }
-    for (; i < n; i += 32) d4[i] = s4[i];
+    for (; i + 96 < n; i += 128) {
+      const int4 v0 = __ldg(s4 + i), v1 = __ldg(s4 + i + 32), v2 = __ldg(s4 + i + 64), v3 = __ldg(s4 + i + 96);
+      __stcs(d4 + i, v0), __stcs(d4 + i + 32, v1), __stcs(d4 + i + 64, v2), __stcs(d4 + i + 96, v3);
+    }
+    for (; i < n; i += 32) __stcs(d4 + i, __ldg(s4 + i));
   } else if ((a & 3) == 0) {
     const int* s4 = reinterpret_cast<const int*>(src);
     int* d4 = reinterpret_cast<int*>(dst);
@@ -153,16 +160,28 @@ __device__ void publish(const Dev& d, int64_t off, uint64_t value) {
 __global__ void dispatch_begin(Dev d, int64_t T) {  // <<<1, 32>>>
   const int lane = threadIdx.x;
   const uint64_t seq = d.l.seq[0] + 1;
+  __syncwarp();  // every lane read the old step number
   if (lane == 0) {
     d.l.seq[0] = seq;
     *d.l.t_me = static_cast<int32_t>(T);
-    if (T == 0)
-      for (int64_t g = 0; g <= d.s.E; ++g) d.l.counts[g] = 0;
-    int64_t run = 0;
-    for (int64_t g = 0; g < d.s.E; ++g) {
-      d.l.excl[g] = static_cast<int32_t>(run);
-      run += d.l.counts[g];
-    }
+  }
+  if (T == 0)
+    for (int64_t g = lane; g <= d.s.E; g += 32) d.l.counts[g] = 0;
+  __syncwarp();
+  // excl[g] = counts[0] + ... + counts[g - 1]: each lane a contiguous run of experts,
+  // the runs' totals scanned across the warp.
+  const int64_t per = (d.s.E + 31) / 32, g0 = lane * per, g1 = g0 + per < d.s.E ? g0 + per : d.s.E;
+  int64_t mine = 0;
+  for (int64_t g = g0; g < g1; ++g) mine += d.l.counts[g];
+  int64_t incl = mine;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t u = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += u;
+  }
+  int64_t run = incl - mine;
+  for (int64_t g = g0; g < g1; ++g) {
+    d.l.excl[g] = static_cast<int32_t>(run);
+    run += d.l.counts[g];
   }
   const int32_t err = wait_peers(d, d.L.disp_ack, [seq](uint64_t v) { return v + 1 >= seq; }, false);
   if (lane == 0) *d.l.step_err = err;
@@ -222,23 +241,113 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   }
 }
 
-__global__ void dispatch_sync(Dev d, int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {  // <<<1, 32>>>
+constexpr int kSyncThreads = 256;  // threads of dispatch_sync's one block
+
+// The block's sum of one int64 per thread (every thread gets it); `scratch` holds kSyncThreads / 32 values.
+__device__ int64_t block_sum(int64_t v, int64_t* scratch) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();  // scratch is free (an earlier call's readers are done)
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  int64_t total = 0;
+  for (int w = 0; w < kSyncThreads / 32; ++w) total += scratch[w];
+  return total;
+}
+
+// The block's exclusive prefix of one int64 per thread, and the total; `scratch` as block_sum's.
+__device__ int64_t block_exclusive(int64_t v, int64_t* scratch, int64_t* total) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int64_t incl = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t u = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += u;
+  }
+  __syncthreads();
+  if (lane == 31) scratch[warp] = incl;
+  __syncthreads();
+  int64_t before = 0, all = 0;
+  for (int w = 0; w < kSyncThreads / 32; ++w) {
+    if (w < warp) before += scratch[w];
+    all += scratch[w];
+  }
+  *total = all;
+  return before + incl - v;
+}
+
+// ex::plan_from_table computed by one block of kSyncThreads threads (the same values:
+// integer sums, any order): the error bits of the count table (bad ids, overflow of C
+// on some rank), this rank's slab offsets off[El + 1], route counts nloc[El], per-source
+// prefixes pref[N * El] and the sources' token counts tsrc[N]; then the aligned slab
+// sizes and routes per local expert of the caller. Returns the bits (every thread).
+__device__ int32_t plan_from_table_block(const Dev& d, const int32_t* table, bool timed_out, int32_t* out_gs,
+                                         int32_t* out_tpe) {
+  __shared__ int64_t scratch[kSyncThreads / 32];
+  __shared__ int32_t s_err;
+  const ex::Shape& s = d.s;
+  const int64_t row = s.E + 2;
+  const int tid = threadIdx.x;
+  if (tid == 0) s_err = 0;
+  __syncthreads();
+  if (!timed_out) {
+    for (int32_t src = tid; src < s.N; src += kSyncThreads)
+      if (table[src * row + s.E] > 0) atomicOr(&s_err, ex::kBadId);
+    for (int32_t dst = 0; dst < s.N; ++dst) {
+      int64_t part = 0;
+      for (int64_t le = tid; le < s.El; le += kSyncThreads) {
+        int64_t n = 0;
+        for (int32_t src = 0; src < s.N; ++src) n += table[src * row + dst * s.El + le];
+        part += ex::align_up(n, s.A);
+      }
+      if (block_sum(part, scratch) > s.C && tid == 0) atomicOr(&s_err, ex::kOverflow);
+    }
+  }
+  // This rank's column, El entries in chunks of kSyncThreads: per-source prefixes, counts, and
+  // the slab offsets (an exclusive scan of the aligned counts, carried across chunks).
+  int64_t at = 0;
+  for (int64_t base = 0; base < s.El; base += kSyncThreads) {
+    const int64_t le = base + tid;
+    int64_t n = 0;
+    if (le < s.El) {
+      for (int32_t src = 0; src < s.N; ++src) {
+        d.l.pref[src * s.El + le] = static_cast<int32_t>(n);
+        n += timed_out ? 0 : table[src * row + static_cast<int64_t>(s.rank) * s.El + le];
+      }
+      d.l.nloc[le] = static_cast<int32_t>(n);
+    }
+    int64_t chunk = 0;
+    const int64_t before = at + block_exclusive(le < s.El ? ex::align_up(n, s.A) : 0, scratch, &chunk);
+    if (le < s.El) d.l.off[le] = static_cast<int32_t>(before > s.C ? s.C + 1 : before);
+    at += chunk;
+  }
+  if (tid == 0) d.l.off[s.El] = static_cast<int32_t>(at > s.C ? s.C + 1 : at);
+  for (int32_t src = tid; src < s.N; src += kSyncThreads) d.l.tsrc[src] = timed_out ? 0 : table[src * row + s.E + 1];
+  __syncthreads();  // off and nloc complete
+  for (int64_t le = tid; le < s.El; le += kSyncThreads) {
+    out_gs[le] = ex::group_size(s, d.l.off, le);
+    if (out_tpe != nullptr) out_tpe[le] = d.l.nloc[le];
+  }
+  return s_err;
+}
+
+__global__ void __launch_bounds__(kSyncThreads)
+    dispatch_sync(Dev d, int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {  // <<<1, kSyncThreads>>>
+  __shared__ int32_t s_wait;
   const uint64_t seq = d.l.seq[0];
-  int32_t err = *d.l.step_err;
-  publish(d, d.L.disp_flag, ex::flag_value(seq, err));
-  err |= wait_peers(d, d.L.disp_flag, [seq](uint64_t v) { return ex::flag_step(v) >= seq; }, true);
-  __syncwarp();
-  __threadfence_system();
+  if (threadIdx.x < 32) {
+    int32_t err = *d.l.step_err;
+    publish(d, d.L.disp_flag, ex::flag_value(seq, err));
+    err |= wait_peers(d, d.L.disp_flag, [seq](uint64_t v) { return ex::flag_step(v) >= seq; }, true);
+    if (threadIdx.x == 0) s_wait = err;
+  }
+  __syncthreads();
+  __threadfence_system();  // the peers' table rows, published before their flags, are read after this
+  const int32_t* table = reinterpret_cast<const int32_t*>(d.own + d.L.table);
+  const int32_t err = s_wait | plan_from_table_block(d, table, (s_wait & ex::kTimeout) != 0, out_gs, out_tpe);
   if (threadIdx.x == 0) {
-    const int32_t* table = reinterpret_cast<const int32_t*>(d.own + d.L.table);
-    err |= ex::plan_from_table(d.s, table, (err & ex::kTimeout) != 0, d.l.off, d.l.nloc, d.l.pref, d.l.tsrc);
     *d.l.step_err = err;
     atomicOr(d.l.sticky_err, err);
     *out_error = err;
-    for (int64_t le = 0; le < d.s.El; ++le) {
-      out_gs[le] = ex::group_size(d.s, d.l.off, le);
-      if (out_tpe != nullptr) out_tpe[le] = d.l.nloc[le];
-    }
   }
 }
 
@@ -639,7 +748,7 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
   MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_begin");
   dispatch_send<<<blocks, kCopyThreads, 0, st>>>(d, T, row_bytes, static_cast<const char*>(tokens), weights);
   MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_send");
-  dispatch_sync<<<1, 32, 0, st>>>(d, out_gs, out_tpe, out_error);
+  dispatch_sync<<<1, kSyncThreads, 0, st>>>(d, out_gs, out_tpe, out_error);
   MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_sync");
   dispatch_place<<<blocks, kCopyThreads, 0, st>>>(d, row_bytes, static_cast<const char*>(tokens),
                                                   static_cast<char*>(out_tokens), out_w, out_meta);
