@@ -172,13 +172,13 @@ def smoke(n: int) -> int:
     return status
 
 
-def timing(num_sms: int = 0) -> int:
+def timing(num_sms: int = 0, tokens: int = 4096, profile_kernels: bool = True) -> int:
     import torch
 
     from moe_ep_native.exchange import RANK_SUMS
 
     torch.cuda.set_device(0)
-    T, k, E, H = 4096, 8, 256, 7168
+    T, k, E, H = tokens, 8, 256, 7168
     rb = 2 * H
     cap = T * k
     layers = {}  # y's dtype -> a one-rank layer (float32 rows y, or bf16 rows y)
@@ -301,6 +301,10 @@ def timing(num_sms: int = 0) -> int:
           f"{med(graphs['combine (bf16 y)'].replay) * 1e3:8.1f} us (ratio {med(graphs['combine (bf16 y)'].replay) / bc['bf16']:5.2f})")
     from torch.profiler import ProfilerActivity, profile
 
+    if not profile_kernels:
+        for layer in layers.values():
+            layer.close()
+        return 0
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             disp()
@@ -319,6 +323,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", type=int, default=0)
     ap.add_argument("--time", action="store_true")
+    ap.add_argument("--tokens", type=int, action="append", default=None,
+                    help="with --time: tokens per rank (repeatable; default 4096; kernels listed for the first)")
     ap.add_argument("--sms", type=int, action="append", default=None,
                     help="with --time: the exchange's thread blocks (repeatable: one timing per value; 0 = default)")
     a = ap.parse_args()
@@ -327,5 +333,6 @@ if __name__ == "__main__":
         rc |= smoke(a.smoke)
     if a.time:
         for sms in a.sms or [0]:
-            rc |= timing(sms)
+            for n, tokens in enumerate(a.tokens or [4096]):
+                rc |= timing(sms, tokens, profile_kernels=n == 0)
     sys.exit(rc)

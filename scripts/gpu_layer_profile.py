@@ -27,6 +27,9 @@ def main() -> None:
     parser.add_argument("--mode", choices=("synced", "static", "device"), default="synced",
                         help="synced: host_sync=True; static: host_sync=False over NCCL; device: host_sync=False over "
                              "the native layer's device exchange")
+    parser.add_argument("--format", choices=("bf16", "mxfp8", "nvfp4"), default="bf16",
+                        help="the activation's, the weights', the combine's and the output's format (block-scaled: "
+                             "forward only, as the spec differentiates plain inputs only)")
     parser.add_argument("--intermediate-format", action="append", default=None,
                         help="repeatable; 'none' for the exact float32 FC2 operand (default: none and bf16)")
     args = parser.parse_args()
@@ -66,6 +69,16 @@ def main() -> None:
             samples.append(a.elapsed_time(b))
         return statistics.median(samples)
 
+    fmt = args.format
+    if fmt != "bf16":
+        from moe_ep_spec.formats import MoeFormat
+        from moe_ep_torch import formats as TF
+
+        f = MoeFormat(fmt)
+        with torch.no_grad():  # block-scaled weights as moe_ep_torch takes them: fc1 [E, 2I, H], fc2 [E, H, I]
+            x = TF.quantize(x.detach().float(), f)
+            w1 = TF.quantize(w1.detach().float().transpose(1, 2).contiguous(), f)
+            w2 = TF.quantize(w2.detach().float().transpose(1, 2).contiguous(), f)
     static = args.mode != "synced"
     align = 16
     extra = dict(max_tokens_per_rank=t, recv_capacity=t * k + e * (align - 1), expert_alignment=align) if static else {}
@@ -74,7 +87,8 @@ def main() -> None:
     for inter_name in args.intermediate_format or ["none", "bf16"]:
         inter = None if inter_name == "none" else inter_name
         config = MoeEpConfig(num_experts=e, hidden=h, intermediate=i, num_topk=k, num_ranks=1,
-                             intermediate_format=inter, generate_c=True, **extra)
+                             intermediate_format=inter, generate_c=True, output_format=fmt, combine_format=fmt,
+                             **extra)
 
         def fwd():
             with torch.no_grad():
@@ -85,10 +99,12 @@ def main() -> None:
                 p.grad = None
             cn.moe_ep(x, w1, w2, idx, tw, config=config, **call).backward(dy)
 
-        f_ms, fb_ms = timed(fwd, args.iters), timed(fwd_bwd, args.iters)
-        print(f"== intermediate_format {inter}: forward {f_ms:.3f} ms ({flops / f_ms / 1e9:.0f} TFLOP/s), "
-              f"forward+backward {fb_ms:.3f} ms", flush=True)
-        for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+        runs = [("forward", fwd)] + ([("forward+backward", fwd_bwd)] if fmt == "bf16" else [])
+        times = {name: timed(fn, args.iters) for name, fn in runs}
+        print(f"== format {fmt}, intermediate_format {inter}: forward {times['forward']:.3f} ms "
+              f"({flops / times['forward'] / 1e9:.0f} TFLOP/s)"
+              + (f", forward+backward {times['forward+backward']:.3f} ms" if len(runs) > 1 else ""), flush=True)
+        for name, fn in runs:
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 fn()
                 torch.cuda.synchronize()

@@ -134,6 +134,18 @@ __device__ __forceinline__ void warp_zero(char* dst, int64_t bytes, int lane) {
 __device__ __forceinline__ int64_t warp_id() { return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; }
 __device__ __forceinline__ int64_t num_warps() { return (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5; }
 
+// Programmatic dependent launch (sm_90): every kernel of a stage is launched with
+// programmatic stream serialization (launch()), so the next kernel of the chain is
+// launched while this one runs and waits here, instead of after it, for the whole
+// predecessor grid (its memory visible). First thing in every exchange kernel: wait,
+// then let the next kernel launch. Without the launch attribute both are no-ops.
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Waits for every peer's value at region[off][p] (lanes over peers); returns the OR of the
 // error bits the flags carry, plus kTimeout when one did not come. One warp.
 template <typename Ready>
@@ -158,6 +170,7 @@ __device__ void publish(const Dev& d, int64_t off, uint64_t value) {
 // ------------------------------------------------------------------ dispatch
 
 __global__ void dispatch_begin(Dev d, int64_t T) {  // <<<1, 32>>>
+  pdl_begin();
   const int lane = threadIdx.x;
   const uint64_t seq = d.l.seq[0] + 1;
   __syncwarp();  // every lane read the old step number
@@ -195,6 +208,7 @@ __global__ void dispatch_begin(Dev d, int64_t T) {  // <<<1, 32>>>
 __global__ void __launch_bounds__(kCopyThreads, 2)
     dispatch_send(Dev d, int64_t T, int64_t row_bytes, const char* __restrict__ tokens,
                   const float* __restrict__ weights) {
+  pdl_begin();
   const ex::Shape& s = d.s;
   const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t gthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -332,6 +346,7 @@ __device__ int32_t plan_from_table_block(const Dev& d, const int32_t* table, boo
 
 __global__ void __launch_bounds__(kSyncThreads)
     dispatch_sync(Dev d, int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {  // <<<1, kSyncThreads>>>
+  pdl_begin();
   __shared__ int32_t s_wait;
   const uint64_t seq = d.l.seq[0];
   if (threadIdx.x < 32) {
@@ -371,6 +386,7 @@ __device__ bool padding_row(const Dev& d, int64_t r) {
 __global__ void __launch_bounds__(kCopyThreads, 2)
     dispatch_place(Dev d, int64_t row_bytes, const char* __restrict__ tokens, char* __restrict__ out_tokens,
                    float* __restrict__ out_w, int32_t* __restrict__ out_meta) {
+  pdl_begin();
   const ex::Shape& s = d.s;
   const int lane = threadIdx.x & 31;
   const int64_t routes = s.N * s.Tmax * s.K;  // item = (src * Tmax + t) * K + k
@@ -407,6 +423,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
 }
 
 __global__ void stage_ack(Dev d, int which, int64_t ack_off) {  // <<<1, 32>>>
+  pdl_begin();
   publish(d, ack_off, d.l.seq[which]);
 }
 
@@ -511,6 +528,7 @@ __device__ __forceinline__ void copy_piece(float* to, const typename C::Elem* fr
 }
 
 __global__ void combine_begin(Dev d) {  // <<<1, 32>>>
+  pdl_begin();
   const uint64_t seq = d.l.seq[1] + 1;
   const int32_t err = wait_peers(d, d.L.comb_ack, [seq](uint64_t v) { return v + 1 >= seq; }, false);
   __syncwarp();
@@ -530,6 +548,7 @@ __global__ void combine_begin(Dev d) {  // <<<1, 32>>>
 template <typename Y, bool kVec, typename O>
 __global__ void __launch_bounds__(kCopyThreads, 2)
     combine_send(Dev d, const Y* __restrict__ y, const float* __restrict__ row_values, O* __restrict__ direct) {
+  pdl_begin();
   using C = Cols<Y, kVec>;
   const ex::Shape& s = d.s;
   const int32_t err = *d.l.step_err;
@@ -574,6 +593,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
 }
 
 __global__ void combine_sync(Dev d) {  // <<<1, 32>>>
+  pdl_begin();
   const uint64_t seq = d.l.seq[1];
   int32_t err = *d.l.step_err;
   publish(d, d.L.comb_flag, ex::flag_value(seq, err));
@@ -595,6 +615,7 @@ template <bool kVec, typename O>
 __global__ void __launch_bounds__(kCopyThreads, 2)
     combine_finish(Dev d, int64_t T, bool direct, O* __restrict__ out, float* __restrict__ out_values,
                    int32_t* out_error) {
+  pdl_begin();
   using C = Cols<float, kVec>;
   const ex::Shape& s = d.s;
   const int lane = threadIdx.x & 31;
@@ -636,6 +657,34 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// One kernel of a stage, launched with programmatic stream serialization (pdl_begin).
+template <typename... KArgs, typename... Args>
+cudaError_t launch(void (*kernel)(KArgs...), unsigned grid, unsigned block, cudaStream_t st, Args... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = st;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
+moe_ep_status launch_failed(const char* kernel, cudaError_t err) {
+  (void)cudaGetLastError();  // not left for the next check
+  return fail(MOE_EP_ERR_CUDA, std::string("CUDA kernel exchange ") + kernel + " failed: " + cudaGetErrorName(err) +
+                                   ": " + cudaGetErrorString(err));
+}
+
+#define MOE_EP_EX_LAUNCH(name, kernel, grid, block, st, ...)                         \
+  do {                                                                               \
+    const cudaError_t _e = launch(kernel, grid, block, st, __VA_ARGS__);             \
+    if (_e != cudaSuccess) return launch_failed(name, _e);                           \
+  } while (0)
+
 // combine_send for y of element type Y and output element O (at one rank combine_send
 // writes the output), 16-byte vectors where the rows and `direct` allow.
 template <typename Y, typename O>
@@ -644,9 +693,8 @@ moe_ep_status launch_combine_send(cudaStream_t st, unsigned blocks, const Dev& d
   const Y* rows = static_cast<const Y*>(y);
   const bool vec = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) &&
                    (direct == nullptr || aligned16(direct));
-  if (vec) combine_send<Y, true, O><<<blocks, kCopyThreads, 0, st>>>(d, rows, row_values, direct);
-  else combine_send<Y, false, O><<<blocks, kCopyThreads, 0, st>>>(d, rows, row_values, direct);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_send");
+  auto* kernel = vec ? combine_send<Y, true, O> : combine_send<Y, false, O>;
+  MOE_EP_EX_LAUNCH("combine_send", kernel, blocks, kCopyThreads, st, d, rows, row_values, direct);
   return MOE_EP_OK;
 }
 
@@ -656,19 +704,14 @@ moe_ep_status combine_as(cudaStream_t st, const Dev& d, int num_blocks, int64_t 
                          bool y_bf16, O* out, const float* row_values, float* out_values, int32_t* out_error) {
   const unsigned blocks = static_cast<unsigned>(num_blocks);
   O* direct = d.s.N == 1 ? out : nullptr;  // one rank: the sums go straight into out
-  combine_begin<<<1, 32, 0, st>>>(d);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_begin");
+  MOE_EP_EX_LAUNCH("combine_begin", combine_begin, 1, 32, st, d);
   if (y_bf16) MOE_EP_TRY(launch_combine_send<uint16_t>(st, blocks, d, y, row_values, direct));
   else MOE_EP_TRY(launch_combine_send<float>(st, blocks, d, y, row_values, direct));
-  combine_sync<<<1, 32, 0, st>>>(d);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_sync");
-  if (d.s.H % 4 == 0 && aligned16(out))
-    combine_finish<true><<<blocks, kCopyThreads, 0, st>>>(d, T, direct != nullptr, out, out_values, out_error);
-  else
-    combine_finish<false><<<blocks, kCopyThreads, 0, st>>>(d, T, direct != nullptr, out, out_values, out_error);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_finish");
-  stage_ack<<<1, 32, 0, st>>>(d, 1, comb_ack);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange combine_ack");
+  MOE_EP_EX_LAUNCH("combine_sync", combine_sync, 1, 32, st, d);
+  auto* finish = d.s.H % 4 == 0 && aligned16(out) ? combine_finish<true, O> : combine_finish<false, O>;
+  MOE_EP_EX_LAUNCH("combine_finish", finish, blocks, kCopyThreads, st, d, T, direct != nullptr, out, out_values,
+                   out_error);
+  MOE_EP_EX_LAUNCH("combine_ack", stage_ack, 1, 32, st, d, 1, comb_ack);
   return MOE_EP_OK;
 }
 
@@ -744,17 +787,13 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
   const unsigned blocks = static_cast<unsigned>(x.num_blocks);
-  dispatch_begin<<<1, 32, 0, st>>>(d, T);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_begin");
-  dispatch_send<<<blocks, kCopyThreads, 0, st>>>(d, T, row_bytes, static_cast<const char*>(tokens), weights);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_send");
-  dispatch_sync<<<1, kSyncThreads, 0, st>>>(d, out_gs, out_tpe, out_error);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_sync");
-  dispatch_place<<<blocks, kCopyThreads, 0, st>>>(d, row_bytes, static_cast<const char*>(tokens),
-                                                  static_cast<char*>(out_tokens), out_w, out_meta);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_place");
-  stage_ack<<<1, 32, 0, st>>>(d, 0, x.sym.disp_ack);
-  MOE_EP_CUDA_CHECK_LAUNCH("exchange dispatch_ack");
+  MOE_EP_EX_LAUNCH("dispatch_begin", dispatch_begin, 1, 32, st, d, T);
+  MOE_EP_EX_LAUNCH("dispatch_send", dispatch_send, blocks, kCopyThreads, st, d, T, row_bytes,
+                   static_cast<const char*>(tokens), weights);
+  MOE_EP_EX_LAUNCH("dispatch_sync", dispatch_sync, 1, kSyncThreads, st, d, out_gs, out_tpe, out_error);
+  MOE_EP_EX_LAUNCH("dispatch_place", dispatch_place, blocks, kCopyThreads, st, d, row_bytes,
+                   static_cast<const char*>(tokens), static_cast<char*>(out_tokens), out_w, out_meta);
+  MOE_EP_EX_LAUNCH("dispatch_ack", stage_ack, 1, 32, st, d, 0, x.sym.disp_ack);
   return MOE_EP_OK;
 }
 
