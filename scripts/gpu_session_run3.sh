@@ -13,6 +13,7 @@ step() {  # step NAME SECONDS CMD...: log under $o, print the tail
   timeout -k 5 "$secs" "$@" > "$o/$name.txt" 2>&1; echo "== $name rc=$?"; tail -n "${TAIL:-6}" "$o/$name.txt"
 }
 TAIL=30 step exchange-time 100 "$py" scripts/gpu_exchange_check.py --time --tokens 4096 --tokens 128
+TAIL=8 step exchange-time-place-plain 60 env MOE_EP_DISPATCH_PLACE=plain "$py" scripts/gpu_exchange_check.py --time --tokens 4096
 step exchange-smoke 60 "$py" scripts/gpu_exchange_check.py --smoke 2
 step tests-layer-exchange 170 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_layer.py \
   tests/test_native_exchange.py tests/test_native_exchange_nccl.py -k "cuda or nccl"
