@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call (2026-12-01, third session): the exchange after programmatic dependent
-# launch (timing at 4096 and 128 tokens, graph replays, kernels; the bench's dispatch and
-# combine rows), its CUDA tests and the EP 2 loopback smoke, the world-level mxfp8 fix on one
-# GPU, where the mxfp8 forward's time goes (device mode), and jax-ffi under memcheck.
+# launch (timing at 4096 and 128 tokens, graph replays, kernels; the dispatch's two copy
+# loops; the bench's dispatch and combine rows), its CUDA tests and the EP 2 loopback
+# smoke, the world-level mxfp8 fix on one GPU, jax-ffi under memcheck, and where the mxfp8
+# forward's time goes (device mode).
 #   OUT=/tmp/o bash scripts/gpu_session_run3.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +11,9 @@ o="${OUT:-reports}/run3"; mkdir -p "$o"
 . scripts/device_env.sh
 step() {  # step NAME SECONDS CMD...: log under $o, print the tail
   local name="$1" secs="$2"; shift 2
-  timeout -k 5 "$secs" "$@" > "$o/$name.txt" 2>&1; echo "== $name rc=$?"; tail -n "${TAIL:-6}" "$o/$name.txt"
+  local t0=$SECONDS
+  timeout -k 5 "$secs" "$@" > "$o/$name.txt" 2>&1; echo "== $name rc=$? ($((SECONDS - t0)) s)"
+  tail -n "${TAIL:-6}" "$o/$name.txt"
 }
 TAIL=30 step exchange-time 100 "$py" scripts/gpu_exchange_check.py --time --tokens 4096 --tokens 128
 TAIL=8 step exchange-time-place-plain 60 env MOE_EP_DISPATCH_PLACE=plain "$py" scripts/gpu_exchange_check.py --time --tokens 4096
@@ -18,12 +21,12 @@ step exchange-smoke 60 "$py" scripts/gpu_exchange_check.py --smoke 2
 step tests-layer-exchange 170 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_layer.py \
   tests/test_native_exchange.py tests/test_native_exchange_nccl.py -k "cuda or nccl"
 step tests-world-mxfp8 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_cuda_nccl_device_conformance.py -k one_gpu
-TAIL=12 step bench-exchange 90 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --tokens 128 --tokens 4096 \
-  --hidden 7168 --intermediate 2048 --experts 32 --topk 8 --format bf16 --backend cuda-nccl --op dispatch --op combine \
-  --json "$o/bench-exchange.json" --no-progress
-TAIL=22 step profile-mxfp8 90 "$py" scripts/gpu_layer_profile.py --mode device --format mxfp8 --intermediate-format bf16 --iters 3 --top 14
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 step jaxffi-build 60 env MOE_EP_NATIVE_CUDA=ON MOE_EP_CUDA_ARCHS=90a MOE_EP_NATIVE_CORE_LIBRARY="$PWD/.devbuild/libmoe_ep_native_core.a" \
   "$py" -m pip install -q --no-build-isolation --no-deps -e ./backends/jax -e ./backends/jax_ffi
-TAIL=8 step sanitizer-jax-ffi-memcheck 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-  "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 --quick --timeout 140
+TAIL=8 step sanitizer-jax-ffi-memcheck 130 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+  "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 --quick --timeout 120
+TAIL=12 step bench-exchange 80 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --tokens 128 --tokens 4096 \
+  --hidden 7168 --intermediate 2048 --experts 32 --topk 8 --format bf16 --backend cuda-nccl --op dispatch --op combine \
+  --json "$o/bench-exchange.json" --no-progress
+TAIL=22 step profile-mxfp8 80 "$py" scripts/gpu_layer_profile.py --mode device --format mxfp8 --intermediate-format bf16 --iters 3 --top 14
