@@ -189,6 +189,69 @@ __global__ void fc2_epilogue_vec4_kernel(float4* __restrict__ y, const float* __
   }
 }
 
+// The same for the block formats (mxfp8: 32 values a block, nvfp4: 16), four values a
+// lane: the kBlock / 4 lanes of a block load a float4 each, agree on the block's largest
+// magnitude with shuffles and round trip their values with the block's scale, exactly as
+// round_trip_block does (H a multiple of kBlock, y 16-byte aligned). Every lane of a
+// warp runs every iteration (the shuffles need them); lanes past the end only look.
+template <int kFmt, bool kWeight>
+__global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const float* __restrict__ w,
+                                               const int32_t* __restrict__ off, int num_experts, int64_t C,
+                                               int64_t H) {
+  constexpr int kGroup = block_of<kFmt>() / 4;  // lanes of one block
+  static_assert(kGroup == 8 || kGroup == 4, "fc2_epilogue_block_vec4_kernel: mxfp8 or nvfp4");
+  const int64_t q = H / 4;  // float4 per row (a multiple of kGroup: a block never crosses a row)
+  const int64_t total = C * q;
+  const int64_t end = off == nullptr ? C : off[num_experts];
+  const int lane = threadIdx.x & 31;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t base = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) - lane; base < total; base += stride) {
+    const int64_t t = base + lane;
+    const bool here = t < total;
+    const int64_t r = here ? t / q : 0;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (here && r < end) {
+      const float4 x = y[t];
+      v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+      if (kWeight) {
+        const float wr = w[r];
+        for (int j = 0; j < 4; ++j) v[j] = fmul(wr, v[j]);
+      }
+    }
+    BlockMax bm = block_max(v, 1, 4);
+    uint32_t nonfinite = bm.nonfinite ? 1u : 0u;
+#pragma unroll
+    for (int o = kGroup / 2; o > 0; o >>= 1) {  // the block's lanes are kGroup-aligned within the warp
+      const uint32_t a = __shfl_xor_sync(0xffffffffu, bm.amax, o);
+      bm.amax = a > bm.amax ? a : bm.amax;
+      nonfinite |= __shfl_xor_sync(0xffffffffu, nonfinite, o);
+    }
+    if (!here) continue;
+    if (r >= end) {
+      y[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      continue;
+    }
+    if constexpr (kFmt == MOE_EP_FORMAT_MXFP8) {
+      if (nonfinite) {
+        for (int j = 0; j < 4; ++j) v[j] = bitsf(kQuietNaN);
+      } else {
+        const int e = mxfp8_exponent(bm.amax);
+        const uint32_t scale_code = static_cast<uint32_t>(e + 127);
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t u = fbits(v[j]);
+          v[j] = mxfp8_decode(e4m3_mag_code(u & kAbsMask, e) | ((u >> 31) << 7), scale_code);
+        }
+      }
+    } else {
+      const uint32_t sidx = nvfp4_scale_index(bitsf(bm.amax));
+      const uint32_t code = nonfinite ? 0x7Fu : sidx;
+      const float value = e4m3_magnitude(sidx);
+      for (int j = 0; j < 4; ++j) v[j] = nvfp4_decode(nvfp4_code(fbits(v[j]), value), code);
+    }
+    y[t] = make_float4(v[0], v[1], v[2], v[3]);
+  }
+}
+
 // The expert output as bf16 rows (combine_format bf16: the encoding is the round
 // trip): y = bf16(w * z) or bf16(z), four values at a time (H a multiple of 4);
 // rows of no expert zero.
@@ -409,6 +472,17 @@ void launch_fc2_epilogue_as(unsigned blocks, cudaStream_t s, float* y, const flo
         fc2_epilogue_vec4_kernel<kBf16, true><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
       else
         fc2_epilogue_vec4_kernel<kBf16, false><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
+      return;
+    }
+  }
+  if constexpr (kFmt == MOE_EP_FORMAT_MXFP8 || kFmt == MOE_EP_FORMAT_NVFP4) {
+    if (H % block_of<kFmt>() == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0) {
+      const unsigned b = blocks_for(C * (H / 4));
+      float4* y4 = reinterpret_cast<float4*>(y);
+      if (weight)
+        fc2_epilogue_block_vec4_kernel<kFmt, true><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
+      else
+        fc2_epilogue_block_vec4_kernel<kFmt, false><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
       return;
     }
   }
