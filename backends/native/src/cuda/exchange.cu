@@ -30,7 +30,6 @@
 // flags, and the kernels finish without the missing data.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -383,9 +382,7 @@ __device__ bool padding_row(const Dev& d, int64_t r) {
 // One warp per received route (source rank, token, slot): its buffer row from the
 // gathered offsets (rowmap, weight, metadata) and the token row copied there (this
 // rank's own rows from `tokens`, the peers' from the region); then one warp per
-// padding row: zeros, weight 0, metadata -1. kPrefetch: a warp loads its next route's
-// record before copying the current row, so that load's latency hides behind the copy.
-template <bool kPrefetch>
+// padding row: zeros, weight 0, metadata -1.
 __global__ void __launch_bounds__(kCopyThreads, 2)
     dispatch_place(Dev d, int64_t row_bytes, const char* __restrict__ tokens, char* __restrict__ out_tokens,
                    float* __restrict__ out_w, int32_t* __restrict__ out_meta) {
@@ -393,18 +390,14 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   const ex::Shape& s = d.s;
   const int lane = threadIdx.x & 31;
   const int64_t routes = s.N * s.Tmax * s.K;  // item = (src * Tmax + t) * K + k
-  const int64_t stride = num_warps();
   const RouteMeta* meta = reinterpret_cast<const RouteMeta*>(d.own + d.L.dmeta);
-  RouteMeta next{-1, 0, 0.0f, 0};
-  if (kPrefetch && warp_id() < routes) next = meta[warp_id()];
-  for (int64_t item = warp_id(); item < routes + s.C; item += stride) {
+  for (int64_t item = warp_id(); item < routes + s.C; item += num_warps()) {
     if (item < routes) {
-      const RouteMeta m = kPrefetch ? next : meta[item];
-      if (kPrefetch && item + stride < routes) next = meta[item + stride];  // the region holds N * Tmax * K records
       const int64_t st = item / s.K;
       const int32_t src = static_cast<int32_t>(st / s.Tmax);
       const int64_t t = st % s.Tmax;
       if (t >= d.l.tsrc[src]) continue;
+      const RouteMeta m = meta[item];
       const int32_t row = m.le >= 0 ? ex::route_row(s, d.l.off, d.l.pref, src, m.le, m.pos) : -1;
       if (lane == 0) {
         d.l.rowmap[item] = row;
@@ -798,10 +791,7 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
   MOE_EP_EX_LAUNCH("dispatch_send", dispatch_send, blocks, kCopyThreads, st, d, T, row_bytes,
                    static_cast<const char*>(tokens), weights);
   MOE_EP_EX_LAUNCH("dispatch_sync", dispatch_sync, 1, kSyncThreads, st, d, out_gs, out_tpe, out_error);
-  // MOE_EP_DISPATCH_PLACE=plain|prefetch: a timing switch (default prefetch).
-  const char* place = std::getenv("MOE_EP_DISPATCH_PLACE");
-  auto* place_kernel = place != nullptr && std::strcmp(place, "plain") == 0 ? dispatch_place<false> : dispatch_place<true>;
-  MOE_EP_EX_LAUNCH("dispatch_place", place_kernel, blocks, kCopyThreads, st, d, row_bytes,
+  MOE_EP_EX_LAUNCH("dispatch_place", dispatch_place, blocks, kCopyThreads, st, d, row_bytes,
                    static_cast<const char*>(tokens), static_cast<char*>(out_tokens), out_w, out_meta);
   MOE_EP_EX_LAUNCH("dispatch_ack", stage_ack, 1, 32, st, d, 0, x.sym.disp_ack);
   return MOE_EP_OK;
