@@ -233,8 +233,11 @@ def test_a_kept_decode_that_holds_nan_flags_every_call_that_uses_it(monkeypatch)
         bf16, _, w1o, _ = P.operands(*_ops(rows, w1, w2), host_check=False)
         assert bf16 and torch.isnan(w1o.float()).sum() == 32
         assert P.inexact_decodes(torch.device("cpu")), f"call {call}: the record must say so every time"
-    # The synchronised mode reads the kept decode's flag too, and falls back to float32.
-    bf16, _, w1o, _ = P.operands(*_ops(rows, _weight("mxfp8", tiny=True), w2), host_check=True)
+    # The synchronised mode reads the kept decode's flag too (no new decode), and falls back to float32.
+    spy = _Spy(monkeypatch)
+    P._VERDICTS.clear()  # no verdict: the host reads the flags of this call
+    bf16, _, w1o, _ = P.operands(*_ops(rows, w1, w2), host_check=True)
+    assert spy.calls == [], "both weights come from their kept decodes"
     assert not bf16 and (w1o[1, 32:, 5] == TINY).all()
 
 
@@ -252,7 +255,7 @@ def test_kept_decodes_die_with_their_weight_and_can_be_turned_off(monkeypatch):
     w = _weight("mxfp8")
     assert P.decoded_weight(w, None) is not P.decoded_weight(w, None) and not P._DECODED
     monkeypatch.setenv(P.WEIGHT_CACHE_ENV, "yes")
-    with pytest.raises(P.E.MoeEpError, match=r"MOE_EP_CUDA_NCCL_WEIGHT_CACHE must be '0' .* got 'yes'"):
+    with pytest.raises(P.E.ConfigError, match=r"MOE_EP_CUDA_NCCL_WEIGHT_CACHE must be '0' .* got 'yes'"):
         P.decoded_weight(w, None)
 
 

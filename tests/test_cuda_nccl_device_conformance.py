@@ -261,6 +261,11 @@ def test_the_inexact_check_reads_flags_only_for_low_scale_codes(monkeypatch) -> 
     exact = dataclasses.replace(world[1], activation=F.quantize(act, "mxfp8", axis=1))
     assert (exact.activation.scale_codes() <= 2).all()
     assert not W._decodes_inexactly(*ops(exact)) and calls == [False]
+    # all-zero blocks (padding, pruned weights) have scale code 0 and no values: no decode
+    calls.clear()
+    zeros = dataclasses.replace(world[1], activation=F.quantize(np.zeros((2, EXTREME_CONFIG.hidden)), "mxfp8", axis=1))
+    assert (zeros.activation.scale_codes() == 0).all()
+    assert not W._decodes_inexactly(*ops(zeros)) and calls == []
     assert not P.inexact_decodes(cpu), "the check does not touch the device record"
 
 

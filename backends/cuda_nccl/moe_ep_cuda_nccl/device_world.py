@@ -25,8 +25,9 @@ Per call, before any device stage:
   cannot hold (an mxfp8 magnitude below 2^-126 off bf16's grid: scale codes 0..2)
   would decode to NaN, and through the combine that NaN would reach the other
   ranks' tokens. So each rank checks its own mxfp8 inputs on the host first
-  (:func:`_decodes_inexactly`: a screen of the scale codes, then, only when a code
-  is below 3, the decode's flag, read as the host-synchronised mode reads it) and
+  (:func:`_decodes_inexactly`: a screen of the scale codes, then, only when a block
+  with values has a code below 3, the decode's flag, read as the host-synchronised
+  mode reads it) and
   shares the verdict in the table; when any rank's decode would be inexact, every
   rank runs that call on exact float32 operands (the inputs decoded to float32
   before the dispatch: the host-synchronised mode's fallback, taken by all ranks
@@ -127,8 +128,8 @@ def _counts(config: MoeEpConfig, topk_idx: Any) -> Tuple[torch.Tensor, torch.Ten
     """``(idx int64 [T, K], counts [E] int64, code [])`` on the CPU (:func:`moe_ep_torch.core.count_routes`,
     the counting of :func:`moe_ep_torch.core.make_plan`)."""
     idx = torch.from_numpy(np.asarray(topk_idx).astype(np.int64))
-    _, _, counts, code = core.count_routes(config, idx)
-    return idx, counts, code
+    rc = core.count_routes(config, idx)
+    return idx, rc.counts, rc.code
 
 
 class _Table:
@@ -242,13 +243,27 @@ def _rank_inputs(inputs: RankInputs, device: torch.device) -> Tuple[Any, Any, An
 _MXFP8_BF16_EXACT_SCALE = 3
 
 
+def _low_scale_with_values(t: TF.TorchBlockScaled) -> torch.Tensor:
+    """``[] bool``: whether some block of an mxfp8 tensor has a scale code below 3 and a
+    nonzero code (an all-zero block, padding or pruned weights, has scale code 0 and is
+    exact). Blocks of 32 along the last axis; when the codes' length is not 32 per
+    scale, every low-scale block counts (no values looked at)."""
+    data, scale = TF.raw(t)
+    low = scale < _MXFP8_BF16_EXACT_SCALE
+    nb = scale.shape[-1]
+    if data.shape[-1] != 32 * nb:
+        return low.any()
+    values = (data.reshape(*data.shape[:-1], nb, 32) & 0x7F).ne(0).any(-1)
+    return (low & values).any()
+
+
 def _decodes_inexactly(activation: Any, fc1: Any, fc2: Any) -> bool:
     """Whether this rank's inputs would run on bf16 operands (:func:`moe_ep_cuda_nccl.device_exchange._bf16`)
     and the bf16 decode of one of them would hold a value bf16 cannot hold (decoded to NaN).
 
-    Checked on the host, before any stage: the mxfp8 inputs' scale codes are screened
-    (one read; nothing more when none is below 3, the usual case), then only those with
-    such a code are decoded (:func:`moe_ep_cuda_nccl.prims.dequantize_bf16`, the layer's
+    Checked on the host, before any stage: the mxfp8 inputs' blocks are screened
+    (:func:`_low_scale_with_values`, one read; nothing more when no block with values
+    has a scale code below 3, the usual case), then only the inputs with such a block are decoded (:func:`moe_ep_cuda_nccl.prims.dequantize_bf16`, the layer's
     decode) with fresh flags, read in one synchronisation as the host-synchronised
     mode's check does (:func:`moe_ep_cuda_nccl.prims.operands`). The device record of
     :func:`moe_ep_cuda_nccl.prims.inexact_decodes` is not touched: these decodes are
@@ -260,7 +275,7 @@ def _decodes_inexactly(activation: Any, fc1: Any, fc2: Any) -> bool:
              if isinstance(t, TF.TorchBlockScaled) and t.format is MoeFormat.MXFP8 and t.data.numel()]
     if not maybe:
         return False  # nvfp4 and bf16 are exact in bf16 by construction
-    low = torch.stack([(TF.raw(t)[1] < _MXFP8_BF16_EXACT_SCALE).any() for t, _ in maybe]).tolist()
+    low = torch.stack([_low_scale_with_values(t) for t, _ in maybe]).tolist()
     maybe = [m for m, is_low in zip(maybe, low) if is_low]
     if not maybe:
         return False

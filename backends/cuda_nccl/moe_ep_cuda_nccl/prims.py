@@ -293,31 +293,68 @@ def _capturing(t: Any) -> bool:
 
 #: ``0``: decode block-scaled weights on every call instead of keeping their bf16 decode.
 WEIGHT_CACHE_ENV = "MOE_EP_CUDA_NCCL_WEIGHT_CACHE"
-#: The bf16 decodes of block-scaled weights: id(data) -> (weakref to data, _verdict_key, decode, own flag,
-#: CUDA event recorded after the decode or None).
-_DECODED: Dict[int, Tuple[Any, Tuple[Any, ...], torch.Tensor, Optional[torch.Tensor], Any]] = {}
+
+
+@dataclass
+class _KeptDecode:
+    """One kept bf16 decode of a block-scaled weight (:func:`decoded_weight`).
+
+    Attributes:
+        data, scale: weak references to the weight's codes and scales (the entry is
+            dropped with the codes; a different scale tensor never matches).
+        key: :func:`_verdict_key` of the weight when it was decoded.
+        decoded: ``[E, K, N] bfloat16``: the decode.
+        flag: ``[1] int32``: the decode's own inexact flag (None for nvfp4: always exact).
+        done: a CUDA event recorded after the decode on its stream (None on CPU).
+    """
+
+    data: Any
+    scale: Any
+    key: Tuple[Any, ...]
+    decoded: torch.Tensor
+    flag: Optional[torch.Tensor]
+    done: Any
+
+
+#: The kept bf16 decodes of block-scaled weights, by id of the codes tensor.
+_DECODED: Dict[int, _KeptDecode] = {}
 
 
 def _weight_cache_on() -> bool:
     value = os.environ.get(WEIGHT_CACHE_ENV, "1")
     if value not in ("0", "1"):
-        raise E.MoeEpError(f"{WEIGHT_CACHE_ENV} must be '0' (decode weights every call) or '1' (keep the decode); "
-                           f"got {value!r}")
+        raise E.ConfigError(
+            f"{WEIGHT_CACHE_ENV} must be '0' (decode weights every call) or '1' (keep the decode); got {value!r}",
+            field=WEIGHT_CACHE_ENV, value=value,
+        )
     return value == "1"
+
+
+def _drop_decode(ref: Any, ident: int) -> None:
+    """The weak reference's callback: forget the entry of codes that died. No lock: it may
+    run inside a garbage collection on a thread that holds ``_OPERANDS_LOCK`` (dict reads
+    and ``pop`` are atomic; a racing new entry for the same id is at worst decoded again)."""
+    live = _DECODED.get(ident)
+    if live is not None and live.data is ref:
+        _DECODED.pop(ident, None)
 
 
 def decoded_weight(t: TF.TorchBlockScaled, inexact: Optional[torch.Tensor]) -> torch.Tensor:
     """A block-scaled expert weight (stored ``[E, N, K]``) as ``[E, K, N] bfloat16``
-    (:func:`dequantize_bf16` with ``weight=True``), decoded once and kept while it is
-    the same tensor object with the same memory and version counters (``_version``:
-    an in-place update, an optimizer step, bumps it and the next call decodes again;
-    the forward and the backward of one step share one decode).
+    (:func:`dequantize_bf16` with ``weight=True``), decoded once and kept while its codes
+    and scales are the same tensor objects with the same memory and version counters
+    (``_version``: an in-place update, an optimizer step, bumps it and the next call
+    decodes again; the forward and the backward of one step share one decode).
 
     The decode's own inexact flag is kept with it and ORed into ``inexact`` on every
-    use (one small device operation, no synchronisation), so a cached decode that
+    use (one small device operation, no synchronisation), so a kept decode that
     holds NaN flags every call that uses it, as a fresh decode would.
 
-    Not cached: inside a CUDA-graph capture (a replay must read the weight's memory
+    A write the version counter does not see (through ``.data``, a raw pointer, DLPack,
+    another process) leaves the old decode in use: call :func:`forget_decoded_weights`
+    after such a write, or set ``MOE_EP_CUDA_NCCL_WEIGHT_CACHE=0``.
+
+    Not kept: inside a CUDA-graph capture (a replay must read the weight's memory
     as it is then, so the decode is captured), and with ``MOE_EP_CUDA_NCCL_WEIGHT_CACHE=0``.
     The memory kept is one bf16 copy of each live block-scaled weight; it is freed
     with the weight (a weak reference) or by :func:`forget_decoded_weights`.
@@ -325,35 +362,32 @@ def decoded_weight(t: TF.TorchBlockScaled, inexact: Optional[torch.Tensor]) -> t
     if _capturing(t.data) or not _weight_cache_on():
         return dequantize_bf16(t, inexact, weight=True)
     key = _verdict_key(t)
+    ident = id(t.data)
     with _OPERANDS_LOCK:
-        entry = _DECODED.get(id(t.data))
-    if entry is None or entry[0]() is not t.data or entry[1] != key:
-        own = None if t.format is MoeFormat.NVFP4 else torch.zeros(1, dtype=torch.int32, device=t.data.device)
-        decoded = dequantize_bf16(t, own, weight=True)
-        ident = id(t.data)
-
-        def _drop(_ref: Any, ident: int = ident) -> None:
-            with _OPERANDS_LOCK:
-                live = _DECODED.get(ident)
-                if live is not None and live[0] is _ref:
-                    del _DECODED[ident]
-
+        entry = _DECODED.get(ident)
+    if entry is None or entry.data() is not t.data or entry.scale() is not t.scale or entry.key != key:
+        device = t.data.device
+        flag = None if t.format is MoeFormat.NVFP4 else torch.zeros(1, dtype=torch.int32, device=device)
+        decoded = dequantize_bf16(t, flag, weight=True)
         done = None
-        if decoded.device.type == "cuda":
+        if device.type == "cuda":
             done = torch.cuda.Event()
-            done.record()
-        entry = (weakref.ref(t.data, _drop), key, decoded, own, done)
+            done.record(torch.cuda.current_stream(device))
+        entry = _KeptDecode(weakref.ref(t.data, lambda ref, ident=ident: _drop_decode(ref, ident)),
+                            weakref.ref(t.scale), key, decoded, flag, done)
         with _OPERANDS_LOCK:
             _DECODED[ident] = entry
-    elif entry[4] is not None:
-        # A decode made on another stream: this stream waits for it, and the memory is
-        # not reused before this stream's work on it is done (if the entry is dropped).
-        stream = torch.cuda.current_stream(entry[2].device)
-        stream.wait_event(entry[4])
-        entry[2].record_stream(stream)
-    if inexact is not None and entry[3] is not None:
-        inexact.bitwise_or_(entry[3])
-    return entry[2]
+    elif entry.done is not None:
+        # A decode made on another stream: this stream waits for it, and its memory is not
+        # reused before this stream's work on it is done (should the entry be dropped).
+        stream = torch.cuda.current_stream(entry.decoded.device)
+        stream.wait_event(entry.done)
+        entry.decoded.record_stream(stream)
+        if entry.flag is not None:
+            entry.flag.record_stream(stream)
+    if inexact is not None and entry.flag is not None:
+        inexact.bitwise_or_(entry.flag)
+    return entry.decoded
 
 
 def forget_decoded_weights() -> None:

@@ -34,7 +34,7 @@ import uuid
 import warnings
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from moe_ep_spec.errors import NativeError
+from moe_ep_spec.errors import ConfigError, DTypeError, NativeError
 
 from ._capi import DType, LayerConfig, Status, call, has_nccl, load
 from .comm import Communicator, unique_id
@@ -166,7 +166,8 @@ class ExchangeLayer(Layer):
             NativeArgumentError: ``comm`` does not match the layer (ranks, rank, device).
         """
         if not isinstance(comm, Communicator):
-            raise TypeError(f"comm must be a moe_ep_native.comm.Communicator; got {type(comm).__name__}")
+            raise DTypeError(f"comm must be a moe_ep_native.comm.Communicator; got {type(comm).__name__}",
+                             name="comm", expected="moe_ep_native.comm.Communicator", got=type(comm).__name__)
         call("moe_ep_layer_set_peers_nccl", self._handle, comm._live())
 
     def dispatch(self, stream, num_tokens, row_bytes, tokens, topk_idx, topk_weights, out_tokens, out_weights,
@@ -191,10 +192,12 @@ class ExchangeLayer(Layer):
         return int(bits.value)
 
     def close(self) -> None:
-        super().close()
-        if self.provider is not None:
-            self.provider.close()
-            self.provider = None
+        try:
+            super().close()
+        finally:  # the provider (an NCCL communicator) goes even when the layer's destroy reported an error
+            if self.provider is not None:
+                provider, self.provider = self.provider, None
+                provider.close()
 
 
 class Loopback:
@@ -294,13 +297,14 @@ def connect_nccl(layer: ExchangeLayer, store: Any, prefix: str, timeout_s: Optio
     ``layer.close()`` destroys after the layer.
 
     Raises:
-        ValueError: a CPU layer.
+        ConfigError: a CPU layer.
         NativeError: ``MOE_EP_ERR_UNSUPPORTED`` (see :meth:`ExchangeLayer.set_peers_nccl`;
             a build without the NCCL transport says so on every rank, before the store);
             TransportError when the communicator does not form or NCCL fails.
     """
     if layer.cuda_device is None:
-        raise ValueError("connect_nccl: the NCCL provider serves CUDA layers only (a CPU layer: connect_loopback)")
+        raise ConfigError("connect_nccl: the NCCL provider serves CUDA layers only; got a CPU layer (use connect_loopback, "
+                          "provider 'ipc')", field="provider", value="nccl")
     if not has_nccl():
         raise _unsupported(
             "moe_ep_layer_set_peers_nccl",
@@ -371,7 +375,8 @@ def connect(layer: ExchangeLayer, store: Any, prefix: str, provider: str = "auto
     Returns the provider object (also ``layer.provider``; ``layer.close()`` closes it).
     """
     if provider not in PROVIDERS:
-        raise ValueError(f"provider must be one of {', '.join(repr(p) for p in PROVIDERS)}; got {provider!r}")
+        raise ConfigError(f"provider must be one of {', '.join(repr(p) for p in PROVIDERS)}; got {provider!r}",
+                          field="provider", value=provider)
     if provider == "ipc":
         return connect_loopback(layer, store, prefix)
     if provider == "nccl":
@@ -386,9 +391,10 @@ def connect(layer: ExchangeLayer, store: Any, prefix: str, provider: str = "auto
     distinct = len({g for _, g in where}) == n
     if not distinct:
         if not one_host:
-            raise ValueError(
+            raise ConfigError(
                 "connect: some ranks share a GPU (NCCL refuses that) and the ranks are on more than one host (the "
-                "IPC loopback needs one): no peer provider fits; put every rank on its own GPU"
+                "IPC loopback needs one): no peer provider fits; put every rank on its own GPU; got (host, GPU) per "
+                f"rank: {[tuple(w) for w in where]}", field="provider", value="auto",
             )
         return connect_loopback(layer, store, prefix)
     try:

@@ -31,7 +31,7 @@ from moe_ep_spec.formats import MoeFormat
 from . import formats as TF
 
 __all__ = [
-    "Plan", "Primitives", "TORCH", "make_plan", "count_routes", "share_table", "route_payload", "cotangent", "exchange",
+    "Plan", "Primitives", "TORCH", "make_plan", "RouteCounts", "count_routes", "share_table", "route_payload", "cotangent", "exchange",
     "exchange_back", "forward", "backward", "ERROR_CODES",
 ]
 
@@ -284,16 +284,27 @@ def share_table(
     return per, [[int(v) for v in row[n * el + 3 :]] for row in table]
 
 
-def count_routes(
-    config: MoeEpConfig, idx: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's routes in ``idx`` (``[T, K] int64`` expert ids), on its device, as
-    :func:`make_plan` counts them for :func:`share_table`: ``(route, expert, counts,
-    code)``: the route ids ``token * K + slot`` of the routed slots (id >= 0),
-    token-major, and their experts; the routes per global expert ``[num_experts]
-    int64`` (= per (destination rank, local expert); all zero when an id is bad); the
-    error code ``[]``: 0, or the RoutingIndexError code when an id lies outside
-    ``[-1, num_experts)``."""
+@dataclass(frozen=True)
+class RouteCounts:
+    """This rank's routes as :func:`make_plan` counts them for :func:`share_table`.
+
+    Attributes:
+        route: ``[R] int64``: the route ids ``token * K + slot`` of the routed slots (id >= 0), token-major.
+        expert: ``[R] int64``: their global experts.
+        counts: ``[num_experts] int64``: routes per global expert (= per (destination rank, local
+            expert)); all zero when an id is bad.
+        code: ``[] int64``: 0, or the RoutingIndexError code when an id lies outside ``[-1, num_experts)``.
+    """
+
+    route: torch.Tensor
+    expert: torch.Tensor
+    counts: torch.Tensor
+    code: torch.Tensor
+
+
+def count_routes(config: MoeEpConfig, idx: torch.Tensor) -> RouteCounts:
+    """:class:`RouteCounts` of ``idx`` (``[T, K] int64`` expert ids), on its device, with no
+    host synchronisation."""
     e = config.num_experts
     bad_ids = ((idx < -1) | (idx >= e)).any()
     flat = idx.reshape(-1)
@@ -302,7 +313,7 @@ def count_routes(
     counts = torch.bincount(expert.clamp(0, e - 1), minlength=e)[:e]
     counts = torch.where(bad_ids, torch.zeros_like(counts), counts)
     code = torch.where(bad_ids, torch.tensor(_ROUTING_CODE, device=idx.device), torch.tensor(0, device=idx.device))
-    return route, expert, counts, code
+    return RouteCounts(route, expert, counts, code)
 
 
 def make_plan(
@@ -330,7 +341,8 @@ def make_plan(
     rank = dist.get_rank(group)
     if input_error is None:
         idx = topk_idx.to(device=device, dtype=torch.int64)  # type: ignore[union-attr]
-        route, expert, counts, code = count_routes(config, idx)
+        rc = count_routes(config, idx)
+        route, expert, counts, code = rc.route, rc.expert, rc.counts, rc.code
         dest = torch.div(expert, el, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)  # by destination, token-major within
         send_route = route[order]

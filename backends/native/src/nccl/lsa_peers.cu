@@ -120,6 +120,9 @@ moe_ep_status ex_release(NcclWindow* w) {
     const char* op = "moe_ep_layer_destroy";
     if (!guard.ok())
       keep(fail(MOE_EP_ERR_CUDA, std::string(op) + ": cudaSetDevice(" + std::to_string(w->device) + ") failed"));
+    // No kernel may still be storing through the window's mappings when they go.
+    if (guard.ok() && cudaDeviceSynchronize() != cudaSuccess)
+      keep(fail(MOE_EP_ERR_CUDA, std::string(op) + ": cudaDeviceSynchronize before releasing the NCCL window failed"));
     if (w->has_dev_comm) {
       const ncclResult_t r = ncclDevCommDestroy(w->comm, &w->dev_comm);
       keep(r == ncclSuccess ? MOE_EP_OK
