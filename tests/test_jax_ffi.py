@@ -411,6 +411,71 @@ def test_expert_forward_and_backward_match_the_xla_provider(fmt, apply, clamp, i
     assert not np.asarray(grads[2][1]).any() and not np.asarray(grads[3][1]).any()  # the empty expert
 
 
+# ----------------------------------------------------------------------------- block-scaled operands in bf16
+
+#: An mxfp8 value bf16 cannot hold: E4M3 3 * 2^-9 at scale code 0 is 3 * 2^-136, not a
+#: multiple of bf16's smallest subnormal 2^-133 (a block of such values gets scale code 0).
+_TINY = np.float32(3 * 2.0**-136)
+
+
+def test_dequantize_bf16_is_exact_or_nan_with_the_flag() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    for fmt in ("mxfp8", "nvfp4"):
+        t = F.from_numpy(spec_quantize(x, fmt, axis=1))
+        values, inexact = _run(KF.dequantize_bf16, t)
+        assert values.dtype == jnp.bfloat16 and not bool(inexact), fmt
+        want = np.asarray(spec_dequantize(spec_quantize(x, fmt, axis=1)), np.float32)
+        assert np.array_equal(np.asarray(values, np.float32), want), f"{fmt}: exact bf16 values"
+    x[2, :32] = _TINY  # one block of values bf16 cannot hold
+    t = F.from_numpy(spec_quantize(x, "mxfp8", axis=1))
+    assert int(np.asarray(t.scale, np.float32).reshape(6, 2)[2, 0] == 2.0**-127) == 1  # scale code 0
+    values, inexact = _run(KF.dequantize_bf16, t)
+    got = np.asarray(values, np.float32)
+    assert bool(inexact)
+    assert np.isnan(got[2, :32]).all() and np.isnan(got).sum() == 32, "exactly the values bf16 cannot hold are NaN"
+    want = np.asarray(spec_dequantize(spec_quantize(x, "mxfp8", axis=1)), np.float32)
+    ok = ~np.isnan(got)
+    assert np.array_equal(got[ok], want[ok])
+    with _raises("moe_ep_dequantize_bf16: attribute format must be 2 (mxfp8) or 3 (nvfp4); got 1"):
+        _ffi("moe_ep_dequantize_bf16", [_sds((6, 64, 1), jnp.uint16), _sds((1,), jnp.int32)],
+             jnp.zeros((6, 64, 1), jnp.uint16), jnp.zeros((6, 0, 1), jnp.uint8), jnp.zeros((1,), jnp.int32),
+             format=np.int32(1), n=64)
+
+
+@pytest.mark.parametrize("where", ["x", "fc1"])
+def test_block_scaled_operands_run_in_bf16_and_fall_back_to_float32_when_bf16_cannot_hold_them(where) -> None:
+    """mxfp8 inputs decode to bf16 operands (the tensor-core path on CUDA); a value bf16
+    cannot hold makes the call take float32 operands instead (lax.cond on the decode's
+    flag): the results equal the float32 operands' and hold no NaN."""
+    cfg = MoeEpConfig(num_experts=_EL, hidden=_H, intermediate=_I, num_topk=2, num_ranks=1)
+    x, w, w1, w2 = _expert_inputs(6, "fp32")
+    x, w1, w2 = np.asarray(x), np.asarray(w1), np.asarray(w2)
+    if where == "x":
+        x = x.copy()
+        x[1, :32] = _TINY
+    else:
+        w1 = w1.copy()
+        w1[0, :32, 3] = _TINY  # fc1 [E, H, 2I] blocked along H
+    enc = [F.from_numpy(spec_quantize(a, "mxfp8", axis=1)) for a in (x, w1, w2)]
+    dec = [jnp.asarray(spec_dequantize(spec_quantize(a, "mxfp8", axis=1)), jnp.float32) for a in (x, w1, w2)]
+    dy = jnp.asarray(np.random.default_rng(7).standard_normal((_C, _H)).astype(np.float32))
+
+    def fwd_bwd(x, w, w1, w2, gs, dy):
+        y, c = KF.expert_forward(cfg, x, w, w1, w2, gs)
+        return (y, c), KF.expert_backward(cfg, x, w, w1, w2, F.round_to_bf16(c), dy, gs)
+
+    (y, c), grads = _run(fwd_bwd, *enc[:1], w, *enc[1:], _GROUPS, dy)
+    (y_f, c_f), grads_f = _run(fwd_bwd, dec[0], w, dec[1], dec[2], _GROUPS, dy)
+    for name, a, b in (("y", y, y_f), ("c", c, c_f)) + tuple(zip(("dx", "dw", "dfc1", "dfc2"), grads, grads_f)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert not np.isnan(a).any(), f"{name}: a NaN of the bf16 decode reached the result"
+        assert np.array_equal(a, b), f"{name}: the fallback must give the float32 operands' numbers"
+    text = jax.jit(lambda x, w, w1, w2, gs: KF.expert_forward(cfg, x, w, w1, w2, gs)).lower(
+        enc[0], w, enc[1], enc[2], _GROUPS).as_text()
+    assert "moe_ep_dequantize_bf16" in text and ("cond" in text or "case" in text), "bf16 decode, then a choice"
+
+
 # ----------------------------------------------------------------------------- handlers reject bad sizes
 
 

@@ -259,6 +259,46 @@ auto BindDequantize(B b) {
       .template Attr<int64_t>("n");            // the logical extent of the blocked axis
 }
 
+// moe_ep_dequantize_bf16 over the [outer, n, inner] view: the exact bf16 bits of the
+// values (NaN where bf16 cannot hold one), and the inexact flag ORed into `flag`, which
+// aliases the zeroed input `flag_in` (XLA gives no zeroed outputs).
+ffi::Error DequantizeBf16(Dev dev, ffi::AnyBuffer data, ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::S32> flag_in,
+                          ffi::Result<ffi::Buffer<ffi::U16>> out, ffi::Result<ffi::Buffer<ffi::S32>> flag,
+                          int32_t format, int64_t n) {
+  constexpr const char* kT = "moe_ep_dequantize_bf16";
+  if (format != MOE_EP_FORMAT_MXFP8 && format != MOE_EP_FORMAT_NVFP4)
+    return Invalid(kT, "attribute format must be 2 (mxfp8) or 3 (nvfp4)", std::to_string(format));
+  MOE_EP_FFI_TRY(ExpectAtLeast(kT, "n", n, 0));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "out", "[outer, n, inner]", out->dimensions(), 3));
+  const int64_t outer = out->dimensions()[0], inner = out->dimensions()[2];
+  MOE_EP_FFI_TRY(ExpectShape(kT, "out", "[outer, n, inner] (n: attribute)", out->dimensions(), {outer, n, inner}));
+  MOE_EP_FFI_TRY(ExpectDtype(kT, "data", data.element_type(), DataDtype(format),
+                             std::string(" for format ") + std::to_string(format) + " (" + FormatName(format) + ")"));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "data", DataLayout(format), data.dimensions(), {outer, DataExtent(format, n), inner}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "scale", ScaleLayout(format), scale.dimensions(), {outer, ScaleExtent(format, n), inner}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "flag", "[1]", flag->dimensions(), {1}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "flag_in", "[1]", flag_in.dimensions(), {1}));
+  if (flag_in.untyped_data() != flag->untyped_data())
+    return Invalid(kT, "flag must alias flag_in (input_output_aliases={2: 1})", "separate buffers");
+  return FromStatus(kT, moe_ep_dequantize_bf16(dev.device, dev.stream, static_cast<moe_ep_format>(format),
+                                           DataOrNull(data), DataOrNull(scale), outer, n, inner, 0,
+                                           static_cast<uint16_t*>(DataOrNull(*out)),
+                                           static_cast<int32_t*>(flag->untyped_data())));
+}
+
+template <typename B>
+auto BindDequantizeBf16(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // data: mxfp8 or nvfp4 codes, layout as moe_ep_quantize's data
+      .template Arg<ffi::Buffer<ffi::U8>>()    // scale: block scales as moe_ep_quantize's
+      .template Arg<ffi::Buffer<ffi::S32>>()   // flag_in [1] s32: zero (aliased to the flag result)
+      .template Ret<ffi::Buffer<ffi::U16>>()   // out [outer, n, inner] u16: bf16 bits of the exact values, NaN where
+                                               //   bf16 cannot hold one
+      .template Ret<ffi::Buffer<ffi::S32>>()   // flag [1] s32: 1 when some value was not a bf16 value, else 0
+      .template Attr<int32_t>("format")        // 2 mxfp8, 3 nvfp4
+      .template Attr<int64_t>("n");            // the logical extent of the blocked axis
+}
+
 // ----------------------------------------------------------------------------- plan, permute, combine
 
 ffi::Error PlanRoutes(Dev dev, ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> send_route,
@@ -745,6 +785,7 @@ namespace mf = moe_ep_ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpQuantizeCpu, mf::OnCpu(mf::Quantize), MOE_EP_CPU_BIND(BindQuantize));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeCpu, mf::OnCpu(mf::Dequantize), MOE_EP_CPU_BIND(BindDequantize));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeBf16Cpu, mf::OnCpu(mf::DequantizeBf16), MOE_EP_CPU_BIND(BindDequantizeBf16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPlanRoutesCpu, mf::OnCpu(mf::PlanRoutes), MOE_EP_CPU_BIND(BindPlanRoutes));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPermuteRowsCpu, mf::OnCpu(mf::PermuteRows), MOE_EP_CPU_BIND(BindPermuteRows));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceCpu, mf::OnCpu(mf::CombineReduce), MOE_EP_CPU_BIND(BindCombineReduce));
@@ -761,6 +802,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpQuantizeCuda, mf::OnCuda(mf::Quantize), MOE_E
                               MOE_EP_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeCuda, mf::OnCuda(mf::Dequantize), MOE_EP_CUDA_BIND(BindDequantize),
                               MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeBf16Cuda, mf::OnCuda(mf::DequantizeBf16),
+                              MOE_EP_CUDA_BIND(BindDequantizeBf16), MOE_EP_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPlanRoutesCuda, mf::OnCuda(mf::PlanRoutes), MOE_EP_CUDA_BIND(BindPlanRoutes),
                               MOE_EP_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPermuteRowsCuda, mf::OnCuda(mf::PermuteRows), MOE_EP_CUDA_BIND(BindPermuteRows),
@@ -841,6 +884,7 @@ NB_MODULE(_ffi, m) {
         if (platform == "cpu") {
           d["moe_ep_quantize"] = Capsule(MoeEpQuantizeCpu);
           d["moe_ep_dequantize"] = Capsule(MoeEpDequantizeCpu);
+          d["moe_ep_dequantize_bf16"] = Capsule(MoeEpDequantizeBf16Cpu);
           d["moe_ep_plan_routes"] = Capsule(MoeEpPlanRoutesCpu);
           d["moe_ep_permute_rows"] = Capsule(MoeEpPermuteRowsCpu);
           d["moe_ep_combine_reduce"] = Capsule(MoeEpCombineReduceCpu);
@@ -852,6 +896,7 @@ NB_MODULE(_ffi, m) {
         if (platform == "CUDA") {
           d["moe_ep_quantize"] = Capsule(MoeEpQuantizeCuda);
           d["moe_ep_dequantize"] = Capsule(MoeEpDequantizeCuda);
+          d["moe_ep_dequantize_bf16"] = Capsule(MoeEpDequantizeBf16Cuda);
           d["moe_ep_plan_routes"] = Capsule(MoeEpPlanRoutesCuda);
           d["moe_ep_permute_rows"] = Capsule(MoeEpPermuteRowsCuda);
           d["moe_ep_combine_reduce"] = Capsule(MoeEpCombineReduceCuda);

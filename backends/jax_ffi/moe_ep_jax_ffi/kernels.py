@@ -98,14 +98,17 @@ def _varying(x: jax.Array, axes: FrozenSet[str]) -> jax.Array:
         return x
 
 
-def _call(target: str, results: Sequence[jax.ShapeDtypeStruct], *args: jax.Array, **attrs: Any) -> List[jax.Array]:
+def _call(target: str, results: Sequence[jax.ShapeDtypeStruct], *args: jax.Array, aliases: Any = None,
+          **attrs: Any) -> List[jax.Array]:
     """``jax.ffi.ffi_call`` of ``target`` (registering the targets first), with
-    the operands brought to one varying type and the results given it."""
+    the operands brought to one varying type and the results given it.
+    ``aliases``: ``{operand index: result index}`` (``input_output_aliases``)."""
     native.register()
     axes: FrozenSet[str] = frozenset().union(*(_vma(a) for a in args))
     if axes:
         args = tuple(_varying(a, axes) for a in args)
-    out = jax.ffi.ffi_call(target, list(results), vmap_method="sequential")(*args, **attrs)
+    call = jax.ffi.ffi_call(target, list(results), vmap_method="sequential", input_output_aliases=aliases)
+    out = call(*args, **attrs)
     out = list(out)
     if axes:
         out = [_varying(o, axes) for o in out]
@@ -256,37 +259,89 @@ class FfiKernels:
             "intermediate_format": _code(config.intermediate_format),
         }
 
-    def _operands(self, x: Tensor, fc1: Tensor, fc2: Tensor) -> Tuple[jax.Array, jax.Array, jax.Array]:
-        """The layer object's operands: the bfloat16 arrays themselves when ``x``,
-        ``fc1`` and ``fc2`` are all plain bfloat16 (operand dtype bf16: the
-        tensor-core GEMMs on CUDA), else all three decoded to float32 (exact)."""
-        plain = [t for t in (x, fc1, fc2) if not isinstance(t, F.BlockScaled)]
-        if len(plain) == 3 and all(jnp.asarray(t).dtype == jnp.bfloat16 for t in plain):
-            return jnp.asarray(x), jnp.asarray(fc1), jnp.asarray(fc2)
-        return self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2)
+    def dequantize_bf16(self, x: F.BlockScaled) -> Tuple[jax.Array, jax.Array]:
+        """``(values, inexact)``: an mxfp8 or nvfp4 array's exact values as bfloat16
+        (the native ``moe_ep_dequantize_bf16`` over its ``[outer, n, inner]`` view), NaN
+        where bf16 cannot hold a value (mxfp8 magnitudes below 2^-126 off bf16's grid:
+        scale codes 0..2 only; nvfp4 never), and ``inexact`` ``[] bool``: whether that
+        happened. Never rounds."""
+        shape = x.shape
+        axis = x.axis
+        outer, n, inner = _view(shape, axis)
+        data = _u8(x.data).reshape(outer, x.data.shape[axis], inner)
+        scale = _u8(x.scale).reshape(outer, x.scale.shape[axis], inner)
+        bits, flag = _call(
+            "moe_ep_dequantize_bf16", [_sds((outer, n, inner), jnp.uint16), _sds((1,), _I32)],
+            data, scale, jnp.zeros((1,), _I32), aliases={2: 1}, format=_code(x.format), n=int(n),
+        )
+        return lax.bitcast_convert_type(bits, jnp.bfloat16).reshape(shape), flag[0] != 0
+
+    def _operands(self, x: Tensor, fc1: Tensor, fc2: Tensor) -> Tuple[Any, ...]:
+        """The layer object's operands: ``(x, fc1, fc2, inexact)``.
+
+        - All three plain bfloat16: the arrays themselves (operand dtype bf16: the
+          tensor-core GEMMs on CUDA); ``inexact`` None.
+        - Block-scaled ones (mxfp8, nvfp4, non-empty) with the others plain bfloat16:
+          the block-scaled ones decoded to bfloat16 (:meth:`dequantize_bf16`, exact);
+          ``inexact`` ``[] bool``: some value was not a bf16 value (then decoded to NaN;
+          the caller takes the float32 path instead, :meth:`_either`).
+        - Otherwise all three decoded to float32 (exact); ``inexact`` None.
+        """
+        ops = (x, fc1, fc2)
+        blocked = [isinstance(t, F.BlockScaled) for t in ops]
+        if all(b or jnp.asarray(t).dtype == jnp.bfloat16 for t, b in zip(ops, blocked)) and not any(
+            b and math.prod(t.shape) == 0 for t, b in zip(ops, blocked)
+        ):
+            if not any(blocked):
+                return jnp.asarray(x), jnp.asarray(fc1), jnp.asarray(fc2), None
+            decoded, flags = [], []
+            for t, b in zip(ops, blocked):
+                if b:
+                    values, flag = self.dequantize_bf16(t)
+                    decoded.append(values)
+                    flags.append(flag)
+                else:
+                    decoded.append(jnp.asarray(t))
+            inexact = flags[0]
+            for flag in flags[1:]:
+                inexact = inexact | flag
+            return decoded[0], decoded[1], decoded[2], inexact
+        return self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2), None
+
+    def _either(self, inexact: Any, on_tensor_cores: Any, exact: Any) -> Any:
+        """``on_tensor_cores()`` (bf16 operands), or ``exact()`` (float32 operands) when
+        ``inexact`` (a device flag: ``lax.cond``, no host synchronisation in the program);
+        ``inexact`` None: ``on_tensor_cores()``."""
+        if inexact is None:
+            return on_tensor_cores()
+        return lax.cond(inexact, exact, on_tensor_cores)
 
     def expert_forward(self, config, x, w, fc1, fc2, group_sizes):  # type: ignore[no-untyped-def]
         """``(y [C, H] float32, c [C, 2I] bfloat16)``: ``c`` is the stash itself
         (the bf16 rounding of the pre-clamp FC1 output, which the layer object
         writes in its epilogue), so the jax layer's ``round_to_bf16`` of it is
         the identity."""
-        xs, w1, w2 = self._operands(x, fc1, fc2)
+        xs, w1, w2, inexact = self._operands(x, fc1, fc2)
         c_rows, h = xs.shape
         i2 = w1.shape[2]
         i = i2 // 2
         if c_rows == 0:
             return _XLA.expert_forward(config, self.dequantize(x), w, self.dequantize(fc1), self.dequantize(fc2),
                                        group_sizes)
-        y, c = _call(
-            "moe_ep_expert_forward",
-            [_sds((c_rows, h), _F32), _sds((c_rows, 2 * i), jnp.bfloat16)],
-            xs, jnp.asarray(w).astype(_F32), w1, w2, jnp.asarray(group_sizes).astype(_I32),
-            **self._expert_attrs(config),
+        wf, gs = jnp.asarray(w).astype(_F32), jnp.asarray(group_sizes).astype(_I32)
+        results = [_sds((c_rows, h), _F32), _sds((c_rows, 2 * i), jnp.bfloat16)]
+
+        def run(a: jax.Array, b: jax.Array, d: jax.Array) -> Tuple[jax.Array, jax.Array]:
+            y, c = _call("moe_ep_expert_forward", results, a, wf, b, d, gs, **self._expert_attrs(config))
+            return y, c
+
+        return self._either(
+            inexact, lambda: run(xs, w1, w2),
+            lambda: run(self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2)),
         )
-        return y, c
 
     def expert_backward(self, config, x, w, fc1, fc2, fc1_c, dy, group_sizes):  # type: ignore[no-untyped-def]
-        xs, w1, w2 = self._operands(x, fc1, fc2)
+        xs, w1, w2, inexact = self._operands(x, fc1, fc2)
         c_rows, h = xs.shape
         el, _, i2 = w1.shape
         i = i2 // 2
@@ -296,11 +351,16 @@ class FfiKernels:
         dy = jnp.asarray(dy)
         if dy.dtype != jnp.bfloat16:  # a bf16 cotangent enters the layer as is (exact)
             dy = dy.astype(_F32)
-        dx, dw, dfc1, dfc2 = _call(
-            "moe_ep_expert_backward",
-            [_sds((c_rows, h), _F32), _sds((c_rows,), _F32), _sds((el, h, 2 * i), _F32), _sds((el, i, h), _F32)],
-            xs, jnp.asarray(w).astype(_F32), w1, w2, jnp.asarray(fc1_c).astype(jnp.bfloat16), dy,
-            jnp.asarray(group_sizes).astype(_I32),
-            **self._expert_attrs(config),
+        wf, gs = jnp.asarray(w).astype(_F32), jnp.asarray(group_sizes).astype(_I32)
+        stash = jnp.asarray(fc1_c).astype(jnp.bfloat16)
+        results = [_sds((c_rows, h), _F32), _sds((c_rows,), _F32), _sds((el, h, 2 * i), _F32), _sds((el, i, h), _F32)]
+
+        def run(a: jax.Array, b: jax.Array, d: jax.Array) -> Tuple[jax.Array, ...]:
+            dx, dw, dfc1, dfc2 = _call("moe_ep_expert_backward", results, a, wf, b, d, stash, dy, gs,
+                                       **self._expert_attrs(config))
+            return dx, dw, dfc1, dfc2
+
+        return self._either(
+            inexact, lambda: run(xs, w1, w2),
+            lambda: run(self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2)),
         )
-        return dx, dw, dfc1, dfc2
