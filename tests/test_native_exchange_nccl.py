@@ -89,6 +89,29 @@ def test_set_peers_nccl_needs_a_layer_with_an_exchange() -> None:
         call("moe_ep_layer_set_peers_nccl", None, None)
 
 
+def test_closing_the_nccl_provider_first_closes_its_layer_before_the_communicator() -> None:
+    """The layer's NCCL window needs the communicator: whichever is closed first, the
+    layer goes before the communicator (a stand-in communicator records the order)."""
+    from moe_ep_native.exchange import NcclPeers
+
+    order = []
+
+    class Comm:
+        def close(self) -> None:
+            order.append(("comm", layer.closed))
+
+    for first in ("provider", "layer"):
+        order.clear()
+        layer = _layer(1, 0)
+        layer.provider = peers = NcclPeers(Comm(), layer)
+        (peers if first == "provider" else layer).close()
+        assert order == [("comm", True)], f"{first} closed first: {order}"
+        assert layer.closed and peers.comm is None and layer.provider is None
+        peers.close()
+        layer.close()  # both idempotent
+        assert order == [("comm", True)]
+
+
 def test_connect_validates_the_provider_and_nccl_needs_a_cuda_layer() -> None:
     assert PROVIDERS == ("ipc", "nccl", "auto")
     layer = _layer(1, 0)
@@ -149,11 +172,25 @@ def test_front_end_validates_moe_ep_exchange_peers(monkeypatch) -> None:
 
 # ----------------------------------------------------------------------------- CUDA + NCCL: EP 1 on one GPU
 
+def _nccl_device_api() -> bool:
+    """Whether this build's NCCL has the device API (NCCL >= 2.28): a CPU layer is then
+    refused for being a CPU layer, else for the missing API."""
+    layer = _layer(1, 0)
+    try:
+        call("moe_ep_layer_set_peers_nccl", layer._handle, None)
+    except NativeError as exc:
+        return "has no device API" not in str(exc)
+    finally:
+        layer.close()
+    return False
+
+
 def _nccl_gpu() -> bool:
     try:
         import torch
 
-        return has_cuda() and has_nccl() and torch.cuda.is_available() and torch.cuda.device_count() >= 1
+        return (has_cuda() and has_nccl() and torch.cuda.is_available() and torch.cuda.device_count() >= 1
+                and _nccl_device_api())
     except Exception:  # noqa: BLE001
         return False
 

@@ -31,6 +31,7 @@ import mmap
 import os
 import socket
 import uuid
+import weakref
 import warnings
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -269,15 +270,21 @@ def connect_loopback(layer: ExchangeLayer, store: Any, prefix: str) -> Loopback:
 
 class NcclPeers:
     """The NCCL provider of one rank (:func:`connect_nccl`): holds the communicator
-    the layer's window lives on; :meth:`close` (after the layer's, which
-    :meth:`ExchangeLayer.close` guarantees) destroys it."""
+    the layer's window lives on. :meth:`close` destroys it after the layer: called
+    first on a layer still open, it closes that layer (whose window needs the
+    communicator) before the communicator."""
 
     kind = "nccl"
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, layer: Optional["ExchangeLayer"] = None) -> None:
         self.comm: Optional[Communicator] = comm
+        self._layer = None if layer is None else weakref.ref(layer)
 
     def close(self) -> None:
+        layer = None if self._layer is None else self._layer()
+        self._layer = None
+        if layer is not None and not layer.closed:
+            layer.close()  # the window first (ExchangeLayer.close comes back here for the communicator)
         comm, self.comm = self.comm, None
         if comm is not None:
             comm.close()
@@ -325,7 +332,7 @@ def connect_nccl(layer: ExchangeLayer, store: Any, prefix: str, timeout_s: Optio
         except NativeError:  # the set-up's error is the one to report
             pass
         raise
-    peers = NcclPeers(comm)
+    peers = NcclPeers(comm, layer)
     layer.provider = peers
     return peers
 
