@@ -178,6 +178,13 @@ moe_ep_status ex_set_peers(moe_ep_layer* layer, Exchange& x, moe_ep_comm* comm) 
     ex_release(w);
     return fail(st, message);
   };
+  // An NCCL call that failed or did not finish within the timeout may still write into w
+  // (the window handle, the device communicator) and use the memory: those are left
+  // allocated, on purpose (the communicator is unusable now and must be destroyed).
+  auto abandon = [&](moe_ep_status st) {
+    const std::string message = moe_ep_last_error();
+    return fail(st, message + " (the window's memory is left allocated: NCCL may still use it)");
+  };
   moe_ep_status st = nccl_call("ncclMemAlloc", ncclMemAlloc(&w->mem, w->bytes));
   if (st != MOE_EP_OK) {
     w->mem = nullptr;
@@ -197,7 +204,8 @@ moe_ep_status ex_set_peers(moe_ep_layer* layer, Exchange& x, moe_ep_comm* comm) 
   // Written by NCCL when the (possibly asynchronous) registration completes: heap memory, polled to completion.
   st = nccl_ready(kOp, w->comm, ncclCommWindowRegister(w->comm, w->mem, w->bytes, &w->win, NCCL_WIN_COLL_SYMMETRIC),
                   w->timeout_ms);
-  if (st == MOE_EP_OK && w->win == nullptr)  // NCCL's answer when the communicator has no symmetric memory
+  if (st != MOE_EP_OK) return abandon(st);
+  if (w->win == nullptr)  // NCCL's answer when the communicator has no symmetric memory
     st = fail(MOE_EP_ERR_UNSUPPORTED,
               std::string(kOp) + ": NCCL registered no symmetric window (no symmetric-memory support for these ranks: "
               "NCCL_WIN_ENABLE=0, NCCL_CUMEM_ENABLE=0, or GPUs without peer access): use the IPC loopback or the "
@@ -209,7 +217,7 @@ moe_ep_status ex_set_peers(moe_ep_layer* layer, Exchange& x, moe_ep_comm* comm) 
   ncclDevCommRequirements reqs;
   std::memset(&reqs, 0, sizeof reqs);  // 2.28.9: a plain struct, no initializer macro; no resources needed
   st = nccl_ready(kOp, w->comm, ncclDevCommCreate(w->comm, &reqs, &w->dev_comm), w->timeout_ms);
-  if (st != MOE_EP_OK) return undo(st);
+  if (st != MOE_EP_OK) return abandon(st);
   w->has_dev_comm = true;
   if (w->dev_comm.nRanks != n || w->dev_comm.rank != rank)
     return undo(fail(MOE_EP_ERR_INTERNAL, std::string(kOp) + ": NCCL's device communicator has rank " +
