@@ -100,6 +100,26 @@ moe_ep_status quantize(void*, moe_ep_format fmt, const float* x, int64_t outer, 
   return MOE_EP_OK;
 }
 
+namespace {
+
+// The element (o, i, k) of a block-scaled [outer, n, inner] view, decoded exactly to
+// float32 (exact except an mxfp8 magnitude >= 2^128, which is +-Inf; NaN for a NaN scale
+// or code): the one decode of dequantize and dequantize_bf16.
+inline float decode_one(moe_ep_format fmt, const uint8_t* d, const uint8_t* sc, int64_t o, int64_t i, int64_t k,
+                        int64_t n, int64_t inner) {
+  if (fmt == MOE_EP_FORMAT_MXFP8) {
+    const uint8_t s = sc[(o * ceil_div(n, kMxfp8Block) + i / kMxfp8Block) * inner + k];
+    const double sv = s == 0xFF ? std::numeric_limits<double>::quiet_NaN() : std::ldexp(1.0, static_cast<int>(s) - 127);
+    return static_cast<float>(e4m3_value(d[at(o, i, k, n, inner)]) * sv);
+  }
+  const double sv = e4m3_value(sc[(o * ceil_div(n, kNvfp4Block) + i / kNvfp4Block) * inner + k]);
+  const uint8_t byte = d[(o * ceil_div(n, 2) + i / 2) * inner + k];
+  const uint8_t nib = (i % 2) ? static_cast<uint8_t>(byte >> 4) : static_cast<uint8_t>(byte & 0xF);
+  return static_cast<float>(e2m1_value(nib) * sv);
+}
+
+}  // namespace
+
 moe_ep_status dequantize(void*, moe_ep_format fmt, const void* data, const void* scale, int64_t outer, int64_t n,
                          int64_t inner, float* out) {
   if (fmt == MOE_EP_FORMAT_BF16) {
@@ -110,48 +130,11 @@ moe_ep_status dequantize(void*, moe_ep_format fmt, const void* data, const void*
   }
   const uint8_t* d = static_cast<const uint8_t*>(data);
   const uint8_t* sc = static_cast<const uint8_t*>(scale);
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  if (fmt == MOE_EP_FORMAT_MXFP8) {
-    const int64_t nb = ceil_div(n, kMxfp8Block);
-    for (int64_t o = 0; o < outer; ++o)
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t k = 0; k < inner; ++k) {
-          uint8_t s = sc[(o * nb + i / kMxfp8Block) * inner + k];
-          double sv = s == 0xFF ? nan : std::ldexp(1.0, static_cast<int>(s) - 127);
-          out[at(o, i, k, n, inner)] = static_cast<float>(e4m3_value(d[at(o, i, k, n, inner)]) * sv);
-        }
-    return MOE_EP_OK;
-  }
-  const int64_t nb = ceil_div(n, kNvfp4Block), np = ceil_div(n, 2);
   for (int64_t o = 0; o < outer; ++o)
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t k = 0; k < inner; ++k) {
-        double sv = e4m3_value(sc[(o * nb + i / kNvfp4Block) * inner + k]);
-        uint8_t byte = d[(o * np + i / 2) * inner + k];
-        uint8_t nib = (i % 2) ? static_cast<uint8_t>(byte >> 4) : static_cast<uint8_t>(byte & 0xF);
-        out[at(o, i, k, n, inner)] = static_cast<float>(e2m1_value(nib) * sv);
-      }
+      for (int64_t k = 0; k < inner; ++k) out[at(o, i, k, n, inner)] = decode_one(fmt, d, sc, o, i, k, n, inner);
   return MOE_EP_OK;
 }
-
-namespace {
-
-// The element (o, i, k) of the [outer, n, inner] view, decoded exactly to float32
-// (as dequantize: exact except an mxfp8 magnitude >= 2^128, which is +-Inf).
-inline float decode_one(moe_ep_format fmt, const uint8_t* d, const uint8_t* sc, int64_t o, int64_t i, int64_t k,
-                        int64_t n, int64_t inner) {
-  if (fmt == MOE_EP_FORMAT_MXFP8) {
-    const uint8_t s = sc[(o * ceil_div(n, kMxfp8Block) + i / kMxfp8Block) * inner + k];
-    if (s == 0xFF) return std::numeric_limits<float>::quiet_NaN();
-    return static_cast<float>(e4m3_value(d[at(o, i, k, n, inner)]) * std::ldexp(1.0, static_cast<int>(s) - 127));
-  }
-  const double sv = e4m3_value(sc[(o * ceil_div(n, kNvfp4Block) + i / kNvfp4Block) * inner + k]);
-  const uint8_t byte = d[(o * ceil_div(n, 2) + i / 2) * inner + k];
-  const uint8_t nib = (i % 2) ? static_cast<uint8_t>(byte >> 4) : static_cast<uint8_t>(byte & 0xF);
-  return static_cast<float>(e2m1_value(nib) * sv);
-}
-
-}  // namespace
 
 moe_ep_status dequantize_bf16(void*, moe_ep_format fmt, const void* data, const void* scale, int64_t outer, int64_t n,
                               int64_t inner, int64_t transpose_rows, uint16_t* out, int32_t* inexact) {
