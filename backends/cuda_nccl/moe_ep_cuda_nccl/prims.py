@@ -210,8 +210,8 @@ def _pending(t: Any, weight: bool) -> Any:
 
 #: Per device: the static mode's record of inexact bf16 decodes ([1] int32, ORed by the decode kernels).
 _RECORDS: Dict[Tuple[str, Optional[int]], torch.Tensor] = {}
-#: Host-checked verdicts on mxfp8 weights: id(data) -> (weakref to data, (pointers, versions, shape), exact).
-_VERDICTS: Dict[int, Tuple[Any, Tuple[Any, ...], bool]] = {}
+#: Host-checked verdicts on mxfp8 weights: id(data) -> (the weight's _WeightTag, exact).
+_VERDICTS: Dict[int, Tuple[Any, bool]] = {}
 _OPERANDS_LOCK = threading.Lock()
 
 
@@ -268,23 +268,40 @@ def _verdict_key(t: TF.TorchBlockScaled) -> Tuple[Any, ...]:
     return (d.data_ptr(), s.data_ptr(), d._version, s._version, tuple(d.shape), t.format.value, str(d.device))
 
 
+@dataclass(frozen=True)
+class _WeightTag:
+    """Which block-scaled weight a cache entry was made for: weak references to its codes
+    and scales, and :func:`_verdict_key` (their memory, version counters, shape, format,
+    device). An in-place update bumps a version counter: the entry no longer matches."""
+
+    data: Any
+    scale: Any
+    key: Tuple[Any, ...]
+
+    @staticmethod
+    def of(t: TF.TorchBlockScaled, on_death: Any = None) -> "_WeightTag":
+        return _WeightTag(weakref.ref(t.data, on_death), weakref.ref(t.scale), _verdict_key(t))
+
+    def matches(self, t: TF.TorchBlockScaled) -> bool:
+        return self.data() is t.data and self.scale() is t.scale and self.key == _verdict_key(t)
+
+
 def _cached_verdict(t: TF.TorchBlockScaled) -> Optional[bool]:
-    """The host-checked exactness of a weight's bf16 decode while it is the same tensor
-    object with the same memory and version counters (an in-place update bumps the
-    version: checked again), else None."""
+    """The host-checked exactness of a weight's bf16 decode while it is the same weight
+    (:class:`_WeightTag`), else None."""
     with _OPERANDS_LOCK:
         entry = _VERDICTS.get(id(t.data))
-    if entry is None or entry[0]() is not t.data or entry[1] != _verdict_key(t):
+    if entry is None or not entry[0].matches(t):
         return None
-    return entry[2]
+    return entry[1]
 
 
 def _remember_verdict(t: TF.TorchBlockScaled, exact: bool) -> None:
     with _OPERANDS_LOCK:
         if len(_VERDICTS) >= 256:  # forget the entries of dead tensors
-            for k in [k for k, e in _VERDICTS.items() if e[0]() is None]:
+            for k in [k for k, e in _VERDICTS.items() if e[0].data() is None]:
                 del _VERDICTS[k]
-        _VERDICTS[id(t.data)] = (weakref.ref(t.data), _verdict_key(t), exact)
+        _VERDICTS[id(t.data)] = (_WeightTag.of(t), exact)
 
 
 def _capturing(t: Any) -> bool:
@@ -300,20 +317,18 @@ class _KeptDecode:
     """One kept bf16 decode of a block-scaled weight (:func:`decoded_weight`).
 
     Attributes:
-        data, scale: weak references to the weight's codes and scales (the entry is
-            dropped with the codes; a different scale tensor never matches).
-        key: :func:`_verdict_key` of the weight when it was decoded.
+        tag: the weight it was made for (the entry is dropped with the codes).
         decoded: ``[E, K, N] bfloat16``: the decode.
         flag: ``[1] int32``: the decode's own inexact flag (None for nvfp4: always exact).
         done: a CUDA event recorded after the decode on its stream (None on CPU).
+        stream: that stream (None on CPU).
     """
 
-    data: Any
-    scale: Any
-    key: Tuple[Any, ...]
+    tag: _WeightTag
     decoded: torch.Tensor
     flag: Optional[torch.Tensor]
     done: Any
+    stream: Any
 
 
 #: The kept bf16 decodes of block-scaled weights, by id of the codes tensor.
@@ -335,7 +350,7 @@ def _drop_decode(ref: Any, ident: int) -> None:
     run inside a garbage collection on a thread that holds ``_OPERANDS_LOCK`` (dict reads
     and ``pop`` are atomic; a racing new entry for the same id is at worst decoded again)."""
     live = _DECODED.get(ident)
-    if live is not None and live.data is ref:
+    if live is not None and live.tag.data is ref:
         _DECODED.pop(ident, None)
 
 
@@ -361,23 +376,23 @@ def decoded_weight(t: TF.TorchBlockScaled, inexact: Optional[torch.Tensor]) -> t
     """
     if _capturing(t.data) or not _weight_cache_on():
         return dequantize_bf16(t, inexact, weight=True)
-    key = _verdict_key(t)
     ident = id(t.data)
     with _OPERANDS_LOCK:
         entry = _DECODED.get(ident)
-    if entry is None or entry.data() is not t.data or entry.scale() is not t.scale or entry.key != key:
+    if entry is None or not entry.tag.matches(t):
         device = t.data.device
         flag = None if t.format is MoeFormat.NVFP4 else torch.zeros(1, dtype=torch.int32, device=device)
         decoded = dequantize_bf16(t, flag, weight=True)
-        done = None
+        done = stream = None
         if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
             done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(device))
-        entry = _KeptDecode(weakref.ref(t.data, lambda ref, ident=ident: _drop_decode(ref, ident)),
-                            weakref.ref(t.scale), key, decoded, flag, done)
+            done.record(stream)
+        entry = _KeptDecode(_WeightTag.of(t, lambda ref, ident=ident: _drop_decode(ref, ident)), decoded, flag,
+                            done, stream)
         with _OPERANDS_LOCK:
             _DECODED[ident] = entry
-    elif entry.done is not None:
+    elif entry.stream is not None and torch.cuda.current_stream(entry.decoded.device) != entry.stream:
         # A decode made on another stream: this stream waits for it, and its memory is not
         # reused before this stream's work on it is done (should the entry be dropped).
         stream = torch.cuda.current_stream(entry.decoded.device)
