@@ -164,10 +164,9 @@ __device__ __forceinline__ void mxfp8_encode_block(const float* x, int64_t strid
   *scale_code = static_cast<uint8_t>(e + 127);
 }
 
-// quantize + dequantize of one mxfp8 block in place (R_int): the same codes as
-// mxfp8_encode_block, decoded.
-__device__ __forceinline__ void mxfp8_round_trip_block(float* p, int len) {
-  const BlockMax bm = block_max(p, 1, len);
+// quantize + dequantize in place of len values of one mxfp8 block whose BlockMax is bm
+// (the block's, which may span more values than p holds: a block split over lanes).
+__device__ __forceinline__ void mxfp8_round_trip_with(const BlockMax& bm, float* p, int len) {
   if (bm.nonfinite) {
     for (int j = 0; j < len; ++j) p[j] = bitsf(kQuietNaN);
     return;
@@ -178,6 +177,12 @@ __device__ __forceinline__ void mxfp8_round_trip_block(float* p, int len) {
     const uint32_t u = fbits(p[j]);
     p[j] = mxfp8_decode(e4m3_mag_code(u & kAbsMask, e) | ((u >> 31) << 7), scale_code);
   }
+}
+
+// quantize + dequantize of one mxfp8 block in place (R_int): the same codes as
+// mxfp8_encode_block, decoded.
+__device__ __forceinline__ void mxfp8_round_trip_block(float* p, int len) {
+  mxfp8_round_trip_with(block_max(p, 1, len), p, len);
 }
 
 // ------------------------------------------------------------------ nvfp4
@@ -267,10 +272,18 @@ __device__ __forceinline__ Nvfp4Scale nvfp4_block_scale(const float* x, int64_t 
   return Nvfp4Scale{bm.nonfinite ? 0x7Fu : sidx, e4m3_magnitude(sidx)};
 }
 
+// quantize + dequantize in place of len values of one nvfp4 block whose BlockMax is bm
+// (as nvfp4_block_scale derives the scale from it).
+__device__ __forceinline__ void nvfp4_round_trip_with(const BlockMax& bm, float* p, int len) {
+  const uint32_t sidx = nvfp4_scale_index(bitsf(bm.amax));
+  const uint32_t code = bm.nonfinite ? 0x7Fu : sidx;
+  const float value = e4m3_magnitude(sidx);
+  for (int j = 0; j < len; ++j) p[j] = nvfp4_decode(nvfp4_code(fbits(p[j]), value), code);
+}
+
 // quantize + dequantize of one nvfp4 block in place (R_int).
 __device__ __forceinline__ void nvfp4_round_trip_block(float* p, int len) {
-  const Nvfp4Scale sc = nvfp4_block_scale(p, 1, len);
-  for (int j = 0; j < len; ++j) p[j] = nvfp4_decode(nvfp4_code(fbits(p[j]), sc.value), sc.code);
+  nvfp4_round_trip_with(block_max(p, 1, len), p, len);
 }
 
 // ------------------------------------------------------------------ bf16 operands

@@ -191,8 +191,9 @@ __global__ void fc2_epilogue_vec4_kernel(float4* __restrict__ y, const float* __
 
 // The same for the block formats (mxfp8: 32 values a block, nvfp4: 16), four values a
 // lane: the kBlock / 4 lanes of a block load a float4 each, agree on the block's largest
-// magnitude with shuffles and round trip their values with the block's scale, exactly as
-// round_trip_block does (H a multiple of kBlock, y 16-byte aligned). Every lane of a
+// magnitude with shuffles and round trip their values with the block's scale through
+// mxfp8/nvfp4_round_trip_with, the code of round_trip_block (H a multiple of kBlock, y
+// 16-byte aligned). Every lane of a
 // warp runs every iteration (the shuffles need them); lanes past the end only look.
 template <int kFmt, bool kWeight>
 __global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const float* __restrict__ w,
@@ -231,23 +232,9 @@ __global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const flo
       y[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       continue;
     }
-    if constexpr (kFmt == MOE_EP_FORMAT_MXFP8) {
-      if (nonfinite) {
-        for (int j = 0; j < 4; ++j) v[j] = bitsf(kQuietNaN);
-      } else {
-        const int e = mxfp8_exponent(bm.amax);
-        const uint32_t scale_code = static_cast<uint32_t>(e + 127);
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t u = fbits(v[j]);
-          v[j] = mxfp8_decode(e4m3_mag_code(u & kAbsMask, e) | ((u >> 31) << 7), scale_code);
-        }
-      }
-    } else {
-      const uint32_t sidx = nvfp4_scale_index(bitsf(bm.amax));
-      const uint32_t code = nonfinite ? 0x7Fu : sidx;
-      const float value = e4m3_magnitude(sidx);
-      for (int j = 0; j < 4; ++j) v[j] = nvfp4_decode(nvfp4_code(fbits(v[j]), value), code);
-    }
+    bm.nonfinite = nonfinite != 0;
+    if constexpr (kFmt == MOE_EP_FORMAT_MXFP8) mxfp8_round_trip_with(bm, v, 4);
+    else nvfp4_round_trip_with(bm, v, 4);
     y[t] = make_float4(v[0], v[1], v[2], v[3]);
   }
 }
