@@ -444,16 +444,17 @@ struct Cols {
 };
 
 // Raw loads as float32 (bf16: exactly, its bits are the high half of the float's).
-__device__ __forceinline__ float bf16_bits(uint32_t hi) { return __uint_as_float(hi & 0xffff0000u); }
 __device__ __forceinline__ void unpack(float r, float (&v)[1]) { v[0] = r; }
-__device__ __forceinline__ void unpack(uint16_t r, float (&v)[1]) { v[0] = bf16_bits(static_cast<uint32_t>(r) << 16); }
+__device__ __forceinline__ void unpack(uint16_t r, float (&v)[1]) { v[0] = detail::bf16_to_float(r); }
 __device__ __forceinline__ void unpack(uint4 r, float (&v)[4]) {  // 4 float32
   v[0] = __uint_as_float(r.x), v[1] = __uint_as_float(r.y), v[2] = __uint_as_float(r.z), v[3] = __uint_as_float(r.w);
 }
 __device__ __forceinline__ void unpack(uint4 r, float (&v)[8]) {  // 8 bf16, element 0 in the low half of r.x
   const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[2 * i] = bf16_bits(w[i] << 16), v[2 * i + 1] = bf16_bits(w[i]);
+  for (int i = 0; i < 4; ++i)
+    v[2 * i] = detail::bf16_to_float(static_cast<uint16_t>(w[i])),
+    v[2 * i + 1] = detail::bf16_to_float(static_cast<uint16_t>(w[i] >> 16));
 }
 
 template <int V>
@@ -655,7 +656,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+using detail::aligned16;
 
 // One kernel of a stage, launched with programmatic stream serialization (pdl_begin).
 template <typename... KArgs, typename... Args>

@@ -286,7 +286,7 @@ template <bool kMx>
 moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const uint8_t* scale, int64_t outer,
                                      int64_t n, int64_t inner, int64_t R, uint16_t* out, int32_t* flag) {
   constexpr int64_t V = kMx ? 16 : 32;
-  const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const bool aligned = detail::aligned16(data) && detail::aligned16(out);
   if (inner == 1 && n % V == 0 && aligned) {
     if (R == 0) {
       const int64_t chunks = outer * (n / V);

@@ -451,7 +451,7 @@ template <int kFmt>
 void launch_fc2_epilogue_as(unsigned blocks, cudaStream_t s, float* y, const float* w, const int32_t* off, int E,
                          int64_t C, int64_t H, bool weight) {
   if constexpr (kFmt == MOE_EP_FORMAT_NONE || kFmt == MOE_EP_FORMAT_BF16) {
-    if (H % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0) {
+    if (H % 4 == 0 && aligned16(y)) {
       constexpr bool kBf16 = kFmt == MOE_EP_FORMAT_BF16;
       const unsigned b = blocks_for(C * (H / 4));
       float4* y4 = reinterpret_cast<float4*>(y);
@@ -463,7 +463,7 @@ void launch_fc2_epilogue_as(unsigned blocks, cudaStream_t s, float* y, const flo
     }
   }
   if constexpr (kFmt == MOE_EP_FORMAT_MXFP8 || kFmt == MOE_EP_FORMAT_NVFP4) {
-    if (H % block_of<kFmt>() == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0) {
+    if (H % block_of<kFmt>() == 0 && aligned16(y)) {
       const unsigned b = blocks_for(C * (H / 4));
       float4* y4 = reinterpret_cast<float4*>(y);
       if (weight)
