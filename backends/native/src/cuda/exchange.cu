@@ -610,15 +610,15 @@ __global__ void combine_sync(Dev d) {  // <<<1, 32>>>
 // One warp per (token, piece of H): the home rank's sum from +0 (SLOT_ORDER: the
 // slot rows of the token's routes in slot order; RANK_SUMS: the rows of the ranks
 // in tok_ranks, in rank order), NaN on any error; piece 0 also the per-route values.
-// `direct`: combine_send wrote the sums, only an error's NaN is written here (the
-// step's error only grows from combine_send to here, so no sum is left unwritten).
+// One rank alone (`direct`): combine_send wrote the sums, only an error's NaN is written
+// here (the step's error only grows from combine_send to here, so no sum is left unwritten).
 template <bool kVec, typename O>
 __global__ void __launch_bounds__(kCopyThreads, 2)
-    combine_finish(Dev d, int64_t T, bool direct, O* __restrict__ out, float* __restrict__ out_values,
-                   int32_t* out_error) {
+    combine_finish(Dev d, int64_t T, O* __restrict__ out, float* __restrict__ out_values, int32_t* out_error) {
   pdl_begin();
   using C = Cols<float, kVec>;
   const ex::Shape& s = d.s;
+  const bool direct = s.N == 1;  // as combine_as chose for combine_send
   const int lane = threadIdx.x & 31;
   const int32_t err = *d.l.step_err;
   if (out_error != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *out_error = err;
@@ -710,7 +710,7 @@ moe_ep_status combine_as(cudaStream_t st, const Dev& d, int num_blocks, int64_t 
   else MOE_EP_TRY(launch_combine_send<float>(st, blocks, d, y, row_values, direct));
   MOE_EP_EX_LAUNCH("combine_sync", combine_sync, 1, 32, st, d);
   auto* finish = d.s.H % 4 == 0 && aligned16(out) ? combine_finish<true, O> : combine_finish<false, O>;
-  MOE_EP_EX_LAUNCH("combine_finish", finish, blocks, kCopyThreads, st, d, T, direct != nullptr, out, out_values,
+  MOE_EP_EX_LAUNCH("combine_finish", finish, blocks, kCopyThreads, st, d, T, out, out_values,
                    out_error);
   MOE_EP_EX_LAUNCH("combine_ack", stage_ack, 1, 32, st, d, 1, comb_ack);
   return MOE_EP_OK;
