@@ -296,9 +296,9 @@ def timing(num_sms: int = 0, tokens: int = 4096, profile_kernels: bool = True) -
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         graphs[what] = graph
-    print(f"graph replay: dispatch {med(graphs['dispatch'].replay) * 1e3:8.1f} us (ratio "
-          f"{med(graphs['dispatch'].replay) / bd:5.2f}), combine (bf16 y) "
-          f"{med(graphs['combine (bf16 y)'].replay) * 1e3:8.1f} us (ratio {med(graphs['combine (bf16 y)'].replay) / bc['bf16']:5.2f})")
+    gd, gc = med(graphs["dispatch"].replay), med(graphs["combine (bf16 y)"].replay)
+    print(f"graph replay: dispatch {gd * 1e3:8.1f} us (ratio {gd / bd:5.2f}), combine (bf16 y) {gc * 1e3:8.1f} us "
+          f"(ratio {gc / bc['bf16']:5.2f})")
     from torch.profiler import ProfilerActivity, profile
 
     if not profile_kernels:
