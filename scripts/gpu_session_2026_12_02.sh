@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The device calls of 2026-12-02 (one H200), one per RUN, each under the call's 600 s:
+#   RUN=1: the jax-ffi bf16 decode of block-scaled operands on CUDA (its tests, the bench's
+#          mxfp8 row), where jax-ffi's bf16 forward spends its time, and where cuda-nccl's
+#          mxfp8 forward spends its time (after the vectorised FC2 epilogue).
+#   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+o="${OUT:-reports}/run${RUN:?RUN=1..}"; mkdir -p "$o"
+. scripts/device_env.sh
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+step() {  # step NAME SECONDS CMD...: log under $o, print the tail
+  local name="$1" secs="$2"; shift 2
+  local t0=$SECONDS
+  timeout -k 5 "$secs" "$@" > "$o/$name.txt" 2>&1; echo "== $name rc=$? ($((SECONDS - t0)) s)"
+  tail -n "${TAIL:-6}" "$o/$name.txt"
+}
+jaxffi_build() {
+  step jaxffi-build 150 env MOE_EP_NATIVE_CUDA=ON MOE_EP_CUDA_ARCHS=90a \
+    MOE_EP_NATIVE_CORE_LIBRARY="$PWD/.devbuild/libmoe_ep_native_core.a" \
+    "$py" -m pip install --no-build-isolation --no-deps -e ./backends/jax -e ./backends/jax_ffi
+}
+shape=(--hidden 7168 --intermediate 2048 --experts 32 --topk 8)
+case "$RUN" in
+1)
+  jaxffi_build
+  TAIL=30 step jax-profile-bf16 100 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format bf16
+  TAIL=12 step bench-jax-ffi-mxfp8 120 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward --json "$o/bench-jax-ffi-mxfp8.json" \
+    --no-progress
+  TAIL=30 step profile-mxfp8 100 "$py" scripts/gpu_layer_profile.py --mode device --format mxfp8 --intermediate-format bf16 \
+    --iters 3 --top 16
+  step tests-jax-ffi 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs -x tests/test_jax_ffi.py
+  ;;
+*) echo "no RUN $RUN"; exit 2 ;;
+esac
