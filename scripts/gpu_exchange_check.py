@@ -23,9 +23,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
+#: The exchange mode of every layer made here (--mode sets it; spawned ranks inherit it).
+MODE_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE_MODE"
+
 
 def _make(n, rank, el, k, cap, tmax, rb, hidden, order, timeout_s=30.0, align=1, num_sms=0, bf16_out=False):
-    from moe_ep_native.exchange import ExchangeLayer, with_exchange
+    from moe_ep_native.exchange import MODES, ExchangeLayer, with_exchange
     from moe_ep_native.layer import layer_config
     from moe_ep_spec import MoeEpConfig
 
@@ -34,7 +37,7 @@ def _make(n, rank, el, k, cap, tmax, rb, hidden, order, timeout_s=30.0, align=1,
                         bf16_expert_out=bf16_out)
     return ExchangeLayer(with_exchange(base, num_ranks=n, rank=rank, num_topk=k, max_tokens=tmax, token_bytes=rb,
                                        expert_alignment=align, timeout_s=timeout_s, combine_order=order,
-                                       num_sms=num_sms))
+                                       num_sms=num_sms, mode=MODES[os.environ.get(MODE_ENV, "throughput")]))
 
 
 def _smoke_rank(rank, n, port, q):
@@ -275,7 +278,8 @@ def timing(num_sms: int = 0, tokens: int = 4096, profile_kernels: bool = True) -
         )
     size = layers["float32"].exchange_info()[0]
     print(f"EP 1, T={T}, H={H}, top-{k}, {E} experts, symmetric region {size / 2**20:.0f} MiB, "
-          f"exchange blocks {num_sms or 'default'}; checks passed (bit for bit)")
+          f"exchange blocks {num_sms or 'default'}, mode {os.environ.get(MODE_ENV, 'throughput')}; "
+          f"checks passed (bit for bit)")
     gb_d = cap * rb / 1e9
     print(f"dispatch:             {td * 1e3:8.1f} us   copy of the per-route rows: {bd * 1e3:8.1f} us   "
           f"ratio {td / bd:5.2f} (target <= 1.2; {gb_d / td * 1e3:.0f} GB/s of per-route bytes)")
@@ -327,12 +331,17 @@ if __name__ == "__main__":
                     help="with --time: tokens per rank (repeatable; default 4096; kernels listed for the first)")
     ap.add_argument("--sms", type=int, action="append", default=None,
                     help="with --time: the exchange's thread blocks (repeatable: one timing per value; 0 = default)")
+    ap.add_argument("--mode", action="append", choices=("throughput", "low_latency"), default=None,
+                    help="the exchange's mode (repeatable: --smoke and --time once per mode; default throughput)")
     a = ap.parse_args()
     rc = 0
-    if a.smoke:
-        rc |= smoke(a.smoke)
-    if a.time:
-        for sms in a.sms or [0]:
-            for n, tokens in enumerate(a.tokens or [4096]):
-                rc |= timing(sms, tokens, profile_kernels=n == 0)
+    for mode in a.mode or ["throughput"]:
+        os.environ[MODE_ENV] = mode
+        print(f"== mode {mode}")
+        if a.smoke:
+            rc |= smoke(a.smoke)
+        if a.time:
+            for sms in a.sms or [0]:
+                for n, tokens in enumerate(a.tokens or [4096]):
+                    rc |= timing(sms, tokens, profile_kernels=n == 0)
     sys.exit(rc)

@@ -43,7 +43,7 @@ def _run(ops, config, group, args, g):
 
 
 def device_matches_static(rank: int, config, world_inputs, grad_outputs, combine: str, bf16: bool,
-                          device: str) -> Dict[str, Any]:
+                          device: str, mode: str = "throughput") -> Dict[str, Any]:
     """The static mode (NCCL exchange; on CPU tensors: gloo) and the device
     exchange on the same inputs, twice each (buffers reused). device "cpu": both
     on CPU tensors; "cuda": the static mode on CPU tensors, the device exchange
@@ -51,6 +51,7 @@ def device_matches_static(rank: int, config, world_inputs, grad_outputs, combine
     import torch
 
     os.environ["MOE_EP_CUDA_NCCL_COMBINE"] = combine
+    os.environ["MOE_EP_CUDA_NCCL_EXCHANGE_MODE"] = mode
     from moe_ep_cuda_nccl import api
 
     group = torch.distributed.group.WORLD
@@ -68,9 +69,11 @@ def device_matches_static(rank: int, config, world_inputs, grad_outputs, combine
     return res
 
 
-def device_errors(rank: int, config, world_inputs, mutate: str, device: str) -> Dict[str, Any]:
+def device_errors(rank: int, config, world_inputs, mutate: str, device: str, mode: str = "throughput") -> Dict[str, Any]:
     """A bad id / overflow on rank 1 through the device exchange: NaN everywhere, check_errors raises."""
     import torch
+
+    os.environ["MOE_EP_CUDA_NCCL_EXCHANGE_MODE"] = mode
 
     from moe_ep_cuda_nccl import api
 
@@ -98,9 +101,11 @@ def device_errors(rank: int, config, world_inputs, mutate: str, device: str) -> 
     return res
 
 
-def device_timeout(rank: int, config, world_inputs, device: str) -> Dict[str, Any]:
+def device_timeout(rank: int, config, world_inputs, device: str, mode: str = "throughput") -> Dict[str, Any]:
     """Rank 1 connects, then never calls the layer: rank 0 must get TransportError within the timeout."""
     import torch
+
+    os.environ["MOE_EP_CUDA_NCCL_EXCHANGE_MODE"] = mode
     import torch.distributed as dist
 
     os.environ["MOE_EP_CUDA_NCCL_TIMEOUT_S"] = "2"

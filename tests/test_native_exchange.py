@@ -367,6 +367,11 @@ def test_exchange_config_is_checked_and_old_callers_are_unaffected() -> None:
                         num_ranks=2, rank=2, num_topk=2, max_tokens=4, token_bytes=4)
     with pytest.raises(NativeArgumentError, match="ex_rank must be in"):
         ExchangeLayer(bad)
+    bad_mode = with_exchange(layer_config(cfg, max_rows=4, cuda_device=None, bf16_operands=False, with_backward=False),
+                             num_ranks=2, rank=0, num_topk=2, max_tokens=4, token_bytes=4, mode=2)
+    with pytest.raises(NativeArgumentError, match=r"ex_mode must be MOE_EP_EXCHANGE_THROUGHPUT \(0\) or "
+                                                  r"MOE_EP_EXCHANGE_LOW_LATENCY \(1\); got 2"):
+        ExchangeLayer(bad_mode)
     good = ExchangeLayer(with_exchange(
         layer_config(cfg, max_rows=4, cuda_device=None, bf16_operands=False, with_backward=False),
         num_ranks=2, rank=0, num_topk=2, max_tokens=4, token_bytes=4))
@@ -467,13 +472,17 @@ def _one_gpu() -> bool:
 cuda = pytest.mark.skipif(not _one_gpu(), reason="needs a CUDA build of the native core and a GPU")
 
 
+MODES = pytest.mark.parametrize("mode", ["throughput", "low_latency"])
+
+
 @cuda
 @pytest.mark.parametrize("world_size,tokens", [(2, (12, 1)), (4, (5, 12, 3, 7))], ids=["ep2", "ep4"])
 @pytest.mark.parametrize("combine", ["slot", "rank"])
-def test_cuda_loopback_device_exchange_on_one_gpu(world_size, tokens, combine) -> None:
+@MODES
+def test_cuda_loopback_device_exchange_on_one_gpu(world_size, tokens, combine, mode) -> None:
     config = FRONT.replace(num_ranks=world_size, num_experts=4 * world_size, recv_capacity=24 * world_size)
     world, grads = _world(config, 21, tokens)
-    results = _ok(run_ranks(XW.device_matches_static, world_size, config, world, grads, combine, False, "cuda",
+    results = _ok(run_ranks(XW.device_matches_static, world_size, config, world, grads, combine, False, "cuda", mode,
                             timeout=300))
     # The exchange is exact; CUDA's float32 kernels against the CPU ones are compared within tolerance.
     _compare(results, exact_keys={"route_metadata"})
@@ -481,16 +490,18 @@ def test_cuda_loopback_device_exchange_on_one_gpu(world_size, tokens, combine) -
 
 @cuda
 @pytest.mark.parametrize("mutate", ["expert_id", "overflow"])
-def test_cuda_loopback_errors(mutate) -> None:
+@MODES
+def test_cuda_loopback_errors(mutate, mode) -> None:
     world, _ = _world(FRONT, 6, (12, 12))
-    results = _ok(run_ranks(XW.device_errors, 2, FRONT, world, mutate, "cuda", timeout=300))
+    results = _ok(run_ranks(XW.device_errors, 2, FRONT, world, mutate, "cuda", mode, timeout=300))
     for res in results:
         assert res["all_nan"] and res["error"] and res["good_is_finite"], res
 
 
 @cuda
-def test_cuda_loopback_peer_that_never_arrives_raises_transport_error() -> None:
+@MODES
+def test_cuda_loopback_peer_that_never_arrives_raises_transport_error(mode) -> None:
     world, _ = _world(FRONT, 7, (6, 6))
-    results = _ok(run_ranks(XW.device_timeout, 2, FRONT, world, "cuda", timeout=300))
+    results = _ok(run_ranks(XW.device_timeout, 2, FRONT, world, "cuda", mode, timeout=300))
     res = results[0]
     assert res["error"].startswith("TransportError") and res["all_nan"] and res["seconds"] < 60, res

@@ -85,6 +85,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the cuda-nccl layer runs: synced (host_sync=True, one host synchronisation per call), "
                         "static (host_sync=False over NCCL) or device (host_sync=False over the native layer's device "
                         "exchange); default device on cuda, synced on cpu")
+    p.add_argument("--exchange-mode", choices=("throughput", "low_latency"), default="throughput",
+                   help="how the device exchange's stages run on CUDA (--cuda-nccl-mode device): throughput (five "
+                        "kernels per stage chained with programmatic dependent launch; default) or low_latency (one "
+                        "cooperative kernel per stage); the same results bit for bit")
 
 
 def add_command(subparsers: Any) -> None:
@@ -149,6 +153,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         include_slow=args.include_slow,
         intermediate_format=None if args.intermediate_format == "none" else args.intermediate_format,
         cuda_nccl_mode=args.cuda_nccl_mode or ("device" if device == "cuda" else "synced"),
+        exchange_mode=args.exchange_mode,
     )
     for fmt in formats:
         settings.config(fmt, max(tokens))  # raises ConfigError on a bad shape
@@ -170,6 +175,8 @@ def _command(settings: BenchSettings, backends: Sequence[str]) -> str:
         parts += ["--intermediate-format", settings.intermediate_format]
     if "cuda-nccl" in backends:
         parts += ["--cuda-nccl-mode", settings.cuda_nccl_mode]
+        if settings.cuda_nccl_mode == "device":
+            parts += ["--exchange-mode", settings.exchange_mode]
     if settings.ops != OPS:
         for op in settings.ops:
             parts += ["--op", op]

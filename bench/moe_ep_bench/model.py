@@ -148,6 +148,9 @@ class BenchSettings:
     #: How the cuda-nccl layer runs: ``synced`` (host_sync=True), ``static`` (host_sync=False
     #: over NCCL) or ``device`` (host_sync=False over the native layer's device exchange).
     cuda_nccl_mode: str = "synced"
+    #: How the device exchange's stages run on CUDA (``cuda_nccl_mode`` device): ``throughput``
+    #: (five kernels chained with programmatic dependent launch) or ``low_latency`` (one kernel).
+    exchange_mode: str = "throughput"
 
     @property
     def num_local_experts(self) -> int:
@@ -181,6 +184,7 @@ class BenchSettings:
             "formats": list(self.formats),
             "intermediate_format": self.intermediate_format,
             "cuda_nccl_mode": self.cuda_nccl_mode,
+            "exchange_mode": self.exchange_mode,
             "ops": list(self.ops),
             "repeats": self.repeats,
             "warmup": self.warmup,

@@ -18,7 +18,9 @@ chosen by ``MOE_EP_EXCHANGE_PEERS``: ``auto`` (default: NCCL symmetric memory,
 the LSA pointers of one NVLink domain, when every rank has its own GPU; CUDA IPC
 between the ranks' processes, which must share one host, when some share one,
 or when NCCL's provider is unsupported on one host), ``nccl`` or ``ipc``. CPU
-tensors: ``/dev/shm``. The NCCL provider's communicator serves only this setup
+tensors: ``/dev/shm``. On CUDA a stage runs as five kernels chained with
+programmatic dependent launch, or, with ``MOE_EP_CUDA_NCCL_EXCHANGE_MODE=low_latency``,
+as one cooperative kernel (for few tokens; the same results, bit for bit). The NCCL provider's communicator serves only this setup
 and lives as long as the layer.
 
 One native layer per (configuration, device, operand dtype, token bytes, group)
@@ -51,7 +53,7 @@ from moe_ep_torch.api import _check, _check_group
 from . import static
 from .prims import TIMEOUT_ENV, NativePrimitives, operands, ptr, where
 
-__all__ = ["EXCHANGE_ENV", "COMBINE_ENV", "enabled", "forward", "backward", "backward_and_metadata", "move", "close"]
+__all__ = ["EXCHANGE_ENV", "COMBINE_ENV", "MODE_ENV", "enabled", "forward", "backward", "backward_and_metadata", "move", "close"]
 
 #: ``device``: every ``host_sync=False`` call uses the device exchange (default ``nccl``: the static mode's NCCL
 #: exchange), and so does every call of the world-level backend (:mod:`moe_ep_cuda_nccl.device_world`).
@@ -62,6 +64,9 @@ COMBINE_ENV = "MOE_EP_CUDA_NCCL_COMBINE"
 SMS_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE_SMS"
 #: Where the peers' memory comes from: ``auto`` (default), ``nccl`` (NCCL symmetric memory) or ``ipc`` (CUDA IPC).
 PEERS_ENV = "MOE_EP_EXCHANGE_PEERS"
+#: How a stage runs on CUDA: ``throughput`` (default: five kernels chained with programmatic dependent launch)
+#: or ``low_latency`` (one cooperative kernel per stage, for few tokens); the same results, bit for bit.
+MODE_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE_MODE"
 
 _LAYERS: Dict[Tuple[Any, ...], Tuple[Any, X.ExchangeLayer]] = {}
 _GENERATION: Dict[str, int] = {}
@@ -98,6 +103,16 @@ def close(group: Any = None, keep: Any = None) -> None:
         layer.close()
 
 
+def _mode() -> int:
+    value = os.environ.get(MODE_ENV, "throughput")
+    if value not in X.MODES:
+        raise E.ConfigError(
+            f"{MODE_ENV} must be one of {', '.join(repr(m) for m in X.MODES)}; got {value!r}", field=MODE_ENV,
+            value=value,
+        )
+    return X.MODES[value]
+
+
 def _peers() -> str:
     value = os.environ.get(PEERS_ENV, "auto")
     if value not in X.PROVIDERS:
@@ -118,7 +133,8 @@ def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, to
     cuda_device = device.index if device.type == "cuda" else None
     order = _combine_order()
     peers = _peers()
-    key = (config, cuda_device, bf16, token_bytes, order, group.group_name, id(group))
+    mode = _mode()
+    key = (config, cuda_device, bf16, token_bytes, order, mode, group.group_name, id(group))
     with _LOCK:
         entry = _LAYERS.get(key)
         if entry is not None:
@@ -137,7 +153,7 @@ def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, to
         base, num_ranks=n, rank=rank, num_topk=config.num_topk, max_tokens=int(config.max_tokens_per_rank),
         token_bytes=token_bytes + 4 * config.hidden, expert_alignment=config.expert_alignment,
         timeout_s=float(os.environ.get(TIMEOUT_ENV, "300")), num_sms=int(os.environ.get(SMS_ENV, "0")),
-        combine_order=order,
+        combine_order=order, mode=mode,
     )
     layer = X.ExchangeLayer(cfg)
     from torch.distributed.distributed_c10d import _get_default_store

@@ -332,7 +332,7 @@ typedef struct {
                                    reads them): MOE_EP_DTYPE_F32 (0, default) or MOE_EP_DTYPE_BF16, which needs
                                    combine_format MOE_EP_FORMAT_BF16 (the rows are then bf16 values exactly: half
                                    the bytes for the same numbers) */
-  int32_t reserved0;            /* 0 */
+  int32_t ex_mode;              /* moe_ep_exchange_mode of the device exchange (0: throughput); was reserved0 (0) */
 } moe_ep_layer_config;
 
 #define MOE_EP_LAYER_CONFIG_INIT {sizeof(moe_ep_layer_config)}
@@ -435,6 +435,17 @@ typedef enum {
   MOE_EP_COMBINE_SLOT_ORDER = 1 /* one float32 row per route; the home rank sums in slot order from +0:
                                    bit for bit moe_ep_combine_reduce */
 } moe_ep_combine_order;
+
+/*
+ * How a stage runs on CUDA. Both move the same rows with the same flags and give the
+ * same results, bit for bit; both are capturable in a CUDA graph.
+ */
+typedef enum {
+  MOE_EP_EXCHANGE_THROUGHPUT = 0,  /* five kernels per stage (begin, send, sync, place/finish, ack), chained with
+                                      programmatic dependent launch: for many tokens */
+  MOE_EP_EXCHANGE_LOW_LATENCY = 1  /* one cooperative kernel per stage (grid-wide barriers between the steps, at
+                                      most ex_num_sms blocks, and no more than can be resident): for few tokens */
+} moe_ep_exchange_mode;
 
 /* Error bits of a step (out_error) and of the layer's record (moe_ep_layer_exchange_status). */
 #define MOE_EP_EXCHANGE_BAD_EXPERT_ID 1 /* some rank's topk_idx held an id outside [-1, E) */

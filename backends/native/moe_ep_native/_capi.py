@@ -92,7 +92,7 @@ class LayerConfig(ctypes.Structure):
         ("ex_combine_order", ctypes.c_int32),
         # ABI 3: the dtype of the expert-output rows (DType; BF16 needs combine_format bf16).
         ("expert_out_dtype", ctypes.c_int32),
-        ("reserved0", ctypes.c_int32),
+        ("ex_mode", ctypes.c_int32),
     ]
 
     @classmethod

@@ -42,7 +42,8 @@ from .comm import Communicator, unique_id
 from .layer import Layer
 
 __all__ = [
-    "BAD_EXPERT_ID", "OVERFLOW", "TIMEOUT", "RANK_SUMS", "SLOT_ORDER", "IPC_HANDLE_BYTES", "with_exchange",
+    "BAD_EXPERT_ID", "OVERFLOW", "TIMEOUT", "RANK_SUMS", "SLOT_ORDER", "THROUGHPUT", "LOW_LATENCY", "MODES",
+    "IPC_HANDLE_BYTES", "with_exchange",
     "PROVIDERS", "ExchangeLayer", "Loopback", "NcclPeers", "connect_loopback", "connect_nccl", "connect",
 ]
 
@@ -53,6 +54,12 @@ TIMEOUT = 4
 #: moe_ep_combine_order.
 RANK_SUMS = 0
 SLOT_ORDER = 1
+#: moe_ep_exchange_mode: five kernels per stage chained with programmatic dependent launch (many tokens) ...
+THROUGHPUT = 0
+#: ... or one cooperative kernel per stage (few tokens). The same results, bit for bit.
+LOW_LATENCY = 1
+#: The modes by name.
+MODES = {"throughput": THROUGHPUT, "low_latency": LOW_LATENCY}
 #: MOE_EP_IPC_HANDLE_BYTES.
 IPC_HANDLE_BYTES = 64
 #: The peer providers :func:`connect` takes.
@@ -103,6 +110,7 @@ def with_exchange(
     timeout_s: float = 60.0,
     num_sms: int = 0,
     combine_order: int = RANK_SUMS,
+    mode: int = THROUGHPUT,
 ) -> LayerConfig:
     """``config`` (a :func:`moe_ep_native.layer.layer_config`; its ``max_rows`` is
     the static capacity C) with the exchange fields set."""
@@ -116,6 +124,7 @@ def with_exchange(
     config.ex_timeout_ms = max(1, int(round(timeout_s * 1000)))
     config.ex_num_sms = int(num_sms)
     config.ex_combine_order = int(combine_order)
+    config.ex_mode = int(mode)
     return config
 
 

@@ -282,6 +282,9 @@ moe_ep_status exchange_check_config(const Check& ck, const moe_ep_layer_config& 
   if (c.ex_combine_order != MOE_EP_COMBINE_RANK_SUMS && c.ex_combine_order != MOE_EP_COMBINE_SLOT_ORDER)
     return ck.bad("config->ex_combine_order must be MOE_EP_COMBINE_RANK_SUMS (0) or MOE_EP_COMBINE_SLOT_ORDER (1)",
                   std::to_string(c.ex_combine_order));
+  if (c.ex_mode != MOE_EP_EXCHANGE_THROUGHPUT && c.ex_mode != MOE_EP_EXCHANGE_LOW_LATENCY)
+    return ck.bad("config->ex_mode must be MOE_EP_EXCHANGE_THROUGHPUT (0) or MOE_EP_EXCHANGE_LOW_LATENCY (1)",
+                  std::to_string(c.ex_mode));
   constexpr int64_t kLimit = (int64_t{1} << 31) - 1;
   MOE_EP_TRY(ck.product("config->ex_max_tokens * ex_num_topk", c.ex_max_tokens, c.ex_num_topk, kLimit / 64));
   MOE_EP_TRY(ck.product("config->ex_max_tokens * ex_num_ranks * ex_num_topk",
@@ -304,6 +307,7 @@ moe_ep_status exchange_create(const moe_ep_layer_config& c, Exchange** out) {
   x->cuda_device = c.cuda_device;
   x->timeout_ms = c.ex_timeout_ms > 0 ? c.ex_timeout_ms : 60000;
   x->num_blocks = c.ex_num_sms > 0 ? c.ex_num_sms : 32;  // the CPU twin has no blocks
+  x->mode = c.ex_mode;                                    // nor kernels: one path for both modes
   x->token_bytes_max = c.ex_token_bytes;
   x->peers.assign(static_cast<size_t>(s.N), 0);
   moe_ep_status st = MOE_EP_OK;

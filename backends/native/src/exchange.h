@@ -22,6 +22,7 @@ struct Exchange {
   int cuda_device = 0;
   int64_t timeout_ms = 60000;
   int num_blocks = 32;            // thread blocks of the copy kernels (CUDA default: 2 per multiprocessor)
+  int mode = MOE_EP_EXCHANGE_THROUGHPUT;  // moe_ep_exchange_mode (CUDA)
   int64_t token_bytes_max = 0;
   void* own = nullptr;      // the region the layer allocated (zeroed)
   void* region = nullptr;   // the region in use (own, or the caller's, from set_peers)

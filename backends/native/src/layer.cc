@@ -153,7 +153,6 @@ moe_ep_status check_config(const Check& ck, const moe_ep_layer_config& c) {
     return ck.bad("config->combine_format must be MOE_EP_FORMAT_BF16 (1) when config->expert_out_dtype is "
                   "MOE_EP_DTYPE_BF16 (only then are the expert-output rows bf16 values)",
                   std::to_string(c.combine_format));
-  if (c.reserved0 != 0) return ck.bad("config->reserved0 must be 0", std::to_string(c.reserved0));
   moe_ep_expert_desc d{c.max_rows, c.hidden, c.intermediate, c.num_local_experts, c.apply_topk_in_fc1,
                        c.has_clamp, c.gate_up_clamp, c.intermediate_format};
   MOE_EP_TRY(check_desc(ck, &d));

@@ -225,6 +225,11 @@ class Runner:
                 config = config.replace(recv_capacity=config.worst_case_recv_rows())
                 call = {"host_sync": False, "exchange": "device" if s.cuda_nccl_mode == "device" else "nccl"}
                 name += f"(host_sync=False, exchange={call['exchange']!r})"
+                if s.cuda_nccl_mode == "device":
+                    from moe_ep_cuda_nccl.device_exchange import MODE_ENV
+
+                    os.environ[MODE_ENV] = s.exchange_mode  # this rank process's exchange layers
+                    name += f" in the {s.exchange_mode} mode"
         else:
             from moe_ep_torch import api
 
@@ -324,7 +329,8 @@ class Runner:
         base = layer_config(config, max_rows=cap, cuda_device=dev.index if self.cuda else None, bf16_operands=True,
                             with_backward=False)
         layer = X.ExchangeLayer(X.with_exchange(base, num_ranks=s.ep_size, rank=self.rank, num_topk=k, max_tokens=t,
-                                                token_bytes=rb, expert_alignment=1, timeout_s=s.timeout_s))
+                                                token_bytes=rb, expert_alignment=1, timeout_s=s.timeout_s,
+                                                mode=X.MODES[s.exchange_mode]))
         store = dist.PrefixStore(f"moe_ep_bench_exchange/{job.id}/", _get_default_store())
         try:
             X.connect_loopback(layer, store, "peers")
@@ -351,10 +357,11 @@ class Runner:
 
             if job.op == "dispatch":
                 times = self.measure(dispatch, nsets)
-                label = f"moe_ep_layer_dispatch (device exchange, bf16 rows into the expert-major buffer); {timer}"
+                label = (f"moe_ep_layer_dispatch (device exchange, {s.exchange_mode} mode, bf16 rows into the "
+                         f"expert-major buffer); {timer}")
             else:
                 times = self.measure(combine, nsets, pre=dispatch)
-                label = f"moe_ep_layer_combine (device exchange, bf16 rows, bf16 output); {timer}"
+                label = f"moe_ep_layer_combine (device exchange, {s.exchange_mode} mode, bf16 rows, bf16 output); {timer}"
             if int(err.item()) != 0:  # waits for the stream
                 raise RuntimeError(f"the device exchange reported error bits {int(err.item()):#x} while timed")
         finally:

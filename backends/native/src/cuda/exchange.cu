@@ -12,8 +12,9 @@
 //             sync (system fence, publish the step in every peer's flag with a
 //             release store, wait for every peer's flag with acquire loads,
 //             offsets from the gathered count table) -> place (one warp per
-//             received route: its row copied locally into the expert-major
-//             buffer; padding rows zeroed) -> ack.
+//             received token: its row read once and stored locally to each of
+//             its routes' rows of the expert-major buffer; padding rows zeroed)
+//             -> ack.
 //   combine:  begin -> send (one warp per (source rank, token, piece of H): one
 //             float32 row per source token, the routes here summed in slot
 //             order, or one row per route; y float32 or bf16) -> sync -> finish
@@ -28,6 +29,7 @@
 // Every wait is bounded by the layer's timeout (%globaltimer): on expiry the
 // step's error gets MOE_EP_EXCHANGE_TIMEOUT, which travels to the peers in the
 // flags, and the kernels finish without the missing data.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -42,6 +44,7 @@ namespace moe_ep {
 namespace cuda {
 namespace {
 
+namespace cg = cooperative_groups;
 using ex::RouteMeta;
 
 constexpr int kCopyThreads = 512;  // threads per block of the copy kernels
@@ -169,9 +172,10 @@ __device__ void publish(const Dev& d, int64_t off, uint64_t value) {
 
 // ------------------------------------------------------------------ dispatch
 
-__global__ void dispatch_begin(Dev d, int64_t T) {  // <<<1, 32>>>
-  pdl_begin();
-  const int lane = threadIdx.x;
+// One warp: the step number, this rank's token count, the send-side prefix, and the wait
+// for every receiver's acknowledgement of the previous step.
+__device__ void dispatch_begin_warp(const Dev& d, int64_t T) {
+  const int lane = threadIdx.x & 31;
   const uint64_t seq = d.l.seq[0] + 1;
   __syncwarp();  // every lane read the old step number
   if (lane == 0) {
@@ -200,15 +204,18 @@ __global__ void dispatch_begin(Dev d, int64_t T) {  // <<<1, 32>>>
   if (lane == 0) *d.l.step_err = err;
 }
 
+__global__ void dispatch_begin(Dev d, int64_t T) {  // <<<1, 32>>>
+  pdl_begin();
+  dispatch_begin_warp(d, T);
+}
+
 // One thread per own token: its routes' destination ranks and its rank list (the
 // combine's); block 0: this rank's count-table row into every peer; one warp per
 // (token, destination rank): the token's K route records, and its row once if any
 // of its routes goes there (not to this rank itself: dispatch_place reads its own
 // rows from `tokens`).
-__global__ void __launch_bounds__(kCopyThreads, 2)
-    dispatch_send(Dev d, int64_t T, int64_t row_bytes, const char* __restrict__ tokens,
-                  const float* __restrict__ weights) {
-  pdl_begin();
+__device__ void dispatch_send_grid(const Dev& d, int64_t T, int64_t row_bytes, const char* __restrict__ tokens,
+                                   const float* __restrict__ weights) {
   const ex::Shape& s = d.s;
   const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t gthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -255,9 +262,18 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   }
 }
 
-constexpr int kSyncThreads = 256;  // threads of dispatch_sync's one block
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    dispatch_send(Dev d, int64_t T, int64_t row_bytes, const char* __restrict__ tokens,
+                  const float* __restrict__ weights) {
+  pdl_begin();
+  dispatch_send_grid(d, T, row_bytes, tokens, weights);
+}
 
-// The block's sum of one int64 per thread (every thread gets it); `scratch` holds kSyncThreads / 32 values.
+constexpr int kSyncThreads = 256;  // threads of dispatch_sync's one block
+constexpr int kMaxWarps = kCopyThreads / 32;  // warps of the largest block that computes the plan (low latency)
+
+// The block's sum of one int64 per thread (every thread gets it); `scratch` holds blockDim.x / 32 values
+// (at most kMaxWarps).
 __device__ int64_t block_sum(int64_t v, int64_t* scratch) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -265,7 +281,7 @@ __device__ int64_t block_sum(int64_t v, int64_t* scratch) {
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   int64_t total = 0;
-  for (int w = 0; w < kSyncThreads / 32; ++w) total += scratch[w];
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += scratch[w];
   return total;
 }
 
@@ -281,7 +297,7 @@ __device__ int64_t block_exclusive(int64_t v, int64_t* scratch, int64_t* total) 
   if (lane == 31) scratch[warp] = incl;
   __syncthreads();
   int64_t before = 0, all = 0;
-  for (int w = 0; w < kSyncThreads / 32; ++w) {
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) {
     if (w < warp) before += scratch[w];
     all += scratch[w];
   }
@@ -289,26 +305,26 @@ __device__ int64_t block_exclusive(int64_t v, int64_t* scratch, int64_t* total) 
   return before + incl - v;
 }
 
-// ex::plan_from_table computed by one block of kSyncThreads threads (the same values:
+// ex::plan_from_table computed by one block of any multiple of 32 threads up to kCopyThreads (the same values:
 // integer sums, any order): the error bits of the count table (bad ids, overflow of C
 // on some rank), this rank's slab offsets off[El + 1], route counts nloc[El], per-source
 // prefixes pref[N * El] and the sources' token counts tsrc[N]; then the aligned slab
 // sizes and routes per local expert of the caller. Returns the bits (every thread).
 __device__ int32_t plan_from_table_block(const Dev& d, const int32_t* table, bool timed_out, int32_t* out_gs,
                                          int32_t* out_tpe) {
-  __shared__ int64_t scratch[kSyncThreads / 32];
+  __shared__ int64_t scratch[kMaxWarps];
   __shared__ int32_t s_err;
   const ex::Shape& s = d.s;
   const int64_t row = s.E + 2;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, nthreads = blockDim.x;
   if (tid == 0) s_err = 0;
   __syncthreads();
   if (!timed_out) {
-    for (int32_t src = tid; src < s.N; src += kSyncThreads)
+    for (int32_t src = tid; src < s.N; src += nthreads)
       if (table[src * row + s.E] > 0) atomicOr(&s_err, ex::kBadId);
     for (int32_t dst = 0; dst < s.N; ++dst) {
       int64_t part = 0;
-      for (int64_t le = tid; le < s.El; le += kSyncThreads) {
+      for (int64_t le = tid; le < s.El; le += nthreads) {
         int64_t n = 0;
         for (int32_t src = 0; src < s.N; ++src) n += table[src * row + dst * s.El + le];
         part += ex::align_up(n, s.A);
@@ -316,10 +332,10 @@ __device__ int32_t plan_from_table_block(const Dev& d, const int32_t* table, boo
       if (block_sum(part, scratch) > s.C && tid == 0) atomicOr(&s_err, ex::kOverflow);
     }
   }
-  // This rank's column, El entries in chunks of kSyncThreads: per-source prefixes, counts, and
+  // This rank's column, El entries in chunks of the block's threads: per-source prefixes, counts, and
   // the slab offsets (an exclusive scan of the aligned counts, carried across chunks).
   int64_t at = 0;
-  for (int64_t base = 0; base < s.El; base += kSyncThreads) {
+  for (int64_t base = 0; base < s.El; base += nthreads) {
     const int64_t le = base + tid;
     int64_t n = 0;
     if (le < s.El) {
@@ -335,18 +351,18 @@ __device__ int32_t plan_from_table_block(const Dev& d, const int32_t* table, boo
     at += chunk;
   }
   if (tid == 0) d.l.off[s.El] = static_cast<int32_t>(at > s.C ? s.C + 1 : at);
-  for (int32_t src = tid; src < s.N; src += kSyncThreads) d.l.tsrc[src] = timed_out ? 0 : table[src * row + s.E + 1];
+  for (int32_t src = tid; src < s.N; src += nthreads) d.l.tsrc[src] = timed_out ? 0 : table[src * row + s.E + 1];
   __syncthreads();  // off and nloc complete
-  for (int64_t le = tid; le < s.El; le += kSyncThreads) {
+  for (int64_t le = tid; le < s.El; le += nthreads) {
     out_gs[le] = ex::group_size(s, d.l.off, le);
     if (out_tpe != nullptr) out_tpe[le] = d.l.nloc[le];
   }
   return s_err;
 }
 
-__global__ void __launch_bounds__(kSyncThreads)
-    dispatch_sync(Dev d, int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {  // <<<1, kSyncThreads>>>
-  pdl_begin();
+// One block: publish this step in every peer's flag, wait for theirs, then the plan from
+// the gathered count table.
+__device__ void dispatch_sync_block(const Dev& d, int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {
   __shared__ int32_t s_wait;
   const uint64_t seq = d.l.seq[0];
   if (threadIdx.x < 32) {
@@ -366,6 +382,12 @@ __global__ void __launch_bounds__(kSyncThreads)
   }
 }
 
+__global__ void __launch_bounds__(kSyncThreads)
+    dispatch_sync(Dev d, int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {  // <<<1, kSyncThreads>>>
+  pdl_begin();
+  dispatch_sync_block(d, out_gs, out_tpe, out_error);
+}
+
 // Whether buffer row r is padding (off is non-decreasing: binary search).
 __device__ bool padding_row(const Dev& d, int64_t r) {
   const int32_t* off = d.l.off;
@@ -379,39 +401,74 @@ __device__ bool padding_row(const Dev& d, int64_t r) {
   return r - off[lo] >= d.l.nloc[lo];
 }
 
-// One warp per received route (source rank, token, slot): its buffer row from the
-// gathered offsets (rowmap, weight, metadata) and the token row copied there (this
-// rank's own rows from `tokens`, the peers' from the region); then one warp per
-// padding row: zeros, weight 0, metadata -1.
-__global__ void __launch_bounds__(kCopyThreads, 2)
-    dispatch_place(Dev d, int64_t row_bytes, const char* __restrict__ tokens, char* __restrict__ out_tokens,
-                   float* __restrict__ out_w, int32_t* __restrict__ out_meta) {
-  pdl_begin();
+// One warp copies a row of `bytes` bytes from `src` to the rows `dst + row * bytes` of
+// the lanes set in `mask` (each lane's `row`; mask warp-uniform): 16-byte pieces, each
+// loaded once and stored to every destination, when both ends and the size allow;
+// else one warp_copy per destination.
+__device__ __forceinline__ void warp_fanout(char* dst, int32_t row, unsigned mask, const char* src, int64_t bytes,
+                                            int lane) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
+  if ((a & 15) != 0) {
+    for (unsigned m = mask; m != 0; m &= m - 1) {
+      const int32_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+      warp_copy(dst + static_cast<int64_t>(r) * bytes, src, bytes, lane);
+    }
+    return;
+  }
+  constexpr int kInFlight = 4;  // 16-byte loads per lane in flight (2 KiB per warp), each stored to every row
+  const int4* s4 = reinterpret_cast<const int4*>(src);
+  const int64_t n = bytes / 16;
+  for (int64_t i = lane; i < n; i += 32 * kInFlight) {
+    int4 v[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j)
+      if (i + 32 * j < n) v[j] = __ldg(s4 + i + 32 * j);
+    for (unsigned m = mask; m != 0; m &= m - 1) {
+      const int32_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+      int4* d4 = reinterpret_cast<int4*>(dst + static_cast<int64_t>(r) * bytes);
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j)
+        if (i + 32 * j < n) __stcs(d4 + i + 32 * j, v[j]);  // streaming: written once, read by a later kernel
+    }
+  }
+}
+
+// One warp per received token (source rank, token): its routes' buffer rows from the
+// gathered offsets (rowmap, weight, metadata; lanes over slots, 32 at a time) and the
+// token row read once and stored to each of them (this rank's own rows from `tokens`,
+// the peers' from the region); then one warp per padding row: zeros, weight 0,
+// metadata -1.
+__device__ void dispatch_place_grid(const Dev& d, int64_t row_bytes, const char* __restrict__ tokens,
+                                    char* __restrict__ out_tokens, float* __restrict__ out_w,
+                                    int32_t* __restrict__ out_meta) {
   const ex::Shape& s = d.s;
   const int lane = threadIdx.x & 31;
-  const int64_t routes = s.N * s.Tmax * s.K;  // item = (src * Tmax + t) * K + k
+  const int64_t received = s.N * s.Tmax;  // item = src * Tmax + t
   const RouteMeta* meta = reinterpret_cast<const RouteMeta*>(d.own + d.L.dmeta);
-  for (int64_t item = warp_id(); item < routes + s.C; item += num_warps()) {
-    if (item < routes) {
-      const int64_t st = item / s.K;
-      const int32_t src = static_cast<int32_t>(st / s.Tmax);
-      const int64_t t = st % s.Tmax;
+  for (int64_t item = warp_id(); item < received + s.C; item += num_warps()) {
+    if (item < received) {
+      const int32_t src = static_cast<int32_t>(item / s.Tmax);
+      const int64_t t = item % s.Tmax;
       if (t >= d.l.tsrc[src]) continue;
-      const RouteMeta m = meta[item];
-      const int32_t row = m.le >= 0 ? ex::route_row(s, d.l.off, d.l.pref, src, m.le, m.pos) : -1;
-      if (lane == 0) {
-        d.l.rowmap[item] = row;
-        if (row >= 0) {
-          out_w[row] = m.w;
-          int32_t* md = out_meta + 4 * static_cast<int64_t>(row);
-          md[0] = m.le, md[1] = src, md[2] = static_cast<int32_t>(t), md[3] = static_cast<int32_t>(item % s.K);
+      const char* from = src == s.rank ? tokens + t * row_bytes : d.own + d.L.drows + item * s.stride;
+      for (int64_t k0 = 0; k0 < s.K; k0 += 32) {
+        const int64_t k = k0 + lane, route = item * s.K + k;
+        int32_t row = -1;
+        if (k < s.K) {
+          const RouteMeta m = meta[route];
+          row = m.le >= 0 ? ex::route_row(s, d.l.off, d.l.pref, src, m.le, m.pos) : -1;
+          d.l.rowmap[route] = row;
+          if (row >= 0) {
+            out_w[row] = m.w;
+            int32_t* md = out_meta + 4 * static_cast<int64_t>(row);
+            md[0] = m.le, md[1] = src, md[2] = static_cast<int32_t>(t), md[3] = static_cast<int32_t>(k);
+          }
         }
+        const unsigned mask = __ballot_sync(0xffffffffu, row >= 0);
+        if (mask != 0) warp_fanout(out_tokens, row, mask, from, row_bytes, lane);
       }
-      if (row < 0) continue;
-      const char* from = src == s.rank ? tokens + t * row_bytes : d.own + d.L.drows + st * s.stride;
-      warp_copy(out_tokens + static_cast<int64_t>(row) * row_bytes, from, row_bytes, lane);
     } else {
-      const int64_t r = item - routes;
+      const int64_t r = item - received;
       if (!padding_row(d, r)) continue;
       warp_zero(out_tokens + r * row_bytes, row_bytes, lane);
       if (lane == 0) {
@@ -420,6 +477,13 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
       }
     }
   }
+}
+
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    dispatch_place(Dev d, int64_t row_bytes, const char* __restrict__ tokens, char* __restrict__ out_tokens,
+                   float* __restrict__ out_w, int32_t* __restrict__ out_meta) {
+  pdl_begin();
+  dispatch_place_grid(d, row_bytes, tokens, out_tokens, out_w, out_meta);
 }
 
 __global__ void stage_ack(Dev d, int which, int64_t ack_off) {  // <<<1, 32>>>
@@ -528,8 +592,8 @@ __device__ __forceinline__ void copy_piece(float* to, const typename C::Elem* fr
   }
 }
 
-__global__ void combine_begin(Dev d) {  // <<<1, 32>>>
-  pdl_begin();
+// One warp: the step number and the wait for every source's acknowledgement of the previous step.
+__device__ void combine_begin_warp(const Dev& d) {
   const uint64_t seq = d.l.seq[1] + 1;
   const int32_t err = wait_peers(d, d.L.comb_ack, [seq](uint64_t v) { return v + 1 >= seq; }, false);
   __syncwarp();
@@ -537,6 +601,11 @@ __global__ void combine_begin(Dev d) {  // <<<1, 32>>>
     d.l.seq[1] = seq;
     *d.l.step_err |= err;
   }
+}
+
+__global__ void combine_begin(Dev d) {  // <<<1, 32>>>
+  pdl_begin();
+  combine_begin_warp(d);
 }
 
 // One warp per (source rank, token, piece of H) with routes here. RANK_SUMS: their
@@ -547,9 +616,8 @@ __global__ void combine_begin(Dev d) {  // <<<1, 32>>>
 // every token's row (a token with no route: +0), and nothing at all on an error
 // (combine_finish writes the NaN).
 template <typename Y, bool kVec, typename O>
-__global__ void __launch_bounds__(kCopyThreads, 2)
-    combine_send(Dev d, const Y* __restrict__ y, const float* __restrict__ row_values, O* __restrict__ direct) {
-  pdl_begin();
+__device__ void combine_send_grid(const Dev& d, const Y* __restrict__ y, const float* __restrict__ row_values,
+                                  O* __restrict__ direct) {
   using C = Cols<Y, kVec>;
   const ex::Shape& s = d.s;
   const int32_t err = *d.l.step_err;
@@ -593,8 +661,15 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   }
 }
 
-__global__ void combine_sync(Dev d) {  // <<<1, 32>>>
+template <typename Y, bool kVec, typename O>
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    combine_send(Dev d, const Y* __restrict__ y, const float* __restrict__ row_values, O* __restrict__ direct) {
   pdl_begin();
+  combine_send_grid<Y, kVec, O>(d, y, row_values, direct);
+}
+
+// One warp: publish this step in every source's flag and wait for theirs.
+__device__ void combine_sync_warp(const Dev& d) {
   const uint64_t seq = d.l.seq[1];
   int32_t err = *d.l.step_err;
   publish(d, d.L.comb_flag, ex::flag_value(seq, err));
@@ -607,15 +682,19 @@ __global__ void combine_sync(Dev d) {  // <<<1, 32>>>
   }
 }
 
+__global__ void combine_sync(Dev d) {  // <<<1, 32>>>
+  pdl_begin();
+  combine_sync_warp(d);
+}
+
 // One warp per (token, piece of H): the home rank's sum from +0 (SLOT_ORDER: the
 // slot rows of the token's routes in slot order; RANK_SUMS: the rows of the ranks
 // in tok_ranks, in rank order), NaN on any error; piece 0 also the per-route values.
 // One rank alone (`direct`): combine_send wrote the sums, only an error's NaN is written
 // here (the step's error only grows from combine_send to here, so no sum is left unwritten).
 template <bool kVec, typename O>
-__global__ void __launch_bounds__(kCopyThreads, 2)
-    combine_finish(Dev d, int64_t T, O* __restrict__ out, float* __restrict__ out_values, int32_t* out_error) {
-  pdl_begin();
+__device__ void combine_finish_grid(const Dev& d, int64_t T, O* __restrict__ out, float* __restrict__ out_values,
+                                    int32_t* out_error) {
   using C = Cols<float, kVec>;
   const ex::Shape& s = d.s;
   const bool direct = s.N == 1;  // as combine_as chose for combine_send
@@ -656,6 +735,55 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   }
 }
 
+template <bool kVec, typename O>
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    combine_finish(Dev d, int64_t T, O* __restrict__ out, float* __restrict__ out_values, int32_t* out_error) {
+  pdl_begin();
+  combine_finish_grid<kVec, O>(d, T, out, out_values, out_error);
+}
+
+// ------------------------------------------------------------------ low latency: one kernel per stage
+
+// The low-latency mode runs a stage's steps in one cooperative kernel (every block resident,
+// cooperative launch), the kernel boundaries of the throughput mode replaced by grid-wide
+// barriers: the same bodies, the same flags and sequence numbers, the same results bit for
+// bit. Before the barrier that precedes a publication, every thread fences its own stores
+// into the peers' regions at system scope, as the end of a kernel did.
+
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    dispatch_ll(Dev d, int64_t T, int64_t row_bytes, const char* __restrict__ tokens,
+                const float* __restrict__ weights, char* __restrict__ out_tokens, float* __restrict__ out_w,
+                int32_t* __restrict__ out_meta, int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {
+  cg::grid_group grid = cg::this_grid();
+  if (blockIdx.x == 0 && threadIdx.x < 32) dispatch_begin_warp(d, T);
+  grid.sync();
+  dispatch_send_grid(d, T, row_bytes, tokens, weights);
+  __threadfence_system();
+  grid.sync();
+  if (blockIdx.x == 0) dispatch_sync_block(d, out_gs, out_tpe, out_error);
+  grid.sync();
+  dispatch_place_grid(d, row_bytes, tokens, out_tokens, out_w, out_meta);
+  grid.sync();  // every peer row in this region read before the acknowledgement
+  if (blockIdx.x == 0 && threadIdx.x < 32) publish(d, d.L.disp_ack, d.l.seq[0]);
+}
+
+template <typename Y, bool kVecY, bool kVecOut, typename O>
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    combine_ll(Dev d, int64_t T, const Y* __restrict__ y, const float* __restrict__ row_values, O* __restrict__ out,
+               float* __restrict__ out_values, int32_t* out_error) {
+  cg::grid_group grid = cg::this_grid();
+  if (blockIdx.x == 0 && threadIdx.x < 32) combine_begin_warp(d);
+  grid.sync();
+  combine_send_grid<Y, kVecY, O>(d, y, row_values, d.s.N == 1 ? out : nullptr);
+  __threadfence_system();
+  grid.sync();
+  if (blockIdx.x == 0 && threadIdx.x < 32) combine_sync_warp(d);
+  grid.sync();
+  combine_finish_grid<kVecOut, O>(d, T, out, out_values, out_error);
+  grid.sync();  // every source row in this region read before the acknowledgement
+  if (blockIdx.x == 0 && threadIdx.x < 32) publish(d, d.L.comb_ack, d.l.seq[1]);
+}
+
 using detail::aligned16;
 
 // One kernel of a stage, launched with programmatic stream serialization (pdl_begin).
@@ -667,6 +795,29 @@ cudaError_t launch(void (*kernel)(KArgs...), unsigned grid, unsigned block, cuda
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = st;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
+// A low-latency stage's one kernel: a cooperative launch (every block resident, so the
+// grid-wide barriers cannot deadlock) of num_blocks blocks, or of as many as fit.
+template <typename... KArgs, typename... Args>
+cudaError_t launch_cooperative(void (*kernel)(KArgs...), int cuda_device, int num_blocks, cudaStream_t st,
+                               Args... args) {
+  int sms = 0, per_sm = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cuda_device);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCopyThreads, 0);
+  if (err != cudaSuccess) return err;
+  const int resident = sms * per_sm;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(num_blocks < resident ? num_blocks : (resident > 0 ? resident : 1)));
+  cfg.blockDim = dim3(kCopyThreads);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = st;
   cfg.attrs = &attr;
@@ -714,6 +865,21 @@ moe_ep_status combine_as(cudaStream_t st, const Dev& d, int num_blocks, int64_t 
                    out_error);
   MOE_EP_EX_LAUNCH("combine_ack", stage_ack, 1, 32, st, d, 1, comb_ack);
   return MOE_EP_OK;
+}
+
+// The low-latency combine: combine_ll with 16-byte vectors where the rows of y (combine_send)
+// and the output (combine_finish, and combine_send at one rank) allow.
+template <typename Y, typename O>
+moe_ep_status combine_ll_as(cudaStream_t st, const Exchange& x, const Dev& d, int64_t T, const void* y, O* out,
+                            const float* row_values, float* out_values, int32_t* out_error) {
+  const Y* rows = static_cast<const Y*>(y);
+  const bool vec_out = d.s.H % 4 == 0 && aligned16(out);
+  const bool vec_y = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) && (d.s.N > 1 || vec_out);
+  auto* kernel = vec_y ? (vec_out ? combine_ll<Y, true, true, O> : combine_ll<Y, true, false, O>)
+                       : (vec_out ? combine_ll<Y, false, true, O> : combine_ll<Y, false, false, O>);
+  const cudaError_t e = launch_cooperative(kernel, x.cuda_device, x.num_blocks, st, d, T, rows, row_values, out,
+                                           out_values, out_error);
+  return e == cudaSuccess ? MOE_EP_OK : launch_failed("combine_ll", e);
 }
 
 Dev make_dev(const Exchange& x) {
@@ -787,6 +953,12 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
                           int32_t* out_tpe, int32_t* out_error) {
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
+  if (x.mode == MOE_EP_EXCHANGE_LOW_LATENCY) {
+    const cudaError_t e = launch_cooperative(dispatch_ll, x.cuda_device, x.num_blocks, st, d, T, row_bytes,
+                                             static_cast<const char*>(tokens), weights, static_cast<char*>(out_tokens),
+                                             out_w, out_meta, out_gs, out_tpe, out_error);
+    return e == cudaSuccess ? MOE_EP_OK : launch_failed("dispatch_ll", e);
+  }
   const unsigned blocks = static_cast<unsigned>(x.num_blocks);
   MOE_EP_EX_LAUNCH("dispatch_begin", dispatch_begin, 1, 32, st, d, T);
   MOE_EP_EX_LAUNCH("dispatch_send", dispatch_send, blocks, kCopyThreads, st, d, T, row_bytes,
@@ -802,6 +974,16 @@ moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const void*
                          bool out_bf16, const float* row_values, float* out_values, int32_t* out_error) {
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
+  if (x.mode == MOE_EP_EXCHANGE_LOW_LATENCY) {
+    if (out_bf16) {
+      uint16_t* o = static_cast<uint16_t*>(out);
+      return y_bf16 ? combine_ll_as<uint16_t>(st, x, d, T, y, o, row_values, out_values, out_error)
+                    : combine_ll_as<float>(st, x, d, T, y, o, row_values, out_values, out_error);
+    }
+    float* o = static_cast<float*>(out);
+    return y_bf16 ? combine_ll_as<uint16_t>(st, x, d, T, y, o, row_values, out_values, out_error)
+                  : combine_ll_as<float>(st, x, d, T, y, o, row_values, out_values, out_error);
+  }
   if (out_bf16)
     return combine_as(st, d, x.num_blocks, x.sym.comb_ack, T, y, y_bf16, static_cast<uint16_t*>(out), row_values,
                       out_values, out_error);
