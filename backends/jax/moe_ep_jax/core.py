@@ -15,7 +15,10 @@ Collectives, and nothing else:
   destination overflows its capacity, without a host round trip;
 - every payload: ONE all-to-all per direction, of byte-packed rows (tokens in
   their own encoding, router weights, route ids; or expert outputs in the
-  combine format; or gradients).
+  combine format; or gradients). At one rank (``num_ranks == 1``) nothing moves
+  between devices: either exchange is a local permutation, done as one gather
+  per part straight from its rows (no packing, no all-to-all, so ``ragged``
+  compiles on XLA:CPU there too), with the same buffers bit for bit.
 
 Two interchangeable exchanges move the payload (``LayerSpec.exchange``):
 
@@ -29,7 +32,7 @@ Two interchangeable exchanges move the payload (``LayerSpec.exchange``):
     per-peer capacity ``P = min(T * num_topk, C)`` (always enough), then a local
     scatter into the expert-major buffer. Runs on every platform.
 
-Both produce identical buffers, bit for bit.
+Both produce identical buffers, bit for bit (and so does the one-rank gather).
 
 Data-dependent errors cannot raise inside ``jit``: an expert id outside
 ``[-1, num_experts)`` on any rank, or an aligned receive count above ``C`` on
@@ -353,27 +356,54 @@ def _a2a(x: jax.Array, axis_name: str) -> jax.Array:
     return lax.all_to_all(x, axis_name, 0, 0, tiled=False)
 
 
+def _ragged_to_experts_args(lay: Layout) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``ragged_all_to_all``'s ``(input_offsets, send_sizes, output_offsets,
+    recv_sizes)`` for :func:`to_experts`, each ``[E] int32``: one chunk per
+    (destination, local expert); nothing moves on an error."""
+    ok = ~lay.error
+    send_sizes = jnp.where(ok, lay.my_counts, 0)
+    recv_sizes = jnp.where(ok, lay.recv_counts.reshape(-1), 0)
+    return lay.send_first, send_sizes, lay.my_base, recv_sizes
+
+
+def _ragged_to_sources_args(spec: LayerSpec, lay: Layout) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``ragged_all_to_all``'s ``(input_offsets, send_sizes, output_offsets,
+    recv_sizes)`` for :func:`to_sources`, each ``[E] int32``: one chunk per
+    (source, local expert), landing at the source's send positions."""
+    el = spec.num_local_experts
+    ok = ~lay.error
+    input_offsets = (lay.offsets[:el][None, :] + lay.src_prefix_me).reshape(-1)
+    send_sizes = jnp.where(ok, lay.recv_counts.reshape(-1), 0)
+    output_offsets = lax.dynamic_slice_in_dim(lay.send_first_all, lay.me * el, el, axis=1).reshape(-1)
+    recv_sizes = jnp.where(ok, lay.my_counts, 0)
+    return input_offsets, send_sizes, output_offsets, recv_sizes
+
+
 def to_experts(spec: LayerSpec, plan: Plan, lay: Layout, parts: Sequence[jax.Array]) -> List[jax.Array]:
-    """Move per-route rows to their expert's rank (collective: one all-to-all).
+    """Move per-route rows to their expert's rank (collective: one all-to-all;
+    at one rank a local gather).
 
     Args:
         parts: arrays ``[T*K, ...]`` indexed by SEND POSITION (row ``p`` belongs
             to route ``plan.send_route[p]``); rows past the routes are ignored.
 
     Returns:
-        the same parts as ``[C, ...]`` expert-major buffers; padding rows zero.
+        the same parts as ``[C, ...]`` expert-major buffers; padding rows zero
+        (all bits zero), every row zero on an error.
     """
+    if spec.num_ranks == 1:
+        return _to_experts_local(spec, lay, parts)
+    return _to_experts_exchange(spec, plan, lay, parts)
+
+
+def _to_experts_exchange(spec: LayerSpec, plan: Plan, lay: Layout, parts: Sequence[jax.Array]) -> List[jax.Array]:
+    """:func:`to_experts` through ``spec.exchange`` (any rank count)."""
     blob, pspec = _pack(parts)
     cap = spec.capacity
     width = blob.shape[1]
     if spec.exchange == "ragged":
-        ok = ~lay.error
-        send_sizes = jnp.where(ok, lay.my_counts, 0)
-        recv_sizes = jnp.where(ok, lay.recv_counts.reshape(-1), 0)
         out = _varying(jnp.zeros((cap, width), jnp.uint8), spec.axis_name)
-        buf = lax.ragged_all_to_all(
-            blob, out, lay.send_first, send_sizes, lay.my_base, recv_sizes, axis_name=spec.axis_name
-        )
+        buf = lax.ragged_all_to_all(blob, out, *_ragged_to_experts_args(lay), axis_name=spec.axis_name)
     else:
         n, p, tk = spec.num_ranks, spec.peer_capacity, spec.num_routes
         q = jnp.arange(p, dtype=_I32)
@@ -389,30 +419,32 @@ def to_experts(spec: LayerSpec, plan: Plan, lay: Layout, parts: Sequence[jax.Arr
 
 
 def to_sources(spec: LayerSpec, plan: Plan, lay: Layout, parts: Sequence[jax.Array]) -> List[jax.Array]:
-    """The reverse of :func:`to_experts` (collective: one all-to-all).
+    """The reverse of :func:`to_experts` (collective: one all-to-all; at one
+    rank a local gather).
 
     Args:
         parts: ``[C, ...]`` buffers (padding rows are never read).
 
     Returns:
         the parts as ``[T*K, ...]`` indexed by ROUTE ID ``token * K + slot``;
-        rows of slots without a route are zero.
+        rows of slots without a route are zero (all bits zero), every row zero
+        on an error.
     """
+    if spec.num_ranks == 1:
+        return _to_sources_local(spec, plan, lay, parts)
+    return _to_sources_exchange(spec, plan, lay, parts)
+
+
+def _to_sources_exchange(spec: LayerSpec, plan: Plan, lay: Layout, parts: Sequence[jax.Array]) -> List[jax.Array]:
+    """:func:`to_sources` through ``spec.exchange`` (any rank count)."""
     blob, pspec = _pack(parts)
     el = spec.num_local_experts
     tk = spec.num_routes
     width = blob.shape[1]
     sent = plan.route_pos >= 0
     if spec.exchange == "ragged":
-        ok = ~lay.error
-        input_offsets = (lay.offsets[:el][None, :] + lay.src_prefix_me).reshape(-1)
-        send_sizes = jnp.where(ok, lay.recv_counts.reshape(-1), 0)
-        output_offsets = lax.dynamic_slice_in_dim(lay.send_first_all, lay.me * el, el, axis=1).reshape(-1)
-        recv_sizes = jnp.where(ok, lay.my_counts, 0)
         out = _varying(jnp.zeros((max(tk, 1), width), jnp.uint8), spec.axis_name)
-        back = lax.ragged_all_to_all(
-            blob, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=spec.axis_name
-        )
+        back = lax.ragged_all_to_all(blob, out, *_ragged_to_sources_args(spec, lay), axis_name=spec.axis_name)
         rows = back[jnp.clip(plan.route_pos, 0, max(tk - 1, 0))]
     else:
         n, p = spec.num_ranks, spec.peer_capacity
@@ -424,6 +456,59 @@ def to_sources(spec: LayerSpec, plan: Plan, lay: Layout, parts: Sequence[jax.Arr
         rows = back[jnp.clip(dest * p + q, 0, n * p - 1)]
     rows = jnp.where(sent[:, None], rows, 0).astype(jnp.uint8)
     return _unpack(rows, pspec)
+
+
+# ----------------------------------------------------------------------------- one rank: local gathers
+#
+# With one rank layout() has no earlier source (src_prefix == 0), so my_base ==
+# offsets[:El] and send_first_all[0] == send_first: row j of local expert e's
+# slab is send position send_first[e] + j, in both directions. Both exchanges
+# write exactly these rows and leave the others (every row, on an error) zero.
+
+
+def _as_bits(x: jax.Array) -> jax.Array:
+    """``x`` viewed as unsigned integers of its width (bool stays bool). XLA:CPU
+    widens bfloat16 gathers and selects to float32 and back, which quiets NaN
+    payloads; on integers every platform copies bits."""
+    if x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+        return x
+    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _gather_rows(x: jax.Array, idx: jax.Array, keep: jax.Array) -> jax.Array:
+    """``[len(idx), ...] x.dtype``: ``x[idx]`` where ``keep``, all-zero bits
+    elsewhere (not ``jnp.zeros``: float8_e8m0fnu has no zero, 0 converts to its NaN 0xFF).
+
+    Args:
+        x: ``[rows, ...]`` any dtype (bits are copied, never converted).
+        idx: ``[M] int32``: row indices; only those where ``keep`` need be in range.
+        keep: ``[M] bool``.
+    """
+    u = _as_bits(x)
+    if u.shape[0] == 0:  # nothing to read (no routes): one zero row keeps the gather well-formed
+        u = jnp.zeros((1,) + u.shape[1:], u.dtype)
+    safe = jnp.clip(idx, 0, u.shape[0] - 1)
+    rows = jnp.take(u, safe, axis=0, mode="clip")
+    rows = jnp.where(keep.reshape(keep.shape + (1,) * (u.ndim - 1)), rows, jnp.zeros((), u.dtype))
+    return rows if rows.dtype == x.dtype else lax.bitcast_convert_type(rows, x.dtype)
+
+
+def _to_experts_local(spec: LayerSpec, lay: Layout, parts: Sequence[jax.Array]) -> List[jax.Array]:
+    """:func:`to_experts` at one rank: buffer row r of local expert e's slab,
+    row j, is send position ``send_first[e] + j``."""
+    valid, e, j = valid_rows(spec, lay)
+    src = lay.send_first[e] + j
+    keep = valid & ~lay.error
+    return [_gather_rows(p, src, keep) for p in parts]
+
+
+def _to_sources_local(spec: LayerSpec, plan: Plan, lay: Layout, parts: Sequence[jax.Array]) -> List[jax.Array]:
+    """:func:`to_sources` at one rank: a route at send position p to expert e
+    reads buffer row ``offsets[e] + p - send_first[e]``."""
+    e = jnp.clip(plan.route_expert, 0, spec.num_local_experts - 1)
+    row = lay.offsets[e] + plan.route_pos - lay.send_first[e]
+    keep = (plan.route_pos >= 0) & ~lay.error
+    return [_gather_rows(p, row, keep) for p in parts]
 
 
 # ----------------------------------------------------------------------------- the layer
