@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--format", choices=("bf16", "mxfp8", "nvfp4"), default="bf16",
                         help="the activation's, the weights', the combine's and the output's format (block-scaled: "
                              "forward only, as the spec differentiates plain inputs only)")
+    parser.add_argument("--detail", action="store_true",
+                        help="also the ops by input shape and by the Python lines that issued them (5 frames)")
     parser.add_argument("--intermediate-format", action="append", default=None,
                         help="repeatable; 'none' for the exact float32 FC2 operand (default: none and bf16)")
     args = parser.parse_args()
@@ -105,12 +107,21 @@ def main() -> None:
               f"({flops / times['forward'] / 1e9:.0f} TFLOP/s)"
               + (f", forward+backward {times['forward+backward']:.3f} ms" if len(runs) > 1 else ""), flush=True)
         for name, fn in runs:
-            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=args.detail,
+                         with_stack=args.detail) as prof:
                 fn()
                 torch.cuda.synchronize()
             print(f"-- {name}: top kernels by CUDA time", flush=True)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70),
                   flush=True)
+            if args.detail:
+                print(f"-- {name}: by input shape", flush=True)
+                print(prof.key_averages(group_by_input_shape=True).table(
+                    sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=40, max_shapes_column_width=90),
+                    flush=True)
+                print(f"-- {name}: by the Python lines that issued them", flush=True)
+                print(prof.key_averages(group_by_stack_n=5).table(
+                    sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=40), flush=True)
     cn.close_communicators()
     dist.destroy_process_group()
 
