@@ -6,7 +6,7 @@
 #   RUN=2: the device exchange after the fan-out dispatch and with the low-latency mode: its CUDA
 #          tests (EP 2 and 4 loopback, both modes), the EP 2 smoke (eager and graph replays), the EP 1
 #          timings against a device copy at 4096 and 128 tokens in both modes, compute-sanitizer
-#          memcheck and racecheck on the EP 2 smoke in both modes.
+#          memcheck and racecheck on the EP 2 smoke in both modes; the mxfp8 forward's ops by shape and line.
 #   RUN=3: the jax layer at one rank without the all-to-all (jax-ffi's profile and bench), the
 #          vectorised format kernels (their CUDA tests), the layer's sanitizer runs.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
@@ -42,6 +42,8 @@ case "$RUN" in
   step tests-exchange 300 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py -k cuda
   TAIL=40 step exchange-time 150 "$py" scripts/gpu_exchange_check.py --smoke 2 --time --tokens 4096 --tokens 128 \
     --mode throughput --mode low_latency
+  TAIL=4 step profile-mxfp8-detail 100 "$py" scripts/gpu_layer_profile.py --mode device --format mxfp8 \
+    --intermediate-format bf16 --iters 3 --top 20 --detail
   for tool in memcheck racecheck; do
     step "sanitizer-exchange-$tool" 100 compute-sanitizer --tool "$tool" --target-processes all --report-api-errors no \
       --error-exitcode 9 "$py" scripts/gpu_exchange_check.py --smoke 2 --mode throughput --mode low_latency
