@@ -108,6 +108,53 @@ def test_formats_cuda_equal_cpu(fmt, shape, axis):
     assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.array_equal(np.nan_to_num(got), np.nan_to_num(ref))
 
 
+# Rows whose blocks hit the encoders' corners: subnormals, values near float32's top, a
+# block of zeros but one huge value, amax below 448 * 2^-127 (the clamped mxfp8 scale),
+# signed zeros, NaN and +-Inf.
+def _corner_rows(rng, shape):
+    x = _special_values(rng, shape)
+    n = shape[1]
+    x[1] = rng.standard_normal(n) * np.float32(2.0**-140)
+    x[2] = rng.uniform(-1.0, 1.0, n) * np.float32(3.4e38)
+    x[3] = np.where(rng.integers(0, 2, n) == 1, np.float32(-0.0), np.float32(0.0))
+    x[3, 5] = np.float32(2.0**127)
+    x[4] = rng.standard_normal(n) * np.float32(2.0**-128)
+    x[5, 7], x[5, 20] = np.nan, np.inf
+    return x
+
+
+# Blocks along contiguous rows take the vec4 kernels when n is a multiple of the block and
+# the buffers are aligned (offsets 0, 0), the element kernels otherwise: x shifted by 4
+# bytes, data by 2 (still the vec4 path for nvfp4's 2-byte stores), n = 48 (ragged for
+# mxfp8's 32, whole nvfp4 blocks). Every path must give the CPU's bytes.
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("shape,x_off,d_off", [((40, 96), 0, 0), ((40, 96), 4, 0), ((40, 96), 0, 2), ((7, 48), 0, 0)])
+def test_formats_cuda_row_paths_equal_cpu(fmt, shape, x_off, d_off):
+    rng = np.random.default_rng(zlib.crc32(repr((fmt, shape, x_off, d_off)).encode()))
+    x = _corner_rows(rng, shape)
+    want = host.quantize(x, fmt, axis=1)
+    if fmt == "bf16":
+        wd, ws = np.asarray(want).view(np.uint16), None
+    else:
+        wd, ws = want.data.view(np.uint8), want.scale.view(np.uint8)
+    xd = dev(np.concatenate([np.zeros(x_off, np.uint8), x.view(np.uint8).reshape(-1)]))
+    dd = empty(d_off + wd.nbytes)
+    sd = None if ws is None else empty(ws.size)
+    sp = None if sd is None else sd.data_ptr()
+    call("moe_ep_quantize", CUDA, stream(), _FMT[fmt], xd.data_ptr() + x_off, shape[0], shape[1], 1,
+         dd.data_ptr() + d_off, sp)
+    got_d = host_of(dd[d_off:], wd.dtype, wd.shape)
+    np.testing.assert_array_equal(got_d, wd, err_msg=f"CUDA {fmt} data codes differ from CPU")
+    if sd is not None:
+        np.testing.assert_array_equal(host_of(sd, np.uint8, ws.shape), ws, err_msg=f"CUDA {fmt} scale codes differ")
+    out = empty(x.nbytes)
+    call("moe_ep_dequantize", CUDA, stream(), _FMT[fmt], dd.data_ptr() + d_off, sp, shape[0], shape[1], 1,
+         out.data_ptr())
+    got = host_of(out, np.float32, x.shape)
+    ref = host.dequantize(want)
+    assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.array_equal(np.nan_to_num(got), np.nan_to_num(ref))
+
+
 @pytest.mark.parametrize("t,k,e", [(0, 2, 4), (1, 1, 1), (257, 4, 16), (1024, 8, 256), (700, 8, 12000)])
 def test_plan_routes_cuda_equal_cpu(t, k, e):
     rng = np.random.default_rng(t + e)

@@ -145,23 +145,38 @@ __device__ __forceinline__ float mxfp8_decode(uint32_t code, uint32_t scale_code
   return mxfp8_value(code, exp2_exact(static_cast<int>(scale_code) - 127), scale_code == 0xFFu);
 }
 
+// The E8M0 scale code of an mxfp8 block whose BlockMax is bm: e + 127, or 0xFF for a
+// block with NaN/Inf. Split from the element codes so that lanes sharing a block agree
+// on bm first; a finite block's code is at most 254, so 0xFF alone marks the NaN block.
+__device__ __forceinline__ uint32_t mxfp8_scale_code(const BlockMax& bm) {
+  return bm.nonfinite ? 0xFFu : static_cast<uint32_t>(mxfp8_exponent(bm.amax) + 127);
+}
+
+// The data code of one element (float32 bits u) of a block whose scale code is sc:
+// 0x7F in a NaN-scale block, else sign | E4M3 code of |x| / 2^(sc - 127) (zeros keep
+// their sign).
+__device__ __forceinline__ uint32_t mxfp8_code(uint32_t u, uint32_t sc) {
+  if (sc == 0xFFu) return 0x7Fu;
+  return e4m3_mag_code(u & kAbsMask, static_cast<int>(sc) - 127) | ((u >> 31) << 7);
+}
+
+// The codes of 4 consecutive elements of one block, element j in byte j: one lane's
+// share of a block split over lanes, stored as one little-endian word.
+__device__ __forceinline__ uint32_t mxfp8_codes4(const float (&v)[4], uint32_t sc) {
+  uint32_t w = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) w |= mxfp8_code(fbits(v[j]), sc) << (8 * j);
+  return w;
+}
+
 // Encode one mxfp8 block of `len` (1..32) elements x[j * stride] into
 // data[j * dstride] and *scale_code. A block with NaN/Inf: scale 0xFF, data 0x7F.
 // Otherwise scale e + 127, data = sign | E4M3 code of |x| / 2^e (zeros keep their sign).
 __device__ __forceinline__ void mxfp8_encode_block(const float* x, int64_t stride, int len, uint8_t* data,
                                                    int64_t dstride, uint8_t* scale_code) {
-  const BlockMax bm = block_max(x, stride, len);
-  if (bm.nonfinite) {
-    for (int j = 0; j < len; ++j) data[j * dstride] = 0x7F;
-    *scale_code = 0xFF;
-    return;
-  }
-  const int e = mxfp8_exponent(bm.amax);
-  for (int j = 0; j < len; ++j) {
-    const uint32_t u = fbits(x[j * stride]);
-    data[j * dstride] = static_cast<uint8_t>(e4m3_mag_code(u & kAbsMask, e) | ((u >> 31) << 7));
-  }
-  *scale_code = static_cast<uint8_t>(e + 127);
+  const uint32_t sc = mxfp8_scale_code(block_max(x, stride, len));
+  for (int j = 0; j < len; ++j) data[j * dstride] = static_cast<uint8_t>(mxfp8_code(fbits(x[j * stride]), sc));
+  *scale_code = static_cast<uint8_t>(sc);
 }
 
 // quantize + dequantize in place of len values of one mxfp8 block whose BlockMax is bm
@@ -194,17 +209,29 @@ __device__ __forceinline__ float nvfp4_scale_bound(int j) {
                                     e4m3_magnitude(static_cast<uint32_t>(j + 1)))));
 }
 
+// The bounds as computed (Nvfp4Bound) or read from a table of those same values
+// (Nvfp4BoundTable: a kernel that searches for many blocks per thread block computes
+// them once into shared memory).
+struct Nvfp4Bound {
+  __device__ __forceinline__ float operator()(int j) const { return nvfp4_scale_bound(j); }
+};
+struct Nvfp4BoundTable {
+  const float* b;  // b[j] = nvfp4_scale_bound(j), j in 0..125
+  __device__ __forceinline__ float operator()(int j) const { return b[j]; }
+};
+
 // E4M3 code (0..0x7E) of amax / 6, nearest, ties to the even code, saturating at
 // 0x7E (448): the count of bounds below amax (binary search; the bounds
 // increase), plus one at a tie whose upper neighbour j + 1 is even.
-__device__ __forceinline__ uint32_t nvfp4_scale_index(float amax) {
+template <typename Bound = Nvfp4Bound>
+__device__ __forceinline__ uint32_t nvfp4_scale_index(float amax, const Bound& bound = Bound{}) {
   int lo = 0, hi = 126;
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
-    if (amax > nvfp4_scale_bound(mid)) lo = mid + 1;
+    if (amax > bound(mid)) lo = mid + 1;
     else hi = mid;
   }
-  if (lo < 126 && amax == nvfp4_scale_bound(lo) && ((lo + 1) & 1) == 0) ++lo;
+  if (lo < 126 && amax == bound(lo) && ((lo + 1) & 1) == 0) ++lo;
   return static_cast<uint32_t>(lo);
 }
 
@@ -266,19 +293,33 @@ struct Nvfp4Scale {
   float value;
 };
 
-__device__ __forceinline__ Nvfp4Scale nvfp4_block_scale(const float* x, int64_t stride, int len) {
-  const BlockMax bm = block_max(x, stride, len);
-  const uint32_t sidx = nvfp4_scale_index(bitsf(bm.amax));
+// The scale of an nvfp4 block whose BlockMax is bm (the block's, also when its
+// elements are spread over lanes).
+template <typename Bound = Nvfp4Bound>
+__device__ __forceinline__ Nvfp4Scale nvfp4_scale_of(const BlockMax& bm, const Bound& bound = Bound{}) {
+  const uint32_t sidx = nvfp4_scale_index(bitsf(bm.amax), bound);
   return Nvfp4Scale{bm.nonfinite ? 0x7Fu : sidx, e4m3_magnitude(sidx)};
+}
+
+__device__ __forceinline__ Nvfp4Scale nvfp4_block_scale(const float* x, int64_t stride, int len) {
+  return nvfp4_scale_of(block_max(x, stride, len));
+}
+
+// The 4-bit codes of 4 consecutive elements of one block (scale value s), element j
+// in bits 4j..4j + 3: the two packed bytes of the data (low nibble first), as one
+// lane's share of a block split over lanes.
+__device__ __forceinline__ uint32_t nvfp4_codes4(const float (&v)[4], float s) {
+  uint32_t h = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h |= nvfp4_code(fbits(v[j]), s) << (4 * j);
+  return h;
 }
 
 // quantize + dequantize in place of len values of one nvfp4 block whose BlockMax is bm
 // (as nvfp4_block_scale derives the scale from it).
 __device__ __forceinline__ void nvfp4_round_trip_with(const BlockMax& bm, float* p, int len) {
-  const uint32_t sidx = nvfp4_scale_index(bitsf(bm.amax));
-  const uint32_t code = bm.nonfinite ? 0x7Fu : sidx;
-  const float value = e4m3_magnitude(sidx);
-  for (int j = 0; j < len; ++j) p[j] = nvfp4_decode(nvfp4_code(fbits(p[j]), value), code);
+  const Nvfp4Scale sc = nvfp4_scale_of(bm);
+  for (int j = 0; j < len; ++j) p[j] = nvfp4_decode(nvfp4_code(fbits(p[j]), sc.value), sc.code);
 }
 
 // quantize + dequantize of one nvfp4 block in place (R_int).

@@ -1,6 +1,8 @@
 // CUDA quantize / dequantize over the [outer, n, inner] view (blocks along n).
 // Index order of the threads: inner fastest, so that neighbouring threads touch
-// neighbouring addresses whenever inner > 1.
+// neighbouring addresses whenever inner > 1. Blocks along contiguous rows (inner = 1,
+// n a multiple of the block, aligned buffers) take the vec4 kernels instead, which give
+// the same bytes through the same format_math.cuh helpers.
 #include <cstdint>
 
 #include "cuda/common.cuh"
@@ -23,6 +25,24 @@ __global__ void bf16_quantize_kernel(const float* __restrict__ x, int64_t total,
 __global__ void bf16_dequantize_kernel(const uint16_t* __restrict__ in, int64_t total, float* __restrict__ out) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x)
     out[i] = bf16_to_float(in[i]);
+}
+
+// One thread per 4 elements t (total a multiple of 4): a float4 in, 4 bf16 (8 bytes) out.
+__global__ void bf16_quantize_vec4_kernel(const float4* __restrict__ x, int64_t total4, uint2* __restrict__ out) {
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total4; t += int64_t{gridDim.x} * blockDim.x) {
+    const float4 v = x[t];
+    out[t] = make_uint2(uint32_t{bf16_from_float(v.x)} | (uint32_t{bf16_from_float(v.y)} << 16),
+                        uint32_t{bf16_from_float(v.z)} | (uint32_t{bf16_from_float(v.w)} << 16));
+  }
+}
+
+// One thread per 4 elements t (total a multiple of 4): 4 bf16 (8 bytes) in, a float4 out.
+__global__ void bf16_dequantize_vec4_kernel(const uint2* __restrict__ in, int64_t total4, float4* __restrict__ out) {
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total4; t += int64_t{gridDim.x} * blockDim.x) {
+    const uint2 w = in[t];
+    out[t] = make_float4(bf16_to_float(static_cast<uint16_t>(w.x)), bf16_to_float(static_cast<uint16_t>(w.x >> 16)),
+                         bf16_to_float(static_cast<uint16_t>(w.y)), bf16_to_float(static_cast<uint16_t>(w.y >> 16)));
+  }
 }
 
 // One thread per (outer o, block b, inner i): encodes elements k0..k0+len-1 of
@@ -62,6 +82,125 @@ __global__ void nvfp4_quantize_kernel(const float* __restrict__ x, int64_t outer
       db[(j / 2) * inner] = static_cast<uint8_t>((lo & 0xFu) | ((hi & 0xFu) << 4));
     }
     scale[t] = static_cast<uint8_t>(sc.code);
+  }
+}
+
+// ------------------------------------------------------------------ blocks along rows (inner = 1)
+//
+// With inner = 1 and n a multiple of the block, x is a flat array of whole blocks:
+// float4 t holds elements 4t..4t + 3, all in block t / G (G = block / 4 lanes, 8 for
+// mxfp8, 4 for nvfp4), which is also that block's scale index; no index needs a
+// division. A block's G lanes are G-aligned in their warp.
+
+constexpr int kMxGroup = static_cast<int>(kMxfp8Block) / 4;
+constexpr int kNvGroup = static_cast<int>(kNvfp4Block) / 4;
+
+// The BlockMax of the block of which this lane holds v, agreed by its kGroup lanes.
+// All 32 lanes must call it (full-mask shuffles); a lane past the end passes zeros,
+// which only reach the lanes of its own (equally absent) block.
+template <int kGroup>
+__device__ __forceinline__ BlockMax group_block_max(const float (&v)[4]) {
+  BlockMax bm = block_max(v, 1, 4);
+  uint32_t nonfinite = bm.nonfinite ? 1u : 0u;
+#pragma unroll
+  for (int o = kGroup / 2; o > 0; o >>= 1) {
+    const uint32_t a = __shfl_xor_sync(0xFFFFFFFFu, bm.amax, o);
+    bm.amax = a > bm.amax ? a : bm.amax;
+    nonfinite |= __shfl_xor_sync(0xFFFFFFFFu, nonfinite, o);
+  }
+  bm.nonfinite = nonfinite != 0u;
+  return bm;
+}
+
+// Loads float4 t of x for the lane that has one; zeros otherwise.
+__device__ __forceinline__ void load4(const float4* __restrict__ x, int64_t t, int64_t total4, float (&v)[4]) {
+  v[0] = v[1] = v[2] = v[3] = 0.0f;
+  if (t < total4) {
+    const float4 q = x[t];
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+  }
+}
+
+// Float4 loads a lane issues before encoding any: the encode is long enough that one
+// load a lane leaves too few bytes in flight to keep the memory busy.
+constexpr int kEncUnroll = 4;
+
+// A warp takes kEncUnroll * 32 float4 a trip: lane l holds float4 base + 32 u + l
+// (coalesced), the lanes of each block (8, kGroup-aligned) agree on its amax, each
+// stores its 4 codes as one word, the group's first lane the scale code. Trips are
+// per warp, so every shuffle sees all 32 lanes.
+template <int kUnroll>
+__global__ void __launch_bounds__(kThreads)
+    mxfp8_quantize_vec4_kernel(const float4* __restrict__ x, int64_t total4, uint32_t* __restrict__ data,
+                               uint8_t* __restrict__ scale) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t first = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x - lane) * kUnroll;
+  const int64_t step = int64_t{gridDim.x} * blockDim.x * kUnroll;
+  for (int64_t base = first; base < total4; base += step) {
+    float v[kUnroll][4];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) load4(x, base + 32 * u + lane, total4, v[u]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t t = base + 32 * u + lane;
+      const BlockMax bm = group_block_max<kMxGroup>(v[u]);
+      if (t >= total4) continue;
+      const uint32_t sc = mxfp8_scale_code(bm);
+      data[t] = mxfp8_codes4(v[u], sc);
+      if ((lane & (kMxGroup - 1)) == 0) scale[t / kMxGroup] = static_cast<uint8_t>(sc);
+    }
+  }
+}
+
+// As mxfp8_quantize_vec4_kernel with 4 lanes a block and 2 packed bytes a lane. The
+// scale's binary search reads its bounds from shared memory (computed once per thread
+// block by the same nvfp4_scale_bound): every lane of a block searches, so computing
+// each probed bound would cost more than the element codes.
+template <int kUnroll>
+__global__ void __launch_bounds__(kThreads)
+    nvfp4_quantize_vec4_kernel(const float4* __restrict__ x, int64_t total4, uint16_t* __restrict__ data,
+                               uint8_t* __restrict__ scale) {
+  __shared__ float bounds[126];
+  for (int j = static_cast<int>(threadIdx.x); j < 126; j += static_cast<int>(blockDim.x))
+    bounds[j] = nvfp4_scale_bound(j);
+  __syncthreads();
+  const Nvfp4BoundTable table{bounds};
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t first = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x - lane) * kUnroll;
+  const int64_t step = int64_t{gridDim.x} * blockDim.x * kUnroll;
+  for (int64_t base = first; base < total4; base += step) {
+    float v[kUnroll][4];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) load4(x, base + 32 * u + lane, total4, v[u]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t t = base + 32 * u + lane;
+      const BlockMax bm = group_block_max<kNvGroup>(v[u]);
+      if (t >= total4) continue;
+      const Nvfp4Scale sc = nvfp4_scale_of(bm, table);
+      data[t] = static_cast<uint16_t>(nvfp4_codes4(v[u], sc.value));
+      if ((lane & (kNvGroup - 1)) == 0) scale[t / kNvGroup] = static_cast<uint8_t>(sc.code);
+    }
+  }
+}
+
+// One thread per 4 codes t (one word): the float4 of their values, scale t / 8.
+__global__ void mxfp8_dequantize_vec4_kernel(const uint32_t* __restrict__ data, const uint8_t* __restrict__ scale,
+                                             int64_t total4, float4* __restrict__ out) {
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total4; t += int64_t{gridDim.x} * blockDim.x) {
+    const uint32_t w = data[t], sc = scale[t / kMxGroup];
+    out[t] = make_float4(mxfp8_decode(w & 0xFFu, sc), mxfp8_decode((w >> 8) & 0xFFu, sc),
+                         mxfp8_decode((w >> 16) & 0xFFu, sc), mxfp8_decode(w >> 24, sc));
+  }
+}
+
+// One thread per 4 codes t (2 packed bytes, low nibble first): their float4, scale t / 4.
+__global__ void nvfp4_dequantize_vec4_kernel(const uint16_t* __restrict__ data, const uint8_t* __restrict__ scale,
+                                             int64_t total4, float4* __restrict__ out) {
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total4; t += int64_t{gridDim.x} * blockDim.x) {
+    const uint32_t h = data[t], sc = scale[t / kNvGroup];
+    out[t] = make_float4(nvfp4_decode(h & 0xFu, sc), nvfp4_decode((h >> 4) & 0xFu, sc),
+                         nvfp4_decode((h >> 8) & 0xFu, sc), nvfp4_decode(h >> 12, sc));
   }
 }
 
@@ -309,6 +448,9 @@ moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const 
   return MOE_EP_OK;
 }
 
+// Whether p suits a vector access of `bytes` bytes.
+bool aligned_to(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
 }  // namespace
 
 moe_ep_status quantize(void* stream, moe_ep_format fmt, const float* x, int64_t outer, int64_t n, int64_t inner,
@@ -318,6 +460,12 @@ moe_ep_status quantize(void* stream, moe_ep_format fmt, const float* x, int64_t 
     case MOE_EP_FORMAT_BF16: {
       const int64_t total = outer * n * inner;
       if (total == 0) return MOE_EP_OK;
+      if (total % 4 == 0 && aligned16(x) && aligned_to(data, 8)) {
+        bf16_quantize_vec4_kernel<<<blocks_for(total / 4), kThreads, 0, s>>>(reinterpret_cast<const float4*>(x),
+                                                                            total / 4, static_cast<uint2*>(data));
+        MOE_EP_CUDA_CHECK_LAUNCH("bf16_quantize_vec4_kernel");
+        return MOE_EP_OK;
+      }
       bf16_quantize_kernel<<<blocks_for(total), kThreads, 0, s>>>(x, total, static_cast<uint16_t*>(data));
       MOE_EP_CUDA_CHECK_LAUNCH("bf16_quantize_kernel");
       return MOE_EP_OK;
@@ -325,6 +473,14 @@ moe_ep_status quantize(void* stream, moe_ep_format fmt, const float* x, int64_t 
     case MOE_EP_FORMAT_MXFP8: {
       const int64_t total = outer * div_up(n, kMxfp8Block) * inner;
       if (total == 0) return MOE_EP_OK;
+      // Blocks along contiguous rows (the layer's case): the lane-per-float4 kernel.
+      if (inner == 1 && n % kMxfp8Block == 0 && aligned16(x) && aligned_to(data, 4)) {
+        const int64_t total4 = outer * n / 4;
+        mxfp8_quantize_vec4_kernel<kEncUnroll><<<blocks_for(div_up(total4, kEncUnroll)), kThreads, 0, s>>>(
+            reinterpret_cast<const float4*>(x), total4, static_cast<uint32_t*>(data), static_cast<uint8_t*>(scale));
+        MOE_EP_CUDA_CHECK_LAUNCH("mxfp8_quantize_vec4_kernel");
+        return MOE_EP_OK;
+      }
       mxfp8_quantize_kernel<<<blocks_for(total), kThreads, 0, s>>>(x, outer, n, inner, static_cast<uint8_t*>(data),
                                                                     static_cast<uint8_t*>(scale));
       MOE_EP_CUDA_CHECK_LAUNCH("mxfp8_quantize_kernel");
@@ -333,6 +489,13 @@ moe_ep_status quantize(void* stream, moe_ep_format fmt, const float* x, int64_t 
     case MOE_EP_FORMAT_NVFP4: {
       const int64_t total = outer * div_up(n, kNvfp4Block) * inner;
       if (total == 0) return MOE_EP_OK;
+      if (inner == 1 && n % kNvfp4Block == 0 && aligned16(x) && aligned_to(data, 2)) {
+        const int64_t total4 = outer * n / 4;
+        nvfp4_quantize_vec4_kernel<kEncUnroll><<<blocks_for(div_up(total4, kEncUnroll)), kThreads, 0, s>>>(
+            reinterpret_cast<const float4*>(x), total4, static_cast<uint16_t*>(data), static_cast<uint8_t*>(scale));
+        MOE_EP_CUDA_CHECK_LAUNCH("nvfp4_quantize_vec4_kernel");
+        return MOE_EP_OK;
+      }
       nvfp4_quantize_kernel<<<blocks_for(total), kThreads, 0, s>>>(x, outer, n, inner, static_cast<uint8_t*>(data),
                                                                     static_cast<uint8_t*>(scale));
       MOE_EP_CUDA_CHECK_LAUNCH("nvfp4_quantize_kernel");
@@ -348,17 +511,41 @@ moe_ep_status dequantize(void* stream, moe_ep_format fmt, const void* data, cons
   const cudaStream_t s = as_stream(stream);
   const int64_t total = outer * n * inner;
   if (total == 0) return MOE_EP_OK;
+  // Four elements a thread where out takes float4 stores and the codes whole-word loads
+  // (mxfp8 / nvfp4: blocks along contiguous rows, so no per-element division).
+  const int64_t total4 = total / 4;
+  const bool out16 = aligned16(out);
   switch (fmt) {
     case MOE_EP_FORMAT_BF16:
+      if (total % 4 == 0 && out16 && aligned_to(data, 8)) {
+        bf16_dequantize_vec4_kernel<<<blocks_for(total4), kThreads, 0, s>>>(static_cast<const uint2*>(data), total4,
+                                                                           reinterpret_cast<float4*>(out));
+        MOE_EP_CUDA_CHECK_LAUNCH("bf16_dequantize_vec4_kernel");
+        return MOE_EP_OK;
+      }
       bf16_dequantize_kernel<<<blocks_for(total), kThreads, 0, s>>>(static_cast<const uint16_t*>(data), total, out);
       MOE_EP_CUDA_CHECK_LAUNCH("bf16_dequantize_kernel");
       return MOE_EP_OK;
     case MOE_EP_FORMAT_MXFP8:
+      if (inner == 1 && n % kMxfp8Block == 0 && out16 && aligned_to(data, 4)) {
+        mxfp8_dequantize_vec4_kernel<<<blocks_for(total4), kThreads, 0, s>>>(static_cast<const uint32_t*>(data),
+                                                                            static_cast<const uint8_t*>(scale), total4,
+                                                                            reinterpret_cast<float4*>(out));
+        MOE_EP_CUDA_CHECK_LAUNCH("mxfp8_dequantize_vec4_kernel");
+        return MOE_EP_OK;
+      }
       mxfp8_dequantize_kernel<<<blocks_for(total), kThreads, 0, s>>>(
           static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(scale), outer, n, inner, out);
       MOE_EP_CUDA_CHECK_LAUNCH("mxfp8_dequantize_kernel");
       return MOE_EP_OK;
     case MOE_EP_FORMAT_NVFP4:
+      if (inner == 1 && n % kNvfp4Block == 0 && out16 && aligned_to(data, 2)) {
+        nvfp4_dequantize_vec4_kernel<<<blocks_for(total4), kThreads, 0, s>>>(static_cast<const uint16_t*>(data),
+                                                                            static_cast<const uint8_t*>(scale), total4,
+                                                                            reinterpret_cast<float4*>(out));
+        MOE_EP_CUDA_CHECK_LAUNCH("nvfp4_dequantize_vec4_kernel");
+        return MOE_EP_OK;
+      }
       nvfp4_dequantize_kernel<<<blocks_for(total), kThreads, 0, s>>>(
           static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(scale), outer, n, inner, out);
       MOE_EP_CUDA_CHECK_LAUNCH("nvfp4_dequantize_kernel");
