@@ -369,3 +369,22 @@ def test_one_rank_layer_equals_the_exchange_path_bit_for_bit(layout: str, monkey
     for i, (a, b, c) in enumerate(zip(fast, slow, fast_cap)):
         _assert_same_bits(f"{layout} leaf {i}: shortcut vs exchange path", a, b)
         _assert_same_bits(f"{layout} leaf {i}: ragged vs capacity spec", a, c)
+
+
+def test_round_to_bf16_of_bfloat16_is_the_float32_path_bit_for_bit() -> None:
+    """A bfloat16 input skips the float32 pass (the stash the native layer returns):
+    every bit pattern, NaN payloads included, rounds as through float32."""
+    from jax import lax
+
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    x = jnp.asarray(bits.view(jnp.bfloat16))
+    got = np.asarray(jax.jit(F.round_to_bf16)(x)).view(np.uint16)
+
+    def via_float32(v):
+        r = F._bf16_bits(F._bits(v))
+        return lax.bitcast_convert_type(lax.shift_right_logical(r, np.uint32(16)).astype(jnp.uint16), jnp.bfloat16)
+
+    want = np.asarray(jax.jit(via_float32)(x)).view(np.uint16)
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, (f"{bad.size} of 65536 bf16 patterns round differently, e.g. {bits[bad[0]]:#06x} -> "
+                           f"{got[bad[0]]:#06x}, through float32 {want[bad[0]]:#06x}")

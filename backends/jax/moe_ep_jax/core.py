@@ -598,8 +598,11 @@ def forward(
     valid, _, _ = valid_rows(spec, lay)
     y, c = spec.kernels.expert_forward(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes)
     out, _ = combine_rows(spec, plan, lay, y)
-    c = jnp.where(valid[:, None], c.astype(jnp.float32), 0.0)
-    fc1_c = F.round_to_bf16(c)
+    # The stash: c's bf16 rounding (the identity when the provider's c is the bf16 stash
+    # itself), +0 in padding rows; selected on the bits (XLA:CPU selects bf16 through float32).
+    keep = valid[:, None]
+    stash = _as_bits(F.round_to_bf16(c))
+    fc1_c = lax.bitcast_convert_type(jnp.where(keep, stash, jnp.zeros((), stash.dtype)), jnp.bfloat16)
     meta = route_metadata(spec, lay, d.route)
     return out, fc1_c, meta, plan, d
 

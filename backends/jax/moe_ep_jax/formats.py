@@ -253,7 +253,13 @@ def _bf16_bits(u: jax.Array) -> jax.Array:
 
 def round_to_bf16(x: jax.Array) -> jax.Array:
     """``[...]`` float -> ``[...] bfloat16``: round to nearest even from the exact
-    float32 value (one rounding), overflow to +-inf."""
+    float32 value (one rounding), overflow to +-inf. A bfloat16 ``x`` is its own
+    rounding (only its NaNs are quieted, as from float32): no float32 pass."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bfloat16:
+        b = lax.bitcast_convert_type(x, jnp.uint16)
+        nan = (b & np.uint16(0x7FFF)) > np.uint16(0x7F80)
+        return lax.bitcast_convert_type(jnp.where(nan, b | np.uint16(0x0040), b), jnp.bfloat16)
     r = _bf16_bits(_bits(x))
     return lax.bitcast_convert_type(lax.shift_right_logical(r, np.uint32(16)).astype(jnp.uint16), jnp.bfloat16)
 
