@@ -39,15 +39,27 @@ case "$RUN" in
   step tests-jax-ffi 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs -x tests/test_jax_ffi.py
   ;;
 2)
-  step tests-exchange 300 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py -k cuda
-  TAIL=40 step exchange-time 150 "$py" scripts/gpu_exchange_check.py --smoke 2 --time --tokens 4096 --tokens 128 \
+  TAIL=40 step exchange-check 120 "$py" scripts/gpu_exchange_check.py --smoke 2 --time --tokens 4096 --tokens 128 \
     --mode throughput --mode low_latency
-  TAIL=4 step profile-mxfp8-detail 100 "$py" scripts/gpu_layer_profile.py --mode device --format mxfp8 \
-    --intermediate-format bf16 --iters 3 --top 20 --detail
+  step tests-exchange-ll 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
+    -k "cuda and low_latency"
   for tool in memcheck racecheck; do
-    step "sanitizer-exchange-$tool" 100 compute-sanitizer --tool "$tool" --target-processes all --report-api-errors no \
+    step "sanitizer-exchange-$tool" 75 compute-sanitizer --tool "$tool" --target-processes all --report-api-errors no \
       --error-exitcode 9 "$py" scripts/gpu_exchange_check.py --smoke 2 --mode throughput --mode low_latency
   done
+  for mode in throughput low_latency; do
+    TAIL=14 step "bench-exchange-$mode" 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
+      --tokens 128 --tokens 4096 "${shape[@]}" --format bf16 --op dispatch --op combine --exchange-mode "$mode" \
+      --json "$o/bench-exchange-$mode.json" --no-progress
+  done
+  TAIL=14 step bench-formats 70 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 --op forward \
+    --json "$o/bench-formats.json" --no-progress
+  jaxffi_build
+  TAIL=30 step jax-profile-bf16 60 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format bf16
+  TAIL=14 step bench-jax-ffi 70 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
