@@ -7,8 +7,12 @@
 #          tests (EP 2 and 4 loopback, both modes), the EP 2 smoke (eager and graph replays), the EP 1
 #          timings against a device copy at 4096 and 128 tokens in both modes, compute-sanitizer
 #          memcheck and racecheck on the EP 2 smoke in both modes; the mxfp8 forward's ops by shape and line.
-#   RUN=3: the jax layer at one rank without the all-to-all (jax-ffi's profile and bench), the
-#          vectorised format kernels (their CUDA tests), the layer's sanitizer runs.
+#   RUN=3: after run 2 found the fan-out copy's shuffles inside a loop not every lane ran (rows
+#          of fewer than 32 16-byte pieces: wrong rows at EP 2, a hang in the low-latency mode):
+#          the EP 2 smoke and the EP 1 timings in both modes, the conformance table through the
+#          device exchange at EP 2 and 4 on one GPU in both modes, compute-sanitizer memcheck and
+#          racecheck on the smoke in both modes, the low-latency mode's CUDA tests, the
+#          low-latency timings with fewer blocks.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +64,25 @@ case "$RUN" in
   TAIL=14 step bench-jax-ffi 70 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
     --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
     --json "$o/bench-jax-ffi.json" --no-progress
+  ;;
+3)
+  TAIL=30 step exchange-check 100 "$py" scripts/gpu_exchange_check.py --smoke 2 --time --tokens 4096 --tokens 128 \
+    --mode throughput --mode low_latency
+  for mode in throughput low_latency; do
+    TAIL=3 step "conformance-device-$mode" 60 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_CUDA_NCCL_EXCHANGE_MODE=$mode \
+      MOE_EP_CUDA_NCCL_TIMEOUT_S=30 MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance \
+      --backend cuda-nccl --ep-size 2 --ep-size 4 --device cuda-shared --timeout 50 \
+      --report-md "$o/conformance-device-$mode.md"
+  done
+  for tool in memcheck racecheck; do
+    TAIL=8 step "sanitizer-exchange-$tool" 70 compute-sanitizer --tool "$tool" --target-processes all \
+      --report-api-errors no --error-exitcode 9 "$py" scripts/gpu_exchange_check.py --smoke 2 --mode throughput \
+      --mode low_latency
+  done
+  step tests-exchange-ll 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
+    -k "cuda and low_latency"
+  TAIL=12 step exchange-ll-blocks 40 "$py" scripts/gpu_exchange_check.py --time --tokens 128 --sms 66 --sms 16 \
+    --mode low_latency
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

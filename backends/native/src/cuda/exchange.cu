@@ -401,74 +401,94 @@ __device__ bool padding_row(const Dev& d, int64_t r) {
   return r - off[lo] >= d.l.nloc[lo];
 }
 
-// One warp copies a row of `bytes` bytes from `src` to the rows `dst + row * bytes` of
-// the lanes set in `mask` (each lane's `row`; mask warp-uniform): 16-byte pieces, each
-// loaded once and stored to every destination, when both ends and the size allow;
-// else one warp_copy per destination.
-__device__ __forceinline__ void warp_fanout(char* dst, int32_t row, unsigned mask, const char* src, int64_t bytes,
-                                            int lane) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
+// One warp copies `bytes` bytes from `src` to `dst + row * stride` for the row of each
+// lane set in `mask` (mask warp-uniform): 16-byte pieces, each loaded once and stored to
+// every destination, when the addresses and sizes allow; else one warp_copy per
+// destination. Every lane runs every pass (the shuffles need the whole warp).
+constexpr int kFanInFlight = 4;                      // 16-byte loads per lane in flight, each stored to every row
+constexpr int64_t kFanPass = 32 * kFanInFlight * 16;  // bytes of one warp pass (2 KiB)
+
+__device__ __forceinline__ void warp_fanout(char* dst, int64_t stride, int32_t row, unsigned mask, const char* src,
+                                            int64_t bytes, int lane) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                      static_cast<uintptr_t>(bytes) | static_cast<uintptr_t>(stride);
   if ((a & 15) != 0) {
     for (unsigned m = mask; m != 0; m &= m - 1) {
       const int32_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-      warp_copy(dst + static_cast<int64_t>(r) * bytes, src, bytes, lane);
+      warp_copy(dst + static_cast<int64_t>(r) * stride, src, bytes, lane);
     }
     return;
   }
-  constexpr int kInFlight = 4;  // 16-byte loads per lane in flight (2 KiB per warp), each stored to every row
   const int4* s4 = reinterpret_cast<const int4*>(src);
   const int64_t n = bytes / 16;
-  for (int64_t i = lane; i < n; i += 32 * kInFlight) {
-    int4 v[kInFlight];
+  for (int64_t i0 = 0; i0 < n; i0 += 32 * kFanInFlight) {
+    const int64_t i = i0 + lane;
+    int4 v[kFanInFlight];
 #pragma unroll
-    for (int j = 0; j < kInFlight; ++j)
+    for (int j = 0; j < kFanInFlight; ++j)
       if (i + 32 * j < n) v[j] = __ldg(s4 + i + 32 * j);
     for (unsigned m = mask; m != 0; m &= m - 1) {
       const int32_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-      int4* d4 = reinterpret_cast<int4*>(dst + static_cast<int64_t>(r) * bytes);
+      int4* d4 = reinterpret_cast<int4*>(dst + static_cast<int64_t>(r) * stride);
 #pragma unroll
-      for (int j = 0; j < kInFlight; ++j)
+      for (int j = 0; j < kFanInFlight; ++j)
         if (i + 32 * j < n) __stcs(d4 + i + 32 * j, v[j]);  // streaming: written once, read by a later kernel
     }
   }
 }
 
-// One warp per received token (source rank, token): its routes' buffer rows from the
-// gathered offsets (rowmap, weight, metadata; lanes over slots, 32 at a time) and the
-// token row read once and stored to each of them (this rank's own rows from `tokens`,
-// the peers' from the region); then one warp per padding row: zeros, weight 0,
-// metadata -1.
+// One warp per (received token, piece of its row): the routes' buffer rows from the
+// gathered offsets (lanes over slots, 32 at a time; piece 0 writes rowmap, weight and
+// metadata) and the piece read once and stored to each of those rows (this rank's own
+// rows from `tokens`, the peers' from the region). A row is cut into pieces of whole
+// warp passes only when there are more warps than received tokens (few tokens), so that
+// every warp has work. Then one warp per padding row: zeros, weight 0, metadata -1.
 __device__ void dispatch_place_grid(const Dev& d, int64_t row_bytes, const char* __restrict__ tokens,
                                     char* __restrict__ out_tokens, float* __restrict__ out_w,
                                     int32_t* __restrict__ out_meta) {
   const ex::Shape& s = d.s;
   const int lane = threadIdx.x & 31;
-  const int64_t received = s.N * s.Tmax;  // item = src * Tmax + t
+  const int64_t received = s.N * s.Tmax;  // token item = src * Tmax + t
+  const bool whole_passes = ((reinterpret_cast<uintptr_t>(out_tokens) | reinterpret_cast<uintptr_t>(tokens) |
+                              reinterpret_cast<uintptr_t>(d.own + d.L.drows) | static_cast<uintptr_t>(row_bytes) |
+                              static_cast<uintptr_t>(s.stride)) & 15) == 0;
+  int64_t pieces = 1;
+  if (whole_passes && received > 0) {
+    const int64_t most = detail::div_up(row_bytes, kFanPass), want = num_warps() / received;
+    pieces = want < 1 ? 1 : (want < most ? want : most);
+  }
+  const int64_t piece_bytes = pieces == 1 ? row_bytes : detail::div_up(detail::div_up(row_bytes, pieces), kFanPass) * kFanPass;
   const RouteMeta* meta = reinterpret_cast<const RouteMeta*>(d.own + d.L.dmeta);
-  for (int64_t item = warp_id(); item < received + s.C; item += num_warps()) {
-    if (item < received) {
-      const int32_t src = static_cast<int32_t>(item / s.Tmax);
-      const int64_t t = item % s.Tmax;
+  for (int64_t item = warp_id(); item < received * pieces + s.C; item += num_warps()) {
+    if (item < received * pieces) {
+      const int64_t tok = item / pieces, piece = item % pieces;
+      const int32_t src = static_cast<int32_t>(tok / s.Tmax);
+      const int64_t t = tok % s.Tmax;
       if (t >= d.l.tsrc[src]) continue;
-      const char* from = src == s.rank ? tokens + t * row_bytes : d.own + d.L.drows + item * s.stride;
+      const int64_t h0 = piece * piece_bytes;
+      if (h0 >= row_bytes) continue;  // the last pieces of a short row
+      const int64_t len = row_bytes - h0 < piece_bytes ? row_bytes - h0 : piece_bytes;
+      const char* from = (src == s.rank ? tokens + t * row_bytes : d.own + d.L.drows + tok * s.stride) + h0;
       for (int64_t k0 = 0; k0 < s.K; k0 += 32) {
-        const int64_t k = k0 + lane, route = item * s.K + k;
+        const int64_t k = k0 + lane, route = tok * s.K + k;
         int32_t row = -1;
         if (k < s.K) {
           const RouteMeta m = meta[route];
           row = m.le >= 0 ? ex::route_row(s, d.l.off, d.l.pref, src, m.le, m.pos) : -1;
-          d.l.rowmap[route] = row;
-          if (row >= 0) {
-            out_w[row] = m.w;
-            int32_t* md = out_meta + 4 * static_cast<int64_t>(row);
-            md[0] = m.le, md[1] = src, md[2] = static_cast<int32_t>(t), md[3] = static_cast<int32_t>(k);
+          if (piece == 0) {
+            d.l.rowmap[route] = row;
+            if (row >= 0) {
+              out_w[row] = m.w;
+              int32_t* md = out_meta + 4 * static_cast<int64_t>(row);
+              md[0] = m.le, md[1] = src, md[2] = static_cast<int32_t>(t), md[3] = static_cast<int32_t>(k);
+            }
           }
         }
         const unsigned mask = __ballot_sync(0xffffffffu, row >= 0);
-        if (mask != 0) warp_fanout(out_tokens, row, mask, from, row_bytes, lane);
+        if (mask != 0) warp_fanout(out_tokens + h0, row_bytes, row, mask, from, len, lane);
       }
     } else {
-      const int64_t r = item - received;
+      const int64_t r = item - received * pieces;
       if (!padding_row(d, r)) continue;
       warp_zero(out_tokens + r * row_bytes, row_bytes, lane);
       if (lane == 0) {
