@@ -66,19 +66,23 @@ case "$RUN" in
     --json "$o/bench-jax-ffi.json" --no-progress
   ;;
 3)
-  TAIL=30 step exchange-check 100 "$py" scripts/gpu_exchange_check.py --smoke 2 --time --tokens 4096 --tokens 128 \
+  TAIL=30 step exchange-check 90 "$py" scripts/gpu_exchange_check.py --smoke 2 --time --tokens 4096 --tokens 128 \
     --mode throughput --mode low_latency
-  for mode in throughput low_latency; do
-    TAIL=3 step "conformance-device-$mode" 60 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_CUDA_NCCL_EXCHANGE_MODE=$mode \
-      MOE_EP_CUDA_NCCL_TIMEOUT_S=30 MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance \
-      --backend cuda-nccl --ep-size 2 --ep-size 4 --device cuda-shared --timeout 50 \
-      --report-md "$o/conformance-device-$mode.md"
-  done
-  for tool in memcheck racecheck; do
-    TAIL=8 step "sanitizer-exchange-$tool" 70 compute-sanitizer --tool "$tool" --target-processes all \
+  sanitize() {
+    TAIL=8 step "sanitizer-exchange-$1" 60 compute-sanitizer --tool "$1" --target-processes all \
       --report-api-errors no --error-exitcode 9 "$py" scripts/gpu_exchange_check.py --smoke 2 --mode throughput \
       --mode low_latency
-  done
+  }
+  conform() {
+    TAIL=3 step "conformance-device-$1" 50 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_CUDA_NCCL_EXCHANGE_MODE=$1 \
+      MOE_EP_CUDA_NCCL_TIMEOUT_S=30 MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance \
+      --backend cuda-nccl --ep-size 2 --ep-size 4 --device cuda-shared --timeout 45 \
+      --report-md "$o/conformance-device-$1.md"
+  }
+  sanitize memcheck
+  conform throughput
+  sanitize racecheck
+  conform low_latency
   step tests-exchange-ll 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
     -k "cuda and low_latency"
   TAIL=12 step exchange-ll-blocks 40 "$py" scripts/gpu_exchange_check.py --time --tokens 128 --sms 66 --sms 16 \
