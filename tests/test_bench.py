@@ -439,6 +439,12 @@ def test_drivers_cover_every_backend_and_say_what_they_skip() -> None:
     assert unsupported("cuda-nccl", "dispatch", "bf16").startswith("skipped:")
     # --cuda-nccl-mode device: the device exchange's stages are timed too (bf16 rows).
     dev = BenchSettings(**{**s.__dict__, "cuda_nccl_mode": "device"})
+    assert dev.as_dict()["exchange_mode"] == "throughput"  # the device exchange's mode is in the JSON's settings
+    from moe_ep_bench.cli import _command
+
+    ll = BenchSettings(**{**dev.__dict__, "exchange_mode": "low_latency"})
+    assert "--cuda-nccl-mode device --exchange-mode low_latency" in _command(ll, ["cuda-nccl"])
+    assert "--exchange-mode" not in _command(s, ["cuda-nccl"])  # synced: no device exchange
     mine = {(j.op, j.format) for j in make_jobs(dev, ["cuda-nccl"], baselines=False) if j.target == "cuda-nccl"}
     assert {("dispatch", "bf16"), ("combine", "bf16")} <= mine and ("dispatch", "mxfp8") not in mine
     assert unsupported("cuda-nccl", "combine", "mxfp8", dev).startswith("skipped: the bench times the device exchange")

@@ -31,7 +31,7 @@ pytest.importorskip("moe_ep_native")
 
 from moe_ep_native._capi import LayerConfig, call, has_cuda  # noqa: E402
 from moe_ep_native.exchange import (  # noqa: E402
-    BAD_EXPERT_ID, OVERFLOW, RANK_SUMS, SLOT_ORDER, TIMEOUT, ExchangeLayer, with_exchange,
+    BAD_EXPERT_ID, LOW_LATENCY, OVERFLOW, RANK_SUMS, SLOT_ORDER, THROUGHPUT, TIMEOUT, ExchangeLayer, with_exchange,
 )
 from moe_ep_native.layer import layer_config  # noqa: E402
 from moe_ep_spec import MoeEpConfig, NativeArgumentError  # noqa: E402
@@ -45,7 +45,8 @@ def _config(n, el, k, hidden=8):
     return MoeEpConfig(num_experts=n * el, hidden=hidden, intermediate=4, num_topk=k, num_ranks=n)
 
 
-def _layers(n, el, k, cap, tmax, row_bytes, align=1, order=RANK_SUMS, timeout_s=20.0, hidden=8, bf16_out=False):
+def _layers(n, el, k, cap, tmax, row_bytes, align=1, order=RANK_SUMS, timeout_s=20.0, hidden=8, bf16_out=False,
+            mode=THROUGHPUT):
     cfg = _config(n, el, k, hidden)  # combine_format bf16 (the default): bf16 expert-output rows allowed
     layers = []
     for r in range(n):
@@ -53,7 +54,7 @@ def _layers(n, el, k, cap, tmax, row_bytes, align=1, order=RANK_SUMS, timeout_s=
                             bf16_expert_out=bf16_out)
         layers.append(ExchangeLayer(with_exchange(base, num_ranks=n, rank=r, num_topk=k, max_tokens=tmax,
                                                   token_bytes=row_bytes, expert_alignment=align, timeout_s=timeout_s,
-                                                  combine_order=order)))
+                                                  combine_order=order, mode=mode)))
     regions = [lay.exchange_info()[1] for lay in layers]
     for lay in layers:
         lay.set_peers(regions)
@@ -505,3 +506,44 @@ def test_cuda_loopback_peer_that_never_arrives_raises_transport_error(mode) -> N
     results = _ok(run_ranks(XW.device_timeout, 2, FRONT, world, "cuda", mode, timeout=300))
     res = results[0]
     assert res["error"].startswith("TransportError") and res["all_nan"] and res["seconds"] < 60, res
+
+
+def test_front_end_validates_the_exchange_mode(monkeypatch) -> None:
+    """MOE_EP_CUDA_NCCL_EXCHANGE_MODE picks the layer's ex_mode; anything else is a ConfigError."""
+    from moe_ep_cuda_nccl import device_exchange as D
+    from moe_ep_native.exchange import MODES
+    from moe_ep_spec import errors as E
+
+    assert D.MODE_ENV == "MOE_EP_CUDA_NCCL_EXCHANGE_MODE" and MODES == {"throughput": 0, "low_latency": 1}
+    monkeypatch.delenv(D.MODE_ENV, raising=False)
+    assert D._mode() == THROUGHPUT
+    monkeypatch.setenv(D.MODE_ENV, "low_latency")
+    assert D._mode() == LOW_LATENCY
+    monkeypatch.setenv(D.MODE_ENV, "fast")
+    with pytest.raises(E.ConfigError, match=r"MOE_EP_CUDA_NCCL_EXCHANGE_MODE must be one of 'throughput', "
+                                            r"'low_latency'; got 'fast'"):
+        D._mode()
+
+
+def test_cpu_twin_runs_either_mode_with_the_same_results() -> None:
+    """The mode only changes how CUDA launches a stage: CPU layers made in the low-latency
+    mode give the throughput mode's dispatch and combine bit for bit (the twin has one path)."""
+    n, el, k, cap, tmax, rb = 2, 2, 2, 16, 4, 8
+    idx = [np.array([[0, 3], [1, -1], [2, 2]], np.int32), np.array([[3, 1]], np.int32)]
+    rng = np.random.default_rng(5)
+    tok = [rng.integers(0, 256, size=(i.shape[0], rb)).astype(np.uint8) for i in idx]
+    w = [rng.standard_normal(i.shape).astype(np.float32) for i in idx]
+    y = rng.standard_normal((cap, 8)).astype(np.float32)
+    got = {}
+    for mode in (THROUGHPUT, LOW_LATENCY):
+        layers = _layers(n, el, k, cap, tmax, rb, mode=mode)
+        try:
+            disp = _parallel([lambda r=r: _dispatch(layers[r], tok[r], idx[r], w[r], cap, el) for r in range(n)])
+            comb = _parallel([lambda r=r: _combine(layers[r], idx[r].shape[0], y, k)[0] for r in range(n)])
+            got[mode] = [dict(d, out=c) for d, c in zip(disp, comb)]
+        finally:
+            for lay in layers:
+                lay.close()
+    for r in range(n):
+        for key, want in got[THROUGHPUT][r].items():
+            assert np.array_equal(got[LOW_LATENCY][r][key], want, equal_nan=True), f"rank {r}: {key} differs"
