@@ -379,7 +379,8 @@ def moe_ep(
 
     Collectives: one all-gather of ``[E + 1] int32`` and two all-to-alls
     forward; two all-to-alls backward (the plan and the dispatched rows are
-    kept as residuals). Nothing else.
+    kept as residuals). Nothing else. At one rank the all-to-alls are local
+    gathers.
     """
     _check_not_batched(activation, fc1_weight, fc2_weight, topk_idx, topk_weights)
     num_tokens = _check_layer(config, activation, fc1_weight, fc2_weight, topk_idx, topk_weights)
