@@ -23,6 +23,9 @@
 //             slot-order sums into the output itself (what finish would write:
 //             +0 + s is s for a sum s started at +0, and the slot rows' sum from +0
 //             is the same sum), and finish writes only an error's NaN.
+// That is the throughput mode (MOE_EP_EXCHANGE_THROUGHPUT); the low-latency mode runs the
+// same steps in one cooperative kernel per stage, grid barriers between them (dispatch_ll,
+// combine_ll).
 // The copy kernels (send, place, finish) run kCopyThreads threads per block,
 // x.num_blocks blocks (default: 2 per multiprocessor), grid-stride over warp-sized
 // items, every lane with several 16-byte loads in flight (read-only loads, streaming stores).
