@@ -306,22 +306,22 @@ def test_one_rank_with_no_tokens_gives_zero_rows() -> None:
 # ----------------------------------------------------------------------------- the layer
 
 
-def _layer_body(config: MoeEpConfig, exchange: str) -> Callable:
+def _layer_body(config: MoeEpConfig, exchange: str, kernels: Any = None) -> Callable:
     """Every path through both exchanges: the fused layer and its VJP, the
     training stash, the layered dispatch and combine and their gradients."""
 
     def body(x, w1, w2, idx, tw, g):  # type: ignore[no-untyped-def]
         plain = config.replace(generate_c=False)
-        out, pull = jax.vjp(lambda x, w1, w2, tw: A.moe_ep(x, w1, w2, idx, tw, config=plain, exchange=exchange),
-                            x, w1, w2, tw)
+        kw = dict(exchange=exchange, kernels=kernels)
+        out, pull = jax.vjp(lambda x, w1, w2, tw: A.moe_ep(x, w1, w2, idx, tw, config=plain, **kw), x, w1, w2, tw)
         grads = pull(g.astype(out.dtype))
-        _, c, meta = A.moe_ep(x, w1, w2, idx, tw, config=config, exchange=exchange)
+        _, c, meta = A.moe_ep(x, w1, w2, idx, tw, config=config, **kw)
 
         def layered(x, tw):  # type: ignore[no-untyped-def]
-            toks, w, handle = A.ep_dispatch(x, idx, tw, config=config, exchange=exchange)
+            toks, w, handle = A.ep_dispatch(x, idx, tw, config=config, **kw)
             return jnp.sum(A.ep_combine(toks * w[:, None], handle).astype(jnp.float32) * g)
 
-        toks, w, handle = A.ep_dispatch(x, idx, tw, config=config, exchange=exchange)
+        toks, w, handle = A.ep_dispatch(x, idx, tw, config=config, **kw)
         back = A.ep_combine(toks * 2.0, handle)
         return out, grads, c, meta, toks, w, handle.route_metadata, back, jax.grad(layered, argnums=(0, 1))(x, tw)
 
@@ -359,6 +359,7 @@ def test_one_rank_layer_equals_the_exchange_path_bit_for_bit(layout: str, monkey
         return traced
 
     with monkeypatch.context() as m:
+        m.setattr(core, "_dispatch_local", core._dispatch_exchange)  # the one-rank dispatch's gathers, too
         m.setattr(core, "to_experts", spy("to_experts", core._to_experts_exchange))
         m.setattr(core, "to_sources", spy("to_sources", core._to_sources_exchange))
         _, slow = run("capacity")
@@ -388,3 +389,39 @@ def test_round_to_bf16_of_bfloat16_is_the_float32_path_bit_for_bit() -> None:
     bad = np.nonzero(got != want)[0]
     assert bad.size == 0, (f"{bad.size} of 65536 bf16 patterns round differently, e.g. {bits[bad[0]]:#06x} -> "
                            f"{got[bad[0]]:#06x}, through float32 {want[bad[0]]:#06x}")
+
+
+def test_one_rank_native_row_gathers_equal_xla_gathers_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """jax-ffi at one rank gathers rows with the native moe_ep_permute_rows (FfiKernels.gather_rows);
+    every output of the layer is the same bits as with XLA's gathers (the provider without the method)."""
+    ffi = pytest.importorskip("moe_ep_jax_ffi.kernels")
+    rows = 10
+    config = MoeEpConfig(num_experts=4, hidden=64, intermediate=32, num_topk=3, num_ranks=1, max_tokens_per_rank=rows,
+                         output_format="bf16", combine_format="mxfp8", generate_c=True, recv_capacity=48,
+                         expert_alignment=4)
+    (world,) = random_world(config, num_tokens=rows, input_format="bf16", seed=21, routing="unused_mixed")
+    g = np.random.default_rng(22).standard_normal((rows, config.hidden)).astype(jnp.bfloat16).astype(np.float32)
+    x = world.activation.copy()
+    x[1, :2] = [np.nan, -0.0]
+    args = [x, world.fc1_weight, world.fc2_weight, np.asarray(world.topk_idx, np.int32), world.topk_weights, g]
+    calls: Counter = Counter()
+    native = ffi.FfiKernels.gather_rows
+
+    def counted(self: Any, *a: Any) -> Any:
+        calls["gather_rows"] += 1
+        return native(self, *a)
+
+    def run() -> List[np.ndarray]:
+        fn = _shard(_layer_body(config, "capacity", kernels=ffi.FfiKernels()))
+        return [np.asarray(a) for a in jax.tree_util.tree_leaves(_compile(fn, *args)(*args))]
+
+    with monkeypatch.context() as m:
+        m.setattr(ffi.FfiKernels, "gather_rows", counted)
+        fast = run()
+    assert calls["gather_rows"] > 0, "the one-rank path never asked the provider to gather"
+    with monkeypatch.context() as m:
+        m.delattr(ffi.FfiKernels, "gather_rows")
+        slow = run()
+    assert len(fast) == len(slow)
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        _assert_same_bits(f"leaf {i}: native row gathers vs XLA's", a, b)

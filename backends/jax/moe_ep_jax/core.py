@@ -508,7 +508,23 @@ def _to_sources_local(spec: LayerSpec, plan: Plan, lay: Layout, parts: Sequence[
     e = jnp.clip(plan.route_expert, 0, spec.num_local_experts - 1)
     row = lay.offsets[e] + plan.route_pos - lay.send_first[e]
     keep = (plan.route_pos >= 0) & ~lay.error
-    return [_gather_rows(p, row, keep) for p in parts]
+    return [_local_gather(spec, p, jnp.where(keep, row, -1), 1) for p in parts]
+
+
+def _local_gather(spec: LayerSpec, x: jax.Array, route: jax.Array, num_topk: int) -> jax.Array:
+    """``[M, ...] x.dtype``: row ``i`` is ``x[route[i] // num_topk]``, all-zero bits where
+    ``route[i]`` is -1 (every other id in ``[0, x.shape[0] * num_topk)``): bits copied.
+    The kernel provider's ``gather_rows`` when it has one (a native row copy: XLA's
+    gather fusions recompute the row index for every element), else XLA's gather.
+
+    Args:
+        x: ``[rows, ...]`` any dtype.
+        route: ``[M] int32``.
+    """
+    native = getattr(spec.kernels, "gather_rows", None)
+    if native is not None:
+        return native(x, route, num_topk)
+    return _gather_rows(x, route // num_topk, route >= 0)
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -578,12 +594,43 @@ def dispatch(
 ) -> Dispatched:
     """Move every route's token row (codes unchanged), router weight, route id
     and any ``extra`` per-token rows to its expert (one all-to-all)."""
+    if spec.num_ranks == 1:
+        return _dispatch_local(spec, plan, lay, tokens, topk_weights, extra)
+    return _dispatch_exchange(spec, plan, lay, tokens, topk_weights, extra)
+
+
+def _dispatch_exchange(
+    spec: LayerSpec, plan: Plan, lay: Layout, tokens: Tensor, topk_weights: jax.Array, extra: Sequence[jax.Array] = ()
+) -> Dispatched:
+    """:func:`dispatch` through :func:`to_experts` (any rank count): rows in send order, then moved."""
     tok = tensor_parts(tokens)
     parts = send_rows(spec, plan, tok) + [route_weights(spec, plan, topk_weights), plan.send_route]
     parts += send_rows(spec, plan, list(extra))
     bufs = to_experts(spec, plan, lay, parts)
     nt = len(tok)
     return Dispatched(rebuild(tokens, bufs[:nt]), bufs[nt], bufs[nt + 1], bufs[nt + 2 :])
+
+
+def _dispatch_local(
+    spec: LayerSpec, plan: Plan, lay: Layout, tokens: Tensor, topk_weights: jax.Array, extra: Sequence[jax.Array] = ()
+) -> Dispatched:
+    """:func:`dispatch` at one rank: buffer row r of local expert e's slab, row j, is
+    route ``send_route[send_first[e] + j]``; every token row is gathered straight from
+    the tokens by that id (one gather per part, not one into send order and one into
+    the buffer), the same bits as :func:`_dispatch_exchange`."""
+    valid, e, j = valid_rows(spec, lay)
+    keep = valid & ~lay.error
+    tk = spec.num_routes
+    if tk == 0:
+        route = jnp.full(keep.shape, -1, _I32)
+    else:
+        route = jnp.where(keep, plan.send_route[jnp.clip(lay.send_first[e] + j, 0, tk - 1)], -1)
+    k = spec.num_topk
+    tok = [_local_gather(spec, p, route, k) for p in tensor_parts(tokens)]
+    weights = _gather_rows(topk_weights.astype(jnp.float32).reshape(-1), route, keep)
+    route_ids = jnp.where(keep, route, 0)  # the exchange's buffer: zero bits off the routes
+    more = [_local_gather(spec, p, route, k) for p in extra]
+    return Dispatched(rebuild(tokens, tok), weights, route_ids, more)
 
 
 def forward(

@@ -16,6 +16,11 @@ numbers of one rank's received rows:
 - :meth:`ExpertKernels.slot_sum`: the Form-A combine reduction (rows by route
   id summed in slot order, :func:`~moe_ep_jax.core.slot_sum`).
 
+Optional: ``gather_rows(x [rows, ...], route [M] int32, num_topk) -> [M, ...]``,
+row ``i`` = ``x[route[i] // num_topk]`` with zero bits where ``route[i]`` is -1,
+bits copied. At one rank the layer's exchanges are such gathers; a provider with
+the method does them (the native one copies whole rows), one without it gets XLA's.
+
 :class:`XlaKernels` (the default, name ``xla``) does this with XLA-native ops:
 ``jax.lax.ragged_dot`` / ``ragged_dot_general`` over the expert slabs with
 float32 accumulation (``Precision.HIGHEST``: no TF32/bf16 passes), and the

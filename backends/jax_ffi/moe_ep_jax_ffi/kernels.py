@@ -119,6 +119,13 @@ def _sds(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), jnp.dtype(dtype))
 
 
+def _xla_gather_rows(x: jax.Array, route: jax.Array, num_topk: int) -> jax.Array:
+    """:meth:`FfiKernels.gather_rows` with XLA's gather (shapes no handler sees)."""
+    from moe_ep_jax.core import _gather_rows
+
+    return _gather_rows(x, route // num_topk, route >= 0)
+
+
 def _u8(x: jax.Array) -> jax.Array:
     """One-byte codes (float8 or uint8) as uint8 (a bit cast)."""
     return x if x.dtype == _U8 else lax.bitcast_convert_type(x, _U8)
@@ -246,6 +253,26 @@ class FfiKernels:
             "moe_ep_slot_sum", [_sds((num_tokens, rows.shape[1]), _F32)], rows, num_topk=int(num_topk)
         )
         return out
+
+    def gather_rows(self, x: jax.Array, route: jax.Array, num_topk: int) -> jax.Array:
+        """``[M, ...] x.dtype``: row ``i`` is ``x[route[i] // num_topk]``, zero bits where
+        ``route[i]`` is -1 (the native ``moe_ep_permute_rows``: whole rows copied as bytes,
+        16 at a time where they allow). The jax layer's gathers at one rank, which XLA's
+        fusions did with the row index recomputed for every element.
+
+        Args:
+            x: ``[rows, ...]`` any dtype (moved as unsigned integers of its width).
+            route: ``[M] int32``: -1, or an id in ``[0, rows * num_topk)``.
+        """
+        x = jnp.asarray(x)
+        route = jnp.asarray(route).astype(_I32)
+        shape = (route.shape[0],) + tuple(x.shape[1:])
+        if x.dtype == jnp.bool_ or x.shape[0] == 0 or math.prod(shape) == 0:
+            return _xla_gather_rows(x, route, num_topk)
+        width = jnp.dtype(x.dtype).itemsize
+        bits = x if jnp.issubdtype(x.dtype, jnp.unsignedinteger) else lax.bitcast_convert_type(x, f"uint{8 * width}")
+        (out,) = _call("moe_ep_permute_rows", [_sds(shape, bits.dtype)], bits, route, num_topk=int(num_topk))
+        return out if out.dtype == x.dtype else lax.bitcast_convert_type(out, x.dtype)
 
     # experts -----------------------------------------------------------------
 
