@@ -13,6 +13,10 @@
 #          device exchange at EP 2 and 4 on one GPU in both modes, compute-sanitizer memcheck and
 #          racecheck on the smoke in both modes, the low-latency mode's CUDA tests, the
 #          low-latency timings with fewer blocks.
+#   RUN=4: (prepared for the next session: what this one could not run) the low-latency mode's
+#          CUDA tests (errors, a peer that never arrives), the conformance table over the NCCL
+#          provider at EP 1, jax-ffi after the native row gathers (its CUDA tests, its conformance
+#          table at EP 1, its profile and bench), the low-latency timings with fewer blocks.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,6 +89,23 @@ case "$RUN" in
   conform low_latency
   step tests-exchange-ll 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
     -k "cuda and low_latency"
+  TAIL=12 step exchange-ll-blocks 40 "$py" scripts/gpu_exchange_check.py --time --tokens 128 --sms 66 --sms 16 \
+    --mode low_latency
+  ;;
+4)
+  step tests-exchange-ll 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
+    -k "cuda and low_latency"
+  TAIL=3 step conformance-nccl-ep1 90 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --report-md "$o/conformance-nccl-ep1.md"
+  jaxffi_build
+  step tests-jax-ffi 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py tests/test_jax_one_rank.py
+  TAIL=3 step conformance-jax-ffi 120 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
+    --timeout 100 --report-md "$o/conformance-jax-ffi-ep1.md"
+  TAIL=30 step jax-profile-bf16 60 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format bf16
+  TAIL=14 step bench-jax-ffi 70 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
   TAIL=12 step exchange-ll-blocks 40 "$py" scripts/gpu_exchange_check.py --time --tokens 128 --sms 66 --sms 16 \
     --mode low_latency
   ;;
