@@ -37,7 +37,14 @@ def _make(n, rank, el, k, cap, tmax, rb, hidden, order, timeout_s=30.0, align=1,
                         bf16_expert_out=bf16_out)
     return ExchangeLayer(with_exchange(base, num_ranks=n, rank=rank, num_topk=k, max_tokens=tmax, token_bytes=rb,
                                        expert_alignment=align, timeout_s=timeout_s, combine_order=order,
-                                       num_sms=num_sms, mode=MODES[os.environ.get(MODE_ENV, "throughput")]))
+                                       num_sms=num_sms, mode=_mode(MODES)))
+
+
+def _mode(modes):
+    value = os.environ.get(MODE_ENV, "throughput")
+    if value not in modes:
+        raise SystemExit(f"{MODE_ENV} must be one of {', '.join(map(repr, modes))}; got {value!r}")
+    return modes[value]
 
 
 def _smoke_rank(rank, n, port, q):

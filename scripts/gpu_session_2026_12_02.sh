@@ -13,7 +13,9 @@
 #          device exchange at EP 2 and 4 on one GPU in both modes, compute-sanitizer memcheck and
 #          racecheck on the smoke in both modes, the low-latency mode's CUDA tests, the
 #          low-latency timings with fewer blocks.
-#   RUN=4: (prepared for the next session: what this one could not run) the low-latency mode's
+#   RUN=4: (prepared for the next session: what this one could not run) the EP 2 smoke in both
+#          modes (after the review's changes: L2 loads of peer rows in the low-latency kernel, its
+#          grid computed once at layer creation), the low-latency mode's
 #          CUDA tests (errors, a peer that never arrives), the conformance table over the NCCL
 #          provider at EP 1, jax-ffi after the native row gathers (its CUDA tests, its conformance
 #          table at EP 1, its profile and bench), the low-latency timings with fewer blocks.
@@ -93,6 +95,7 @@ case "$RUN" in
     --mode low_latency
   ;;
 4)
+  TAIL=8 step exchange-smoke 60 "$py" scripts/gpu_exchange_check.py --smoke 2 --mode throughput --mode low_latency
   step tests-exchange-ll 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
     -k "cuda and low_latency"
   TAIL=3 step conformance-nccl-ep1 90 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \

@@ -64,6 +64,9 @@ def device_matches_static(rank: int, config, world_inputs, grad_outputs, combine
     for _ in range(2):
         res["static"].append(_run(api.STATIC_OPS, config, group, _inputs(world_inputs, rank, cpu, bf16), g))
         res["device"].append(_run(api.DEVICE_OPS, config, group, _inputs(world_inputs, rank, dev, bf16), g.to(dev)))
+    from moe_ep_cuda_nccl import device_exchange as D
+
+    res["modes"] = sorted({key[5] for key in D._LAYERS})  # the ex_mode of every exchange layer this ran on
     api.check_errors(config)
     api.close_communicators()
     return res

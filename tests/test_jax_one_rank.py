@@ -259,7 +259,7 @@ def test_one_rank_gathers_equal_the_exchanges_bit_for_bit(case: _Case) -> None:
         for i, src in enumerate(src_parts):
             what = f"{case.name} {direction} part {i} ({src.dtype}{list(src.shape[1:])})"
             want = res["exchange"][i]
-            assert want.shape == (rows,) + src.shape[1:]
+            assert want.shape == (rows,) + src.shape[1:], f"{what}: reference shape {want.shape}"
             _assert_same_bits(f"{what}: shortcut vs capacity exchange", res["shortcut_capacity"][i], want)
             _assert_same_bits(f"{what}: shortcut under exchange='ragged'", res["shortcut_ragged"][i], want)
             # the ragged exchange: its all-to-all, then (to_sources) its read at the send positions
@@ -347,7 +347,7 @@ def test_one_rank_layer_equals_the_exchange_path_bit_for_bit(layout: str, monkey
         return text, [np.asarray(a) for a in jax.tree_util.tree_leaves(_compile(fn, *args)(*args))]
 
     text, fast = run("ragged")  # at one rank the ragged spec compiles on CPU: it has no all-to-all left
-    assert "all_to_all" not in text and "ragged_all_to_all" not in text
+    assert "all_to_all" not in text, "the one-rank layer still lowers to an all-to-all"
     _, fast_cap = run("capacity")
     calls: Counter = Counter()
 
@@ -366,7 +366,7 @@ def test_one_rank_layer_equals_the_exchange_path_bit_for_bit(layout: str, monkey
     # the patch took: each direction of the fused layer, its VJP, the stash run, the layered
     # dispatch/combine and their VJPs went the general way (6 each, traced once)
     assert calls == Counter({"to_experts": 6, "to_sources": 6}), calls
-    assert len(fast) == len(slow) == len(fast_cap)
+    assert len(fast) == len(slow) == len(fast_cap), f"leaf counts {len(fast)}, {len(slow)}, {len(fast_cap)}"
     for i, (a, b, c) in enumerate(zip(fast, slow, fast_cap)):
         _assert_same_bits(f"{layout} leaf {i}: shortcut vs exchange path", a, b)
         _assert_same_bits(f"{layout} leaf {i}: ragged vs capacity spec", a, c)
@@ -422,6 +422,6 @@ def test_one_rank_native_row_gathers_equal_xla_gathers_bit_for_bit(monkeypatch: 
     with monkeypatch.context() as m:
         m.delattr(ffi.FfiKernels, "gather_rows")
         slow = run()
-    assert len(fast) == len(slow)
+    assert len(fast) == len(slow), f"leaf counts {len(fast)} and {len(slow)}"
     for i, (a, b) in enumerate(zip(fast, slow)):
         _assert_same_bits(f"leaf {i}: native row gathers vs XLA's", a, b)

@@ -152,7 +152,8 @@ def test_formats_cuda_row_paths_equal_cpu(fmt, shape, x_off, d_off):
          out.data_ptr())
     got = host_of(out, np.float32, x.shape)
     ref = host.dequantize(want)
-    assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.array_equal(np.nan_to_num(got), np.nan_to_num(ref))
+    same = (got == ref) | (np.isnan(got) & np.isnan(ref))
+    assert same.all(), f"{fmt} {shape}: the CUDA decode differs from the CPU's at {np.argwhere(~same)[:4].tolist()}"
 
 
 @pytest.mark.parametrize("t,k,e", [(0, 2, 4), (1, 1, 1), (257, 4, 16), (1024, 8, 256), (700, 8, 12000)])

@@ -473,25 +473,29 @@ def _one_gpu() -> bool:
 cuda = pytest.mark.skipif(not _one_gpu(), reason="needs a CUDA build of the native core and a GPU")
 
 
-MODES = pytest.mark.parametrize("mode", ["throughput", "low_latency"])
+EXCHANGE_MODES = pytest.mark.parametrize("mode", ["throughput", "low_latency"])
 
 
 @cuda
 @pytest.mark.parametrize("world_size,tokens", [(2, (12, 1)), (4, (5, 12, 3, 7))], ids=["ep2", "ep4"])
 @pytest.mark.parametrize("combine", ["slot", "rank"])
-@MODES
+@EXCHANGE_MODES
 def test_cuda_loopback_device_exchange_on_one_gpu(world_size, tokens, combine, mode) -> None:
     config = FRONT.replace(num_ranks=world_size, num_experts=4 * world_size, recv_capacity=24 * world_size)
     world, grads = _world(config, 21, tokens)
     results = _ok(run_ranks(XW.device_matches_static, world_size, config, world, grads, combine, False, "cuda", mode,
                             timeout=300))
+    from moe_ep_native.exchange import MODES
+
+    for rank, res in enumerate(results):
+        assert res["modes"] == [MODES[mode]], f"rank {rank} ran exchange layers of modes {res['modes']}, not {mode}"
     # The exchange is exact; CUDA's float32 kernels against the CPU ones are compared within tolerance.
     _compare(results, exact_keys={"route_metadata"})
 
 
 @cuda
 @pytest.mark.parametrize("mutate", ["expert_id", "overflow"])
-@MODES
+@EXCHANGE_MODES
 def test_cuda_loopback_errors(mutate, mode) -> None:
     world, _ = _world(FRONT, 6, (12, 12))
     results = _ok(run_ranks(XW.device_errors, 2, FRONT, world, mutate, "cuda", mode, timeout=300))
@@ -500,7 +504,7 @@ def test_cuda_loopback_errors(mutate, mode) -> None:
 
 
 @cuda
-@MODES
+@EXCHANGE_MODES
 def test_cuda_loopback_peer_that_never_arrives_raises_transport_error(mode) -> None:
     world, _ = _world(FRONT, 7, (6, 6))
     results = _ok(run_ranks(XW.device_timeout, 2, FRONT, world, "cuda", mode, timeout=300))

@@ -23,7 +23,8 @@ programmatic dependent launch, or, with ``MOE_EP_CUDA_NCCL_EXCHANGE_MODE=low_lat
 as one cooperative kernel (for few tokens; the same results, bit for bit). The NCCL provider's communicator serves only this setup
 and lives as long as the layer.
 
-One native layer per (configuration, device, operand dtype, token bytes, group)
+One native layer per (configuration, device, operand dtype, token bytes, combine
+order, exchange mode, group)
 holds the exchange and runs the experts between the two stages. Its timeout is
 ``MOE_EP_CUDA_NCCL_TIMEOUT_S`` (default 300 s): a peer that does not arrive
 makes every waiting rank's outputs NaN and :func:`moe_ep_cuda_nccl.api.check_errors`

@@ -521,7 +521,7 @@ def _local_gather(spec: LayerSpec, x: jax.Array, route: jax.Array, num_topk: int
         x: ``[rows, ...]`` any dtype.
         route: ``[M] int32``.
     """
-    native = getattr(spec.kernels, "gather_rows", None)
+    native = getattr(_kernels(spec), "gather_rows", None)
     if native is not None:
         return native(x, route, num_topk)
     return _gather_rows(x, route // num_topk, route >= 0)

@@ -313,6 +313,14 @@ moe_ep_status exchange_create(const moe_ep_layer_config& c, Exchange** out) {
   moe_ep_status st = MOE_EP_OK;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (x->cuda && c.ex_num_sms == 0) st = cuda::ex_default_blocks(x->cuda_device, &x->num_blocks);
+  if (x->cuda && st == MOE_EP_OK && x->mode == MOE_EP_EXCHANGE_LOW_LATENCY) {
+    st = cuda::ex_ll_blocks(x->cuda_device, x->num_blocks, &x->ll_blocks);
+    if (st == MOE_EP_OK && x->ll_blocks < 1)
+      st = fail(MOE_EP_ERR_UNSUPPORTED, "moe_ep_layer_create: the low-latency exchange's kernels cannot be resident "
+                                        "on CUDA device " + std::to_string(x->cuda_device) +
+                                        " (a cooperative launch needs every block resident); use "
+                                        "MOE_EP_EXCHANGE_THROUGHPUT");
+  }
 #endif
   if (st == MOE_EP_OK) st = alloc_zero(x, static_cast<size_t>(x->sym.bytes), &x->own);
   x->local_bytes = ex::local_bytes_carve(s, nullptr, nullptr);

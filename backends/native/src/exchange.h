@@ -23,6 +23,7 @@ struct Exchange {
   int64_t timeout_ms = 60000;
   int num_blocks = 32;            // thread blocks of the copy kernels (CUDA default: 2 per multiprocessor)
   int mode = MOE_EP_EXCHANGE_THROUGHPUT;  // moe_ep_exchange_mode (CUDA)
+  int ll_blocks = 0;              // the low-latency kernels' grid (CUDA, mode LOW_LATENCY)
   int64_t token_bytes_max = 0;
   void* own = nullptr;      // the region the layer allocated (zeroed)
   void* region = nullptr;   // the region in use (own, or the caller's, from set_peers)
@@ -48,6 +49,9 @@ Exchange* layer_exchange(const moe_ep_layer* l);
 #ifdef MOE_EP_NATIVE_WITH_CUDA
 namespace cuda {
 moe_ep_status ex_default_blocks(int cuda_device, int* out);
+// The low-latency mode's grid: num_blocks, cut to what every one of its kernels can have
+// resident on the device at once (0: they cannot run there).
+moe_ep_status ex_ll_blocks(int cuda_device, int num_blocks, int* out);
 moe_ep_status ex_alloc_zero(int cuda_device, size_t bytes, void** out);
 moe_ep_status ex_free(void* p);
 moe_ep_status ex_copy_to_device(int cuda_device, void* dst, const void* src, size_t bytes);

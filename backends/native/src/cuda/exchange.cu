@@ -97,8 +97,18 @@ __device__ uint64_t bounded_wait(const uint64_t* p, uint64_t t0, uint64_t timeou
   return v;
 }
 
+// A 16-byte load of data written before this kernel (kFresh false: the read-only path) or
+// possibly during it by a peer, before a barrier (kFresh true: through L2, as PTX allows
+// the non-coherent path only for data read-only for the whole kernel).
+template <bool kFresh>
+__device__ __forceinline__ int4 load16(const int4* p) {
+  if constexpr (kFresh) return __ldcg(p);
+  else return __ldg(p);
+}
+
 // One warp copies `bytes` bytes: 16-byte pieces, eight (then four) per lane in flight, when both
 // ends and the size allow; else 4-byte pieces or bytes.
+template <bool kFresh = false>
 __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
   if ((a & 15) == 0) {
@@ -109,15 +119,16 @@ __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t by
     for (; i + 224 < n; i += 256) {  // eight 16-byte loads in flight per lane (4 KiB per warp)
       int4 v[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = __ldg(s4 + i + 32 * j);
+      for (int j = 0; j < 8; ++j) v[j] = load16<kFresh>(s4 + i + 32 * j);
 #pragma unroll
       for (int j = 0; j < 8; ++j) __stcs(d4 + i + 32 * j, v[j]);  // streaming: written once, read by a later kernel
     }
     for (; i + 96 < n; i += 128) {
-      const int4 v0 = __ldg(s4 + i), v1 = __ldg(s4 + i + 32), v2 = __ldg(s4 + i + 64), v3 = __ldg(s4 + i + 96);
+      const int4 v0 = load16<kFresh>(s4 + i), v1 = load16<kFresh>(s4 + i + 32), v2 = load16<kFresh>(s4 + i + 64),
+                 v3 = load16<kFresh>(s4 + i + 96);
       __stcs(d4 + i, v0), __stcs(d4 + i + 32, v1), __stcs(d4 + i + 64, v2), __stcs(d4 + i + 96, v3);
     }
-    for (; i < n; i += 32) __stcs(d4 + i, __ldg(s4 + i));
+    for (; i < n; i += 32) __stcs(d4 + i, load16<kFresh>(s4 + i));
   } else if ((a & 3) == 0) {
     const int* s4 = reinterpret_cast<const int*>(src);
     int* d4 = reinterpret_cast<int*>(dst);
@@ -411,6 +422,7 @@ __device__ bool padding_row(const Dev& d, int64_t r) {
 constexpr int kFanInFlight = 4;                      // 16-byte loads per lane in flight, each stored to every row
 constexpr int64_t kFanPass = 32 * kFanInFlight * 16;  // bytes of one warp pass (2 KiB)
 
+template <bool kFresh>
 __device__ __forceinline__ void warp_fanout(char* dst, int64_t stride, int32_t row, unsigned mask, const char* src,
                                             int64_t bytes, int lane) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
@@ -418,7 +430,7 @@ __device__ __forceinline__ void warp_fanout(char* dst, int64_t stride, int32_t r
   if ((a & 15) != 0) {
     for (unsigned m = mask; m != 0; m &= m - 1) {
       const int32_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-      warp_copy(dst + static_cast<int64_t>(r) * stride, src, bytes, lane);
+      warp_copy<kFresh>(dst + static_cast<int64_t>(r) * stride, src, bytes, lane);
     }
     return;
   }
@@ -429,7 +441,7 @@ __device__ __forceinline__ void warp_fanout(char* dst, int64_t stride, int32_t r
     int4 v[kFanInFlight];
 #pragma unroll
     for (int j = 0; j < kFanInFlight; ++j)
-      if (i + 32 * j < n) v[j] = __ldg(s4 + i + 32 * j);
+      if (i + 32 * j < n) v[j] = load16<kFresh>(s4 + i + 32 * j);
     for (unsigned m = mask; m != 0; m &= m - 1) {
       const int32_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
       int4* d4 = reinterpret_cast<int4*>(dst + static_cast<int64_t>(r) * stride);
@@ -446,6 +458,8 @@ __device__ __forceinline__ void warp_fanout(char* dst, int64_t stride, int32_t r
 // rows from `tokens`, the peers' from the region). A row is cut into pieces of whole
 // warp passes only when there are more warps than received tokens (few tokens), so that
 // every warp has work. Then one warp per padding row: zeros, weight 0, metadata -1.
+// kFresh: the peers' rows were written during this kernel (the low-latency mode).
+template <bool kFresh>
 __device__ void dispatch_place_grid(const Dev& d, int64_t row_bytes, const char* __restrict__ tokens,
                                     char* __restrict__ out_tokens, float* __restrict__ out_w,
                                     int32_t* __restrict__ out_meta) {
@@ -488,7 +502,7 @@ __device__ void dispatch_place_grid(const Dev& d, int64_t row_bytes, const char*
           }
         }
         const unsigned mask = __ballot_sync(0xffffffffu, row >= 0);
-        if (mask != 0) warp_fanout(out_tokens + h0, row_bytes, row, mask, from, len, lane);
+        if (mask != 0) warp_fanout<kFresh>(out_tokens + h0, row_bytes, row, mask, from, len, lane);
       }
     } else {
       const int64_t r = item - received * pieces;
@@ -506,7 +520,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
     dispatch_place(Dev d, int64_t row_bytes, const char* __restrict__ tokens, char* __restrict__ out_tokens,
                    float* __restrict__ out_w, int32_t* __restrict__ out_meta) {
   pdl_begin();
-  dispatch_place_grid(d, row_bytes, tokens, out_tokens, out_w, out_meta);
+  dispatch_place_grid<false>(d, row_bytes, tokens, out_tokens, out_w, out_meta);
 }
 
 __global__ void stage_ack(Dev d, int which, int64_t ack_off) {  // <<<1, 32>>>
@@ -785,7 +799,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   grid.sync();
   if (blockIdx.x == 0) dispatch_sync_block(d, out_gs, out_tpe, out_error);
   grid.sync();
-  dispatch_place_grid(d, row_bytes, tokens, out_tokens, out_w, out_meta);
+  dispatch_place_grid<true>(d, row_bytes, tokens, out_tokens, out_w, out_meta);
   grid.sync();  // every peer row in this region read before the acknowledgement
   if (blockIdx.x == 0 && threadIdx.x < 32) publish(d, d.L.disp_ack, d.l.seq[0]);
 }
@@ -826,20 +840,15 @@ cudaError_t launch(void (*kernel)(KArgs...), unsigned grid, unsigned block, cuda
 }
 
 // A low-latency stage's one kernel: a cooperative launch (every block resident, so the
-// grid-wide barriers cannot deadlock) of num_blocks blocks, or of as many as fit.
+// grid-wide barriers cannot deadlock) of `blocks` blocks (Exchange::ll_blocks: the
+// setting, cut to what every low-latency kernel can have resident; ex_ll_blocks).
 template <typename... KArgs, typename... Args>
-cudaError_t launch_cooperative(void (*kernel)(KArgs...), int cuda_device, int num_blocks, cudaStream_t st,
-                               Args... args) {
-  int sms = 0, per_sm = 0;
-  cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cuda_device);
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCopyThreads, 0);
-  if (err != cudaSuccess) return err;
-  const int resident = sms * per_sm;
+cudaError_t launch_cooperative(void (*kernel)(KArgs...), int blocks, cudaStream_t st, Args... args) {
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeCooperative;
   attr.val.cooperative = 1;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(num_blocks < resident ? num_blocks : (resident > 0 ? resident : 1)));
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
   cfg.blockDim = dim3(kCopyThreads);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = st;
@@ -900,8 +909,8 @@ moe_ep_status combine_ll_as(cudaStream_t st, const Exchange& x, const Dev& d, in
   const bool vec_y = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) && (d.s.N > 1 || vec_out);
   auto* kernel = vec_y ? (vec_out ? combine_ll<Y, true, true, O> : combine_ll<Y, true, false, O>)
                        : (vec_out ? combine_ll<Y, false, true, O> : combine_ll<Y, false, false, O>);
-  const cudaError_t e = launch_cooperative(kernel, x.cuda_device, x.num_blocks, st, d, T, rows, row_values, out,
-                                           out_values, out_error);
+  const cudaError_t e = launch_cooperative(kernel, x.ll_blocks, st, d, T, rows, row_values, out, out_values,
+                                           out_error);
   return e == cudaSuccess ? MOE_EP_OK : launch_failed("combine_ll", e);
 }
 
@@ -926,6 +935,38 @@ moe_ep_status ex_default_blocks(int cuda_device, int* out) {
   const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cuda_device);
   if (err != cudaSuccess) return cuda_fail("moe_ep_layer_create: the device's multiprocessor count", err);
   *out = 2 * (sms > 0 ? sms : 1);  // two blocks of kCopyThreads per multiprocessor
+  return MOE_EP_OK;
+}
+
+moe_ep_status ex_ll_blocks(int cuda_device, int num_blocks, int* out) {
+  int sms = 0, per_sm = 1 << 30;
+  cudaError_t err = cudaSetDevice(cuda_device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cuda_device);
+  const auto least = [&](const void* kernel) {
+    int n = 0;
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kCopyThreads, 0);
+    if (n < per_sm) per_sm = n;
+  };
+  least(reinterpret_cast<const void*>(dispatch_ll));
+  least(reinterpret_cast<const void*>(combine_ll<float, true, true, float>));
+  least(reinterpret_cast<const void*>(combine_ll<float, false, false, float>));
+  least(reinterpret_cast<const void*>(combine_ll<float, true, true, uint16_t>));
+  least(reinterpret_cast<const void*>(combine_ll<float, false, false, uint16_t>));
+  least(reinterpret_cast<const void*>(combine_ll<uint16_t, true, true, float>));
+  least(reinterpret_cast<const void*>(combine_ll<uint16_t, false, false, float>));
+  least(reinterpret_cast<const void*>(combine_ll<uint16_t, true, true, uint16_t>));
+  least(reinterpret_cast<const void*>(combine_ll<uint16_t, false, false, uint16_t>));
+  least(reinterpret_cast<const void*>(combine_ll<float, true, false, float>));
+  least(reinterpret_cast<const void*>(combine_ll<float, false, true, float>));
+  least(reinterpret_cast<const void*>(combine_ll<float, true, false, uint16_t>));
+  least(reinterpret_cast<const void*>(combine_ll<float, false, true, uint16_t>));
+  least(reinterpret_cast<const void*>(combine_ll<uint16_t, true, false, float>));
+  least(reinterpret_cast<const void*>(combine_ll<uint16_t, false, true, float>));
+  least(reinterpret_cast<const void*>(combine_ll<uint16_t, true, false, uint16_t>));
+  least(reinterpret_cast<const void*>(combine_ll<uint16_t, false, true, uint16_t>));
+  if (err != cudaSuccess) return cuda_fail("moe_ep_layer_create: the low-latency kernels' occupancy", err);
+  const int resident = sms * per_sm;
+  *out = num_blocks < resident ? num_blocks : resident;  // 0: they cannot run on this device
   return MOE_EP_OK;
 }
 
@@ -977,7 +1018,7 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
   if (x.mode == MOE_EP_EXCHANGE_LOW_LATENCY) {
-    const cudaError_t e = launch_cooperative(dispatch_ll, x.cuda_device, x.num_blocks, st, d, T, row_bytes,
+    const cudaError_t e = launch_cooperative(dispatch_ll, x.ll_blocks, st, d, T, row_bytes,
                                              static_cast<const char*>(tokens), weights, static_cast<char*>(out_tokens),
                                              out_w, out_meta, out_gs, out_tpe, out_error);
     return e == cudaSuccess ? MOE_EP_OK : launch_failed("dispatch_ll", e);
