@@ -360,6 +360,8 @@ def test_one_rank_layer_equals_the_exchange_path_bit_for_bit(layout: str, monkey
 
     with monkeypatch.context() as m:
         m.setattr(core, "_dispatch_local", core._dispatch_exchange)  # the one-rank dispatch's gathers, too
+        m.setattr(core, "_tokens_to_experts_local",  # and the backward's (cotangent rows to the experts)
+                  lambda spec, plan, lay, rows: core.to_experts(spec, plan, lay, core.send_rows(spec, plan, rows)))
         m.setattr(core, "to_experts", spy("to_experts", core._to_experts_exchange))
         m.setattr(core, "to_sources", spy("to_sources", core._to_sources_exchange))
         _, slow = run("capacity")

@@ -319,7 +319,7 @@ def _fused_bwd(spec, res, cts):  # type: ignore[no-untyped-def]
         )
     ct_out = cts[0]
     lay = core.layout(spec, plan)
-    (dy_buf,) = core.to_experts(spec, plan, lay, core.send_rows(spec, plan, [ct_out]))
+    (dy_buf,) = core.tokens_to_experts(spec, plan, lay, [ct_out])
     gx, g1, g2, gw = core.backward_from_buffers(spec, plan, lay, x_buf, w_buf, fc1, fc2, fc1_c, dy_buf)
     g1 = None if isinstance(fc1, F.BlockScaled) else g1.astype(fc1.dtype)
     g2 = None if isinstance(fc2, F.BlockScaled) else g2.astype(fc2.dtype)
@@ -542,7 +542,7 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 def _combine_backward(spec: core.LayerSpec, plan: core.Plan, ct_out: jax.Array) -> jax.Array:
     lay = core.layout(spec, plan)
-    (rows,) = core.to_experts(spec, plan, lay, core.send_rows(spec, plan, [ct_out.astype(jnp.float32)]))
+    (rows,) = core.tokens_to_experts(spec, plan, lay, [ct_out.astype(jnp.float32)])
     valid, _, _ = core.valid_rows(spec, lay)
     return core.poison(lay.error, jnp.where(valid[:, None], rows, 0.0))
 

@@ -618,19 +618,40 @@ def _dispatch_local(
     route ``send_route[send_first[e] + j]``; every token row is gathered straight from
     the tokens by that id (one gather per part, not one into send order and one into
     the buffer), the same bits as :func:`_dispatch_exchange`."""
-    valid, e, j = valid_rows(spec, lay)
-    keep = valid & ~lay.error
-    tk = spec.num_routes
-    if tk == 0:
-        route = jnp.full(keep.shape, -1, _I32)
-    else:
-        route = jnp.where(keep, plan.send_route[jnp.clip(lay.send_first[e] + j, 0, tk - 1)], -1)
+    route = _local_routes(spec, plan, lay)
+    keep = route >= 0
     k = spec.num_topk
     tok = [_local_gather(spec, p, route, k) for p in tensor_parts(tokens)]
     weights = _gather_rows(topk_weights.astype(jnp.float32).reshape(-1), route, keep)
     route_ids = jnp.where(keep, route, 0)  # the exchange's buffer: zero bits off the routes
     more = [_local_gather(spec, p, route, k) for p in extra]
     return Dispatched(rebuild(tokens, tok), weights, route_ids, more)
+
+
+def _local_routes(spec: LayerSpec, plan: Plan, lay: Layout) -> jax.Array:
+    """``[C] int32``: at one rank, the route id of every buffer row (row j of local
+    expert e's slab is route ``send_route[send_first[e] + j]``), -1 for padding rows and
+    for every row on an error."""
+    valid, e, j = valid_rows(spec, lay)
+    keep = valid & ~lay.error
+    tk = spec.num_routes
+    if tk == 0:
+        return jnp.full(keep.shape, -1, _I32)
+    return jnp.where(keep, plan.send_route[jnp.clip(lay.send_first[e] + j, 0, tk - 1)], -1)
+
+
+def tokens_to_experts(spec: LayerSpec, plan: Plan, lay: Layout, per_token: Sequence[jax.Array]) -> List[jax.Array]:
+    """Per-token rows ``[T, ...]`` to every route's expert: ``[C, ...]`` expert-major
+    buffers, padding rows zero (collective: one all-to-all of the rows in send order; at
+    one rank one gather per part straight from the rows, :func:`_tokens_to_experts_local`)."""
+    if spec.num_ranks == 1:
+        return _tokens_to_experts_local(spec, plan, lay, per_token)
+    return to_experts(spec, plan, lay, send_rows(spec, plan, per_token))
+
+
+def _tokens_to_experts_local(spec: LayerSpec, plan: Plan, lay: Layout, per_token: Sequence[jax.Array]) -> List[jax.Array]:
+    route = _local_routes(spec, plan, lay)
+    return [_local_gather(spec, p, route, spec.num_topk) for p in per_token]
 
 
 def forward(
@@ -686,4 +707,5 @@ def replace_spec(spec: LayerSpec, **changes: Any) -> LayerSpec:
 
 
 __all__ += ["buffer_rows", "valid_rows", "route_metadata", "tensor_parts", "rebuild", "Dispatched", "dispatch",
+            "tokens_to_experts",
             "combine_rows", "encode_output", "send_rows", "route_weights", "poison", "replace_spec"]
