@@ -18,7 +18,8 @@
 #          grid computed once at layer creation), the low-latency mode's
 #          CUDA tests (errors, a peer that never arrives), the conformance table over the NCCL
 #          provider at EP 1, jax-ffi after the native row gathers (its CUDA tests, its conformance
-#          table at EP 1, its profile and bench), the low-latency timings with fewer blocks.
+#          table at EP 1, its profile and bench), the low-latency timings with fewer blocks, and
+#          the mxfp8 forward's ops by shape and issuing line (what its torch-side copies are).
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,6 +112,8 @@ case "$RUN" in
     --json "$o/bench-jax-ffi.json" --no-progress
   TAIL=12 step exchange-ll-blocks 40 "$py" scripts/gpu_exchange_check.py --time --tokens 128 --sms 66 --sms 16 \
     --mode low_latency
+  TAIL=4 step profile-mxfp8-detail 60 "$py" scripts/gpu_layer_profile.py --mode device --format mxfp8 \
+    --intermediate-format bf16 --iters 3 --top 20 --detail
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
