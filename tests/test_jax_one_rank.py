@@ -393,13 +393,18 @@ def test_round_to_bf16_of_bfloat16_is_the_float32_path_bit_for_bit() -> None:
                            f"{got[bad[0]]:#06x}, through float32 {want[bad[0]]:#06x}")
 
 
-def test_one_rank_native_row_gathers_equal_xla_gathers_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """jax-ffi at one rank gathers rows with the native moe_ep_permute_rows (FfiKernels.gather_rows);
-    every output of the layer is the same bits as with XLA's gathers (the provider without the method)."""
+@pytest.mark.parametrize("combine,output", [("mxfp8", "bf16"), ("bf16", "bf16"), ("bf16", "nvfp4")])
+@pytest.mark.parametrize("method", ["gather_rows", "reduce_rows"])
+def test_one_rank_native_paths_equal_xla_bit_for_bit(method: str, combine: str, output: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """jax-ffi at one rank gathers rows with the native moe_ep_permute_rows (FfiKernels.gather_rows)
+    and, with a bf16 combine format, sums the routes' rows straight from the buffer with
+    moe_ep_combine_reduce (FfiKernels.reduce_rows); every output of the layer is the same bits
+    as without the method (XLA's gathers; the general combine: encode, gather, decode, slot sum)."""
     ffi = pytest.importorskip("moe_ep_jax_ffi.kernels")
     rows = 10
     config = MoeEpConfig(num_experts=4, hidden=64, intermediate=32, num_topk=3, num_ranks=1, max_tokens_per_rank=rows,
-                         output_format="bf16", combine_format="mxfp8", generate_c=True, recv_capacity=48,
+                         output_format=output, combine_format=combine, generate_c=True, recv_capacity=48,
                          expert_alignment=4)
     (world,) = random_world(config, num_tokens=rows, input_format="bf16", seed=21, routing="unused_mixed")
     g = np.random.default_rng(22).standard_normal((rows, config.hidden)).astype(jnp.bfloat16).astype(np.float32)
@@ -407,23 +412,33 @@ def test_one_rank_native_row_gathers_equal_xla_gathers_bit_for_bit(monkeypatch: 
     x[1, :2] = [np.nan, -0.0]
     args = [x, world.fc1_weight, world.fc2_weight, np.asarray(world.topk_idx, np.int32), world.topk_weights, g]
     calls: Counter = Counter()
-    native = ffi.FfiKernels.gather_rows
+    native = getattr(ffi.FfiKernels, method)
 
     def counted(self: Any, *a: Any) -> Any:
-        calls["gather_rows"] += 1
+        calls[method] += 1
         return native(self, *a)
 
     def run() -> List[np.ndarray]:
-        fn = _shard(_layer_body(config, "capacity", kernels=ffi.FfiKernels()))
+        body = _layer_body(config, "capacity", kernels=ffi.FfiKernels())
+        if output != "bf16":  # no jax.grad through block-scaled codes: the forward and the layered ops
+            body = _layer_body(config.replace(output_format="bf16"), "capacity", kernels=ffi.FfiKernels())
+            base = body
+
+            def body(x, w1, w2, idx, tw, g):  # type: ignore[no-untyped-def]
+                out = A.moe_ep(x, w1, w2, idx, tw, config=config, exchange="capacity", kernels=ffi.FfiKernels())
+                return out, base(x, w1, w2, idx, tw, g)
+
+        fn = _shard(body)
         return [np.asarray(a) for a in jax.tree_util.tree_leaves(_compile(fn, *args)(*args))]
 
     with monkeypatch.context() as m:
-        m.setattr(ffi.FfiKernels, "gather_rows", counted)
+        m.setattr(ffi.FfiKernels, method, counted)
         fast = run()
-    assert calls["gather_rows"] > 0, "the one-rank path never asked the provider to gather"
+    used = calls[method] > 0
+    assert used == (method == "gather_rows" or combine == "bf16"), f"{method} called {calls[method]} times"
     with monkeypatch.context() as m:
-        m.delattr(ffi.FfiKernels, "gather_rows")
+        m.delattr(ffi.FfiKernels, method)
         slow = run()
     assert len(fast) == len(slow), f"leaf counts {len(fast)} and {len(slow)}"
     for i, (a, b) in enumerate(zip(fast, slow)):
-        _assert_same_bits(f"leaf {i}: native row gathers vs XLA's", a, b)
+        _assert_same_bits(f"leaf {i}: with FfiKernels.{method} vs without", a, b)

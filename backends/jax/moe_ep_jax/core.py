@@ -505,10 +505,18 @@ def _to_experts_local(spec: LayerSpec, lay: Layout, parts: Sequence[jax.Array]) 
 def _to_sources_local(spec: LayerSpec, plan: Plan, lay: Layout, parts: Sequence[jax.Array]) -> List[jax.Array]:
     """:func:`to_sources` at one rank: a route at send position p to expert e
     reads buffer row ``offsets[e] + p - send_first[e]``."""
+    rows = _local_rows(spec, plan, lay)
+    return [_local_gather(spec, p, rows, 1) for p in parts]
+
+
+def _local_rows(spec: LayerSpec, plan: Plan, lay: Layout) -> jax.Array:
+    """``[T*K] int32``: at one rank, the buffer row of every route id (a route at send
+    position p to expert e is row ``offsets[e] + p - send_first[e]``), -1 for slots
+    without a route and for every slot on an error."""
     e = jnp.clip(plan.route_expert, 0, spec.num_local_experts - 1)
     row = lay.offsets[e] + plan.route_pos - lay.send_first[e]
     keep = (plan.route_pos >= 0) & ~lay.error
-    return [_local_gather(spec, p, jnp.where(keep, row, -1), 1) for p in parts]
+    return jnp.where(keep, row, -1)
 
 
 def _local_gather(spec: LayerSpec, x: jax.Array, route: jax.Array, num_topk: int) -> jax.Array:
@@ -569,6 +577,9 @@ def combine_rows(spec: LayerSpec, plan: Plan, lay: Layout, y: jax.Array) -> Tupl
     output and the unrounded sum."""
     kern = spec.kernels
     fmt = spec.config.combine_format
+    reduce_rows = getattr(kern, "reduce_rows", None)
+    if spec.num_ranks == 1 and fmt is MoeFormat.BF16 and reduce_rows is not None:
+        return _combine_rows_local_bf16(spec, plan, lay, y, reduce_rows)
     valid, _, _ = valid_rows(spec, lay)
     y = jnp.where(valid[:, None], y, 0.0)
     enc = F.round_to_bf16(y) if fmt is MoeFormat.BF16 else kern.quantize(y, fmt)
@@ -576,6 +587,18 @@ def combine_rows(spec: LayerSpec, plan: Plan, lay: Layout, y: jax.Array) -> Tupl
     dec = kern.dequantize(rebuild(enc, back))
     dec = jnp.where((plan.route_pos >= 0)[:, None], dec, 0.0)
     summed = poison(lay.error, slot_sum(spec, dec))
+    return encode_output(spec, summed), summed
+
+
+def _combine_rows_local_bf16(spec: LayerSpec, plan: Plan, lay: Layout, y: jax.Array, reduce_rows: Any
+                             ) -> Tuple[Tensor, jax.Array]:
+    """:func:`combine_rows` at one rank with a bf16 combine format and a provider that sums
+    rows by index (``reduce_rows``): every route reads its row's bf16 round trip straight
+    from the buffer, summed in slot order from +0. A slot without a route adds nothing
+    where the general path adds a +0 row: the same sum, since a sum started at +0 is never
+    -0 (x + +0 = x for every other x). No encoded rows, no gather, no float32 copy of them."""
+    summed = reduce_rows(F.bf16_round_trip(y), _local_rows(spec, plan, lay), spec.num_tokens, spec.num_topk)
+    summed = poison(lay.error, summed)
     return encode_output(spec, summed), summed
 
 

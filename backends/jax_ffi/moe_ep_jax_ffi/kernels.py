@@ -274,6 +274,24 @@ class FfiKernels:
         (out,) = _call("moe_ep_permute_rows", [_sds(shape, bits.dtype)], bits, route, num_topk=int(num_topk))
         return out if out.dtype == x.dtype else lax.bitcast_convert_type(out, x.dtype)
 
+    def reduce_rows(self, rows: jax.Array, route_rows: jax.Array, num_tokens: int, num_topk: int) -> jax.Array:
+        """``[T, H] float32``: ``((+0 + rows[r_0]) + rows[r_1]) + ...`` over token t's slots in
+        order, ``r_k = route_rows[t*K + k]``, a -1 adding nothing (the native
+        ``moe_ep_combine_reduce``). The jax layer's combine at one rank: the routes' rows read
+        straight from the buffer, without a gather into route order first.
+
+        Args:
+            rows: ``[R, H] float32``.
+            route_rows: ``[T*K] int32``: -1 or a row in ``[0, R)``.
+        """
+        rows = jnp.asarray(rows).astype(_F32)
+        h = rows.shape[1]
+        if num_tokens == 0 or h == 0 or rows.shape[0] == 0:  # nothing any route could read
+            return jnp.zeros((num_tokens, h), _F32)
+        (out,) = _call("moe_ep_combine_reduce", [_sds((num_tokens, h), _F32)], rows,
+                       jnp.asarray(route_rows).astype(_I32), num_topk=int(num_topk))
+        return out
+
     # experts -----------------------------------------------------------------
 
     @staticmethod
