@@ -570,7 +570,8 @@ def test_expert_handlers_reject_bad_shapes_and_report_the_cores_errors() -> None
     x, w = jnp.ones((c, h), f32), jnp.ones((c,), f32)
     w1, w2 = jnp.ones((el, h, 2 * i), f32) / 8, jnp.ones((el, i, h), f32) / 8
     gs = jnp.asarray(np.array([3, 2], np.int32))
-    attrs = dict(apply_topk_in_fc1=True, has_clamp=False, gate_up_clamp=np.float32(0), intermediate_format=np.int32(0))
+    attrs = dict(apply_topk_in_fc1=True, has_clamp=False, gate_up_clamp=np.float32(0), intermediate_format=np.int32(0),
+                 combine_format=np.int32(0))
     res = [_sds((c, h), f32), _sds((c, 2 * i), bf16)]
     y, stash = _ffi("moe_ep_expert_forward", res, x, w, w1, w2, gs, **attrs)
     assert y.shape == (c, h) and not np.asarray(y[5:]).any() and stash.dtype == bf16
@@ -625,7 +626,9 @@ def test_expert_handlers_reject_bad_shapes_and_report_the_cores_errors() -> None
 def test_expert_handlers_keep_one_layer_object_per_configuration_and_device() -> None:
     """The handlers run the layer object's stages: one layer per (configuration,
     device, operand dtype), made on first use and grown (never per call);
-    bf16 operands give a bf16 layer, everything else a float32 one."""
+    bf16 operands give a bf16 layer, everything else a float32 one. At one rank
+    the forward the jax layer runs (y after the combine round trip) and the
+    backward share it."""
     cfg = MoeEpConfig(num_experts=_EL, hidden=_H, intermediate=40, num_topk=2, num_ranks=1, gate_up_clamp=0.5)
     _, w, _, _ = _expert_inputs(21, "fp32")
     rng = np.random.default_rng(22)
@@ -636,7 +639,7 @@ def test_expert_handlers_keep_one_layer_object_per_configuration_and_device() ->
         return [r for r in native.extension().layer_cache_info() if (r["hidden"], r["intermediate"], r["num_local_experts"]) == (_H, 40, _EL)]
 
     def step(x, w, w1, w2, gs):
-        y, c = KF.expert_forward(cfg, x, w, w1, w2, gs)
+        y, c = KF.expert_forward_combined(cfg, x, w, w1, w2, gs)
         return KF.expert_backward(cfg, x, w, w1, w2, c, y, gs)
 
     x = jnp.asarray(rng.standard_normal((_C, _H)).astype(np.float32))
@@ -647,6 +650,7 @@ def test_expert_handlers_keep_one_layer_object_per_configuration_and_device() ->
     live = [r for r in mine() if r["live"]]
     assert sorted(r["operand_dtype"] for r in live) == ["bfloat16", "float32"], mine()
     assert all(r["max_rows"] == _C and r["with_backward"] and r["device"] == "cpu" for r in live), live
+    assert all(r["combine_format"] == 1 for r in live), live  # bf16 (code 1): the forward's round trip
     made = len(mine())
     _run(step, x, w, w1, w2, _GROUPS)  # again: no new layer
     assert len(mine()) == made

@@ -398,9 +398,11 @@ def test_round_to_bf16_of_bfloat16_is_the_float32_path_bit_for_bit() -> None:
 def test_one_rank_native_paths_equal_xla_bit_for_bit(method: str, combine: str, output: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """jax-ffi at one rank gathers rows with the native moe_ep_permute_rows (FfiKernels.gather_rows)
-    and, with a bf16 combine format, sums the routes' rows straight from the buffer with
-    moe_ep_combine_reduce (FfiKernels.reduce_rows); every output of the layer is the same bits
-    as without the method (XLA's gathers; the general combine: encode, gather, decode, slot sum)."""
+    and sums the routes' rows straight from the buffer with moe_ep_combine_reduce
+    (FfiKernels.reduce_rows): the fused forward's rows come rounded through the combine format
+    by the layer object (expert_forward_combined), the layered combine's with XLA's bf16 round
+    trip. Every output of the layer is the same bits as without the method (XLA's gathers; the
+    general combine: encode, gather, decode, slot sum)."""
     ffi = pytest.importorskip("moe_ep_jax_ffi.kernels")
     rows = 10
     config = MoeEpConfig(num_experts=4, hidden=64, intermediate=32, num_topk=3, num_ranks=1, max_tokens_per_rank=rows,
@@ -434,8 +436,7 @@ def test_one_rank_native_paths_equal_xla_bit_for_bit(method: str, combine: str, 
     with monkeypatch.context() as m:
         m.setattr(ffi.FfiKernels, method, counted)
         fast = run()
-    used = calls[method] > 0
-    assert used == (method == "gather_rows" or combine == "bf16"), f"{method} called {calls[method]} times"
+    assert calls[method] > 0, f"the one-rank layer never called FfiKernels.{method}"
     with monkeypatch.context() as m:
         m.delattr(ffi.FfiKernels, method)
         slow = run()

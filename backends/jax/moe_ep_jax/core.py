@@ -687,8 +687,18 @@ def forward(
     lay = layout(spec, plan)
     d = dispatch(spec, plan, lay, activation, topk_weights)
     valid, _, _ = valid_rows(spec, lay)
-    y, c = spec.kernels.expert_forward(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes)
-    out, _ = combine_rows(spec, plan, lay, y)
+    kern = spec.kernels
+    combined, reduce_rows = getattr(kern, "expert_forward_combined", None), getattr(kern, "reduce_rows", None)
+    if spec.num_ranks == 1 and combined is not None and reduce_rows is not None:
+        # One rank, a provider that rounds y through the combine format itself and sums rows
+        # by index: the routes' rows are summed straight from the buffer (combine_rows' other
+        # passes, which move the encoded rows, have nothing to move).
+        y, c = combined(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes)
+        summed = reduce_rows(y, _local_rows(spec, plan, lay), spec.num_tokens, spec.num_topk)
+        out = encode_output(spec, poison(lay.error, summed))
+    else:
+        y, c = kern.expert_forward(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes)
+        out, _ = combine_rows(spec, plan, lay, y)
     # The stash: c's bf16 rounding (the identity when the provider's c is the bf16 stash
     # itself), +0 in padding rows; selected on the bits (XLA:CPU selects bf16 through float32).
     keep = valid[:, None]

@@ -23,7 +23,10 @@ the method does them (the native one copies whole rows), one without it gets XLA
 Optional: ``reduce_rows(rows [R, H] float32, route_rows [T*K] int32, num_tokens,
 num_topk) -> [T, H] float32``, the slot-order sum from +0 of ``rows[route_rows[t*K+k]]``
 (-1 adds nothing). At one rank with a bf16 combine format the layer then sums the
-routes' rows straight from the buffer.
+routes' rows straight from the buffer. Optional with it:
+``expert_forward_combined(...)``, :meth:`ExpertKernels.expert_forward` with ``y``
+after ``combine_format``'s round trip. The fused forward at one rank then passes the
+rows to ``reduce_rows`` as they are (any combine format).
 
 :class:`XlaKernels` (the default, name ``xla``) does this with XLA-native ops:
 ``jax.lax.ragged_dot`` / ``ragged_dot_general`` over the expert slabs with

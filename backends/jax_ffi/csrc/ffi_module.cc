@@ -429,11 +429,10 @@ ffi::Error ExpertShapes(const char* kT, Dims x, Dims w, Dims fc1, Dims fc2, Dims
   return ffi::Error::Success();
 }
 
-ffi::Error ExpectFormatAttr(const char* kT, int32_t intermediate_format) {
-  if (intermediate_format >= MOE_EP_FORMAT_NONE && intermediate_format <= MOE_EP_FORMAT_NVFP4)
-    return ffi::Error::Success();
-  return Invalid(kT, "attribute intermediate_format must be 0 (none), 1 (bf16), 2 (mxfp8) or 3 (nvfp4)",
-                 std::to_string(intermediate_format));
+ffi::Error ExpectFormatAttr(const char* kT, int32_t value, const char* name = "intermediate_format") {
+  if (value >= MOE_EP_FORMAT_NONE && value <= MOE_EP_FORMAT_NVFP4) return ffi::Error::Success();
+  return Invalid(kT, std::string("attribute ") + name + " must be 0 (none), 1 (bf16), 2 (mxfp8) or 3 (nvfp4)",
+                 std::to_string(value));
 }
 
 // ----------------------------------------------------------------------------- the layer cache
@@ -464,10 +463,11 @@ struct LayerKey {
   int32_t apply_topk_in_fc1, has_clamp;
   uint32_t clamp_bits;  // the float's bits (so the key is ordered and exact)
   int32_t intermediate_format;
+  int32_t combine_format;  // the round trip the forward applies to y (0: none, the jax layer's own)
 
   auto Tie() const {
     return std::tie(device, ordinal, dtype, hidden, intermediate, experts, apply_topk_in_fc1, has_clamp, clamp_bits,
-                    intermediate_format);
+                    intermediate_format, combine_format);
   }
   bool operator<(const LayerKey& o) const { return Tie() < o.Tie(); }
 };
@@ -554,9 +554,10 @@ class LayerCache {
     cfg.has_clamp = key.has_clamp;
     std::memcpy(&cfg.gate_up_clamp, &key.clamp_bits, sizeof cfg.gate_up_clamp);
     cfg.intermediate_format = key.intermediate_format;
-    // The combine round trip stays the jax layer's: its rows travel encoded
-    // (the all-to-all moves the codes), so the layer must not round y itself.
-    cfg.combine_format = MOE_EP_FORMAT_NONE;
+    // The combine round trip is the jax layer's where its rows travel encoded (the
+    // all-to-all moves the codes): combine_format 0. At one rank the layer may ask
+    // for y after the round trip (FfiKernels.expert_forward_combined).
+    cfg.combine_format = key.combine_format;
     cfg.with_backward = with_backward ? 1 : 0;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
     int current = -1;  // moe_ep_layer_create selects the layer's device; XLA's thread keeps its own
@@ -602,7 +603,7 @@ ffi::Error ExpectOperandDtypes(const char* kT, ffi::DataType x, ffi::DataType fc
 }
 
 LayerKey KeyOf(const Where& at, ffi::DataType dtype, int64_t h, int64_t i, int64_t el, bool apply_topk_in_fc1,
-               bool has_clamp, float gate_up_clamp, int32_t intermediate_format) {
+               bool has_clamp, float gate_up_clamp, int32_t intermediate_format, int32_t combine_format) {
   LayerKey k{};
   k.device = at.dev.device;
   k.ordinal = at.ordinal;
@@ -615,6 +616,7 @@ LayerKey KeyOf(const Where& at, ffi::DataType dtype, int64_t h, int64_t i, int64
   const float clamp = has_clamp ? gate_up_clamp : 0.0f;  // ignored without the clamp: one layer
   std::memcpy(&k.clamp_bits, &clamp, sizeof clamp);
   k.intermediate_format = intermediate_format;
+  k.combine_format = combine_format;
   return k;
 }
 
@@ -623,7 +625,7 @@ LayerKey KeyOf(const Where& at, ffi::DataType dtype, int64_t h, int64_t i, int64
 ffi::Error ExpertForward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer fc1,
                          ffi::AnyBuffer fc2, ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::Buffer<ffi::F32>> y,
                          ffi::Result<ffi::Buffer<ffi::BF16>> fc1_c, bool apply_topk_in_fc1, bool has_clamp,
-                         float gate_up_clamp, int32_t intermediate_format) {
+                         float gate_up_clamp, int32_t intermediate_format, int32_t combine_format) {
   constexpr const char* kT = "moe_ep_expert_forward";
   int64_t c, h, i, el;
   MOE_EP_FFI_TRY(ExpertShapes(kT, x.dimensions(), w.dimensions(), fc1.dimensions(), fc2.dimensions(),
@@ -632,8 +634,9 @@ ffi::Error ExpertForward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<f
   MOE_EP_FFI_TRY(ExpectShape(kT, "y", "[C, H]", y->dimensions(), {c, h}));
   MOE_EP_FFI_TRY(ExpectShape(kT, "fc1_c", "[C, 2I]", fc1_c->dimensions(), {c, 2 * i}));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, intermediate_format));
+  MOE_EP_FFI_TRY(ExpectFormatAttr(kT, combine_format, "combine_format"));
   const LayerKey key = KeyOf(at, x.element_type(), h, i, el, apply_topk_in_fc1, has_clamp, gate_up_clamp,
-                             intermediate_format);
+                             intermediate_format, combine_format);
   LayerSlot* slot = nullptr;
   std::unique_lock<std::mutex> lock;
   MOE_EP_FFI_TRY(Cache().Acquire(kT, key, c, /*backward=*/false, at.may_create, &slot, &lock));
@@ -652,12 +655,13 @@ auto BindExpertForward(B b) {
       .template Arg<ffi::AnyBuffer>()             // fc1 [E_local, H, 2I] x's dtype (gate 0..I-1, up I..2I-1)
       .template Arg<ffi::AnyBuffer>()             // fc2 [E_local, I, H] x's dtype
       .template Arg<ffi::Buffer<ffi::S32>>()      // group_sizes [E_local] s32: slab sizes, each >= 0, sum <= C
-      .template Ret<ffi::Buffer<ffi::F32>>()      // y [C, H] f32: expert output before the combine round trip
+      .template Ret<ffi::Buffer<ffi::F32>>()      // y [C, H] f32: expert output, after combine_format's round trip
       .template Ret<ffi::Buffer<ffi::BF16>>()     // fc1_c [C, 2I] bf16: the stash (bf16 of the pre-clamp FC1 output)
       .template Attr<bool>("apply_topk_in_fc1")   // true: y = R_int(w*h) W2; false: y = w * (R_int(h) W2)
       .template Attr<bool>("has_clamp")           // the SwiGLU clamp
       .template Attr<float>("gate_up_clamp")      // its limit L > 0, finite (ignored without has_clamp)
-      .template Attr<int32_t>("intermediate_format");  // R_int along I: 0 none, 1 bf16, 2 mxfp8, 3 nvfp4
+      .template Attr<int32_t>("intermediate_format")  // R_int along I: 0 none, 1 bf16, 2 mxfp8, 3 nvfp4
+      .template Attr<int32_t>("combine_format");  // the round trip of y along H: 0 none (the jax layer's), 1..3
 }
 
 ffi::Error ExpertBackward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer fc1,
@@ -665,7 +669,7 @@ ffi::Error ExpertBackward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<
                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::Buffer<ffi::F32>> dx,
                           ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::Result<ffi::Buffer<ffi::F32>> dfc1,
                           ffi::Result<ffi::Buffer<ffi::F32>> dfc2, bool apply_topk_in_fc1, bool has_clamp,
-                          float gate_up_clamp, int32_t intermediate_format) {
+                          float gate_up_clamp, int32_t intermediate_format, int32_t combine_format) {
   constexpr const char* kT = "moe_ep_expert_backward";
   int64_t c, h, i, el;
   MOE_EP_FFI_TRY(ExpertShapes(kT, x.dimensions(), w.dimensions(), fc1.dimensions(), fc2.dimensions(),
@@ -680,8 +684,9 @@ ffi::Error ExpertBackward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<
   MOE_EP_FFI_TRY(ExpectShape(kT, "dfc1", "[E_local, H, 2I]", dfc1->dimensions(), {el, h, 2 * i}));
   MOE_EP_FFI_TRY(ExpectShape(kT, "dfc2", "[E_local, I, H]", dfc2->dimensions(), {el, i, h}));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, intermediate_format));
+  MOE_EP_FFI_TRY(ExpectFormatAttr(kT, combine_format, "combine_format"));
   const LayerKey key = KeyOf(at, x.element_type(), h, i, el, apply_topk_in_fc1, has_clamp, gate_up_clamp,
-                             intermediate_format);
+                             intermediate_format, combine_format);
   LayerSlot* slot = nullptr;
   std::unique_lock<std::mutex> lock;
   MOE_EP_FFI_TRY(Cache().Acquire(kT, key, c, /*backward=*/true, at.may_create, &slot, &lock));
@@ -711,7 +716,8 @@ auto BindExpertBackward(B b) {
       .template Attr<bool>("apply_topk_in_fc1")   // as the forward's
       .template Attr<bool>("has_clamp")           // as the forward's
       .template Attr<float>("gate_up_clamp")      // as the forward's
-      .template Attr<int32_t>("intermediate_format");  // as the forward's (straight-through: not applied backward)
+      .template Attr<int32_t>("intermediate_format")  // as the forward's (straight-through: not applied backward)
+      .template Attr<int32_t>("combine_format");  // as the forward's (one layer object for both stages)
 }
 
 // The expert stages' handlers: the CPU one (host buffers; the ordinal keeps
@@ -861,6 +867,7 @@ nb::list LayerCacheInfo() {
     d["intermediate"] = r.key.intermediate;
     d["num_local_experts"] = r.key.experts;
     d["intermediate_format"] = r.key.intermediate_format;
+    d["combine_format"] = r.key.combine_format;
     d["max_rows"] = r.max_rows;
     d["with_backward"] = r.with_backward;
     d["live"] = r.live;
@@ -924,7 +931,8 @@ NB_MODULE(_ffi, m) {
   m.def("build_info", []() { return std::string(moe_ep_build_info()); }, "The core's version, compiler and CUDA archs.");
   m.def("layer_cache_info", &LayerCacheInfo,
         "One dict per layer object (moe_ep_layer) the expert handlers made in this process, in the order made: "
-        "device, ordinal, operand_dtype, hidden, intermediate, num_local_experts, intermediate_format, max_rows, "
+        "device, ordinal, operand_dtype, hidden, intermediate, num_local_experts, intermediate_format, "
+        "combine_format, max_rows, "
         "with_backward, live (False once a larger layer replaced it), tensor_cores, fc2_operand_planes, "
         "workspace_bytes.");
 }

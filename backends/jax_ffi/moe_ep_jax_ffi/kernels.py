@@ -295,13 +295,18 @@ class FfiKernels:
     # experts -----------------------------------------------------------------
 
     @staticmethod
-    def _expert_attrs(config: MoeEpConfig) -> dict:
+    def _expert_attrs(config: MoeEpConfig, combined: bool) -> dict:
+        """The expert targets' attributes. ``combined``: the forward returns y after the
+        combine format's round trip. The backward passes the combine format at one rank,
+        where the jax layer asks for that forward (:meth:`expert_forward_combined`), so both
+        stages share one layer object (the round trip changes nothing backward)."""
         clamp = config.gate_up_clamp
         return {
             "apply_topk_in_fc1": bool(config.apply_topk_in_fc1),
             "has_clamp": clamp is not None,
             "gate_up_clamp": np.float32(0.0 if clamp is None else clamp),
             "intermediate_format": _code(config.intermediate_format),
+            "combine_format": _code(config.combine_format if combined else None),
         }
 
     def dequantize_bf16(self, x: F.BlockScaled) -> Tuple[jax.Array, jax.Array]:
@@ -366,18 +371,29 @@ class FfiKernels:
         (the bf16 rounding of the pre-clamp FC1 output, which the layer object
         writes in its epilogue), so the jax layer's ``round_to_bf16`` of it is
         the identity."""
+        return self._expert_forward(config, x, w, fc1, fc2, group_sizes, combined=False)
+
+    def expert_forward_combined(self, config, x, w, fc1, fc2, group_sizes):  # type: ignore[no-untyped-def]
+        """:meth:`expert_forward` with ``y`` after ``config.combine_format``'s round trip,
+        done by the layer object in its FC2 epilogue (bit for bit the format's encode and
+        decode, on every row). The jax layer at one rank then sums the routes' rows
+        straight from the buffer (:meth:`reduce_rows`), with no pass of its own over y."""
+        return self._expert_forward(config, x, w, fc1, fc2, group_sizes, combined=True)
+
+    def _expert_forward(self, config, x, w, fc1, fc2, group_sizes, combined):  # type: ignore[no-untyped-def]
         xs, w1, w2, inexact = self._operands(x, fc1, fc2)
         c_rows, h = xs.shape
         i2 = w1.shape[2]
         i = i2 // 2
-        if c_rows == 0:
+        if c_rows == 0:  # no rows: nothing to round either
             return _XLA.expert_forward(config, self.dequantize(x), w, self.dequantize(fc1), self.dequantize(fc2),
                                        group_sizes)
         wf, gs = jnp.asarray(w).astype(_F32), jnp.asarray(group_sizes).astype(_I32)
         results = [_sds((c_rows, h), _F32), _sds((c_rows, 2 * i), jnp.bfloat16)]
+        attrs = self._expert_attrs(config, combined)
 
         def run(a: jax.Array, b: jax.Array, d: jax.Array) -> Tuple[jax.Array, jax.Array]:
-            y, c = _call("moe_ep_expert_forward", results, a, wf, b, d, gs, **self._expert_attrs(config))
+            y, c = _call("moe_ep_expert_forward", results, a, wf, b, d, gs, **attrs)
             return y, c
 
         return self._either(
@@ -402,7 +418,7 @@ class FfiKernels:
 
         def run(a: jax.Array, b: jax.Array, d: jax.Array) -> Tuple[jax.Array, ...]:
             dx, dw, dfc1, dfc2 = _call("moe_ep_expert_backward", results, a, wf, b, d, stash, dy, gs,
-                                       **self._expert_attrs(config))
+                                       **self._expert_attrs(config, config.num_ranks == 1))
             return dx, dw, dfc1, dfc2
 
         return self._either(
