@@ -8,6 +8,16 @@
 # Sets: py (the interpreter), PYTHONUNBUFFERED, NCCL_SOCKET_IFNAME (loopback),
 # MOE_EP_NATIVE_LIBRARY and PYTHONPATH.
 py="${PYTHON:-python3}"
+# The one-call session scripts' step: step NAME SECONDS CMD... runs CMD bounded by SECONDS,
+# its output in $o/NAME.txt, and prints its exit status, its time and the log's last
+# ${TAIL:-6} lines.
+step() {
+  local name="$1" secs="$2"; shift 2
+  local t0=$SECONDS
+  timeout -k 5 "$secs" "$@" > "${o:?step needs o, the log directory}/$name.txt" 2>&1
+  echo "== $name rc=$? ($((SECONDS - t0)) s)"
+  tail -n "${TAIL:-6}" "$o/$name.txt"
+}
 export PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-lo}"
 if compgen -G ".whl/*.whl" > /dev/null; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -26,12 +26,6 @@ cd "$(dirname "$0")/.."
 o="${OUT:-reports}/run${RUN:?RUN=1..}"; mkdir -p "$o"
 . scripts/device_env.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-step() {  # step NAME SECONDS CMD...: log under $o, print the tail
-  local name="$1" secs="$2"; shift 2
-  local t0=$SECONDS
-  timeout -k 5 "$secs" "$@" > "$o/$name.txt" 2>&1; echo "== $name rc=$? ($((SECONDS - t0)) s)"
-  tail -n "${TAIL:-6}" "$o/$name.txt"
-}
 jaxffi_build() {
   step jaxffi-build 150 env MOE_EP_NATIVE_CUDA=ON MOE_EP_CUDA_ARCHS=90a \
     MOE_EP_NATIVE_CORE_LIBRARY="$PWD/.devbuild/libmoe_ep_native_core.a" \

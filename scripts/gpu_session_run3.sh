@@ -9,12 +9,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 o="${OUT:-reports}/run3"; mkdir -p "$o"
 . scripts/device_env.sh
-step() {  # step NAME SECONDS CMD...: log under $o, print the tail
-  local name="$1" secs="$2"; shift 2
-  local t0=$SECONDS
-  timeout -k 5 "$secs" "$@" > "$o/$name.txt" 2>&1; echo "== $name rc=$? ($((SECONDS - t0)) s)"
-  tail -n "${TAIL:-6}" "$o/$name.txt"
-}
 TAIL=30 step exchange-time 100 "$py" scripts/gpu_exchange_check.py --time --tokens 4096 --tokens 128
 # (MOE_EP_DISPATCH_PLACE was a timing switch of that build: the record-prefetching loop gained nothing, 316.5 vs
 # 315.1 us, and was removed after this run; the variable is ignored now.)

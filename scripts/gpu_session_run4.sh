@@ -8,12 +8,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 o="${OUT:-reports}/run4"; mkdir -p "$o"
 . scripts/device_env.sh
-step() {  # step NAME SECONDS CMD...: log under $o, print the tail
-  local name="$1" secs="$2"; shift 2
-  local t0=$SECONDS
-  timeout -k 5 "$secs" "$@" > "$o/$name.txt" 2>&1; echo "== $name rc=$? ($((SECONDS - t0)) s)"
-  tail -n "${TAIL:-6}" "$o/$name.txt"
-}
 step tests-layer 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_layer.py -k cuda
 step conformance-quick 90 "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 --quick \
   --report-md "$o/conformance-quick-ep1.md"

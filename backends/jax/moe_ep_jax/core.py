@@ -532,6 +532,12 @@ def _local_gather(spec: LayerSpec, x: jax.Array, route: jax.Array, num_topk: int
     native = getattr(_kernels(spec), "gather_rows", None)
     if native is not None:
         return native(x, route, num_topk)
+    return gather_route_rows(x, route, num_topk)
+
+
+def gather_route_rows(x: jax.Array, route: jax.Array, num_topk: int) -> jax.Array:
+    """XLA's gather of what a provider's ``gather_rows`` returns: ``[M, ...] x.dtype``,
+    row ``i`` is ``x[route[i] // num_topk]``, all-zero bits where ``route[i]`` is -1."""
     return _gather_rows(x, route // num_topk, route >= 0)
 
 
@@ -597,8 +603,15 @@ def _combine_rows_local_bf16(spec: LayerSpec, plan: Plan, lay: Layout, y: jax.Ar
     from the buffer, summed in slot order from +0. A slot without a route adds nothing
     where the general path adds a +0 row: the same sum, since a sum started at +0 is never
     -0 (x + +0 = x for every other x). No encoded rows, no gather, no float32 copy of them."""
-    summed = reduce_rows(F.bf16_round_trip(y), _local_rows(spec, plan, lay), spec.num_tokens, spec.num_topk)
-    summed = poison(lay.error, summed)
+    return _sum_local_rows(spec, plan, lay, F.bf16_round_trip(y), reduce_rows)
+
+
+def _sum_local_rows(spec: LayerSpec, plan: Plan, lay: Layout, rows: jax.Array, reduce_rows: Any
+                    ) -> Tuple[Tensor, jax.Array]:
+    """The combine at one rank from the buffer's ``[C, H] float32`` rows, already
+    through the combine format's round trip: each token's routes summed in slot order
+    (``reduce_rows``), NaN on an error, the output encode. Returns ``(output, sum)``."""
+    summed = poison(lay.error, reduce_rows(rows, _local_rows(spec, plan, lay), spec.num_tokens, spec.num_topk))
     return encode_output(spec, summed), summed
 
 
@@ -694,8 +707,7 @@ def forward(
         # by index: the routes' rows are summed straight from the buffer (combine_rows' other
         # passes, which move the encoded rows, have nothing to move).
         y, c = combined(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes)
-        summed = reduce_rows(y, _local_rows(spec, plan, lay), spec.num_tokens, spec.num_topk)
-        out = encode_output(spec, poison(lay.error, summed))
+        out, _ = _sum_local_rows(spec, plan, lay, y, reduce_rows)
     else:
         y, c = kern.expert_forward(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes)
         out, _ = combine_rows(spec, plan, lay, y)
@@ -740,5 +752,5 @@ def replace_spec(spec: LayerSpec, **changes: Any) -> LayerSpec:
 
 
 __all__ += ["buffer_rows", "valid_rows", "route_metadata", "tensor_parts", "rebuild", "Dispatched", "dispatch",
-            "tokens_to_experts",
+            "tokens_to_experts", "gather_route_rows",
             "combine_rows", "encode_output", "send_rows", "route_weights", "poison", "replace_spec"]

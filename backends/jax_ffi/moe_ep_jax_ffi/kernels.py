@@ -47,6 +47,7 @@ import numpy as np
 from jax import lax
 
 from moe_ep_jax import formats as F
+from moe_ep_jax.core import gather_route_rows
 from moe_ep_jax.kernels import LocalPlan, XlaKernels
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import ShapeError
@@ -117,13 +118,6 @@ def _call(target: str, results: Sequence[jax.ShapeDtypeStruct], *args: jax.Array
 
 def _sds(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), jnp.dtype(dtype))
-
-
-def _xla_gather_rows(x: jax.Array, route: jax.Array, num_topk: int) -> jax.Array:
-    """:meth:`FfiKernels.gather_rows` with XLA's gather (shapes no handler sees)."""
-    from moe_ep_jax.core import _gather_rows
-
-    return _gather_rows(x, route // num_topk, route >= 0)
 
 
 def _u8(x: jax.Array) -> jax.Array:
@@ -268,7 +262,7 @@ class FfiKernels:
         route = jnp.asarray(route).astype(_I32)
         shape = (route.shape[0],) + tuple(x.shape[1:])
         if x.dtype == jnp.bool_ or x.shape[0] == 0 or math.prod(shape) == 0:
-            return _xla_gather_rows(x, route, num_topk)
+            return gather_route_rows(x, route, num_topk)  # XLA's: shapes no handler sees
         width = jnp.dtype(x.dtype).itemsize
         bits = x if jnp.issubdtype(x.dtype, jnp.unsignedinteger) else lax.bitcast_convert_type(x, f"uint{8 * width}")
         (out,) = _call("moe_ep_permute_rows", [_sds(shape, bits.dtype)], bits, route, num_topk=int(num_topk))

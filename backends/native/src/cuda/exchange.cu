@@ -938,32 +938,34 @@ moe_ep_status ex_default_blocks(int cuda_device, int* out) {
   return MOE_EP_OK;
 }
 
+namespace {
+
+// Every combine_ll instantiation (y float32 or bf16 bits, vector loads of y and of the
+// output or not, output float32 or bf16), for the occupancy query.
+template <typename Y, typename O>
+void combine_ll_kernels(const void** k) {
+  k[0] = reinterpret_cast<const void*>(combine_ll<Y, true, true, O>);
+  k[1] = reinterpret_cast<const void*>(combine_ll<Y, true, false, O>);
+  k[2] = reinterpret_cast<const void*>(combine_ll<Y, false, true, O>);
+  k[3] = reinterpret_cast<const void*>(combine_ll<Y, false, false, O>);
+}
+
+}  // namespace
+
 moe_ep_status ex_ll_blocks(int cuda_device, int num_blocks, int* out) {
+  const void* kernels[17] = {reinterpret_cast<const void*>(dispatch_ll)};
+  combine_ll_kernels<float, float>(kernels + 1);
+  combine_ll_kernels<float, uint16_t>(kernels + 5);
+  combine_ll_kernels<uint16_t, float>(kernels + 9);
+  combine_ll_kernels<uint16_t, uint16_t>(kernels + 13);
   int sms = 0, per_sm = 1 << 30;
   cudaError_t err = cudaSetDevice(cuda_device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cuda_device);
-  const auto least = [&](const void* kernel) {
+  for (const void* kernel : kernels) {
     int n = 0;
     if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kCopyThreads, 0);
     if (n < per_sm) per_sm = n;
-  };
-  least(reinterpret_cast<const void*>(dispatch_ll));
-  least(reinterpret_cast<const void*>(combine_ll<float, true, true, float>));
-  least(reinterpret_cast<const void*>(combine_ll<float, false, false, float>));
-  least(reinterpret_cast<const void*>(combine_ll<float, true, true, uint16_t>));
-  least(reinterpret_cast<const void*>(combine_ll<float, false, false, uint16_t>));
-  least(reinterpret_cast<const void*>(combine_ll<uint16_t, true, true, float>));
-  least(reinterpret_cast<const void*>(combine_ll<uint16_t, false, false, float>));
-  least(reinterpret_cast<const void*>(combine_ll<uint16_t, true, true, uint16_t>));
-  least(reinterpret_cast<const void*>(combine_ll<uint16_t, false, false, uint16_t>));
-  least(reinterpret_cast<const void*>(combine_ll<float, true, false, float>));
-  least(reinterpret_cast<const void*>(combine_ll<float, false, true, float>));
-  least(reinterpret_cast<const void*>(combine_ll<float, true, false, uint16_t>));
-  least(reinterpret_cast<const void*>(combine_ll<float, false, true, uint16_t>));
-  least(reinterpret_cast<const void*>(combine_ll<uint16_t, true, false, float>));
-  least(reinterpret_cast<const void*>(combine_ll<uint16_t, false, true, float>));
-  least(reinterpret_cast<const void*>(combine_ll<uint16_t, true, false, uint16_t>));
-  least(reinterpret_cast<const void*>(combine_ll<uint16_t, false, true, uint16_t>));
+  }
   if (err != cudaSuccess) return cuda_fail("moe_ep_layer_create: the low-latency kernels' occupancy", err);
   const int resident = sms * per_sm;
   *out = num_blocks < resident ? num_blocks : resident;  // 0: they cannot run on this device
