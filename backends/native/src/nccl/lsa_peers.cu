@@ -60,10 +60,6 @@ std::string version_string(int code) {
          std::to_string(code) + ")";
 }
 
-moe_ep_status bad(const std::string& rule, const std::string& got) {
-  return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(kOp) + ": " + rule + "; got " + got);
-}
-
 moe_ep_status cuda_error(const char* what, cudaError_t e) {
   return fail(MOE_EP_ERR_CUDA, std::string(kOp) + ": " + what + " failed: " + cudaGetErrorString(e));
 }
@@ -142,15 +138,16 @@ moe_ep_status ex_release(NcclWindow* w) {
 }
 
 moe_ep_status ex_set_peers(moe_ep_layer* layer, Exchange& x, moe_ep_comm* comm) {
-  if (comm->nccl == nullptr) return bad("comm must be a communicator from moe_ep_comm_init", "a destroyed one");
+  const Check ck{kOp};
+  if (comm->nccl == nullptr) return ck.bad("comm must be a communicator from moe_ep_comm_init", "a destroyed one");
   const int32_t n = x.shape.N, rank = x.shape.rank;
   if (comm->num_ranks != n)
-    return bad("comm's num_ranks must be the layer's config.ex_num_ranks = " + std::to_string(n),
+    return ck.bad("comm's num_ranks must be the layer's config.ex_num_ranks = " + std::to_string(n),
                std::to_string(comm->num_ranks));
   if (comm->rank != rank)
-    return bad("comm's rank must be the layer's config.ex_rank = " + std::to_string(rank), std::to_string(comm->rank));
+    return ck.bad("comm's rank must be the layer's config.ex_rank = " + std::to_string(rank), std::to_string(comm->rank));
   if (comm->device != x.cuda_device)
-    return bad("comm's cuda_device must be the layer's config.cuda_device = " + std::to_string(x.cuda_device),
+    return ck.bad("comm's cuda_device must be the layer's config.cuda_device = " + std::to_string(x.cuda_device),
                std::to_string(comm->device));
   int runtime = 0;
   MOE_EP_TRY(nccl_call("ncclGetVersion", ncclGetVersion(&runtime)));
