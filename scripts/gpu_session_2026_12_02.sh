@@ -20,6 +20,10 @@
 #          provider at EP 1, jax-ffi after the native row gathers (its CUDA tests, its conformance
 #          table at EP 1, its profile and bench), the low-latency timings with fewer blocks, and
 #          the mxfp8 forward's ops by shape and issuing line (what its torch-side copies are).
+#   RUN=5: (the day's second session) the NCCL provider's table at EP 1; block-scaled rows decoded
+#          where the dispatch put them, nvfp4 expert-output rows as bf16, jax-ffi's bf16 y and
+#          bf16 combine sums: their CUDA tests, conformance (cuda-nccl EP 1 over NCCL and EP 2 over
+#          the device exchange, jax-ffi EP 1), the bench and the profiles.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -95,7 +99,7 @@ case "$RUN" in
     -k "cuda and low_latency"
   TAIL=3 step conformance-nccl-ep1 90 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
     MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
-    --report-md "$o/conformance-nccl-ep1.md"
+    --device cuda --report-md "$o/conformance-nccl-ep1.md"  # (run 4 lacked --device cuda: a CPU layer, refused)
   jaxffi_build
   step tests-jax-ffi 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py tests/test_jax_one_rank.py
   TAIL=3 step conformance-jax-ffi 120 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
@@ -108,6 +112,34 @@ case "$RUN" in
     --mode low_latency
   TAIL=4 step profile-mxfp8-detail 60 "$py" scripts/gpu_layer_profile.py --mode device --format mxfp8 \
     --intermediate-format bf16 --iters 3 --top 20 --detail
+  ;;
+5)
+  # The second session of 2026-12-02: the NCCL provider's table at EP 1 (run 4 left out --device
+  # cuda); the block-scaled rows decoded where the dispatch put them (moe_ep_dequantize_bf16_rows:
+  # no copy of the codes), nvfp4 expert-output rows as bf16, jax-ffi's bf16 y and bf16 combine
+  # sums (moe_ep_combine_reduce_bf16), each with its CUDA tests, then the bench.
+  TAIL=3 step conformance-nccl-ep1 90 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --timeout 60 --report-md "$o/conformance-nccl-ep1.md"
+  step tests-native-cuda 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_cuda.py \
+    tests/test_native_decode_bf16.py tests/test_native_layer.py tests/test_cuda_nccl_block_scaled.py \
+    -k "test_native_cuda or test_cuda_"
+  TAIL=14 step bench-formats 100 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
+    --tokens 128 --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 \
+    --op forward --json "$o/bench-formats.json" --no-progress
+  TAIL=3 step conformance-device-ep2 60 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_CUDA_NCCL_TIMEOUT_S=30 \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 2 \
+    --device cuda-shared --timeout 45 --report-md "$o/conformance-device-ep2.md"
+  jaxffi_build
+  TAIL=14 step bench-jax-ffi 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
+  TAIL=20 step jax-profile-bf16 40 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format bf16
+  step tests-jax-ffi 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py tests/test_jax_one_rank.py
+  TAIL=3 step conformance-jax-ffi 60 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
+    --timeout 50 --report-md "$o/conformance-jax-ffi-ep1.md"
+  TAIL=24 step profile-mxfp8 40 "$py" scripts/gpu_layer_profile.py --mode device --format mxfp8 \
+    --intermediate-format bf16 --iters 3 --top 14
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -550,6 +550,13 @@ def test_routing_handlers_reject_bad_shapes_and_report_the_cores_errors() -> Non
         _ffi("moe_ep_combine_reduce", [_sds((2, 6), jnp.float32)], vals, pos.at[0].set(-2), num_topk=2)
     with _raises("moe_ep_combine_reduce: route_pos must have shape [T * K] (T: out's rows) = [6]; got [4]"):
         _ffi("moe_ep_combine_reduce", [_sds((3, 6), jnp.float32)], vals, pos, num_topk=2)
+    # bf16 rows are read as they are: the sums of their float32 values, bit for bit
+    rows16 = jnp.asarray(np.random.default_rng(3).standard_normal((4, 16)), jnp.bfloat16)
+    (o16,) = _ffi("moe_ep_combine_reduce", [_sds((2, 16), jnp.float32)], rows16, pos, num_topk=2)
+    (o32,) = _ffi("moe_ep_combine_reduce", [_sds((2, 16), jnp.float32)], rows16.astype(jnp.float32), pos, num_topk=2)
+    assert np.asarray(o16).tobytes() == np.asarray(o32).tobytes()
+    with _raises("moe_ep_combine_reduce: rows must have dtype float32 or bfloat16; got float16"):
+        _ffi("moe_ep_combine_reduce", [_sds((2, 6), jnp.float32)], vals.astype(jnp.float16), pos, num_topk=2)
 
     # permute_rows: rows in send order, codes unchanged, -1 gives a zero row
     tokens = jnp.asarray(np.arange(12, dtype=np.uint8).reshape(3, 4))
@@ -595,6 +602,16 @@ def test_expert_handlers_reject_bad_shapes_and_report_the_cores_errors() -> None
         fwd(res, x.astype(jnp.float16), w, w1.astype(jnp.float16), w2.astype(jnp.float16), gs, **attrs)
     with _raises("Wrong buffer dtype"):  # the stash result is bf16 (XLA's own binding check)
         fwd([res[0], _sds((c, 2 * i), f32)], x, w, w1, w2, gs, **attrs)
+    # y is bf16 exactly when the combine format is bf16 (its rows are bf16 values)
+    comb_bf16 = {**attrs, "combine_format": np.int32(1)}
+    y16, _ = fwd([_sds((c, h), bf16), res[1]], x, w, w1, w2, gs, **comb_bf16)
+    y32, _ = fwd(res, x, w, w1, w2, gs, **comb_bf16 | {"combine_format": np.int32(0)})
+    assert np.asarray(y16.astype(f32)).tobytes() == np.asarray(y32.astype(bf16).astype(f32)).tobytes()
+    with _raises("moe_ep_expert_forward: y must have dtype bfloat16 when combine_format is 1 (bf16: its rows are bf16 "
+                 "values); got float32"):
+        fwd(res, x, w, w1, w2, gs, **comb_bf16)
+    with _raises("moe_ep_expert_forward: y must have dtype float32 unless combine_format is 1 (bf16); got bfloat16"):
+        fwd([_sds((c, h), bf16), res[1]], x, w, w1, w2, gs, **{**attrs, "combine_format": np.int32(2)})
     # the core's own checks: a data error and a bad description, with its message
     with _raises("moe_ep_expert_forward: group_sizes[1] must be >= 0; got -3") as err:
         fwd(res, x, w, w1, w2, jnp.asarray(np.array([3, -3], np.int32)), **attrs)

@@ -237,6 +237,23 @@ def test_combine_reduce_sums_in_slot_order_and_skips_unused_slots():
                                   if k == 1 else ((rows[0::3][:t] + rows[1::3][:t]) + rows[2::3][:t]))
 
 
+def test_combine_reduce_of_bf16_rows_gives_the_float32_rows_sums():
+    """moe_ep_combine_reduce_bf16: the rows read as bf16 bits, the sums bit for bit those of
+    the same values in float32 (slot order from +0, unused slots add nothing)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(14)
+    t, k, h = 11, 4, 24
+    rows = rng.standard_normal((t * k + 3, h)).astype(ml_dtypes.bfloat16)
+    rows[-1] = np.nan  # a row no route points at
+    pos = rng.permutation(t * k).astype(np.int32)
+    pos[[0, 5, 6]] = -1
+    got = host.combine_reduce(rows, pos, t, k)
+    np.testing.assert_array_equal(got, host.combine_reduce(rows.astype(np.float32), pos, t, k))
+    with pytest.raises(NativeArgumentError, match=r"moe_ep_combine_reduce_bf16: route_pos\[3\] must be -1 or in "):
+        host.combine_reduce(rows, np.r_[pos[:3], 99, pos[4:]].astype(np.int32), t, k)
+
+
 def test_combine_reduce_rejects_bad_positions():
     rows = np.zeros((4, 2), np.float32)
     with pytest.raises(NativeArgumentError, match=r"route_pos\[3\] must be -1 or in \[0, num_rows\) = \[0, 4\); got 9"):

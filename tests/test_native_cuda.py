@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import zlib
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -28,6 +29,7 @@ from moe_ep_spec import MoeEpConfig, NativeArgumentError  # noqa: E402
 from moe_ep_spec import formats as F  # noqa: E402
 
 CUDA = 1
+BF16_NP = np.dtype(ml_dtypes.bfloat16)
 _FMT = {"bf16": Format.BF16, "mxfp8": Format.MXFP8, "nvfp4": Format.NVFP4}
 
 
@@ -192,6 +194,23 @@ def test_permute_and_combine_cuda_equal_cpu():
         call("moe_ep_combine_reduce", CUDA, stream(), dev(rows).data_ptr(), t * k,
              None if pos is None else dev(pos).data_ptr(), t, k, h, out.data_ptr())
         np.testing.assert_array_equal(host_of(out, np.float32, want.shape), want, err_msg="combine_reduce")
+
+
+@pytest.mark.parametrize("h", [64, 20, 13])  # 16-byte loads for both row dtypes; for float32 only; element by element
+def test_combine_reduce_of_float32_and_bf16_rows_on_every_path(h):
+    rng = np.random.default_rng(h)
+    t, k, n = 29, 5, 120
+    rows32 = rng.standard_normal((n, h)).astype(np.float32)
+    rows16 = rows32.astype(BF16_NP)
+    pos = rng.integers(-1, n, t * k).astype(np.int32)
+    for rows, name in ((rows32, "moe_ep_combine_reduce"), (rows16, "moe_ep_combine_reduce_bf16")):
+        want = host.combine_reduce(rows, pos, t, k)
+        np.testing.assert_array_equal(want, host.combine_reduce(rows.astype(np.float32), pos, t, k),
+                                      err_msg=f"{name}: the bf16 rows' sums are the float32 rows' sums")
+        out = empty(want.nbytes)
+        call(name, CUDA, stream(), dev(rows.view(np.uint16) if rows.dtype == BF16_NP else rows).data_ptr(), n,
+             dev(pos).data_ptr(), t, k, h, out.data_ptr())
+        np.testing.assert_array_equal(host_of(out, np.float32, want.shape), want, err_msg=f"{name}, hidden {h}")
 
 
 @pytest.mark.parametrize("row_bytes", [64, 12, 6, 5])  # the uint4, uint32, uint16 and byte copy paths

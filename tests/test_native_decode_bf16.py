@@ -365,3 +365,94 @@ def test_cuda_decode_is_capturable_in_a_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.view(torch.int16), eager.view(torch.int16)) and int(flag.item()) == 0
+
+
+# ----------------------------------------------------------------------------- rows where they lie
+
+
+def _packed_rows(t: F.BlockScaledTensor, pad: int):
+    """t's codes and scales (rows blocked along the last axis) packed as one byte row per
+    row, ``[codes | scales | pad bytes]`` as a dispatch's packed rows: ``(blob, codes_bytes,
+    row_bytes)``; the pad bytes are 0xFF (a NaN scale, were they ever read as one)."""
+    d = np.ascontiguousarray(t.data).view(np.uint8).reshape(t.shape[0], -1)
+    s = np.ascontiguousarray(t.scale).view(np.uint8).reshape(t.shape[0], -1)
+    blob = np.full((t.shape[0], d.shape[1] + s.shape[1] + pad), 0xFF, np.uint8)
+    blob[:, : d.shape[1]] = d
+    blob[:, d.shape[1] : d.shape[1] + s.shape[1]] = s
+    return blob, d.shape[1], blob.shape[1]
+
+
+def _rows_call(device, stream, fmt, data_p, data_rb, scale_p, scale_rb, rows, n, out_p, flag_p):
+    call("moe_ep_dequantize_bf16_rows", device, stream, fmt, data_p, data_rb, scale_p, scale_rb, rows, n, out_p, flag_p)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("rows,n,pad", [(6, 64, 0), (5, 70, 3), (3, 32, 16), (1, 7, 1)])
+def test_rows_where_they_lie_decode_as_the_contiguous_rows(fmt, rows, n, pad):
+    rng = np.random.default_rng(rows * n + pad)
+    x = (rng.standard_normal((rows, n)) * np.exp2(rng.integers(-40, 40, (rows, n)))).astype(np.float32)
+    if fmt == "mxfp8":
+        x[0, : min(n, 32)] = 3 * 2.0**-136  # a block bf16 cannot hold: NaN and the flag
+    t = F.quantize(x, fmt)
+    want, want_flag = host.dequantize_bf16(t)
+    blob, cb, rb = _packed_rows(t, pad)
+    out = np.full((rows, n), 0x1234, np.uint16)
+    flag = np.zeros(1, np.int32)
+    fmt_code = Format.MXFP8 if fmt == "mxfp8" else Format.NVFP4
+    _rows_call(0, None, fmt_code, blob.ctypes.data, rb, blob.ctypes.data + cb, rb, rows, n, out.ctypes.data,
+               flag.ctypes.data)
+    np.testing.assert_array_equal(out, want.view(np.uint16), err_msg=f"{fmt} rows {rows} x {n}, {pad} pad bytes")
+    assert bool(flag[0]) == want_flag
+
+
+def test_rows_argument_checks_name_the_rule_the_value_and_what_is_allowed():
+    blob = np.zeros((4, 64), np.uint8)
+    out = np.zeros((4, 32), np.uint16)
+    flag = np.zeros(1, np.int32)
+    cases = [
+        (dict(fmt=Format.BF16), r"moe_ep_dequantize_bf16_rows: fmt must be MOE_EP_FORMAT_MXFP8 \(2\) or "
+                                r"MOE_EP_FORMAT_NVFP4 \(3\).*; got 1"),
+        (dict(rows=-1), r"outer must be >= 0; got -1"),
+        (dict(data_rb=31), r"data_row_bytes must be >= the codes of one row \(32 for n = 32\); got 31"),
+        (dict(scale_rb=0), r"scale_row_bytes must be >= the scales of one row \(1 for n = 32\); got 0"),
+        (dict(fmt=Format.NVFP4, data_rb=15), r"data_row_bytes must be >= the codes of one row \(16 for n = 32\); got 15"),
+        (dict(fmt=Format.NVFP4, scale_rb=1), r"scale_row_bytes must be >= the scales of one row \(2 for n = 32\); got 1"),
+        (dict(data=None), r"data must not be NULL; got NULL"),
+        (dict(out_addr=out.ctypes.data + 1), r"out must be aligned to 2 bytes"),
+        (dict(stream=1), r"stream must be NULL for MOE_EP_DEVICE_CPU; got a non-NULL stream"),
+    ]
+    for change, message in cases:
+        a = dict(fmt=Format.MXFP8, data=blob.ctypes.data, data_rb=64, scale_rb=64, rows=4, device=0, stream=None)
+        a.update(change)
+        out_p = a.pop("out_addr", None) or out.ctypes.data
+        before = out.copy()
+        with pytest.raises(NativeArgumentError, match=message):
+            _rows_call(a["device"], a["stream"], a["fmt"], a["data"], a["data_rb"], blob.ctypes.data + 32,
+                       a["scale_rb"], a["rows"], 32, out_p, flag.ctypes.data)
+        np.testing.assert_array_equal(out, before, err_msg=f"{message}: the output was written before the check failed")
+    _rows_call(0, None, Format.MXFP8, None, 32, None, 1, 0, 32, None, None)  # no rows: no pointers needed
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("rows,n,pad", [(64, 256, 0), (37, 7168, 0), (9, 256, 8), (5, 70, 3)])
+def test_cuda_rows_where_they_lie_match_the_cpu_entry(fmt, rows, n, pad):
+    """Both CUDA paths: 16-byte chunks (row bytes a multiple of 16) and element by element."""
+    import torch
+
+    rng = np.random.default_rng(rows + n + pad)
+    x = (rng.standard_normal((rows, n)) * np.exp2(rng.integers(-60, 60, (rows, n)))).astype(np.float32)
+    if fmt == "mxfp8":
+        x[0, :32] = 3 * 2.0**-136
+    t = F.quantize(x, fmt)
+    want, want_flag = host.dequantize_bf16(t)
+    blob, cb, rb = _packed_rows(t, pad)
+    dev = torch.from_numpy(blob).cuda()
+    out = torch.full((rows, n), -1, dtype=torch.int16, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream or None
+    fmt_code = Format.MXFP8 if fmt == "mxfp8" else Format.NVFP4
+    _rows_call(1, stream, fmt_code, dev.data_ptr(), rb, dev.data_ptr() + cb, rb, rows, n, out.data_ptr(),
+               flag.data_ptr())
+    np.testing.assert_array_equal(out.cpu().numpy().view(np.uint16), want.view(np.uint16))
+    assert bool(flag.item()) == want_flag

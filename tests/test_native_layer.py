@@ -231,11 +231,12 @@ def test_a_bf16_cotangent_gives_what_its_float32_values_give() -> None:
         np.testing.assert_array_equal(got, want, err_msg=f"{label}: a bf16 cotangent is its float32 values")
 
 
+@pytest.mark.parametrize("name", ["fc1-clamp-int_none-comb_bf16", "fc1-int_nvfp4-comb_nvfp4"])
 @pytest.mark.parametrize("weight_in_fc1", [True, False], ids=["weight_fc1", "weight_fc2"])
-def test_bf16_expert_output_rows_are_the_bf16_encoding_of_the_float32_ones(weight_in_fc1) -> None:
-    """expert_out_dtype bf16 (combine_format bf16): the same numbers as the float32 rows,
-    which are bf16 values already, in half the bytes; rows of no expert zero."""
-    config = CONFIGS["fc1-clamp-int_none-comb_bf16"].replace(apply_topk_in_fc1=weight_in_fc1)
+def test_bf16_expert_output_rows_are_the_bf16_encoding_of_the_float32_ones(name, weight_in_fc1) -> None:
+    """expert_out_dtype bf16 (combine_format bf16 or nvfp4): the same numbers as the float32
+    rows, which are bf16 values already, in half the bytes; rows of no expert zero."""
+    config = CONFIGS[name].replace(apply_topk_in_fc1=weight_in_fc1)
     x, w, fc1, fc2, gs, dy = _case(config, [3, 0, 5], seed=4)
     rows = x.shape[0]
     f32 = Layer(layer_config(config, max_rows=rows, cuda_device=None, bf16_operands=True, with_backward=False))
@@ -253,10 +254,11 @@ def test_bf16_expert_output_rows_are_the_bf16_encoding_of_the_float32_ones(weigh
     assert not np.any(y[sum(gs):]), "rows of no expert are zero"
 
 
-def test_bf16_expert_output_rows_need_a_bf16_combine_format() -> None:
+def test_bf16_expert_output_rows_need_a_bf16_or_nvfp4_combine_format() -> None:
     config = CONFIGS["fc2-int_mxfp8-comb_mxfp8"]
-    with pytest.raises(NativeArgumentError, match=r"combine_format must be MOE_EP_FORMAT_BF16 \(1\) when "
-                                                  r"config->expert_out_dtype is MOE_EP_DTYPE_BF16 .*; got 2"):
+    with pytest.raises(NativeArgumentError, match=r"combine_format must be MOE_EP_FORMAT_BF16 \(1\) or "
+                                                  r"MOE_EP_FORMAT_NVFP4 \(3\) when config->expert_out_dtype is "
+                                                  r"MOE_EP_DTYPE_BF16 .*; got 2"):
         Layer(layer_config(config, max_rows=8, cuda_device=None, bf16_operands=True, with_backward=False,
                            bf16_expert_out=True))
     cfg = layer_config(CONFIGS["fc1-clamp-int_none-comb_bf16"], max_rows=8, cuda_device=None, bf16_operands=True,
@@ -267,10 +269,13 @@ def test_bf16_expert_output_rows_need_a_bf16_combine_format() -> None:
 
 
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device and a native build with CUDA")
-def test_cuda_bf16_expert_output_rows_equal_the_float32_rows() -> None:
+@pytest.mark.parametrize("name,weight_in_fc1", [("fc1-clamp-int_none-comb_bf16", True),
+                                                ("fc1-clamp-int_none-comb_bf16", False),
+                                                ("fc1-int_nvfp4-comb_nvfp4", True), ("fc1-int_nvfp4-comb_nvfp4", False)])
+def test_cuda_bf16_expert_output_rows_equal_the_float32_rows(name, weight_in_fc1) -> None:
     import torch
 
-    config = CONFIGS["fc1-clamp-int_none-comb_bf16"]
+    config = CONFIGS[name].replace(apply_topk_in_fc1=weight_in_fc1)
     sizes = [130, 0, 257]
     x, w, fc1, fc2, gs, dy = _case(config, sizes, seed=5)
     rows = x.shape[0]

@@ -125,8 +125,10 @@ def _peers() -> str:
 
 
 def _bf16_rows(config: MoeEpConfig) -> bool:
-    """Whether the expert-output rows travel as bf16 (combine_format bf16: they are bf16 values)."""
-    return config.combine_format is MoeFormat.BF16
+    """Whether the expert-output rows travel as bf16: combine_format bf16, or nvfp4, whose
+    round-tripped values are bf16 values too (E2M1 x E4M3: at most 6 significant bits, 2^-10
+    to 2688): exact, half the bytes of float32. mxfp8's are not always (scales below 2^-116)."""
+    return config.combine_format in (MoeFormat.BF16, MoeFormat.NVFP4)
 
 
 def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, token_bytes: int) -> X.ExchangeLayer:

@@ -124,7 +124,16 @@ def dequantize_bf16(
         hold a value (mxfp8 magnitudes below 2^-126 off bf16's subnormal grid; nvfp4
         never).
     """
-    data, scale = (p.contiguous() for p in TF.raw(t))
+    data, scale = TF.raw(t)
+    # Rows whose codes and scales lie in rows of their own (as a dispatch's packed byte rows
+    # unpack: strided views into one buffer) are decoded where they lie; anything else is
+    # made contiguous first.
+    rows = (
+        not weight and data.dim() == 2 and scale.dim() == 2 and data.stride(1) == 1 and scale.stride(1) == 1
+        and data.stride(0) >= data.shape[1] and scale.stride(0) >= scale.shape[1]
+    )
+    if not rows:
+        data, scale = data.contiguous(), scale.contiguous()
     if inexact is not None and (inexact.dtype != torch.int32 or inexact.numel() < 1 or inexact.device != data.device):
         raise E.DeviceError(
             f"dequantize_bf16: inexact must be an int32 tensor of >= 1 element on the codes' device {data.device}; "
@@ -134,17 +143,21 @@ def dequantize_bf16(
     shape = t.shape
     if weight:
         out = torch.empty((shape[0], n, shape[1]), dtype=torch.bfloat16, device=data.device)
-        rows = int(shape[1])
+        transpose = int(shape[1])
     else:
         out = torch.empty(shape, dtype=torch.bfloat16, device=data.device)
-        rows = 0
+        transpose = 0
     if out.numel() == 0:
         return out
     outer = out.numel() // n
     dev, stream = where(data)
     flag = None if inexact is None else inexact.data_ptr()
-    C.call("moe_ep_dequantize_bf16", dev, stream, int(_FORMAT[t.format]), ptr(data), ptr(scale), outer, n, 1, rows,
-           ptr(out), flag)
+    if rows:
+        C.call("moe_ep_dequantize_bf16_rows", dev, stream, int(_FORMAT[t.format]), ptr(data), int(data.stride(0)),
+               ptr(scale), int(scale.stride(0)), int(data.shape[0]), n, ptr(out), flag)
+        return out
+    C.call("moe_ep_dequantize_bf16", dev, stream, int(_FORMAT[t.format]), ptr(data), ptr(scale), outer, n, 1,
+           transpose, ptr(out), flag)
     return out
 
 

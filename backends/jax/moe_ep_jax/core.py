@@ -602,14 +602,15 @@ def _combine_rows_local_bf16(spec: LayerSpec, plan: Plan, lay: Layout, y: jax.Ar
     rows by index (``reduce_rows``): every route reads its row's bf16 round trip straight
     from the buffer, summed in slot order from +0. A slot without a route adds nothing
     where the general path adds a +0 row: the same sum, since a sum started at +0 is never
-    -0 (x + +0 = x for every other x). No encoded rows, no gather, no float32 copy of them."""
-    return _sum_local_rows(spec, plan, lay, F.bf16_round_trip(y), reduce_rows)
+    -0 (x + +0 = x for every other x). No encoded rows, no gather: the rows go to the sum as
+    bfloat16 (their values; half the bytes of a float32 copy)."""
+    return _sum_local_rows(spec, plan, lay, F.round_to_bf16(y), reduce_rows)
 
 
 def _sum_local_rows(spec: LayerSpec, plan: Plan, lay: Layout, rows: jax.Array, reduce_rows: Any
                     ) -> Tuple[Tensor, jax.Array]:
-    """The combine at one rank from the buffer's ``[C, H] float32`` rows, already
-    through the combine format's round trip: each token's routes summed in slot order
+    """The combine at one rank from the buffer's ``[C, H]`` rows (float32, or bfloat16 for a
+    bf16 combine format), already through the combine format's round trip: each token's routes summed in slot order
     (``reduce_rows``), NaN on an error, the output encode. Returns ``(output, sum)``."""
     summed = poison(lay.error, reduce_rows(rows, _local_rows(spec, plan, lay), spec.num_tokens, spec.num_topk))
     return encode_output(spec, summed), summed

@@ -20,13 +20,15 @@ Optional: ``gather_rows(x [rows, ...], route [M] int32, num_topk) -> [M, ...]``,
 row ``i`` = ``x[route[i] // num_topk]`` with zero bits where ``route[i]`` is -1,
 bits copied. At one rank the layer's exchanges are such gathers; a provider with
 the method does them (the native one copies whole rows), one without it gets XLA's.
-Optional: ``reduce_rows(rows [R, H] float32, route_rows [T*K] int32, num_tokens,
-num_topk) -> [T, H] float32``, the slot-order sum from +0 of ``rows[route_rows[t*K+k]]``
-(-1 adds nothing). At one rank with a bf16 combine format the layer then sums the
-routes' rows straight from the buffer. Optional with it:
+Optional: ``reduce_rows(rows [R, H] float32 or bfloat16, route_rows [T*K] int32,
+num_tokens, num_topk) -> [T, H] float32``, the slot-order sum from +0 of
+``rows[route_rows[t*K+k]]`` (-1 adds nothing; bf16 rows summed as their float32
+values). At one rank with a bf16 combine format the layer then sums the routes' rows
+straight from the buffer (as bfloat16). Optional with it:
 ``expert_forward_combined(...)``, :meth:`ExpertKernels.expert_forward` with ``y``
-after ``combine_format``'s round trip. The fused forward at one rank then passes the
-rows to ``reduce_rows`` as they are (any combine format).
+after ``combine_format``'s round trip (float32, or bfloat16 for a bf16 combine
+format). The fused forward at one rank then passes the rows to ``reduce_rows`` as
+they are (any combine format).
 
 :class:`XlaKernels` (the default, name ``xla``) does this with XLA-native ops:
 ``jax.lax.ragged_dot`` / ``ragged_dot_general`` over the expert slabs with

@@ -361,25 +361,33 @@ auto BindPermuteRows(B b) {
       .template Attr<int64_t>("num_topk");     // K >= 1
 }
 
-ffi::Error CombineReduce(Dev dev, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> route_pos,
+ffi::Error CombineReduce(Dev dev, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> route_pos,
                          ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t num_topk) {
   constexpr const char* kT = "moe_ep_combine_reduce";
   MOE_EP_FFI_TRY(ExpectAtLeast(kT, "num_topk", num_topk, 1));
+  const ffi::DataType rt = rows.element_type();
+  if (rt != ffi::DataType::F32 && rt != ffi::DataType::BF16)
+    return Invalid(kT, "rows must have dtype float32 or bfloat16", DtypeName(rt));
   MOE_EP_FFI_TRY(ExpectRank(kT, "rows", "[R, H]", rows.dimensions(), 2));
   MOE_EP_FFI_TRY(ExpectRank(kT, "out", "[T, H]", out->dimensions(), 2));
   const int64_t r = rows.dimensions()[0], h = rows.dimensions()[1], t = out->dimensions()[0];
   MOE_EP_FFI_TRY(ExpectShape(kT, "out", "[T, H] (H: rows' width)", out->dimensions(), {t, h}));
   MOE_EP_FFI_TRY(ExpectShape(kT, "route_pos", "[T * K] (T: out's rows)", route_pos.dimensions(), {t * num_topk}));
   if (t == 0) return ffi::Error::Success();  // nothing to sum (and a NULL route_pos would mean the identity)
+  const auto* pos = static_cast<const int32_t*>(route_pos.untyped_data());
+  float* o = static_cast<float*>(DataOrNull(*out));
+  if (rt == ffi::DataType::BF16)  // a bf16 combine format's rows as they are: half the bytes, the same sums
+    return FromStatus(kT, moe_ep_combine_reduce_bf16(dev.device, dev.stream,
+                                                     static_cast<const uint16_t*>(DataOrNull(rows)), r, pos, t,
+                                                     num_topk, h, o));
   return FromStatus(kT, moe_ep_combine_reduce(dev.device, dev.stream, static_cast<const float*>(DataOrNull(rows)), r,
-                                          static_cast<const int32_t*>(route_pos.untyped_data()), t, num_topk, h,
-                                          static_cast<float*>(DataOrNull(*out))));
+                                              pos, t, num_topk, h, o));
 }
 
 template <typename B>
 auto BindCombineReduce(B b) {
   return std::move(b)
-      .template Arg<ffi::Buffer<ffi::F32>>()   // rows [R, H] f32: the returned (decoded) expert outputs
+      .template Arg<ffi::AnyBuffer>()          // rows [R, H] f32 or bf16: the returned (decoded) expert outputs
       .template Arg<ffi::Buffer<ffi::S32>>()   // route_pos [T*K] s32: row of each route, -1 = none (adds nothing)
       .template Ret<ffi::Buffer<ffi::F32>>()   // out [T, H] f32: ((+0 + Y[t,0]) + Y[t,1]) + ... in slot order
       .template Attr<int64_t>("num_topk");     // K >= 1
@@ -558,6 +566,9 @@ class LayerCache {
     // all-to-all moves the codes): combine_format 0. At one rank the layer may ask
     // for y after the round trip (FfiKernels.expert_forward_combined).
     cfg.combine_format = key.combine_format;
+    // A bf16 combine format's rows are bf16 values: y comes back as bf16 (exact, half the
+    // bytes; the tensor-core FC2 GEMM writes it itself where nothing else happens to it).
+    cfg.expert_out_dtype = key.combine_format == MOE_EP_FORMAT_BF16 ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32;
     cfg.with_backward = with_backward ? 1 : 0;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
     int current = -1;  // moe_ep_layer_create selects the layer's device; XLA's thread keeps its own
@@ -623,7 +634,7 @@ LayerKey KeyOf(const Where& at, ffi::DataType dtype, int64_t h, int64_t i, int64
 // moe_ep_layer_experts_forward of the cached layer. `execute` false: the
 // initialize stage (make the layer, run nothing).
 ffi::Error ExpertForward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer fc1,
-                         ffi::AnyBuffer fc2, ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                         ffi::AnyBuffer fc2, ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::Buffer<ffi::BF16>> fc1_c, bool apply_topk_in_fc1, bool has_clamp,
                          float gate_up_clamp, int32_t intermediate_format, int32_t combine_format) {
   constexpr const char* kT = "moe_ep_expert_forward";
@@ -635,6 +646,11 @@ ffi::Error ExpertForward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<f
   MOE_EP_FFI_TRY(ExpectShape(kT, "fc1_c", "[C, 2I]", fc1_c->dimensions(), {c, 2 * i}));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, intermediate_format));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, combine_format, "combine_format"));
+  const bool bf16_y = combine_format == MOE_EP_FORMAT_BF16;
+  if (y->element_type() != (bf16_y ? ffi::DataType::BF16 : ffi::DataType::F32))
+    return Invalid(kT, bf16_y ? "y must have dtype bfloat16 when combine_format is 1 (bf16: its rows are bf16 values)"
+                              : "y must have dtype float32 unless combine_format is 1 (bf16)",
+                   DtypeName(y->element_type()));
   const LayerKey key = KeyOf(at, x.element_type(), h, i, el, apply_topk_in_fc1, has_clamp, gate_up_clamp,
                              intermediate_format, combine_format);
   LayerSlot* slot = nullptr;
@@ -643,7 +659,7 @@ ffi::Error ExpertForward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<f
   if (!execute) return ffi::Error::Success();
   return FromStatus(kT, moe_ep_layer_experts_forward(
       slot->layer, at.dev.stream, c, DataOrNull(x), static_cast<const float*>(DataOrNull(w)), DataOrNull(fc1),
-      DataOrNull(fc2), static_cast<const int32_t*>(DataOrNull(group_sizes)), static_cast<float*>(DataOrNull(*y)),
+      DataOrNull(fc2), static_cast<const int32_t*>(DataOrNull(group_sizes)), DataOrNull(*y),
       static_cast<uint16_t*>(DataOrNull(*fc1_c))));
 }
 
@@ -655,7 +671,8 @@ auto BindExpertForward(B b) {
       .template Arg<ffi::AnyBuffer>()             // fc1 [E_local, H, 2I] x's dtype (gate 0..I-1, up I..2I-1)
       .template Arg<ffi::AnyBuffer>()             // fc2 [E_local, I, H] x's dtype
       .template Arg<ffi::Buffer<ffi::S32>>()      // group_sizes [E_local] s32: slab sizes, each >= 0, sum <= C
-      .template Ret<ffi::Buffer<ffi::F32>>()      // y [C, H] f32: expert output, after combine_format's round trip
+      .template Ret<ffi::AnyBuffer>()             // y [C, H] f32 (bf16 when combine_format is 1): expert output,
+                                                  // after combine_format's round trip
       .template Ret<ffi::Buffer<ffi::BF16>>()     // fc1_c [C, 2I] bf16: the stash (bf16 of the pre-clamp FC1 output)
       .template Attr<bool>("apply_topk_in_fc1")   // true: y = R_int(w*h) W2; false: y = w * (R_int(h) W2)
       .template Attr<bool>("has_clamp")           // the SwiGLU clamp

@@ -275,10 +275,13 @@ class FfiKernels:
         straight from the buffer, without a gather into route order first.
 
         Args:
-            rows: ``[R, H] float32``.
+            rows: ``[R, H] float32``, or ``bfloat16`` (read as they are: half the bytes, the
+                same sums; ``moe_ep_combine_reduce_bf16``).
             route_rows: ``[T*K] int32``: -1 or a row in ``[0, R)``.
         """
-        rows = jnp.asarray(rows).astype(_F32)
+        rows = jnp.asarray(rows)
+        if rows.dtype != jnp.bfloat16:
+            rows = rows.astype(_F32)
         h = rows.shape[1]
         if num_tokens == 0 or h == 0 or rows.shape[0] == 0:  # nothing any route could read
             return jnp.zeros((num_tokens, h), _F32)
@@ -371,7 +374,10 @@ class FfiKernels:
         """:meth:`expert_forward` with ``y`` after ``config.combine_format``'s round trip,
         done by the layer object in its FC2 epilogue (bit for bit the format's encode and
         decode, on every row). The jax layer at one rank then sums the routes' rows
-        straight from the buffer (:meth:`reduce_rows`), with no pass of its own over y."""
+        straight from the buffer (:meth:`reduce_rows`), with no pass of its own over y.
+        A bf16 combine format's ``y`` is ``[C, H] bfloat16`` (its values are bf16 values:
+        exact, half the bytes; on CUDA the FC2 GEMM writes it itself where the router
+        weight went into FC1); other formats' is float32."""
         return self._expert_forward(config, x, w, fc1, fc2, group_sizes, combined=True)
 
     def _expert_forward(self, config, x, w, fc1, fc2, group_sizes, combined):  # type: ignore[no-untyped-def]
@@ -383,7 +389,8 @@ class FfiKernels:
             return _XLA.expert_forward(config, self.dequantize(x), w, self.dequantize(fc1), self.dequantize(fc2),
                                        group_sizes)
         wf, gs = jnp.asarray(w).astype(_F32), jnp.asarray(group_sizes).astype(_I32)
-        results = [_sds((c_rows, h), _F32), _sds((c_rows, 2 * i), jnp.bfloat16)]
+        bf16_y = combined and config.combine_format is MoeFormat.BF16  # the handler's rule: y bf16 iff format bf16
+        results = [_sds((c_rows, h), jnp.bfloat16 if bf16_y else _F32), _sds((c_rows, 2 * i), jnp.bfloat16)]
         attrs = self._expert_attrs(config, combined)
 
         def run(a: jax.Array, b: jax.Array, d: jax.Array) -> Tuple[jax.Array, jax.Array]:

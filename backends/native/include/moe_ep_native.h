@@ -152,6 +152,25 @@ MOE_EP_API moe_ep_status moe_ep_dequantize_bf16(moe_ep_device device, void* stre
                                                 int64_t inner, int64_t transpose_rows, uint16_t* out,
                                                 int32_t* out_inexact);
 
+/**
+ * moe_ep_dequantize_bf16 of rows that need not be contiguous: row o's codes start at
+ * data + o * data_row_bytes and its scales at scale + o * scale_row_bytes (the parts of
+ * a packed byte row, e.g. the rows a dispatch received, decoded where they lie; no copy).
+ *   fmt:   MOE_EP_FORMAT_MXFP8 or MOE_EP_FORMAT_NVFP4.
+ *   data_row_bytes:  >= the codes of one row (n for mxfp8, ceil(n / 2) for nvfp4).
+ *   scale_row_bytes: >= the scales of one row (ceil(n / 32) mxfp8, ceil(n / 16) nvfp4).
+ *   out:   [rows, n] uint16 bf16 bits (contiguous).
+ *   out_inexact: as moe_ep_dequantize_bf16's.
+ * The same values as moe_ep_dequantize_bf16 of the rows made contiguous. CUDA: one
+ * kernel, 16-byte loads and stores when n is a multiple of 16 (mxfp8) or 32 (nvfp4) and
+ * data, data_row_bytes and out are 16-byte aligned; element by element otherwise.
+ * Added in ABI 3 (a new entry point; no struct changed).
+ */
+MOE_EP_API moe_ep_status moe_ep_dequantize_bf16_rows(moe_ep_device device, void* stream, moe_ep_format fmt,
+                                                     const void* data, int64_t data_row_bytes, const void* scale,
+                                                     int64_t scale_row_bytes, int64_t rows, int64_t n, uint16_t* out,
+                                                     int32_t* out_inexact);
+
 /* ------------------------------------------------------------- plan/permute */
 
 /**
@@ -205,6 +224,18 @@ MOE_EP_API moe_ep_status moe_ep_permute_rows(moe_ep_device device, void* stream,
 MOE_EP_API moe_ep_status moe_ep_combine_reduce(moe_ep_device device, void* stream, const float* rows, int64_t num_rows,
                                                const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
                                                int64_t hidden, float* out);
+
+/**
+ * moe_ep_combine_reduce of bf16 rows (a bf16 combine format's rows are bf16 values:
+ * half the bytes to read, the same float32 sums bit for bit).
+ *   rows: [num_rows, hidden] uint16 bf16 bit patterns. The rest as moe_ep_combine_reduce.
+ * CUDA (both entries): 16-byte loads, four float32 or eight bf16 values a thread, when
+ * hidden allows it and rows and out are 16-byte aligned; element by element otherwise.
+ * Added in ABI 3 (a new entry point; no struct changed).
+ */
+MOE_EP_API moe_ep_status moe_ep_combine_reduce_bf16(moe_ep_device device, void* stream, const uint16_t* rows,
+                                                    int64_t num_rows, const int32_t* route_pos, int64_t num_tokens,
+                                                    int64_t num_topk, int64_t hidden, float* out);
 
 /* ------------------------------------------------------------------ experts */
 
@@ -330,8 +361,8 @@ typedef struct {
   /* Appended in ABI 3. */
   int32_t expert_out_dtype;     /* moe_ep_dtype of the expert-output rows y (experts_forward writes them, combine
                                    reads them): MOE_EP_DTYPE_F32 (0, default) or MOE_EP_DTYPE_BF16, which needs
-                                   combine_format MOE_EP_FORMAT_BF16 (the rows are then bf16 values exactly: half
-                                   the bytes for the same numbers) */
+                                   combine_format MOE_EP_FORMAT_BF16 or MOE_EP_FORMAT_NVFP4 (the rows are then bf16
+                                   values exactly: half the bytes for the same numbers; mxfp8's are not always) */
   int32_t ex_mode;              /* moe_ep_exchange_mode of the device exchange (0: throughput); was reserved0 (0) */
 } moe_ep_layer_config;
 

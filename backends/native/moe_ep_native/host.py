@@ -205,21 +205,23 @@ def combine_reduce(rows: Any, route_pos: Optional[Any], num_tokens: int, num_top
     """Form-A reduction: ``out[t] = sum over slots k (in order, from +0) of rows[route_pos[t*K+k]]``.
 
     Args:
-        rows: ``[num_rows, hidden] float32``.
+        rows: ``[num_rows, hidden] float32`` (float16 widened), or ``bfloat16``: summed
+            from the bf16 rows themselves (``moe_ep_combine_reduce_bf16``, the same sums).
         route_pos: ``[num_tokens * num_topk]`` int (-1 = nothing), or None for row ``t*K+k``.
 
     Returns:
         ``[num_tokens, hidden] float32``.
     """
-    r = _float32(rows, "rows")
+    bf16 = np.asarray(rows).dtype == BF16
+    r = np.ascontiguousarray(np.asarray(rows)) if bf16 else _float32(rows, "rows")
     if r.ndim != 2:
         raise ShapeError(f"rows must be 2-d (num_rows, hidden); got shape {r.shape}", name="rows")
     pos = None if route_pos is None else _int32(route_pos, "route_pos").reshape(-1)
     if pos is not None:
         check_shape("route_pos", pos.shape, (num_tokens * num_topk,), "(num_tokens * num_topk,)")
     out = np.empty((int(num_tokens), r.shape[1]), np.float32)
-    call("moe_ep_combine_reduce", _CPU, None, _ptr(r), r.shape[0], _ptr(pos), int(num_tokens), int(num_topk),
-         r.shape[1], _ptr(out))
+    call("moe_ep_combine_reduce_bf16" if bf16 else "moe_ep_combine_reduce", _CPU, None, _ptr(r), r.shape[0], _ptr(pos),
+         int(num_tokens), int(num_topk), r.shape[1], _ptr(out))
     return out
 
 

@@ -61,8 +61,8 @@ def layer_config(
         with_backward: also allocate what the backward needs.
         bf16_expert_out: the expert-output rows ``y`` of ``experts_forward`` (and the
             device exchange's combine) are bf16 instead of float32; needs
-            ``config.combine_format`` bf16 (the rows are bf16 values then: the same
-            numbers in half the bytes).
+            ``config.combine_format`` bf16 or nvfp4 (the rows are bf16 values then: the
+            same numbers in half the bytes).
     """
     if max_rows < 0:
         raise ConfigError(f"max_rows must be >= 0; got {max_rows}", field="max_rows", value=max_rows)

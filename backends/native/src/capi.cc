@@ -157,6 +157,40 @@ using moe_ep::kMaxExperts;
   }
 #endif
 
+namespace {
+
+// moe_ep_combine_reduce's checks and dispatch for rows of float32 (4 bytes) or bf16 (2).
+template <typename Row>
+moe_ep_status combine_reduce_entry(const char* op, moe_ep_device device, void* stream, const Row* rows,
+                                   int64_t num_rows, const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
+                                   int64_t hidden, float* out) {
+  const Check ck{op};
+  MOE_EP_TRY(check_device(ck, device, stream));
+  MOE_EP_TRY(ck.nonneg("num_rows", num_rows));
+  MOE_EP_TRY(ck.nonneg("num_tokens", num_tokens));
+  MOE_EP_TRY(ck.positive("num_topk", num_topk));
+  MOE_EP_TRY(ck.nonneg("hidden", hidden));
+  MOE_EP_TRY(ck.product("num_tokens * num_topk", num_tokens, num_topk, kInt32Limit));
+  MOE_EP_TRY(ck.product("num_rows * hidden", num_rows, hidden, kElemLimit));
+  MOE_EP_TRY(ck.product("num_tokens * hidden", num_tokens, hidden, kElemLimit));
+  // NULL route_pos is the identity; with no tokens there is nothing to reduce (and the
+  // caller's empty route_pos array is NULL), whatever num_rows is.
+  if (route_pos == nullptr && num_tokens > 0 && num_rows != num_tokens * num_topk)
+    return ck.bad("num_rows must be num_tokens * num_topk = " + std::to_string(num_tokens * num_topk) +
+                      " when route_pos is NULL",
+                  std::to_string(num_rows));
+  MOE_EP_TRY(ck.ptr("rows", rows, num_rows * hidden, sizeof(Row)));
+  MOE_EP_TRY(ck.ptr("out", out, num_tokens * hidden, 4));
+  if (num_tokens == 0 || hidden == 0) return MOE_EP_OK;
+  if constexpr (sizeof(Row) == 4) {
+    MOE_EP_DISPATCH(device, combine_reduce(stream, rows, num_rows, route_pos, num_tokens, num_topk, hidden, out))
+  } else {
+    MOE_EP_DISPATCH(device, combine_reduce_bf16(stream, rows, num_rows, route_pos, num_tokens, num_topk, hidden, out))
+  }
+}
+
+}  // namespace
+
 extern "C" {
 
 int moe_ep_abi_version(void) { return MOE_EP_NATIVE_ABI_VERSION; }
@@ -259,6 +293,38 @@ moe_ep_status moe_ep_dequantize_bf16(moe_ep_device device, void* stream, moe_ep_
   MOE_EP_DISPATCH(device, dequantize_bf16(stream, fmt, data, scale, outer, n, inner, transpose_rows, out, out_inexact))
 }
 
+moe_ep_status moe_ep_dequantize_bf16_rows(moe_ep_device device, void* stream, moe_ep_format fmt, const void* data,
+                                          int64_t data_row_bytes, const void* scale, int64_t scale_row_bytes,
+                                          int64_t rows, int64_t n, uint16_t* out, int32_t* out_inexact) {
+  const Check ck{"moe_ep_dequantize_bf16_rows"};
+  MOE_EP_TRY(check_device(ck, device, stream));
+  if (fmt != MOE_EP_FORMAT_MXFP8 && fmt != MOE_EP_FORMAT_NVFP4)
+    return ck.bad("fmt must be MOE_EP_FORMAT_MXFP8 (2) or MOE_EP_FORMAT_NVFP4 (3) (the block-scaled formats; bf16 "
+                  "data is already bf16)",
+                  std::to_string(static_cast<int>(fmt)));
+  MOE_EP_TRY(check_view(ck, rows, n, 1));
+  const bool mx = fmt == MOE_EP_FORMAT_MXFP8;
+  const int64_t codes = mx ? n : (n + 1) / 2, scales = (n + (mx ? 31 : 15)) / (mx ? 32 : 16);
+  if (data_row_bytes < codes)
+    return ck.bad("data_row_bytes must be >= the codes of one row (" + std::to_string(codes) + " for n = " +
+                      std::to_string(n) + ")",
+                  std::to_string(data_row_bytes));
+  if (scale_row_bytes < scales)
+    return ck.bad("scale_row_bytes must be >= the scales of one row (" + std::to_string(scales) + " for n = " +
+                      std::to_string(n) + ")",
+                  std::to_string(scale_row_bytes));
+  MOE_EP_TRY(ck.product("rows * data_row_bytes", rows, data_row_bytes, kElemLimit));
+  MOE_EP_TRY(ck.product("rows * scale_row_bytes", rows, scale_row_bytes, kElemLimit));
+  const int64_t count = rows * n;
+  MOE_EP_TRY(ck.ptr("data", data, count));
+  MOE_EP_TRY(ck.ptr("scale", scale, count));
+  MOE_EP_TRY(ck.ptr("out", out, count, 2));
+  MOE_EP_TRY(ck.ptr("out_inexact", out_inexact, 0, 4));
+  if (count == 0) return MOE_EP_OK;
+  MOE_EP_DISPATCH(device, dequantize_bf16_rows(stream, fmt, data, data_row_bytes, scale, scale_row_bytes, rows, n,
+                                               out, out_inexact))
+}
+
 moe_ep_status moe_ep_plan_routes(moe_ep_device device, void* stream, const int32_t* topk_idx, int64_t num_tokens,
                                  int64_t num_topk, int64_t num_experts, int32_t* send_route, int32_t* route_pos,
                                  int32_t* route_expert, int32_t* counts) {
@@ -299,28 +365,19 @@ moe_ep_status moe_ep_permute_rows(moe_ep_device device, void* stream, const void
   MOE_EP_DISPATCH(device, permute_rows(stream, tokens, num_tokens, num_topk, row_bytes, send_route, num_rows, dst))
 }
 
+
 moe_ep_status moe_ep_combine_reduce(moe_ep_device device, void* stream, const float* rows, int64_t num_rows,
                                     const int32_t* route_pos, int64_t num_tokens, int64_t num_topk, int64_t hidden,
                                     float* out) {
-  const Check ck{"moe_ep_combine_reduce"};
-  MOE_EP_TRY(check_device(ck, device, stream));
-  MOE_EP_TRY(ck.nonneg("num_rows", num_rows));
-  MOE_EP_TRY(ck.nonneg("num_tokens", num_tokens));
-  MOE_EP_TRY(ck.positive("num_topk", num_topk));
-  MOE_EP_TRY(ck.nonneg("hidden", hidden));
-  MOE_EP_TRY(ck.product("num_tokens * num_topk", num_tokens, num_topk, kInt32Limit));
-  MOE_EP_TRY(ck.product("num_rows * hidden", num_rows, hidden, kElemLimit));
-  MOE_EP_TRY(ck.product("num_tokens * hidden", num_tokens, hidden, kElemLimit));
-  // NULL route_pos is the identity; with no tokens there is nothing to reduce (and the
-  // caller's empty route_pos array is NULL), whatever num_rows is.
-  if (route_pos == nullptr && num_tokens > 0 && num_rows != num_tokens * num_topk)
-    return ck.bad("num_rows must be num_tokens * num_topk = " + std::to_string(num_tokens * num_topk) +
-                      " when route_pos is NULL",
-                  std::to_string(num_rows));
-  MOE_EP_TRY(ck.ptr("rows", rows, num_rows * hidden, 4));
-  MOE_EP_TRY(ck.ptr("out", out, num_tokens * hidden, 4));
-  if (num_tokens == 0 || hidden == 0) return MOE_EP_OK;
-  MOE_EP_DISPATCH(device, combine_reduce(stream, rows, num_rows, route_pos, num_tokens, num_topk, hidden, out))
+  return combine_reduce_entry("moe_ep_combine_reduce", device, stream, rows, num_rows, route_pos, num_tokens, num_topk,
+                              hidden, out);
+}
+
+moe_ep_status moe_ep_combine_reduce_bf16(moe_ep_device device, void* stream, const uint16_t* rows, int64_t num_rows,
+                                         const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
+                                         int64_t hidden, float* out) {
+  return combine_reduce_entry("moe_ep_combine_reduce_bf16", device, stream, rows, num_rows, route_pos, num_tokens,
+                              num_topk, hidden, out);
 }
 
 size_t moe_ep_expert_forward_workspace(const moe_ep_expert_desc* desc) {

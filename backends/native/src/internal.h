@@ -119,6 +119,10 @@ inline size_t backward_workspace_bytes(const moe_ep_expert_desc& d) { return bac
   moe_ep_status dequantize_bf16(void* stream, moe_ep_format fmt, const void* data, const void* scale,             \
                                 int64_t outer, int64_t n, int64_t inner, int64_t transpose_rows, uint16_t* out,    \
                                 int32_t* inexact);                                                                 \
+  /* fmt MXFP8 or NVFP4; rows * n > 0; the row strides cover a row's codes and scales (capi.cc checks them) */ \
+  moe_ep_status dequantize_bf16_rows(void* stream, moe_ep_format fmt, const void* data, int64_t data_row_bytes,     \
+                                     const void* scale, int64_t scale_row_bytes, int64_t rows, int64_t n,          \
+                                     uint16_t* out, int32_t* inexact);                                             \
   moe_ep_status plan_routes(void* stream, const int32_t* topk_idx, int64_t num_tokens, int64_t num_topk,           \
                             int64_t num_experts, int32_t* send_route, int32_t* route_pos, int32_t* route_expert,    \
                             int32_t* counts);                                                                      \
@@ -126,6 +130,8 @@ inline size_t backward_workspace_bytes(const moe_ep_expert_desc& d) { return bac
                              int64_t row_bytes, const int32_t* send_route, int64_t num_rows, void* dst);           \
   moe_ep_status combine_reduce(void* stream, const float* rows, int64_t num_rows, const int32_t* route_pos,        \
                                int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out);                  \
+  moe_ep_status combine_reduce_bf16(void* stream, const uint16_t* rows, int64_t num_rows, const int32_t* route_pos,\
+                                    int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out);             \
   moe_ep_status expert_forward(void* stream, const moe_ep_expert_desc& d, const float* x, const float* w,          \
                                const float* fc1, const float* fc2, const int32_t* group_sizes, float* y, float* c,  \
                                void* workspace);                                                                   \
@@ -160,11 +166,12 @@ struct TcWorkspace {
   int sm_count;
 };
 // Bytes of the tensor-core workspace (0 when the build or the shape has no tensor-core path).
-size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backward, bool bf16_out, void* base,
-                           TcWorkspace* ws);
+size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backward, bool bf16_out,
+                           int32_t combine_format, void* base, TcWorkspace* ws);
 // bf16 FC2 operand planes the forward needs for this intermediate format (1: exactly bf16, else 3).
 int tc_operand_planes(int32_t intermediate_format);
-// y: [C, H] float32, or bf16 (bf16_out: combine_format is bf16, the rows are written as their bf16 encoding).
+// y: [C, H] float32, or bf16 (bf16_out: combine_format bf16 or nvfp4, whose values are bf16 values: the rows
+// are written as their bf16 bits after the round trip).
 moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, bool bf16_out,
                          const uint16_t* x, const float* w, const uint16_t* fc1, const uint16_t* fc2,
                          const int32_t* group_sizes, void* y, uint16_t* fc1_c, const TcWorkspace& ws);

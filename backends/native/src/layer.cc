@@ -149,9 +149,10 @@ moe_ep_status check_config(const Check& ck, const moe_ep_layer_config& c) {
   if (c.expert_out_dtype != MOE_EP_DTYPE_F32 && c.expert_out_dtype != MOE_EP_DTYPE_BF16)
     return ck.bad("config->expert_out_dtype must be MOE_EP_DTYPE_F32 (0) or MOE_EP_DTYPE_BF16 (1)",
                   std::to_string(c.expert_out_dtype));
-  if (c.expert_out_dtype == MOE_EP_DTYPE_BF16 && c.combine_format != MOE_EP_FORMAT_BF16)
-    return ck.bad("config->combine_format must be MOE_EP_FORMAT_BF16 (1) when config->expert_out_dtype is "
-                  "MOE_EP_DTYPE_BF16 (only then are the expert-output rows bf16 values)",
+  if (c.expert_out_dtype == MOE_EP_DTYPE_BF16 && c.combine_format != MOE_EP_FORMAT_BF16 &&
+      c.combine_format != MOE_EP_FORMAT_NVFP4)
+    return ck.bad("config->combine_format must be MOE_EP_FORMAT_BF16 (1) or MOE_EP_FORMAT_NVFP4 (3) when "
+                  "config->expert_out_dtype is MOE_EP_DTYPE_BF16 (only then are the expert-output rows bf16 values)",
                   std::to_string(c.combine_format));
   moe_ep_expert_desc d{c.max_rows, c.hidden, c.intermediate, c.num_local_experts, c.apply_topk_in_fc1,
                        c.has_clamp, c.gate_up_clamp, c.intermediate_format};
@@ -209,6 +210,8 @@ moe_ep_status stage_operands(moe_ep_layer* l, void* stream, int64_t C, const voi
   return MOE_EP_OK;
 }
 
+moe_ep_status round_trip_y(moe_ep_layer* l, void* stream, moe_ep_format f, float* y, int64_t C, int64_t H);
+
 moe_ep_status staged_forward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w, const void* fc1,
                              const void* fc2, const int32_t* group_sizes, void* y_out, uint16_t* fc1_c) {
   moe_ep_expert_desc d = l->desc;
@@ -223,10 +226,19 @@ moe_ep_status staged_forward(moe_ep_layer* l, void* stream, int64_t C, const voi
   if (C == 0) return MOE_EP_OK;
   if (fc1_c != nullptr)
     MOE_EP_TRY(MOE_EP_LAYER_IMPL(l, quantize(stream, MOE_EP_FORMAT_BF16, l->c32, C, 2 * I, 1, fc1_c, nullptr)));
-  // bf16 rows (combine_format bf16): the bf16 encoding is the round trip itself.
-  if (bf16_out) return MOE_EP_LAYER_IMPL(l, quantize(stream, MOE_EP_FORMAT_BF16, y, C, H, 1, y_out, nullptr));
+  // bf16 rows (combine_format bf16): the bf16 encoding is the round trip itself; nvfp4's
+  // values after its round trip are bf16 values, encoded exactly.
   const moe_ep_format f = static_cast<moe_ep_format>(l->cfg.combine_format);
+  if (bf16_out && f == MOE_EP_FORMAT_BF16)
+    return MOE_EP_LAYER_IMPL(l, quantize(stream, MOE_EP_FORMAT_BF16, y, C, H, 1, y_out, nullptr));
   if (f == MOE_EP_FORMAT_NONE) return MOE_EP_OK;
+  MOE_EP_TRY(round_trip_y(l, stream, f, y, C, H));
+  if (bf16_out) return MOE_EP_LAYER_IMPL(l, quantize(stream, MOE_EP_FORMAT_BF16, y, C, H, 1, y_out, nullptr));
+  return MOE_EP_OK;
+}
+
+// R_comb of the float32 rows y in place (rows of no expert are zero and stay zero).
+moe_ep_status round_trip_y(moe_ep_layer* l, void* stream, moe_ep_format f, float* y, int64_t C, int64_t H) {
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (is_cuda(l)) return cuda::round_trip_rows(stream, f, y, C, H);
 #endif
@@ -378,7 +390,8 @@ moe_ep_status moe_ep_layer_create(const moe_ep_layer_config* config, moe_ep_laye
     }
     if (sm90)
       bytes = moe_ep::cuda::tc_workspace_layout(l->desc, sm_count, cfg.with_backward != 0,
-                                                cfg.expert_out_dtype == MOE_EP_DTYPE_BF16, nullptr, nullptr);
+                                                cfg.expert_out_dtype == MOE_EP_DTYPE_BF16, cfg.combine_format, nullptr,
+                                                nullptr);
     if (bytes > 0) {
       l->tensor_cores = true;
       l->planes = moe_ep::cuda::tc_operand_planes(cfg.intermediate_format);
@@ -394,7 +407,7 @@ moe_ep_status moe_ep_layer_create(const moe_ep_layer_config* config, moe_ep_laye
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (l->tensor_cores)
     moe_ep::cuda::tc_workspace_layout(l->desc, sm_count, cfg.with_backward != 0,
-                                      cfg.expert_out_dtype == MOE_EP_DTYPE_BF16, l->buffer, &l->tc);
+                                      cfg.expert_out_dtype == MOE_EP_DTYPE_BF16, cfg.combine_format, l->buffer, &l->tc);
 #endif
   if (!l->tensor_cores) moe_ep::staged_layout(l, static_cast<char*>(l->buffer));
   (void)sm_count;

@@ -158,5 +158,19 @@ moe_ep_status dequantize_bf16(void*, moe_ep_format fmt, const void* data, const 
   return MOE_EP_OK;
 }
 
+moe_ep_status dequantize_bf16_rows(void*, moe_ep_format fmt, const void* data, int64_t data_row_bytes,
+                                   const void* scale, int64_t scale_row_bytes, int64_t rows, int64_t n, uint16_t* out,
+                                   int32_t* inexact) {
+  bool any = false;
+  for (int64_t o = 0; o < rows; ++o) {
+    // Row o as a one-row view of its own: its codes and scales where they lie.
+    const uint8_t* d = static_cast<const uint8_t*>(data) + o * data_row_bytes;
+    const uint8_t* sc = static_cast<const uint8_t*>(scale) + o * scale_row_bytes;
+    for (int64_t i = 0; i < n; ++i) out[o * n + i] = bf16_exact_bits(decode_one(fmt, d, sc, 0, i, 0, n, 1), &any);
+  }
+  if (any && inexact != nullptr) *inexact |= 1;
+  return MOE_EP_OK;
+}
+
 }  // namespace cpu
 }  // namespace moe_ep

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "internal.h"
+#include "cpu/formats.h"
 
 namespace moe_ep {
 namespace cpu {
@@ -64,14 +65,20 @@ moe_ep_status permute_rows(void*, const void* tokens, int64_t num_tokens, int64_
   return MOE_EP_OK;
 }
 
-moe_ep_status combine_reduce(void*, const float* rows, int64_t num_rows, const int32_t* route_pos, int64_t num_tokens,
-                             int64_t num_topk, int64_t hidden, float* out) {
+namespace {
+
+inline float row_value(const float* row, int64_t h) { return row[h]; }
+inline float row_value(const uint16_t* row, int64_t h) { return bf16_to_float(row[h]); }
+
+template <typename Row>
+moe_ep_status combine_reduce_rows(const char* op, const Row* rows, int64_t num_rows, const int32_t* route_pos,
+                                  int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out) {
   const int64_t routes = num_tokens * num_topk;
   if (route_pos != nullptr) {
     for (int64_t r = 0; r < routes; ++r) {
       const int32_t p = route_pos[r];
       if (p < -1 || p >= num_rows)
-        return fail(MOE_EP_ERR_INVALID_ARGUMENT, "moe_ep_combine_reduce: route_pos[" + std::to_string(r) +
+        return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(op) + ": route_pos[" + std::to_string(r) +
                                                      "] must be -1 or in [0, num_rows) = [0, " +
                                                      std::to_string(num_rows) + "); got " + std::to_string(p));
     }
@@ -83,11 +90,24 @@ moe_ep_status combine_reduce(void*, const float* rows, int64_t num_rows, const i
       const int64_t r = t * num_topk + k;
       const int64_t p = route_pos != nullptr ? route_pos[r] : r;
       if (p < 0) continue;  // an unused slot adds nothing
-      const float* row = rows + p * hidden;
-      for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + row[h];
+      const Row* row = rows + p * hidden;
+      for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + row_value(row, h);
     }
   }
   return MOE_EP_OK;
+}
+
+}  // namespace
+
+moe_ep_status combine_reduce(void*, const float* rows, int64_t num_rows, const int32_t* route_pos, int64_t num_tokens,
+                             int64_t num_topk, int64_t hidden, float* out) {
+  return combine_reduce_rows("moe_ep_combine_reduce", rows, num_rows, route_pos, num_tokens, num_topk, hidden, out);
+}
+
+moe_ep_status combine_reduce_bf16(void*, const uint16_t* rows, int64_t num_rows, const int32_t* route_pos,
+                                  int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out) {
+  return combine_reduce_rows("moe_ep_combine_reduce_bf16", rows, num_rows, route_pos, num_tokens, num_topk, hidden,
+                             out);
 }
 
 }  // namespace cpu

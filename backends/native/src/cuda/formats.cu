@@ -295,19 +295,21 @@ __device__ __forceinline__ uint4 chunk_bf16x8(const uint4 raw, int q, const Chun
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
-// Rows: data [outer, n] codes (n a multiple of the chunk), out [outer, n] bf16. Chunk t
-// starts at byte 16 t of data (n codes a row for mxfp8, n / 2 bytes for nvfp4) and at
-// element t * V of out. A thread loads kUnroll chunks (coalesced: a warp's lanes take
-// neighbouring chunks) before decoding any, to keep enough bytes in flight.
+// Rows: row o's codes at data + o * data_row_bytes (n a multiple of the chunk; the
+// stride a multiple of 16) and its scales at scale + o * scale_row_bytes, out [outer, n]
+// bf16. Chunk c of a row starts at byte 16 c of its codes (n codes a row for mxfp8, n / 2
+// bytes for nvfp4) and at element c * V of its out row. A thread loads kUnroll chunks
+// (coalesced: a warp's lanes take neighbouring chunks) before decoding any, to keep
+// enough bytes in flight.
 constexpr int kUnroll = 4;
 
 template <bool kMx>
 __global__ void __launch_bounds__(kThreads)
-    bf16_rows_kernel(const uint4* __restrict__ data, const uint8_t* __restrict__ scale, int64_t outer, int64_t n,
-                     uint4* __restrict__ out, int32_t* __restrict__ flag) {
+    bf16_rows_kernel(const uint8_t* __restrict__ data, int64_t data_row_bytes, const uint8_t* __restrict__ scale,
+                     int64_t scale_row_bytes, int64_t outer, int64_t n, uint4* __restrict__ out,
+                     int32_t* __restrict__ flag) {
   constexpr int V = kMx ? 16 : 32;  // elements of one 16-byte chunk
   const int64_t per_row = n / V, total = outer * per_row;
-  const int64_t nb = div_up(n, kMx ? kMxfp8Block : kNvfp4Block);
   bool inexact = false;
   const int64_t step = int64_t{gridDim.x} * blockDim.x * kUnroll;
   for (int64_t base = blockIdx.x * int64_t{blockDim.x} * kUnroll + threadIdx.x; base < total; base += step) {
@@ -315,19 +317,44 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t t = base + int64_t{u} * blockDim.x;
-      if (t < total) raw[u] = __ldg(data + t);
+      if (t >= total) break;
+      const int64_t row = t / per_row, c = t - row * per_row;
+      raw[u] = __ldg(reinterpret_cast<const uint4*>(data + row * data_row_bytes) + c);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t t = base + int64_t{u} * blockDim.x;
       if (t >= total) break;
       const int64_t row = t / per_row, c = t - row * per_row;
+      const uint8_t* sr = scale + row * scale_row_bytes;
       // mxfp8: 16 elements inside one block of 32; nvfp4: blocks 2c and 2c + 1 of the row.
-      const ChunkScale s = kMx ? mxfp8_chunk_scale(scale[row * nb + c / 2])
-                               : nvfp4_chunk_scale(scale[row * nb + 2 * c], scale[row * nb + 2 * c + 1]);
+      const ChunkScale s = kMx ? mxfp8_chunk_scale(sr[c / 2]) : nvfp4_chunk_scale(sr[2 * c], sr[2 * c + 1]);
 #pragma unroll
       for (int q = 0; q < V / 8; ++q) out[t * (V / 8) + q] = chunk_bf16x8<kMx>(raw[u], q, s, inexact);
     }
+  }
+  report_inexact(inexact, flag);
+}
+
+// Element by element over rows with strides (any alignment): thread t writes out[t] of [outer, n].
+template <bool kMx>
+__global__ void bf16_strided_rows_kernel(const uint8_t* __restrict__ data, int64_t data_row_bytes,
+                                         const uint8_t* __restrict__ scale, int64_t scale_row_bytes, int64_t outer,
+                                         int64_t n, uint16_t* __restrict__ out, int32_t* __restrict__ flag) {
+  const int64_t total = outer * n;
+  bool inexact = false;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t o = t / n, k = t - o * n;
+    const uint8_t* d = data + o * data_row_bytes;
+    const uint8_t* sc = scale + o * scale_row_bytes;
+    float f;
+    if constexpr (kMx) {
+      f = mxfp8_decode(d[k], sc[k / kMxfp8Block]);
+    } else {
+      const uint32_t byte = d[k / 2];
+      f = nvfp4_decode((k & 1) ? (byte >> 4) : (byte & 0xFu), sc[k / kNvfp4Block]);
+    }
+    out[t] = bf16_exact_bits(f, inexact);
   }
   report_inexact(inexact, flag);
 }
@@ -429,8 +456,9 @@ moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const 
   if (inner == 1 && n % V == 0 && aligned) {
     if (R == 0) {
       const int64_t chunks = outer * (n / V);
-      bf16_rows_kernel<kMx><<<blocks_for(div_up(chunks, kUnroll)), kThreads, 0, s>>>(reinterpret_cast<const uint4*>(data), scale,
-                                                                     outer, n, reinterpret_cast<uint4*>(out), flag);
+      const int64_t nb = div_up(n, kMx ? kMxfp8Block : kNvfp4Block);
+      bf16_rows_kernel<kMx><<<blocks_for(div_up(chunks, kUnroll)), kThreads, 0, s>>>(
+          data, kMx ? n : n / 2, scale, nb, outer, n, reinterpret_cast<uint4*>(out), flag);
       MOE_EP_CUDA_CHECK_LAUNCH("bf16_rows_kernel");
       return MOE_EP_OK;
     }
@@ -445,6 +473,23 @@ moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const 
   bf16_elements_kernel<kMx><<<blocks_for(outer * n * inner), kThreads, 0, s>>>(data, scale, outer, n, inner, R, out,
                                                                               flag);
   MOE_EP_CUDA_CHECK_LAUNCH("bf16_elements_kernel");
+  return MOE_EP_OK;
+}
+
+template <bool kMx>
+moe_ep_status launch_dequantize_bf16_rows(cudaStream_t s, const uint8_t* data, int64_t data_row_bytes,
+                                          const uint8_t* scale, int64_t scale_row_bytes, int64_t outer, int64_t n,
+                                          uint16_t* out, int32_t* flag) {
+  constexpr int64_t V = kMx ? 16 : 32;
+  if (n % V == 0 && data_row_bytes % 16 == 0 && detail::aligned16(data) && detail::aligned16(out)) {
+    bf16_rows_kernel<kMx><<<blocks_for(div_up(outer * (n / V), kUnroll)), kThreads, 0, s>>>(
+        data, data_row_bytes, scale, scale_row_bytes, outer, n, reinterpret_cast<uint4*>(out), flag);
+    MOE_EP_CUDA_CHECK_LAUNCH("bf16_rows_kernel");
+    return MOE_EP_OK;
+  }
+  bf16_strided_rows_kernel<kMx><<<blocks_for(outer * n), kThreads, 0, s>>>(data, data_row_bytes, scale,
+                                                                           scale_row_bytes, outer, n, out, flag);
+  MOE_EP_CUDA_CHECK_LAUNCH("bf16_strided_rows_kernel");
   return MOE_EP_OK;
 }
 
@@ -568,6 +613,23 @@ moe_ep_status dequantize_bf16(void* stream, moe_ep_format fmt, const void* data,
     default:
       return fail(MOE_EP_ERR_INTERNAL,
                   "cuda::dequantize_bf16: unexpected format " + std::to_string(static_cast<int>(fmt)));
+  }
+}
+
+moe_ep_status dequantize_bf16_rows(void* stream, moe_ep_format fmt, const void* data, int64_t data_row_bytes,
+                                   const void* scale, int64_t scale_row_bytes, int64_t rows, int64_t n, uint16_t* out,
+                                   int32_t* inexact) {
+  const cudaStream_t s = as_stream(stream);
+  const auto* d = static_cast<const uint8_t*>(data);
+  const auto* sc = static_cast<const uint8_t*>(scale);
+  switch (fmt) {
+    case MOE_EP_FORMAT_MXFP8:
+      return launch_dequantize_bf16_rows<true>(s, d, data_row_bytes, sc, scale_row_bytes, rows, n, out, inexact);
+    case MOE_EP_FORMAT_NVFP4:
+      return launch_dequantize_bf16_rows<false>(s, d, data_row_bytes, sc, scale_row_bytes, rows, n, out, inexact);
+    default:
+      return fail(MOE_EP_ERR_INTERNAL,
+                  "cuda::dequantize_bf16_rows: unexpected format " + std::to_string(static_cast<int>(fmt)));
   }
 }
 

@@ -195,10 +195,13 @@ __global__ void fc2_epilogue_vec4_kernel(float4* __restrict__ y, const float* __
 // mxfp8/nvfp4_round_trip_with, the code of round_trip_block (H a multiple of kBlock, y
 // 16-byte aligned). Every lane of a
 // warp runs every iteration (the shuffles need them); lanes past the end only look.
-template <int kFmt, bool kWeight>
+// kBf16Out (nvfp4 only: its values are bf16 values): the round-tripped values go to
+// bf16_out as their bf16 bits (exact) instead of back into y.
+template <int kFmt, bool kWeight, bool kBf16Out = false>
 __global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const float* __restrict__ w,
                                                const int32_t* __restrict__ off, int num_experts, int64_t C,
-                                               int64_t H) {
+                                               int64_t H, uint2* __restrict__ bf16_out = nullptr) {
+  static_assert(!kBf16Out || kFmt == MOE_EP_FORMAT_NVFP4, "bf16 rows hold nvfp4's values, not always mxfp8's");
   constexpr int kGroup = block_of<kFmt>() / 4;  // lanes of one block
   static_assert(kGroup == 8 || kGroup == 4, "fc2_epilogue_block_vec4_kernel: mxfp8 or nvfp4");
   const int64_t q = H / 4;  // float4 per row (a multiple of kGroup: a block never crosses a row)
@@ -229,13 +232,19 @@ __global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const flo
     }
     if (!here) continue;
     if (r >= end) {
-      y[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if constexpr (kBf16Out) bf16_out[t] = make_uint2(0u, 0u);
+      else y[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       continue;
     }
     bm.nonfinite = nonfinite != 0;
     if constexpr (kFmt == MOE_EP_FORMAT_MXFP8) mxfp8_round_trip_with(bm, v, 4);
     else nvfp4_round_trip_with(bm, v, 4);
-    y[t] = make_float4(v[0], v[1], v[2], v[3]);
+    if constexpr (kBf16Out) {  // exact: the upper halves (NaN stays NaN)
+      bf16_out[t] = make_uint2(static_cast<uint32_t>(bf16_from_float(v[0])) | (uint32_t{bf16_from_float(v[1])} << 16),
+                               static_cast<uint32_t>(bf16_from_float(v[2])) | (uint32_t{bf16_from_float(v[3])} << 16));
+    } else {
+      y[t] = make_float4(v[0], v[1], v[2], v[3]);
+    }
   }
 }
 
@@ -502,8 +511,9 @@ void launch_fc2_epilogue(int32_t fmt, unsigned blocks, cudaStream_t s, float* y,
 
 // With bf16 expert-output rows: whether FC2 writes them itself (nothing but their bf16
 // rounding follows: the router weight is in FC1 and the FC2 operand is one bf16 plane).
-bool fc2_writes_bf16(const moe_ep_expert_desc& d) {
-  return d.apply_topk_in_fc1 != 0 && tc_operand_planes(d.intermediate_format) == 1;
+bool fc2_writes_bf16(const moe_ep_expert_desc& d, int32_t combine_format) {
+  return combine_format == MOE_EP_FORMAT_BF16 && d.apply_topk_in_fc1 != 0 &&
+         tc_operand_planes(d.intermediate_format) == 1;
 }
 
 int block_of_format(int32_t fmt) {
@@ -512,7 +522,7 @@ int block_of_format(int32_t fmt) {
 
 // Every grouped GEMM the layer runs for d, for the workspace size and the support check.
 template <typename Fn>
-void for_each_problem(const moe_ep_expert_desc& d, bool backward, bool bf16_out, Fn fn) {
+void for_each_problem(const moe_ep_expert_desc& d, bool backward, bool bf16_out, int32_t combine_format, Fn fn) {
   const int64_t H = d.hidden, I = d.intermediate;
   auto make = [&](GemmLayout l, int64_t m, int64_t n, int64_t k, bool d_bf16 = false) {
     GroupedGemmProblem p;
@@ -527,7 +537,7 @@ void for_each_problem(const moe_ep_expert_desc& d, bool backward, bool bf16_out,
   };
   make(GemmLayout::kNN, 0, 2 * I, H);  // FC1
   make(GemmLayout::kNN, 0, H, I);      // FC2 (and z = h W2)
-  if (bf16_out && fc2_writes_bf16(d)) make(GemmLayout::kNN, 0, H, I, true);  // FC2 straight into bf16 rows
+  if (bf16_out && fc2_writes_bf16(d, combine_format)) make(GemmLayout::kNN, 0, H, I, true);  // FC2 straight into bf16 rows
   if (backward) {
     make(GemmLayout::kNT, 0, I, H);      // a = dY W2^T
     make(GemmLayout::kNT, 0, H, 2 * I);  // dx = dc W1^T
@@ -545,12 +555,12 @@ int tc_operand_planes(int32_t intermediate_format) {
   return (intermediate_format == MOE_EP_FORMAT_BF16 || intermediate_format == MOE_EP_FORMAT_NVFP4) ? 1 : kPlanes;
 }
 
-size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backward, bool bf16_out, void* base,
-                           TcWorkspace* ws) {
+size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backward, bool bf16_out,
+                           int32_t combine_format, void* base, TcWorkspace* ws) {
   if (!grouped_gemm_built()) return 0;
   bool ok = d.num_local_experts <= 1024;
   size_t gemm_bytes = 0;
-  for_each_problem(d, backward, bf16_out, [&](const GroupedGemmProblem& p) {
+  for_each_problem(d, backward, bf16_out, combine_format, [&](const GroupedGemmProblem& p) {
     GroupedGemmProblem q = p;
     // supported() also checks pointer alignment: give it aligned stand-ins.
     q.a = reinterpret_cast<const uint16_t*>(uintptr_t{256});
@@ -577,7 +587,7 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
   w.gemm_bytes = gemm_bytes;
   w.c = reinterpret_cast<float*>(take(C * 2 * I * sizeof(float)));
   w.left = reinterpret_cast<uint16_t*>(take(kPlanes * C * I * sizeof(uint16_t)));
-  if (bf16_out && !fc2_writes_bf16(d)) w.y32 = reinterpret_cast<float*>(take(C * H * sizeof(float)));
+  if (bf16_out && !fc2_writes_bf16(d, combine_format)) w.y32 = reinterpret_cast<float*>(take(C * H * sizeof(float)));
   if (backward) {
     w.right = reinterpret_cast<uint16_t*>(take(kPlanes * C * H * sizeof(uint16_t)));
     w.dc = reinterpret_cast<uint16_t*>(take(kPlanes * C * 2 * I * sizeof(uint16_t)));
@@ -611,7 +621,7 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   MOE_EP_CUDA_CHECK_LAUNCH("fc1_epilogue_kernel");
 
   const bool weight = !d.apply_topk_in_fc1;
-  if (bf16_out && fc2_writes_bf16(d)) {
+  if (bf16_out && fc2_writes_bf16(d, combine_format)) {
     // Nothing happens to the FC2 output but its bf16 rounding (the combine round trip):
     // the GEMM writes the bf16 rows itself; rows of no expert are zeroed (as float pairs).
     MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, H, I, ws.left, fc2, nullptr, false, "FC2", static_cast<uint16_t*>(y_out)));
@@ -624,6 +634,22 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   for (int pl = 0; pl < planes; ++pl)
     MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, H, I, ws.left + static_cast<int64_t>(pl) * C * I, fc2, y, pl > 0, "FC2"));
 
+  if (bf16_out && combine_format == MOE_EP_FORMAT_NVFP4) {  // nvfp4's values are bf16 values (exact)
+    // H is a multiple of 8 (the GEMMs need it); a block of 16 must not cross a row.
+    if (H % block_of<MOE_EP_FORMAT_NVFP4>() != 0)
+      return fail(MOE_EP_ERR_INTERNAL, "tc_forward: nvfp4 bf16 rows need hidden % 16 == 0; got " + std::to_string(H));
+    const unsigned b = blocks_for(C * (H / 4));
+    float4* z4 = reinterpret_cast<float4*>(y);
+    uint2* y2 = static_cast<uint2*>(y_out);
+    if (weight)
+      fc2_epilogue_block_vec4_kernel<MOE_EP_FORMAT_NVFP4, true, true><<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C,
+                                                                                              H, y2);
+    else
+      fc2_epilogue_block_vec4_kernel<MOE_EP_FORMAT_NVFP4, false, true><<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E,
+                                                                                               C, H, y2);
+    MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_block_vec4_kernel (bf16 rows)");
+    return MOE_EP_OK;
+  }
   if (bf16_out) {  // combine_format bf16 (the layer checked it); H is a multiple of 8 (the GEMMs need it)
     const unsigned b = blocks_for(C * (H / 4));
     const float4* z4 = reinterpret_cast<const float4*>(y);

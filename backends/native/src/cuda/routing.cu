@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda/common.cuh"
+#include "cuda/format_math.cuh"
 #include "internal.h"
 
 namespace moe_ep {
@@ -360,9 +361,13 @@ __global__ void permute_rows_kernel(const V* __restrict__ tokens, int64_t num_ro
   }
 }
 
+__device__ __forceinline__ float row_value(const float* row, int64_t h) { return row[h]; }
+__device__ __forceinline__ float row_value(const uint16_t* row, int64_t h) { return bf16_to_float(row[h]); }
+
 // One thread per output element (t, h): out = (((+0 + Y[t,0]) + Y[t,1]) + ...)
 // in slot order, adding nothing for a -1 position or one outside [0, num_rows).
-__global__ void combine_reduce_kernel(const float* __restrict__ rows, int64_t num_rows,
+template <typename Row>
+__global__ void combine_reduce_kernel(const Row* __restrict__ rows, int64_t num_rows,
                                       const int32_t* __restrict__ route_pos, int64_t num_tokens, int64_t num_topk,
                                       int64_t hidden, float* __restrict__ out) {
   const int64_t total = num_tokens * hidden;
@@ -373,10 +378,83 @@ __global__ void combine_reduce_kernel(const float* __restrict__ rows, int64_t nu
     for (int64_t k = 0; k < num_topk; ++k) {
       const int64_t r = t * num_topk + k;
       const int64_t p = route_pos != nullptr ? static_cast<int64_t>(route_pos[r]) : r;
-      if (p >= 0 && p < num_rows) acc = fadd(acc, rows[p * hidden + h]);
+      if (p >= 0 && p < num_rows) acc = fadd(acc, row_value(rows + p * hidden, h));
     }
     out[idx] = acc;
   }
+}
+
+// The same sums, V = 16 / sizeof(Row) consecutive elements a thread (four float32 or
+// eight bf16 from one 16-byte load a row; hidden a multiple of V, rows and out 16-byte
+// aligned); the loads of all num_topk rows are issued before the adds (up to kReduceBatch
+// at a time) to keep them in flight.
+constexpr int kReduceBatch = 8;
+
+__device__ __forceinline__ void unpack16(uint4 r, float (&v)[4], const float*) {
+  v[0] = __uint_as_float(r.x), v[1] = __uint_as_float(r.y), v[2] = __uint_as_float(r.z), v[3] = __uint_as_float(r.w);
+}
+__device__ __forceinline__ void unpack16(uint4 r, float (&v)[8], const uint16_t*) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    v[2 * i] = bf16_to_float(static_cast<uint16_t>(w[i])), v[2 * i + 1] = bf16_to_float(static_cast<uint16_t>(w[i] >> 16));
+}
+
+template <typename Row>
+__global__ void combine_reduce_vec_kernel(const Row* __restrict__ rows, int64_t num_rows,
+                                          const int32_t* __restrict__ route_pos, int64_t num_tokens,
+                                          int64_t num_topk, int64_t hidden, float* __restrict__ out) {
+  constexpr int V = 16 / static_cast<int>(sizeof(Row));
+  const int64_t per_row = hidden / V, total = num_tokens * per_row;
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = idx / per_row, h = (idx - t * per_row) * V;
+    float acc[V];
+#pragma unroll
+    for (int u = 0; u < V; ++u) acc[u] = 0.0f;
+    for (int64_t k0 = 0; k0 < num_topk; k0 += kReduceBatch) {
+      uint4 raw[kReduceBatch];
+      bool ok[kReduceBatch];
+#pragma unroll
+      for (int j = 0; j < kReduceBatch; ++j) {
+        const int64_t k = k0 + j;
+        int64_t p = -1;
+        if (k < num_topk) p = route_pos != nullptr ? static_cast<int64_t>(route_pos[t * num_topk + k]) : t * num_topk + k;
+        ok[j] = p >= 0 && p < num_rows;
+        if (ok[j]) raw[j] = __ldg(reinterpret_cast<const uint4*>(rows + p * hidden + h));
+      }
+#pragma unroll
+      for (int j = 0; j < kReduceBatch; ++j) {
+        if (!ok[j]) continue;
+        float v[V];
+        unpack16(raw[j], v, rows);
+#pragma unroll
+        for (int u = 0; u < V; ++u) acc[u] = fadd(acc[u], v[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < V; u += 4)
+      *reinterpret_cast<float4*>(out + t * hidden + h + u) = make_float4(acc[u], acc[u + 1], acc[u + 2], acc[u + 3]);
+  }
+}
+
+template <typename Row>
+moe_ep_status launch_combine_reduce(void* stream, const Row* rows, int64_t num_rows, const int32_t* route_pos,
+                                    int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out) {
+  constexpr int64_t V = 16 / static_cast<int64_t>(sizeof(Row));
+  const int64_t total = num_tokens * hidden;
+  if (total == 0) return MOE_EP_OK;
+  const cudaStream_t s = as_stream(stream);
+  if (hidden % V == 0 && aligned16(rows) && aligned16(out)) {
+    combine_reduce_vec_kernel<Row><<<blocks_for(total / V), kThreads, 0, s>>>(rows, num_rows, route_pos, num_tokens,
+                                                                              num_topk, hidden, out);
+    MOE_EP_CUDA_CHECK_LAUNCH("combine_reduce_vec_kernel");
+    return MOE_EP_OK;
+  }
+  combine_reduce_kernel<Row><<<blocks_for(total), kThreads, 0, s>>>(rows, num_rows, route_pos, num_tokens, num_topk,
+                                                                    hidden, out);
+  MOE_EP_CUDA_CHECK_LAUNCH("combine_reduce_kernel");
+  return MOE_EP_OK;
 }
 
 template <typename V>
@@ -459,12 +537,12 @@ moe_ep_status permute_rows(void* stream, const void* tokens, int64_t num_tokens,
 
 moe_ep_status combine_reduce(void* stream, const float* rows, int64_t num_rows, const int32_t* route_pos,
                              int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out) {
-  const int64_t total = num_tokens * hidden;
-  if (total == 0) return MOE_EP_OK;
-  combine_reduce_kernel<<<blocks_for(total), kThreads, 0, as_stream(stream)>>>(rows, num_rows, route_pos, num_tokens,
-                                                                                num_topk, hidden, out);
-  MOE_EP_CUDA_CHECK_LAUNCH("combine_reduce_kernel");
-  return MOE_EP_OK;
+  return launch_combine_reduce(stream, rows, num_rows, route_pos, num_tokens, num_topk, hidden, out);
+}
+
+moe_ep_status combine_reduce_bf16(void* stream, const uint16_t* rows, int64_t num_rows, const int32_t* route_pos,
+                                  int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out) {
+  return launch_combine_reduce(stream, rows, num_rows, route_pos, num_tokens, num_topk, hidden, out);
 }
 
 }  // namespace cuda
