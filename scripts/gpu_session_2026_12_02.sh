@@ -127,19 +127,20 @@ case "$RUN" in
   TAIL=14 step bench-formats 100 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
     --tokens 128 --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 \
     --op forward --json "$o/bench-formats.json" --no-progress
-  TAIL=3 step conformance-device-ep2 60 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_CUDA_NCCL_TIMEOUT_S=30 \
-    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 2 \
-    --device cuda-shared --timeout 45 --report-md "$o/conformance-device-ep2.md"
   jaxffi_build
   TAIL=14 step bench-jax-ffi 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
     --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
     --json "$o/bench-jax-ffi.json" --no-progress
   TAIL=20 step jax-profile-bf16 40 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format bf16
+  TAIL=24 step jax-profile-mxfp8 50 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8
   step tests-jax-ffi 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py tests/test_jax_one_rank.py
   TAIL=3 step conformance-jax-ffi 60 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
     --timeout 50 --report-md "$o/conformance-jax-ffi-ep1.md"
   TAIL=24 step profile-mxfp8 40 "$py" scripts/gpu_layer_profile.py --mode device --format mxfp8 \
     --intermediate-format bf16 --iters 3 --top 14
+  TAIL=3 step conformance-device-ep2 60 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_CUDA_NCCL_TIMEOUT_S=30 \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 2 \
+    --device cuda-shared --timeout 45 --report-md "$o/conformance-device-ep2.md"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
