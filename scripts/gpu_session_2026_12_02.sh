@@ -24,6 +24,9 @@
 #          where the dispatch put them, nvfp4 expert-output rows as bf16, jax-ffi's bf16 y and
 #          bf16 combine sums: their CUDA tests, conformance (cuda-nccl EP 1 over NCCL and EP 2 over
 #          the device exchange, jax-ffi EP 1), the bench and the profiles.
+#   RUN=6: after run 5: the dispatched codes decoded as views of the received rows, jax's weights
+#          decoded 16 neighbours a thread, the bench's pipelined jax rows, and the CUDA tests run 5
+#          did not finish.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -141,6 +144,36 @@ case "$RUN" in
   TAIL=3 step conformance-device-ep2 60 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_CUDA_NCCL_TIMEOUT_S=30 \
     MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 2 \
     --device cuda-shared --timeout 45 --report-md "$o/conformance-device-ep2.md"
+  ;;
+6)
+  # After run 5: the dispatched codes and scales stay views into the received byte rows (run 5
+  # still copied them while unpacking), jax's weights blocked along their middle axis decoded 16
+  # neighbours a thread (run 5: 10.4 of jax-ffi's 17 ms mxfp8 forward in the element-by-element
+  # kernel), and the bench's pipelined jax rows; the CUDA tests run 5 did not finish.
+  TAIL=3 step conformance-nccl-ep1 60 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --timeout 50 --report-md "$o/conformance-nccl-ep1.md"
+  TAIL=22 step bench-formats 100 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
+    --tokens 128 --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 \
+    --op forward --json "$o/bench-formats.json" --no-progress
+  jaxffi_build
+  TAIL=12 step bench-jax-ffi 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
+  TAIL=14 step jax-profile-mxfp8 30 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8
+  TAIL=3 step conformance-jax-ffi 40 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
+    --timeout 35 --report-md "$o/conformance-jax-ffi-ep1.md"
+  TAIL=4 step tests-native-cuda 60 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_"
+  TAIL=4 step tests-jax-ffi 100 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py \
+    tests/test_jax_one_rank.py
+  TAIL=16 step profile-mxfp8 25 "$py" scripts/gpu_layer_profile.py --mode device --format mxfp8 \
+    --intermediate-format bf16 --iters 3 --top 12
+  TAIL=3 step conformance-device-ep2 30 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_CUDA_NCCL_TIMEOUT_S=20 \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 2 \
+    --device cuda-shared --timeout 25 --report-md "$o/conformance-device-ep2.md"
+  TAIL=6 step tests-cuda-nccl-block 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_cuda_nccl_block_scaled.py -k "test_cuda_"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

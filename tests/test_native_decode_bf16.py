@@ -305,7 +305,11 @@ def _cuda_decode(t: F.BlockScaledTensor, rows: int, offset: int = 0):
         ((37, 96), -1, False, 0),       # rows, 16-byte path (n a multiple of 32), ragged row count
         ((5, 70), -1, False, 0),        # rows, n not a multiple of the chunk: element by element
         ((64, 256), -1, False, 1),      # misaligned data: element by element
-        ((3, 64, 9), 1, False, 0),      # inner > 1
+        ((3, 64, 9), 1, False, 0),      # inner > 1, not a multiple of 16: element by element
+        ((3, 64, 32), 1, False, 0),     # inner a multiple of 16: 16 neighbours along inner a thread
+        ((2, 33, 48), 1, False, 0),     # ... n odd (nvfp4's last byte row has no high row), a partial block
+        ((4, 70, 16), 1, False, 0),     # ... a partial last block along n
+        ((3, 64, 32), 1, False, 1),     # ... misaligned data: element by element
         ((2, 128, 256), -1, True, 0),   # transposed, whole tiles
         ((3, 72, 96), -1, True, 0),     # transposed, partial tiles in both directions
         ((2, 12, 64), -1, True, 0),     # transposed, R not a multiple of 8: element by element

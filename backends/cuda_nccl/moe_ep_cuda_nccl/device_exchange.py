@@ -233,9 +233,24 @@ def move(config: MoeEpConfig, group: Any, activation: Any, idx: torch.Tensor, we
     if plain:
         x_buf, recv_extra = x_rows, []
     else:
-        recv = core.unpack_rows(x_rows, layout)
+        recv = _received_parts(x_rows, layout)
         x_buf, recv_extra = core.rebuild(activation, recv[:token_part_count]), recv[token_part_count:]
     return layer, x_buf, recv_extra, w_buf, meta, gs, tpe, err
+
+
+def _received_parts(rows: torch.Tensor, layout: List[Tuple[torch.dtype, Tuple[int, ...], int]]) -> List[torch.Tensor]:
+    """The parts of the received byte rows ``[C, row_bytes] uint8``: a one-axis byte part
+    (block-scaled codes and scales) as a strided view into ``rows`` (its consumers decode
+    rows where they lie: :func:`moe_ep_cuda_nccl.prims.dequantize_bf16`); any other part as
+    :func:`moe_ep_torch.core.unpack_rows` gives it (a dense copy in its dtype)."""
+    out, col = [], 0
+    for dtype, tail, width in layout:
+        if dtype == torch.uint8 and len(tail) == 1:
+            out.append(rows[:, col : col + width])
+        else:
+            out.append(core.unpack_rows(rows[:, col : col + width], [(dtype, tail, width)])[0])
+        col += width
+    return out
 
 
 def _record(config: MoeEpConfig, group: Any, err: torch.Tensor, tpe: torch.Tensor) -> None:

@@ -11,7 +11,11 @@ router weights, applied to a bf16 output cotangent (bf16 only, as for torch).
 Each executable is compiled before it is timed (on CPU with the jax
 backend's own ``XLA_CPU_FAST_COMPILE`` options, as the backend compiles); a call's time is
 ``time.perf_counter`` around the call and ``jax.block_until_ready`` of its
-result (the whole world's time, as every rank runs in the call).
+result (the whole world's time, as every rank runs in the call). Each such row has a
+twin with the note "8 calls back to back, one wait": the per-call time of calls
+issued as a training loop issues them, the host running ahead (the single call's
+time also holds its dispatch and its wait, while the device idles; the baselines'
+CUDA-event times hold neither).
 
 Devices: ``--device cpu`` uses jax's CPU devices (the jax backend asks XLA for
 ``MOE_EP_JAX_CPU_DEVICES``, default 8, before jax is first imported; or set
@@ -72,6 +76,26 @@ def _time(fn: Callable[..., Any], sets: Sequence[tuple], warmup: int, repeats: i
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+#: Calls issued back to back before one wait, for the pipelined rows.
+PIPELINE = 8
+
+
+def _time_pipelined(fn: Callable[..., Any], sets: Sequence[tuple], repeats: int) -> List[float]:
+    """Per-call times of :data:`PIPELINE` calls issued back to back and one
+    ``block_until_ready`` of all their results (as a training loop dispatches: the host
+    runs ahead of the device), one sample per round."""
+    import jax
+
+    out = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        results = [fn(*sets[(r * PIPELINE + i) % len(sets)]) for i in range(PIPELINE)]
+        jax.block_until_ready(results)
+        out.append((time.perf_counter() - t0) * 1e3 / PIPELINE)
+        del results
     return out
 
 
@@ -153,6 +177,7 @@ def run_jax(
             weights[fmt] = jax.jit(make, out_shardings=shard)()
         return weights[fmt]
 
+    pipelined: List[Row] = []
     for row in todo:
         fmt, t = row.format, row.tokens
         routing = routings[t]
@@ -190,8 +215,17 @@ def run_jax(
                 f"{kernels_name}; compiled first{' (XLA_CPU_FAST_COMPILE, as the backend)' if options else ''}, "
                 "then perf_counter around the call + block_until_ready"
             )
+            # The same executable pipelined: the row above includes each call's dispatch and
+            # wait (the device idles meanwhile), which the baselines' CUDA-event times do not.
+            piped = Row(backend=row.backend, kind="backend", op=row.op, tokens=t, format=fmt, ep_size=row.ep_size,
+                        device=row.device, variant=f"{PIPELINE} calls back to back, one wait")
+            piped.set_times(_time_pipelined(compiled, sets, s.repeats))
+            piped.label = row.label.replace("perf_counter around the call + block_until_ready",
+                                            f"perf_counter around {PIPELINE} calls + one block_until_ready, per call")
+            pipelined.append(piped)
         except Exception as exc:  # noqa: BLE001 - a failing backend is a row, not a crash
             row.status, row.reason = "error", f"{type(exc).__name__}: {exc}"[:600]
         progress.update(f"{backend.name} {row.op} {row.format} T={row.tokens}")
     weights.clear()
+    rows.extend(pipelined)
     return {"jax": jax.__version__, "jax_platform": devs[0].platform, "jax_devices": len(devs)}

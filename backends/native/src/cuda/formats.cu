@@ -336,6 +336,58 @@ __global__ void __launch_bounds__(kThreads)
   report_inexact(inexact, flag);
 }
 
+// Blocked along the middle axis of [outer, n, inner] (inner a multiple of 16; data, scale
+// and out 16-byte aligned: e.g. jax's weights [E, H, 2I] blocked along H). A thread takes
+// 16 neighbours along inner: their codes and their scales are 16 contiguous bytes each
+// (every element has its own block along n), decoded element by element into two
+// 16-byte stores. mxfp8: one row k of the view; nvfp4: one byte row j, which holds rows
+// 2j (low nibbles) and 2j + 1 (high nibbles, when 2j + 1 < n) of one block of 16.
+template <bool kMx>
+__global__ void __launch_bounds__(kThreads)
+    bf16_inner_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale, int64_t outer, int64_t n,
+                      int64_t inner, uint16_t* __restrict__ out, int32_t* __restrict__ flag) {
+  const int64_t rows = kMx ? n : div_up(n, 2);  // code rows of one outer index
+  const int64_t nb = div_up(n, kMx ? kMxfp8Block : kNvfp4Block);
+  const int64_t per_row = inner / 16, total = outer * rows * per_row;
+  bool inexact = false;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i0 = (t % per_row) * 16, ok = t / per_row, o = ok / rows, j = ok - o * rows;
+    const uint4 c4 = __ldg(reinterpret_cast<const uint4*>(data + (o * rows + j) * inner + i0));
+    const int64_t k = kMx ? j : 2 * j;  // the (first) row of the view
+    const uint4 s4 =
+        __ldg(reinterpret_cast<const uint4*>(scale + (o * nb + k / (kMx ? kMxfp8Block : kNvfp4Block)) * inner + i0));
+    const uint32_t cw[4] = {c4.x, c4.y, c4.z, c4.w}, sw[4] = {s4.x, s4.y, s4.z, s4.w};
+    uint32_t lo[8], hi[8];  // bf16 pairs of row k (and, nvfp4, row k + 1)
+#pragma unroll
+    for (int e = 0; e < 16; e += 2) {
+      uint16_t a[2], b[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const uint32_t code = (cw[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xFFu;
+        const uint32_t sc = (sw[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xFFu;
+        if constexpr (kMx) {
+          a[u] = bf16_exact_bits(mxfp8_decode(code, sc), inexact);
+          b[u] = 0;
+        } else {
+          a[u] = bf16_exact_bits(nvfp4_decode(code & 0xFu, sc), inexact);
+          b[u] = bf16_exact_bits(nvfp4_decode(code >> 4, sc), inexact);
+        }
+      }
+      lo[e / 2] = a[0] | (uint32_t{a[1]} << 16);
+      hi[e / 2] = b[0] | (uint32_t{b[1]} << 16);
+    }
+    uint4* o0 = reinterpret_cast<uint4*>(out + (o * n + k) * inner + i0);
+    o0[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    o0[1] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+    if (!kMx && k + 1 < n) {
+      uint4* o1 = reinterpret_cast<uint4*>(out + (o * n + k + 1) * inner + i0);
+      o1[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      o1[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+    }
+  }
+  report_inexact(inexact, flag);
+}
+
 // Element by element over rows with strides (any alignment): thread t writes out[t] of [outer, n].
 template <bool kMx>
 __global__ void bf16_strided_rows_kernel(const uint8_t* __restrict__ data, int64_t data_row_bytes,
@@ -469,6 +521,12 @@ moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const 
       MOE_EP_CUDA_CHECK_LAUNCH("bf16_transpose_kernel");
       return MOE_EP_OK;
     }
+  }
+  if (R == 0 && inner > 1 && inner % 16 == 0 && aligned && detail::aligned16(scale)) {
+    const int64_t units = outer * (kMx ? n : div_up(n, 2)) * (inner / 16);
+    bf16_inner_kernel<kMx><<<blocks_for(units), kThreads, 0, s>>>(data, scale, outer, n, inner, out, flag);
+    MOE_EP_CUDA_CHECK_LAUNCH("bf16_inner_kernel");
+    return MOE_EP_OK;
   }
   bf16_elements_kernel<kMx><<<blocks_for(outer * n * inner), kThreads, 0, s>>>(data, scale, outer, n, inner, R, out,
                                                                               flag);
