@@ -27,6 +27,8 @@
 #   RUN=6: after run 5: the dispatched codes decoded as views of the received rows, jax's weights
 #          decoded 16 neighbours a thread, the bench's pipelined jax rows, and the CUDA tests run 5
 #          did not finish.
+#   RUN=7: the mxfp8 epilogue round trip and decodes through the hardware's E4M3 converts: their
+#          bit-exactness tests, the bench, the NCCL provider's table.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -174,6 +176,24 @@ case "$RUN" in
     --device cuda-shared --timeout 25 --report-md "$o/conformance-device-ep2.md"
   TAIL=6 step tests-cuda-nccl-block 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
     tests/test_cuda_nccl_block_scaled.py -k "test_cuda_"
+  ;;
+7)
+  # The last 270 s of the day's second session: the mxfp8 round trip of the FC2 epilogue and
+  # the mxfp8 decodes through the hardware's E4M3 converts (bit for bit the spec's: the
+  # epilogue against the spec's numpy round trip of the same layer's unrounded rows, every
+  # code at every scale for the decodes), then their bench and the NCCL provider's table.
+  TAIL=4 step tests-cvt 40 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_layer.py \
+    tests/test_native_decode_bf16.py -k "epilogue or test_cuda_"
+  TAIL=12 step bench-formats 30 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 \
+    --op forward --json "$o/bench-formats.json" --no-progress
+  jaxffi_build
+  TAIL=10 step bench-jax-ffi 30 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
+  TAIL=3 step conformance-nccl-ep1 45 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --timeout 40 --report-md "$o/conformance-nccl-ep1.md"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

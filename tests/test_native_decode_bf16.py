@@ -349,6 +349,25 @@ def test_cuda_every_code_matches_the_cpu_entry():
 
 
 @needs_cuda
+def test_cuda_every_code_at_every_scale_blocked_along_the_middle_axis():
+    """The 16-neighbours-along-inner path (jax's weight layout): every (code, scale) pair of
+    both formats, each element with its own scale (scale code o for outer index o)."""
+    codes = np.broadcast_to(np.arange(256, dtype=np.uint8), (256, 32, 256)).copy()  # [o, k, i] = i
+    scales = np.broadcast_to(np.arange(256, dtype=np.uint8)[:, None, None], (256, 1, 256)).copy()  # [o, 0, i] = o
+    t = _mxfp8(codes, scales, (256, 32, 256), axis=1)
+    want, want_flag = host.dequantize_bf16(t)
+    got, flag = _cuda_decode(t, 0)
+    np.testing.assert_array_equal(got, want.view(np.uint16))
+    assert flag and want_flag
+    packed = np.broadcast_to(np.arange(256, dtype=np.uint8), (256, 16, 256)).copy()  # both nibbles of every byte
+    t = _nvfp4(packed, np.broadcast_to(np.arange(256, dtype=np.uint8)[:, None, None], (256, 2, 256)).copy(),
+               (256, 32, 256), axis=1)
+    got, flag = _cuda_decode(t, 0)
+    np.testing.assert_array_equal(got, host.dequantize_bf16(t)[0].view(np.uint16))
+    assert not flag
+
+
+@needs_cuda
 def test_cuda_decode_is_capturable_in_a_graph():
     import torch
 

@@ -15,6 +15,7 @@ from moe_ep_native import host  # noqa: E402
 from moe_ep_native._capi import LayerConfig, call, has_cuda  # noqa: E402
 from moe_ep_native.layer import Layer, layer_config  # noqa: E402
 from moe_ep_spec import MoeEpConfig, NativeArgumentError, NativeError  # noqa: E402
+from moe_ep_spec import formats as F  # noqa: E402
 from moe_ep_spec.formats import BF16  # noqa: E402
 
 
@@ -297,3 +298,62 @@ def test_cuda_bf16_expert_output_rows_equal_the_float32_rows(name, weight_in_fc1
         layer.close()
     assert torch.equal(outs[True][0], outs[False][0]), "bf16 rows must hold exactly the float32 rows' values"
     assert torch.equal(outs[True][1], outs[False][1]), "the stash does not depend on the rows' dtype"
+
+
+@pytest.mark.parametrize("on", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not _cuda_available(), reason="needs a CUDA device and a native build with CUDA"))])
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_fc2_epilogue_round_trip_is_the_specs_bit_for_bit(on, fmt) -> None:
+    """The tensor-core FC2 epilogue's combine round trip (mxfp8 through the hardware's E4M3
+    converts) equals the spec's numpy round trip of the same layer's unrounded rows, bit for
+    bit: the router weight in FC2 (the epilogue multiplies it in, then rounds) spans 2^-140
+    to 2^100, so blocks land on every scale, subnormal ones included; a row of +inf and one
+    of NaN weights give NaN blocks."""
+    config = MoeEpConfig(num_experts=2, hidden=64, intermediate=32, num_topk=1, num_ranks=1, combine_format=fmt,
+                         intermediate_format="bf16", apply_topk_in_fc1=False)
+    sizes = [150, 170]
+    x, w, fc1, fc2, gs, _ = _case(config, sizes, seed=9)
+    rows = x.shape[0]
+    rng = np.random.default_rng(10)
+    w = (rng.uniform(1, 2, rows) * np.exp2(rng.integers(-140, 100, rows))).astype(np.float32)
+    w[[0, 1, 2]] = [np.inf, np.nan, 2.0**-149]
+    ys = {}
+    for combine in (fmt, None):
+        if on == "cpu":
+            cfg = layer_config(config, max_rows=rows, cuda_device=None, bf16_operands=True, with_backward=False)
+            if combine is None:
+                cfg.combine_format = 0  # MOE_EP_FORMAT_NONE: the unrounded w * z
+            layer = Layer(cfg)
+            with np.errstate(all="ignore"):
+                ys[combine] = _layer_forward(layer, x, w, fc1, fc2, gs, config)[0]
+            layer.close()
+            continue
+        import torch
+
+        dev = torch.device("cuda", torch.cuda.current_device())
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
+        xt, f1t, f2t, wt, gst = t(x.view(np.uint16)), t(fc1.view(np.uint16)), t(fc2.view(np.uint16)), t(w), t(gs)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        p = lambda a: a.data_ptr() if a.numel() else None  # noqa: E731
+        cfg = layer_config(config, max_rows=rows, cuda_device=dev.index, bf16_operands=True, with_backward=False)
+        if combine is None:
+            cfg.combine_format = 0  # MOE_EP_FORMAT_NONE: the unrounded w * z
+        layer = Layer(cfg)
+        if torch.cuda.get_device_capability(dev) == (9, 0):
+            assert layer.info.tensor_cores, "sm_90 with the CUTLASS build: the tensor-core epilogue is the one tested"
+        y = torch.full((rows, config.hidden), float("nan"), device=dev)
+        c = torch.zeros((rows, 2 * config.intermediate), dtype=torch.int16, device=dev)
+        layer.experts_forward(stream, rows, p(xt), p(wt), p(f1t), p(f2t), p(gst), p(y), p(c))
+        torch.cuda.synchronize()
+        ys[combine] = y.cpu().numpy()
+        layer.close()
+    raw = ys[None][: sum(sizes)]
+    with np.errstate(all="ignore"):
+        want = F.dequantize(F.quantize(raw, fmt, axis=-1), np.float32)
+    got = ys[fmt][: sum(sizes)]
+    assert np.isnan(got[:2]).all() and np.isnan(want[:2]).all(), "an inf or NaN weight makes its row's blocks NaN"
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    bad = np.argwhere(~same)
+    assert same.all(), f"{len(bad)} values differ from the spec's round trip; first at {bad[:3].tolist()}: " \
+                       f"got {got[tuple(bad[0])] if len(bad) else None!r}, want {want[tuple(bad[0])] if len(bad) else None!r}"
+    assert not np.any(ys[fmt][sum(sizes):]), "rows of no expert are zero"

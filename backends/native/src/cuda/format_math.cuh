@@ -18,6 +18,9 @@
 #ifndef MOE_EP_NATIVE_CUDA_FORMAT_MATH_CUH_
 #define MOE_EP_NATIVE_CUDA_FORMAT_MATH_CUH_
 
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <cstdint>
 
 #include "cuda/common.cuh"
@@ -139,6 +142,16 @@ __device__ __forceinline__ float mxfp8_value(uint32_t code, float sv, bool nan_s
   return (code & 0x80u) ? -v : v;
 }
 
+// Two mxfp8 elements (codes in the low and high byte of `two`) with their scale values
+// sa and sb: mxfp8_value's values (NaN where a scale is NaN or a code is 0x7F / 0xFF),
+// through the hardware's E4M3 -> f16 convert (exact: E4M3 lies in f16's range and grid;
+// the signs of zeros kept), then the exact product with the scale.
+__device__ __forceinline__ float2 mxfp8_values2(uint32_t two, float sa, bool nan_a, float sb, bool nan_b) {
+  const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two),
+                                                                     __NV_E4M3)));
+  return make_float2(nan_a ? bitsf(kQuietNaN) : fmul(v.x, sa), nan_b ? bitsf(kQuietNaN) : fmul(v.y, sb));
+}
+
 // Decode one mxfp8 element: E4M3(code) * 2^(scale - 127); NaN for a NaN scale
 // (0xFF) or a NaN data code (0x7F / 0xFF). Exact except overflow to +-Inf.
 __device__ __forceinline__ float mxfp8_decode(uint32_t code, uint32_t scale_code) {
@@ -191,6 +204,32 @@ __device__ __forceinline__ void mxfp8_round_trip_with(const BlockMax& bm, float*
   for (int j = 0; j < len; ++j) {
     const uint32_t u = fbits(p[j]);
     p[j] = mxfp8_decode(e4m3_mag_code(u & kAbsMask, e) | ((u >> 31) << 7), scale_code);
+  }
+}
+
+// mxfp8_round_trip_with for four values through the hardware E4M3 conversions (sm_89
+// and later; emulated before): the same values, fewer instructions. q = x * 2^-e is
+// exact unless |q| < 2^-126, where q and x / 2^e both round to a zero E4M3 code (the
+// smallest nonzero magnitude is 2^-9); |q| <= 448 (e is chosen so), so cvt.rn.satfinite
+// is the round-half-even of x / 2^e that e4m3_mag_code computes on the bits, sign and
+// zero sign included; E4M3 -> f16 -> f32 is exact, and so is the product with 2^e (at
+// most 4 significant bits, a multiple of 2^-136, below float32's maximum since a finite
+// amax keeps e <= 120).
+__device__ __forceinline__ void mxfp8_round_trip_cvt4(const BlockMax& bm, float (&p)[4]) {
+  if (bm.nonfinite) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = bitsf(kQuietNaN);
+    return;
+  }
+  const int e = mxfp8_exponent(bm.amax);
+  const float down = exp2_exact(-e), up = exp2_exact(e);
+#pragma unroll
+  for (int j = 0; j < 4; j += 2) {
+    const __nv_fp8x2_storage_t c =
+        __nv_cvt_float2_to_fp8x2(make_float2(fmul(p[j], down), fmul(p[j + 1], down)), __NV_SATFINITE, __NV_E4M3);
+    const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(c, __NV_E4M3)));
+    p[j] = fmul(v.x, up);
+    p[j + 1] = fmul(v.y, up);
   }
 }
 

@@ -281,8 +281,9 @@ __device__ __forceinline__ uint4 chunk_bf16x8(const uint4 raw, int q, const Chun
     uint16_t lo, hi;
     if constexpr (kMx) {
       const uint32_t word = w[2 * q + j / 2], sh = (j & 1) * 16;
-      lo = bf16_exact_bits(mxfp8_value((word >> sh) & 0xFFu, s.v0, s.nan0), inexact);
-      hi = bf16_exact_bits(mxfp8_value((word >> (sh + 8)) & 0xFFu, s.v0, s.nan0), inexact);
+      const float2 v = mxfp8_values2((word >> sh) & 0xFFFFu, s.v0, s.nan0, s.v0, s.nan0);
+      lo = bf16_exact_bits(v.x, inexact);
+      hi = bf16_exact_bits(v.y, inexact);
     } else {
       const uint32_t byte = (w[q] >> (8 * j)) & 0xFFu;
       const float sv = q < 2 ? s.v0 : s.v1;
@@ -361,14 +362,19 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int e = 0; e < 16; e += 2) {
       uint16_t a[2], b[2];
+      if constexpr (kMx) {  // elements e and e + 1: one byte pair of codes, each with its own scale
+        const uint32_t sh = 8 * (e % 4);
+        const uint32_t sa = (sw[e / 4] >> sh) & 0xFFu, sb = (sw[e / 4] >> (sh + 8)) & 0xFFu;
+        const float2 v = mxfp8_values2((cw[e / 4] >> sh) & 0xFFFFu, exp2_exact(static_cast<int>(sa) - 127),
+                                       sa == 0xFFu, exp2_exact(static_cast<int>(sb) - 127), sb == 0xFFu);
+        a[0] = bf16_exact_bits(v.x, inexact);
+        a[1] = bf16_exact_bits(v.y, inexact);
+        b[0] = b[1] = 0;
+      } else {
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const uint32_t code = (cw[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xFFu;
-        const uint32_t sc = (sw[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xFFu;
-        if constexpr (kMx) {
-          a[u] = bf16_exact_bits(mxfp8_decode(code, sc), inexact);
-          b[u] = 0;
-        } else {
+        for (int u = 0; u < 2; ++u) {
+          const uint32_t code = (cw[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xFFu;
+          const uint32_t sc = (sw[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xFFu;
           a[u] = bf16_exact_bits(nvfp4_decode(code & 0xFu, sc), inexact);
           b[u] = bf16_exact_bits(nvfp4_decode(code >> 4, sc), inexact);
         }

@@ -237,7 +237,7 @@ __global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const flo
       continue;
     }
     bm.nonfinite = nonfinite != 0;
-    if constexpr (kFmt == MOE_EP_FORMAT_MXFP8) mxfp8_round_trip_with(bm, v, 4);
+    if constexpr (kFmt == MOE_EP_FORMAT_MXFP8) mxfp8_round_trip_cvt4(bm, v);  // the hardware's E4M3 converts
     else nvfp4_round_trip_with(bm, v, 4);
     if constexpr (kBf16Out) {  // exact: the upper halves (NaN stays NaN)
       bf16_out[t] = make_uint2(static_cast<uint32_t>(bf16_from_float(v[0])) | (uint32_t{bf16_from_float(v[1])} << 16),
