@@ -11,7 +11,11 @@
 //   |x| / s by comparing |x| with (E2M1 midpoints) * s; all these thresholds
 //   have at most 7 significant bits and are normal float32 values: exact.
 // Decoding multiplies a code's value (<= 4 significant bits) by the scale:
-// exact, except that a result beyond float32 range is +-Inf. Every decoded
+// exact, except that a result beyond float32 range is +-Inf.
+// Two mxfp8 helpers take the hardware's E4M3 converts instead (sm_89+), where the
+// values are provably the same: the FC2 epilogue's round trip (mxfp8_round_trip_cvt4:
+// x times a power of two, then cvt.rn.satfinite) and the bf16 decodes (mxfp8_values2:
+// cvt to f16, exact); the encoders keep the integer method. Every decoded
 // NaN is the positive quiet NaN 0x7FC00000 (as the CPU implementation).
 // No flush-to-zero is assumed anywhere (nvcc's default -ftz=false; subnormal
 // inputs are handled on their bits).
