@@ -191,6 +191,31 @@ def test_the_device_exchange_path_takes_bf16_operands_for_block_scaled_inputs():
     assert torch.equal(w2o.float(), P.dequantize(_weight("nvfp4")).transpose(1, 2))
 
 
+def test_received_block_scaled_rows_are_decoded_where_they_lie():
+    """The device exchange keeps the received codes and scales as views of its byte rows (no
+    copy: 0.53 ms of the mxfp8 forward at issue 14's shape), and the bf16 decode of those
+    views equals the decode of the contiguous rows, the inexact flag included; other parts
+    (a float32 cotangent) are unpacked as before."""
+    from moe_ep_cuda_nccl import device_exchange as DX
+    from moe_ep_torch import core
+    from moe_ep_torch import formats as TF
+
+    for fmt in ("mxfp8", "nvfp4"):
+        rows = _rows(fmt)
+        codes, scales = TF.raw(rows)
+        extra = torch.randn(codes.shape[0], 5)
+        blob, layout = core.pack_rows([codes, scales, extra], codes.shape[0])
+        parts = DX._received_parts(blob, layout)
+        assert parts[0].data_ptr() == blob.data_ptr() and parts[1].data_ptr() == blob.data_ptr() + codes.shape[1]
+        assert parts[0].stride(0) == blob.shape[1], "the codes are a strided view of the received rows"
+        assert torch.equal(parts[2], extra) and parts[2].is_contiguous()
+        got_flag, want_flag = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        got = P.dequantize_bf16(core.rebuild(rows, parts[:2]), got_flag)
+        want = P.dequantize_bf16(rows, want_flag)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), fmt
+        assert torch.equal(got_flag, want_flag)
+
+
 def test_weights_that_skip_decode_weight_are_still_the_stored_transpose():
     """moe_ep_torch.api.run_backward hands forward_operands the weights as given."""
     w = _weight("mxfp8")
