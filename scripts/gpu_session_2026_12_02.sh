@@ -29,6 +29,8 @@
 #          did not finish.
 #   RUN=7: the mxfp8 epilogue round trip and decodes through the hardware's E4M3 converts: their
 #          bit-exactness tests, the bench, the NCCL provider's table.
+#   RUN=8: (prepared for the next session) jax-ffi's bf16 forward with and without XLA's command
+#          buffers and with one or four input sets; nvfp4's forward profile.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -194,6 +196,23 @@ case "$RUN" in
   TAIL=3 step conformance-nccl-ep1 45 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
     MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
     --device cuda --timeout 40 --report-md "$o/conformance-nccl-ep1.md"
+  ;;
+8)
+  # Prepared for the next session (no device time was left): where jax-ffi's bf16 forward loses
+  # 0.6 ms a call even with calls issued back to back (its GPU events of one call sum to 4.85 ms
+  # without gaps). Hypothesis to test: XLA's command buffers re-recorded every call, as the
+  # bench alternates four input sets (new buffer addresses), with the host waiting meanwhile.
+  # The same bench without command buffers and with one input set, then nvfp4's forward profile
+  # (0.662 of the roofline: its FC2 epilogue's scale search is the suspect).
+  for flags in "" "--xla_gpu_enable_command_buffer="; do
+    for sets in 1 4; do
+      TAIL=6 step "bench-jax-ffi-cb${flags:+off}-sets$sets" 60 env XLA_FLAGS="$flags" "$py" -m moe_ep_spec.cli bench \
+        --device cuda --ep-size 1 --backend jax-ffi --tokens 4096 "${shape[@]}" --format bf16 \
+        --intermediate-format bf16 --op forward --input-sets "$sets" --no-progress
+    done
+  done
+  TAIL=16 step profile-nvfp4 40 "$py" scripts/gpu_layer_profile.py --mode device --format nvfp4 \
+    --intermediate-format bf16 --iters 3 --top 12
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
