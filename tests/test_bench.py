@@ -500,8 +500,17 @@ def test_other_drivers_time_the_layer_on_cpu(others_run, name: str) -> None:
     names, report, stdout = others_run
     if name not in names:
         pytest.skip(f"backend {name!r} cannot run here")
-    rows = {r["op"]: r for r in report["rows"] if r["backend"] == name}
+    rows = {r["op"]: r for r in report["rows"] if r["backend"] == name and not r["variant"]}
     assert set(rows) == {"forward", "forward_backward"}
+    twins = {r["op"]: r for r in report["rows"] if r["backend"] == name and r["variant"]}
+    if name.startswith("jax"):  # each jax row has a pipelined twin: 8 calls back to back, one wait
+        assert set(twins) == set(rows)
+        for op, r in twins.items():
+            assert r["status"] == "ok" and r["variant"] == "8 calls back to back, one wait", r
+            assert "8 calls + one block_until_ready, per call" in r["label"], r["label"]
+            assert len(r["samples_ms"]) == report["settings"]["repeats"] and r["ratios"]["vs_grouped_gemm"] > 0
+    else:
+        assert not twins
     api = {"cuda-nccl": "moe_ep_cuda_nccl.api.moe_ep", "jax": "XlaKernels", "jax-ffi": "FfiKernels"}[name]
     for op, r in rows.items():
         assert r["status"] == "ok", r
