@@ -262,6 +262,13 @@ def test_bf16_expert_output_rows_need_a_bf16_or_nvfp4_combine_format() -> None:
                                                   r"MOE_EP_DTYPE_BF16 .*; got 2"):
         Layer(layer_config(config, max_rows=8, cuda_device=None, bf16_operands=True, with_backward=False,
                            bf16_expert_out=True))
+    # MoeEpConfig itself keeps nvfp4's blocks whole; the C ABI checks it again for direct callers
+    nv = layer_config(CONFIGS["fc1-int_nvfp4-comb_nvfp4"], max_rows=8, cuda_device=None, bf16_operands=True,
+                      with_backward=False, bf16_expert_out=True)
+    nv.hidden = 40
+    with pytest.raises(NativeArgumentError, match=r"config->hidden must be a multiple of 16 \(whole nvfp4 blocks in a "
+                                                  r"row\) when .*; got 40"):
+        Layer(nv)
     cfg = layer_config(CONFIGS["fc1-clamp-int_none-comb_bf16"], max_rows=8, cuda_device=None, bf16_operands=True,
                        with_backward=False)
     cfg.expert_out_dtype = 3

@@ -127,7 +127,8 @@ def _peers() -> str:
 def _bf16_rows(config: MoeEpConfig) -> bool:
     """Whether the expert-output rows travel as bf16: combine_format bf16, or nvfp4, whose
     round-tripped values are bf16 values too (E2M1 x E4M3: at most 6 significant bits, 2^-10
-    to 2688): exact, half the bytes of float32. mxfp8's are not always (scales below 2^-116)."""
+    to 2688): exact, half the bytes of float32 (MoeEpConfig keeps nvfp4's blocks whole in a
+    row, as the layer requires then). mxfp8's are not always (scales below 2^-116)."""
     return config.combine_format in (MoeFormat.BF16, MoeFormat.NVFP4)
 
 

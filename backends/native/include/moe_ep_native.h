@@ -362,7 +362,8 @@ typedef struct {
   int32_t expert_out_dtype;     /* moe_ep_dtype of the expert-output rows y (experts_forward writes them, combine
                                    reads them): MOE_EP_DTYPE_F32 (0, default) or MOE_EP_DTYPE_BF16, which needs
                                    combine_format MOE_EP_FORMAT_BF16 or MOE_EP_FORMAT_NVFP4 (the rows are then bf16
-                                   values exactly: half the bytes for the same numbers; mxfp8's are not always) */
+                                   values exactly: half the bytes for the same numbers; mxfp8's are not always;
+                                   nvfp4 also needs hidden % 16 == 0) */
   int32_t ex_mode;              /* moe_ep_exchange_mode of the device exchange (0: throughput); was reserved0 (0) */
 } moe_ep_layer_config;
 

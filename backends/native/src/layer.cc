@@ -154,6 +154,10 @@ moe_ep_status check_config(const Check& ck, const moe_ep_layer_config& c) {
     return ck.bad("config->combine_format must be MOE_EP_FORMAT_BF16 (1) or MOE_EP_FORMAT_NVFP4 (3) when "
                   "config->expert_out_dtype is MOE_EP_DTYPE_BF16 (only then are the expert-output rows bf16 values)",
                   std::to_string(c.combine_format));
+  if (c.expert_out_dtype == MOE_EP_DTYPE_BF16 && c.combine_format == MOE_EP_FORMAT_NVFP4 && c.hidden % 16 != 0)
+    return ck.bad("config->hidden must be a multiple of 16 (whole nvfp4 blocks in a row) when "
+                  "config->expert_out_dtype is MOE_EP_DTYPE_BF16 with combine_format MOE_EP_FORMAT_NVFP4",
+                  std::to_string(c.hidden));
   moe_ep_expert_desc d{c.max_rows, c.hidden, c.intermediate, c.num_local_experts, c.apply_topk_in_fc1,
                        c.has_clamp, c.gate_up_clamp, c.intermediate_format};
   MOE_EP_TRY(check_desc(ck, &d));
