@@ -610,8 +610,9 @@ def _combine_rows_local_bf16(spec: LayerSpec, plan: Plan, lay: Layout, y: jax.Ar
 def _sum_local_rows(spec: LayerSpec, plan: Plan, lay: Layout, rows: jax.Array, reduce_rows: Any
                     ) -> Tuple[Tensor, jax.Array]:
     """The combine at one rank from the buffer's ``[C, H]`` rows (float32, or bfloat16 for a
-    bf16 combine format), already through the combine format's round trip: each token's routes summed in slot order
-    (``reduce_rows``), NaN on an error, the output encode. Returns ``(output, sum)``."""
+    bf16 combine format), already through the combine format's round trip: each token's
+    routes summed in slot order (``reduce_rows``), NaN on an error, the output encode.
+    Returns ``(output, sum)``."""
     summed = poison(lay.error, reduce_rows(rows, _local_rows(spec, plan, lay), spec.num_tokens, spec.num_topk))
     return encode_output(spec, summed), summed
 
