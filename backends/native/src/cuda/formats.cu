@@ -507,19 +507,31 @@ __global__ void bf16_elements_kernel(const uint8_t* __restrict__ data, const uin
 }
 
 template <bool kMx>
+moe_ep_status launch_dequantize_bf16_rows(cudaStream_t s, const uint8_t* data, int64_t data_row_bytes,
+                                          const uint8_t* scale, int64_t scale_row_bytes, int64_t outer, int64_t n,
+                                          uint16_t* out, int32_t* flag) {
+  constexpr int64_t V = kMx ? 16 : 32;
+  if (n % V == 0 && data_row_bytes % 16 == 0 && detail::aligned16(data) && detail::aligned16(out)) {
+    bf16_rows_kernel<kMx><<<blocks_for(div_up(outer * (n / V), kUnroll)), kThreads, 0, s>>>(
+        data, data_row_bytes, scale, scale_row_bytes, outer, n, reinterpret_cast<uint4*>(out), flag);
+    MOE_EP_CUDA_CHECK_LAUNCH("bf16_rows_kernel");
+    return MOE_EP_OK;
+  }
+  bf16_strided_rows_kernel<kMx><<<blocks_for(outer * n), kThreads, 0, s>>>(data, data_row_bytes, scale,
+                                                                           scale_row_bytes, outer, n, out, flag);
+  MOE_EP_CUDA_CHECK_LAUNCH("bf16_strided_rows_kernel");
+  return MOE_EP_OK;
+}
+
+template <bool kMx>
 moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const uint8_t* scale, int64_t outer,
                                      int64_t n, int64_t inner, int64_t R, uint16_t* out, int32_t* flag) {
   constexpr int64_t V = kMx ? 16 : 32;
+  if (inner == 1 && R == 0)  // contiguous rows: the rows' decode with the rows' own strides
+    return launch_dequantize_bf16_rows<kMx>(s, data, kMx ? n : div_up(n, 2), scale,
+                                            div_up(n, kMx ? kMxfp8Block : kNvfp4Block), outer, n, out, flag);
   const bool aligned = detail::aligned16(data) && detail::aligned16(out);
   if (inner == 1 && n % V == 0 && aligned) {
-    if (R == 0) {
-      const int64_t chunks = outer * (n / V);
-      const int64_t nb = div_up(n, kMx ? kMxfp8Block : kNvfp4Block);
-      bf16_rows_kernel<kMx><<<blocks_for(div_up(chunks, kUnroll)), kThreads, 0, s>>>(
-          data, kMx ? n : n / 2, scale, nb, outer, n, reinterpret_cast<uint4*>(out), flag);
-      MOE_EP_CUDA_CHECK_LAUNCH("bf16_rows_kernel");
-      return MOE_EP_OK;
-    }
     if (R % 8 == 0) {
       const int64_t tiles = (outer / R) * div_up(R, kTileRows) * div_up(n, 4 * V);
       const unsigned grid = static_cast<unsigned>(tiles < kMaxBlocks ? tiles : kMaxBlocks);
@@ -540,22 +552,6 @@ moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const 
   return MOE_EP_OK;
 }
 
-template <bool kMx>
-moe_ep_status launch_dequantize_bf16_rows(cudaStream_t s, const uint8_t* data, int64_t data_row_bytes,
-                                          const uint8_t* scale, int64_t scale_row_bytes, int64_t outer, int64_t n,
-                                          uint16_t* out, int32_t* flag) {
-  constexpr int64_t V = kMx ? 16 : 32;
-  if (n % V == 0 && data_row_bytes % 16 == 0 && detail::aligned16(data) && detail::aligned16(out)) {
-    bf16_rows_kernel<kMx><<<blocks_for(div_up(outer * (n / V), kUnroll)), kThreads, 0, s>>>(
-        data, data_row_bytes, scale, scale_row_bytes, outer, n, reinterpret_cast<uint4*>(out), flag);
-    MOE_EP_CUDA_CHECK_LAUNCH("bf16_rows_kernel");
-    return MOE_EP_OK;
-  }
-  bf16_strided_rows_kernel<kMx><<<blocks_for(outer * n), kThreads, 0, s>>>(data, data_row_bytes, scale,
-                                                                           scale_row_bytes, outer, n, out, flag);
-  MOE_EP_CUDA_CHECK_LAUNCH("bf16_strided_rows_kernel");
-  return MOE_EP_OK;
-}
 
 // Whether p suits a vector access of `bytes` bytes.
 bool aligned_to(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
