@@ -544,19 +544,11 @@ struct Cols {
   static __device__ __forceinline__ Raw load(const Y* p) { return *reinterpret_cast<const Raw*>(p); }
 };
 
-// Raw loads as float32 (bf16: exactly, its bits are the high half of the float's).
+// Raw loads as float32 (bf16: exactly, its bits are the high half of the float's); the
+// 16-byte ones are format_math.cuh's (shared with the combine reduction).
 __device__ __forceinline__ void unpack(float r, float (&v)[1]) { v[0] = r; }
 __device__ __forceinline__ void unpack(uint16_t r, float (&v)[1]) { v[0] = detail::bf16_to_float(r); }
-__device__ __forceinline__ void unpack(uint4 r, float (&v)[4]) {  // 4 float32
-  v[0] = __uint_as_float(r.x), v[1] = __uint_as_float(r.y), v[2] = __uint_as_float(r.z), v[3] = __uint_as_float(r.w);
-}
-__device__ __forceinline__ void unpack(uint4 r, float (&v)[8]) {  // 8 bf16, element 0 in the low half of r.x
-  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    v[2 * i] = detail::bf16_to_float(static_cast<uint16_t>(w[i])),
-    v[2 * i + 1] = detail::bf16_to_float(static_cast<uint16_t>(w[i] >> 16));
-}
+using detail::unpack;
 
 template <int V>
 __device__ __forceinline__ void store(float* p, const float (&v)[V]) {

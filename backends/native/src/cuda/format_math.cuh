@@ -53,6 +53,18 @@ __device__ __forceinline__ uint16_t bf16_from_float(float f) {
 __device__ __forceinline__ float bf16_to_float(uint16_t b) { return bitsf(static_cast<uint32_t>(b) << 16); }
 __device__ __forceinline__ float bf16_round_trip(float f) { return bf16_to_float(bf16_from_float(f)); }
 
+// A 16-byte load as float32 values: four float32, or eight bf16 (element 0 in the low
+// half of r.x; exact, bf16's bits are the high half of the float's).
+__device__ __forceinline__ void unpack(uint4 r, float (&v)[4]) {
+  v[0] = __uint_as_float(r.x), v[1] = __uint_as_float(r.y), v[2] = __uint_as_float(r.z), v[3] = __uint_as_float(r.w);
+}
+__device__ __forceinline__ void unpack(uint4 r, float (&v)[8]) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    v[2 * i] = bf16_to_float(static_cast<uint16_t>(w[i])), v[2 * i + 1] = bf16_to_float(static_cast<uint16_t>(w[i] >> 16));
+}
+
 // ------------------------------------------------------------------ E4M3 / E8M0 / E2M1 values
 
 // The magnitude of an E4M3 (fn) code 0x00..0x7E: subnormals m * 2^-9, normals

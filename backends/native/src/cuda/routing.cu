@@ -390,16 +390,6 @@ __global__ void combine_reduce_kernel(const Row* __restrict__ rows, int64_t num_
 // at a time) to keep them in flight.
 constexpr int kReduceBatch = 8;
 
-__device__ __forceinline__ void unpack16(uint4 r, float (&v)[4], const float*) {
-  v[0] = __uint_as_float(r.x), v[1] = __uint_as_float(r.y), v[2] = __uint_as_float(r.z), v[3] = __uint_as_float(r.w);
-}
-__device__ __forceinline__ void unpack16(uint4 r, float (&v)[8], const uint16_t*) {
-  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    v[2 * i] = bf16_to_float(static_cast<uint16_t>(w[i])), v[2 * i + 1] = bf16_to_float(static_cast<uint16_t>(w[i] >> 16));
-}
-
 template <typename Row>
 __global__ void combine_reduce_vec_kernel(const Row* __restrict__ rows, int64_t num_rows,
                                           const int32_t* __restrict__ route_pos, int64_t num_tokens,
@@ -427,7 +417,7 @@ __global__ void combine_reduce_vec_kernel(const Row* __restrict__ rows, int64_t 
       for (int j = 0; j < kReduceBatch; ++j) {
         if (!ok[j]) continue;
         float v[V];
-        unpack16(raw[j], v, rows);
+        unpack(raw[j], v);
 #pragma unroll
         for (int u = 0; u < V; ++u) acc[u] = fadd(acc[u], v[u]);
       }
