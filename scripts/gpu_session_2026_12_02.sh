@@ -31,6 +31,11 @@
 #          bit-exactness tests, the bench, the NCCL provider's table.
 #   RUN=8: (prepared for the next session) jax-ffi's bf16 forward with and without XLA's command
 #          buffers and with one or four input sets; nvfp4's forward profile.
+#   RUN=9: (the day's third session) the CUDA tests and the NCCL provider's table after the two
+#          review mends run 7 did not see, compute-sanitizer memcheck and racecheck on the second
+#          session's new kernels (strided, middle-axis and element-by-element bf16 decodes, the
+#          vectorised combine reduction, the nvfp4 bf16-output and mxfp8 E4M3-convert FC2
+#          epilogues), then run 8.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -204,6 +209,9 @@ case "$RUN" in
   # bench alternates four input sets (new buffer addresses), with the host waiting meanwhile.
   # The same bench without command buffers and with one input set, then nvfp4's forward profile
   # (0.662 of the roofline: its FC2 epilogue's scale search is the suspect).
+  TAIL=16 step profile-nvfp4 40 "$py" scripts/gpu_layer_profile.py --mode device --format nvfp4 \
+    --intermediate-format bf16 --iters 3 --top 12
+  jaxffi_build
   for flags in "" "--xla_gpu_enable_command_buffer="; do
     for sets in 1 4; do
       TAIL=6 step "bench-jax-ffi-cb${flags:+off}-sets$sets" 60 env XLA_FLAGS="$flags" "$py" -m moe_ep_spec.cli bench \
@@ -211,8 +219,24 @@ case "$RUN" in
         --intermediate-format bf16 --op forward --input-sets "$sets" --no-progress
     done
   done
-  TAIL=16 step profile-nvfp4 40 "$py" scripts/gpu_layer_profile.py --mode device --format nvfp4 \
-    --intermediate-format bf16 --iters 3 --top 12
+  ;;
+9)
+  # The review mends after run 7 (the rows decode through the strided launcher, one shared
+  # 16-byte unpack) and the second session's kernels under compute-sanitizer.
+  TAIL=4 step tests-native-cuda 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_ or epilogue"
+  TAIL=3 step conformance-nccl-ep1 50 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --timeout 45 --report-md "$o/conformance-nccl-ep1.md"
+  for tool in memcheck racecheck; do
+    for sel in "tests/test_native_decode_bf16.py:test_cuda_" "tests/test_native_layer.py:epilogue" \
+               "tests/test_native_cuda.py:combine_reduce"; do
+      TAIL=4 step "sanitizer-$tool-$(basename "${sel%%:*}" .py)" 80 compute-sanitizer --tool "$tool" \
+        --target-processes all --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider \
+        -n 0 -rs "${sel%%:*}" -k "${sel#*:}"
+    done
+  done
+  RUN=8 bash "$0"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
