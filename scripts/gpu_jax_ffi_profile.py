@@ -6,7 +6,10 @@ summed by name (the XLA fusions, the FFI handlers' kernels, the copies).
     python scripts/gpu_jax_ffi_profile.py --tokens 4096 --format bf16     # issue 14's per-rank shape by default
 
 Prints the median time of --iters calls, the time the trace's GPU events cover,
-and the --top event names by total time with their share of that time.
+and the --top event names by total time with their share of that time; then where
+the host spends a call: how long issuing one call and 8 calls back to back takes
+against the time they finish (a host slower than the GPU starves it), and the
+trace's host events by total time (the XLA runtime's and the FFI handlers').
 """
 
 from __future__ import annotations
@@ -117,6 +120,31 @@ def main() -> None:
     print(f"trace: GPU events sum {busy / 1e6:.3f} ms over a span of {(hi - lo) / 1e6:.3f} ms")
     for name, ns in totals.most_common(args.top):
         print(f"  {ns / 1e6:8.3f} ms {ns / busy:6.1%} x{counts[name]:<3d} {name[:110]}")
+
+    for n in (1, 8):
+        issued, done = [], []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            outs = [layer(*operands) for _ in range(n)]
+            t1 = time.perf_counter()
+            jax.block_until_ready(outs)
+            t2 = time.perf_counter()
+            issued.append((t1 - t0) * 1e3 / n)
+            done.append((t2 - t0) * 1e3 / n)
+        print(f"host: {n} call(s) back to back: issued in {statistics.median(issued):.3f} ms a call, "
+              f"done in {statistics.median(done):.3f} ms a call (medians of {args.iters})")
+    host: collections.Counter = collections.Counter()
+    hcount: collections.Counter = collections.Counter()
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                host[f"{line.name[:24]}: {ev.name}"] += ev.duration_ns
+                hcount[f"{line.name[:24]}: {ev.name}"] += 1
+    print("host events of the traced call, by total time (nested events overlap):")
+    for name, ns in host.most_common(args.top):
+        print(f"  {ns / 1e6:8.3f} ms x{hcount[name]:<4d} {name[:120]}")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,11 @@
 #          session's new kernels (strided, middle-axis and element-by-element bf16 decodes, the
 #          vectorised combine reduction, the nvfp4 bf16-output and mxfp8 E4M3-convert FC2
 #          epilogues), then run 8.
+#   RUN=10: nvfp4's scale through the hardware's E4M3 convert (every bound and its neighbours
+#          against the spec), its FC2 epilogue with the thresholds computed once, its rows
+#          decoded to bf16 by byte permutes and bf16 multiplies: tests, sanitizer, the NCCL
+#          provider's and jax-ffi's tables, the bench, the nvfp4 profile; jax-ffi's bf16
+#          forward's host time (issue against finish, host events).
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -237,6 +242,31 @@ case "$RUN" in
     done
   done
   RUN=8 bash "$0"
+  ;;
+10)
+  nv='test_nvfp4_cuda or test_formats_cuda or combine_reduce'
+  TAIL=4 step tests-native-cuda 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_ or epilogue"
+  for tool in memcheck racecheck; do
+    for sel in "tests/test_native_cuda.py:$nv" "tests/test_native_decode_bf16.py:rows" \
+               "tests/test_native_layer.py:epilogue"; do
+      TAIL=3 step "sanitizer-$tool-$(basename "${sel%%:*}" .py)" 60 compute-sanitizer --tool "$tool" \
+        --target-processes all --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider \
+        -n 0 -rs "${sel%%:*}" -k "${sel#*:}"
+    done
+  done
+  TAIL=3 step conformance-nccl-ep1 50 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --timeout 45 --report-md "$o/conformance-nccl-ep1.md"
+  TAIL=12 step bench-formats 80 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
+    --tokens 128 --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 \
+    --op forward --json "$o/bench-formats.json" --no-progress
+  TAIL=16 step profile-nvfp4 40 "$py" scripts/gpu_layer_profile.py --mode device --format nvfp4 \
+    --intermediate-format bf16 --iters 3 --top 12
+  jaxffi_build
+  TAIL=60 step jax-profile-bf16 60 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format bf16 --top 30
+  TAIL=3 step conformance-jax-ffi 50 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
+    --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -125,6 +125,52 @@ def _corner_rows(rng, shape):
     return x
 
 
+def _nvfp4_threshold_rows(rng) -> np.ndarray:
+    """``[R, 16] float32`` blocks on every rounding threshold of nvfp4: a block whose
+    largest magnitude is each of the 126 scale bounds 6 * (E4M3 midpoint) or one of its
+    float32 neighbours (the only inputs where the hardware convert of fl(amax / 6) could
+    round otherwise than the spec's bounds), and for every nonzero E4M3 scale s a block with amax 6 s whose other
+    elements are the E2M1 thresholds (midpoints times s) and their neighbours, both signs."""
+    e4m3 = np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    bounds = (3.0 * (e4m3[:-1] + e4m3[1:])).astype(np.float32)
+    assert np.array_equal(bounds.astype(np.float64), 3.0 * (e4m3[:-1] + e4m3[1:])), "the bounds are exact in float32"
+    rows = []
+    for b in bounds:
+        for a in (np.nextafter(b, np.float32(0)), b, np.nextafter(b, np.float32(np.inf))):
+            row = (rng.uniform(-1.0, 1.0, 16) * a).astype(np.float32)
+            row[rng.integers(16)] = a if rng.integers(2) else -a
+            rows.append(row)
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+    for s in e4m3[1:].astype(np.float32):
+        t = mids * s
+        for row in (np.concatenate([[6 * s], t, -np.nextafter(t, np.float32(0)), [0.0]]),
+                    np.concatenate([[-6 * s], -t, np.nextafter(t, np.float32(np.inf)), [-0.0]])):
+            rows.append(row.astype(np.float32))
+    return np.stack(rows)
+
+
+def test_nvfp4_cuda_every_rounding_threshold_is_the_specs():
+    """The CUDA nvfp4 encoder (the scale from the hardware's E4M3 convert of the float32
+    quotient; the element codes by the thresholds the FC2 epilogue's round trip shares)
+    gives the spec's codes on every bound, on each side of it, and on every E2M1
+    threshold at every scale."""
+    x = _nvfp4_threshold_rows(np.random.default_rng(15))
+    want = F.quantize(x, "nvfp4", axis=1)
+    wd, ws = want.data_codes(), want.scale_codes()
+    xd = dev(x)
+    dd, sd = empty(wd.nbytes), empty(ws.nbytes)
+    call("moe_ep_quantize", CUDA, stream(), Format.NVFP4, xd.data_ptr(), x.shape[0], x.shape[1], 1, dd.data_ptr(),
+         sd.data_ptr())
+    got_s = host_of(sd, np.uint8, ws.shape)
+    bad = np.argwhere(got_s != ws)
+    assert bad.size == 0, (f"scale codes differ from the spec's at blocks {bad[:4, 0].tolist()}: amax "
+                           f"{[float(np.abs(x[r]).max()) for r in bad[:4, 0]]} got {got_s[bad[:4, 0], 0].tolist()} "
+                           f"want {ws[bad[:4, 0], 0].tolist()}")
+    got_d = host_of(dd, np.uint8, wd.shape)
+    bad = np.argwhere(got_d != wd)
+    assert bad.size == 0, f"data codes differ from the spec's at (block, byte) {bad[:4].tolist()}"
+
+
 # Blocks along contiguous rows take the vec4 kernels when n is a multiple of the block and
 # the buffers are aligned (offsets 0, 0), the element kernels otherwise: x shifted by 4
 # bytes, data by 2 (still the vec4 path for nvfp4's 2-byte stores), n = 48 (ragged for

@@ -33,6 +33,12 @@ inline unsigned blocks_for(int64_t total, int threads = kThreads) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, kMaxBlocks)));
 }
 
+// a / b for a >= 0, b >= 1: a 32-bit division where both fit (a few instructions
+// instead of the 64-bit division's subroutine: for index math in memory-bound kernels).
+__device__ __forceinline__ int64_t div_nonneg(int64_t a, int64_t b) {
+  return ((a | b) >> 32) == 0 ? int64_t{static_cast<uint32_t>(a) / static_cast<uint32_t>(b)} : a / b;
+}
+
 // ceil(a / b) for a >= 0, b >= 1, usable in kernels (internal.h's ceil_div is host-only).
 __host__ __device__ __forceinline__ int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -7,9 +7,10 @@
 // - bf16: integer round-to-nearest-even on the bits;
 // - mxfp8: the scale exponent from the bits of amax, the E4M3 code by shifting
 //   the input's integer significand with round-half-even;
-// - nvfp4: E4M3(amax / 6) by binary search among 6 * (E4M3 midpoints), E2M1 of
-//   |x| / s by comparing |x| with (E2M1 midpoints) * s; all these thresholds
-//   have at most 7 significant bits and are normal float32 values: exact.
+// - nvfp4: E4M3(amax / 6) through the hardware's E4M3 convert of the IEEE quotient
+//   (provably the spec's count of the bounds 6 * (E4M3 midpoints) below amax, see
+//   nvfp4_scale_index), E2M1 of |x| / s by comparing |x| with (E2M1 midpoints) * s;
+//   these thresholds have at most 7 significant bits and are normal float32 values: exact.
 // Decoding multiplies a code's value (<= 4 significant bits) by the scale:
 // exact, except that a result beyond float32 range is +-Inf.
 // Two mxfp8 helpers take the hardware's E4M3 converts instead (sm_89+), where the
@@ -22,6 +23,7 @@
 #ifndef MOE_EP_NATIVE_CUDA_FORMAT_MATH_CUH_
 #define MOE_EP_NATIVE_CUDA_FORMAT_MATH_CUH_
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -257,53 +259,44 @@ __device__ __forceinline__ void mxfp8_round_trip_block(float* p, int len) {
 
 // ------------------------------------------------------------------ nvfp4
 
-// 6 * (midpoint of E4M3 magnitudes j and j + 1), j in 0..125: exact in float32
-// (the sum has <= 5 significant bits, times 3 <= 7 bits, >= 6 * 2^-10: normal).
-__device__ __forceinline__ float nvfp4_scale_bound(int j) {
-  return fmul(6.0f, fmul(0.5f, fadd(e4m3_magnitude(static_cast<uint32_t>(j)),
-                                    e4m3_magnitude(static_cast<uint32_t>(j + 1)))));
+// E4M3 code (0..0x7E) of amax / 6 (amax finite, >= 0), nearest, ties to the even code,
+// saturating at 0x7E (448), as the spec counts the bounds 6 * (E4M3 midpoint) below
+// amax: the hardware's E4M3 convert (sm_89 and later; cvt.rn.satfinite) of the IEEE
+// quotient q = fl(amax / 6). Exact: a bound 6 m (m a midpoint, a normal float32 with at
+// most 5 significant bits; 6 m has a factor 3, so it is no power of two) is a float32
+// whose neighbours lie ulp(6 m) >= 4 ulp(m) away. So an amax on a bound gives q = m
+// exactly (the convert's tie rule is the spec's), and any other amax is at least
+// 4/6 ulp(m) from 6 m, its quotient more than half an ulp(m) from m: q rounds to the same
+// side of m as amax / 6. The convert's code is the spec's; every bound and its float32
+// neighbours are tested on the device (test_native_cuda.py).
+__device__ __forceinline__ uint32_t nvfp4_scale_index(float amax) {
+  return __nv_cvt_float_to_fp8(__fdiv_rn(amax, 6.0f), __NV_SATFINITE, __NV_E4M3) & 0x7Fu;
 }
 
-// The bounds as computed (Nvfp4Bound) or read from a table of those same values
-// (Nvfp4BoundTable: a kernel that searches for many blocks per thread block computes
-// them once into shared memory).
-struct Nvfp4Bound {
-  __device__ __forceinline__ float operator()(int j) const { return nvfp4_scale_bound(j); }
+// The E2M1 rounding thresholds of a block with scale value s > 0: the midpoints of the
+// E2M1 magnitudes times s (exact), computed once per block.
+struct E2m1Thresholds {
+  float t[7];
 };
-struct Nvfp4BoundTable {
-  const float* b;  // b[j] = nvfp4_scale_bound(j), j in 0..125
-  __device__ __forceinline__ float operator()(int j) const { return b[j]; }
-};
-
-// E4M3 code (0..0x7E) of amax / 6, nearest, ties to the even code, saturating at
-// 0x7E (448): the count of bounds below amax (binary search; the bounds
-// increase), plus one at a tie whose upper neighbour j + 1 is even.
-template <typename Bound = Nvfp4Bound>
-__device__ __forceinline__ uint32_t nvfp4_scale_index(float amax, const Bound& bound = Bound{}) {
-  int lo = 0, hi = 126;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (amax > bound(mid)) lo = mid + 1;
-    else hi = mid;
-  }
-  if (lo < 126 && amax == bound(lo) && ((lo + 1) & 1) == 0) ++lo;
-  return static_cast<uint32_t>(lo);
-}
-
-// E2M1 magnitude code of min(mag / s, 6), nearest, ties to the even code, for
-// s > 0: count the thresholds mid_j * s (exact) below mag, plus one at a tie
-// with mid_j for odd j (0.75 -> 1, 1.75 -> 2, 3.5 -> 4).
-__device__ __forceinline__ uint32_t e2m1_mag_index(float mag, float s) {
+__device__ __forceinline__ E2m1Thresholds e2m1_thresholds(float s) {
   const float mids[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  E2m1Thresholds th;
+#pragma unroll
+  for (int j = 0; j < 7; ++j) th.t[j] = fmul(mids[j], s);
+  return th;
+}
+
+// E2M1 magnitude code of min(mag / s, 6), nearest, ties to the even code: the count of
+// thresholds below mag, where a tie with the odd midpoints 0.75, 1.75 and 3.5 counts
+// too (it goes up, to the even code 2, 4, 6).
+__device__ __forceinline__ uint32_t e2m1_index(float mag, const E2m1Thresholds& th) {
   uint32_t idx = 0;
 #pragma unroll
-  for (int j = 0; j < 7; ++j) {
-    const float b = fmul(mids[j], s);
-    idx += mag > b ? 1u : 0u;
-    if (j & 1) idx += mag == b ? 1u : 0u;
-  }
+  for (int j = 0; j < 7; ++j) idx += ((j & 1) ? mag >= th.t[j] : mag > th.t[j]) ? 1u : 0u;
   return idx;
 }
+
+__device__ __forceinline__ uint32_t e2m1_mag_index(float mag, float s) { return e2m1_index(mag, e2m1_thresholds(s)); }
 
 // The 4-bit code of one element given its block's scale value s: sign bit 3 is
 // the sign of x (zeros and non-finite values included); a non-finite element
@@ -350,9 +343,8 @@ struct Nvfp4Scale {
 
 // The scale of an nvfp4 block whose BlockMax is bm (the block's, also when its
 // elements are spread over lanes).
-template <typename Bound = Nvfp4Bound>
-__device__ __forceinline__ Nvfp4Scale nvfp4_scale_of(const BlockMax& bm, const Bound& bound = Bound{}) {
-  const uint32_t sidx = nvfp4_scale_index(bitsf(bm.amax), bound);
+__device__ __forceinline__ Nvfp4Scale nvfp4_scale_of(const BlockMax& bm) {
+  const uint32_t sidx = nvfp4_scale_index(bitsf(bm.amax));
   return Nvfp4Scale{bm.nonfinite ? 0x7Fu : sidx, e4m3_magnitude(sidx)};
 }
 
@@ -375,6 +367,34 @@ __device__ __forceinline__ uint32_t nvfp4_codes4(const float (&v)[4], float s) {
 __device__ __forceinline__ void nvfp4_round_trip_with(const BlockMax& bm, float* p, int len) {
   const Nvfp4Scale sc = nvfp4_scale_of(bm);
   for (int j = 0; j < len; ++j) p[j] = nvfp4_decode(nvfp4_code(fbits(p[j]), sc.value), sc.code);
+}
+
+// nvfp4_round_trip_with for four values of one block, fewer instructions: the
+// thresholds computed once (e2m1_index, as nvfp4_code), and the magnitude read from a
+// packed table of twice the E2M1 values (0, 1, 2, 3, 4, 6, 8, 12) times s / 2 (exact: s
+// >= 2^-9 is an E4M3 value). The element's sign is put back on the bits, as
+// nvfp4_value's negation gives; a zero scale leaves signed zeros, a NaN/Inf block NaN.
+__device__ __forceinline__ void nvfp4_round_trip4(const BlockMax& bm, float (&p)[4]) {
+  if (bm.nonfinite) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = bitsf(kQuietNaN);
+    return;
+  }
+  const float s = e4m3_magnitude(nvfp4_scale_index(bitsf(bm.amax)));
+  if (!(s > 0.0f)) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = bitsf(fbits(p[j]) & 0x80000000u);
+    return;
+  }
+  const E2m1Thresholds th = e2m1_thresholds(s);
+  const float half = fmul(0.5f, s);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t u = fbits(p[j]);
+    const uint32_t idx = e2m1_index(bitsf(u & kAbsMask), th);
+    const float v = fmul(static_cast<float>((0xC8643210u >> (4u * idx)) & 0xFu), half);
+    p[j] = bitsf(fbits(v) | (u & 0x80000000u));
+  }
 }
 
 // quantize + dequantize of one nvfp4 block in place (R_int).

@@ -152,19 +152,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// As mxfp8_quantize_vec4_kernel with 4 lanes a block and 2 packed bytes a lane. The
-// scale's binary search reads its bounds from shared memory (computed once per thread
-// block by the same nvfp4_scale_bound): every lane of a block searches, so computing
-// each probed bound would cost more than the element codes.
+// As mxfp8_quantize_vec4_kernel with 4 lanes a block and 2 packed bytes a lane.
 template <int kUnroll>
 __global__ void __launch_bounds__(kThreads)
     nvfp4_quantize_vec4_kernel(const float4* __restrict__ x, int64_t total4, uint16_t* __restrict__ data,
                                uint8_t* __restrict__ scale) {
-  __shared__ float bounds[126];
-  for (int j = static_cast<int>(threadIdx.x); j < 126; j += static_cast<int>(blockDim.x))
-    bounds[j] = nvfp4_scale_bound(j);
-  __syncthreads();
-  const Nvfp4BoundTable table{bounds};
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int64_t first = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x - lane) * kUnroll;
   const int64_t step = int64_t{gridDim.x} * blockDim.x * kUnroll;
@@ -177,7 +169,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t t = base + 32 * u + lane;
       const BlockMax bm = group_block_max<kNvGroup>(v[u]);
       if (t >= total4) continue;
-      const Nvfp4Scale sc = nvfp4_scale_of(bm, table);
+      const Nvfp4Scale sc = nvfp4_scale_of(bm);
       data[t] = static_cast<uint16_t>(nvfp4_codes4(v[u], sc.value));
       if ((lane & (kNvGroup - 1)) == 0) scale[t / kNvGroup] = static_cast<uint8_t>(sc.code);
     }
@@ -296,6 +288,52 @@ __device__ __forceinline__ uint4 chunk_bf16x8(const uint4 raw, int q, const Chun
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// nvfp4's decode of 4 elements (the 4 nibbles of `half`, element k in nibble k) into two
+// words of 2 bf16 each, element 2j in the low half of word j: the bf16 bits of the E2M1
+// magnitudes looked up 4 at a time with byte permutes (their high and low bytes, indexed
+// by the 3 magnitude bits), the sign bit of each nibble moved onto its bf16, then the
+// exact bf16 product with the scale (E2M1 times E4M3 has at most 6 significant bits and
+// lies in [2^-10, 2688]: bf16 holds it, and the hardware's bf16 multiply rounds nothing).
+// sc2: the block's scale value as two bf16 (negative for a negative scale code).
+__device__ __forceinline__ uint2 nvfp4_bf16x4(uint32_t half, __nv_bfloat162 sc2) {
+  const uint32_t sel = half & 0x7777u;
+  // E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as bf16: 0x0000, 0x3F00, 0x3F80, 0x3FC0,
+  // 0x4000, 0x4040, 0x4080, 0x40C0 (bytes 0..3 of the first operand, 4..7 of the second).
+  const uint32_t hi = __byte_perm(0x3F3F3F00u, 0x40404040u, sel);
+  const uint32_t lo = __byte_perm(0xC0800000u, 0xC0804000u, sel);
+  // A nibble with bit 3 set selects in sign-replicate mode: 0xFF instead of 0x80.
+  const uint32_t neg = ((__byte_perm(0x80808080u, 0x80808080u, half & 0xFFFFu) & 0x7F7F7F7Fu) << 1) & 0x80808080u;
+  const uint32_t h = hi | neg;
+  const uint32_t w0 = __byte_perm(lo, h, 0x5140u), w1 = __byte_perm(lo, h, 0x7362u);
+  const __nv_bfloat162 p0 = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&w0), sc2);
+  const __nv_bfloat162 p1 = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&w1), sc2);
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&p0), *reinterpret_cast<const uint32_t*>(&p1));
+}
+
+// The bf16 pair of an nvfp4 scale code's value, or NaN (0x7FC0) for 0x7F / 0xFF.
+__device__ __forceinline__ uint32_t nvfp4_scale_bf16x2(uint32_t sc, bool& nan) {
+  const float v = nvfp4_scale_value(sc, nan);
+  const uint32_t b = nan ? 0x7FC0u : fbits(v) >> 16;  // exact: E4M3 has 4 significant bits
+  return b | (b << 16);
+}
+
+// A 16-byte chunk of nvfp4 codes (32 elements, blocks sc0: elements 0..15, sc1: 16..31)
+// as 4 16-byte vectors of 8 bf16: nvfp4_bf16x4 on each half word. Every value is exact
+// (see bf16_exact_bits); a NaN scale's block is all 0x7FC0, as nvfp4_value gives.
+__device__ __forceinline__ void nvfp4_chunk_bf16(const uint4 raw, uint32_t sc0, uint32_t sc1, uint4* out) {
+  bool nan0, nan1;
+  const uint32_t s0 = nvfp4_scale_bf16x2(sc0, nan0), s1 = nvfp4_scale_bf16x2(sc1, nan1);
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t sv = q < 2 ? s0 : s1;
+    const uint2 a = nvfp4_bf16x4(w[q] & 0xFFFFu, *reinterpret_cast<const __nv_bfloat162*>(&sv));
+    const uint2 b = nvfp4_bf16x4(w[q] >> 16, *reinterpret_cast<const __nv_bfloat162*>(&sv));
+    const bool nan = q < 2 ? nan0 : nan1;
+    out[q] = nan ? make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u) : make_uint4(a.x, a.y, b.x, b.y);
+  }
+}
+
 // Rows: row o's codes at data + o * data_row_bytes (n a multiple of the chunk; the
 // stride a multiple of 16) and its scales at scale + o * scale_row_bytes, out [outer, n]
 // bf16. Chunk c of a row starts at byte 16 c of its codes (n codes a row for mxfp8, n / 2
@@ -315,23 +353,27 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t step = int64_t{gridDim.x} * blockDim.x * kUnroll;
   for (int64_t base = blockIdx.x * int64_t{blockDim.x} * kUnroll + threadIdx.x; base < total; base += step) {
     uint4 raw[kUnroll];
+    int64_t row[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t t = base + int64_t{u} * blockDim.x;
       if (t >= total) break;
-      const int64_t row = t / per_row, c = t - row * per_row;
-      raw[u] = __ldg(reinterpret_cast<const uint4*>(data + row * data_row_bytes) + c);
+      row[u] = div_nonneg(t, per_row);
+      raw[u] = __ldg(reinterpret_cast<const uint4*>(data + row[u] * data_row_bytes) + (t - row[u] * per_row));
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t t = base + int64_t{u} * blockDim.x;
       if (t >= total) break;
-      const int64_t row = t / per_row, c = t - row * per_row;
-      const uint8_t* sr = scale + row * scale_row_bytes;
-      // mxfp8: 16 elements inside one block of 32; nvfp4: blocks 2c and 2c + 1 of the row.
-      const ChunkScale s = kMx ? mxfp8_chunk_scale(sr[c / 2]) : nvfp4_chunk_scale(sr[2 * c], sr[2 * c + 1]);
+      const int64_t c = t - row[u] * per_row;
+      const uint8_t* sr = scale + row[u] * scale_row_bytes;
+      if constexpr (kMx) {  // 16 elements inside one block of 32
+        const ChunkScale s = mxfp8_chunk_scale(sr[c / 2]);
 #pragma unroll
-      for (int q = 0; q < V / 8; ++q) out[t * (V / 8) + q] = chunk_bf16x8<kMx>(raw[u], q, s, inexact);
+        for (int q = 0; q < V / 8; ++q) out[t * (V / 8) + q] = chunk_bf16x8<kMx>(raw[u], q, s, inexact);
+      } else {  // blocks 2c and 2c + 1 of the row; always exact
+        nvfp4_chunk_bf16(raw[u], sr[2 * c], sr[2 * c + 1], out + t * (V / 8));
+      }
     }
   }
   report_inexact(inexact, flag);

@@ -173,7 +173,7 @@ __global__ void fc2_epilogue_vec4_kernel(float4* __restrict__ y, const float* __
   const int64_t total = C * q;
   const int64_t end = off == nullptr ? C : off[num_experts];
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = t / q;
+    const int64_t r = div_nonneg(t, q);
     if (r >= end) {
       y[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       continue;
@@ -192,9 +192,9 @@ __global__ void fc2_epilogue_vec4_kernel(float4* __restrict__ y, const float* __
 // The same for the block formats (mxfp8: 32 values a block, nvfp4: 16), four values a
 // lane: the kBlock / 4 lanes of a block load a float4 each, agree on the block's largest
 // magnitude with shuffles and round trip their values with the block's scale through
-// mxfp8/nvfp4_round_trip_with, the code of round_trip_block (H a multiple of kBlock, y
-// 16-byte aligned). Every lane of a
-// warp runs every iteration (the shuffles need them); lanes past the end only look.
+// mxfp8_round_trip_cvt4 or nvfp4_round_trip4, the values of round_trip_block (H a
+// multiple of kBlock, y 16-byte aligned). Every lane of a warp runs every iteration
+// (the shuffles need them); lanes past the end only look.
 // kBf16Out (nvfp4 only: its values are bf16 values): the round-tripped values go to
 // bf16_out as their bf16 bits (exact) instead of back into y.
 template <int kFmt, bool kWeight, bool kBf16Out = false>
@@ -212,7 +212,7 @@ __global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const flo
   for (int64_t base = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) - lane; base < total; base += stride) {
     const int64_t t = base + lane;
     const bool here = t < total;
-    const int64_t r = here ? t / q : 0;
+    const int64_t r = here ? div_nonneg(t, q) : 0;
     float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (here && r < end) {
       const float4 x = y[t];
@@ -238,7 +238,7 @@ __global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const flo
     }
     bm.nonfinite = nonfinite != 0;
     if constexpr (kFmt == MOE_EP_FORMAT_MXFP8) mxfp8_round_trip_cvt4(bm, v);  // the hardware's E4M3 converts
-    else nvfp4_round_trip_with(bm, v, 4);
+    else nvfp4_round_trip4(bm, v);
     if constexpr (kBf16Out) {  // exact: the upper halves (NaN stays NaN)
       bf16_out[t] = make_uint2(static_cast<uint32_t>(bf16_from_float(v[0])) | (uint32_t{bf16_from_float(v[1])} << 16),
                                static_cast<uint32_t>(bf16_from_float(v[2])) | (uint32_t{bf16_from_float(v[3])} << 16));
@@ -259,7 +259,7 @@ __global__ void fc2_epilogue_bf16_out_kernel(const float4* __restrict__ z, const
   const int64_t total = C * q;
   const int64_t end = off[num_experts];
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = t / q;
+    const int64_t r = div_nonneg(t, q);
     if (r >= end) {
       y[t] = make_uint2(0u, 0u);
       continue;
@@ -288,7 +288,7 @@ __global__ void fc1_epilogue_vec4_kernel(const float* __restrict__ c, const floa
   const int64_t end = off[num_experts];
   const int64_t plane_stride = p.C * I;
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = t / q, k0 = (t - r * q) * 4;
+    const int64_t r = div_nonneg(t, q), k0 = (t - r * q) * 4;
     float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     uint2 sg = make_uint2(0u, 0u), su = make_uint2(0u, 0u);
     if (r < end) {

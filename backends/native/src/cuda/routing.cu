@@ -398,7 +398,7 @@ __global__ void combine_reduce_vec_kernel(const Row* __restrict__ rows, int64_t 
   const int64_t per_row = hidden / V, total = num_tokens * per_row;
   for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
        idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t t = idx / per_row, h = (idx - t * per_row) * V;
+    const int64_t t = div_nonneg(idx, per_row), h = (idx - t * per_row) * V;
     float acc[V];
 #pragma unroll
     for (int u = 0; u < V; ++u) acc[u] = 0.0f;
