@@ -146,6 +146,29 @@ def main() -> None:
     for name, ns in host.most_common(args.top):
         print(f"  {ns / 1e6:8.3f} ms x{hcount[name]:<4d} {name[:120]}")
 
+    # Three calls back to back, traced: every GPU line's busy time and the largest idle
+    # gaps of the GPU timeline (what a call costs beyond its kernels).
+    tmp3 = tempfile.mkdtemp(prefix="jaxprof3-")
+    with jax.profiler.trace(tmp3):
+        jax.block_until_ready([layer(*operands) for _ in range(3)])
+    data3 = jax.profiler.ProfileData.from_file(glob.glob(os.path.join(tmp3, "**", "*.xplane.pb"), recursive=True)[0])
+    evs = []
+    for plane in data3.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            busy_line = sum(ev.duration_ns for ev in line.events)
+            print(f"3 calls: GPU line {line.name!r}: {len(list(line.events))} events, {busy_line / 1e6:.3f} ms")
+            if "Stream" in line.name or "stream" in line.name:
+                evs += [(ev.start_ns, ev.start_ns + ev.duration_ns, ev.name) for ev in line.events]
+    evs.sort()
+    gaps = [(b[0] - a[1], a[2], b[2]) for a, b in zip(evs, evs[1:]) if b[0] > a[1]]
+    span = (max(e[1] for e in evs) - evs[0][0]) / 1e6
+    print(f"3 calls: span {span:.3f} ms, kernels {sum(e[1] - e[0] for e in evs) / 1e6:.3f} ms, "
+          f"idle {sum(g[0] for g in gaps) / 1e6:.3f} ms; largest gaps:")
+    for g, before, after in sorted(gaps, reverse=True)[:8]:
+        print(f"  {g / 1e3:8.1f} us after {before[:50]} before {after[:50]}")
+
 
 if __name__ == "__main__":
     main()

@@ -41,6 +41,10 @@
 #          decoded to bf16 by byte permutes and bf16 multiplies: tests, sanitizer, the NCCL
 #          provider's and jax-ffi's tables, the bench, the nvfp4 profile; jax-ffi's bf16
 #          forward's host time (issue against finish, host events).
+#   RUN=11: after run 10 found the nvfp4 rows decode dropping signs (__byte_perm takes 3 bits
+#          of a selector: no sign-replicate mode): the decode a piece of 8 elements a thread
+#          (one 16-byte store, contiguous across a warp) for both formats; its tests and
+#          sanitizer, the bench, both formats' profiles, jax-ffi's bf16 forward's GPU gaps.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -267,6 +271,27 @@ case "$RUN" in
   TAIL=60 step jax-profile-bf16 60 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format bf16 --top 30
   TAIL=3 step conformance-jax-ffi 50 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
     --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
+  ;;
+11)
+  TAIL=4 step tests-native-cuda 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_ or epilogue"
+  for tool in memcheck racecheck; do
+    TAIL=3 step "sanitizer-$tool-decode" 60 compute-sanitizer --tool "$tool" --target-processes all \
+      --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+      tests/test_native_decode_bf16.py -k "test_cuda_"
+  done
+  TAIL=12 step bench-formats 80 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
+    --tokens 128 --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 \
+    --op forward --json "$o/bench-formats.json" --no-progress
+  for f in nvfp4 mxfp8; do
+    TAIL=12 step "profile-$f" 40 "$py" scripts/gpu_layer_profile.py --mode device --format "$f" \
+      --intermediate-format bf16 --iters 3 --top 10
+  done
+  TAIL=3 step conformance-nccl-ep1 50 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --timeout 45 --report-md "$o/conformance-nccl-ep1.md"
+  jaxffi_build
+  TAIL=24 step jax-profile-bf16 60 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format bf16 --top 12
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

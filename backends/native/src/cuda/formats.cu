@@ -4,6 +4,7 @@
 // n a multiple of the block, aligned buffers) take the vec4 kernels instead, which give
 // the same bytes through the same format_math.cuh helpers.
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/format_math.cuh"
@@ -301,9 +302,10 @@ __device__ __forceinline__ uint2 nvfp4_bf16x4(uint32_t half, __nv_bfloat162 sc2)
   // 0x4000, 0x4040, 0x4080, 0x40C0 (bytes 0..3 of the first operand, 4..7 of the second).
   const uint32_t hi = __byte_perm(0x3F3F3F00u, 0x40404040u, sel);
   const uint32_t lo = __byte_perm(0xC0800000u, 0xC0804000u, sel);
-  // A nibble with bit 3 set selects in sign-replicate mode: 0xFF instead of 0x80.
-  const uint32_t neg = ((__byte_perm(0x80808080u, 0x80808080u, half & 0xFFFFu) & 0x7F7F7F7Fu) << 1) & 0x80808080u;
-  const uint32_t h = hi | neg;
+  // Sign bit 3 of nibble k onto bit 7 of byte k: bytes (b0, b0, b1, b1) of the half hold
+  // nibbles 0 and 2 low (bit 3, shifted up by 4) and 1 and 3 high (bit 7 already).
+  const uint32_t b = __byte_perm(half, 0u, 0x1100u);
+  const uint32_t h = hi | ((b << 4) & 0x00800080u) | (b & 0x80008000u);
   const uint32_t w0 = __byte_perm(lo, h, 0x5140u), w1 = __byte_perm(lo, h, 0x7362u);
   const __nv_bfloat162 p0 = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&w0), sc2);
   const __nv_bfloat162 p1 = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&w1), sc2);
@@ -317,62 +319,56 @@ __device__ __forceinline__ uint32_t nvfp4_scale_bf16x2(uint32_t sc, bool& nan) {
   return b | (b << 16);
 }
 
-// A 16-byte chunk of nvfp4 codes (32 elements, blocks sc0: elements 0..15, sc1: 16..31)
-// as 4 16-byte vectors of 8 bf16: nvfp4_bf16x4 on each half word. Every value is exact
-// (see bf16_exact_bits); a NaN scale's block is all 0x7FC0, as nvfp4_value gives.
-__device__ __forceinline__ void nvfp4_chunk_bf16(const uint4 raw, uint32_t sc0, uint32_t sc1, uint4* out) {
-  bool nan0, nan1;
-  const uint32_t s0 = nvfp4_scale_bf16x2(sc0, nan0), s1 = nvfp4_scale_bf16x2(sc1, nan1);
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const uint32_t sv = q < 2 ? s0 : s1;
-    const uint2 a = nvfp4_bf16x4(w[q] & 0xFFFFu, *reinterpret_cast<const __nv_bfloat162*>(&sv));
-    const uint2 b = nvfp4_bf16x4(w[q] >> 16, *reinterpret_cast<const __nv_bfloat162*>(&sv));
-    const bool nan = q < 2 ? nan0 : nan1;
-    out[q] = nan ? make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u) : make_uint4(a.x, a.y, b.x, b.y);
-  }
+// 8 nvfp4 elements (the 4 bytes of `word`, element 2j in the low nibble of byte j) of one
+// block whose scale code is sc, as one 16-byte vector of 8 bf16. Every value is exact (see
+// bf16_exact_bits); a NaN scale's elements are 0x7FC0, as nvfp4_value gives.
+__device__ __forceinline__ uint4 nvfp4_bf16x8(uint32_t word, uint32_t sc) {
+  bool nan;
+  const uint32_t sv = nvfp4_scale_bf16x2(sc, nan);
+  if (nan) return make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
+  const __nv_bfloat162 s2 = *reinterpret_cast<const __nv_bfloat162*>(&sv);
+  const uint2 a = nvfp4_bf16x4(word & 0xFFFFu, s2), c = nvfp4_bf16x4(word >> 16, s2);
+  return make_uint4(a.x, a.y, c.x, c.y);
 }
 
-// Rows: row o's codes at data + o * data_row_bytes (n a multiple of the chunk; the
-// stride a multiple of 16) and its scales at scale + o * scale_row_bytes, out [outer, n]
-// bf16. Chunk c of a row starts at byte 16 c of its codes (n codes a row for mxfp8, n / 2
-// bytes for nvfp4) and at element c * V of its out row. A thread loads kUnroll chunks
-// (coalesced: a warp's lanes take neighbouring chunks) before decoding any, to keep
-// enough bytes in flight.
-constexpr int kUnroll = 4;
+// Rows: row o's codes at data + o * data_row_bytes (n a multiple of the chunk, 16 or 32;
+// the stride a multiple of 16) and its scales at scale + o * scale_row_bytes, out
+// [outer, n] bf16. A thread decodes one piece of 8 elements, 8 codes (mxfp8, 8 bytes) or
+// 8 nibbles (nvfp4, 4 bytes), into one 16-byte store, so that a warp's loads and stores
+// both cover contiguous bytes; it loads kUnroll pieces (a block's stride apart) before
+// decoding any, to keep enough bytes in flight. Piece p of a row starts at element 8 p:
+// mxfp8 block p / 4, nvfp4 block p / 2.
+constexpr int kUnroll = 8;
 
 template <bool kMx>
 __global__ void __launch_bounds__(kThreads)
     bf16_rows_kernel(const uint8_t* __restrict__ data, int64_t data_row_bytes, const uint8_t* __restrict__ scale,
                      int64_t scale_row_bytes, int64_t outer, int64_t n, uint4* __restrict__ out,
                      int32_t* __restrict__ flag) {
-  constexpr int V = kMx ? 16 : 32;  // elements of one 16-byte chunk
-  const int64_t per_row = n / V, total = outer * per_row;
+  using Piece = std::conditional_t<kMx, uint2, uint32_t>;
+  const int64_t per_row = n / 8, total = outer * per_row;
   bool inexact = false;
   const int64_t step = int64_t{gridDim.x} * blockDim.x * kUnroll;
   for (int64_t base = blockIdx.x * int64_t{blockDim.x} * kUnroll + threadIdx.x; base < total; base += step) {
-    uint4 raw[kUnroll];
-    int64_t row[kUnroll];
+    Piece raw[kUnroll];
+    uint32_t sc[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t t = base + int64_t{u} * blockDim.x;
       if (t >= total) break;
-      row[u] = div_nonneg(t, per_row);
-      raw[u] = __ldg(reinterpret_cast<const uint4*>(data + row[u] * data_row_bytes) + (t - row[u] * per_row));
+      const int64_t row = div_nonneg(t, per_row), p = t - row * per_row;
+      raw[u] = __ldg(reinterpret_cast<const Piece*>(data + row * data_row_bytes) + p);
+      sc[u] = __ldg(scale + row * scale_row_bytes + (kMx ? p / 4 : p / 2));
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t t = base + int64_t{u} * blockDim.x;
       if (t >= total) break;
-      const int64_t c = t - row[u] * per_row;
-      const uint8_t* sr = scale + row[u] * scale_row_bytes;
-      if constexpr (kMx) {  // 16 elements inside one block of 32
-        const ChunkScale s = mxfp8_chunk_scale(sr[c / 2]);
-#pragma unroll
-        for (int q = 0; q < V / 8; ++q) out[t * (V / 8) + q] = chunk_bf16x8<kMx>(raw[u], q, s, inexact);
-      } else {  // blocks 2c and 2c + 1 of the row; always exact
-        nvfp4_chunk_bf16(raw[u], sr[2 * c], sr[2 * c + 1], out + t * (V / 8));
+      if constexpr (kMx) {
+        const uint2 r = raw[u];
+        out[t] = chunk_bf16x8<true>(make_uint4(r.x, r.y, 0u, 0u), 0, mxfp8_chunk_scale(sc[u]), inexact);
+      } else {
+        out[t] = nvfp4_bf16x8(raw[u], sc[u]);
       }
     }
   }
@@ -554,7 +550,7 @@ moe_ep_status launch_dequantize_bf16_rows(cudaStream_t s, const uint8_t* data, i
                                           uint16_t* out, int32_t* flag) {
   constexpr int64_t V = kMx ? 16 : 32;
   if (n % V == 0 && data_row_bytes % 16 == 0 && detail::aligned16(data) && detail::aligned16(out)) {
-    bf16_rows_kernel<kMx><<<blocks_for(div_up(outer * (n / V), kUnroll)), kThreads, 0, s>>>(
+    bf16_rows_kernel<kMx><<<blocks_for(div_up(outer * (n / 8), kUnroll)), kThreads, 0, s>>>(
         data, data_row_bytes, scale, scale_row_bytes, outer, n, reinterpret_cast<uint4*>(out), flag);
     MOE_EP_CUDA_CHECK_LAUNCH("bf16_rows_kernel");
     return MOE_EP_OK;
