@@ -184,3 +184,38 @@ def cuda_grouped_gemm_used(rank: int, config, world_inputs) -> dict:
     tw = torch.from_numpy(w.topk_weights.astype(np.float32)).to(dev)
     y = moe_ep(t(w.activation), t(w.fc1_weight), t(w.fc2_weight), idx, tw, config=config)
     return {"path": core.GEMM_PATH["path"], "reason": core.GEMM_PATH["reason"], "output": y.view(torch.int16).cpu().numpy()}
+
+
+def block_scaled_explicit_step(rank: int, config, world_inputs, grad_outputs, fmt: str) -> dict:
+    """A training step with block-scaled inputs through the explicit API
+    (moe_ep_forward_with_stash, then moe_ep_backward), and the same step on their
+    decoded values through the differentiable op's custom ops."""
+    import torch
+
+    from moe_ep_spec.formats import MoeFormat
+    from moe_ep_torch import api
+    from moe_ep_torch import formats as TF
+
+    w = world_inputs[rank]
+    f = MoeFormat(fmt)
+    act = TF.quantize(torch.from_numpy(np.asarray(w.activation, dtype=np.float32)), f)  # [T, H] along H
+    # The weights as the layer takes them block-scaled: transposed, blocked along the reduction axis.
+    fc1 = TF.quantize(torch.from_numpy(np.asarray(w.fc1_weight, dtype=np.float32)).transpose(1, 2).contiguous(), f)
+    fc2 = TF.quantize(torch.from_numpy(np.asarray(w.fc2_weight, dtype=np.float32)).transpose(1, 2).contiguous(), f)
+    idx = torch.from_numpy(w.topk_idx.astype(np.int64))
+    tw = torch.from_numpy(w.topk_weights.astype(np.float32))
+    g = torch.from_numpy(grad_outputs[rank].astype(np.float32))
+    fwd = api.moe_ep_forward_with_stash(act, fc1, fc2, idx, tw, config=config)
+    grads = api.moe_ep_backward(g, act, fc1, fc2, idx, tw, fwd.fc1_c, config=config)
+    dact, dfc1, dfc2 = TF.decode(act), TF.decode_weight(fc1), TF.decode_weight(fc2)
+    out, fc1_c, meta = torch.ops.moe_ep.forward(
+        dact, dfc1, dfc2, idx, tw, api.config_to_json(config), torch.distributed.group.WORLD.group_name
+    )
+    ref = api.moe_ep_backward(g, dact, dfc1, dfc2, idx, tw, fc1_c, config=config)
+    names = ("grad_activation", "grad_fc1_weight", "grad_fc2_weight", "grad_topk_weights")
+    res = {"output": fwd.output.view(torch.int16).numpy(), "fc1_c": fwd.fc1_c.view(torch.int16).numpy(),
+           "route_metadata": fwd.route_metadata.numpy(), "ref_output": out.view(torch.int16).numpy(),
+           "ref_fc1_c": fc1_c.view(torch.int16).numpy(), "ref_route_metadata": meta.numpy()}
+    res.update({n: v.numpy() for n, v in zip(names, grads)})
+    res.update({"ref_" + n: v.numpy() for n, v in zip(names, ref)})
+    return res

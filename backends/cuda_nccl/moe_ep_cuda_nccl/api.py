@@ -33,7 +33,7 @@ from . import device_exchange, static
 from .prims import NATIVE
 from .prims import close_communicators as _close_nccl
 
-__all__ = ["moe_ep", "moe_ep_backward", "check_errors", "close_communicators", "OPS", "STATIC_OPS", "DEVICE_OPS"]
+__all__ = ["moe_ep", "moe_ep_backward", "moe_ep_forward_with_stash", "check_errors", "close_communicators", "OPS", "STATIC_OPS", "DEVICE_OPS"]
 
 #: Host-synchronised ops (one host synchronisation per call, any layout).
 OPS = LayerOps("moe_ep_cuda_nccl", partial(run_forward, NATIVE), partial(run_backward, NATIVE))
@@ -93,11 +93,32 @@ def moe_ep(
     return ops.moe_ep(activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config=config, group=group)
 
 
+def moe_ep_forward_with_stash(
+    activation: Any,
+    fc1_weight: Any,
+    fc2_weight: Any,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    *,
+    config: MoeEpConfig,
+    group: Optional[Any] = None,
+    host_sync: bool = True,
+    exchange: Optional[str] = None,
+) -> Any:
+    """The forward of a training step whose backward is :func:`moe_ep_backward`, for any
+    input format (block-scaled ones included): a
+    :class:`~moe_ep_torch.api.ForwardWithStash` (output, ``fc1_c``, ``route_metadata``);
+    arguments as :func:`moe_ep`."""
+    ops = _ops(host_sync, exchange)
+    return ops.moe_ep_forward_with_stash(activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config=config,
+                                         group=group)
+
+
 def moe_ep_backward(
     grad_output: Tensor,
-    activation: Tensor,
-    fc1_weight: Tensor,
-    fc2_weight: Tensor,
+    activation: Any,
+    fc1_weight: Any,
+    fc2_weight: Any,
     topk_idx: Tensor,
     topk_weights: Tensor,
     fc1_c: Tensor,
@@ -108,7 +129,8 @@ def moe_ep_backward(
     exchange: Optional[str] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The spec's explicit backward (collective): float32 ``(grad_activation,
-    grad_fc1_weight, grad_fc2_weight, grad_topk_weights)``; ``host_sync`` as
+    grad_fc1_weight, grad_fc2_weight, grad_topk_weights)`` for plain or block-scaled
+    forward inputs (:meth:`moe_ep_torch.api.LayerOps.moe_ep_backward`); ``host_sync`` as
     :func:`moe_ep` (False: ``fc1_c`` has ``recv_capacity`` rows), ``exchange`` as :func:`moe_ep`."""
     ops = _ops(host_sync, exchange)
     return ops.moe_ep_backward(

@@ -23,6 +23,7 @@ Host synchronisation: one per call (see :mod:`moe_ep_torch.core`).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional, Tuple
 
@@ -39,7 +40,8 @@ from . import core
 from .formats import TorchBlockScaled
 
 __all__ = [
-    "moe_ep", "moe_ep_backward", "LayerOps", "OPS", "run_forward", "run_backward", "config_to_json", "config_from_json",
+    "moe_ep", "moe_ep_backward", "moe_ep_forward_with_stash", "ForwardWithStash", "LayerOps", "OPS", "run_forward",
+    "run_backward", "config_to_json", "config_from_json",
 ]
 
 _PLAIN = (torch.float32, torch.float16, torch.bfloat16)
@@ -189,8 +191,31 @@ def run_backward(
     )
     if fc1_c.shape[0] != plan.num_rows:
         raise E.StashError(f"fc1_c must have {plan.num_rows} rows (the routes of topk_idx); got {fc1_c.shape[0]}")
-    g = core.backward(config, plan, recv, activation, fc1, fc2, fc1_c, group, prims)
+    g = core.backward(
+        config, plan, recv, activation, prims.decode_weight(fc1), prims.decode_weight(fc2), fc1_c, group, prims
+    )
     return g["grad_activation"], g["grad_fc1_weight"], g["grad_fc2_weight"], g["grad_topk_weights"]
+
+
+@dataclass(frozen=True)
+class ForwardWithStash:
+    """A forward's output and what the spec's explicit backward needs of it
+    (:meth:`LayerOps.moe_ep_forward_with_stash`).
+
+    Attributes:
+        output: ``[T, H]`` bfloat16, or a
+            :class:`~moe_ep_torch.formats.TorchBlockScaled` for a block-scaled
+            ``output_format``: the layer's output (no autograd).
+        fc1_c: ``[R, 2I]`` bfloat16: the stash, the bf16 rounding of each processed
+            route's FC1 accumulator (pre-clamp, unweighted); R is the routes this rank
+            processed (``config.recv_capacity`` in the static-shape modes, padding rows zero).
+        route_metadata: ``[R, 4]`` int32: ``(local_expert, src_rank, src_token, src_slot)``
+            of each stash row (-1 on padding rows).
+    """
+
+    output: Any
+    fc1_c: Tensor
+    route_metadata: Tensor
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -291,6 +316,7 @@ class LayerOps:
         self.forward_op = forward_op
         self.backward_op = backward_op
         self._run_forward = run_forward
+        self._run_backward = run_backward
 
     def moe_ep(
         self,
@@ -343,12 +369,36 @@ class LayerOps:
         with torch.no_grad():
             return self._run_forward(config, group, activation, fc1_weight, fc2_weight, topk_idx, topk_weights)["output"]
 
+    def moe_ep_forward_with_stash(
+        self,
+        activation: Any,
+        fc1_weight: Any,
+        fc2_weight: Any,
+        topk_idx: Tensor,
+        topk_weights: Tensor,
+        *,
+        config: MoeEpConfig,
+        group: Optional[Any] = None,
+    ) -> ForwardWithStash:
+        """The forward of a training step whose backward is the explicit
+        :meth:`moe_ep_backward` (spec section 3, ``generate_c``): for any input
+        format, block-scaled ones included, which autograd does not take.
+        Arguments as :meth:`moe_ep`; nothing is recorded for autograd.
+
+        Returns:
+            :class:`ForwardWithStash`: the output, ``fc1_c`` and ``route_metadata``.
+        """
+        group = _group(group)
+        with torch.no_grad():
+            out = self._run_forward(config, group, activation, fc1_weight, fc2_weight, topk_idx, topk_weights)
+        return ForwardWithStash(output=out["output"], fc1_c=out["fc1_c"], route_metadata=out["route_metadata"])
+
     def moe_ep_backward(
         self,
         grad_output: Tensor,
-        activation: Tensor,
-        fc1_weight: Tensor,
-        fc2_weight: Tensor,
+        activation: Any,
+        fc1_weight: Any,
+        fc2_weight: Any,
         topk_idx: Tensor,
         topk_weights: Tensor,
         fc1_c: Tensor,
@@ -356,10 +406,21 @@ class LayerOps:
         config: MoeEpConfig,
         group: Optional[Any] = None,
     ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The spec's explicit backward (collective): float32 ``(grad_activation,
-        grad_fc1_weight, grad_fc2_weight, grad_topk_weights)`` from the forward's
-        inputs and its ``fc1_c`` stash."""
+        """The spec's explicit backward (collective): float32 ``(grad_activation
+        [T, H], grad_fc1_weight [E_local, H, 2I], grad_fc2_weight [E_local, I, H],
+        grad_topk_weights [T, K])`` from the forward's inputs (plain or
+        block-scaled, as :meth:`moe_ep` takes them; every rounding is
+        straight-through, so a block-scaled input's gradient is that of its decoded
+        values) and its ``fc1_c`` stash (:meth:`moe_ep_forward_with_stash`, or the
+        custom op's second output). With plain inputs it is the custom op
+        ``{namespace}::backward``; with block-scaled ones the same computation
+        called directly (a custom op takes tensors only)."""
         group = _group(group)
+        if not all(isinstance(t, Tensor) for t in (activation, fc1_weight, fc2_weight)):
+            with torch.no_grad():
+                return tuple(self._run_backward(  # type: ignore[return-value]
+                    config, group, grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c
+                ))
         return self.backward_op(
             grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c,
             config_to_json(config), _group_name(group),
@@ -377,3 +438,5 @@ _forward_op, _backward_op = OPS.forward_op, OPS.backward_op
 moe_ep = OPS.moe_ep
 #: The spec's explicit backward: :meth:`LayerOps.moe_ep_backward` of :data:`OPS`.
 moe_ep_backward = OPS.moe_ep_backward
+#: The forward with the stash its explicit backward takes: :meth:`LayerOps.moe_ep_forward_with_stash` of :data:`OPS`.
+moe_ep_forward_with_stash = OPS.moe_ep_forward_with_stash

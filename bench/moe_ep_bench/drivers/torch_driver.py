@@ -102,9 +102,6 @@ def unsupported(backend: str, op: str, fmt: str, settings: Optional[BenchSetting
             "forward_backward) outside --cuda-nccl-mode device, where the device exchange's dispatch and combine "
             "are stages of their own"
         )
-    if op == "forward_backward" and fmt != "bf16":
-        api = "moe_ep_torch.api.moe_ep" if backend == "torch" else "moe_ep_cuda_nccl.api.moe_ep"
-        return f"unsupported: {api} is differentiable with plain float inputs and bf16 output only (format {fmt})"
     return None
 
 

@@ -278,6 +278,23 @@ class Runner:
 
             times = self.measure(forward, nsets)
             label = f"{name}, no grad; {timer}"
+        elif job.op == "forward_backward" and fmt != "bf16":
+            # Block-scaled inputs are no autograd leaves: a training step is the explicit API,
+            # the forward with its stash and then the spec's backward (straight-through).
+            w = self.weights(fmt)
+            gys = []
+            for i in range(nsets):
+                g = self.gen("grad_output", t, i)
+                gys.append(torch.randn((t, s.hidden), generator=g, device=dev).to(torch.bfloat16))
+
+            def fwd_bwd_explicit(i: int) -> Any:
+                x, idx, tw = inp["tokens"][i], inp["idx"][i], inp["weights"][i]
+                fwd = api.moe_ep_forward_with_stash(x, w["fc1"], w["fc2"], idx, tw, config=config, **call)
+                return api.moe_ep_backward(gys[i], x, w["fc1"], w["fc2"], idx, tw, fwd.fc1_c, config=config, **call)
+
+            times = self.measure(fwd_bwd_explicit, nsets)
+            label = (f"{name.replace('api.moe_ep', 'api.moe_ep_forward_with_stash', 1)} then moe_ep_backward "
+                     f"({fmt} inputs: the explicit API); {timer}")
         elif job.op == "forward_backward":
             w = self.weights(fmt)
             fc1 = w["fc1"].detach().requires_grad_(True)
