@@ -45,6 +45,10 @@
 #          of a selector: no sign-replicate mode): the decode a piece of 8 elements a thread
 #          (one 16-byte store, contiguous across a warp) for both formats; its tests and
 #          sanitizer, the bench, both formats' profiles, jax-ffi's bf16 forward's GPU gaps.
+#   RUN=12: the explicit training step with block-scaled inputs (moe_ep_forward_with_stash,
+#          moe_ep_backward): its CUDA test and the bench's mxfp8/nvfp4 forward_backward rows;
+#          the row permutation with 4 units a thread (tests, sanitizer, jax-ffi's profile
+#          and bench); the tables of both backends.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -292,6 +296,30 @@ case "$RUN" in
     --device cuda --timeout 45 --report-md "$o/conformance-nccl-ep1.md"
   jaxffi_build
   TAIL=24 step jax-profile-bf16 60 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format bf16 --top 12
+  ;;
+12)
+  TAIL=4 step tests-native-cuda 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_ or epilogue"
+  TAIL=4 step tests-cuda-nccl-block 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_cuda_nccl_block_scaled.py -k "test_cuda_"
+  for tool in memcheck racecheck; do
+    TAIL=3 step "sanitizer-$tool-permute" 60 compute-sanitizer --tool "$tool" --target-processes all \
+      --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+      tests/test_native_cuda.py -k "permute or nan_token"
+  done
+  TAIL=30 step bench-formats 200 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
+    --tokens 128 --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 \
+    --op forward --op forward_backward --json "$o/bench-formats.json" --no-progress
+  TAIL=3 step conformance-nccl-ep1 50 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --timeout 45 --report-md "$o/conformance-nccl-ep1.md"
+  jaxffi_build
+  TAIL=10 step bench-jax-ffi 70 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
+  TAIL=12 step jax-profile-bf16 40 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format bf16 --top 8
+  TAIL=3 step conformance-jax-ffi 50 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
+    --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

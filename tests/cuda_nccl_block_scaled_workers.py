@@ -72,3 +72,40 @@ def block_scaled_modes(rank: int, config, world_inputs, act_fmt: str, w_fmt: str
     api.check_errors(config)
     api.close_communicators()
     return out
+
+
+def explicit_training_step(rank: int, config, world_inputs, grad_outputs, fmt: str, device: str) -> Dict[str, Any]:
+    """moe_ep_forward_with_stash then moe_ep_backward with ``fmt`` inputs (activation and
+    both weights) in each mode (synced, static, device exchange), and the same calls with
+    the decoded values as bf16 tensors (exact: these formats' values are bf16 values
+    here), which take the same tensor-core operands."""
+    import torch
+
+    from moe_ep_cuda_nccl import api, prims
+    from moe_ep_spec.formats import MoeFormat
+
+    dev = torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")
+    w = world_inputs[rank]
+    f = MoeFormat(fmt)
+    a = prims.quantize(torch.from_numpy(np.asarray(w.activation, np.float32)).to(dev), f)
+    w1 = prims.quantize(torch.from_numpy(np.asarray(w.fc1_weight, np.float32)).to(dev).transpose(1, 2).contiguous(), f)
+    w2 = prims.quantize(torch.from_numpy(np.asarray(w.fc2_weight, np.float32)).to(dev).transpose(1, 2).contiguous(), f)
+    idx = torch.from_numpy(w.topk_idx.astype(np.int64)).to(dev)
+    tw = torch.from_numpy(np.asarray(w.topk_weights, np.float32)).to(dev)
+    gy = torch.from_numpy(grad_outputs[rank].astype(np.float32)).to(dev).to(torch.bfloat16)
+    b16 = (prims.dequantize(a).to(torch.bfloat16), prims.dequantize(w1).transpose(1, 2).contiguous().to(torch.bfloat16),
+           prims.dequantize(w2).transpose(1, 2).contiguous().to(torch.bfloat16))
+    names = ("grad_activation", "grad_fc1_weight", "grad_fc2_weight", "grad_topk_weights")
+    out: Dict[str, Any] = {}
+    for mode, kwargs in (("synced", {}), ("static", {"host_sync": False}),
+                         ("device", {"host_sync": False, "exchange": "device"})):
+        for kind, (x, f1, f2) in (("block", (a, w1, w2)), ("bf16", b16)):
+            fwd = api.moe_ep_forward_with_stash(x, f1, f2, idx, tw, config=config, **kwargs)
+            grads = api.moe_ep_backward(gy, x, f1, f2, idx, tw, fwd.fc1_c, config=config, **kwargs)
+            out[f"{mode}/{kind}/output"] = _bits(fwd.output)
+            out[f"{mode}/{kind}/fc1_c"] = _bits(fwd.fc1_c)
+            for n, g in zip(names, grads):
+                out[f"{mode}/{kind}/{n}"] = _bits(g)
+    api.check_errors(config)
+    api.close_communicators()
+    return out

@@ -345,6 +345,25 @@ def test_values_bf16_cannot_hold_fall_back_when_synced_and_are_nan_when_static(t
     assert any(res["inexact_device"] for res in results), "the device-exchange mode recorded it too"
 
 
+def _explicit_step_is_the_bf16_steps(results, fmt):
+    for r, res in enumerate(results):
+        for key in [k for k in res if "/block/" in k]:
+            want = res[key.replace("/block/", "/bf16/")]
+            assert np.array_equal(res[key], want), f"rank {r} {fmt}: {key} differs from the same step on bf16 values"
+        assert np.abs(res["device/block/grad_fc1_weight"]).max() > 0
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_explicit_training_step_takes_block_scaled_inputs_in_every_mode(fmt):
+    """moe_ep_forward_with_stash and moe_ep_backward with block-scaled inputs: output,
+    stash and gradients equal, bit for bit, the same calls on the decoded values as bf16
+    (synced, static and device-exchange modes, 2 ranks on CPU)."""
+    world = random_world(CONFIG, num_tokens=[12, 9], seed=5)
+    rng = np.random.default_rng(6)
+    gy = [rng.standard_normal((w.activation.shape[0], CONFIG.hidden)).astype(np.float32) for w in world]
+    _explicit_step_is_the_bf16_steps(_ok(run_ranks(BW.explicit_training_step, 2, CONFIG, world, gy, fmt, "cpu")), fmt)
+
+
 # ----------------------------------------------------------------------------- CUDA (device machine)
 
 
@@ -381,6 +400,17 @@ def test_cuda_tensor_cores_take_block_scaled_operands(act_fmt, w_fmt):
     for key in ("synced", "device"):  # both on tensor cores (the device exchange: bf16 operands too)
         got = _bf16_values(res[key])
         assert np.all(np.abs(got - want) <= 2.0**-7 * np.abs(want) + slack), f"{key}: more than one bf16 step"
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_cuda_explicit_training_step_takes_block_scaled_inputs(fmt):
+    """The explicit training step on cuda:0 (tensor cores) in every mode: bit for bit the
+    same calls on the decoded values as bf16."""
+    world = random_world(CONFIG_EP1, num_tokens=[12], seed=5)
+    gy = [np.random.default_rng(6).standard_normal((12, CONFIG_EP1.hidden)).astype(np.float32)]
+    _explicit_step_is_the_bf16_steps(
+        _ok(run_ranks(BW.explicit_training_step, 1, CONFIG_EP1, world, gy, fmt, "cuda", backend="nccl")), fmt)
 
 
 @needs_gpu

@@ -345,19 +345,34 @@ __global__ void __launch_bounds__(kPlanThreads)
   if (tid == 0) counts[E] = s_bad;
 }
 
-// One thread per 16/4/2/1-byte unit of the destination: row i copies token
-// send_route[i] / K, or writes zeros for -1 and for an id outside [0, T * K).
+// Row i of dst copies token send_route[i] / K, or is zeros for -1 and for an id outside
+// [0, T * K), in 16/4/2/1-byte units. A thread takes kPermuteUnroll units a block's
+// stride apart and issues all their loads before any store (a warp's units are
+// contiguous), so that enough bytes are in flight for the copy to be memory-bound.
+constexpr int kPermuteUnroll = 4;
+
 template <typename V>
 __global__ void permute_rows_kernel(const V* __restrict__ tokens, int64_t num_routes, int64_t num_topk,
                                     int64_t units_per_row, const int32_t* __restrict__ send_route, int64_t num_rows,
                                     V* __restrict__ dst) {
   const int64_t total = num_rows * units_per_row;
-  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t row = t / units_per_row, u = t - row * units_per_row;
-    const int64_t route = send_route[row];
-    V v{};
-    if (route >= 0 && route < num_routes) v = tokens[(route / num_topk) * units_per_row + u];
-    dst[t] = v;
+  const int64_t step = int64_t{gridDim.x} * blockDim.x * kPermuteUnroll;
+  for (int64_t base = blockIdx.x * int64_t{blockDim.x} * kPermuteUnroll + threadIdx.x; base < total; base += step) {
+    V v[kPermuteUnroll];
+#pragma unroll
+    for (int k = 0; k < kPermuteUnroll; ++k) {
+      const int64_t t = base + int64_t{k} * blockDim.x;
+      v[k] = V{};
+      if (t >= total) continue;
+      const int64_t row = div_nonneg(t, units_per_row), u = t - row * units_per_row;
+      const int64_t route = send_route[row];
+      if (route >= 0 && route < num_routes) v[k] = tokens[div_nonneg(route, num_topk) * units_per_row + u];
+    }
+#pragma unroll
+    for (int k = 0; k < kPermuteUnroll; ++k) {
+      const int64_t t = base + int64_t{k} * blockDim.x;
+      if (t < total) dst[t] = v[k];
+    }
   }
 }
 
@@ -451,7 +466,7 @@ template <typename V>
 moe_ep_status launch_permute(cudaStream_t s, const void* tokens, int64_t num_routes, int64_t num_topk,
                              int64_t row_bytes, const int32_t* send_route, int64_t num_rows, void* dst) {
   const int64_t units = row_bytes / static_cast<int64_t>(sizeof(V));
-  permute_rows_kernel<V><<<blocks_for(num_rows * units), kThreads, 0, s>>>(
+  permute_rows_kernel<V><<<blocks_for(div_up(num_rows * units, kPermuteUnroll)), kThreads, 0, s>>>(
       static_cast<const V*>(tokens), num_routes, num_topk, units, send_route, num_rows, static_cast<V*>(dst));
   MOE_EP_CUDA_CHECK_LAUNCH("permute_rows_kernel");
   return MOE_EP_OK;
