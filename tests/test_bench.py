@@ -453,8 +453,9 @@ def test_drivers_cover_every_backend_and_say_what_they_skip() -> None:
     assert unsupported("torch", "dispatch", "mxfp8") is None
     backend = type("B", (), {"name": "jax-ffi"})()
     status = {(r.op, r.format, r.tokens): r.status for r in jax_cases(backend, s)}  # type: ignore[arg-type]
-    assert status[("dispatch", "bf16", 8)] == "skipped" and status[("forward_backward", "mxfp8", 8)] == "unsupported"
+    assert status[("dispatch", "bf16", 8)] == "skipped"
     assert status[("forward", "mxfp8", 8)] == status[("forward_backward", "bf16", 32)] == "ok"
+    assert status[("forward_backward", "mxfp8", 8)] == "ok"  # through the explicit API
 
 
 # Picks the backends that can run in this environment (cuda-nccl needs MOE_EP_CUDA_NCCL_ON_CPU=1 on CPU, the jax
@@ -484,7 +485,7 @@ def others_run(tmp_path_factory: pytest.TempPathFactory) -> Tuple[list, Dict[str
     env = _env()
     env["MOE_EP_CUDA_NCCL_ON_CPU"] = "1"
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    argv = ["--quick", "--ep-size", "2", "--tokens", "8", "--format", "bf16", "--op", "forward",
+    argv = ["--quick", "--ep-size", "2", "--tokens", "8", "--format", "bf16", "--format", "mxfp8", "--op", "forward",
             "--op", "forward_backward", "--repeats", "2", "--input-sets", "1", "--timeout", "120", "--no-progress",
             "--json", str(out / "bench.json")]
     proc = subprocess.run([sys.executable, "-c", _MAIN_OTHERS, ",".join(OTHERS), *argv],
@@ -501,9 +502,13 @@ def test_other_drivers_time_the_layer_on_cpu(others_run, name: str) -> None:
     names, report, stdout = others_run
     if name not in names:
         pytest.skip(f"backend {name!r} cannot run here")
-    rows = {r["op"]: r for r in report["rows"] if r["backend"] == name and not r["variant"]}
+    rows = {r["op"]: r for r in report["rows"] if r["backend"] == name and not r["variant"] and r["format"] == "bf16"}
     assert set(rows) == {"forward", "forward_backward"}
-    twins = {r["op"]: r for r in report["rows"] if r["backend"] == name and r["variant"]}
+    # Block-scaled inputs train through the explicit API (the forward with its stash, then the backward).
+    mx = [r for r in report["rows"] if r["backend"] == name and r["format"] == "mxfp8" and r["op"] == "forward_backward"]
+    assert mx and all(r["status"] == "ok" for r in mx), mx
+    assert all("moe_ep_backward" in r["label"] for r in mx if not r["variant"]), [r["label"] for r in mx]
+    twins = {r["op"]: r for r in report["rows"] if r["backend"] == name and r["variant"] and r["format"] == "bf16"}
     if name.startswith("jax"):  # each jax row has a pipelined twin: 8 calls back to back, one wait
         assert set(twins) == set(rows)
         for op, r in twins.items():

@@ -7,7 +7,9 @@ axis ``"ep"``) under ``jax.jit``, with XLA's kernels (``jax``) or the native
 core's through XLA FFI (``jax-ffi``, :class:`moe_ep_jax_ffi.kernels.FfiKernels`).
 ``forward`` times the jitted layer; ``forward_backward`` the jitted
 ``jax.vjp`` of the layer with respect to the activation, both weights and the
-router weights, applied to a bf16 output cotangent (bf16 only, as for torch).
+router weights, applied to a bf16 output cotangent (bf16), or, for block-scaled
+inputs (constants to ``jax.vjp``), the explicit API: ``moe_ep`` with
+``generate_c`` then ``moe_ep_backward`` in one ``jax.shard_map``, as for torch.
 Each executable is compiled before it is timed (on CPU with the jax
 backend's own ``XLA_CPU_FAST_COMPILE`` options, as the backend compiles); a call's time is
 ``time.perf_counter`` around the call and ``jax.block_until_ready`` of its
@@ -42,11 +44,6 @@ __all__ = ["jax_cases", "run_jax"]
 def _unsupported(backend: str, op: str, fmt: str) -> str:
     if op in ("dispatch", "combine"):
         return f"skipped: the bench times {backend}'s fused layer only (forward, forward_backward)"
-    if op == "forward_backward" and fmt != "bf16":
-        return (
-            "unsupported: jax.vjp through moe_ep_jax.api.moe_ep needs plain float inputs and bf16 output "
-            f"(format {fmt}: block-scaled inputs are constants to jax)"
-        )
     return ""
 
 
@@ -200,6 +197,21 @@ def run_jax(
             if row.op == "forward":
                 fn = layer
                 what = "shard_moe_ep(...)(x, w1, w2, idx, tw)"
+            elif fmt != "bf16":
+                # Block-scaled inputs are constants to jax.vjp: a training step is the explicit
+                # API, the forward with its stash (generate_c) and then the spec's backward.
+                from moe_ep_jax import api as A
+
+                cfg_c = config.replace(generate_c=True)
+
+                def step(x: Any, w1: Any, w2: Any, idx: Any, tw: Any, gy: Any) -> Any:
+                    _, fc1_c, _ = A.moe_ep(x, w1, w2, idx, tw, config=cfg_c, exchange=exchange, kernels=kernels)
+                    return A.moe_ep_backward(gy, x, w1, w2, idx, tw, fc1_c, config=cfg_c, exchange=exchange,
+                                             kernels=kernels)
+
+                fn = jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+                what = (f"moe_ep(generate_c=True) then moe_ep_backward in jax.shard_map ({fmt} inputs: the explicit "
+                        "API)")
             else:
 
                 def fn(x: Any, w1: Any, w2: Any, idx: Any, tw: Any, gy: Any) -> Any:
