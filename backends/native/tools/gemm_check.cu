@@ -1,8 +1,10 @@
 // moe_ep_gemm_check: checks the bf16 grouped GEMMs (src/cuda/gemm/grouped_gemm.h) against
 // a naive reference on the GPU, then times the DeepSeek-V3 expert shapes.
 //
-//   moe_ep_gemm_check            checks, then timings
-//   moe_ep_gemm_check --no-time  checks only
+//   moe_ep_gemm_check                  checks, then timings
+//   moe_ep_gemm_check --no-time        checks only
+//   moe_ep_gemm_check --mxfp8-weights  the mxfp8-weights GEMM alone (cuda/gemm/mxfp8_weights_gemm.cuh):
+//                                      its checks, then its timings at the decode shape
 //
 // Every check prints one line ("ok" or "MISMATCH ..."); the exit status is non-zero on
 // any mismatch or CUDA error. The reference multiplies the bf16 inputs exactly (the
@@ -23,6 +25,7 @@
 
 #include "cpu/formats.h"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/mxfp8_weights_gemm.cuh"
 
 using moe_ep::cuda::GemmLayout;
 using moe_ep::cuda::GroupedGemmProblem;
@@ -401,6 +404,210 @@ void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64
   buf.release();
 }
 
+// ------------------------------------------------------------------ mxfp8 weights (--mxfp8-weights)
+
+// Random E4M3 codes (never a NaN code) and E8M0 scale codes in [110, 130], from a hash.
+__global__ void fill_mxfp8(uint8_t* codes, int64_t n_codes, uint8_t* scales, int64_t n_scales, uint64_t seed) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n_codes; i += stride) {
+    const uint16_t r = random_bf16(seed, static_cast<uint64_t>(i));
+    const uint8_t c = static_cast<uint8_t>(r ^ (r >> 8));
+    codes[i] = (c & 0x7F) == 0x7F ? static_cast<uint8_t>(c ^ 0x01) : c;
+  }
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n_scales; i += stride)
+    scales[i] = static_cast<uint8_t>(110 + random_bf16(seed + 99, static_cast<uint64_t>(i)) % 21);
+}
+
+// The exact value of an E4M3 code times 2^(s - 127), NaN for a NaN code or scale 0xFF.
+__device__ double mxfp8_exact(uint8_t c, uint8_t s) {
+  if ((c & 0x7F) == 0x7F || s == 0xFF) return nan("");
+  const int ex = (c >> 3) & 0xF, man = c & 7;
+  const double v = ex == 0 ? ldexp(static_cast<double>(man), -9) : ldexp(8.0 + man, ex - 10);
+  return ldexp((c & 0x80) ? -v : v, static_cast<int>(s) - 127);
+}
+
+// y[r, n] = sum_k x[r, k] W_e[n, k] in float64, and the sum of |products|; rows past the
+// last offset: ref = the old y (untouched), bound 0.
+__global__ void mxfp8_reference(moe_ep::cuda::Mxfp8WeightsGemm p, int64_t rows, const float* y0, double* ref,
+                                double* bound) {
+  const int64_t total = rows * p.n;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / p.n, n = idx % p.n;
+    if (r >= p.off[p.num_experts]) {
+      ref[idx] = y0[idx];
+      bound[idx] = 0.0;
+      continue;
+    }
+    const int e = group_of_row(p.off, p.num_experts, r);
+    const uint8_t* c = p.codes + (static_cast<int64_t>(e) * p.n + n) * p.k;
+    const uint8_t* sc = p.scales + (static_cast<int64_t>(e) * p.n + n) * (p.k / 32);
+    double s = 0.0, b = 0.0;
+    for (int64_t k = 0; k < p.k; ++k) {
+      const double prod = static_cast<double>(bf16_to_float(p.x[r * p.k + k])) * mxfp8_exact(c[k], sc[k / 32]);
+      s += prod;
+      b += fabs(prod);
+    }
+    ref[idx] = (p.accumulate ? static_cast<double>(y0[idx]) : 0.0) + s;
+    bound[idx] = b;
+  }
+}
+
+struct MxBuffers {
+  uint16_t* x = nullptr;
+  uint8_t* codes = nullptr;
+  uint8_t* scales = nullptr;
+  int32_t* off = nullptr;
+  float* y = nullptr;
+  int64_t x_elems = 0, code_bytes = 0, scale_bytes = 0, y_elems = 0;
+  void release() {
+    cudaFree(x); cudaFree(codes); cudaFree(scales); cudaFree(off); cudaFree(y);
+    *this = MxBuffers{};
+  }
+};
+
+MxBuffers make_mx(moe_ep::cuda::Mxfp8WeightsGemm& p, const std::vector<int32_t>& off, int64_t rows, uint64_t seed) {
+  MxBuffers b;
+  const int64_t E = static_cast<int64_t>(off.size()) - 1;
+  b.x_elems = rows * p.k;
+  b.code_bytes = E * p.n * p.k;
+  b.scale_bytes = E * p.n * (p.k / 32);
+  b.y_elems = rows * p.n;
+  b.x = device_alloc<uint16_t>(b.x_elems);
+  b.codes = device_alloc<uint8_t>(b.code_bytes);
+  b.scales = device_alloc<uint8_t>(b.scale_bytes);
+  b.off = device_alloc<int32_t>(off.size());
+  b.y = device_alloc<float>(b.y_elems);
+  CHECK_CUDA(cudaMemcpy(b.off, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  fill_bf16<<<grid_for(b.x_elems), 256>>>(b.x, b.x_elems, seed * 3 + 1);
+  fill_mxfp8<<<grid_for(b.code_bytes), 256>>>(b.codes, b.code_bytes, b.scales, b.scale_bytes, seed * 3 + 2);
+  fill_float<<<grid_for(b.y_elems), 256>>>(b.y, b.y_elems, seed * 3 + 3, 0.0f, true);
+  CHECK_CUDA(cudaGetLastError());
+  p.x = b.x;
+  p.codes = b.codes;
+  p.scales = b.scales;
+  p.off = b.off;
+  p.y = b.y;
+  p.num_experts = static_cast<int>(E);
+  return b;
+}
+
+// The kernel against the float64 reference: |y - ref| <= k 2^-24 sum |products| (+ 1e-30),
+// the bound of float32 summation; NaN where the reference is NaN; rows past the last offset
+// untouched. nan_block: the scale of (expert 0, weight row 5, block 1) is 0xFF first.
+void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int64_t extra_rows,
+                         bool accumulate, bool nan_block, uint64_t seed) {
+  moe_ep::cuda::Mxfp8WeightsGemm p{};
+  p.n = n;
+  p.k = k;
+  p.accumulate = accumulate;
+  std::vector<int32_t> off(rows.size() + 1, 0);
+  for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
+  const int64_t total_rows = off.back() + extra_rows;
+  MxBuffers b = make_mx(p, off, total_rows, seed);
+  if (nan_block) {
+    const uint8_t nan = 0xFF;
+    CHECK_CUDA(cudaMemcpy(b.scales + 5 * (k / 32) + 1, &nan, 1, cudaMemcpyHostToDevice));
+  }
+  double* ref = device_alloc<double>(b.y_elems);
+  double* bound = device_alloc<double>(b.y_elems);
+  mxfp8_reference<<<grid_for(b.y_elems), 256>>>(p, total_rows, b.y, ref, bound);
+  CHECK_CUDA(cudaGetLastError());
+  if (!moe_ep::cuda::mxfp8_weights_gemm_fits(p)) {
+    std::printf("check mxfp8 weights %-34s: MISMATCH (the sizes do not fit the kernel)\n", name);
+    ++g_failures;
+    b.release();
+    return;
+  }
+  CHECK_CUDA(moe_ep::cuda::mxfp8_weights_gemm(p, 0));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> y(b.y_elems);
+  std::vector<double> r(b.y_elems), bd(b.y_elems);
+  CHECK_CUDA(cudaMemcpy(y.data(), b.y, y.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(r.data(), ref, r.size() * sizeof(double), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(bd.data(), bound, bd.size() * sizeof(double), cudaMemcpyDeviceToHost));
+  int64_t bad = 0, nans = 0, first = -1;
+  const double rel = static_cast<double>(k) * std::ldexp(1.0, -24);
+  for (int64_t i = 0; i < b.y_elems; ++i) {
+    const bool want_nan = std::isnan(r[i]);
+    nans += want_nan ? 1 : 0;
+    const bool ok = want_nan ? std::isnan(y[i])
+                             : (!std::isnan(y[i]) && std::fabs(static_cast<double>(y[i]) - r[i]) <= rel * bd[i] + 1e-30);
+    if (!ok && bad++ == 0) first = i;
+  }
+  if (nan_block && nans != static_cast<int64_t>(rows[0])) {  // weight row 5 of expert 0: every row of expert 0
+    std::printf("check mxfp8 weights %-34s: MISMATCH (%lld NaN outputs expected, the reference has %lld)\n", name,
+                static_cast<long long>(rows[0]), static_cast<long long>(nans));
+    ++g_failures;
+  }
+  if (bad) {
+    std::printf("check mxfp8 weights %-34s: MISMATCH at %lld of %lld (first [%lld, %lld]: %.9g, want %.9g, bound %.3g)\n",
+                name, static_cast<long long>(bad), static_cast<long long>(b.y_elems), static_cast<long long>(first / n),
+                static_cast<long long>(first % n), y[first], r[first], bd[first]);
+    ++g_failures;
+  } else {
+    std::printf("check mxfp8 weights %-34s: ok (%lld outputs, %lld NaN)\n", name, static_cast<long long>(b.y_elems),
+                static_cast<long long>(nans));
+  }
+  cudaFree(ref);
+  cudaFree(bound);
+  b.release();
+}
+
+// The kernel at the decode shape against a device copy: the read rate of the codes and
+// scales, as a fraction of the copy's (read + write) bandwidth; and the bf16 grouped GEMM
+// on the same shape (its weights 2 bytes an element) for comparison.
+void time_mxfp8_weights(const char* name, int64_t n, int64_t k, int experts, int rows_per_expert, int sm_count) {
+  moe_ep::cuda::Mxfp8WeightsGemm p{};
+  p.n = n;
+  p.k = k;
+  std::vector<int32_t> off(experts + 1);
+  for (int e = 0; e <= experts; ++e) off[e] = e * rows_per_expert;
+  MxBuffers b = make_mx(p, off, off.back(), 11);
+  const int warmup = 3, iters = 20;
+  cudaEvent_t t0, t1;
+  CHECK_CUDA(cudaEventCreate(&t0));
+  CHECK_CUDA(cudaEventCreate(&t1));
+  auto timed = [&](auto&& fn) {
+    for (int i = 0; i < warmup; ++i) fn();
+    CHECK_CUDA(cudaEventRecord(t0));
+    for (int i = 0; i < iters; ++i) fn();
+    CHECK_CUDA(cudaEventRecord(t1));
+    CHECK_CUDA(cudaEventSynchronize(t1));
+    float ms = 0.f;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
+    return static_cast<double>(ms) / iters;
+  };
+  const double ms = timed([&] { CHECK_CUDA(moe_ep::cuda::mxfp8_weights_gemm(p, 0)); });
+  uint8_t* copy = device_alloc<uint8_t>(b.code_bytes);
+  const double copy_ms =
+      timed([&] { CHECK_CUDA(cudaMemcpyAsync(copy, b.codes, b.code_bytes, cudaMemcpyDeviceToDevice, 0)); });
+  const double read_bytes = static_cast<double>(b.code_bytes + b.scale_bytes);
+  const double copy_bw = 2.0 * static_cast<double>(b.code_bytes) / (copy_ms * 1e-3);  // read + write
+  const double read_ms = read_bytes / copy_bw * 1e3;
+  std::printf("time  mxfp8 weights %-24s experts=%d rows/expert=%d n=%lld k=%lld: %.4f ms; weight read (codes + "
+              "scales at the copy's %.2f TB/s) %.4f ms: %.3f of the weight-read roofline\n",
+              name, experts, rows_per_expert, static_cast<long long>(n), static_cast<long long>(k), ms, copy_bw / 1e12,
+              read_ms, read_ms / ms);
+  cudaFree(copy);
+  CHECK_CUDA(cudaEventDestroy(t0));
+  CHECK_CUDA(cudaEventDestroy(t1));
+  b.release();
+  time_shape(name, GemmLayout::kNN, 0, n, k, experts, rows_per_expert, sm_count);  // the bf16 GEMM, same shape
+}
+
+void mxfp8_weights_checks(bool timing, int sm_count) {
+  const std::vector<int> ragged = {0, 1, 33, 0, 70, 7, 32, 45, 0};
+  for (bool acc : {false, true}) check_mxfp8_weights("ragged", 256, 512, ragged, 5, acc, false, 21);
+  check_mxfp8_weights("ragged, a NaN scale block", 128, 1024, {17, 3, 40}, 0, false, true, 22);
+  check_mxfp8_weights("decode FC2 shape, 4 experts", 7168, 2048, {32, 31, 1, 64}, 0, false, false, 23);
+  check_mxfp8_weights("all experts empty", 128, 64, {0, 0, 0}, 3, false, false, 24);
+  if (!timing) return;
+  // DeepSeek-V3 per rank at 128 tokens, top-8: 32 local experts of 32 rows.
+  time_mxfp8_weights("FC1 (decode)", 4096, 7168, 32, 32, sm_count);
+  time_mxfp8_weights("FC2 (decode)", 7168, 2048, 32, 32, sm_count);
+}
+
 // --initcheck-probe (run under compute-sanitizer --tool initcheck): does initcheck see the
 // grouped GEMM's stores into D as initialising writes? D comes fresh from cudaMalloc (never
 // written), the GEMM writes every row of it (no accumulate), then read_after_gemm_kernel
@@ -459,10 +666,11 @@ int initcheck_probe(int sm_count) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool timing = true, probe = false;
+  bool timing = true, probe = false, mxfp8_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) timing = false;
     if (std::strcmp(argv[i], "--initcheck-probe") == 0) probe = true;
+    if (std::strcmp(argv[i], "--mxfp8-weights") == 0) mxfp8_only = true;
   }
   if (!moe_ep::cuda::grouped_gemm_built()) {
     std::printf("moe_ep_gemm_check: this build has no CUTLASS grouped GEMM (MOE_EP_NATIVE_CUTLASS=OFF)\n");
@@ -479,6 +687,11 @@ int main(int argc, char** argv) {
   }
   const int sms = prop.multiProcessorCount;
   if (probe) return initcheck_probe(sms);
+  if (mxfp8_only) {  // the mxfp8-weights kernel alone: its checks, then (unless --no-time) its timings
+    mxfp8_weights_checks(timing, sms);
+    std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
+    return g_failures == 0 ? 0 : 1;
+  }
 
   // Ragged groups: empty groups (first, middle, last), groups of 1 row, groups that are
   // not a multiple of the 128-row tile, one larger than several tiles.
@@ -506,9 +719,12 @@ int main(int argc, char** argv) {
     check_bf16_out("ragged, n,k off the tile", 264, 200, ragged, 13, hint, sms, 12);
     check_bf16_out("ragged, big n,k", 1024, 1536, ragged, 0, hint, sms, 13);
   }
+  mxfp8_weights_checks(false, sms);
   std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
 
   if (timing) {
+    time_mxfp8_weights("FC1 (decode)", 4096, 7168, 32, 32, sms);
+    time_mxfp8_weights("FC2 (decode)", 7168, 2048, 32, 32, sms);
     // DeepSeek-V3 per rank: hidden 7168, intermediate 2048 (FC1 out 2I = 4096), 32 local experts.
     time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms);
     time_shape("FC2 forward (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms);
