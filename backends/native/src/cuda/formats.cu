@@ -224,10 +224,11 @@ __global__ void nvfp4_dequantize_kernel(const uint8_t* __restrict__ data, const 
 // ------------------------------------------------------------------ decode to bf16 (moe_ep_dequantize_bf16)
 //
 // Memory-bound: one byte (mxfp8) or half a byte (nvfp4) in, two bytes out per
-// element. The fast kernels move 16 bytes per load and per store:
-// - rows (inner = 1, no transpose): a thread decodes one 16-byte chunk of codes
-//   (16 mxfp8 or 32 nvfp4 elements, inside one row since n is a multiple of the
-//   chunk) and stores 2 or 4 16-byte vectors;
+// element. The fast kernels store 16 bytes at a time:
+// - rows (inner = 1, no transpose; also rows at a stride): a thread decodes a piece of
+//   8 elements (8 or 4 bytes of codes, inside one row since n is a multiple of 16 or
+//   32) into one 16-byte store, a warp's pieces contiguous;
+// - blocked along the middle axis (jax's weights): 16 neighbours along inner a thread;
 // - transposed (the expert weights [E, N, K] -> [E, K, N]): a block decodes a tile of
 //   64 rows x 4 chunks through shared memory and writes it transposed, 8 bf16 a store.
 // Anything else (inner > 1, ragged or misaligned) takes the element-by-element kernel.
