@@ -49,6 +49,11 @@
 #          moe_ep_backward): its CUDA test and the bench's mxfp8/nvfp4 forward_backward rows;
 #          the row permutation with 4 units a thread (tests, sanitizer, jax-ffi's profile
 #          and bench); the tables of both backends.
+#   RUN=13: (prepared for the next session: no device time was left) the mxfp8-weights GEMM's
+#          checks and decode-shape timings (moe_ep_gemm_check --mxfp8-weights), a first
+#          sanitizer verdict for jax-ffi (memcheck with XLA's command buffers off and the
+#          platform allocator; the default setup segfaulted under memcheck on 2026-12-01),
+#          and jax-ffi's block-scaled forward_backward through the explicit API.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -322,6 +327,19 @@ case "$RUN" in
   TAIL=12 step jax-profile-bf16 40 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format bf16 --top 8
   TAIL=3 step conformance-jax-ffi 50 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
     --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
+  ;;
+13)
+  TAIL=30 step gemm-check-mxfp8-weights 60 .devbuild/moe_ep_gemm_check --mxfp8-weights
+  TAIL=6 step sanitizer-memcheck-mxfp8-weights 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
+  jaxffi_build
+  TAIL=8 step sanitizer-memcheck-jax-ffi 200 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py \
+    -k "cuda"
+  TAIL=10 step bench-jax-ffi-fwd-bwd 150 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward_backward \
+    --json "$o/bench-jax-ffi-fwd-bwd.json" --no-progress
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
