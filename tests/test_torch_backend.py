@@ -122,6 +122,9 @@ def test_block_scaled_training_step_through_the_explicit_api(fmt: str) -> None:
             assert np.array_equal(got[r][name], got[r]["ref_" + name]), (
                 f"rank {r} {fmt}: {name} through the explicit API differs from the decoded inputs' custom ops")
         assert np.isfinite(got[r]["grad_fc1_weight"]).all() and np.abs(got[r]["grad_fc1_weight"]).max() > 0
+        stash_error, autograd_error = got[r]["errors"]
+        assert stash_error.startswith("StashError: fc1_c must have") and "rows (the routes of topk_idx)" in stash_error
+        assert autograd_error.startswith("CapabilityError:") and "moe_ep_forward_with_stash" in autograd_error
 
 
 def test_opcheck_passes_on_one_rank() -> None:

@@ -212,10 +212,22 @@ def block_scaled_explicit_step(rank: int, config, world_inputs, grad_outputs, fm
         dact, dfc1, dfc2, idx, tw, api.config_to_json(config), torch.distributed.group.WORLD.group_name
     )
     ref = api.moe_ep_backward(g, dact, dfc1, dfc2, idx, tw, fc1_c, config=config)
+    from moe_ep_spec import errors as E
+
+    errors = []
+    try:  # a stash of the wrong row count is refused before any exchange, as for plain inputs
+        api.moe_ep_backward(g, act, fc1, fc2, idx, tw, fwd.fc1_c[1:], config=config)
+    except E.StashError as exc:
+        errors.append(f"StashError: {exc}")
+    try:  # autograd does not take block-scaled inputs, and says what does
+        api.moe_ep(act, fc1, fc2, idx, tw.clone().requires_grad_(), config=config)
+    except E.CapabilityError as exc:
+        errors.append(f"CapabilityError: {exc}")
     names = ("grad_activation", "grad_fc1_weight", "grad_fc2_weight", "grad_topk_weights")
     res = {"output": fwd.output.view(torch.int16).numpy(), "fc1_c": fwd.fc1_c.view(torch.int16).numpy(),
            "route_metadata": fwd.route_metadata.numpy(), "ref_output": out.view(torch.int16).numpy(),
            "ref_fc1_c": fc1_c.view(torch.int16).numpy(), "ref_route_metadata": meta.numpy()}
     res.update({n: v.numpy() for n, v in zip(names, grads)})
     res.update({"ref_" + n: v.numpy() for n, v in zip(names, ref)})
+    res["errors"] = errors
     return res

@@ -363,7 +363,8 @@ class LayerOps:
         if wants_grad and torch.is_grad_enabled():
             raise E.CapabilityError(
                 "moe_ep is differentiable with plain float inputs and output_format bf16; got "
-                f"output_format {config.output_format.value} / block-scaled inputs with requires_grad",
+                f"output_format {config.output_format.value} / block-scaled inputs with requires_grad "
+                "(train with moe_ep_forward_with_stash, then moe_ep_backward)",
                 feature="autograd",
             )
         with torch.no_grad():
