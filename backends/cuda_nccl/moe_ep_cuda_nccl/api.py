@@ -27,7 +27,7 @@ from typing import Any, Optional, Tuple
 from torch import Tensor
 
 from moe_ep_spec.config import MoeEpConfig
-from moe_ep_torch.api import LayerOps, _group, run_backward, run_forward
+from moe_ep_torch.api import ForwardWithStash, LayerOps, _group, run_backward, run_forward
 
 from . import device_exchange, static
 from .prims import NATIVE
@@ -104,7 +104,7 @@ def moe_ep_forward_with_stash(
     group: Optional[Any] = None,
     host_sync: bool = True,
     exchange: Optional[str] = None,
-) -> Any:
+) -> ForwardWithStash:
     """The forward of a training step whose backward is :func:`moe_ep_backward`, for any
     input format (block-scaled ones included): a
     :class:`~moe_ep_torch.api.ForwardWithStash` (output, ``fc1_c``, ``route_metadata``);
