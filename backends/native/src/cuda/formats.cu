@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t per_row = inner / 16, total = outer * rows * per_row;
   bool inexact = false;
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i0 = (t % per_row) * 16, ok = t / per_row, o = ok / rows, j = ok - o * rows;
+    const int64_t ok = div_nonneg(t, per_row), i0 = (t - ok * per_row) * 16, o = div_nonneg(ok, rows), j = ok - o * rows;
     const uint4 c4 = __ldg(reinterpret_cast<const uint4*>(data + (o * rows + j) * inner + i0));
     const int64_t k = kMx ? j : 2 * j;  // the (first) row of the view
     const uint4 s4 =
