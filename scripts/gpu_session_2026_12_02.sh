@@ -53,7 +53,8 @@
 #          checks and decode-shape timings (moe_ep_gemm_check --mxfp8-weights), a first
 #          sanitizer verdict for jax-ffi (memcheck with XLA's command buffers off and the
 #          platform allocator; the default setup segfaulted under memcheck on 2026-12-01),
-#          and jax-ffi's block-scaled forward_backward through the explicit API.
+#          jax-ffi's block-scaled forward_backward through the explicit API, and the middle-axis
+#          decode with 32-bit index divisions (its CUDA tests, jax-ffi's mxfp8 forward).
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -330,6 +331,8 @@ case "$RUN" in
   ;;
 13)
   TAIL=30 step gemm-check-mxfp8-weights 60 .devbuild/moe_ep_gemm_check --mxfp8-weights
+  TAIL=4 step tests-decode 60 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    -k "test_cuda_"
   TAIL=6 step sanitizer-memcheck-mxfp8-weights 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
     .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
   jaxffi_build
@@ -337,6 +340,9 @@ case "$RUN" in
     XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --target-processes all \
     --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py \
     -k "cuda"
+  TAIL=10 step bench-jax-ffi 70 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
   TAIL=10 step bench-jax-ffi-fwd-bwd 150 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
     --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward_backward \
     --json "$o/bench-jax-ffi-fwd-bwd.json" --no-progress
