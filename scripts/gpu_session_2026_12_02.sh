@@ -331,8 +331,10 @@ case "$RUN" in
   ;;
 13)
   TAIL=30 step gemm-check-mxfp8-weights 60 .devbuild/moe_ep_gemm_check --mxfp8-weights
-  TAIL=4 step tests-decode 60 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
-    -k "test_cuda_"
+  # (also the third session's review mends, compiled only: one nvfp4 round trip for every
+  # caller, one mxfp8 8-element decode for the rows and the chunks)
+  TAIL=4 step tests-decode 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_ or epilogue"
   TAIL=6 step sanitizer-memcheck-mxfp8-weights 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
     .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
   jaxffi_build

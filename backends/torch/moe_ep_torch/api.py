@@ -419,9 +419,9 @@ class LayerOps:
         group = _group(group)
         if not all(isinstance(t, Tensor) for t in (activation, fc1_weight, fc2_weight)):
             with torch.no_grad():
-                return tuple(self._run_backward(  # type: ignore[return-value]
+                return self._run_backward(
                     config, group, grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c
-                ))
+                )
         return self.backward_op(
             grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c,
             config_to_json(config), _group_name(group),

@@ -41,7 +41,7 @@ from ..results import Row
 __all__ = ["jax_cases", "run_jax"]
 
 
-def _unsupported(backend: str, op: str, fmt: str) -> str:
+def _unsupported(backend: str, op: str) -> str:
     if op in ("dispatch", "combine"):
         return f"skipped: the bench times {backend}'s fused layer only (forward, forward_backward)"
     return ""
@@ -55,7 +55,7 @@ def jax_cases(backend: MoeEpBackend, settings: BenchSettings) -> List[Row]:
             for op in settings.ops:
                 row = Row(backend=backend.name, kind="backend", op=op, tokens=t, format=fmt,
                           ep_size=settings.ep_size, device=settings.device)
-                why = _unsupported(backend.name, op, fmt)
+                why = _unsupported(backend.name, op)
                 if why:
                     row.status, row.reason = why.split(":")[0], why
                 rows.append(row)

@@ -73,6 +73,11 @@ class Runner:
         g.manual_seed(self.seed(*parts))
         return g
 
+    def grad_outputs(self, tokens: int, nsets: int) -> List[torch.Tensor]:
+        """``[tokens, hidden]`` bf16 output cotangents, one per input set (the same for every format)."""
+        return [torch.randn((tokens, self.s.hidden), generator=self.gen("grad_output", tokens, i), device=self.dev)
+                .to(torch.bfloat16) for i in range(nsets)]
+
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.dev)
@@ -282,10 +287,7 @@ class Runner:
             # Block-scaled inputs are no autograd leaves: a training step is the explicit API,
             # the forward with its stash and then the spec's backward (straight-through).
             w = self.weights(fmt)
-            gys = []
-            for i in range(nsets):
-                g = self.gen("grad_output", t, i)
-                gys.append(torch.randn((t, s.hidden), generator=g, device=dev).to(torch.bfloat16))
+            gys = self.grad_outputs(t, nsets)
 
             def fwd_bwd_explicit(i: int) -> Any:
                 x, idx, tw = inp["tokens"][i], inp["idx"][i], inp["weights"][i]
@@ -301,10 +303,7 @@ class Runner:
             fc2 = w["fc2"].detach().requires_grad_(True)
             acts = [a.detach().clone().requires_grad_(True) for a in inp["tokens"]]
             tws = [x.detach().clone().requires_grad_(True) for x in inp["weights"]]
-            gys = []
-            for i in range(nsets):
-                g = self.gen("grad_output", t, i)
-                gys.append(torch.randn((t, s.hidden), generator=g, device=dev).to(torch.bfloat16))
+            gys = self.grad_outputs(t, nsets)
             leaves = [fc1, fc2] + acts + tws
 
             def clear(_: int) -> None:

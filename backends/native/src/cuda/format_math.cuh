@@ -363,33 +363,26 @@ __device__ __forceinline__ uint32_t nvfp4_codes4(const float (&v)[4], float s) {
 }
 
 // quantize + dequantize in place of len values of one nvfp4 block whose BlockMax is bm
-// (as nvfp4_block_scale derives the scale from it).
+// (as nvfp4_block_scale derives the scale from it; the block's, which may span more
+// values than p holds: a block split over lanes). The values of nvfp4_decode(nvfp4_code)
+// with fewer instructions: the thresholds computed once (e2m1_index, as nvfp4_code),
+// the magnitude read from a packed table of twice the E2M1 values (0, 1, 2, 3, 4, 6, 8,
+// 12) times s / 2 (exact: s >= 2^-9 is an E4M3 value), the element's sign put back on the
+// bits as nvfp4_value's negation gives; a zero scale leaves signed zeros, a NaN/Inf
+// block NaN.
 __device__ __forceinline__ void nvfp4_round_trip_with(const BlockMax& bm, float* p, int len) {
-  const Nvfp4Scale sc = nvfp4_scale_of(bm);
-  for (int j = 0; j < len; ++j) p[j] = nvfp4_decode(nvfp4_code(fbits(p[j]), sc.value), sc.code);
-}
-
-// nvfp4_round_trip_with for four values of one block, fewer instructions: the
-// thresholds computed once (e2m1_index, as nvfp4_code), and the magnitude read from a
-// packed table of twice the E2M1 values (0, 1, 2, 3, 4, 6, 8, 12) times s / 2 (exact: s
-// >= 2^-9 is an E4M3 value). The element's sign is put back on the bits, as
-// nvfp4_value's negation gives; a zero scale leaves signed zeros, a NaN/Inf block NaN.
-__device__ __forceinline__ void nvfp4_round_trip4(const BlockMax& bm, float (&p)[4]) {
   if (bm.nonfinite) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) p[j] = bitsf(kQuietNaN);
+    for (int j = 0; j < len; ++j) p[j] = bitsf(kQuietNaN);
     return;
   }
   const float s = e4m3_magnitude(nvfp4_scale_index(bitsf(bm.amax)));
   if (!(s > 0.0f)) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) p[j] = bitsf(fbits(p[j]) & 0x80000000u);
+    for (int j = 0; j < len; ++j) p[j] = bitsf(fbits(p[j]) & 0x80000000u);
     return;
   }
   const E2m1Thresholds th = e2m1_thresholds(s);
   const float half = fmul(0.5f, s);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < len; ++j) {
     const uint32_t u = fbits(p[j]);
     const uint32_t idx = e2m1_index(bitsf(u & kAbsMask), th);
     const float v = fmul(static_cast<float>((0xC8643210u >> (4u * idx)) & 0xFu), half);

@@ -266,28 +266,36 @@ __device__ __forceinline__ ChunkScale nvfp4_chunk_scale(uint32_t sc0, uint32_t s
 // in the low half of word j), decoded one group at a time so that few values are live.
 // mxfp8: 16 codes, byte j = element j, one block. nvfp4: 32 elements, byte j holds
 // 2j (low nibble) and 2j + 1 (high); elements 0..15 in one block, 16..31 in the next.
-template <bool kMx>
-__device__ __forceinline__ uint4 chunk_bf16x8(const uint4 raw, int q, const ChunkScale& s, bool& inexact) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+// 8 mxfp8 codes of one block (the bytes of w0, then w1) as 8 packed bf16, element 2j in
+// the low half of word j.
+__device__ __forceinline__ uint4 mxfp8_bf16x8(uint32_t w0, uint32_t w1, const ChunkScale& s, bool& inexact) {
+  const uint32_t w[2] = {w0, w1};
   uint32_t out[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    uint16_t lo, hi;
-    if constexpr (kMx) {
-      const uint32_t word = w[2 * q + j / 2], sh = (j & 1) * 16;
-      const float2 v = mxfp8_values2((word >> sh) & 0xFFFFu, s.v0, s.nan0, s.v0, s.nan0);
-      lo = bf16_exact_bits(v.x, inexact);
-      hi = bf16_exact_bits(v.y, inexact);
-    } else {
-      const uint32_t byte = (w[q] >> (8 * j)) & 0xFFu;
-      const float sv = q < 2 ? s.v0 : s.v1;
-      const bool nan = q < 2 ? s.nan0 : s.nan1;
-      lo = bf16_exact_bits(nvfp4_value(byte & 0xFu, sv, nan), inexact);
-      hi = bf16_exact_bits(nvfp4_value(byte >> 4, sv, nan), inexact);
-    }
-    out[j] = lo | (uint32_t{hi} << 16);
+    const float2 v = mxfp8_values2((w[j / 2] >> ((j & 1) * 16)) & 0xFFFFu, s.v0, s.nan0, s.v0, s.nan0);
+    out[j] = bf16_exact_bits(v.x, inexact) | (uint32_t{bf16_exact_bits(v.y, inexact)} << 16);
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+template <bool kMx>
+__device__ __forceinline__ uint4 chunk_bf16x8(const uint4 raw, int q, const ChunkScale& s, bool& inexact) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (kMx) {
+    return mxfp8_bf16x8(w[2 * q], w[2 * q + 1], s, inexact);
+  } else {
+    const float sv = q < 2 ? s.v0 : s.v1;
+    const bool nan = q < 2 ? s.nan0 : s.nan1;
+    uint32_t out[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t byte = (w[q] >> (8 * j)) & 0xFFu;
+      out[j] = bf16_exact_bits(nvfp4_value(byte & 0xFu, sv, nan), inexact) |
+               (uint32_t{bf16_exact_bits(nvfp4_value(byte >> 4, sv, nan), inexact)} << 16);
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+  }
 }
 
 // nvfp4's decode of 4 elements (the 4 nibbles of `half`, element k in nibble k) into two
@@ -366,8 +374,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t t = base + int64_t{u} * blockDim.x;
       if (t >= total) break;
       if constexpr (kMx) {
-        const uint2 r = raw[u];
-        out[t] = chunk_bf16x8<true>(make_uint4(r.x, r.y, 0u, 0u), 0, mxfp8_chunk_scale(sc[u]), inexact);
+        out[t] = mxfp8_bf16x8(raw[u].x, raw[u].y, mxfp8_chunk_scale(sc[u]), inexact);
       } else {
         out[t] = nvfp4_bf16x8(raw[u], sc[u]);
       }

@@ -192,7 +192,7 @@ __global__ void fc2_epilogue_vec4_kernel(float4* __restrict__ y, const float* __
 // The same for the block formats (mxfp8: 32 values a block, nvfp4: 16), four values a
 // lane: the kBlock / 4 lanes of a block load a float4 each, agree on the block's largest
 // magnitude with shuffles and round trip their values with the block's scale through
-// mxfp8_round_trip_cvt4 or nvfp4_round_trip4, the values of round_trip_block (H a
+// mxfp8_round_trip_cvt4 or nvfp4_round_trip_with, the values of round_trip_block (H a
 // multiple of kBlock, y 16-byte aligned). Every lane of a warp runs every iteration
 // (the shuffles need them); lanes past the end only look.
 // kBf16Out (nvfp4 only: its values are bf16 values): the round-tripped values go to
@@ -238,7 +238,7 @@ __global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const flo
     }
     bm.nonfinite = nonfinite != 0;
     if constexpr (kFmt == MOE_EP_FORMAT_MXFP8) mxfp8_round_trip_cvt4(bm, v);  // the hardware's E4M3 converts
-    else nvfp4_round_trip4(bm, v);
+    else nvfp4_round_trip_with(bm, v, 4);
     if constexpr (kBf16Out) {  // exact: the upper halves (NaN stays NaN)
       bf16_out[t] = make_uint2(static_cast<uint32_t>(bf16_from_float(v[0])) | (uint32_t{bf16_from_float(v[1])} << 16),
                                static_cast<uint32_t>(bf16_from_float(v[2])) | (uint32_t{bf16_from_float(v[3])} << 16));

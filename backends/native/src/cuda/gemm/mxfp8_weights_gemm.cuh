@@ -27,11 +27,11 @@
 #define MOE_EP_NATIVE_CUDA_GEMM_MXFP8_WEIGHTS_GEMM_CUH_
 
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "cuda/format_math.cuh"
 
 namespace moe_ep {
 namespace cuda {
@@ -54,17 +54,12 @@ constexpr int kRowsPerWarp = 32;               // weight rows a warp: four n8 ti
 constexpr int kTileN = kWarps * kRowsPerWarp;  // weight rows a block
 constexpr int kTileM = 32;                     // expert rows a pass: two m16 tiles
 
-// 2^(c - 127) for a scale code c < 0xFF (2^-127 is a float32 subnormal), NaN for 0xFF.
-__device__ __forceinline__ float scale_value(uint32_t c) {
-  if (c == 0xFFu) return __uint_as_float(0x7FC00000u);
-  return c >= 1u ? __uint_as_float(c << 23) : __uint_as_float(0x00400000u);
-}
-
-// Two E4M3 codes (low byte: the lower k) times the scale, as two bf16 (the lower k in the
-// low half): exact for scale codes >= 3.
-__device__ __forceinline__ uint32_t bf16x2_of(uint32_t two, float s) {
-  const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3)));
-  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
+// Two E4M3 codes (low byte: the lower k) of one block whose scale value is s (NaN scale:
+// nan), as two bf16 (the lower k in the low half): mxfp8_values2's exact values (NaN for a
+// NaN code or scale), then the bf16 convert, exact for scale codes >= 3.
+__device__ __forceinline__ uint32_t bf16x2_of(uint32_t two, float s, bool nan) {
+  const float2 f = detail::mxfp8_values2(two, s, nan, s, nan);
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
@@ -130,9 +125,9 @@ __global__ void __launch_bounds__(kWarps * 32) mxfp8_weights_gemm_kernel(Mxfp8We
         wn[t] = more ? __ldg(reinterpret_cast<const uint4*>(wrow[t] + kb + 64)) : make_uint4(0u, 0u, 0u, 0u);
         sn[t] = more ? __ldg(srow[t] + (kb + 64) / 32) : 0u;
       }
-      float s[4];
+      float sv[4];  // the slice's scale values, 2^(c - 127)
 #pragma unroll
-      for (int t = 0; t < 4; ++t) s[t] = scale_value(sc[t]);
+      for (int t = 0; t < 4; ++t) sv[t] = detail::exp2_exact(static_cast<int>(sc[t]) - 127);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t a[2][4];
@@ -148,7 +143,8 @@ __global__ void __launch_bounds__(kWarps * 32) mxfp8_weights_gemm_kernel(Mxfp8We
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           const uint32_t word = j == 0 ? w[t].x : (j == 1 ? w[t].y : (j == 2 ? w[t].z : w[t].w));
-          const uint32_t b0 = bf16x2_of(word & 0xFFFFu, s[t]), b1 = bf16x2_of(word >> 16, s[t]);
+          const bool nan = sc[t] == 0xFFu;
+          const uint32_t b0 = bf16x2_of(word & 0xFFFFu, sv[t], nan), b1 = bf16x2_of(word >> 16, sv[t], nan);
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][t], a[mt], b0, b1);
         }
