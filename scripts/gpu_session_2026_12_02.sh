@@ -338,16 +338,16 @@ case "$RUN" in
   TAIL=6 step sanitizer-memcheck-mxfp8-weights 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
     .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
   jaxffi_build
-  TAIL=8 step sanitizer-memcheck-jax-ffi 200 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
-    XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --target-processes all \
-    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py \
-    -k "cuda"
   TAIL=10 step bench-jax-ffi 70 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
     --tokens 4096 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
     --json "$o/bench-jax-ffi.json" --no-progress
   TAIL=10 step bench-jax-ffi-fwd-bwd 150 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
     --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward_backward \
     --json "$o/bench-jax-ffi-fwd-bwd.json" --no-progress
+  TAIL=8 step sanitizer-memcheck-jax-ffi 150 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py \
+    -k "cuda"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
