@@ -55,6 +55,12 @@
 #          platform allocator; the default setup segfaulted under memcheck on 2026-12-01),
 #          jax-ffi's block-scaled forward_backward through the explicit API, and the middle-axis
 #          decode with 32-bit index divisions (its CUDA tests, jax-ffi's mxfp8 forward).
+#   RUN=14: (the day's fourth session) the mxfp8-weights GEMM staged through shared memory with
+#          cp.async (its checks incl. bf16 output and an inexact block, memcheck, racecheck, the
+#          decode-shape timings), the layer's mxfp8-weights forward
+#          (moe_ep_layer_experts_forward_mxfp8) and the cuda-nccl front-end taking it at few rows:
+#          CUDA tests, the NCCL provider's table, the bench's decode row (128 tokens) with it and
+#          without it (MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=0), in the default device mode.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -348,6 +354,25 @@ case "$RUN" in
     XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --target-processes all \
     --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py \
     -k "cuda"
+  ;;
+14)
+  TAIL=16 step gemm-check-mxfp8-weights 60 .devbuild/moe_ep_gemm_check --mxfp8-weights
+  TAIL=6 step tests-mxfp8-weights 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py
+  for tool in memcheck racecheck; do
+    TAIL=4 step "sanitizer-$tool-mxfp8-weights" 120 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
+  done
+  TAIL=12 step bench-decode 90 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
+    --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-decode.json" --no-progress
+  TAIL=12 step bench-decode-bf16-path 90 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=0 "$py" -m moe_ep_spec.cli bench \
+    --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
+    --intermediate-format bf16 --op forward --json "$o/bench-decode-bf16-path.json" --no-progress
+  TAIL=4 step tests-native-cuda 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_ or epilogue"
+  TAIL=3 step conformance-nccl-ep1 60 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --timeout 45 --report-md "$o/conformance-nccl-ep1.md"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -52,7 +52,7 @@ from moe_ep_torch import formats as TF
 from moe_ep_torch.api import _check, _check_group
 
 from . import static
-from .prims import TIMEOUT_ENV, NativePrimitives, operands, ptr, where
+from .prims import TIMEOUT_ENV, NativePrimitives, mxfp8_weights_forward, mxfp8_weights_path, operands, ptr, where
 
 __all__ = ["EXCHANGE_ENV", "COMBINE_ENV", "MODE_ENV", "enabled", "forward", "backward", "backward_and_metadata", "move", "close"]
 
@@ -276,20 +276,25 @@ def forward(
     layer, x_buf, _, w_buf, meta, gs, tpe, err, fc1_d, fc2_d = _dispatch(
         prims, config, group, activation, fc1, fc2, idx, weights, []
     )
-    _, x, f1, f2 = operands(x_buf, fc1_d, fc2_d, host_check=False)
-    rows, h, i = int(x.shape[0]), config.hidden, config.intermediate
+    rows, h, i = int(x_buf.shape[0]), config.hidden, config.intermediate
+    device = w_buf.device
     y_dtype = torch.bfloat16 if layer.bf16_expert_out else torch.float32
-    y = torch.empty((rows, h), dtype=y_dtype, device=x.device)
-    c = torch.empty((rows, 2 * i), dtype=torch.bfloat16, device=x.device)
-    _, stream = where(x)
-    layer.experts_forward(stream, rows, ptr(x), ptr(w_buf), ptr(f1), ptr(f2), ptr(gs), ptr(y), ptr(c))
+    y = torch.empty((rows, h), dtype=y_dtype, device=device)
+    c = torch.empty((rows, 2 * i), dtype=torch.bfloat16, device=device)
+    # mxfp8 weights at few rows: their codes read by the tensor cores (prims.mxfp8_weights_path).
+    if not (mxfp8_weights_path(config, x_buf, fc1_d, fc2_d, host_check=False)
+            and mxfp8_weights_forward(layer, config, x_buf, w_buf, fc1_d, fc2_d, gs, y, c, host_check=False)):
+        _, x, f1, f2 = operands(x_buf, fc1_d, fc2_d, host_check=False)
+        _, stream = where(x)
+        layer.experts_forward(stream, rows, ptr(x), ptr(w_buf), ptr(f1), ptr(f2), ptr(gs), ptr(y), ptr(c))
+    _, stream = where(w_buf)
     # The layer zeroes the stash's padding rows itself (whatever the weights hold), and makes y
     # and the stash NaN when any rank's dispatch failed.
     t = int(idx.shape[0])
     # A bf16 output is encoded by the combine itself; other formats from its float32 sums.
     bf16_out = config.output_format is MoeFormat.BF16
-    out = torch.empty((t, h), dtype=torch.bfloat16 if bf16_out else torch.float32, device=x.device)
-    cerr = torch.empty(1, dtype=torch.int32, device=x.device)  # the dispatch's bits and a combine timeout
+    out = torch.empty((t, h), dtype=torch.bfloat16 if bf16_out else torch.float32, device=device)
+    cerr = torch.empty(1, dtype=torch.int32, device=device)  # the dispatch's bits and a combine timeout
     layer.combine(stream, t, ptr(y), ptr(out), None, None, ptr(cerr), y_bf16=layer.bf16_expert_out,
                   out_bf16=bf16_out)  # NaN on any error
     _record(config, group, cerr, tpe)

@@ -42,7 +42,8 @@ from moe_ep_torch import formats as TF
 
 __all__ = ["NativePrimitives", "NATIVE", "CPU_ENV", "TIMEOUT_ENV", "close_communicators", "BlockScaledOperand",
            "dequantize_bf16", "operands", "inexact_decodes", "decoded_weight", "forget_decoded_weights",
-           "WEIGHT_CACHE_ENV"]
+           "WEIGHT_CACHE_ENV", "MXFP8_WEIGHTS_ENV", "MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT", "mxfp8_weights_path",
+           "mxfp8_weights_forward"]
 
 #: ``1``: the backend runs on CPU tensors too (native CPU kernels, gloo): for
 #: testing this front-end on machines without a GPU.
@@ -614,8 +615,8 @@ class NativePrimitives(core.Primitives):
 
     def experts_forward(self, config, plan, x, w, fc1, fc2):
         # A core.Plan is the host-synchronised mode's: block-scaled operands may be checked on the host.
-        _, x, fc1, fc2 = operands(x, fc1, fc2, host_check=isinstance(plan, core.Plan))
-        y, c = expert_forward(config, x, w, fc1, fc2, _slab_sizes(plan, x.device))  # y after the combine round trip
+        y, c = expert_forward(config, x, w, fc1, fc2, _slab_sizes(plan, x.device),  # y after the combine round trip
+                              host_check=isinstance(plan, core.Plan))
         if not config.static_layout:
             return y, c  # every row is a route (rows of no expert, none here, the layer zeroes)
         valid = plan.valid_rows.unsqueeze(1)
@@ -683,16 +684,107 @@ def _operands(x: Any, fc1: Any, fc2: Any) -> Tuple[bool, torch.Tensor, torch.Ten
     return False, _f32(x), _f32(fc1), _f32(fc2)
 
 
+#: ``0``: never read mxfp8 weights' codes in the forward (always their bf16 decode); ``1``
+#: (default): read them when the rows are few (:func:`mxfp8_weights_path`).
+MXFP8_WEIGHTS_ENV = "MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS"
+#: The mxfp8-weights forward runs when the buffer has at most this many rows per local
+#: expert on average: it reads the weights once per 64 rows of an expert, the bf16 GEMMs
+#: on a kept decode read twice the bytes once.
+MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT = 64
+
+
+def mxfp8_weights_path(config: MoeEpConfig, x: Any, fc1: Any, fc2: Any, *, host_check: bool) -> bool:
+    """Whether the experts forward reads the mxfp8 weights' codes themselves
+    (``moe_ep_layer_experts_forward_mxfp8``: a grouped GEMM that decodes them to bf16 in
+    registers) instead of their kept bf16 decode (:func:`decoded_weight`): both weights
+    mxfp8 :class:`BlockScaledOperand` s on CUDA, x bf16 or block-scaled, hidden and
+    intermediate multiples of 128, at most :data:`MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT` rows
+    per local expert (the decode regime, where the weight read is the cost), and
+    :data:`MXFP8_WEIGHTS_ENV` not ``0``. With ``host_check`` (outside a capture) both
+    weights also need a cached exact verdict (:func:`operands` makes it on the first call),
+    so the weights' flags need no read: like a kept decode with a verdict, a value bf16
+    cannot hold is NaN and lands in :func:`inexact_decodes`. The values are those of the
+    bf16 path; the sums may differ in order only (float32 accumulation either way)."""
+    value = os.environ.get(MXFP8_WEIGHTS_ENV, "1")
+    if value not in ("0", "1"):
+        raise E.ConfigError(
+            f"{MXFP8_WEIGHTS_ENV} must be '0' (always the bf16 decode) or '1' (read the codes when rows are few); "
+            f"got {value!r}",
+            field=MXFP8_WEIGHTS_ENV, value=value,
+        )
+    if value == "0":
+        return False
+    for t in (fc1, fc2):
+        if not (isinstance(t, BlockScaledOperand) and t.weight and t.source.format is MoeFormat.MXFP8):
+            return False
+    if fc1.device.type != "cuda" or fc2.device != fc1.device:
+        return False
+    if not isinstance(x, BlockScaledOperand) and x.dtype != torch.bfloat16:
+        return False
+    if config.hidden % 128 or config.intermediate % 128:
+        return False
+    if int(x.shape[0]) > MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT * config.num_local_experts:
+        return False
+    if host_check and not _capturing(fc1.source.data):
+        return all(_cached_verdict(t.source) is True for t in (fc1, fc2))
+    return True
+
+
+def mxfp8_weights_forward(
+    layer: Layer, config: MoeEpConfig, x: Any, w: torch.Tensor, fc1: BlockScaledOperand, fc2: BlockScaledOperand,
+    group_sizes: torch.Tensor, y: torch.Tensor, fc1_c: torch.Tensor, *, host_check: bool,
+) -> bool:
+    """The layer's experts forward with the mxfp8 weights' codes read directly
+    (``moe_ep_layer_experts_forward_mxfp8``) into ``y`` and ``fc1_c``, for operands that
+    passed :func:`mxfp8_weights_path`: True when it ran; False when it does not apply
+    after all (the layer has no tensor-core path, or x's host-checked decode is inexact),
+    and the caller takes the bf16 path. x (bf16 or a :class:`BlockScaledOperand`) is
+    decoded as :func:`operands` decodes it; the weights' flag goes to the device record of
+    :func:`inexact_decodes` (no read: their verdicts are cached, or no check is allowed)."""
+    if not (layer.info.tensor_cores and layer.bf16_operands):
+        return False
+    device = fc1.device
+    if isinstance(x, BlockScaledOperand):
+        if x.exact_in_bf16:
+            x = x.bf16(None)
+        elif host_check and not _capturing(x.source.data):
+            flag = torch.zeros(1, dtype=torch.int32, device=device)
+            decoded = x.bf16(flag)
+            if int(flag.item()):  # the one host synchronisation, as operands() makes for mxfp8 rows
+                return False
+            x = decoded
+        else:
+            x = x.bf16(_record(device))
+    x = x.contiguous()
+    rec = _record(device)
+    w = _f32(w)
+    gs = group_sizes.to(torch.int32).contiguous()  # every operand bound to a name: alive until the call returns
+    c1, s1, c2, s2 = (t.contiguous() for t in (fc1.source.data, fc1.source.scale, fc2.source.data, fc2.source.scale))
+    _, stream = where(x)
+    layer.experts_forward_mxfp8(stream, int(x.shape[0]), ptr(x), ptr(w), ptr(c1), ptr(s1), ptr(c2), ptr(s2), ptr(gs),
+                                ptr(y), ptr(fc1_c), ptr(rec))
+    return True
+
+
 def expert_forward(
-    config: MoeEpConfig, x: torch.Tensor, w: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, group_sizes: torch.Tensor
+    config: MoeEpConfig, x: torch.Tensor, w: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+    group_sizes: torch.Tensor, *, host_check: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The native layer's experts forward on tensors: ``(y [C, H] float32, fc1_c [C, 2I] bfloat16)``:
     ``y`` after the combine round trip, the stash of the FC1 output. ``x``, ``fc1``, ``fc2``
     bf16 (the tensor-core path on CUDA), any float dtype (float32 kernels) or
-    :class:`BlockScaledOperand` s (decoded without a host check: :func:`operands`; the
-    static mode calls this directly); ``group_sizes`` ``[E_local] int32`` on the rows'
-    device: slab sizes from row 0."""
-    bf16, x, fc1, fc2 = operands(x, fc1, fc2, host_check=False)
+    :class:`BlockScaledOperand` s (decoded by :func:`operands`, with a host check when
+    ``host_check``: the host-synchronised mode; the static mode calls this directly,
+    without); mxfp8 weights at few rows are read as codes (:func:`mxfp8_weights_path`);
+    ``group_sizes`` ``[E_local] int32`` on the rows' device: slab sizes from row 0."""
+    if mxfp8_weights_path(config, x, fc1, fc2, host_check=host_check):
+        rows = int(x.shape[0])
+        layer = layer_for(config, rows, fc1.device, True, backward=False)
+        y = torch.empty((rows, config.hidden), dtype=torch.float32, device=fc1.device)
+        c = torch.empty((rows, 2 * config.intermediate), dtype=torch.bfloat16, device=fc1.device)
+        if mxfp8_weights_forward(layer, config, x, w, fc1, fc2, group_sizes, y, c, host_check=host_check):
+            return y, c
+    bf16, x, fc1, fc2 = operands(x, fc1, fc2, host_check=host_check)
     w = _f32(w)
     gs = group_sizes.to(torch.int32).contiguous()  # every operand bound to a name: alive until the call returns
     rows, h, i = int(x.shape[0]), config.hidden, config.intermediate

@@ -52,7 +52,7 @@ extern "C" {
 #endif
 
 /** Bumped on any incompatible change of a signature or a struct below. */
-#define MOE_EP_NATIVE_ABI_VERSION 3
+#define MOE_EP_NATIVE_ABI_VERSION 4
 
 typedef enum {
   MOE_EP_OK = 0,
@@ -413,6 +413,35 @@ MOE_EP_API moe_ep_status moe_ep_layer_get_info(const moe_ep_layer* layer, moe_ep
 MOE_EP_API moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, int64_t num_rows,
                                                       const void* x, const float* w, const void* fc1, const void* fc2,
                                                       const int32_t* group_sizes, void* y, uint16_t* fc1_c);
+
+/**
+ * moe_ep_layer_experts_forward with mxfp8 expert weights read as they are stored, the
+ * decode forward's weight read at about half the bytes of their bf16 decode
+ * (docs/cuda-nccl.md, "The mxfp8-weights forward"). The layer's operand_dtype must be
+ * MOE_EP_DTYPE_BF16, and hidden and intermediate multiples of 32.
+ *   num_rows, x, w, group_sizes, y, fc1_c: as moe_ep_layer_experts_forward (x bf16).
+ *   fc1_codes:  [E_local, 2I, H] uint8 E4M3 codes;  fc1_scales: [E_local, 2I, H / 32] uint8 E8M0:
+ *               the weight fc1 [E_local, H, 2I] stored transposed, blocked along H (K-major).
+ *   fc2_codes:  [E_local, H, I] uint8;  fc2_scales: [E_local, H, I / 32] uint8: fc2 [E_local, I, H]
+ *               stored the same way, blocked along I.
+ *   inexact:    [1] int32 (device memory on CUDA) or NULL: 1 is ORed in (never cleared here) when a
+ *               weight value is not a bf16 value.
+ * The values are those of moe_ep_layer_experts_forward given the weights' bf16 decode
+ * (moe_ep_dequantize_bf16 with transpose_rows, into [E, K, N]): a weight value bf16 cannot
+ * hold (mxfp8 below 2^-126 off bf16's grid, scale codes 0..2 only) is NaN there, so the
+ * outputs that depend on it are NaN, and *inexact is set. On CUDA the tensor cores run on
+ * the codes (a grouped GEMM that decodes them to bf16 in registers, one pass over the
+ * weights per 64 rows of an expert; float32 accumulation, so sums may differ from the bf16
+ * path's in order only); that needs the tensor-core path and hidden and intermediate
+ * multiples of 128 (else MOE_EP_ERR_UNSUPPORTED), x and the codes 16-byte and the scales
+ * 4-byte aligned. On CPU the float32 kernels run on the same decoded values.
+ * Added in ABI 4 (a new entry point; no struct changed).
+ */
+MOE_EP_API moe_ep_status moe_ep_layer_experts_forward_mxfp8(moe_ep_layer* layer, void* stream, int64_t num_rows,
+                                                            const void* x, const float* w, const uint8_t* fc1_codes,
+                                                            const uint8_t* fc1_scales, const uint8_t* fc2_codes,
+                                                            const uint8_t* fc2_scales, const int32_t* group_sizes,
+                                                            void* y, uint16_t* fc1_c, int32_t* inexact);
 
 /**
  * The experts' backward (docs/spec.md section 9.2: recomputed from the stash,

@@ -141,6 +141,34 @@ class Layer:
         ``[C, 2I] bf16`` (or None) out."""
         call("moe_ep_layer_experts_forward", self._handle, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c)
 
+    def experts_forward_mxfp8(
+        self,
+        stream: Optional[int],
+        num_rows: int,
+        x: Optional[int],
+        w: Optional[int],
+        fc1_codes: Optional[int],
+        fc1_scales: Optional[int],
+        fc2_codes: Optional[int],
+        fc2_scales: Optional[int],
+        group_sizes: Optional[int],
+        y: Optional[int],
+        fc1_c: Optional[int],
+        inexact: Optional[int],
+    ) -> None:
+        """``moe_ep_layer_experts_forward_mxfp8``: :meth:`experts_forward` with mxfp8 weights
+        read as stored: fc1_codes ``[E_local, 2I, H] uint8`` and fc1_scales ``[E_local, 2I,
+        H / 32] uint8``, fc2_codes ``[E_local, H, I] uint8`` and fc2_scales ``[E_local, H,
+        I / 32] uint8`` (each weight transposed, blocked along its contraction axis); x bf16
+        (the layer's operand dtype must be bf16); inexact ``[1] int32`` (or None): 1 ORed in
+        when a weight value is not a bf16 value (decoded to NaN, as the bf16 decode does).
+        Raises :class:`~moe_ep_spec.NativeError` (unsupported) on CUDA without the
+        tensor-core path or with hidden or intermediate not a multiple of 128."""
+        call(
+            "moe_ep_layer_experts_forward_mxfp8", self._handle, stream, num_rows, x, w, fc1_codes, fc1_scales,
+            fc2_codes, fc2_scales, group_sizes, y, fc1_c, inexact,
+        )
+
     def experts_backward(
         self,
         stream: Optional[int],

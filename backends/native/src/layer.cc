@@ -17,7 +17,9 @@
 #include <limits>
 #include <new>
 #include <string>
+#include <tuple>
 
+#include "cpu/formats.h"
 #include "cpu/fpenv.h"
 #include "exchange.h"
 #include "internal.h"
@@ -216,13 +218,13 @@ moe_ep_status stage_operands(moe_ep_layer* l, void* stream, int64_t C, const voi
 
 moe_ep_status round_trip_y(moe_ep_layer* l, void* stream, moe_ep_format f, float* y, int64_t C, int64_t H);
 
-moe_ep_status staged_forward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w, const void* fc1,
-                             const void* fc2, const int32_t* group_sizes, void* y_out, uint16_t* fc1_c) {
+// The staged forward on float32 operands (staged already).
+moe_ep_status staged_forward_f32(moe_ep_layer* l, void* stream, int64_t C, const float* x32, const float* w,
+                                 const float* fc1_32, const float* fc2_32, const int32_t* group_sizes, void* y_out,
+                                 uint16_t* fc1_c) {
   moe_ep_expert_desc d = l->desc;
   d.num_rows = C;
   const int64_t H = d.hidden, I = d.intermediate;
-  const float *x32, *fc1_32, *fc2_32;
-  MOE_EP_TRY(stage_operands(l, stream, C, x, fc1, fc2, &x32, &fc1_32, &fc2_32));
   const bool bf16_out = l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
   float* y = bf16_out ? l->y32 : static_cast<float*>(y_out);
   MOE_EP_TRY(MOE_EP_LAYER_IMPL(l, expert_forward(stream, d, x32, w, fc1_32, fc2_32, group_sizes, y, l->c32,
@@ -239,6 +241,13 @@ moe_ep_status staged_forward(moe_ep_layer* l, void* stream, int64_t C, const voi
   MOE_EP_TRY(round_trip_y(l, stream, f, y, C, H));
   if (bf16_out) return MOE_EP_LAYER_IMPL(l, quantize(stream, MOE_EP_FORMAT_BF16, y, C, H, 1, y_out, nullptr));
   return MOE_EP_OK;
+}
+
+moe_ep_status staged_forward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w, const void* fc1,
+                             const void* fc2, const int32_t* group_sizes, void* y_out, uint16_t* fc1_c) {
+  const float *x32, *fc1_32, *fc2_32;
+  MOE_EP_TRY(stage_operands(l, stream, C, x, fc1, fc2, &x32, &fc1_32, &fc2_32));
+  return staged_forward_f32(l, stream, C, x32, w, fc1_32, fc2_32, group_sizes, y_out, fc1_c);
 }
 
 // R_comb of the float32 rows y in place (rows of no expert are zero and stay zero).
@@ -290,12 +299,56 @@ moe_ep_status experts_forward(moe_ep_layer* l, void* stream, int64_t C, const vo
   if (l->tensor_cores) {
     moe_ep_expert_desc d = l->desc;
     d.num_rows = C;
+    cuda::TcWeights wt;
+    wt.fc1 = static_cast<const uint16_t*>(fc1);
+    wt.fc2 = static_cast<const uint16_t*>(fc2);
     return cuda::tc_forward(stream, d, l->cfg.combine_format, l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16,
-                            static_cast<const uint16_t*>(x), w, static_cast<const uint16_t*>(fc1),
-                            static_cast<const uint16_t*>(fc2), group_sizes, y, fc1_c, l->tc);
+                            static_cast<const uint16_t*>(x), w, wt, group_sizes, y, fc1_c, l->tc);
   }
 #endif
   return staged_forward(l, stream, C, x, w, fc1, fc2, group_sizes, y, fc1_c);
+}
+
+// The mxfp8 weights (stored [E, N, K]: codes, scales) as the staged path's float32 operand
+// [E, K, N]: the value of their bf16 decode (moe_ep_dequantize_bf16 with transpose_rows = N),
+// NaN where bf16 cannot hold a value, with 1 ORed into *inexact then. CPU only.
+void stage_mxfp8_weight(const uint8_t* codes, const uint8_t* scales, int64_t E, int64_t N, int64_t K, float* out,
+                        int32_t* inexact) {
+  bool any = false;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        out[(e * K + k) * N + n] = cpu::bf16_to_float(cpu::bf16_exact_bits(
+            cpu::mxfp8_value(codes[(e * N + n) * K + k], scales[(e * N + n) * (K / 32) + k / 32]), &any));
+  if (any && inexact != nullptr) *inexact |= 1;
+}
+
+// moe_ep_layer_experts_forward_mxfp8 on the layer's path: the tensor cores read the codes
+// (CUDA); the staged path (CPU) decodes them as above into its float32 buffers and runs the
+// float32 kernels on x decoded from bf16, as experts_forward does with bf16 weights.
+moe_ep_status experts_forward_mxfp8(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w,
+                                    const uint8_t* fc1_codes, const uint8_t* fc1_scales, const uint8_t* fc2_codes,
+                                    const uint8_t* fc2_scales, const int32_t* group_sizes, void* y, uint16_t* fc1_c,
+                                    int32_t* inexact) {
+  moe_ep_expert_desc d = l->desc;
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  if (l->tensor_cores) {
+    d.num_rows = C;
+    cuda::TcWeights wt;
+    wt.fc1_codes = fc1_codes;
+    wt.fc1_scales = fc1_scales;
+    wt.fc2_codes = fc2_codes;
+    wt.fc2_scales = fc2_scales;
+    wt.inexact = inexact;
+    return cuda::tc_forward(stream, d, l->cfg.combine_format, l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16,
+                            static_cast<const uint16_t*>(x), w, wt, group_sizes, y, fc1_c, l->tc);
+  }
+#endif
+  const int64_t H = d.hidden, I = d.intermediate, E = d.num_local_experts;
+  stage_mxfp8_weight(fc1_codes, fc1_scales, E, 2 * I, H, l->fc1_32, inexact);
+  stage_mxfp8_weight(fc2_codes, fc2_scales, E, H, I, l->fc2_32, inexact);
+  if (C > 0) MOE_EP_TRY(cpu::dequantize(nullptr, MOE_EP_FORMAT_BF16, x, nullptr, C, H, 1, l->x32));
+  return staged_forward_f32(l, stream, C, l->x32, w, l->fc1_32, l->fc2_32, group_sizes, y, fc1_c);
 }
 
 moe_ep_status experts_backward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w,
@@ -464,6 +517,64 @@ moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, in
     return ck.bad("y must be 16-byte aligned on the tensor-core path", std::to_string(reinterpret_cast<uintptr_t>(y)));
   return moe_ep::guarded(layer, [&]() -> moe_ep_status {
     MOE_EP_TRY(moe_ep::experts_forward(layer, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c));
+    MOE_EP_TRY(moe_ep::zero_stash_padding(layer, stream, fc1_c, num_rows));
+    return moe_ep::nan_on_dispatch_error(
+        layer, stream,
+        {{y, num_rows * H, bf16_out ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32}, {fc1_c, num_rows * 2 * I, MOE_EP_DTYPE_BF16}});
+  });
+}
+
+moe_ep_status moe_ep_layer_experts_forward_mxfp8(moe_ep_layer* layer, void* stream, int64_t num_rows, const void* x,
+                                                 const float* w, const uint8_t* fc1_codes, const uint8_t* fc1_scales,
+                                                 const uint8_t* fc2_codes, const uint8_t* fc2_scales,
+                                                 const int32_t* group_sizes, void* y, uint16_t* fc1_c,
+                                                 int32_t* inexact) {
+  const Check ck{"moe_ep_layer_experts_forward_mxfp8"};
+  MOE_EP_TRY(moe_ep::check_layer(ck, layer, stream, num_rows));
+  if (layer->cfg.operand_dtype != MOE_EP_DTYPE_BF16)
+    return ck.bad("the layer's operand_dtype must be MOE_EP_DTYPE_BF16 (1): x is bf16",
+                  std::to_string(layer->cfg.operand_dtype));
+  const moe_ep_expert_desc& d = layer->desc;
+  const int64_t H = d.hidden, I = d.intermediate, E = d.num_local_experts;
+  if (H % 32 != 0 || I % 32 != 0)
+    return ck.bad("hidden and intermediate must be multiples of 32 (the mxfp8 block along K)",
+                  "hidden " + std::to_string(H) + ", intermediate " + std::to_string(I));
+  if (moe_ep::is_cuda(layer)) {
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+    if (!layer->tensor_cores || !moe_ep::cuda::tc_mxfp8_weights_fit(d))
+      return moe_ep::fail(MOE_EP_ERR_UNSUPPORTED,
+                          "moe_ep_layer_experts_forward_mxfp8: on CUDA it needs the tensor-core path "
+                          "(moe_ep_layer_get_info's tensor_cores = 1) and hidden and intermediate multiples of 128; "
+                          "got tensor_cores " + std::to_string(layer->tensor_cores ? 1 : 0) + ", hidden " +
+                              std::to_string(H) + ", intermediate " + std::to_string(I) +
+                              " (decode the weights to bf16 and call moe_ep_layer_experts_forward instead)");
+#endif
+  }
+  MOE_EP_TRY(ck.ptr("x", x, num_rows * H, 2));
+  MOE_EP_TRY(ck.ptr("w", w, num_rows, 4));
+  MOE_EP_TRY(ck.ptr("fc1_codes", fc1_codes, E * 2 * I * H, 1));
+  MOE_EP_TRY(ck.ptr("fc1_scales", fc1_scales, E * 2 * I * (H / 32), 1));
+  MOE_EP_TRY(ck.ptr("fc2_codes", fc2_codes, E * H * I, 1));
+  MOE_EP_TRY(ck.ptr("fc2_scales", fc2_scales, E * H * (I / 32), 1));
+  MOE_EP_TRY(ck.ptr("group_sizes", group_sizes, E, 4));
+  MOE_EP_TRY(ck.ptr("inexact", inexact, 0, 4));
+  if (layer->tensor_cores) {
+    // The mxfp8-weights GEMM's vector loads.
+    for (const auto& [name, p, align] : {std::tuple<const char*, const void*, uintptr_t>{"x", x, 16},
+                                         {"fc1_codes", fc1_codes, 16}, {"fc2_codes", fc2_codes, 16},
+                                         {"fc1_scales", fc1_scales, 4}, {"fc2_scales", fc2_scales, 4}})
+      if (reinterpret_cast<uintptr_t>(p) % align != 0)
+        return ck.bad(std::string(name) + " must be " + std::to_string(align) + "-byte aligned on the tensor-core path",
+                      std::to_string(reinterpret_cast<uintptr_t>(p)));
+  }
+  const bool bf16_out = layer->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
+  MOE_EP_TRY(ck.ptr("y", y, num_rows * H, bf16_out ? 2 : 4));
+  if (fc1_c != nullptr) MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, num_rows * 2 * I, 2));
+  if (layer->tensor_cores && reinterpret_cast<uintptr_t>(y) % 16 != 0)
+    return ck.bad("y must be 16-byte aligned on the tensor-core path", std::to_string(reinterpret_cast<uintptr_t>(y)));
+  return moe_ep::guarded(layer, [&]() -> moe_ep_status {
+    MOE_EP_TRY(moe_ep::experts_forward_mxfp8(layer, stream, num_rows, x, w, fc1_codes, fc1_scales, fc2_codes,
+                                             fc2_scales, group_sizes, y, fc1_c, inexact));
     MOE_EP_TRY(moe_ep::zero_stash_padding(layer, stream, fc1_c, num_rows));
     return moe_ep::nan_on_dispatch_error(
         layer, stream,

@@ -426,8 +426,16 @@ __device__ double mxfp8_exact(uint8_t c, uint8_t s) {
   return ldexp((c & 0x80) ? -v : v, static_cast<int>(s) - 127);
 }
 
+// Whether bf16 holds E4M3(c) * 2^(s - 127) (mxfp8_exact's value v): every value of 2^-126
+// or more (at most 4 significant bits), and below that the multiples of 2^-133.
+__device__ bool bf16_holds(double v) {
+  const double a = fabs(v);
+  return isnan(v) || a >= ldexp(1.0, -126) || floor(ldexp(a, 133)) == ldexp(a, 133);
+}
+
 // y[r, n] = sum_k x[r, k] W_e[n, k] in float64, and the sum of |products|; rows past the
-// last offset: ref = the old y (untouched), bound 0.
+// last offset: ref = the old y (untouched), bound 0. NaN for every row of an expert whose
+// weight row n holds a value bf16 cannot hold (the kernel decodes it to NaN).
 __global__ void mxfp8_reference(moe_ep::cuda::Mxfp8WeightsGemm p, int64_t rows, const float* y0, double* ref,
                                 double* bound) {
   const int64_t total = rows * p.n;
@@ -444,7 +452,9 @@ __global__ void mxfp8_reference(moe_ep::cuda::Mxfp8WeightsGemm p, int64_t rows, 
     const uint8_t* sc = p.scales + (static_cast<int64_t>(e) * p.n + n) * (p.k / 32);
     double s = 0.0, b = 0.0;
     for (int64_t k = 0; k < p.k; ++k) {
-      const double prod = static_cast<double>(bf16_to_float(p.x[r * p.k + k])) * mxfp8_exact(c[k], sc[k / 32]);
+      const double w = mxfp8_exact(c[k], sc[k / 32]);
+      if (!bf16_holds(w)) s = nan("");
+      const double prod = static_cast<double>(bf16_to_float(p.x[r * p.k + k])) * w;
       s += prod;
       b += fabs(prod);
     }
@@ -492,11 +502,18 @@ MxBuffers make_mx(moe_ep::cuda::Mxfp8WeightsGemm& p, const std::vector<int32_t>&
   return b;
 }
 
+// What a check plants in the weights before the run.
+enum class MxPlant { kNone, kNanBlock, kInexactBlock };
+
 // The kernel against the float64 reference: |y - ref| <= k 2^-24 sum |products| (+ 1e-30),
-// the bound of float32 summation; NaN where the reference is NaN; rows past the last offset
-// untouched. nan_block: the scale of (expert 0, weight row 5, block 1) is 0xFF first.
+// the bound of float32 summation (bf16 output: plus its rounding, 2^-9 of |ref| + that
+// bound); NaN where the reference is NaN; rows past the last offset untouched; *inexact
+// set exactly when a weight value is not a bf16 value.
+// kNanBlock: the scale of (expert 0, weight row 5, block 1) is 0xFF. kInexactBlock: the
+// scale of (expert 0, weight row 7, block 0) is 0, whose random codes include values below
+// bf16's subnormal grid: weight row 7 decodes to NaN for every row of expert 0.
 void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int64_t extra_rows,
-                         bool accumulate, bool nan_block, uint64_t seed) {
+                         bool accumulate, MxPlant plant, uint64_t seed, bool bf16_out = false) {
   moe_ep::cuda::Mxfp8WeightsGemm p{};
   p.n = n;
   p.k = k;
@@ -505,9 +522,19 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
   for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
   const int64_t total_rows = off.back() + extra_rows;
   MxBuffers b = make_mx(p, off, total_rows, seed);
-  if (nan_block) {
-    const uint8_t nan = 0xFF;
-    CHECK_CUDA(cudaMemcpy(b.scales + 5 * (k / 32) + 1, &nan, 1, cudaMemcpyHostToDevice));
+  if (plant != MxPlant::kNone) {
+    const uint8_t code = plant == MxPlant::kNanBlock ? 0xFF : 0x00;
+    const int64_t at = plant == MxPlant::kNanBlock ? 5 * (k / 32) + 1 : 7 * (k / 32);
+    CHECK_CUDA(cudaMemcpy(b.scales + at, &code, 1, cudaMemcpyHostToDevice));
+  }
+  int32_t* flag = device_alloc<int32_t>(1);
+  CHECK_CUDA(cudaMemset(flag, 0, sizeof(int32_t)));
+  p.inexact = flag;
+  uint16_t* y16 = nullptr;
+  if (bf16_out) {
+    y16 = device_alloc<uint16_t>(b.y_elems);
+    CHECK_CUDA(cudaMemset(y16, 0, b.y_elems * sizeof(uint16_t)));
+    p.y_bf16 = y16;
   }
   double* ref = device_alloc<double>(b.y_elems);
   double* bound = device_alloc<double>(b.y_elems);
@@ -523,21 +550,41 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<float> y(b.y_elems);
   std::vector<double> r(b.y_elems), bd(b.y_elems);
-  CHECK_CUDA(cudaMemcpy(y.data(), b.y, y.size() * sizeof(float), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(r.data(), ref, r.size() * sizeof(double), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(bd.data(), bound, bd.size() * sizeof(double), cudaMemcpyDeviceToHost));
+  if (bf16_out) {
+    std::vector<uint16_t> h(b.y_elems);
+    CHECK_CUDA(cudaMemcpy(h.data(), y16, h.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < b.y_elems; ++i) {
+      const uint32_t u = static_cast<uint32_t>(h[i]) << 16;
+      std::memcpy(&y[i], &u, sizeof u);
+      // Rows past the last expert: untouched, so still the zeros written before the run.
+      if (i / n >= off.back()) y[i] = h[i] == 0 ? static_cast<float>(r[i]) : std::nanf("");
+    }
+  } else {
+    CHECK_CUDA(cudaMemcpy(y.data(), b.y, y.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  }
+  int32_t flagged = 0;
+  CHECK_CUDA(cudaMemcpy(&flagged, flag, sizeof flagged, cudaMemcpyDeviceToHost));
   int64_t bad = 0, nans = 0, first = -1;
   const double rel = static_cast<double>(k) * std::ldexp(1.0, -24);
   for (int64_t i = 0; i < b.y_elems; ++i) {
     const bool want_nan = std::isnan(r[i]);
     nans += want_nan ? 1 : 0;
-    const bool ok = want_nan ? std::isnan(y[i])
-                             : (!std::isnan(y[i]) && std::fabs(static_cast<double>(y[i]) - r[i]) <= rel * bd[i] + 1e-30);
+    double tol = rel * bd[i] + 1e-30;
+    if (bf16_out && i / n < off.back()) tol += std::ldexp(1.0, -9) * (std::fabs(r[i]) + tol);
+    const bool ok = want_nan ? std::isnan(y[i]) : (!std::isnan(y[i]) && std::fabs(static_cast<double>(y[i]) - r[i]) <= tol);
     if (!ok && bad++ == 0) first = i;
   }
-  if (nan_block && nans != static_cast<int64_t>(rows[0])) {  // weight row 5 of expert 0: every row of expert 0
+  const int64_t want_nans = plant == MxPlant::kNone ? 0 : rows[0];  // one weight row of expert 0: every row of expert 0
+  if (nans != want_nans) {
     std::printf("check mxfp8 weights %-34s: MISMATCH (%lld NaN outputs expected, the reference has %lld)\n", name,
-                static_cast<long long>(rows[0]), static_cast<long long>(nans));
+                static_cast<long long>(want_nans), static_cast<long long>(nans));
+    ++g_failures;
+  }
+  const int32_t want_flag = plant == MxPlant::kInexactBlock ? 1 : 0;
+  if (flagged != want_flag) {
+    std::printf("check mxfp8 weights %-34s: MISMATCH (the inexact flag is %d, expected %d)\n", name, flagged, want_flag);
     ++g_failures;
   }
   if (bad) {
@@ -546,23 +593,26 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
                 static_cast<long long>(first % n), y[first], r[first], bd[first]);
     ++g_failures;
   } else {
-    std::printf("check mxfp8 weights %-34s: ok (%lld outputs, %lld NaN)\n", name, static_cast<long long>(b.y_elems),
-                static_cast<long long>(nans));
+    std::printf("check mxfp8 weights %-34s: ok (%lld outputs, %lld NaN, flag %d)\n", name,
+                static_cast<long long>(b.y_elems), static_cast<long long>(nans), flagged);
   }
   cudaFree(ref);
   cudaFree(bound);
+  cudaFree(flag);
+  cudaFree(y16);
   b.release();
 }
 
 // The kernel at the decode shape against a device copy: the read rate of the codes and
 // scales, as a fraction of the copy's (read + write) bandwidth; and the bf16 grouped GEMM
 // on the same shape (its weights 2 bytes an element) for comparison.
-void time_mxfp8_weights(const char* name, int64_t n, int64_t k, int experts, int rows_per_expert, int sm_count) {
+void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int sm_count) {
   moe_ep::cuda::Mxfp8WeightsGemm p{};
   p.n = n;
   p.k = k;
-  std::vector<int32_t> off(experts + 1);
-  for (int e = 0; e <= experts; ++e) off[e] = e * rows_per_expert;
+  const int experts = static_cast<int>(rows.size());
+  std::vector<int32_t> off(experts + 1, 0);
+  for (int e = 0; e < experts; ++e) off[e + 1] = off[e] + rows[e];
   MxBuffers b = make_mx(p, off, off.back(), 11);
   const int warmup = 3, iters = 20;
   cudaEvent_t t0, t1;
@@ -585,27 +635,50 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, int experts, int
   const double read_bytes = static_cast<double>(b.code_bytes + b.scale_bytes);
   const double copy_bw = 2.0 * static_cast<double>(b.code_bytes) / (copy_ms * 1e-3);  // read + write
   const double read_ms = read_bytes / copy_bw * 1e3;
-  std::printf("time  mxfp8 weights %-24s experts=%d rows/expert=%d n=%lld k=%lld: %.4f ms; weight read (codes + "
-              "scales at the copy's %.2f TB/s) %.4f ms: %.3f of the weight-read roofline\n",
-              name, experts, rows_per_expert, static_cast<long long>(n), static_cast<long long>(k), ms, copy_bw / 1e12,
-              read_ms, read_ms / ms);
+  int lo = rows[0], hi = rows[0];
+  for (int v : rows) lo = std::min(lo, v), hi = std::max(hi, v);
+  std::printf("time  mxfp8 weights %-24s experts=%d rows=%d (%d..%d an expert) n=%lld k=%lld: %.4f ms; weight read "
+              "(codes + scales at the copy's %.2f TB/s) %.4f ms: %.3f of the weight-read roofline\n",
+              name, experts, off.back(), lo, hi, static_cast<long long>(n), static_cast<long long>(k), ms,
+              copy_bw / 1e12, read_ms, read_ms / ms);
   cudaFree(copy);
   CHECK_CUDA(cudaEventDestroy(t0));
   CHECK_CUDA(cudaEventDestroy(t1));
   b.release();
-  time_shape(name, GemmLayout::kNN, 0, n, k, experts, rows_per_expert, sm_count);  // the bf16 GEMM, same shape
+  if (lo == hi) time_shape(name, GemmLayout::kNN, 0, n, k, experts, lo, sm_count);  // the bf16 GEMM, same shape
+}
+
+// Rows an expert at 128 tokens, top-8, 32 local experts (1024 routes): a fixed draw of the
+// multinomial spread around 32 (the bench's random routing), 1024 in all.
+std::vector<int> decode_rows() {
+  std::vector<int> rows(32);
+  uint64_t h = 0x9E3779B97F4A7C15ull;
+  std::vector<int> count(32, 0);
+  for (int i = 0; i < 1024; ++i) {
+    h ^= h >> 33;
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 29;
+    ++count[(h >> 7) % 32];
+  }
+  for (int e = 0; e < 32; ++e) rows[e] = count[e];
+  return rows;
 }
 
 void mxfp8_weights_checks(bool timing, int sm_count) {
-  const std::vector<int> ragged = {0, 1, 33, 0, 70, 7, 32, 45, 0};
-  for (bool acc : {false, true}) check_mxfp8_weights("ragged", 256, 512, ragged, 5, acc, false, 21);
-  check_mxfp8_weights("ragged, a NaN scale block", 128, 1024, {17, 3, 40}, 0, false, true, 22);
-  check_mxfp8_weights("decode FC2 shape, 4 experts", 7168, 2048, {32, 31, 1, 64}, 0, false, false, 23);
-  check_mxfp8_weights("all experts empty", 128, 64, {0, 0, 0}, 3, false, false, 24);
+  const std::vector<int> ragged = {0, 1, 33, 0, 70, 7, 32, 45, 0, 129};
+  for (bool acc : {false, true}) check_mxfp8_weights("ragged", 256, 512, ragged, 5, acc, MxPlant::kNone, 21);
+  check_mxfp8_weights("ragged, bf16 output", 256, 512, ragged, 5, false, MxPlant::kNone, 25, true);
+  check_mxfp8_weights("ragged, a NaN scale block", 128, 1024, {17, 3, 40}, 0, false, MxPlant::kNanBlock, 22);
+  check_mxfp8_weights("ragged, an inexact block", 128, 1024, {40, 3, 17}, 0, false, MxPlant::kInexactBlock, 26);
+  check_mxfp8_weights("decode FC2 shape, 4 experts", 7168, 2048, {32, 31, 1, 64}, 0, false, MxPlant::kNone, 23);
+  check_mxfp8_weights("all experts empty", 128, 128, {0, 0, 0}, 3, false, MxPlant::kNone, 24);
   if (!timing) return;
-  // DeepSeek-V3 per rank at 128 tokens, top-8: 32 local experts of 32 rows.
-  time_mxfp8_weights("FC1 (decode)", 4096, 7168, 32, 32, sm_count);
-  time_mxfp8_weights("FC2 (decode)", 7168, 2048, 32, 32, sm_count);
+  // DeepSeek-V3 per rank at 128 tokens, top-8: 32 local experts, 1024 rows.
+  time_mxfp8_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), sm_count);
+  time_mxfp8_weights("FC2 (decode)", 7168, 2048, std::vector<int>(32, 32), sm_count);
+  time_mxfp8_weights("FC1 (decode, spread)", 4096, 7168, decode_rows(), sm_count);
+  time_mxfp8_weights("FC2 (decode, spread)", 7168, 2048, decode_rows(), sm_count);
+  time_mxfp8_weights("FC1 (64 rows)", 4096, 7168, std::vector<int>(32, 64), sm_count);
 }
 
 // --initcheck-probe (run under compute-sanitizer --tool initcheck): does initcheck see the
@@ -723,8 +796,8 @@ int main(int argc, char** argv) {
   std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
 
   if (timing) {
-    time_mxfp8_weights("FC1 (decode)", 4096, 7168, 32, 32, sms);
-    time_mxfp8_weights("FC2 (decode)", 7168, 2048, 32, 32, sms);
+    time_mxfp8_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), sms);
+    time_mxfp8_weights("FC2 (decode)", 7168, 2048, std::vector<int>(32, 32), sms);
     // DeepSeek-V3 per rank: hidden 7168, intermediate 2048 (FC1 out 2I = 4096), 32 local experts.
     time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms);
     time_shape("FC2 forward (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms);

@@ -108,9 +108,7 @@ namespace {
 inline float decode_one(moe_ep_format fmt, const uint8_t* d, const uint8_t* sc, int64_t o, int64_t i, int64_t k,
                         int64_t n, int64_t inner) {
   if (fmt == MOE_EP_FORMAT_MXFP8) {
-    const uint8_t s = sc[(o * ceil_div(n, kMxfp8Block) + i / kMxfp8Block) * inner + k];
-    const double sv = s == 0xFF ? std::numeric_limits<double>::quiet_NaN() : std::ldexp(1.0, static_cast<int>(s) - 127);
-    return static_cast<float>(e4m3_value(d[at(o, i, k, n, inner)]) * sv);
+    return mxfp8_value(d[at(o, i, k, n, inner)], sc[(o * ceil_div(n, kMxfp8Block) + i / kMxfp8Block) * inner + k]);
   }
   const double sv = e4m3_value(sc[(o * ceil_div(n, kNvfp4Block) + i / kNvfp4Block) * inner + k]);
   const uint8_t byte = d[(o * ceil_div(n, 2) + i / 2) * inner + k];

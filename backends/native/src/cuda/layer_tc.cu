@@ -31,6 +31,7 @@
 #include "cuda/common.cuh"
 #include "cuda/format_math.cuh"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/mxfp8_weights_gemm.cuh"
 #include "cuda/swiglu.cuh"
 #include "internal.h"
 
@@ -439,6 +440,26 @@ struct Gemm {
     p.accumulate = accumulate;
     return gemm_status(grouped_gemm_bf16(p, ws.gemm, ws.gemm_bytes, stream, ws.sm_count), what);
   }
+  // out[r] (+)= a[r] W_e for the forward's NN GEMMs [C, k] x [E, k, n]: the bf16 weight b, or the
+  // mxfp8 codes and scales ([E, n, k], [E, n, k / 32]) through the mxfp8-weights GEMM.
+  moe_ep_status forward(int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, const uint8_t* codes,
+                        const uint8_t* scales, int32_t* inexact, float* out, bool accumulate, const char* what,
+                        uint16_t* out_bf16 = nullptr) const {
+    if (codes == nullptr) return run(GemmLayout::kNN, 0, n, k, a, b, out, accumulate, what, out_bf16);
+    Mxfp8WeightsGemm p{};
+    p.x = a;
+    p.off = ws.offsets;
+    p.codes = codes;
+    p.scales = scales;
+    p.num_experts = static_cast<int>(d.num_local_experts);
+    p.n = n;
+    p.k = k;
+    p.y = out;
+    p.y_bf16 = out_bf16;
+    p.accumulate = accumulate;
+    p.inexact = inexact;
+    return gemm_status(mxfp8_weights_gemm(p, stream), what);
+  }
 };
 
 template <int kFmt>
@@ -602,9 +623,14 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
   return at;
 }
 
+bool tc_mxfp8_weights_fit(const moe_ep_expert_desc& d) {
+  return d.hidden % mxw::kStageK == 0 && d.hidden % mxw::kTileN == 0 && (2 * d.intermediate) % mxw::kTileN == 0 &&
+         d.intermediate % mxw::kStageK == 0 && d.num_local_experts <= 65535;
+}
+
 moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, bool bf16_out,
-                         const uint16_t* x, const float* w, const uint16_t* fc1, const uint16_t* fc2,
-                         const int32_t* group_sizes, void* y_out, uint16_t* fc1_c, const TcWorkspace& ws) {
+                         const uint16_t* x, const float* w, const TcWeights& wt, const int32_t* group_sizes,
+                         void* y_out, uint16_t* fc1_c, const TcWorkspace& ws) {
   const cudaStream_t s = as_stream(stream);
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
   const int E = static_cast<int>(d.num_local_experts);
@@ -612,7 +638,7 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   const Gemm gemm{d, ws, s};
   slab_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
   MOE_EP_CUDA_CHECK_LAUNCH("slab_offsets_kernel");
-  MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, 2 * I, H, x, fc1, ws.c, false, "FC1"));
+  MOE_EP_TRY(gemm.forward(2 * I, H, x, wt.fc1, wt.fc1_codes, wt.fc1_scales, wt.inexact, ws.c, false, "FC1"));
 
   const SwigluParams p{C, I, d.apply_topk_in_fc1, d.has_clamp, d.gate_up_clamp};
   const int planes = tc_operand_planes(d.intermediate_format);
@@ -624,7 +650,8 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   if (bf16_out && fc2_writes_bf16(d, combine_format)) {
     // Nothing happens to the FC2 output but its bf16 rounding (the combine round trip):
     // the GEMM writes the bf16 rows itself; rows of no expert are zeroed (as float pairs).
-    MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, H, I, ws.left, fc2, nullptr, false, "FC2", static_cast<uint16_t*>(y_out)));
+    MOE_EP_TRY(gemm.forward(H, I, ws.left, wt.fc2, wt.fc2_codes, wt.fc2_scales, wt.inexact, nullptr, false, "FC2",
+                            static_cast<uint16_t*>(y_out)));
     zero_tail_rows_kernel<<<tail_blocks(C * H / 2, ws), kThreads, 0, s>>>(static_cast<float*>(y_out), ws.offsets, E,
                                                                            C, H / 2);
     MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel");
@@ -632,7 +659,8 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   }
   float* y = bf16_out ? ws.y32 : static_cast<float*>(y_out);
   for (int pl = 0; pl < planes; ++pl)
-    MOE_EP_TRY(gemm.run(GemmLayout::kNN, 0, H, I, ws.left + static_cast<int64_t>(pl) * C * I, fc2, y, pl > 0, "FC2"));
+    MOE_EP_TRY(gemm.forward(H, I, ws.left + static_cast<int64_t>(pl) * C * I, wt.fc2, wt.fc2_codes, wt.fc2_scales,
+                            wt.inexact, y, pl > 0, "FC2"));
 
   if (bf16_out && combine_format == MOE_EP_FORMAT_NVFP4) {  // nvfp4's values are bf16 values (exact)
     // H is a multiple of 16 (the layer's configuration check): no block crosses a row.

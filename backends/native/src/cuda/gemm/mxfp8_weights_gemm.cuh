@@ -2,27 +2,37 @@
 // y[r, n] = sum_k x[r, k] * W_e[n, k] for the rows r of expert e (off[e] <= r < off[e + 1]),
 // with W_e[n, k] = E4M3(codes[e, n, k]) * 2^(scales[e, n, k / 32] - 127) decoded to bf16 in
 // registers and multiplied on the tensor cores (mma.sync m16n8k16, bf16 in, float32
-// accumulation). The weights are read once, at one byte an element plus a scale byte per
-// 32, instead of the two bytes of a kept bf16 decode: the decode forward's weight read
-// (docs/cuda-nccl.md, "What issue 15's decode target needs").
+// accumulation). The weights are read once per pass of up to 64 rows of an expert, at one
+// byte an element plus a scale byte per 32, instead of the two bytes of a kept bf16
+// decode: the decode forward's weight read (docs/cuda-nccl.md, "What issue 15's decode
+// target needs"). The layer's mxfp8-weights forward (moe_ep_layer_experts_forward_mxfp8)
+// runs its FC1 and FC2 through it.
 //
 // Layouts: x [C, K] bf16 row-major (the expert-major rows); codes [E, N, K] and scales
 // [E, N, K / 32] (the transposed block-scaled weight, blocked along K: K-major, what the
-// B operand of mma .row.col wants); y [C, N] float32 row-major (rows past off[E] untouched).
-// Needs K % 64 == 0 and N % kMxTileN == 0 (mxfp8_weights_gemm_fits).
+// B operand of mma .row.col wants); y [C, N] float32 or y_bf16 [C, N] bf16 row-major
+// (rows past off[E] untouched). Needs K % 128 == 0 and N % 128 == 0
+// (mxfp8_weights_gemm_fits).
 //
 // Exact decode: E4M3 -> f16 (cvt, exact) -> float32, times 2^(c - 127) (exact), then the
 // bf16 convert, which rounds nothing for scale codes c >= 3 (docs/cuda-nccl.md, "bf16
-// holds the decoded values"); a scale code 0xFF (NaN) or a NaN code gives NaN. A caller
-// with scale codes below 3 uses the decode to bf16 instead.
+// holds the decoded values"); a scale code 0xFF (NaN) or a NaN code gives NaN. Where a
+// scale code is below 3, the lane checks its 16 values: if one is not a bf16 value, its 16
+// values of that weight row decode to NaN (every output of that weight row and expert is
+// NaN either way, as with moe_ep_dequantize_bf16's NaN for that one value) and 1 is ORed
+// into *inexact: the result is exact or visibly not, never silently rounded.
+//
+// The pipeline: a block (4 warps, 128 weight rows of one expert) streams K in stages of
+// 128 through shared memory with cp.async, kStages deep: the stage's codes (128 rows x
+// 128 bytes, 16-byte chunks swizzled by the row's parity), scales (4 bytes a row) and x
+// rows (up to 64, rows past the expert's last zero-filled; rows padded to 272 bytes). So
+// the loads of later stages are in flight while a stage is multiplied.
 //
 // The sum over k is permuted alike for both operands: in each 64-slice, lane quad q holds
-// the 16 codes [kb + 16 q, kb + 16 q + 16) of its weight row (one 16-byte load), and the
+// the 16 codes [16 q, 16 q + 16) of its weight row (one 16-byte shared load), and the
 // k16 step j of the slice takes codes 4 j .. 4 j + 3 of every quad as the logical
 // columns {2 q, 2 q + 1, 2 q + 8, 2 q + 9} of the MMA; the x fragments are read at the
-// same physical columns (8 bytes a row).
-//
-// Not used by the layer yet: tools/gemm_check.cu checks and times it.
+// same physical columns (16 bytes a row for two steps).
 #ifndef MOE_EP_NATIVE_CUDA_GEMM_MXFP8_WEIGHTS_GEMM_CUH_
 #define MOE_EP_NATIVE_CUDA_GEMM_MXFP8_WEIGHTS_GEMM_CUH_
 
@@ -43,16 +53,44 @@ struct Mxfp8WeightsGemm {
   const uint8_t* scales;  // [E, N, K / 32] E8M0
   int num_experts;
   int64_t n, k;
-  float* y;        // [C, N] float32
-  bool accumulate;  // y += instead of y =
+  float* y;             // [C, N] float32 out (when y_bf16 is NULL)
+  uint16_t* y_bf16;     // [C, N] bf16 out (the bf16 rounding of the sums), or NULL
+  bool accumulate;      // y += instead of y = (float32 output only)
+  int32_t* inexact;     // [1]: 1 ORed in where a weight value is not a bf16 value (NULL: not reported)
 };
 
 namespace mxw {
 
 constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = 32;               // weight rows a warp: four n8 tiles
 constexpr int kTileN = kWarps * kRowsPerWarp;  // weight rows a block
-constexpr int kTileM = 32;                     // expert rows a pass: two m16 tiles
+constexpr int kMaxM = 64;                      // expert rows a pass: up to four m16 tiles
+constexpr int kStageK = 128;                   // k a stage: two 64-slices
+constexpr int kStages = 3;
+constexpr int kXStride = kStageK + 8;          // bf16 a shared x row: 272 bytes (conflict-free 16-byte reads)
+
+struct Stage {
+  uint4 w[kTileN][kStageK / 16];    // codes, 16-byte chunk c of row r at c ^ (4 * (r & 1))
+  uint32_t s[kTileN];               // 4 scale codes a row
+  uint16_t x[kMaxM][kXStride];      // x rows
+};
+constexpr size_t kSmemBytes = sizeof(Stage) * kStages;
+static_assert(kThreads == kTileN, "one thread loads the scales of one weight row");
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(fill ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
 
 // Two E4M3 codes (low byte: the lower k) of one block whose scale value is s (NaN scale:
 // nan), as two bf16 (the lower k in the low half): mxfp8_values2's exact values (NaN for a
@@ -63,132 +101,190 @@ __device__ __forceinline__ uint32_t bf16x2_of(uint32_t two, float s, bool nan) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// Whether one of the 16 codes of v, with scale value s, is not a bf16 value (the check of
+// moe_ep_dequantize_bf16: the low 16 bits of the float32 value).
+__device__ __forceinline__ bool any_inexact(const uint4& v, float s) {
+  bool inexact = false;
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 a = detail::mxfp8_values2(words[i] & 0xFFFFu, s, false, s, false);
+    const float2 b = detail::mxfp8_values2(words[i] >> 16, s, false, s, false);
+    (void)detail::bf16_exact_bits(a.x, inexact);
+    (void)detail::bf16_exact_bits(a.y, inexact);
+    (void)detail::bf16_exact_bits(b.x, inexact);
+    (void)detail::bf16_exact_bits(b.y, inexact);
+  }
+  return inexact;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Grid (N / kTileN, E), kWarps * 32 threads. Lane = 4 g + q: g picks the row of an n8
-// (or m8) tile, q the quad of k.
-__global__ void __launch_bounds__(kWarps * 32) mxfp8_weights_gemm_kernel(Mxfp8WeightsGemm p) {
-  const int e = static_cast<int>(blockIdx.y);
+// Stage ks (k from ks * kStageK) of the block's weight rows and of the pass's kMt * 16 x
+// rows from m0 (rows at or past r1 zero-filled) into st.
+template <int kMt>
+__device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage& st, int e, int64_t nb, int64_t m0,
+                                           int64_t r1, int64_t ks) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int64_t K = p.k, k0 = ks * kStageK;
+  const uint8_t* wbase = p.codes + (static_cast<int64_t>(e) * p.n + nb) * K + k0;
+#pragma unroll
+  for (int u = 0; u < kTileN * (kStageK / 16) / kThreads; ++u) {
+    const int i = tid + u * kThreads, r = i / (kStageK / 16), c = i % (kStageK / 16);
+    cp_async16(&st.w[r][c ^ ((r & 1) << 2)], wbase + static_cast<int64_t>(r) * K + 16 * c, true);
+  }
+  cp_async4(&st.s[tid], p.scales + (static_cast<int64_t>(e) * p.n + nb + tid) * (K / 32) + k0 / 32);
+#pragma unroll
+  for (int u = 0; u < kMt * 16 * (kStageK / 8) / kThreads; ++u) {
+    const int i = tid + u * kThreads, r = i / (kStageK / 8), c = i % (kStageK / 8);
+    const bool in = m0 + r < r1;
+    cp_async16(&st.x[r][8 * c], p.x + (in ? m0 + r : m0) * K + k0 + 8 * c, in);
+  }
+}
+
+// One pass over K for the rows [m0, min(m0 + 16 kMt, r1)) of expert e and the block's
+// weight rows from nb; this warp's 32 of them from nw.
+template <int kMt>
+__device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage* stages, int e, int64_t nb, int64_t m0,
+                                     int64_t r1) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane >> 2, q = lane & 3;
-  const int64_t r0 = p.off[e], r1 = p.off[e + 1];
-  if (r0 >= r1) return;
-  const int64_t K = p.k, kb32 = K / 32;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTileN + warp * kRowsPerWarp;  // this warp's rows
-  const uint8_t* wrow[4];
-  const uint8_t* srow[4];
+  const int64_t nks = p.k / kStageK;
+  float acc[kMt][4][4];
 #pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    const int64_t n = n0 + 8 * t + g;
-    wrow[t] = p.codes + (static_cast<int64_t>(e) * p.n + n) * K + 16 * q;
-    srow[t] = p.scales + (static_cast<int64_t>(e) * p.n + n) * kb32 + q / 2;
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mt][t][c] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nks) load_stage<kMt>(p, stages[s], e, nb, m0, r1, s);
+    cp_async_commit();
   }
-  for (int64_t m0 = r0; m0 < r1; m0 += kTileM) {
-    // x rows of this lane: m0 + 16 mt + g and + 8 (zero past the expert's last row).
-    const uint16_t* xrow[2][2];
-    bool xin[2][2];
+  bool bad = false;
+  for (int64_t ks = 0; ks < nks; ++ks) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage ks landed for every thread; stage ks - 1's buffer is free
+    const int64_t next = ks + kStages - 1;
+    if (next < nks) load_stage<kMt>(p, stages[next % kStages], e, nb, m0, r1, next);
+    cp_async_commit();
+    const Stage& st = stages[ks % kStages];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t r = m0 + 16 * mt + 8 * h + g;
-        xin[mt][h] = r < r1;
-        xrow[mt][h] = p.x + (xin[mt][h] ? r : r0) * K + 16 * q;
-      }
-    float acc[2][4][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int t = 0; t < 4; ++t)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[mt][t][c] = 0.0f;
-    uint4 w[4];
-    uint32_t sc[4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      w[t] = __ldg(reinterpret_cast<const uint4*>(wrow[t]));
-      sc[t] = __ldg(srow[t]);
-    }
-    for (int64_t kb = 0; kb < K; kb += 64) {
-      // The next slice's codes and scales in flight while this one is multiplied.
-      uint4 wn[4];
-      uint32_t sn[4];
-      const bool more = kb + 64 < K;
+    for (int h = 0; h < 2; ++h) {  // the stage's two 64-slices
+      uint4 w[4];
+      float sv[4];
+      bool nan[4];
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
-        wn[t] = more ? __ldg(reinterpret_cast<const uint4*>(wrow[t] + kb + 64)) : make_uint4(0u, 0u, 0u, 0u);
-        sn[t] = more ? __ldg(srow[t] + (kb + 64) / 32) : 0u;
-      }
-      float sv[4];  // the slice's scale values, 2^(c - 127)
-#pragma unroll
-      for (int t = 0; t < 4; ++t) sv[t] = detail::exp2_exact(static_cast<int>(sc[t]) - 127);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t a[2][4];
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          const uint2 lo = xin[mt][0] ? __ldg(reinterpret_cast<const uint2*>(xrow[mt][0] + kb + 4 * j)) : make_uint2(0u, 0u);
-          const uint2 hi = xin[mt][1] ? __ldg(reinterpret_cast<const uint2*>(xrow[mt][1] + kb + 4 * j)) : make_uint2(0u, 0u);
-          a[mt][0] = lo.x;  // row g, logical k 2q, 2q + 1
-          a[mt][1] = hi.x;  // row g + 8
-          a[mt][2] = lo.y;  // row g, logical k 2q + 8, 2q + 9
-          a[mt][3] = hi.y;  // row g + 8
-        }
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const uint32_t word = j == 0 ? w[t].x : (j == 1 ? w[t].y : (j == 2 ? w[t].z : w[t].w));
-          const bool nan = sc[t] == 0xFFu;
-          const uint32_t b0 = bf16x2_of(word & 0xFFFFu, sv[t], nan), b1 = bf16x2_of(word >> 16, sv[t], nan);
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][t], a[mt], b0, b1);
+        const int r = warp * kRowsPerWarp + 8 * t + g;
+        w[t] = st.w[r][(4 * h + q) ^ ((r & 1) << 2)];
+        const uint32_t sc = (st.s[r] >> (8 * (2 * h + (q >> 1)))) & 0xFFu;
+        sv[t] = detail::exp2_exact(static_cast<int>(sc) - 127);
+        nan[t] = sc == 0xFFu;
+        if (sc < 3u && any_inexact(w[t], sv[t])) {  // rare: values below bf16's normal range
+          nan[t] = true;
+          bad = true;
         }
       }
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        w[t] = wn[t];
-        sc[t] = sn[t];
-      }
-    }
+      for (int jj = 0; jj < 2; ++jj) {
+        uint4 xa[kMt][2];  // rows g and g + 8 of each m16 tile: the columns of steps 2 jj and 2 jj + 1
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (!xin[mt][h]) continue;
-        float* yr = p.y + (m0 + 16 * mt + 8 * h + g) * p.n + n0 + 2 * q;
+          for (int hh = 0; hh < 2; ++hh)
+            xa[mt][hh] = *reinterpret_cast<const uint4*>(&st.x[16 * mt + 8 * hh + g][64 * h + 16 * q + 8 * jj]);
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          float2 v = make_float2(acc[mt][t][2 * h], acc[mt][t][2 * h + 1]);
-          float2* dst = reinterpret_cast<float2*>(yr + 8 * t);
-          if (p.accumulate) {
-            const float2 old = *dst;
-            v = make_float2(old.x + v.x, old.y + v.y);
+        for (int j2 = 0; j2 < 2; ++j2) {
+          const int j = 2 * jj + j2;
+#pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            const uint32_t word = j == 0 ? w[t].x : (j == 1 ? w[t].y : (j == 2 ? w[t].z : w[t].w));
+            const uint32_t b0 = bf16x2_of(word & 0xFFFFu, sv[t], nan[t]), b1 = bf16x2_of(word >> 16, sv[t], nan[t]);
+#pragma unroll
+            for (int mt = 0; mt < kMt; ++mt) {
+              // a0: row g, logical k 2q, 2q + 1; a1: row g + 8; a2, a3: logical k 2q + 8, 2q + 9.
+              const uint32_t a0 = j2 ? xa[mt][0].z : xa[mt][0].x, a2 = j2 ? xa[mt][0].w : xa[mt][0].y;
+              const uint32_t a1 = j2 ? xa[mt][1].z : xa[mt][1].x, a3 = j2 ? xa[mt][1].w : xa[mt][1].y;
+              mma_bf16(acc[mt][t], a0, a1, a2, a3, b0, b1);
+            }
           }
-          *dst = v;
         }
       }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp done with the buffers before the next pass refills them
+  if (bad && p.inexact != nullptr) atomicOr(p.inexact, 1);
+  const int64_t nw = nb + warp * kRowsPerWarp;
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int64_t r = m0 + 16 * mt + 8 * hh + g;
+      if (r >= r1) continue;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const int64_t at = r * p.n + nw + 8 * t + 2 * q;
+        float2 v = make_float2(acc[mt][t][2 * hh], acc[mt][t][2 * hh + 1]);
+        if (p.y_bf16 != nullptr) {
+          const __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
+          *reinterpret_cast<__nv_bfloat162*>(p.y_bf16 + at) = b;
+          continue;
+        }
+        float2* dst = reinterpret_cast<float2*>(p.y + at);
+        if (p.accumulate) {
+          const float2 old = *dst;
+          v = make_float2(old.x + v.x, old.y + v.y);
+        }
+        *dst = v;
+      }
+    }
+}
+
+// Grid (N / kTileN, E), kThreads threads, kSmemBytes of dynamic shared memory. Lane =
+// 4 g + q: g picks the row of an n8 (or m8) tile, q the quad of k.
+__global__ void __launch_bounds__(kThreads, 2) mxfp8_weights_gemm_kernel(Mxfp8WeightsGemm p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  Stage* stages = reinterpret_cast<Stage*>(smem);
+  const int e = static_cast<int>(blockIdx.y);
+  const int64_t r0 = p.off[e], r1 = p.off[e + 1];
+  const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
+  for (int64_t m0 = r0; m0 < r1; m0 += kMaxM) {
+    if (r1 - m0 > 32) pass<4>(p, stages, e, nb, m0, r1);
+    else pass<2>(p, stages, e, nb, m0, r1);
   }
 }
 
 }  // namespace mxw
 
-// Whether the kernel takes these sizes: K a multiple of 64, N of the block's 128 rows,
-// 16-byte aligned codes and x (scales, y: any alignment of their element type... y 8 bytes).
+// Whether the kernel takes these sizes: K and N multiples of 128; codes and x 16-byte
+// aligned, scales 4-byte aligned, y 8-byte (y_bf16 4-byte) aligned; no accumulation
+// into bf16 output.
 inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) {
   const uintptr_t a16 = reinterpret_cast<uintptr_t>(p.codes) | reinterpret_cast<uintptr_t>(p.x);
-  return p.k > 0 && p.k % 64 == 0 && p.n > 0 && p.n % mxw::kTileN == 0 && a16 % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(p.y) % 8 == 0 && p.num_experts > 0 && p.num_experts <= 65535;
+  const bool out_ok = p.y_bf16 != nullptr ? (reinterpret_cast<uintptr_t>(p.y_bf16) % 4 == 0 && !p.accumulate)
+                                          : reinterpret_cast<uintptr_t>(p.y) % 8 == 0;
+  return p.k > 0 && p.k % mxw::kStageK == 0 && p.n > 0 && p.n % mxw::kTileN == 0 && a16 % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(p.scales) % 4 == 0 && out_ok && p.num_experts > 0 && p.num_experts <= 65535;
 }
 
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
   if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
+  // Per device and cheap; not a stream operation, so allowed inside a CUDA-graph capture.
+  cudaError_t err = cudaFuncSetAttribute(mxw::mxfp8_weights_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(mxw::kSmemBytes));
+  if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.n / mxw::kTileN), static_cast<unsigned>(p.num_experts));
-  mxw::mxfp8_weights_gemm_kernel<<<grid, mxw::kWarps * 32, 0, stream>>>(p);
+  mxw::mxfp8_weights_gemm_kernel<<<grid, mxw::kThreads, mxw::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
