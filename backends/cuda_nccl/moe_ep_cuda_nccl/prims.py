@@ -684,8 +684,12 @@ def _operands(x: Any, fc1: Any, fc2: Any) -> Tuple[bool, torch.Tensor, torch.Ten
     return False, _f32(x), _f32(fc1), _f32(fc2)
 
 
-#: ``0``: never read mxfp8 weights' codes in the forward (always their bf16 decode); ``1``
-#: (default): read them when the rows are few (:func:`mxfp8_weights_path`).
+#: ``1``: read mxfp8 weights' codes in the forward when the rows are few
+#: (:func:`mxfp8_weights_path`); ``0`` (default): always their kept bf16 decode. Off by
+#: default because it measured slower at the bench's decode shape on an H200 (2026-12-02,
+#: run 14: 0.295 of the weight read against the bf16 decode path's 0.308; the GEMM alone
+#: is faster at 32 rows an expert, slower at the routing's spread of 20 to 42): see
+#: docs/cuda-nccl.md, "The mxfp8-weights forward".
 MXFP8_WEIGHTS_ENV = "MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS"
 #: The mxfp8-weights forward runs when the buffer has at most this many rows per local
 #: expert on average: it reads the weights once per 64 rows of an expert, the bf16 GEMMs
@@ -700,12 +704,12 @@ def mxfp8_weights_path(config: MoeEpConfig, x: Any, fc1: Any, fc2: Any, *, host_
     mxfp8 :class:`BlockScaledOperand` s on CUDA, x bf16 or block-scaled, hidden and
     intermediate multiples of 128, at most :data:`MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT` rows
     per local expert (the decode regime, where the weight read is the cost), and
-    :data:`MXFP8_WEIGHTS_ENV` not ``0``. With ``host_check`` (outside a capture) both
+    :data:`MXFP8_WEIGHTS_ENV` set to ``1`` (opt-in). With ``host_check`` (outside a capture) both
     weights also need a cached exact verdict (:func:`operands` makes it on the first call),
     so the weights' flags need no read: like a kept decode with a verdict, a value bf16
     cannot hold is NaN and lands in :func:`inexact_decodes`. The values are those of the
     bf16 path; the sums may differ in order only (float32 accumulation either way)."""
-    value = os.environ.get(MXFP8_WEIGHTS_ENV, "1")
+    value = os.environ.get(MXFP8_WEIGHTS_ENV, "0")
     if value not in ("0", "1"):
         raise E.ConfigError(
             f"{MXFP8_WEIGHTS_ENV} must be '0' (always the bf16 decode) or '1' (read the codes when rows are few); "

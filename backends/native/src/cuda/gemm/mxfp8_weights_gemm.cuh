@@ -57,6 +57,7 @@ struct Mxfp8WeightsGemm {
   uint16_t* y_bf16;     // [C, N] bf16 out (the bf16 rounding of the sums), or NULL
   bool accumulate;      // y += instead of y = (float32 output only)
   int32_t* inexact;     // [1]: 1 ORed in where a weight value is not a bf16 value (NULL: not reported)
+  bool passes_of_32;    // every pass 32 rows (the weights read once per 32 rows), instead of up to 64
 };
 
 namespace mxw {
@@ -258,9 +259,14 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_weights_gemm_kernel(Mxfp8We
   const int e = static_cast<int>(blockIdx.y);
   const int64_t r0 = p.off[e], r1 = p.off[e + 1];
   const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
-  for (int64_t m0 = r0; m0 < r1; m0 += kMaxM) {
-    if (r1 - m0 > 32) pass<4>(p, stages, e, nb, m0, r1);
-    else pass<2>(p, stages, e, nb, m0, r1);
+  for (int64_t m0 = r0; m0 < r1;) {
+    if (r1 - m0 > 32 && !p.passes_of_32) {
+      pass<4>(p, stages, e, nb, m0, r1);
+      m0 += 64;
+    } else {
+      pass<2>(p, stages, e, nb, m0, r1);
+      m0 += 32;
+    }
   }
 }
 
