@@ -65,6 +65,10 @@
 #          moves it by up to 2^-8): the mxfp8-weights GEMM's checks, memcheck and racecheck
 #          again, its timings with 32-row passes at the routing's spread; the CUDA tests of the
 #          front-end with the switch now opt-in.
+#   RUN=16: the review mends (one forward output check and finish for both forward entries,
+#          the staged decode through cpu::dequantize_bf16_values, one shape rule for the
+#          mxfp8-weights GEMM): its checks, the CUDA tests of the layer and the front-end, the
+#          NCCL provider's table.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -385,6 +389,15 @@ case "$RUN" in
       .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
   done
   TAIL=6 step tests-mxfp8-weights 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py
+  ;;
+16)
+  TAIL=4 step gemm-check-mxfp8-weights 60 .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
+  TAIL=4 step tests-mxfp8-weights 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py
+  TAIL=4 step tests-native-cuda 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_ or epilogue"
+  TAIL=3 step conformance-nccl-ep1 60 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --timeout 45 --report-md "$o/conformance-nccl-ep1.md"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -281,13 +281,12 @@ def forward(
     y_dtype = torch.bfloat16 if layer.bf16_expert_out else torch.float32
     y = torch.empty((rows, h), dtype=y_dtype, device=device)
     c = torch.empty((rows, 2 * i), dtype=torch.bfloat16, device=device)
+    _, stream = where(w_buf)
     # mxfp8 weights at few rows: their codes read by the tensor cores (prims.mxfp8_weights_path).
     if not (mxfp8_weights_path(config, x_buf, fc1_d, fc2_d, host_check=False)
             and mxfp8_weights_forward(layer, config, x_buf, w_buf, fc1_d, fc2_d, gs, y, c, host_check=False)):
         _, x, f1, f2 = operands(x_buf, fc1_d, fc2_d, host_check=False)
-        _, stream = where(x)
         layer.experts_forward(stream, rows, ptr(x), ptr(w_buf), ptr(f1), ptr(f2), ptr(gs), ptr(y), ptr(c))
-    _, stream = where(w_buf)
     # The layer zeroes the stash's padding rows itself (whatever the weights hold), and makes y
     # and the stash NaN when any rank's dispatch failed.
     t = int(idx.shape[0])

@@ -142,6 +142,10 @@ inline size_t backward_workspace_bytes(const moe_ep_expert_desc& d) { return bac
 
 namespace cpu {
 MOE_EP_IMPL_DECLS
+// dequantize_bf16's values as float32 (the bf16 decode: NaN where bf16 cannot hold a value,
+// 1 ORed into *inexact then): the staged layer's operands from block-scaled weights.
+void dequantize_bf16_values(moe_ep_format fmt, const void* data, const void* scale, int64_t outer, int64_t n,
+                            int64_t inner, int64_t transpose_rows, float* out, int32_t* inexact);
 }  // namespace cpu
 
 #ifdef MOE_EP_NATIVE_WITH_CUDA

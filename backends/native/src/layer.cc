@@ -19,7 +19,6 @@
 #include <string>
 #include <tuple>
 
-#include "cpu/formats.h"
 #include "cpu/fpenv.h"
 #include "exchange.h"
 #include "internal.h"
@@ -309,23 +308,10 @@ moe_ep_status experts_forward(moe_ep_layer* l, void* stream, int64_t C, const vo
   return staged_forward(l, stream, C, x, w, fc1, fc2, group_sizes, y, fc1_c);
 }
 
-// The mxfp8 weights (stored [E, N, K]: codes, scales) as the staged path's float32 operand
-// [E, K, N]: the value of their bf16 decode (moe_ep_dequantize_bf16 with transpose_rows = N),
-// NaN where bf16 cannot hold a value, with 1 ORed into *inexact then. CPU only.
-void stage_mxfp8_weight(const uint8_t* codes, const uint8_t* scales, int64_t E, int64_t N, int64_t K, float* out,
-                        int32_t* inexact) {
-  bool any = false;
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t k = 0; k < K; ++k)
-        out[(e * K + k) * N + n] = cpu::bf16_to_float(cpu::bf16_exact_bits(
-            cpu::mxfp8_value(codes[(e * N + n) * K + k], scales[(e * N + n) * (K / 32) + k / 32]), &any));
-  if (any && inexact != nullptr) *inexact |= 1;
-}
-
 // moe_ep_layer_experts_forward_mxfp8 on the layer's path: the tensor cores read the codes
-// (CUDA); the staged path (CPU) decodes them as above into its float32 buffers and runs the
-// float32 kernels on x decoded from bf16, as experts_forward does with bf16 weights.
+// (CUDA); the staged path (CPU) decodes them to the values of their bf16 decode in its
+// float32 buffers and runs the float32 kernels on x decoded from bf16, as experts_forward
+// does with bf16 weights.
 moe_ep_status experts_forward_mxfp8(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w,
                                     const uint8_t* fc1_codes, const uint8_t* fc1_scales, const uint8_t* fc2_codes,
                                     const uint8_t* fc2_scales, const int32_t* group_sizes, void* y, uint16_t* fc1_c,
@@ -345,8 +331,9 @@ moe_ep_status experts_forward_mxfp8(moe_ep_layer* l, void* stream, int64_t C, co
   }
 #endif
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_local_experts;
-  stage_mxfp8_weight(fc1_codes, fc1_scales, E, 2 * I, H, l->fc1_32, inexact);
-  stage_mxfp8_weight(fc2_codes, fc2_scales, E, H, I, l->fc2_32, inexact);
+  // The weights' bf16 decode into [E, K, N] (transpose_rows N), as float32 values.
+  cpu::dequantize_bf16_values(MOE_EP_FORMAT_MXFP8, fc1_codes, fc1_scales, E * 2 * I, H, 1, 2 * I, l->fc1_32, inexact);
+  cpu::dequantize_bf16_values(MOE_EP_FORMAT_MXFP8, fc2_codes, fc2_scales, E * H, I, 1, H, l->fc2_32, inexact);
   if (C > 0) MOE_EP_TRY(cpu::dequantize(nullptr, MOE_EP_FORMAT_BF16, x, nullptr, C, H, 1, l->x32));
   return staged_forward_f32(l, stream, C, l->x32, w, l->fc1_32, l->fc2_32, group_sizes, y, fc1_c);
 }
@@ -411,6 +398,29 @@ moe_ep_status zero_stash_padding(const moe_ep_layer* l, void* stream, uint16_t* 
     if (end > start) std::memset(fc1_c + start * n, 0, static_cast<size_t>((end - start) * n) * sizeof(uint16_t));
   }
   return MOE_EP_OK;
+}
+
+// The outputs of the experts forward entries: y [C, H] of the layer's expert_out_dtype
+// (16-byte aligned on the tensor-core path: the GEMM's TMA and the bf16 epilogue store whole
+// vectors) and fc1_c [C, 2I] bf16 or NULL.
+moe_ep_status check_forward_outputs(const Check& ck, const moe_ep_layer* l, int64_t C, const void* y,
+                                    const uint16_t* fc1_c) {
+  const bool bf16_out = l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
+  MOE_EP_TRY(ck.ptr("y", y, C * l->desc.hidden, bf16_out ? 2 : 4));
+  if (fc1_c != nullptr) MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, C * 2 * l->desc.intermediate, 2));
+  if (l->tensor_cores && reinterpret_cast<uintptr_t>(y) % 16 != 0)
+    return ck.bad("y must be 16-byte aligned on the tensor-core path", std::to_string(reinterpret_cast<uintptr_t>(y)));
+  return MOE_EP_OK;
+}
+
+// After an experts forward: the stash's padding rows zero and, after a failed dispatch, the
+// outputs NaN (zero_stash_padding, nan_on_dispatch_error).
+moe_ep_status finish_forward(const moe_ep_layer* l, void* stream, int64_t C, void* y, uint16_t* fc1_c) {
+  MOE_EP_TRY(zero_stash_padding(l, stream, fc1_c, C));
+  const bool bf16_out = l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
+  return nan_on_dispatch_error(l, stream,
+                               {{y, C * l->desc.hidden, bf16_out ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32},
+                                {fc1_c, C * 2 * l->desc.intermediate, MOE_EP_DTYPE_BF16}});
 }
 
 }  // namespace
@@ -508,19 +518,10 @@ moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, in
   const Check ck{"moe_ep_layer_experts_forward"};
   MOE_EP_TRY(moe_ep::check_layer(ck, layer, stream, num_rows));
   MOE_EP_TRY(moe_ep::check_operands(ck, layer, num_rows, x, w, fc1, fc2, group_sizes));
-  const int64_t H = layer->desc.hidden, I = layer->desc.intermediate;
-  const bool bf16_out = layer->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
-  MOE_EP_TRY(ck.ptr("y", y, num_rows * H, bf16_out ? 2 : 4));
-  if (fc1_c != nullptr) MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, num_rows * 2 * I, 2));
-  // The tensor-core path stores whole 16-byte vectors of y (the GEMM's TMA, the bf16 epilogue).
-  if (layer->tensor_cores && reinterpret_cast<uintptr_t>(y) % 16 != 0)
-    return ck.bad("y must be 16-byte aligned on the tensor-core path", std::to_string(reinterpret_cast<uintptr_t>(y)));
+  MOE_EP_TRY(moe_ep::check_forward_outputs(ck, layer, num_rows, y, fc1_c));
   return moe_ep::guarded(layer, [&]() -> moe_ep_status {
     MOE_EP_TRY(moe_ep::experts_forward(layer, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c));
-    MOE_EP_TRY(moe_ep::zero_stash_padding(layer, stream, fc1_c, num_rows));
-    return moe_ep::nan_on_dispatch_error(
-        layer, stream,
-        {{y, num_rows * H, bf16_out ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32}, {fc1_c, num_rows * 2 * I, MOE_EP_DTYPE_BF16}});
+    return moe_ep::finish_forward(layer, stream, num_rows, y, fc1_c);
   });
 }
 
@@ -567,18 +568,11 @@ moe_ep_status moe_ep_layer_experts_forward_mxfp8(moe_ep_layer* layer, void* stre
         return ck.bad(std::string(name) + " must be " + std::to_string(align) + "-byte aligned on the tensor-core path",
                       std::to_string(reinterpret_cast<uintptr_t>(p)));
   }
-  const bool bf16_out = layer->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
-  MOE_EP_TRY(ck.ptr("y", y, num_rows * H, bf16_out ? 2 : 4));
-  if (fc1_c != nullptr) MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, num_rows * 2 * I, 2));
-  if (layer->tensor_cores && reinterpret_cast<uintptr_t>(y) % 16 != 0)
-    return ck.bad("y must be 16-byte aligned on the tensor-core path", std::to_string(reinterpret_cast<uintptr_t>(y)));
+  MOE_EP_TRY(moe_ep::check_forward_outputs(ck, layer, num_rows, y, fc1_c));
   return moe_ep::guarded(layer, [&]() -> moe_ep_status {
     MOE_EP_TRY(moe_ep::experts_forward_mxfp8(layer, stream, num_rows, x, w, fc1_codes, fc1_scales, fc2_codes,
                                              fc2_scales, group_sizes, y, fc1_c, inexact));
-    MOE_EP_TRY(moe_ep::zero_stash_padding(layer, stream, fc1_c, num_rows));
-    return moe_ep::nan_on_dispatch_error(
-        layer, stream,
-        {{y, num_rows * H, bf16_out ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32}, {fc1_c, num_rows * 2 * I, MOE_EP_DTYPE_BF16}});
+    return moe_ep::finish_forward(layer, stream, num_rows, y, fc1_c);
   });
 }
 

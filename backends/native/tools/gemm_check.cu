@@ -656,16 +656,14 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
 // Rows an expert at 128 tokens, top-8, 32 local experts (1024 routes): a fixed draw of the
 // multinomial spread around 32 (the bench's random routing), 1024 in all.
 std::vector<int> decode_rows() {
-  std::vector<int> rows(32);
+  std::vector<int> rows(32, 0);
   uint64_t h = 0x9E3779B97F4A7C15ull;
-  std::vector<int> count(32, 0);
   for (int i = 0; i < 1024; ++i) {
     h ^= h >> 33;
     h *= 0xFF51AFD7ED558CCDull;
     h ^= h >> 29;
-    ++count[(h >> 7) % 32];
+    ++rows[(h >> 7) % 32];
   }
-  for (int e = 0; e < 32; ++e) rows[e] = count[e];
   return rows;
 }
 

@@ -108,7 +108,9 @@ namespace {
 inline float decode_one(moe_ep_format fmt, const uint8_t* d, const uint8_t* sc, int64_t o, int64_t i, int64_t k,
                         int64_t n, int64_t inner) {
   if (fmt == MOE_EP_FORMAT_MXFP8) {
-    return mxfp8_value(d[at(o, i, k, n, inner)], sc[(o * ceil_div(n, kMxfp8Block) + i / kMxfp8Block) * inner + k]);
+    const uint8_t s = sc[(o * ceil_div(n, kMxfp8Block) + i / kMxfp8Block) * inner + k];
+    const double sv = s == 0xFF ? std::numeric_limits<double>::quiet_NaN() : std::ldexp(1.0, static_cast<int>(s) - 127);
+    return static_cast<float>(e4m3_value(d[at(o, i, k, n, inner)]) * sv);
   }
   const double sv = e4m3_value(sc[(o * ceil_div(n, kNvfp4Block) + i / kNvfp4Block) * inner + k]);
   const uint8_t byte = d[(o * ceil_div(n, 2) + i / 2) * inner + k];
@@ -134,26 +136,50 @@ moe_ep_status dequantize(void*, moe_ep_format fmt, const void* data, const void*
   return MOE_EP_OK;
 }
 
-moe_ep_status dequantize_bf16(void*, moe_ep_format fmt, const void* data, const void* scale, int64_t outer, int64_t n,
-                              int64_t inner, int64_t transpose_rows, uint16_t* out, int32_t* inexact) {
+namespace {
+
+// An output element of the bf16 decode: its bf16 bits, or their float32 value.
+inline void put_bf16(uint16_t* out, int64_t at, uint16_t bits) { out[at] = bits; }
+inline void put_bf16(float* out, int64_t at, uint16_t bits) { out[at] = bf16_to_float(bits); }
+
+// dequantize_bf16's decode into out (bf16 bits or their float32 values); sets *any when a
+// value is not a bf16 value.
+template <typename Out>
+void decode_bf16_into(moe_ep_format fmt, const void* data, const void* scale, int64_t outer, int64_t n, int64_t inner,
+                      int64_t transpose_rows, Out* out, bool* any) {
   const uint8_t* d = static_cast<const uint8_t*>(data);
   const uint8_t* sc = static_cast<const uint8_t*>(scale);
-  bool any = false;
   if (transpose_rows == 0) {
     for (int64_t o = 0; o < outer; ++o)
       for (int64_t i = 0; i < n; ++i)
         for (int64_t k = 0; k < inner; ++k)
-          out[at(o, i, k, n, inner)] = bf16_exact_bits(decode_one(fmt, d, sc, o, i, k, n, inner), &any);
+          put_bf16(out, at(o, i, k, n, inner), bf16_exact_bits(decode_one(fmt, d, sc, o, i, k, n, inner), any));
   } else {
     // inner == 1: row o = b * R + r of the view lands in column r of matrix b: out[b, i, r].
     const int64_t R = transpose_rows;
     for (int64_t o = 0; o < outer; ++o) {
       const int64_t b = o / R, r = o % R;
-      for (int64_t i = 0; i < n; ++i) out[(b * n + i) * R + r] = bf16_exact_bits(decode_one(fmt, d, sc, o, i, 0, n, 1), &any);
+      for (int64_t i = 0; i < n; ++i)
+        put_bf16(out, (b * n + i) * R + r, bf16_exact_bits(decode_one(fmt, d, sc, o, i, 0, n, 1), any));
     }
   }
+}
+
+}  // namespace
+
+moe_ep_status dequantize_bf16(void*, moe_ep_format fmt, const void* data, const void* scale, int64_t outer, int64_t n,
+                              int64_t inner, int64_t transpose_rows, uint16_t* out, int32_t* inexact) {
+  bool any = false;
+  decode_bf16_into(fmt, data, scale, outer, n, inner, transpose_rows, out, &any);
   if (any && inexact != nullptr) *inexact |= 1;
   return MOE_EP_OK;
+}
+
+void dequantize_bf16_values(moe_ep_format fmt, const void* data, const void* scale, int64_t outer, int64_t n,
+                            int64_t inner, int64_t transpose_rows, float* out, int32_t* inexact) {
+  bool any = false;
+  decode_bf16_into(fmt, data, scale, outer, n, inner, transpose_rows, out, &any);
+  if (any && inexact != nullptr) *inexact |= 1;
 }
 
 moe_ep_status dequantize_bf16_rows(void*, moe_ep_format fmt, const void* data, int64_t data_row_bytes,

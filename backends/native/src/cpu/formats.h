@@ -58,12 +58,6 @@ inline double e4m3_value(uint8_t code) {
   double v = e4m3_magnitude(code & 0x7F);
   return (code & 0x80) ? -v : v;
 }
-// One mxfp8 element, decoded exactly to float32: E4M3(code) * 2^(scale - 127) (+-Inf for a
-// magnitude >= 2^128; NaN for a NaN code or the NaN scale 0xFF).
-inline float mxfp8_value(uint8_t code, uint8_t scale) {
-  const double sv = scale == 0xFF ? std::numeric_limits<double>::quiet_NaN() : std::ldexp(1.0, static_cast<int>(scale) - 127);
-  return static_cast<float>(e4m3_value(code) * sv);
-}
 constexpr double kE2m1Values[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
 constexpr double kE2m1Mids[7] = {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0};
 inline double e2m1_value(uint8_t nibble) {

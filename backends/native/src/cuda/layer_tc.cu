@@ -624,8 +624,8 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
 }
 
 bool tc_mxfp8_weights_fit(const moe_ep_expert_desc& d) {
-  return d.hidden % mxw::kStageK == 0 && d.hidden % mxw::kTileN == 0 && (2 * d.intermediate) % mxw::kTileN == 0 &&
-         d.intermediate % mxw::kStageK == 0 && d.num_local_experts <= 65535;
+  return mxfp8_weights_shape_fits(2 * d.intermediate, d.hidden) && mxfp8_weights_shape_fits(d.hidden, d.intermediate) &&
+         d.num_local_experts <= 65535;
 }
 
 moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, bool bf16_out,

@@ -272,14 +272,20 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_weights_gemm_kernel(Mxfp8We
 
 }  // namespace mxw
 
-// Whether the kernel takes these sizes: K and N multiples of 128; codes and x 16-byte
+// Whether the kernel takes an [E, n, k] weight: k a multiple of the stage's 128, n of the
+// block's 128 rows.
+inline bool mxfp8_weights_shape_fits(int64_t n, int64_t k) {
+  return k > 0 && k % mxw::kStageK == 0 && n > 0 && n % mxw::kTileN == 0;
+}
+
+// Whether the kernel takes p: its shape (mxfp8_weights_shape_fits); codes and x 16-byte
 // aligned, scales 4-byte aligned, y 8-byte (y_bf16 4-byte) aligned; no accumulation
 // into bf16 output.
 inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) {
   const uintptr_t a16 = reinterpret_cast<uintptr_t>(p.codes) | reinterpret_cast<uintptr_t>(p.x);
   const bool out_ok = p.y_bf16 != nullptr ? (reinterpret_cast<uintptr_t>(p.y_bf16) % 4 == 0 && !p.accumulate)
                                           : reinterpret_cast<uintptr_t>(p.y) % 8 == 0;
-  return p.k > 0 && p.k % mxw::kStageK == 0 && p.n > 0 && p.n % mxw::kTileN == 0 && a16 % 16 == 0 &&
+  return mxfp8_weights_shape_fits(p.n, p.k) && a16 % 16 == 0 &&
          reinterpret_cast<uintptr_t>(p.scales) % 4 == 0 && out_ok && p.num_experts > 0 && p.num_experts <= 65535;
 }
 
