@@ -399,5 +399,17 @@ case "$RUN" in
     MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
     --device cuda --timeout 45 --report-md "$o/conformance-nccl-ep1.md"
   ;;
+17)
+  # Fifth session: jax-ffi's rows timed as the baselines are (device time), why calls back to
+  # back cost more than one call's kernels, and where jax-ffi's mxfp8 forward spends its time.
+  jaxffi_build
+  TAIL=14 step bench-jax-ffi 150 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
+  (timeout 100 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
+    -lms 50 > "$o/clocks-sustained.csv" 2>&1 &)
+  TAIL=20 step jax-sustained-bf16 100 "$py" scripts/gpu_jax_ffi_sustained.py --tokens 4096 --format bf16
+  TAIL=26 step jax-profile-mxfp8 60 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 18
+  ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -537,3 +537,27 @@ def test_readme_user_install_adds_the_bench() -> None:
     assert "pip install ./bench" in install
     text = (ROOT / "bench" / "pyproject.toml").read_text()
     assert 'bench = "moe_ep_bench.cli:add_command"' in text
+
+
+def test_device_times_split_a_trace_into_calls() -> None:
+    """The jax rows' device time: a trace's GPU events grouped into calls at the host's
+    pauses, each call's span from its first start to its last end (overlapping events
+    of two streams count once); a trace that does not split into one group per call is
+    an error, not a number."""
+    from moe_ep_bench.drivers.jax_driver import device_times
+
+    ms = 1_000_000
+    pause = 10 * ms
+    # call 1: 0..5 ms (two kernels and a copy on a second stream inside them);
+    # call 2: 16..20.5 ms with a 0.1 ms gap; call 3: 31..31.25 ms, one kernel.
+    events = [(0, 2 * ms), (2 * ms, 5 * ms), (1 * ms, 3 * ms),
+              (16 * ms, 18 * ms), (18.1 * ms, 20.5 * ms),
+              (31 * ms, 31.25 * ms)]
+    got = device_times(list(reversed(events)), 3, pause)
+    assert got == pytest.approx([5.0, 4.5, 0.25]), got
+    with pytest.raises(RuntimeError, match="form 3 groups .* expected one group per call, 2"):
+        device_times(events, 2, pause)
+    with pytest.raises(RuntimeError, match="form 2 groups"):  # a call that idles past half the pause splits
+        device_times([(0, ms), (7 * ms, 8 * ms)], 1, pause)
+    with pytest.raises(RuntimeError, match="no GPU stream events"):
+        device_times([], 1, pause)

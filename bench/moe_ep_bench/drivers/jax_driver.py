@@ -17,7 +17,10 @@ result (the whole world's time, as every rank runs in the call). Each such row h
 twin with the note "8 calls back to back, one wait": the per-call time of calls
 issued as a training loop issues them, the host running ahead (the single call's
 time also holds its dispatch and its wait, while the device idles; the baselines'
-CUDA-event times hold neither).
+CUDA-event times hold neither). On GPU each row has a second twin with the note
+:data:`DEVICE_TIME`: each call alone under ``jax.profiler.trace``, its time the span
+of its GPU stream events (first kernel start to last kernel end), which is what the
+baselines' CUDA events around a call measure.
 
 Devices: ``--device cpu`` uses jax's CPU devices (the jax backend asks XLA for
 ``MOE_EP_JAX_CPU_DEVICES``, default 8, before jax is first imported; or set
@@ -38,7 +41,7 @@ from moe_ep_spec.backend import MoeEpBackend
 from ..model import BenchSettings, Routing
 from ..results import Row
 
-__all__ = ["jax_cases", "run_jax"]
+__all__ = ["DEVICE_TIME", "device_times", "jax_cases", "run_jax"]
 
 
 def _unsupported(backend: str, op: str) -> str:
@@ -78,6 +81,86 @@ def _time(fn: Callable[..., Any], sets: Sequence[tuple], warmup: int, repeats: i
 
 #: Calls issued back to back before one wait, for the pipelined rows.
 PIPELINE = 8
+
+#: Host pause between the calls of the device-time rows (seconds): the device idles
+#: between two calls for at least this long, which is how the trace's kernels are told
+#: apart into calls (a call's own kernels follow each other within microseconds).
+TRACE_PAUSE_S = 0.01
+
+#: Variant note of the device-time rows.
+DEVICE_TIME = "device time: jax.profiler trace, first kernel start to last kernel end"
+
+
+def device_times(events: Sequence[tuple], calls: int, pause_ns: float) -> List[float]:
+    """Milliseconds from the first kernel's start to the last kernel's end of each of
+    ``calls`` calls.
+
+    events: ``(start_ns, end_ns)`` of every GPU stream event of a trace in which the
+    calls ran one at a time, the host pausing ``pause_ns`` or more between them.
+    Events are grouped into calls at idle gaps longer than half the pause. Raises
+    :class:`RuntimeError` when the groups are not exactly ``calls`` (a call that
+    itself idles the device that long, or a trace that lost events), rather than
+    return times of something else.
+    """
+    if not events:
+        raise RuntimeError("the trace holds no GPU stream events")
+    evs = sorted(events)
+    spans: List[List[float]] = [[evs[0][0], evs[0][1]]]
+    for start, end in evs[1:]:
+        if start - spans[-1][1] > pause_ns / 2:
+            spans.append([start, end])
+        else:
+            spans[-1][1] = max(spans[-1][1], end)
+    if len(spans) != calls:
+        raise RuntimeError(
+            f"the trace's GPU events form {len(spans)} groups separated by idle gaps over {pause_ns / 2e6:g} ms; "
+            f"expected one group per call, {calls}"
+        )
+    return [(end - start) / 1e6 for start, end in spans]
+
+
+def _gpu_stream_events(trace_dir: str) -> List[tuple]:
+    """``(start_ns, end_ns)`` of the GPU stream events (kernels, copies) of the
+    ``jax.profiler`` trace written under ``trace_dir``."""
+    import glob
+    import os
+
+    import jax
+
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if len(paths) != 1:
+        raise RuntimeError(f"expected one *.xplane.pb under {trace_dir}, found {len(paths)}")
+    data = jax.profiler.ProfileData.from_file(paths[0])
+    out = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" in line.name.lower():  # not the planes' derived lines (XLA Ops, XLA Modules, ...)
+                out += [(ev.start_ns, ev.start_ns + ev.duration_ns) for ev in line.events]
+    return out
+
+
+def _time_device(fn: Callable[..., Any], sets: Sequence[tuple], repeats: int) -> List[float]:
+    """Device time of each of ``repeats`` calls, one at a time, traced with
+    ``jax.profiler``: as a CUDA event pair around a call measures the baselines (the
+    host's dispatch and wait are not in it, every kernel of the call and any idle gap
+    between them are)."""
+    import shutil
+    import tempfile
+
+    import jax
+
+    tmp = tempfile.mkdtemp(prefix="moe-ep-bench-trace-")
+    try:
+        with jax.profiler.trace(tmp):
+            for i in range(repeats):
+                jax.block_until_ready(fn(*sets[i % len(sets)]))
+                time.sleep(TRACE_PAUSE_S)
+        events = _gpu_stream_events(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return device_times(events, repeats, TRACE_PAUSE_S * 1e9)
 
 
 def _time_pipelined(fn: Callable[..., Any], sets: Sequence[tuple], repeats: int) -> List[float]:
@@ -235,6 +318,18 @@ def run_jax(
             piped.label = row.label.replace("perf_counter around the call + block_until_ready",
                                             f"perf_counter around {PIPELINE} calls + one block_until_ready, per call")
             pipelined.append(piped)
+            if devs[0].platform == "gpu":
+                traced = Row(backend=row.backend, kind="backend", op=row.op, tokens=t, format=fmt,
+                             ep_size=row.ep_size, device=row.device, variant=DEVICE_TIME)
+                try:
+                    traced.set_times(_time_device(compiled, sets, s.repeats))
+                except Exception as exc:  # noqa: BLE001 - the other rows stand without it
+                    traced.status, traced.reason = "error", f"{type(exc).__name__}: {exc}"[:600]
+                traced.label = row.label.replace(
+                    "perf_counter around the call + block_until_ready",
+                    f"each call alone under jax.profiler.trace ({TRACE_PAUSE_S * 1e3:g} ms host pause between calls), "
+                    "its GPU stream events' span")
+                pipelined.append(traced)
         except Exception as exc:  # noqa: BLE001 - a failing backend is a row, not a crash
             row.status, row.reason = "error", f"{type(exc).__name__}: {exc}"[:600]
         progress.update(f"{backend.name} {row.op} {row.format} T={row.tokens}")
