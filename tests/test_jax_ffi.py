@@ -541,22 +541,34 @@ def test_routing_handlers_reject_bad_shapes_and_report_the_cores_errors() -> Non
     # combine_reduce with route positions: the sum, then a data error the core rejects
     vals = jnp.asarray(np.arange(24, dtype=np.float32).reshape(4, 6))
     pos = jnp.asarray(np.array([2, -1, 0, 3], np.int32))  # token 0: row 2; token 1: rows 0, 3
-    (out,) = _ffi("moe_ep_combine_reduce", [_sds((2, 6), jnp.float32)], vals, pos, num_topk=2)
+    (out,) = _ffi("moe_ep_combine_reduce", [_sds((2, 6), jnp.float32)], vals, pos, num_topk=2, round_trip=np.int32(0))
     v = np.asarray(vals)
     assert np.array_equal(np.asarray(out), np.stack([0 + v[2], (0 + v[0]) + v[3]]))
     with _raises("moe_ep_combine_reduce: route_pos[3] must be -1 or in [0, num_rows) = [0, 4); got 9 [MOE_EP_ERR_INVALID_ARGUMENT]"):
-        _ffi("moe_ep_combine_reduce", [_sds((2, 6), jnp.float32)], vals, pos.at[3].set(9), num_topk=2)
+        _ffi("moe_ep_combine_reduce", [_sds((2, 6), jnp.float32)], vals, pos.at[3].set(9), num_topk=2, round_trip=np.int32(0))
     with _raises("[MOE_EP_ERR_INVALID_ARGUMENT]"):
-        _ffi("moe_ep_combine_reduce", [_sds((2, 6), jnp.float32)], vals, pos.at[0].set(-2), num_topk=2)
+        _ffi("moe_ep_combine_reduce", [_sds((2, 6), jnp.float32)], vals, pos.at[0].set(-2), num_topk=2, round_trip=np.int32(0))
     with _raises("moe_ep_combine_reduce: route_pos must have shape [T * K] (T: out's rows) = [6]; got [4]"):
-        _ffi("moe_ep_combine_reduce", [_sds((3, 6), jnp.float32)], vals, pos, num_topk=2)
+        _ffi("moe_ep_combine_reduce", [_sds((3, 6), jnp.float32)], vals, pos, num_topk=2, round_trip=np.int32(0))
     # bf16 rows are read as they are: the sums of their float32 values, bit for bit
     rows16 = jnp.asarray(np.random.default_rng(3).standard_normal((4, 16)), jnp.bfloat16)
-    (o16,) = _ffi("moe_ep_combine_reduce", [_sds((2, 16), jnp.float32)], rows16, pos, num_topk=2)
-    (o32,) = _ffi("moe_ep_combine_reduce", [_sds((2, 16), jnp.float32)], rows16.astype(jnp.float32), pos, num_topk=2)
+    (o16,) = _ffi("moe_ep_combine_reduce", [_sds((2, 16), jnp.float32)], rows16, pos, num_topk=2, round_trip=np.int32(0))
+    (o32,) = _ffi("moe_ep_combine_reduce", [_sds((2, 16), jnp.float32)], rows16.astype(jnp.float32), pos, num_topk=2, round_trip=np.int32(0))
     assert np.asarray(o16).tobytes() == np.asarray(o32).tobytes()
     with _raises("moe_ep_combine_reduce: rows must have dtype float32 or bfloat16; got float16"):
-        _ffi("moe_ep_combine_reduce", [_sds((2, 6), jnp.float32)], vals.astype(jnp.float16), pos, num_topk=2)
+        _ffi("moe_ep_combine_reduce", [_sds((2, 6), jnp.float32)], vals.astype(jnp.float16), pos, num_topk=2, round_trip=np.int32(0))
+    # round_trip: each row read through a block format's round trip, as the spec's encode and decode
+    rows32 = jnp.asarray(np.random.default_rng(5).standard_normal((4, 64)) * 3.0, jnp.float32)
+    for fmt, code in (("mxfp8", 2), ("nvfp4", 3)):
+        (rt,) = _ffi("moe_ep_combine_reduce", [_sds((2, 64), jnp.float32)], rows32, pos, num_topk=2,
+                     round_trip=np.int32(code))
+        rounded = spec_dequantize(spec_quantize(np.asarray(rows32), fmt, axis=-1)).astype(np.float32)
+        assert np.asarray(rt).tobytes() == np.stack([0 + rounded[2], (0 + rounded[0]) + rounded[3]]).tobytes(), fmt
+    with _raises("moe_ep_combine_reduce: attribute round_trip must be 0 (none), 2 (mxfp8) or 3 (nvfp4); got 1"):
+        _ffi("moe_ep_combine_reduce", [_sds((2, 64), jnp.float32)], rows32, pos, num_topk=2, round_trip=np.int32(1))
+    with _raises("moe_ep_combine_reduce: rows must have dtype float32 when round_trip is set (the unrounded expert "
+                 "outputs); got bfloat16"):
+        _ffi("moe_ep_combine_reduce", [_sds((2, 16), jnp.float32)], rows16, pos, num_topk=2, round_trip=np.int32(2))
 
     # permute_rows: rows in send order, codes unchanged, -1 gives a zero row
     tokens = jnp.asarray(np.arange(12, dtype=np.uint8).reshape(3, 4))

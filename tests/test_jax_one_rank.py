@@ -399,9 +399,10 @@ def test_one_rank_native_paths_equal_xla_bit_for_bit(method: str, combine: str, 
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """jax-ffi at one rank gathers rows with the native moe_ep_permute_rows (FfiKernels.gather_rows)
     and sums the routes' rows straight from the buffer with moe_ep_combine_reduce
-    (FfiKernels.reduce_rows): the fused forward's rows come rounded through the combine format
-    by the layer object (expert_forward_combined), the layered combine's with XLA's bf16 round
-    trip. Every output of the layer is the same bits as without the method (XLA's gathers; the
+    (FfiKernels.reduce_rows): the fused forward's rows come rounded through a bf16 combine
+    format by the layer object (expert_forward_combined) or unrounded, to be rounded through a
+    block format inside the sum (expert_forward_reduce, round_trip), the layered combine's with
+    XLA's bf16 round trip. Every output of the layer is the same bits as without the method (XLA's gathers; the
     general combine: encode, gather, decode, slot sum)."""
     ffi = pytest.importorskip("moe_ep_jax_ffi.kernels")
     rows = 10
@@ -416,9 +417,9 @@ def test_one_rank_native_paths_equal_xla_bit_for_bit(method: str, combine: str, 
     calls: Counter = Counter()
     native = getattr(ffi.FfiKernels, method)
 
-    def counted(self: Any, *a: Any) -> Any:
+    def counted(self: Any, *a: Any, **kw: Any) -> Any:
         calls[method] += 1
-        return native(self, *a)
+        return native(self, *a, **kw)
 
     def run() -> List[np.ndarray]:
         body = _layer_body(config, "capacity", kernels=ffi.FfiKernels())
@@ -439,6 +440,8 @@ def test_one_rank_native_paths_equal_xla_bit_for_bit(method: str, combine: str, 
     assert calls[method] > 0, f"the one-rank layer never called FfiKernels.{method}"
     with monkeypatch.context() as m:
         m.delattr(ffi.FfiKernels, method)
+        if method == "reduce_rows":  # the fused forward's sum is reduce_rows too
+            m.delattr(ffi.FfiKernels, "expert_forward_reduce")
         slow = run()
     assert len(fast) == len(slow), f"leaf counts {len(fast)} and {len(slow)}"
     for i, (a, b) in enumerate(zip(fast, slow)):

@@ -22,6 +22,7 @@ except FileNotFoundError as exc:  # pragma: no cover - depends on the install
 
 from moe_ep_native import host  # noqa: E402
 from moe_ep_spec import MoeEpConfig, NativeArgumentError, NativeError  # noqa: E402
+from moe_ep_spec.errors import FormatError  # noqa: E402
 from moe_ep_spec import formats as F  # noqa: E402
 from moe_ep_spec.errors import ShapeError  # noqa: E402
 
@@ -252,6 +253,46 @@ def test_combine_reduce_of_bf16_rows_gives_the_float32_rows_sums():
     np.testing.assert_array_equal(got, host.combine_reduce(rows.astype(np.float32), pos, t, k))
     with pytest.raises(NativeArgumentError, match=r"moe_ep_combine_reduce_bf16: route_pos\[3\] must be -1 or in "):
         host.combine_reduce(rows, np.r_[pos[:3], 99, pos[4:]].astype(np.int32), t, k)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("h", [64, 40])  # whole blocks; a partial last block (40 = 32 + 8 = 2 * 16 + 8)
+def test_combine_reduce_round_trip_is_the_round_trip_then_the_sum(fmt, h):
+    """moe_ep_combine_reduce_round_trip: each route's row through the block format's round
+    trip as it is read, then the slot-order sum: bit for bit the spec's encode and decode of
+    every row (moe_ep_spec.formats) followed by moe_ep_combine_reduce; a NaN row no route
+    reads and a row of NaN in one block stay out of the other tokens; the rows are not written."""
+    rng = np.random.default_rng(h)
+    t, k = 13, 4
+    rows = (rng.standard_normal((t * k + 2, h)) * np.exp2(rng.integers(-30, 30, (t * k + 2, 1)))).astype(np.float32)
+    rows[-1] = np.nan  # a row no route points at
+    pos = rng.permutation(t * k).astype(np.int32)
+    pos[[1, 9, 10]] = -1
+    rows[pos[4], 3] = np.nan  # one block of the row of token 1's slot 0 is NaN after the round trip
+    before = rows.copy()
+    got = host.combine_reduce(rows, pos, t, k, round_trip=fmt)
+    np.testing.assert_array_equal(rows, before)
+    rounded = F.dequantize(F.quantize(rows, fmt, axis=-1)).astype(np.float32)
+    want = host.combine_reduce(rounded, pos, t, k)
+    np.testing.assert_array_equal(got, want)
+    bad = np.isnan(got).any(axis=1)
+    assert bad[1] and bad.sum() == 1, np.flatnonzero(bad)
+    ident = host.combine_reduce(rows[: t * k], None, t, k, round_trip=fmt)
+    np.testing.assert_array_equal(ident, host.combine_reduce(rounded[: t * k], None, t, k))
+
+
+def test_combine_reduce_round_trip_checks_its_format_and_positions():
+    rows = np.zeros((4, 32), np.float32)
+    with pytest.raises(FormatError, match=r"round_trip must be None, 'mxfp8' or 'nvfp4' \(a block format\); got 'bf16'"):
+        host.combine_reduce(rows, None, 2, 2, round_trip="bf16")
+    with pytest.raises(NativeArgumentError, match=r"moe_ep_combine_reduce_round_trip: route_pos\[3\] must be -1 or in "
+                                                  r"\[0, num_rows\) = \[0, 4\); got 9"):
+        host.combine_reduce(rows, np.array([0, 1, 2, 9], np.int32), 2, 2, round_trip="mxfp8")
+    from moe_ep_native._capi import call
+    with pytest.raises(NativeArgumentError, match=r"fmt must be MOE_EP_FORMAT_MXFP8 \(\d\) or MOE_EP_FORMAT_NVFP4 "
+                                                  r"\(\d\): the block formats, whose round trip the sum applies; got 1"):
+        call("moe_ep_combine_reduce_round_trip", 0, None, 1, rows.ctypes.data, 4, None, 2, 2, 32,
+             np.zeros((2, 32), np.float32).ctypes.data)
 
 
 def test_combine_reduce_rejects_bad_positions():

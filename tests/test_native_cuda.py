@@ -259,6 +259,32 @@ def test_combine_reduce_of_float32_and_bf16_rows_on_every_path(h):
         np.testing.assert_array_equal(host_of(out, np.float32, want.shape), want, err_msg=f"{name}, hidden {h}")
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("h", [7168, 64, 48, 40])  # four values a lane; 48: nvfp4's lanes, mxfp8 by blocks; 40: by blocks
+def test_combine_reduce_round_trip_on_every_path(fmt, h):
+    """moe_ep_combine_reduce_round_trip on CUDA: bit for bit the CPU entry (the spec's round
+    trip of every row read, then the slot-order sum), with rows spanning 2^-140..2^100 (scale
+    codes at both ends), a NaN in one row, unused slots and a NaN row no route reads."""
+    rng = np.random.default_rng(h)
+    t, k, n = 23, 8, 150
+    rows = (rng.standard_normal((n, h)) * np.exp2(rng.integers(-140, 100, (n, 1)))).astype(np.float32)
+    rows[7, 5] = np.nan
+    rows[n - 1] = np.nan
+    pos = rng.integers(-1, n - 1, t * k).astype(np.int32)
+    code = {"mxfp8": 2, "nvfp4": 3}[fmt]
+    want = host.combine_reduce(rows, pos, t, k, round_trip=fmt)
+    out = empty(want.nbytes)
+    call("moe_ep_combine_reduce_round_trip", CUDA, stream(), code, dev(rows).data_ptr(), n, dev(pos).data_ptr(), t, k,
+         h, out.data_ptr())
+    np.testing.assert_array_equal(host_of(out, np.float32, want.shape), want, err_msg=f"{fmt}, hidden {h}")
+    ident = rows[: t * k] if t * k <= n else np.resize(rows, (t * k, h))
+    want = host.combine_reduce(ident, None, t, k, round_trip=fmt)
+    out = empty(want.nbytes)
+    call("moe_ep_combine_reduce_round_trip", CUDA, stream(), code, dev(ident).data_ptr(), t * k, None, t, k, h,
+         out.data_ptr())
+    np.testing.assert_array_equal(host_of(out, np.float32, want.shape), want, err_msg=f"{fmt}, hidden {h}, identity")
+
+
 @pytest.mark.parametrize("row_bytes", [64, 12, 6, 5])  # the uint4, uint32, uint16 and byte copy paths
 def test_permute_rows_every_copy_width(row_bytes):
     rng = np.random.default_rng(row_bytes)

@@ -368,6 +368,32 @@ def test_cuda_every_code_at_every_scale_blocked_along_the_middle_axis():
 
 
 @needs_cuda
+def test_cuda_mxfp8_scales_varying_along_inner_mix_both_decodes():
+    """The mxfp8 middle-axis path decodes a thread's 16 neighbours with a bf16 multiply
+    where all 16 scale codes are in 10..254, else element by element: scales that vary
+    along inner (code (o + i + k // 32) % 256) put both kinds of chunk side by side, with
+    NaN codes (0x7F, 0xFF) and the inexact codes 0..2 among them; rows 33 (a partial last
+    block) check the rows loop's tail."""
+    o_, n, inner = 7, 33, 256
+    codes = ((np.arange(o_)[:, None, None] * 37 + np.arange(n)[None, :, None] * 11
+              + np.arange(inner)[None, None, :]) % 256).astype(np.uint8)
+    scales = ((np.arange(o_)[:, None, None] + np.arange(2)[None, :, None] * 5
+               + np.arange(inner)[None, None, :]) % 256).astype(np.uint8)
+    t = _mxfp8(codes, scales, (o_, n, inner), axis=1)
+    want, want_flag = host.dequantize_bf16(t)
+    got, flag = _cuda_decode(t, 0)
+    np.testing.assert_array_equal(got, want.view(np.uint16))
+    assert flag and want_flag
+    fast = np.clip(scales, 10, 254)  # every chunk fast: the flag stays clear, NaN codes still NaN
+    t = _mxfp8(codes, fast, (o_, n, inner), axis=1)
+    want, want_flag = host.dequantize_bf16(t)
+    got, flag = _cuda_decode(t, 0)
+    np.testing.assert_array_equal(got, want.view(np.uint16))
+    assert not flag and not want_flag
+    assert (got.reshape(o_, n, inner)[codes & 0x7F == 0x7F] == 0x7FC0).all()
+
+
+@needs_cuda
 def test_cuda_decode_is_capturable_in_a_graph():
     import torch
 

@@ -704,7 +704,14 @@ def forward(
     valid, _, _ = valid_rows(spec, lay)
     kern = spec.kernels
     combined, reduce_rows = getattr(kern, "expert_forward_combined", None), getattr(kern, "reduce_rows", None)
-    if spec.num_ranks == 1 and combined is not None and reduce_rows is not None:
+    fused = getattr(kern, "expert_forward_reduce", None)
+    if spec.num_ranks == 1 and fused is not None:
+        # One rank, a provider that runs the experts and the routes' sum in one call (it may
+        # round each row through the combine format inside the sum): NaN on an error, the encode.
+        summed, c = fused(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes, _local_rows(spec, plan, lay),
+                          spec.num_tokens)
+        out = encode_output(spec, poison(lay.error, summed))
+    elif spec.num_ranks == 1 and combined is not None and reduce_rows is not None:
         # One rank, a provider that rounds y through the combine format itself and sums rows
         # by index: the routes' rows are summed straight from the buffer (combine_rows' other
         # passes, which move the encoded rows, have nothing to move).

@@ -28,7 +28,11 @@ straight from the buffer (as bfloat16). Optional with it:
 ``expert_forward_combined(...)``, :meth:`ExpertKernels.expert_forward` with ``y``
 after ``combine_format``'s round trip (float32, or bfloat16 for a bf16 combine
 format). The fused forward at one rank then passes the rows to ``reduce_rows`` as
-they are (any combine format).
+they are (any combine format). Optional, and preferred at one rank when present:
+``expert_forward_reduce(config, x, w, fc1, fc2, group_sizes, route_rows [T*K] int32,
+num_tokens) -> (sum [T, H] float32, c)``, ``expert_forward_combined`` and ``reduce_rows``
+in one call (the provider may round each row through the combine format inside the sum,
+reading y once).
 
 :class:`XlaKernels` (the default, name ``xla``) does this with XLA-native ops:
 ``jax.lax.ragged_dot`` / ``ragged_dot_general`` over the expert slabs with

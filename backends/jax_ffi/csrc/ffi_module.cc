@@ -362,12 +362,17 @@ auto BindPermuteRows(B b) {
 }
 
 ffi::Error CombineReduce(Dev dev, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> route_pos,
-                         ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t num_topk) {
+                         ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t num_topk, int32_t round_trip) {
   constexpr const char* kT = "moe_ep_combine_reduce";
   MOE_EP_FFI_TRY(ExpectAtLeast(kT, "num_topk", num_topk, 1));
   const ffi::DataType rt = rows.element_type();
   if (rt != ffi::DataType::F32 && rt != ffi::DataType::BF16)
     return Invalid(kT, "rows must have dtype float32 or bfloat16", DtypeName(rt));
+  if (round_trip != MOE_EP_FORMAT_NONE && round_trip != MOE_EP_FORMAT_MXFP8 && round_trip != MOE_EP_FORMAT_NVFP4)
+    return Invalid(kT, "attribute round_trip must be 0 (none), 2 (mxfp8) or 3 (nvfp4)", std::to_string(round_trip));
+  if (round_trip != MOE_EP_FORMAT_NONE && rt != ffi::DataType::F32)
+    return Invalid(kT, "rows must have dtype float32 when round_trip is set (the unrounded expert outputs)",
+                   DtypeName(rt));
   MOE_EP_FFI_TRY(ExpectRank(kT, "rows", "[R, H]", rows.dimensions(), 2));
   MOE_EP_FFI_TRY(ExpectRank(kT, "out", "[T, H]", out->dimensions(), 2));
   const int64_t r = rows.dimensions()[0], h = rows.dimensions()[1], t = out->dimensions()[0];
@@ -376,6 +381,10 @@ ffi::Error CombineReduce(Dev dev, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> rou
   if (t == 0) return ffi::Error::Success();  // nothing to sum (and a NULL route_pos would mean the identity)
   const auto* pos = static_cast<const int32_t*>(route_pos.untyped_data());
   float* o = static_cast<float*>(DataOrNull(*out));
+  if (round_trip != MOE_EP_FORMAT_NONE)  // each row read through the block format's round trip: one pass
+    return FromStatus(kT, moe_ep_combine_reduce_round_trip(dev.device, dev.stream, static_cast<moe_ep_format>(round_trip),
+                                                           static_cast<const float*>(DataOrNull(rows)), r, pos, t,
+                                                           num_topk, h, o));
   if (rt == ffi::DataType::BF16)  // a bf16 combine format's rows as they are: half the bytes, the same sums
     return FromStatus(kT, moe_ep_combine_reduce_bf16(dev.device, dev.stream,
                                                      static_cast<const uint16_t*>(DataOrNull(rows)), r, pos, t,
@@ -390,7 +399,8 @@ auto BindCombineReduce(B b) {
       .template Arg<ffi::AnyBuffer>()          // rows [R, H] f32 or bf16: the returned (decoded) expert outputs
       .template Arg<ffi::Buffer<ffi::S32>>()   // route_pos [T*K] s32: row of each route, -1 = none (adds nothing)
       .template Ret<ffi::Buffer<ffi::F32>>()   // out [T, H] f32: ((+0 + Y[t,0]) + Y[t,1]) + ... in slot order
-      .template Attr<int64_t>("num_topk");     // K >= 1
+      .template Attr<int64_t>("num_topk")      // K >= 1
+      .template Attr<int32_t>("round_trip");   // 0, or 2 / 3: Y = the mxfp8 / nvfp4 round trip of the f32 row
 }
 
 // combine_reduce with route_pos NULL: row t*K+k is slot k of token t.

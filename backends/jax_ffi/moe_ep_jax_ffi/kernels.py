@@ -50,7 +50,7 @@ from moe_ep_jax import formats as F
 from moe_ep_jax.core import gather_route_rows
 from moe_ep_jax.kernels import LocalPlan, XlaKernels
 from moe_ep_spec.config import MoeEpConfig
-from moe_ep_spec.errors import ShapeError
+from moe_ep_spec.errors import FormatError, ShapeError
 from moe_ep_spec.formats import MoeFormat, block_axis, parse_format
 
 from . import native
@@ -268,7 +268,8 @@ class FfiKernels:
         (out,) = _call("moe_ep_permute_rows", [_sds(shape, bits.dtype)], bits, route, num_topk=int(num_topk))
         return out if out.dtype == x.dtype else lax.bitcast_convert_type(out, x.dtype)
 
-    def reduce_rows(self, rows: jax.Array, route_rows: jax.Array, num_tokens: int, num_topk: int) -> jax.Array:
+    def reduce_rows(self, rows: jax.Array, route_rows: jax.Array, num_tokens: int, num_topk: int,
+                    round_trip: Any = None) -> jax.Array:
         """``[T, H] float32``: ``((+0 + rows[r_0]) + rows[r_1]) + ...`` over token t's slots in
         order, ``r_k = route_rows[t*K + k]``, a -1 adding nothing (the native
         ``moe_ep_combine_reduce``). The jax layer's combine at one rank: the routes' rows read
@@ -278,15 +279,21 @@ class FfiKernels:
             rows: ``[R, H] float32``, or ``bfloat16`` (read as they are: half the bytes, the
                 same sums; ``moe_ep_combine_reduce_bf16``).
             route_rows: ``[T*K] int32``: -1 or a row in ``[0, R)``.
+            round_trip: None, or a block format (``mxfp8``, ``nvfp4``): each row read goes
+                through its round trip first, bit for bit the format's encode and decode
+                (``moe_ep_combine_reduce_round_trip``; float32 rows).
         """
         rows = jnp.asarray(rows)
-        if rows.dtype != jnp.bfloat16:
+        fmt = None if round_trip is None else parse_format(round_trip, name="round_trip")
+        if fmt is not None and fmt not in (MoeFormat.MXFP8, MoeFormat.NVFP4):
+            raise FormatError(f"round_trip must be None, 'mxfp8' or 'nvfp4' (a block format); got {round_trip!r}")
+        if rows.dtype != jnp.bfloat16 or fmt is not None:
             rows = rows.astype(_F32)
         h = rows.shape[1]
         if num_tokens == 0 or h == 0 or rows.shape[0] == 0:  # nothing any route could read
             return jnp.zeros((num_tokens, h), _F32)
         (out,) = _call("moe_ep_combine_reduce", [_sds((num_tokens, h), _F32)], rows,
-                       jnp.asarray(route_rows).astype(_I32), num_topk=int(num_topk))
+                       jnp.asarray(route_rows).astype(_I32), num_topk=int(num_topk), round_trip=_code(fmt))
         return out
 
     # experts -----------------------------------------------------------------
@@ -380,6 +387,27 @@ class FfiKernels:
         weight went into FC1); other formats' is float32."""
         return self._expert_forward(config, x, w, fc1, fc2, group_sizes, combined=True)
 
+    def expert_forward_reduce(self, config, x, w, fc1, fc2, group_sizes, route_rows, num_tokens):  # type: ignore[no-untyped-def]
+        """``(sum [T, H] float32, c [C, 2I] bfloat16)``: the fused forward at one rank,
+        :meth:`expert_forward_combined`'s rows summed as :meth:`reduce_rows` sums them. A
+        block combine format (mxfp8, nvfp4) rounds each row inside the sum
+        (``round_trip``): the layer object writes y unrounded and the sum reads it once,
+        where a round trip in the FC2 epilogue would read and write all of y first. A bf16
+        one is :meth:`expert_forward_combined` (bf16 rows) then :meth:`reduce_rows`."""
+        k = config.num_topk
+        if config.combine_format in (MoeFormat.MXFP8, MoeFormat.NVFP4):
+            y, c = self._expert_forward(config, x, w, fc1, fc2, group_sizes, combined=False)
+            return self.reduce_rows(y, route_rows, num_tokens, k, round_trip=config.combine_format), c
+        y, c = self.expert_forward_combined(config, x, w, fc1, fc2, group_sizes)
+        return self.reduce_rows(y, route_rows, num_tokens, k), c
+
+    @staticmethod
+    def _one_rank_combined(config: MoeEpConfig) -> bool:
+        """Whether the layer object rounds y through the combine format at one rank (the
+        backward passes the same, so that both stages share one object): bf16 only; the
+        block formats round inside the sum (:meth:`expert_forward_reduce`)."""
+        return config.num_ranks == 1 and config.combine_format is MoeFormat.BF16
+
     def _expert_forward(self, config, x, w, fc1, fc2, group_sizes, combined):  # type: ignore[no-untyped-def]
         xs, w1, w2, inexact = self._operands(x, fc1, fc2)
         c_rows, h = xs.shape
@@ -419,7 +447,7 @@ class FfiKernels:
 
         def run(a: jax.Array, b: jax.Array, d: jax.Array) -> Tuple[jax.Array, ...]:
             dx, dw, dfc1, dfc2 = _call("moe_ep_expert_backward", results, a, wf, b, d, stash, dy, gs,
-                                       **self._expert_attrs(config, config.num_ranks == 1))
+                                       **self._expert_attrs(config, self._one_rank_combined(config)))
             return dx, dw, dfc1, dfc2
 
         return self._either(

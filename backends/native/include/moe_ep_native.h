@@ -52,7 +52,7 @@ extern "C" {
 #endif
 
 /** Bumped on any incompatible change of a signature or a struct below. */
-#define MOE_EP_NATIVE_ABI_VERSION 4
+#define MOE_EP_NATIVE_ABI_VERSION 5
 
 typedef enum {
   MOE_EP_OK = 0,
@@ -236,6 +236,24 @@ MOE_EP_API moe_ep_status moe_ep_combine_reduce(moe_ep_device device, void* strea
 MOE_EP_API moe_ep_status moe_ep_combine_reduce_bf16(moe_ep_device device, void* stream, const uint16_t* rows,
                                                     int64_t num_rows, const int32_t* route_pos, int64_t num_tokens,
                                                     int64_t num_topk, int64_t hidden, float* out);
+
+/**
+ * moe_ep_combine_reduce of float32 rows that have not been through the combine format yet:
+ * every route's row goes through fmt's round trip (its encode and decode, section 8, bit
+ * for bit: blocks of 32 (mxfp8) or 16 (nvfp4) along hidden, the last one partial) as it
+ * is read, then into the slot-order sum: out[t] = ((+0 + RT(rows[p_0])) + RT(rows[p_1])) + ...
+ * One pass over the unrounded expert outputs where the rows would otherwise be rounded
+ * in place first and read again (the one-rank combine: nothing travels between the two).
+ *   fmt: MOE_EP_FORMAT_MXFP8 or MOE_EP_FORMAT_NVFP4.
+ *   The rest as moe_ep_combine_reduce (rows are not written).
+ * CUDA: four values a thread, a block's lanes agreeing on its scale through shuffles, when
+ * hidden is a multiple of the block and rows and out are 16-byte aligned; one block a
+ * thread otherwise. Added in ABI 5 (a new entry point; no struct changed).
+ */
+MOE_EP_API moe_ep_status moe_ep_combine_reduce_round_trip(moe_ep_device device, void* stream, moe_ep_format fmt,
+                                                          const float* rows, int64_t num_rows,
+                                                          const int32_t* route_pos, int64_t num_tokens,
+                                                          int64_t num_topk, int64_t hidden, float* out);
 
 /* ------------------------------------------------------------------ experts */
 

@@ -17,7 +17,7 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 
 from moe_ep_spec.config import MoeEpConfig
-from moe_ep_spec.errors import DTypeError, NativeArgumentError, ShapeError
+from moe_ep_spec.errors import DTypeError, FormatError, NativeArgumentError, ShapeError
 from moe_ep_spec.formats import BF16, BlockScaledTensor, MoeFormat, block_axis, parse_format
 from moe_ep_spec.validation import check_shape
 
@@ -201,17 +201,34 @@ def permute_rows(tokens: np.ndarray, send_route: Any, num_topk: int) -> np.ndarr
     return out
 
 
-def combine_reduce(rows: Any, route_pos: Optional[Any], num_tokens: int, num_topk: int) -> np.ndarray:
+def combine_reduce(rows: Any, route_pos: Optional[Any], num_tokens: int, num_topk: int,
+                   round_trip: Optional[str] = None) -> np.ndarray:
     """Form-A reduction: ``out[t] = sum over slots k (in order, from +0) of rows[route_pos[t*K+k]]``.
 
     Args:
         rows: ``[num_rows, hidden] float32`` (float16 widened), or ``bfloat16``: summed
             from the bf16 rows themselves (``moe_ep_combine_reduce_bf16``, the same sums).
         route_pos: ``[num_tokens * num_topk]`` int (-1 = nothing), or None for row ``t*K+k``.
+        round_trip: None, or ``"mxfp8"`` / ``"nvfp4"``: every row read goes through that
+            format's round trip first (float32 rows only; ``moe_ep_combine_reduce_round_trip``).
 
     Returns:
         ``[num_tokens, hidden] float32``.
     """
+    if round_trip is not None:
+        fmt = parse_format(round_trip, name="round_trip")
+        if fmt not in (MoeFormat.MXFP8, MoeFormat.NVFP4):
+            raise FormatError(f"round_trip must be None, 'mxfp8' or 'nvfp4' (a block format); got {round_trip!r}")
+        r = _float32(rows, "rows")
+        if r.ndim != 2:
+            raise ShapeError(f"rows must be 2-d (num_rows, hidden); got shape {r.shape}", name="rows")
+        pos = None if route_pos is None else _int32(route_pos, "route_pos").reshape(-1)
+        if pos is not None:
+            check_shape("route_pos", pos.shape, (num_tokens * num_topk,), "(num_tokens * num_topk,)")
+        out = np.empty((int(num_tokens), r.shape[1]), np.float32)
+        call("moe_ep_combine_reduce_round_trip", _CPU, None, int(_FORMAT[fmt]), _ptr(r), r.shape[0], _ptr(pos),
+             int(num_tokens), int(num_topk), r.shape[1], _ptr(out))
+        return out
     bf16 = np.asarray(rows).dtype == BF16
     r = np.ascontiguousarray(np.asarray(rows)) if bf16 else _float32(rows, "rows")
     if r.ndim != 2:

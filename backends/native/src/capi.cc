@@ -160,11 +160,18 @@ using moe_ep::kMaxExperts;
 namespace {
 
 // moe_ep_combine_reduce's checks and dispatch for rows of float32 (4 bytes) or bf16 (2).
-template <typename Row>
+// Row: float (float32 rows), uint16_t (bf16 rows); kRoundTrip: float32 rows through fmt's
+// round trip as they are read (fmt is checked here).
+template <typename Row, bool kRoundTrip = false>
 moe_ep_status combine_reduce_entry(const char* op, moe_ep_device device, void* stream, const Row* rows,
                                    int64_t num_rows, const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
-                                   int64_t hidden, float* out) {
+                                   int64_t hidden, float* out, moe_ep_format fmt = MOE_EP_FORMAT_BF16) {
   const Check ck{op};
+  if (kRoundTrip && fmt != MOE_EP_FORMAT_MXFP8 && fmt != MOE_EP_FORMAT_NVFP4)
+    return ck.bad("fmt must be MOE_EP_FORMAT_MXFP8 (" + std::to_string(MOE_EP_FORMAT_MXFP8) +
+                      ") or MOE_EP_FORMAT_NVFP4 (" + std::to_string(MOE_EP_FORMAT_NVFP4) +
+                      "): the block formats, whose round trip the sum applies",
+                  std::to_string(static_cast<int>(fmt)));
   MOE_EP_TRY(check_device(ck, device, stream));
   MOE_EP_TRY(ck.nonneg("num_rows", num_rows));
   MOE_EP_TRY(ck.nonneg("num_tokens", num_tokens));
@@ -182,7 +189,10 @@ moe_ep_status combine_reduce_entry(const char* op, moe_ep_device device, void* s
   MOE_EP_TRY(ck.ptr("rows", rows, num_rows * hidden, sizeof(Row)));
   MOE_EP_TRY(ck.ptr("out", out, num_tokens * hidden, 4));
   if (num_tokens == 0 || hidden == 0) return MOE_EP_OK;
-  if constexpr (sizeof(Row) == 4) {
+  if constexpr (kRoundTrip) {
+    MOE_EP_DISPATCH(device, combine_reduce_round_trip(stream, fmt, rows, num_rows, route_pos, num_tokens, num_topk,
+                                                      hidden, out))
+  } else if constexpr (sizeof(Row) == 4) {
     MOE_EP_DISPATCH(device, combine_reduce(stream, rows, num_rows, route_pos, num_tokens, num_topk, hidden, out))
   } else {
     MOE_EP_DISPATCH(device, combine_reduce_bf16(stream, rows, num_rows, route_pos, num_tokens, num_topk, hidden, out))
@@ -378,6 +388,13 @@ moe_ep_status moe_ep_combine_reduce_bf16(moe_ep_device device, void* stream, con
                                          int64_t hidden, float* out) {
   return combine_reduce_entry("moe_ep_combine_reduce_bf16", device, stream, rows, num_rows, route_pos, num_tokens,
                               num_topk, hidden, out);
+}
+
+moe_ep_status moe_ep_combine_reduce_round_trip(moe_ep_device device, void* stream, moe_ep_format fmt,
+                                               const float* rows, int64_t num_rows, const int32_t* route_pos,
+                                               int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out) {
+  return combine_reduce_entry<float, true>("moe_ep_combine_reduce_round_trip", device, stream, rows, num_rows,
+                                           route_pos, num_tokens, num_topk, hidden, out, fmt);
 }
 
 size_t moe_ep_expert_forward_workspace(const moe_ep_expert_desc* desc) {

@@ -132,6 +132,10 @@ inline size_t backward_workspace_bytes(const moe_ep_expert_desc& d) { return bac
                                int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out);                  \
   moe_ep_status combine_reduce_bf16(void* stream, const uint16_t* rows, int64_t num_rows, const int32_t* route_pos,\
                                     int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out);             \
+  /* fmt MXFP8 or NVFP4 (capi.cc checks it) */                                                                  \
+  moe_ep_status combine_reduce_round_trip(void* stream, moe_ep_format fmt, const float* rows, int64_t num_rows,     \
+                                          const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,          \
+                                          int64_t hidden, float* out);                                             \
   moe_ep_status expert_forward(void* stream, const moe_ep_expert_desc& d, const float* x, const float* w,          \
                                const float* fc1, const float* fc2, const int32_t* group_sizes, float* y, float* c,  \
                                void* workspace);                                                                   \

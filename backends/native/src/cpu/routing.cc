@@ -110,5 +110,35 @@ moe_ep_status combine_reduce_bf16(void*, const uint16_t* rows, int64_t num_rows,
                              out);
 }
 
+moe_ep_status combine_reduce_round_trip(void*, moe_ep_format fmt, const float* rows, int64_t num_rows,
+                                        const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
+                                        int64_t hidden, float* out) {
+  // Each route's row through the round trip into a copy (rows stay as they are), then the
+  // sum of the copies as combine_reduce sums rows: one buffer of rounded rows per token.
+  std::vector<float> rounded(static_cast<size_t>(num_topk * hidden));
+  std::vector<int32_t> pos(static_cast<size_t>(num_topk));
+  std::vector<uint8_t> data(static_cast<size_t>(hidden + 1)), scale(static_cast<size_t>(hidden / 16 + 2));
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t k = 0; k < num_topk; ++k) {
+      const int64_t r = t * num_topk + k;
+      const int64_t p = route_pos != nullptr ? route_pos[r] : r;
+      if (p < -1 || p >= num_rows)
+        return fail(MOE_EP_ERR_INVALID_ARGUMENT, "moe_ep_combine_reduce_round_trip: route_pos[" + std::to_string(r) +
+                                                     "] must be -1 or in [0, num_rows) = [0, " +
+                                                     std::to_string(num_rows) + "); got " + std::to_string(p));
+      pos[static_cast<size_t>(k)] = p < 0 ? -1 : static_cast<int32_t>(k);
+      if (p < 0) continue;
+      float* dst = rounded.data() + k * hidden;
+      std::memcpy(dst, rows + p * hidden, static_cast<size_t>(hidden) * sizeof(float));
+      moe_ep_status st = quantize(nullptr, fmt, dst, 1, hidden, 1, data.data(), scale.data());
+      if (st == MOE_EP_OK) st = dequantize(nullptr, fmt, data.data(), scale.data(), 1, hidden, 1, dst);
+      if (st != MOE_EP_OK) return st;
+    }
+    MOE_EP_TRY(combine_reduce_rows("moe_ep_combine_reduce_round_trip", rounded.data(), num_topk, pos.data(), 1,
+                                   num_topk, hidden, out + t * hidden));
+  }
+  return MOE_EP_OK;
+}
+
 }  // namespace cpu
 }  // namespace moe_ep

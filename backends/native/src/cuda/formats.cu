@@ -228,7 +228,8 @@ __global__ void nvfp4_dequantize_kernel(const uint8_t* __restrict__ data, const 
 // - rows (inner = 1, no transpose; also rows at a stride): a thread decodes a piece of
 //   8 elements (8 or 4 bytes of codes, inside one row since n is a multiple of 16 or
 //   32) into one 16-byte store, a warp's pieces contiguous;
-// - blocked along the middle axis (jax's weights): 16 neighbours along inner a thread;
+// - blocked along the middle axis (jax's weights): 16 neighbours along inner a thread (mxfp8:
+//   for the rows of one block, a bf16 multiply a pair where the scales allow);
 // - transposed (the expert weights [E, N, K] -> [E, K, N]): a block decodes a tile of
 //   64 rows x 4 chunks through shared memory and writes it transposed, 8 bf16 a store.
 // Anything else (inner > 1, ragged or misaligned) takes the element-by-element kernel.
@@ -383,47 +384,35 @@ __global__ void __launch_bounds__(kThreads)
   report_inexact(inexact, flag);
 }
 
-// Blocked along the middle axis of [outer, n, inner] (inner a multiple of 16; data, scale
-// and out 16-byte aligned: e.g. jax's weights [E, H, 2I] blocked along H). A thread takes
-// 16 neighbours along inner: their codes and their scales are 16 contiguous bytes each
-// (every element has its own block along n), decoded element by element into two
-// 16-byte stores. mxfp8: one row k of the view; nvfp4: one byte row j, which holds rows
-// 2j (low nibbles) and 2j + 1 (high nibbles, when 2j + 1 < n) of one block of 16.
-template <bool kMx>
+// nvfp4 blocked along the middle axis of [outer, n, inner] (inner a multiple of 16; data,
+// scale and out 16-byte aligned: e.g. jax's weights [E, H, 2I] blocked along H). A thread
+// takes 16 neighbours along inner of one byte row j, which holds rows 2j (low nibbles) and
+// 2j + 1 (high nibbles, when 2j + 1 < n) of one block of 16: their codes and their scales
+// are 16 contiguous bytes each (every element has its own block along n), decoded element
+// by element into two 16-byte stores a row. (mxfp8: bf16_inner_mx_kernel.)
 __global__ void __launch_bounds__(kThreads)
-    bf16_inner_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale, int64_t outer, int64_t n,
-                      int64_t inner, uint16_t* __restrict__ out, int32_t* __restrict__ flag) {
-  const int64_t rows = kMx ? n : div_up(n, 2);  // code rows of one outer index
-  const int64_t nb = div_up(n, kMx ? kMxfp8Block : kNvfp4Block);
+    bf16_inner_nv_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale, int64_t outer,
+                         int64_t n, int64_t inner, uint16_t* __restrict__ out, int32_t* __restrict__ flag) {
+  const int64_t rows = div_up(n, 2);  // byte rows of one outer index
+  const int64_t nb = div_up(n, kNvfp4Block);
   const int64_t per_row = inner / 16, total = outer * rows * per_row;
   bool inexact = false;
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
     const int64_t ok = div_nonneg(t, per_row), i0 = (t - ok * per_row) * 16, o = div_nonneg(ok, rows), j = ok - o * rows;
     const uint4 c4 = __ldg(reinterpret_cast<const uint4*>(data + (o * rows + j) * inner + i0));
-    const int64_t k = kMx ? j : 2 * j;  // the (first) row of the view
-    const uint4 s4 =
-        __ldg(reinterpret_cast<const uint4*>(scale + (o * nb + k / (kMx ? kMxfp8Block : kNvfp4Block)) * inner + i0));
+    const int64_t k = 2 * j;  // the first row of the view
+    const uint4 s4 = __ldg(reinterpret_cast<const uint4*>(scale + (o * nb + k / kNvfp4Block) * inner + i0));
     const uint32_t cw[4] = {c4.x, c4.y, c4.z, c4.w}, sw[4] = {s4.x, s4.y, s4.z, s4.w};
-    uint32_t lo[8], hi[8];  // bf16 pairs of row k (and, nvfp4, row k + 1)
+    uint32_t lo[8], hi[8];  // bf16 pairs of rows k and k + 1
 #pragma unroll
     for (int e = 0; e < 16; e += 2) {
       uint16_t a[2], b[2];
-      if constexpr (kMx) {  // elements e and e + 1: one byte pair of codes, each with its own scale
-        const uint32_t sh = 8 * (e % 4);
-        const uint32_t sa = (sw[e / 4] >> sh) & 0xFFu, sb = (sw[e / 4] >> (sh + 8)) & 0xFFu;
-        const float2 v = mxfp8_values2((cw[e / 4] >> sh) & 0xFFFFu, exp2_exact(static_cast<int>(sa) - 127),
-                                       sa == 0xFFu, exp2_exact(static_cast<int>(sb) - 127), sb == 0xFFu);
-        a[0] = bf16_exact_bits(v.x, inexact);
-        a[1] = bf16_exact_bits(v.y, inexact);
-        b[0] = b[1] = 0;
-      } else {
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const uint32_t code = (cw[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xFFu;
-          const uint32_t sc = (sw[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xFFu;
-          a[u] = bf16_exact_bits(nvfp4_decode(code & 0xFu, sc), inexact);
-          b[u] = bf16_exact_bits(nvfp4_decode(code >> 4, sc), inexact);
-        }
+      for (int u = 0; u < 2; ++u) {
+        const uint32_t code = (cw[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xFFu;
+        const uint32_t sc = (sw[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xFFu;
+        a[u] = bf16_exact_bits(nvfp4_decode(code & 0xFu, sc), inexact);
+        b[u] = bf16_exact_bits(nvfp4_decode(code >> 4, sc), inexact);
       }
       lo[e / 2] = a[0] | (uint32_t{a[1]} << 16);
       hi[e / 2] = b[0] | (uint32_t{b[1]} << 16);
@@ -431,10 +420,124 @@ __global__ void __launch_bounds__(kThreads)
     uint4* o0 = reinterpret_cast<uint4*>(out + (o * n + k) * inner + i0);
     o0[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     o0[1] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
-    if (!kMx && k + 1 < n) {
+    if (k + 1 < n) {
       uint4* o1 = reinterpret_cast<uint4*>(out + (o * n + k + 1) * inner + i0);
       o1[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
       o1[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+    }
+  }
+  report_inexact(inexact, flag);
+}
+
+// One mxfp8 element pair (elements e and e + 1 of a 16-code chunk along inner, each with
+// its own scale code), element by element: any scale, NaN codes, the inexact values.
+__device__ __forceinline__ uint32_t mxfp8_inner_pair(const uint32_t cw[4], const uint32_t sw[4], int e,
+                                                     bool& inexact) {
+  const uint32_t sh = 8 * (e % 4);
+  const uint32_t sa = (sw[e / 4] >> sh) & 0xFFu, sb = (sw[e / 4] >> (sh + 8)) & 0xFFu;
+  const float2 v = mxfp8_values2((cw[e / 4] >> sh) & 0xFFFFu, exp2_exact(static_cast<int>(sa) - 127), sa == 0xFFu,
+                                 exp2_exact(static_cast<int>(sb) - 127), sb == 0xFFu);
+  return bf16_exact_bits(v.x, inexact) | (uint32_t{bf16_exact_bits(v.y, inexact)} << 16);
+}
+
+// Scale codes whose every mxfp8 value is exact in bf16 with room: for 10 <= c <= 254 the
+// smallest non-zero magnitude, 2^-9 * 2^(c - 127), is at least 2^-126 (bf16's smallest
+// normal) and 2^(c - 127) is a normal bf16, so the bf16 product of a code's value (4
+// significant bits, exact in bf16) and the scale is the exact product, or +-Inf where that
+// reaches 2^128 (as the float32 product: values below 2^128 have at most 1.875 * 2^127).
+__device__ __forceinline__ bool mxfp8_fast_scales(const uint4 s4) {
+  const uint32_t w[4] = {s4.x, s4.y, s4.z, s4.w};
+  uint32_t bad = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) bad |= __vcmpltu4(w[j], 0x0A0A0A0Au) | __vcmpeq4(w[j], 0xFFFFFFFFu);
+  return bad == 0;
+}
+
+// Whether any of 16 codes is a NaN code (0x7F or 0xFF).
+__device__ __forceinline__ bool mxfp8_any_nan_code(const uint4 c4) {
+  const uint32_t w[4] = {c4.x, c4.y, c4.z, c4.w};
+  uint32_t nan = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) nan |= __vcmpeq4(w[j] & 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+  return nan != 0;
+}
+
+// mxfp8 blocked along the middle axis of [outer, n, inner] (inner a multiple of 16; data,
+// scale and out 16-byte aligned: jax's weights [E, H, 2I] blocked along H). A thread takes
+// 16 neighbours along inner for the rows of one block along n (up to 32): their 16 scale
+// codes (16 contiguous bytes) once, then each row's 16 codes (16 bytes, a warp's loads
+// 512 contiguous bytes) into two 16-byte stores. Where all 16 scales are in
+// mxfp8_fast_scales' range, a pair of codes is one E4M3 -> f16 convert, a pack to bf16
+// (exact) and one bf16 multiply by the scales' bf16 pair, and a row with a NaN code has
+// those elements set to 0x7FC0 after; other scales decode element by element
+// (mxfp8_inner_pair).
+constexpr int kInnerRowUnroll = 4;
+
+__global__ void __launch_bounds__(kThreads)
+    bf16_inner_mx_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale, int64_t outer,
+                         int64_t n, int64_t inner, uint16_t* __restrict__ out, int32_t* __restrict__ flag) {
+  const int64_t nb = div_up(n, kMxfp8Block), per_row = inner / 16, total = outer * nb * per_row;
+  bool inexact = false;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t ob = div_nonneg(t, per_row), i0 = (t - ob * per_row) * 16, o = div_nonneg(ob, nb), b = ob - o * nb;
+    const uint4 s4 = __ldg(reinterpret_cast<const uint4*>(scale + ob * inner + i0));
+    const int64_t k0 = b * kMxfp8Block, k1 = k0 + kMxfp8Block < n ? k0 + kMxfp8Block : n;
+    const uint8_t* src = data + (o * n + k0) * inner + i0;
+    uint16_t* dst = out + (o * n + k0) * inner + i0;
+    const int rows = static_cast<int>(k1 - k0);
+    if (!mxfp8_fast_scales(s4)) {
+      const uint32_t sw[4] = {s4.x, s4.y, s4.z, s4.w};
+      for (int r = 0; r < rows; ++r) {
+        const uint4 c4 = __ldg(reinterpret_cast<const uint4*>(src + r * inner));
+        const uint32_t cw[4] = {c4.x, c4.y, c4.z, c4.w};
+        uint32_t w[8];
+#pragma unroll
+        for (int e = 0; e < 16; e += 2) w[e / 2] = mxfp8_inner_pair(cw, sw, e, inexact);
+        uint4* d = reinterpret_cast<uint4*>(dst + r * inner);
+        d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+        d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+      }
+      continue;
+    }
+    // bf16 bits of 2^(c - 127) are c << 7 for 1 <= c <= 254: the pairs (e, e + 1).
+    uint32_t sc2[8];
+    {
+      const uint32_t sw[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+      for (int e = 0; e < 16; e += 2) {
+        const uint32_t sh = 8 * (e % 4);
+        sc2[e / 2] = (((sw[e / 4] >> sh) & 0xFFu) << 7) | (((sw[e / 4] >> (sh + 8)) & 0xFFu) << 23);
+      }
+    }
+    for (int r0 = 0; r0 < rows; r0 += kInnerRowUnroll) {
+      uint4 c4[kInnerRowUnroll];
+#pragma unroll
+      for (int u = 0; u < kInnerRowUnroll; ++u)
+        if (r0 + u < rows) c4[u] = __ldg(reinterpret_cast<const uint4*>(src + (r0 + u) * inner));
+#pragma unroll
+      for (int u = 0; u < kInnerRowUnroll; ++u) {
+        if (r0 + u >= rows) break;
+        const uint32_t cw[4] = {c4[u].x, c4[u].y, c4[u].z, c4[u].w};
+        uint32_t w[8];
+#pragma unroll
+        for (int e = 0; e < 16; e += 2) {
+          const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(
+              static_cast<__nv_fp8x2_storage_t>((cw[e / 4] >> (8 * (e % 4))) & 0xFFFFu), __NV_E4M3)));
+          const __nv_bfloat162 p =
+              __hmul2(__floats2bfloat162_rn(v.x, v.y), *reinterpret_cast<const __nv_bfloat162*>(&sc2[e / 2]));
+          w[e / 2] = *reinterpret_cast<const uint32_t*>(&p);
+        }
+        if (mxfp8_any_nan_code(c4[u])) {  // the spec's NaN, 0x7FC0, for the codes 0x7F and 0xFF
+#pragma unroll
+          for (int e = 0; e < 16; ++e) {
+            if (((cw[e / 4] >> (8 * (e % 4))) & 0x7Fu) == 0x7Fu)
+              w[e / 2] = (e & 1) ? ((w[e / 2] & 0xFFFFu) | 0x7FC00000u) : ((w[e / 2] & 0xFFFF0000u) | 0x7FC0u);
+          }
+        }
+        uint4* d = reinterpret_cast<uint4*>(dst + (r0 + u) * inner);
+        d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+        d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+      }
     }
   }
   report_inexact(inexact, flag);
@@ -587,9 +690,15 @@ moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const 
     }
   }
   if (R == 0 && inner > 1 && inner % 16 == 0 && aligned && detail::aligned16(scale)) {
-    const int64_t units = outer * (kMx ? n : div_up(n, 2)) * (inner / 16);
-    bf16_inner_kernel<kMx><<<blocks_for(units), kThreads, 0, s>>>(data, scale, outer, n, inner, out, flag);
-    MOE_EP_CUDA_CHECK_LAUNCH("bf16_inner_kernel");
+    if constexpr (kMx) {
+      const int64_t units = outer * div_up(n, kMxfp8Block) * (inner / 16);
+      bf16_inner_mx_kernel<<<blocks_for(units), kThreads, 0, s>>>(data, scale, outer, n, inner, out, flag);
+      MOE_EP_CUDA_CHECK_LAUNCH("bf16_inner_mx_kernel");
+    } else {
+      const int64_t units = outer * div_up(n, 2) * (inner / 16);
+      bf16_inner_nv_kernel<<<blocks_for(units), kThreads, 0, s>>>(data, scale, outer, n, inner, out, flag);
+      MOE_EP_CUDA_CHECK_LAUNCH("bf16_inner_nv_kernel");
+    }
     return MOE_EP_OK;
   }
   bf16_elements_kernel<kMx><<<blocks_for(outer * n * inner), kThreads, 0, s>>>(data, scale, outer, n, inner, R, out,

@@ -687,6 +687,13 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
     MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_bf16_out_kernel");
     return MOE_EP_OK;
   }
+  if (!bf16_out && combine_format == MOE_EP_FORMAT_NONE && !weight) {
+    // Nothing happens to the FC2 output (no router weight, no rounding): the GEMM's rows
+    // are y; only the rows of no expert are zeroed (not a pass over all of y).
+    zero_tail_rows_kernel<<<tail_blocks(C * H, ws), kThreads, 0, s>>>(y, ws.offsets, E, C, H);
+    MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel");
+    return MOE_EP_OK;
+  }
   const unsigned b2 = blocks_for(C * div_up(H, block_of_format(combine_format)));
   launch_fc2_epilogue(combine_format, b2, s, y, w, ws.offsets, E, C, H, weight);
   MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_kernel");

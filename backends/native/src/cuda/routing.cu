@@ -462,6 +462,110 @@ moe_ep_status launch_combine_reduce(void* stream, const Row* rows, int64_t num_r
   return MOE_EP_OK;
 }
 
+// combine_reduce_round_trip: the sums of combine_reduce_vec_kernel over float32 rows, each
+// route's row through the block format's round trip as it is read. Four values a lane
+// (hidden a multiple of the block, rows and out 16-byte aligned): the kGroup = block / 4
+// lanes of a block, which share a token and so a route, agree on its largest magnitude
+// with shuffles, as fc2_epilogue_block_vec4_kernel does, and round trip their values with
+// the same helpers (mxfp8_round_trip_cvt4, nvfp4_round_trip_with). A token's rows are
+// loaded kReduceBatch at a time before any is rounded. Every lane of a warp runs every
+// iteration (the shuffles need them); lanes past the end only look.
+template <bool kMx>
+__global__ void __launch_bounds__(kThreads)
+    combine_reduce_round_trip_vec_kernel(const float4* __restrict__ rows, int64_t num_rows,
+                                         const int32_t* __restrict__ route_pos, int64_t num_tokens,
+                                         int64_t num_topk, int64_t hidden, float4* __restrict__ out) {
+  constexpr int kGroup = (kMx ? kMxfp8Block : kNvfp4Block) / 4;
+  const int64_t q = hidden / 4, total = num_tokens * q;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t base = blockIdx.x * int64_t{blockDim.x} + threadIdx.x - lane; base < total; base += stride) {
+    const int64_t idx = base + lane;
+    const bool here = idx < total;
+    const int64_t t = here ? div_nonneg(idx, q) : 0, h4 = idx - t * q;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t k0 = 0; k0 < num_topk; k0 += kReduceBatch) {
+      float4 raw[kReduceBatch];
+      bool ok[kReduceBatch];
+#pragma unroll
+      for (int j = 0; j < kReduceBatch; ++j) {
+        const int64_t k = k0 + j;
+        int64_t p = -1;
+        if (here && k < num_topk)
+          p = route_pos != nullptr ? static_cast<int64_t>(route_pos[t * num_topk + k]) : t * num_topk + k;
+        ok[j] = p >= 0 && p < num_rows;
+        raw[j] = ok[j] ? __ldg(rows + p * q + h4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int j = 0; j < kReduceBatch; ++j) {
+        if (k0 + j >= num_topk) break;  // the same for every lane: the shuffles stay whole
+        float v[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
+        BlockMax bm = block_max(v, 1, 4);
+        uint32_t nonfinite = bm.nonfinite ? 1u : 0u;
+#pragma unroll
+        for (int o = kGroup / 2; o > 0; o >>= 1) {  // a block's lanes are kGroup-aligned within the warp
+          const uint32_t a = __shfl_xor_sync(0xffffffffu, bm.amax, o);
+          bm.amax = a > bm.amax ? a : bm.amax;
+          nonfinite |= __shfl_xor_sync(0xffffffffu, nonfinite, o);
+        }
+        if (!ok[j]) continue;  // an unused slot adds nothing
+        bm.nonfinite = nonfinite != 0;
+        if constexpr (kMx) mxfp8_round_trip_cvt4(bm, v);
+        else nvfp4_round_trip_with(bm, v, 4);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) acc[u] = fadd(acc[u], v[u]);
+      }
+    }
+    if (here) out[idx] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  }
+}
+
+// The same, one (token, block) a thread (any hidden, any alignment; the last block may be
+// partial): the block's values of each route copied, round tripped, added into out.
+template <bool kMx>
+__global__ void combine_reduce_round_trip_kernel(const float* __restrict__ rows, int64_t num_rows,
+                                                 const int32_t* __restrict__ route_pos, int64_t num_tokens,
+                                                 int64_t num_topk, int64_t hidden, float* __restrict__ out) {
+  constexpr int B = kMx ? kMxfp8Block : kNvfp4Block;
+  const int64_t nb = div_up(hidden, int64_t{B}), total = num_tokens * nb;
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = idx / nb, h0 = (idx - t * nb) * B;
+    const int len = static_cast<int>(hidden - h0 < B ? hidden - h0 : B);
+    float acc[B];
+    for (int j = 0; j < B; ++j) acc[j] = 0.0f;
+    for (int64_t k = 0; k < num_topk; ++k) {
+      const int64_t r = t * num_topk + k;
+      const int64_t p = route_pos != nullptr ? static_cast<int64_t>(route_pos[r]) : r;
+      if (p < 0 || p >= num_rows) continue;
+      float v[B];
+      for (int j = 0; j < len; ++j) v[j] = rows[p * hidden + h0 + j];
+      if constexpr (kMx) mxfp8_round_trip_block(v, len);
+      else nvfp4_round_trip_block(v, len);
+      for (int j = 0; j < len; ++j) acc[j] = fadd(acc[j], v[j]);
+    }
+    for (int j = 0; j < len; ++j) out[t * hidden + h0 + j] = acc[j];
+  }
+}
+
+template <bool kMx>
+moe_ep_status launch_combine_reduce_round_trip(cudaStream_t s, const float* rows, int64_t num_rows,
+                                               const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
+                                               int64_t hidden, float* out) {
+  constexpr int64_t B = kMx ? kMxfp8Block : kNvfp4Block;
+  if (hidden % B == 0 && aligned16(rows) && aligned16(out)) {
+    combine_reduce_round_trip_vec_kernel<kMx><<<blocks_for(num_tokens * (hidden / 4)), kThreads, 0, s>>>(
+        reinterpret_cast<const float4*>(rows), num_rows, route_pos, num_tokens, num_topk, hidden,
+        reinterpret_cast<float4*>(out));
+    MOE_EP_CUDA_CHECK_LAUNCH("combine_reduce_round_trip_vec_kernel");
+    return MOE_EP_OK;
+  }
+  combine_reduce_round_trip_kernel<kMx><<<blocks_for(num_tokens * div_up(hidden, B)), kThreads, 0, s>>>(
+      rows, num_rows, route_pos, num_tokens, num_topk, hidden, out);
+  MOE_EP_CUDA_CHECK_LAUNCH("combine_reduce_round_trip_kernel");
+  return MOE_EP_OK;
+}
+
 template <typename V>
 moe_ep_status launch_permute(cudaStream_t s, const void* tokens, int64_t num_routes, int64_t num_topk,
                              int64_t row_bytes, const int32_t* send_route, int64_t num_rows, void* dst) {
@@ -548,6 +652,15 @@ moe_ep_status combine_reduce(void* stream, const float* rows, int64_t num_rows, 
 moe_ep_status combine_reduce_bf16(void* stream, const uint16_t* rows, int64_t num_rows, const int32_t* route_pos,
                                   int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out) {
   return launch_combine_reduce(stream, rows, num_rows, route_pos, num_tokens, num_topk, hidden, out);
+}
+
+moe_ep_status combine_reduce_round_trip(void* stream, moe_ep_format fmt, const float* rows, int64_t num_rows,
+                                        const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
+                                        int64_t hidden, float* out) {
+  const cudaStream_t s = as_stream(stream);
+  if (fmt == MOE_EP_FORMAT_MXFP8)
+    return launch_combine_reduce_round_trip<true>(s, rows, num_rows, route_pos, num_tokens, num_topk, hidden, out);
+  return launch_combine_reduce_round_trip<false>(s, rows, num_rows, route_pos, num_tokens, num_topk, hidden, out);
 }
 
 }  // namespace cuda
