@@ -411,5 +411,22 @@ case "$RUN" in
   TAIL=20 step jax-sustained-bf16 100 "$py" scripts/gpu_jax_ffi_sustained.py --tokens 4096 --format bf16
   TAIL=26 step jax-profile-mxfp8 60 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 18
   ;;
+18)
+  # The jax-ffi mxfp8 forward's two changes: the weights' middle-axis decode (bf16_inner_mx_kernel)
+  # and the block combine format rounded inside the one-rank sum (moe_ep_combine_reduce_round_trip).
+  jaxffi_build
+  TAIL=4 step tests-native-cuda 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_ or epilogue"
+  TAIL=4 step tests-jax-ffi-cuda 100 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py -k "cuda"
+  TAIL=4 step sanitizer-memcheck-new 120 compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_native_cuda.py tests/test_native_decode_bf16.py -k "round_trip_on_every or middle_axis or along_inner"
+  TAIL=14 step bench-jax-ffi 90 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
+  TAIL=18 step jax-profile-mxfp8 40 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 14
+  TAIL=3 step conformance-jax-ffi 70 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
+    --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
+  ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
