@@ -428,5 +428,17 @@ case "$RUN" in
   TAIL=3 step conformance-jax-ffi 70 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
     --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
   ;;
+19)
+  # The middle-axis mxfp8 decode: run 18's block-rows-a-thread kernel took 5.2 ms where the
+  # element-by-element one took 1.8; the variants (MOE_EP_DECODE_INNER_VARIANT, an experiment
+  # of this build only) measured in jax-ffi's forward, each checked bit for bit first.
+  jaxffi_build
+  for v in 0 1 2 3 4; do
+    TAIL=2 step "tests-decode-variant-$v" 60 env MOE_EP_DECODE_INNER_VARIANT=$v "$py" -m pytest -q -p no:cacheprovider \
+      -n 0 -rs tests/test_native_decode_bf16.py -k "middle_axis or along_inner or every_path"
+    TAIL=5 step "jax-profile-mxfp8-variant-$v" 40 env MOE_EP_DECODE_INNER_VARIANT=$v "$py" scripts/gpu_jax_ffi_profile.py \
+      --tokens 4096 --format mxfp8 --top 3 --iters 3
+  done
+  ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -4,6 +4,7 @@
 // n a multiple of the block, aligned buffers) take the vec4 kernels instead, which give
 // the same bytes through the same format_math.cuh helpers.
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "cuda/common.cuh"
@@ -543,6 +544,59 @@ __global__ void __launch_bounds__(kThreads)
   report_inexact(inexact, flag);
 }
 
+// EXPERIMENT (run 19): one row a thread, kCols neighbours along inner (16: one 16-byte
+// load and two stores; 8: one 8-byte load and one 16-byte store), the scales of the row's
+// block loaded per row (16 or 8 bytes, from cache after the first row), the fast decode
+// where the kCols scales allow. kOld: the element-by-element decode for every chunk.
+template <int kCols, bool kOld>
+__global__ void __launch_bounds__(kThreads)
+    bf16_inner_mx_row_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale, int64_t outer,
+                             int64_t n, int64_t inner, uint16_t* __restrict__ out, int32_t* __restrict__ flag) {
+  using Load = std::conditional_t<kCols == 16, uint4, uint2>;
+  constexpr int W = kCols / 4;  // words of codes (and of scales)
+  const int64_t nb = div_up(n, kMxfp8Block), per_row = inner / kCols, total = outer * n * per_row;
+  bool inexact = false;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t ok = div_nonneg(t, per_row), i0 = (t - ok * per_row) * kCols, o = div_nonneg(ok, n), k = ok - o * n;
+    const Load cl = __ldg(reinterpret_cast<const Load*>(data + ok * inner + i0));
+    const Load sl = __ldg(reinterpret_cast<const Load*>(scale + (o * nb + k / kMxfp8Block) * inner + i0));
+    uint32_t cw[4] = {0, 0, 0, 0}, sw[4] = {0, 0, 0, 0};
+    if constexpr (kCols == 16) {
+      cw[0] = cl.x, cw[1] = cl.y, cw[2] = cl.z, cw[3] = cl.w;
+      sw[0] = sl.x, sw[1] = sl.y, sw[2] = sl.z, sw[3] = sl.w;
+    } else {
+      cw[0] = cl.x, cw[1] = cl.y;
+      sw[0] = sl.x, sw[1] = sl.y;
+    }
+    uint32_t bad = 0, nan = 0;
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      bad |= __vcmpltu4(sw[j], 0x0A0A0A0Au) | __vcmpeq4(sw[j], 0xFFFFFFFFu);
+      nan |= __vcmpeq4(cw[j] & 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+    }
+    uint32_t w[kCols / 2];
+    if (kOld || bad != 0 || nan != 0) {
+#pragma unroll
+      for (int e = 0; e < kCols; e += 2) w[e / 2] = mxfp8_inner_pair(cw, sw, e, inexact);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kCols; e += 2) {
+        const uint32_t sh = 8 * (e % 4);
+        const uint32_t sc2 = (((sw[e / 4] >> sh) & 0xFFu) << 7) | (((sw[e / 4] >> (sh + 8)) & 0xFFu) << 23);
+        const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(
+            static_cast<__nv_fp8x2_storage_t>((cw[e / 4] >> sh) & 0xFFFFu), __NV_E4M3)));
+        const __nv_bfloat162 p =
+            __hmul2(__floats2bfloat162_rn(v.x, v.y), *reinterpret_cast<const __nv_bfloat162*>(&sc2));
+        w[e / 2] = *reinterpret_cast<const uint32_t*>(&p);
+      }
+    }
+    uint4* d = reinterpret_cast<uint4*>(out + ok * inner + i0);
+    d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    if constexpr (kCols == 16) d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+  report_inexact(inexact, flag);
+}
+
 // Element by element over rows with strides (any alignment): thread t writes out[t] of [outer, n].
 template <bool kMx>
 __global__ void bf16_strided_rows_kernel(const uint8_t* __restrict__ data, int64_t data_row_bytes,
@@ -692,7 +746,23 @@ moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const 
   if (R == 0 && inner > 1 && inner % 16 == 0 && aligned && detail::aligned16(scale)) {
     if constexpr (kMx) {
       const int64_t units = outer * div_up(n, kMxfp8Block) * (inner / 16);
-      bf16_inner_mx_kernel<<<blocks_for(units), kThreads, 0, s>>>(data, scale, outer, n, inner, out, flag);
+      const char* v = std::getenv("MOE_EP_DECODE_INNER_VARIANT");  // EXPERIMENT (run 19)
+      const int variant = v == nullptr ? 0 : std::atoi(v);
+      if (variant == 1) {
+        bf16_inner_mx_row_kernel<16, true><<<blocks_for(outer * n * (inner / 16)), kThreads, 0, s>>>(
+            data, scale, outer, n, inner, out, flag);
+      } else if (variant == 2) {
+        bf16_inner_mx_row_kernel<16, false><<<blocks_for(outer * n * (inner / 16)), kThreads, 0, s>>>(
+            data, scale, outer, n, inner, out, flag);
+      } else if (variant == 3) {
+        bf16_inner_mx_row_kernel<8, false><<<blocks_for(outer * n * (inner / 8)), kThreads, 0, s>>>(
+            data, scale, outer, n, inner, out, flag);
+      } else if (variant == 4) {
+        bf16_inner_mx_row_kernel<8, true><<<blocks_for(outer * n * (inner / 8)), kThreads, 0, s>>>(
+            data, scale, outer, n, inner, out, flag);
+      } else {
+        bf16_inner_mx_kernel<<<blocks_for(units), kThreads, 0, s>>>(data, scale, outer, n, inner, out, flag);
+      }
       MOE_EP_CUDA_CHECK_LAUNCH("bf16_inner_mx_kernel");
     } else {
       const int64_t units = outer * div_up(n, 2) * (inner / 16);
