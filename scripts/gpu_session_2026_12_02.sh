@@ -440,5 +440,16 @@ case "$RUN" in
       --tokens 4096 --format mxfp8 --top 3 --iters 3
   done
   ;;
+20)
+  # Run 19's best (2: a row a thread, the fast multiply, 1.165 ms for both weights) against
+  # the same with 2 or 4 units a thread (5, 6) and with 8 blocks an SM (7).
+  jaxffi_build
+  for v in 2 5 6 7; do
+    TAIL=2 step "tests-decode-variant-$v" 60 env MOE_EP_DECODE_INNER_VARIANT=$v "$py" -m pytest -q -p no:cacheprovider \
+      -n 0 -rs tests/test_native_decode_bf16.py -k "middle_axis or along_inner or every_path"
+    TAIL=5 step "jax-profile-mxfp8-variant-$v" 40 env MOE_EP_DECODE_INNER_VARIANT=$v "$py" scripts/gpu_jax_ffi_profile.py \
+      --tokens 4096 --format mxfp8 --top 4 --iters 3
+  done
+  ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

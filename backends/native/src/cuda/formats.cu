@@ -548,8 +548,8 @@ __global__ void __launch_bounds__(kThreads)
 // load and two stores; 8: one 8-byte load and one 16-byte store), the scales of the row's
 // block loaded per row (16 or 8 bytes, from cache after the first row), the fast decode
 // where the kCols scales allow. kOld: the element-by-element decode for every chunk.
-template <int kCols, bool kOld>
-__global__ void __launch_bounds__(kThreads)
+template <int kCols, bool kOld, int kMinBlocks = 1>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     bf16_inner_mx_row_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale, int64_t outer,
                              int64_t n, int64_t inner, uint16_t* __restrict__ out, int32_t* __restrict__ flag) {
   using Load = std::conditional_t<kCols == 16, uint4, uint2>;
@@ -593,6 +593,56 @@ __global__ void __launch_bounds__(kThreads)
     uint4* d = reinterpret_cast<uint4*>(out + ok * inner + i0);
     d[0] = make_uint4(w[0], w[1], w[2], w[3]);
     if constexpr (kCols == 16) d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+  report_inexact(inexact, flag);
+}
+
+// EXPERIMENT (run 20): bf16_inner_mx_row_kernel<16, false> with kU units a thread (a
+// block's stride apart), all loaded before any is decoded.
+template <int kU>
+__global__ void __launch_bounds__(kThreads)
+    bf16_inner_mx_row_unrolled_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale,
+                                      int64_t outer, int64_t n, int64_t inner, uint16_t* __restrict__ out,
+                                      int32_t* __restrict__ flag) {
+  const int64_t nb = div_up(n, kMxfp8Block), per_row = inner / 16, total = outer * n * per_row;
+  bool inexact = false;
+  const int64_t step = int64_t{gridDim.x} * blockDim.x * kU;
+  for (int64_t base = blockIdx.x * int64_t{blockDim.x} * kU + threadIdx.x; base < total; base += step) {
+    uint4 cl[kU], sl[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int64_t t = base + int64_t{u} * blockDim.x;
+      if (t >= total) break;
+      const int64_t ok = div_nonneg(t, per_row), i0 = (t - ok * per_row) * 16, o = div_nonneg(ok, n), k = ok - o * n;
+      cl[u] = __ldg(reinterpret_cast<const uint4*>(data + ok * inner + i0));
+      sl[u] = __ldg(reinterpret_cast<const uint4*>(scale + (o * nb + k / kMxfp8Block) * inner + i0));
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int64_t t = base + int64_t{u} * blockDim.x;
+      if (t >= total) break;
+      const uint32_t cw[4] = {cl[u].x, cl[u].y, cl[u].z, cl[u].w}, sw[4] = {sl[u].x, sl[u].y, sl[u].z, sl[u].w};
+      uint32_t w[8];
+      if (!mxfp8_fast_scales(sl[u]) || mxfp8_any_nan_code(cl[u])) {
+#pragma unroll
+        for (int e = 0; e < 16; e += 2) w[e / 2] = mxfp8_inner_pair(cw, sw, e, inexact);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 16; e += 2) {
+          const uint32_t sh = 8 * (e % 4);
+          const uint32_t sc2 = (((sw[e / 4] >> sh) & 0xFFu) << 7) | (((sw[e / 4] >> (sh + 8)) & 0xFFu) << 23);
+          const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(
+              static_cast<__nv_fp8x2_storage_t>((cw[e / 4] >> sh) & 0xFFFFu), __NV_E4M3)));
+          const __nv_bfloat162 p =
+              __hmul2(__floats2bfloat162_rn(v.x, v.y), *reinterpret_cast<const __nv_bfloat162*>(&sc2));
+          w[e / 2] = *reinterpret_cast<const uint32_t*>(&p);
+        }
+      }
+      const int64_t ok = div_nonneg(t, per_row), i0 = (t - ok * per_row) * 16;
+      uint4* d = reinterpret_cast<uint4*>(out + ok * inner + i0);
+      d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+      d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    }
   }
   report_inexact(inexact, flag);
 }
@@ -760,6 +810,17 @@ moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const 
       } else if (variant == 4) {
         bf16_inner_mx_row_kernel<8, true><<<blocks_for(outer * n * (inner / 8)), kThreads, 0, s>>>(
             data, scale, outer, n, inner, out, flag);
+      } else if (variant == 7) {
+        bf16_inner_mx_row_kernel<16, false, 8><<<blocks_for(outer * n * (inner / 16)), kThreads, 0, s>>>(
+            data, scale, outer, n, inner, out, flag);
+      } else if (variant == 5 || variant == 6) {
+        const int64_t u16 = outer * n * (inner / 16);
+        if (variant == 5)
+          bf16_inner_mx_row_unrolled_kernel<2><<<blocks_for(div_up(u16, 2)), kThreads, 0, s>>>(data, scale, outer, n,
+                                                                                              inner, out, flag);
+        else
+          bf16_inner_mx_row_unrolled_kernel<4><<<blocks_for(div_up(u16, 4)), kThreads, 0, s>>>(data, scale, outer, n,
+                                                                                              inner, out, flag);
       } else {
         bf16_inner_mx_kernel<<<blocks_for(units), kThreads, 0, s>>>(data, scale, outer, n, inner, out, flag);
       }
