@@ -431,7 +431,8 @@ case "$RUN" in
 19)
   # The middle-axis mxfp8 decode: run 18's block-rows-a-thread kernel took 5.2 ms where the
   # element-by-element one took 1.8; the variants (MOE_EP_DECODE_INNER_VARIANT, an experiment
-  # of this build only) measured in jax-ffi's forward, each checked bit for bit first.
+  # of the builds of runs 19 and 20 only, since removed) measured in jax-ffi's forward, each
+  # checked bit for bit first.
   jaxffi_build
   for v in 0 1 2 3 4; do
     TAIL=2 step "tests-decode-variant-$v" 60 env MOE_EP_DECODE_INNER_VARIANT=$v "$py" -m pytest -q -p no:cacheprovider \
@@ -450,6 +451,26 @@ case "$RUN" in
     TAIL=5 step "jax-profile-mxfp8-variant-$v" 40 env MOE_EP_DECODE_INNER_VARIANT=$v "$py" scripts/gpu_jax_ffi_profile.py \
       --tokens 4096 --format mxfp8 --top 4 --iters 3
   done
+  ;;
+21)
+  # The kept decode (run 20's variant 7, now the only mxfp8 middle-axis kernel) with the
+  # one-rank round trip inside the sum: tests, memcheck, conformance, bench and profiles.
+  jaxffi_build
+  TAIL=4 step tests-native-cuda 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_ or epilogue"
+  TAIL=4 step tests-jax-ffi-cuda 100 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py -k "cuda"
+  TAIL=4 step sanitizer-memcheck-new 120 compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_native_cuda.py tests/test_native_decode_bf16.py -k "round_trip_on_every or middle_axis or along_inner"
+  TAIL=14 step bench-jax-ffi 90 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
+  TAIL=12 step jax-profile-mxfp8 40 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 10
+  TAIL=3 step conformance-jax-ffi 70 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
+    --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
+  TAIL=3 step conformance-nccl-ep1 60 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --timeout 45 --report-md "$o/conformance-nccl-ep1.md"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -4,7 +4,6 @@
 // n a multiple of the block, aligned buffers) take the vec4 kernels instead, which give
 // the same bytes through the same format_math.cuh helpers.
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "cuda/common.cuh"
@@ -230,7 +229,7 @@ __global__ void nvfp4_dequantize_kernel(const uint8_t* __restrict__ data, const 
 //   8 elements (8 or 4 bytes of codes, inside one row since n is a multiple of 16 or
 //   32) into one 16-byte store, a warp's pieces contiguous;
 // - blocked along the middle axis (jax's weights): 16 neighbours along inner a thread (mxfp8:
-//   for the rows of one block, a bf16 multiply a pair where the scales allow);
+//   a bf16 multiply a pair where the scales allow);
 // - transposed (the expert weights [E, N, K] -> [E, K, N]): a block decodes a tile of
 //   64 rows x 4 chunks through shared memory and writes it transposed, 8 bf16 a store.
 // Anything else (inner > 1, ragged or misaligned) takes the element-by-element kernel.
@@ -465,122 +464,30 @@ __device__ __forceinline__ bool mxfp8_any_nan_code(const uint4 c4) {
 
 // mxfp8 blocked along the middle axis of [outer, n, inner] (inner a multiple of 16; data,
 // scale and out 16-byte aligned: jax's weights [E, H, 2I] blocked along H). A thread takes
-// 16 neighbours along inner for the rows of one block along n (up to 32): their 16 scale
-// codes (16 contiguous bytes) once, then each row's 16 codes (16 bytes, a warp's loads
-// 512 contiguous bytes) into two 16-byte stores. Where all 16 scales are in
-// mxfp8_fast_scales' range, a pair of codes is one E4M3 -> f16 convert, a pack to bf16
-// (exact) and one bf16 multiply by the scales' bf16 pair, and a row with a NaN code has
-// those elements set to 0x7FC0 after; other scales decode element by element
-// (mxfp8_inner_pair).
-constexpr int kInnerRowUnroll = 4;
-
-__global__ void __launch_bounds__(kThreads)
+// 16 neighbours along inner of one row: their codes and their scale codes are 16
+// contiguous bytes each (every element has its own block along n; the scales are read
+// again by the block's 32 rows, from cache), a warp's loads 512 contiguous bytes, two
+// 16-byte stores. Where all 16 scales are in mxfp8_fast_scales' range and no code is NaN,
+// a pair of codes is one E4M3 -> f16 convert, a pack to bf16 (exact) and one bf16 multiply
+// by the scales' bf16 pair; otherwise the 16 decode element by element (mxfp8_inner_pair).
+// 8 blocks an SM (32 registers): measured in run 20 against 16-byte pieces a thread for
+// the rows of one block (run 18: 3x slower than the element-by-element kernel it replaced),
+// 8-byte pieces, and 2 or 4 pieces a thread (all slower or within the noise).
+__global__ void __launch_bounds__(kThreads, 8)
     bf16_inner_mx_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale, int64_t outer,
                          int64_t n, int64_t inner, uint16_t* __restrict__ out, int32_t* __restrict__ flag) {
-  const int64_t nb = div_up(n, kMxfp8Block), per_row = inner / 16, total = outer * nb * per_row;
+  const int64_t nb = div_up(n, kMxfp8Block), per_row = inner / 16, total = outer * n * per_row;
   bool inexact = false;
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t ob = div_nonneg(t, per_row), i0 = (t - ob * per_row) * 16, o = div_nonneg(ob, nb), b = ob - o * nb;
-    const uint4 s4 = __ldg(reinterpret_cast<const uint4*>(scale + ob * inner + i0));
-    const int64_t k0 = b * kMxfp8Block, k1 = k0 + kMxfp8Block < n ? k0 + kMxfp8Block : n;
-    const uint8_t* src = data + (o * n + k0) * inner + i0;
-    uint16_t* dst = out + (o * n + k0) * inner + i0;
-    const int rows = static_cast<int>(k1 - k0);
-    if (!mxfp8_fast_scales(s4)) {
-      const uint32_t sw[4] = {s4.x, s4.y, s4.z, s4.w};
-      for (int r = 0; r < rows; ++r) {
-        const uint4 c4 = __ldg(reinterpret_cast<const uint4*>(src + r * inner));
-        const uint32_t cw[4] = {c4.x, c4.y, c4.z, c4.w};
-        uint32_t w[8];
-#pragma unroll
-        for (int e = 0; e < 16; e += 2) w[e / 2] = mxfp8_inner_pair(cw, sw, e, inexact);
-        uint4* d = reinterpret_cast<uint4*>(dst + r * inner);
-        d[0] = make_uint4(w[0], w[1], w[2], w[3]);
-        d[1] = make_uint4(w[4], w[5], w[6], w[7]);
-      }
-      continue;
-    }
-    // bf16 bits of 2^(c - 127) are c << 7 for 1 <= c <= 254: the pairs (e, e + 1).
-    uint32_t sc2[8];
-    {
-      const uint32_t sw[4] = {s4.x, s4.y, s4.z, s4.w};
+    const int64_t ok = div_nonneg(t, per_row), i0 = (t - ok * per_row) * 16, o = div_nonneg(ok, n), k = ok - o * n;
+    const uint4 c4 = __ldg(reinterpret_cast<const uint4*>(data + ok * inner + i0));
+    const uint4 s4 = __ldg(reinterpret_cast<const uint4*>(scale + (o * nb + k / kMxfp8Block) * inner + i0));
+    const uint32_t cw[4] = {c4.x, c4.y, c4.z, c4.w}, sw[4] = {s4.x, s4.y, s4.z, s4.w};
+    uint32_t w[8];
+    if (mxfp8_fast_scales(s4) && !mxfp8_any_nan_code(c4)) {
 #pragma unroll
       for (int e = 0; e < 16; e += 2) {
-        const uint32_t sh = 8 * (e % 4);
-        sc2[e / 2] = (((sw[e / 4] >> sh) & 0xFFu) << 7) | (((sw[e / 4] >> (sh + 8)) & 0xFFu) << 23);
-      }
-    }
-    for (int r0 = 0; r0 < rows; r0 += kInnerRowUnroll) {
-      uint4 c4[kInnerRowUnroll];
-#pragma unroll
-      for (int u = 0; u < kInnerRowUnroll; ++u)
-        if (r0 + u < rows) c4[u] = __ldg(reinterpret_cast<const uint4*>(src + (r0 + u) * inner));
-#pragma unroll
-      for (int u = 0; u < kInnerRowUnroll; ++u) {
-        if (r0 + u >= rows) break;
-        const uint32_t cw[4] = {c4[u].x, c4[u].y, c4[u].z, c4[u].w};
-        uint32_t w[8];
-#pragma unroll
-        for (int e = 0; e < 16; e += 2) {
-          const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(
-              static_cast<__nv_fp8x2_storage_t>((cw[e / 4] >> (8 * (e % 4))) & 0xFFFFu), __NV_E4M3)));
-          const __nv_bfloat162 p =
-              __hmul2(__floats2bfloat162_rn(v.x, v.y), *reinterpret_cast<const __nv_bfloat162*>(&sc2[e / 2]));
-          w[e / 2] = *reinterpret_cast<const uint32_t*>(&p);
-        }
-        if (mxfp8_any_nan_code(c4[u])) {  // the spec's NaN, 0x7FC0, for the codes 0x7F and 0xFF
-#pragma unroll
-          for (int e = 0; e < 16; ++e) {
-            if (((cw[e / 4] >> (8 * (e % 4))) & 0x7Fu) == 0x7Fu)
-              w[e / 2] = (e & 1) ? ((w[e / 2] & 0xFFFFu) | 0x7FC00000u) : ((w[e / 2] & 0xFFFF0000u) | 0x7FC0u);
-          }
-        }
-        uint4* d = reinterpret_cast<uint4*>(dst + (r0 + u) * inner);
-        d[0] = make_uint4(w[0], w[1], w[2], w[3]);
-        d[1] = make_uint4(w[4], w[5], w[6], w[7]);
-      }
-    }
-  }
-  report_inexact(inexact, flag);
-}
-
-// EXPERIMENT (run 19): one row a thread, kCols neighbours along inner (16: one 16-byte
-// load and two stores; 8: one 8-byte load and one 16-byte store), the scales of the row's
-// block loaded per row (16 or 8 bytes, from cache after the first row), the fast decode
-// where the kCols scales allow. kOld: the element-by-element decode for every chunk.
-template <int kCols, bool kOld, int kMinBlocks = 1>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
-    bf16_inner_mx_row_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale, int64_t outer,
-                             int64_t n, int64_t inner, uint16_t* __restrict__ out, int32_t* __restrict__ flag) {
-  using Load = std::conditional_t<kCols == 16, uint4, uint2>;
-  constexpr int W = kCols / 4;  // words of codes (and of scales)
-  const int64_t nb = div_up(n, kMxfp8Block), per_row = inner / kCols, total = outer * n * per_row;
-  bool inexact = false;
-  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t ok = div_nonneg(t, per_row), i0 = (t - ok * per_row) * kCols, o = div_nonneg(ok, n), k = ok - o * n;
-    const Load cl = __ldg(reinterpret_cast<const Load*>(data + ok * inner + i0));
-    const Load sl = __ldg(reinterpret_cast<const Load*>(scale + (o * nb + k / kMxfp8Block) * inner + i0));
-    uint32_t cw[4] = {0, 0, 0, 0}, sw[4] = {0, 0, 0, 0};
-    if constexpr (kCols == 16) {
-      cw[0] = cl.x, cw[1] = cl.y, cw[2] = cl.z, cw[3] = cl.w;
-      sw[0] = sl.x, sw[1] = sl.y, sw[2] = sl.z, sw[3] = sl.w;
-    } else {
-      cw[0] = cl.x, cw[1] = cl.y;
-      sw[0] = sl.x, sw[1] = sl.y;
-    }
-    uint32_t bad = 0, nan = 0;
-#pragma unroll
-    for (int j = 0; j < W; ++j) {
-      bad |= __vcmpltu4(sw[j], 0x0A0A0A0Au) | __vcmpeq4(sw[j], 0xFFFFFFFFu);
-      nan |= __vcmpeq4(cw[j] & 0x7F7F7F7Fu, 0x7F7F7F7Fu);
-    }
-    uint32_t w[kCols / 2];
-    if (kOld || bad != 0 || nan != 0) {
-#pragma unroll
-      for (int e = 0; e < kCols; e += 2) w[e / 2] = mxfp8_inner_pair(cw, sw, e, inexact);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kCols; e += 2) {
+        // bf16 bits of 2^(c - 127) are c << 7 for 1 <= c <= 254: the pair (e, e + 1).
         const uint32_t sh = 8 * (e % 4);
         const uint32_t sc2 = (((sw[e / 4] >> sh) & 0xFFu) << 7) | (((sw[e / 4] >> (sh + 8)) & 0xFFu) << 23);
         const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(
@@ -589,60 +496,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
             __hmul2(__floats2bfloat162_rn(v.x, v.y), *reinterpret_cast<const __nv_bfloat162*>(&sc2));
         w[e / 2] = *reinterpret_cast<const uint32_t*>(&p);
       }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 16; e += 2) w[e / 2] = mxfp8_inner_pair(cw, sw, e, inexact);
     }
     uint4* d = reinterpret_cast<uint4*>(out + ok * inner + i0);
     d[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    if constexpr (kCols == 16) d[1] = make_uint4(w[4], w[5], w[6], w[7]);
-  }
-  report_inexact(inexact, flag);
-}
-
-// EXPERIMENT (run 20): bf16_inner_mx_row_kernel<16, false> with kU units a thread (a
-// block's stride apart), all loaded before any is decoded.
-template <int kU>
-__global__ void __launch_bounds__(kThreads)
-    bf16_inner_mx_row_unrolled_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale,
-                                      int64_t outer, int64_t n, int64_t inner, uint16_t* __restrict__ out,
-                                      int32_t* __restrict__ flag) {
-  const int64_t nb = div_up(n, kMxfp8Block), per_row = inner / 16, total = outer * n * per_row;
-  bool inexact = false;
-  const int64_t step = int64_t{gridDim.x} * blockDim.x * kU;
-  for (int64_t base = blockIdx.x * int64_t{blockDim.x} * kU + threadIdx.x; base < total; base += step) {
-    uint4 cl[kU], sl[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int64_t t = base + int64_t{u} * blockDim.x;
-      if (t >= total) break;
-      const int64_t ok = div_nonneg(t, per_row), i0 = (t - ok * per_row) * 16, o = div_nonneg(ok, n), k = ok - o * n;
-      cl[u] = __ldg(reinterpret_cast<const uint4*>(data + ok * inner + i0));
-      sl[u] = __ldg(reinterpret_cast<const uint4*>(scale + (o * nb + k / kMxfp8Block) * inner + i0));
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int64_t t = base + int64_t{u} * blockDim.x;
-      if (t >= total) break;
-      const uint32_t cw[4] = {cl[u].x, cl[u].y, cl[u].z, cl[u].w}, sw[4] = {sl[u].x, sl[u].y, sl[u].z, sl[u].w};
-      uint32_t w[8];
-      if (!mxfp8_fast_scales(sl[u]) || mxfp8_any_nan_code(cl[u])) {
-#pragma unroll
-        for (int e = 0; e < 16; e += 2) w[e / 2] = mxfp8_inner_pair(cw, sw, e, inexact);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 16; e += 2) {
-          const uint32_t sh = 8 * (e % 4);
-          const uint32_t sc2 = (((sw[e / 4] >> sh) & 0xFFu) << 7) | (((sw[e / 4] >> (sh + 8)) & 0xFFu) << 23);
-          const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(
-              static_cast<__nv_fp8x2_storage_t>((cw[e / 4] >> sh) & 0xFFFFu), __NV_E4M3)));
-          const __nv_bfloat162 p =
-              __hmul2(__floats2bfloat162_rn(v.x, v.y), *reinterpret_cast<const __nv_bfloat162*>(&sc2));
-          w[e / 2] = *reinterpret_cast<const uint32_t*>(&p);
-        }
-      }
-      const int64_t ok = div_nonneg(t, per_row), i0 = (t - ok * per_row) * 16;
-      uint4* d = reinterpret_cast<uint4*>(out + ok * inner + i0);
-      d[0] = make_uint4(w[0], w[1], w[2], w[3]);
-      d[1] = make_uint4(w[4], w[5], w[6], w[7]);
-    }
+    d[1] = make_uint4(w[4], w[5], w[6], w[7]);
   }
   report_inexact(inexact, flag);
 }
@@ -795,35 +655,8 @@ moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const 
   }
   if (R == 0 && inner > 1 && inner % 16 == 0 && aligned && detail::aligned16(scale)) {
     if constexpr (kMx) {
-      const int64_t units = outer * div_up(n, kMxfp8Block) * (inner / 16);
-      const char* v = std::getenv("MOE_EP_DECODE_INNER_VARIANT");  // EXPERIMENT (run 19)
-      const int variant = v == nullptr ? 0 : std::atoi(v);
-      if (variant == 1) {
-        bf16_inner_mx_row_kernel<16, true><<<blocks_for(outer * n * (inner / 16)), kThreads, 0, s>>>(
-            data, scale, outer, n, inner, out, flag);
-      } else if (variant == 2) {
-        bf16_inner_mx_row_kernel<16, false><<<blocks_for(outer * n * (inner / 16)), kThreads, 0, s>>>(
-            data, scale, outer, n, inner, out, flag);
-      } else if (variant == 3) {
-        bf16_inner_mx_row_kernel<8, false><<<blocks_for(outer * n * (inner / 8)), kThreads, 0, s>>>(
-            data, scale, outer, n, inner, out, flag);
-      } else if (variant == 4) {
-        bf16_inner_mx_row_kernel<8, true><<<blocks_for(outer * n * (inner / 8)), kThreads, 0, s>>>(
-            data, scale, outer, n, inner, out, flag);
-      } else if (variant == 7) {
-        bf16_inner_mx_row_kernel<16, false, 8><<<blocks_for(outer * n * (inner / 16)), kThreads, 0, s>>>(
-            data, scale, outer, n, inner, out, flag);
-      } else if (variant == 5 || variant == 6) {
-        const int64_t u16 = outer * n * (inner / 16);
-        if (variant == 5)
-          bf16_inner_mx_row_unrolled_kernel<2><<<blocks_for(div_up(u16, 2)), kThreads, 0, s>>>(data, scale, outer, n,
-                                                                                              inner, out, flag);
-        else
-          bf16_inner_mx_row_unrolled_kernel<4><<<blocks_for(div_up(u16, 4)), kThreads, 0, s>>>(data, scale, outer, n,
-                                                                                              inner, out, flag);
-      } else {
-        bf16_inner_mx_kernel<<<blocks_for(units), kThreads, 0, s>>>(data, scale, outer, n, inner, out, flag);
-      }
+      bf16_inner_mx_kernel<<<blocks_for(outer * n * (inner / 16)), kThreads, 0, s>>>(data, scale, outer, n, inner,
+                                                                                    out, flag);
       MOE_EP_CUDA_CHECK_LAUNCH("bf16_inner_mx_kernel");
     } else {
       const int64_t units = outer * div_up(n, 2) * (inner / 16);
