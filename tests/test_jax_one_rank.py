@@ -446,3 +446,70 @@ def test_one_rank_native_paths_equal_xla_bit_for_bit(method: str, combine: str, 
     assert len(fast) == len(slow), f"leaf counts {len(fast)} and {len(slow)}"
     for i, (a, b) in enumerate(zip(fast, slow)):
         _assert_same_bits(f"leaf {i}: with FfiKernels.{method} vs without", a, b)
+
+
+@pytest.mark.parametrize("fmt,combine", [("mxfp8", "mxfp8"), ("nvfp4", "bf16"), ("mxfp8", "bf16")])
+def test_one_rank_block_scaled_rows_decode_straight_from_the_tokens(fmt: str, combine: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """jax-ffi at one rank decodes the buffer's block-scaled rows straight from the token
+    rows by route id (FfiKernels.dequantize_bf16_gather, given the dispatch's source by
+    expert_forward_reduce): every output is the same bits as decoding the gathered rows (the
+    source withheld), one block bf16 cannot hold still takes the float32 path, and a
+    forward-only program keeps no gather of the codes (XLA drops the unused one)."""
+    ffi = pytest.importorskip("moe_ep_jax_ffi.kernels")
+    rows = 12
+    config = MoeEpConfig(num_experts=4, hidden=64, intermediate=32, num_topk=3, num_ranks=1, max_tokens_per_rank=rows,
+                         output_format="bf16", combine_format=combine, generate_c=True, recv_capacity=48,
+                         expert_alignment=4)
+    (world,) = random_world(config, num_tokens=rows, input_format="bf16", seed=31, routing="unused_mixed")
+    kern = ffi.FfiKernels()
+
+    def run(x_np: np.ndarray) -> List[np.ndarray]:
+        x = F.quantize(jnp.asarray(x_np, jnp.float32), fmt, axis=1)
+        args = (x, jnp.asarray(world.fc1_weight, jnp.bfloat16), jnp.asarray(world.fc2_weight, jnp.bfloat16),
+                jnp.asarray(world.topk_idx, jnp.int32), jnp.asarray(world.topk_weights, jnp.float32))
+
+        def body(x, w1, w2, idx, tw):  # type: ignore[no-untyped-def]
+            return A.moe_ep(x, w1, w2, idx, tw, config=config, exchange="capacity", kernels=kern)
+
+        return [np.asarray(a) for a in jax.tree_util.tree_leaves(_compile(_shard(body), *args)(*args))]
+
+    calls: Counter = Counter()
+    gather = ffi.FfiKernels.dequantize_bf16_gather
+    reduce = ffi.FfiKernels.expert_forward_reduce
+
+    def counted(self: Any, *a: Any, **kw: Any) -> Any:
+        calls["gather"] += 1
+        return gather(self, *a, **kw)
+
+    def without_source(self: Any, *a: Any, tokens: Any = None, token_route: Any = None) -> Any:
+        return reduce(self, *a)
+
+    tiny = world.activation.copy()
+    tiny[2, :32] = 3 * 2.0**-136  # mxfp8: a block bf16 cannot hold (the float32 path); nvfp4 holds every value
+    for name, x_np in (("random", world.activation), ("one inexact block", tiny)):
+        with monkeypatch.context() as m:
+            m.setattr(ffi.FfiKernels, "dequantize_bf16_gather", counted)
+            fast = run(x_np)
+        assert calls["gather"] > 0, "the one-rank layer never decoded the rows from the tokens"
+        calls.clear()
+        with monkeypatch.context() as m:
+            m.setattr(ffi.FfiKernels, "expert_forward_reduce", without_source)
+            m.setattr(ffi.FfiKernels, "dequantize_bf16_gather", counted)
+            slow = run(x_np)
+        assert calls["gather"] == 0
+        assert len(fast) == len(slow)
+        for i, (a, b) in enumerate(zip(fast, slow)):
+            _assert_same_bits(f"{name}, leaf {i}: rows from the tokens vs from the gathered rows", a, b)
+        assert not np.isnan(fast[0]).any(), f"{name}: a NaN reached the output"
+
+    plain = config.replace(generate_c=False)
+    x = F.quantize(jnp.asarray(world.activation, jnp.float32), fmt, axis=1)
+    args = (x, jnp.asarray(world.fc1_weight, jnp.bfloat16), jnp.asarray(world.fc2_weight, jnp.bfloat16),
+            jnp.asarray(world.topk_idx, jnp.int32), jnp.asarray(world.topk_weights, jnp.float32))
+    text = _compile(_shard(lambda x, w1, w2, idx, tw: A.moe_ep(x, w1, w2, idx, tw, config=plain, exchange="capacity",
+                                                               kernels=kern)), *args).as_text()
+    assert "moe_ep_dequantize_bf16_gather" in text
+    gathers = [ln for ln in text.splitlines() if 'custom_call_target="moe_ep_permute_rows"' in ln]
+    outside = [ln for ln in gathers if "/cond/branch" not in ln]  # the float32 fallback gathers when it runs
+    assert not outside, f"the forward-only program still gathers the codes: {outside[0][:200]}"

@@ -505,3 +505,102 @@ def test_cuda_rows_where_they_lie_match_the_cpu_entry(fmt, rows, n, pad):
                flag.data_ptr())
     np.testing.assert_array_equal(out.cpu().numpy().view(np.uint16), want.view(np.uint16))
     assert bool(flag.item()) == want_flag
+
+
+# ----------------------------------------------------------------------------- rows gathered by route id
+
+
+def _gather_call(device, stream, fmt, data_p, data_rb, scale_p, scale_rb, num_tokens, route_p, num_topk, rows, n,
+                 out_p, flag_p):
+    call("moe_ep_dequantize_bf16_gather", device, stream, fmt, data_p, data_rb, scale_p, scale_rb, num_tokens, route_p,
+         num_topk, rows, n, out_p, flag_p)
+
+
+def _gather_case(fmt, tokens, n, k, rows, pad, seed):
+    """Token rows (packed as a dispatch's byte rows), route ids of ``rows`` buffer rows (-1
+    among them) and the bits the gather must give: the rows permuted by route id
+    (moe_ep_permute_rows' rule) then decoded."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((tokens, n)) * np.exp2(rng.integers(-40, 40, (tokens, n)))).astype(np.float32)
+    if fmt == "mxfp8":
+        x[1, : min(n, 32)] = 3 * 2.0**-136  # a block bf16 cannot hold: NaN and the flag
+    t = F.quantize(x, fmt)
+    blob, cb, rb = _packed_rows(t, pad)
+    route = rng.integers(0, tokens * k, rows).astype(np.int32)
+    route[::4] = -1
+    want_rows = host.permute_rows(blob, route, k)  # zero bytes for -1 (a zero code with a zero scale: +0)
+    want = np.zeros((rows, n), np.uint16)
+    live = route >= 0
+    if live.any():
+        sub = F.BlockScaledTensor(
+            data=want_rows[live, :cb].copy().view(t.data.dtype).reshape((int(live.sum()),) + t.data.shape[1:]),
+            scale=want_rows[live, cb : cb + t.scale.shape[1]].copy().view(t.scale.dtype),
+            format=fmt, shape=(int(live.sum()), n), axis=-1)
+        bits, want_flag = host.dequantize_bf16(sub)
+        want[live] = bits.view(np.uint16)
+    else:
+        want_flag = False
+    return blob, cb, rb, route, want, want_flag
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("tokens,n,k,rows,pad", [(6, 64, 3, 20, 0), (5, 70, 2, 9, 3), (4, 32, 1, 4, 16)])
+def test_gather_decodes_the_routes_token_rows(fmt, tokens, n, k, rows, pad):
+    """moe_ep_dequantize_bf16_gather: buffer row i is the decode of token row route[i] / K,
+    zero bits for -1; the same bits as moe_ep_permute_rows then the rows' decode."""
+    blob, cb, rb, route, want, want_flag = _gather_case(fmt, tokens, n, k, rows, pad, tokens * n + k)
+    out = np.full((rows, n), 0x1234, np.uint16)
+    flag = np.zeros(1, np.int32)
+    fmt_code = Format.MXFP8 if fmt == "mxfp8" else Format.NVFP4
+    _gather_call(0, None, fmt_code, blob.ctypes.data, rb, blob.ctypes.data + cb, rb, tokens, route.ctypes.data, k,
+                 rows, n, out.ctypes.data, flag.ctypes.data)
+    np.testing.assert_array_equal(out, want, err_msg=f"{fmt}: {tokens} tokens x {n}, K {k}, {rows} rows")
+    assert bool(flag[0]) == want_flag
+
+
+def test_gather_argument_checks_name_the_rule_the_value_and_what_is_allowed():
+    blob = np.zeros((4, 64), np.uint8)
+    route = np.array([0, 7, -1, 3], np.int32)
+    out = np.zeros((4, 32), np.uint16)
+    flag = np.zeros(1, np.int32)
+    cases = [
+        (dict(route=np.array([0, 8, -1, 3], np.int32)),
+         r"moe_ep_dequantize_bf16_gather: route\[1\] must be -1 or in \[0, num_tokens \* num_topk\) = \[0, 8\); got 8"),
+        (dict(route=np.array([0, 1, -2, 3], np.int32)), r"route\[2\] must be -1 or in .*; got -2"),
+        (dict(k=0), r"num_topk must be >= 1; got 0"),
+        (dict(tokens=-1), r"num_tokens must be >= 0; got -1"),
+        (dict(route=None), r"route must not be NULL; got NULL"),
+        (dict(fmt=Format.BF16), r"fmt must be MOE_EP_FORMAT_MXFP8 \(2\) or MOE_EP_FORMAT_NVFP4 \(3\)"),
+    ]
+    for change, message in cases:
+        a = dict(fmt=Format.MXFP8, tokens=4, k=2, route=route)
+        a.update(change)
+        before = out.copy()
+        with pytest.raises(NativeArgumentError, match=message):
+            _gather_call(0, None, a["fmt"], blob.ctypes.data, 64, blob.ctypes.data + 32, 64, a["tokens"],
+                         None if a["route"] is None else a["route"].ctypes.data, a["k"], 4, 32, out.ctypes.data,
+                         flag.ctypes.data)
+        np.testing.assert_array_equal(out, before, err_msg=f"{message}: the output was written before the check failed")
+    _gather_call(0, None, Format.MXFP8, None, 32, None, 1, 0, None, 1, 0, 32, None, None)  # nothing to gather
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("tokens,n,k,rows,pad", [(64, 7168, 8, 600, 0), (9, 256, 2, 30, 8), (5, 70, 3, 17, 3)])
+def test_cuda_gather_matches_the_cpu_entry(fmt, tokens, n, k, rows, pad):
+    """Both CUDA paths (16-byte pieces; element by element), and an id out of range: a zero row."""
+    import torch
+
+    blob, cb, rb, route, want, want_flag = _gather_case(fmt, tokens, n, k, rows, pad, tokens + n + k)
+    route[5] = tokens * k  # out of range: CUDA writes a zero row (the CPU entry rejects it)
+    want[5] = 0
+    dev = torch.from_numpy(blob).cuda()
+    rdev = torch.from_numpy(route).cuda()
+    out = torch.full((rows, n), -1, dtype=torch.int16, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream or None
+    fmt_code = Format.MXFP8 if fmt == "mxfp8" else Format.NVFP4
+    _gather_call(1, stream, fmt_code, dev.data_ptr(), rb, dev.data_ptr() + cb, rb, tokens, rdev.data_ptr(), k, rows,
+                 n, out.data_ptr(), flag.data_ptr())
+    np.testing.assert_array_equal(out.cpu().numpy().view(np.uint16), want)
+    assert bool(flag.item()) == want_flag

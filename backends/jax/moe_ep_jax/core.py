@@ -707,9 +707,10 @@ def forward(
     fused = getattr(kern, "expert_forward_reduce", None)
     if spec.num_ranks == 1 and fused is not None:
         # One rank, a provider that runs the experts and the routes' sum in one call (it may
-        # round each row through the combine format inside the sum): NaN on an error, the encode.
+        # round each row through the combine format inside the sum, and read the buffer's
+        # rows from the tokens by route id): NaN on an error, the encode.
         summed, c = fused(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes, _local_rows(spec, plan, lay),
-                          spec.num_tokens)
+                          spec.num_tokens, tokens=activation, token_route=_local_routes(spec, plan, lay))
         out = encode_output(spec, poison(lay.error, summed))
     elif spec.num_ranks == 1 and combined is not None and reduce_rows is not None:
         # One rank, a provider that rounds y through the combine format itself and sums rows

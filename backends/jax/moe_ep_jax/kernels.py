@@ -30,9 +30,12 @@ after ``combine_format``'s round trip (float32, or bfloat16 for a bf16 combine
 format). The fused forward at one rank then passes the rows to ``reduce_rows`` as
 they are (any combine format). Optional, and preferred at one rank when present:
 ``expert_forward_reduce(config, x, w, fc1, fc2, group_sizes, route_rows [T*K] int32,
-num_tokens) -> (sum [T, H] float32, c)``, ``expert_forward_combined`` and ``reduce_rows``
-in one call (the provider may round each row through the combine format inside the sum,
-reading y once).
+num_tokens, tokens=, token_route=) -> (sum [T, H] float32, c)``, ``expert_forward_combined``
+and ``reduce_rows`` in one call (the provider may round each row through the combine format
+inside the sum, reading y once). ``tokens`` (the layer's ``[T, H]`` input) and
+``token_route`` (``[C] int32``, the route id of every buffer row, -1 for none) are what
+``x`` was gathered from (row ``i`` = token ``token_route[i] // K``): a provider may read the
+rows from there instead of from ``x``.
 
 :class:`XlaKernels` (the default, name ``xla``) does this with XLA-native ops:
 ``jax.lax.ragged_dot`` / ``ragged_dot_general`` over the expert slabs with

@@ -299,6 +299,51 @@ auto BindDequantizeBf16(B b) {
       .template Attr<int64_t>("n");            // the logical extent of the blocked axis
 }
 
+// moe_ep_dequantize_bf16_gather: buffer row i = the exact bf16 bits of token row
+// route[i] / num_topk (rows blocked along their last axis), zero bits where route[i] is -1.
+ffi::Error DequantizeBf16Gather(Dev dev, ffi::AnyBuffer data, ffi::Buffer<ffi::U8> scale,
+                                ffi::Buffer<ffi::S32> route, ffi::Buffer<ffi::S32> flag_in,
+                                ffi::Result<ffi::Buffer<ffi::U16>> out, ffi::Result<ffi::Buffer<ffi::S32>> flag,
+                                int32_t format, int64_t n, int64_t num_topk) {
+  constexpr const char* kT = "moe_ep_dequantize_bf16_gather";
+  if (format != MOE_EP_FORMAT_MXFP8 && format != MOE_EP_FORMAT_NVFP4)
+    return Invalid(kT, "attribute format must be 2 (mxfp8) or 3 (nvfp4)", std::to_string(format));
+  MOE_EP_FFI_TRY(ExpectAtLeast(kT, "n", n, 0));
+  MOE_EP_FFI_TRY(ExpectAtLeast(kT, "num_topk", num_topk, 1));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "data", "[T, codes]", data.dimensions(), 2));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "route", "[C]", route.dimensions(), 1));
+  const int64_t t = data.dimensions()[0], c = route.dimensions()[0];
+  MOE_EP_FFI_TRY(ExpectDtype(kT, "data", data.element_type(), DataDtype(format),
+                             std::string(" for format ") + std::to_string(format) + " (" + FormatName(format) + ")"));
+  const int64_t codes = DataExtent(format, n), scales = ScaleExtent(format, n);
+  MOE_EP_FFI_TRY(ExpectShape(kT, "data", "[T, codes of n] (n: attribute)", data.dimensions(), {t, codes}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "scale", "[T, scales of n] (T: data's rows)", scale.dimensions(), {t, scales}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "out", "[C, n] (C: route's length)", out->dimensions(), {c, n}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "flag", "[1]", flag->dimensions(), {1}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "flag_in", "[1]", flag_in.dimensions(), {1}));
+  if (flag_in.untyped_data() != flag->untyped_data())
+    return Invalid(kT, "flag must alias flag_in (input_output_aliases={3: 1})", "separate buffers");
+  return FromStatus(kT, moe_ep_dequantize_bf16_gather(dev.device, dev.stream, static_cast<moe_ep_format>(format),
+                                                  DataOrNull(data), codes, DataOrNull(scale), scales, t,
+                                                  static_cast<const int32_t*>(DataOrNull(route)), num_topk, c, n,
+                                                  static_cast<uint16_t*>(DataOrNull(*out)),
+                                                  static_cast<int32_t*>(flag->untyped_data())));
+}
+
+template <typename B>
+auto BindDequantizeBf16Gather(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // data [T, codes]: the token rows' mxfp8 or nvfp4 codes
+      .template Arg<ffi::Buffer<ffi::U8>>()    // scale [T, scales]: their block scales
+      .template Arg<ffi::Buffer<ffi::S32>>()   // route [C] s32: buffer row i's route id, -1 = none (a zero row)
+      .template Arg<ffi::Buffer<ffi::S32>>()   // flag_in [1] s32: zero (aliased to the flag result)
+      .template Ret<ffi::Buffer<ffi::U16>>()   // out [C, n] u16: bf16 bits of token route[i] / K's exact values
+      .template Ret<ffi::Buffer<ffi::S32>>()   // flag [1] s32: 1 when some value was not a bf16 value, else 0
+      .template Attr<int32_t>("format")        // 2 mxfp8, 3 nvfp4
+      .template Attr<int64_t>("n")             // the row length
+      .template Attr<int64_t>("num_topk");     // K >= 1
+}
+
 // ----------------------------------------------------------------------------- plan, permute, combine
 
 ffi::Error PlanRoutes(Dev dev, ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> send_route,
@@ -819,6 +864,8 @@ namespace mf = moe_ep_ffi;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpQuantizeCpu, mf::OnCpu(mf::Quantize), MOE_EP_CPU_BIND(BindQuantize));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeCpu, mf::OnCpu(mf::Dequantize), MOE_EP_CPU_BIND(BindDequantize));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeBf16Cpu, mf::OnCpu(mf::DequantizeBf16), MOE_EP_CPU_BIND(BindDequantizeBf16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeBf16GatherCpu, mf::OnCpu(mf::DequantizeBf16Gather),
+                              MOE_EP_CPU_BIND(BindDequantizeBf16Gather));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPlanRoutesCpu, mf::OnCpu(mf::PlanRoutes), MOE_EP_CPU_BIND(BindPlanRoutes));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPermuteRowsCpu, mf::OnCpu(mf::PermuteRows), MOE_EP_CPU_BIND(BindPermuteRows));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceCpu, mf::OnCpu(mf::CombineReduce), MOE_EP_CPU_BIND(BindCombineReduce));
@@ -837,6 +884,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeCuda, mf::OnCuda(mf::Dequantize), M
                               MOE_EP_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeBf16Cuda, mf::OnCuda(mf::DequantizeBf16),
                               MOE_EP_CUDA_BIND(BindDequantizeBf16), MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeBf16GatherCuda, mf::OnCuda(mf::DequantizeBf16Gather),
+                              MOE_EP_CUDA_BIND(BindDequantizeBf16Gather), MOE_EP_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPlanRoutesCuda, mf::OnCuda(mf::PlanRoutes), MOE_EP_CUDA_BIND(BindPlanRoutes),
                               MOE_EP_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPermuteRowsCuda, mf::OnCuda(mf::PermuteRows), MOE_EP_CUDA_BIND(BindPermuteRows),
@@ -919,6 +968,7 @@ NB_MODULE(_ffi, m) {
           d["moe_ep_quantize"] = Capsule(MoeEpQuantizeCpu);
           d["moe_ep_dequantize"] = Capsule(MoeEpDequantizeCpu);
           d["moe_ep_dequantize_bf16"] = Capsule(MoeEpDequantizeBf16Cpu);
+          d["moe_ep_dequantize_bf16_gather"] = Capsule(MoeEpDequantizeBf16GatherCpu);
           d["moe_ep_plan_routes"] = Capsule(MoeEpPlanRoutesCpu);
           d["moe_ep_permute_rows"] = Capsule(MoeEpPermuteRowsCpu);
           d["moe_ep_combine_reduce"] = Capsule(MoeEpCombineReduceCpu);
@@ -931,6 +981,7 @@ NB_MODULE(_ffi, m) {
           d["moe_ep_quantize"] = Capsule(MoeEpQuantizeCuda);
           d["moe_ep_dequantize"] = Capsule(MoeEpDequantizeCuda);
           d["moe_ep_dequantize_bf16"] = Capsule(MoeEpDequantizeBf16Cuda);
+          d["moe_ep_dequantize_bf16_gather"] = Capsule(MoeEpDequantizeBf16GatherCuda);
           d["moe_ep_plan_routes"] = Capsule(MoeEpPlanRoutesCuda);
           d["moe_ep_permute_rows"] = Capsule(MoeEpPermuteRowsCuda);
           d["moe_ep_combine_reduce"] = Capsule(MoeEpCombineReduceCuda);

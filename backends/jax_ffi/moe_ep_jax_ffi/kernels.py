@@ -330,13 +330,57 @@ class FfiKernels:
         )
         return lax.bitcast_convert_type(bits, jnp.bfloat16).reshape(shape), flag[0] != 0
 
-    def _operands(self, x: Tensor, fc1: Tensor, fc2: Tensor) -> Tuple[Any, ...]:
+    def dequantize_bf16_gather(self, tokens: F.BlockScaled, route: jax.Array, num_topk: int
+                               ) -> Tuple[jax.Array, jax.Array]:
+        """``(values [C, H] bfloat16, inexact [] bool)``: buffer row i is the exact bf16
+        decode of token row ``route[i] // num_topk`` (zero where ``route[i]`` is -1), as
+        :meth:`dequantize_bf16` of the rows :meth:`gather_rows` would gather, in one pass
+        (``moe_ep_dequantize_bf16_gather``: the tokens' codes read where they lie).
+
+        Args:
+            tokens: ``[T, H]`` mxfp8 or nvfp4, blocked along its rows (axis 1).
+            route: ``[C] int32``: -1 or a route id in ``[0, T * num_topk)``.
+        """
+        t, h = tokens.shape
+        data = _u8(tokens.data).reshape(t, -1)
+        scale = _u8(tokens.scale).reshape(t, -1)
+        bits, flag = _call(
+            "moe_ep_dequantize_bf16_gather", [_sds((route.shape[0], h), jnp.uint16), _sds((1,), _I32)],
+            data, scale, jnp.asarray(route).astype(_I32), jnp.zeros((1,), _I32), aliases={3: 1},
+            format=_code(tokens.format), n=int(h), num_topk=int(num_topk),
+        )
+        return lax.bitcast_convert_type(bits, jnp.bfloat16), flag[0] != 0
+
+    @staticmethod
+    def _gathers_from(x: Tensor, source: Any) -> bool:
+        """Whether the buffer rows ``x`` can be decoded straight from ``source`` ``(tokens,
+        route, num_topk)``: both block-scaled in one format, the tokens ``[T, H]`` blocked
+        along their rows, something to decode."""
+        if source is None or not isinstance(x, F.BlockScaled):
+            return False
+        tokens = source[0]
+        return (isinstance(tokens, F.BlockScaled) and tokens.format is x.format and len(tokens.shape) == 2
+                and tokens.axis == 1 and math.prod(tokens.shape) > 0 and math.prod(x.shape) > 0)
+
+    def _exact_rows(self, x: Tensor, source: Any) -> jax.Array:
+        """``x``'s float32 values; with a ``source``, gathered from it here (inside the
+        exact branch of :meth:`_either`, so that the gathered codes exist only when taken)."""
+        if source is None:
+            return self.dequantize(x)
+        tokens, route, k = source
+        data = self.gather_rows(tokens.data, route, k)
+        scale = self.gather_rows(tokens.scale, route, k)
+        return self.dequantize(F.BlockScaled(data, scale, tokens.format, tokens.n, tokens.axis))
+
+    def _operands(self, x: Tensor, fc1: Tensor, fc2: Tensor, source: Any = None) -> Tuple[Any, ...]:
         """The layer object's operands: ``(x, fc1, fc2, inexact)``.
 
         - All three plain bfloat16: the arrays themselves (operand dtype bf16: the
           tensor-core GEMMs on CUDA); ``inexact`` None.
         - Block-scaled ones (mxfp8, nvfp4, non-empty) with the others plain bfloat16:
-          the block-scaled ones decoded to bfloat16 (:meth:`dequantize_bf16`, exact);
+          the block-scaled ones decoded to bfloat16 (:meth:`dequantize_bf16`, exact; x from
+          ``source`` ``(tokens, route, num_topk)`` when given and usable,
+          :meth:`dequantize_bf16_gather`);
           ``inexact`` ``[] bool``: some value was not a bf16 value (then decoded to NaN;
           the caller takes the float32 path instead, :meth:`_either`).
         - Otherwise all three decoded to float32 (exact); ``inexact`` None.
@@ -349,8 +393,12 @@ class FfiKernels:
             if not any(blocked):
                 return jnp.asarray(x), jnp.asarray(fc1), jnp.asarray(fc2), None
             decoded, flags = [], []
-            for t, b in zip(ops, blocked):
-                if b:
+            for i, (t, b) in enumerate(zip(ops, blocked)):
+                if b and i == 0 and self._gathers_from(t, source):
+                    values, flag = self.dequantize_bf16_gather(*source)
+                    decoded.append(values)
+                    flags.append(flag)
+                elif b:
                     values, flag = self.dequantize_bf16(t)
                     decoded.append(values)
                     flags.append(flag)
@@ -387,18 +435,26 @@ class FfiKernels:
         weight went into FC1); other formats' is float32."""
         return self._expert_forward(config, x, w, fc1, fc2, group_sizes, combined=True)
 
-    def expert_forward_reduce(self, config, x, w, fc1, fc2, group_sizes, route_rows, num_tokens):  # type: ignore[no-untyped-def]
+    def expert_forward_reduce(self, config, x, w, fc1, fc2, group_sizes, route_rows, num_tokens,  # type: ignore[no-untyped-def]
+                              tokens=None, token_route=None):
         """``(sum [T, H] float32, c [C, 2I] bfloat16)``: the fused forward at one rank,
         :meth:`expert_forward_combined`'s rows summed as :meth:`reduce_rows` sums them. A
         block combine format (mxfp8, nvfp4) rounds each row inside the sum
         (``round_trip``): the layer object writes y unrounded and the sum reads it once,
         where a round trip in the FC2 epilogue would read and write all of y first. A bf16
-        one is :meth:`expert_forward_combined` (bf16 rows) then :meth:`reduce_rows`."""
+        one is :meth:`expert_forward_combined` (bf16 rows) then :meth:`reduce_rows`.
+
+        ``tokens`` ``[T, H]`` and ``token_route`` ``[C] int32`` (the route id of every buffer
+        row, -1 for none): the dispatch's source, of which ``x`` is the gather. Block-scaled
+        tokens blocked along their rows are then decoded straight from the token rows
+        (:meth:`dequantize_bf16_gather`): no gathered copy of the codes is made (in a program
+        that keeps no residuals XLA drops the dispatch's gather of ``x``)."""
         k = config.num_topk
+        source = (tokens, token_route, k) if tokens is not None and token_route is not None else None
+        combined = config.combine_format is MoeFormat.BF16
+        y, c = self._expert_forward(config, x, w, fc1, fc2, group_sizes, combined=combined, source=source)
         if config.combine_format in (MoeFormat.MXFP8, MoeFormat.NVFP4):
-            y, c = self._expert_forward(config, x, w, fc1, fc2, group_sizes, combined=False)
             return self.reduce_rows(y, route_rows, num_tokens, k, round_trip=config.combine_format), c
-        y, c = self.expert_forward_combined(config, x, w, fc1, fc2, group_sizes)
         return self.reduce_rows(y, route_rows, num_tokens, k), c
 
     @staticmethod
@@ -408,8 +464,9 @@ class FfiKernels:
         block formats round inside the sum (:meth:`expert_forward_reduce`)."""
         return config.num_ranks == 1 and config.combine_format is MoeFormat.BF16
 
-    def _expert_forward(self, config, x, w, fc1, fc2, group_sizes, combined):  # type: ignore[no-untyped-def]
-        xs, w1, w2, inexact = self._operands(x, fc1, fc2)
+    def _expert_forward(self, config, x, w, fc1, fc2, group_sizes, combined, source=None):  # type: ignore[no-untyped-def]
+        source = source if self._gathers_from(x, source) else None
+        xs, w1, w2, inexact = self._operands(x, fc1, fc2, source)
         c_rows, h = xs.shape
         i2 = w1.shape[2]
         i = i2 // 2
@@ -427,7 +484,7 @@ class FfiKernels:
 
         return self._either(
             inexact, lambda: run(xs, w1, w2),
-            lambda: run(self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2)),
+            lambda: run(self._exact_rows(x, source), self.dequantize(fc1), self.dequantize(fc2)),
         )
 
     def expert_backward(self, config, x, w, fc1, fc2, fc1_c, dy, group_sizes):  # type: ignore[no-untyped-def]

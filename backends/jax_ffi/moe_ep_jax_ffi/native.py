@@ -48,6 +48,7 @@ TARGETS: Tuple[str, ...] = (
     "moe_ep_quantize",
     "moe_ep_dequantize",
     "moe_ep_dequantize_bf16",
+    "moe_ep_dequantize_bf16_gather",
     "moe_ep_plan_routes",
     "moe_ep_permute_rows",
     "moe_ep_combine_reduce",

@@ -171,6 +171,25 @@ MOE_EP_API moe_ep_status moe_ep_dequantize_bf16_rows(moe_ep_device device, void*
                                                      int64_t scale_row_bytes, int64_t rows, int64_t n, uint16_t* out,
                                                      int32_t* out_inexact);
 
+/**
+ * moe_ep_dequantize_bf16_rows of rows gathered by route id: out row i is the decode of
+ * token row route[i] / num_topk (its codes at data + (route[i] / num_topk) *
+ * data_row_bytes, its scales likewise), or all zero bits where route[i] is -1. The
+ * one-rank dispatch's row gather and the decode of the gathered rows in one pass: the
+ * tokens' codes are read where they lie, no gathered copy is written.
+ *   num_tokens: the token rows at data and scale (>= 0).
+ *   route:      [rows] int32: -1 or in [0, num_tokens * num_topk).
+ *   num_topk:   >= 1.
+ *   out:        [rows, n] uint16 bf16 bits. The rest as moe_ep_dequantize_bf16_rows.
+ * CPU rejects a route id out of range before writing anything; CUDA writes a zero row
+ * for it. Added in ABI 5 (a new entry point; no struct changed).
+ */
+MOE_EP_API moe_ep_status moe_ep_dequantize_bf16_gather(moe_ep_device device, void* stream, moe_ep_format fmt,
+                                                       const void* data, int64_t data_row_bytes, const void* scale,
+                                                       int64_t scale_row_bytes, int64_t num_tokens,
+                                                       const int32_t* route, int64_t num_topk, int64_t rows,
+                                                       int64_t n, uint16_t* out, int32_t* out_inexact);
+
 /* ------------------------------------------------------------- plan/permute */
 
 /**

@@ -168,6 +168,7 @@ _PROTOTYPES = {
     "moe_ep_dequantize": (_I32, [_I32, _P, _I32, _P, _P, _I64, _I64, _I64, _P]),
     "moe_ep_dequantize_bf16": (_I32, [_I32, _P, _I32, _P, _P, _I64, _I64, _I64, _I64, _P, _P]),
     "moe_ep_dequantize_bf16_rows": (_I32, [_I32, _P, _I32, _P, _I64, _P, _I64, _I64, _I64, _P, _P]),
+    "moe_ep_dequantize_bf16_gather": (_I32, [_I32, _P, _I32, _P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P]),
     "moe_ep_plan_routes": (_I32, [_I32, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P]),
     "moe_ep_permute_rows": (_I32, [_I32, _P, _P, _I64, _I64, _I64, _P, _I64, _P]),
     "moe_ep_combine_reduce": (_I32, [_I32, _P, _P, _I64, _P, _I64, _I64, _I64, _P]),

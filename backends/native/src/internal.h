@@ -120,9 +120,11 @@ inline size_t backward_workspace_bytes(const moe_ep_expert_desc& d) { return bac
                                 int64_t outer, int64_t n, int64_t inner, int64_t transpose_rows, uint16_t* out,    \
                                 int32_t* inexact);                                                                 \
   /* fmt MXFP8 or NVFP4; rows * n > 0; the row strides cover a row's codes and scales (capi.cc checks them) */ \
+  /* route NULL: out row o is source row o; else source row route[o] / num_topk, a zero row for -1 */          \
   moe_ep_status dequantize_bf16_rows(void* stream, moe_ep_format fmt, const void* data, int64_t data_row_bytes,     \
                                      const void* scale, int64_t scale_row_bytes, int64_t rows, int64_t n,          \
-                                     uint16_t* out, int32_t* inexact);                                             \
+                                     uint16_t* out, int32_t* inexact, const int32_t* route, int64_t num_topk,      \
+                                     int64_t num_sources);                                                         \
   moe_ep_status plan_routes(void* stream, const int32_t* topk_idx, int64_t num_tokens, int64_t num_topk,           \
                             int64_t num_experts, int32_t* send_route, int32_t* route_pos, int32_t* route_expert,    \
                             int32_t* counts);                                                                      \

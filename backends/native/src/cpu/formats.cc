@@ -184,12 +184,27 @@ void dequantize_bf16_values(moe_ep_format fmt, const void* data, const void* sca
 
 moe_ep_status dequantize_bf16_rows(void*, moe_ep_format fmt, const void* data, int64_t data_row_bytes,
                                    const void* scale, int64_t scale_row_bytes, int64_t rows, int64_t n, uint16_t* out,
-                                   int32_t* inexact) {
+                                   int32_t* inexact, const int32_t* route, int64_t num_topk, int64_t num_sources) {
+  if (route != nullptr) {  // every id checked before anything is written
+    for (int64_t o = 0; o < rows; ++o) {
+      const int64_t r = route[o];
+      if (r < -1 || r >= num_sources * num_topk)
+        return fail(MOE_EP_ERR_INVALID_ARGUMENT,
+                    "moe_ep_dequantize_bf16_gather: route[" + std::to_string(o) +
+                        "] must be -1 or in [0, num_tokens * num_topk) = [0, " +
+                        std::to_string(num_sources * num_topk) + "); got " + std::to_string(r));
+    }
+  }
   bool any = false;
   for (int64_t o = 0; o < rows; ++o) {
-    // Row o as a one-row view of its own: its codes and scales where they lie.
-    const uint8_t* d = static_cast<const uint8_t*>(data) + o * data_row_bytes;
-    const uint8_t* sc = static_cast<const uint8_t*>(scale) + o * scale_row_bytes;
+    const int64_t src = route == nullptr ? o : (route[o] < 0 ? -1 : route[o] / num_topk);
+    if (src < 0) {  // a row of no route: zero bits
+      for (int64_t i = 0; i < n; ++i) out[o * n + i] = 0;
+      continue;
+    }
+    // The source row as a one-row view of its own: its codes and scales where they lie.
+    const uint8_t* d = static_cast<const uint8_t*>(data) + src * data_row_bytes;
+    const uint8_t* sc = static_cast<const uint8_t*>(scale) + src * scale_row_bytes;
     for (int64_t i = 0; i < n; ++i) out[o * n + i] = bf16_exact_bits(decode_one(fmt, d, sc, 0, i, 0, n, 1), &any);
   }
   if (any && inexact != nullptr) *inexact |= 1;

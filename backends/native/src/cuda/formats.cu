@@ -348,13 +348,28 @@ __device__ __forceinline__ uint4 nvfp4_bf16x8(uint32_t word, uint32_t sc) {
 // both cover contiguous bytes; it loads kUnroll pieces (a block's stride apart) before
 // decoding any, to keep enough bytes in flight. Piece p of a row starts at element 8 p:
 // mxfp8 block p / 4, nvfp4 block p / 2.
+// With a route (RowGather::route not NULL) out row o is source row route[o] / num_topk, all
+// zero bits where route[o] is outside [0, num_sources * num_topk) (-1: no route): the
+// dispatch's gather at one rank and the decode in one pass.
 constexpr int kUnroll = 8;
+
+struct RowGather {
+  const int32_t* route;  // NULL: the identity
+  int64_t num_topk, num_sources;
+};
+
+// Out row o's source row, or -1 for a zero row.
+__device__ __forceinline__ int64_t gather_source(const RowGather& g, int64_t o) {
+  if (g.route == nullptr) return o;
+  const int64_t r = __ldg(g.route + o);
+  return r >= 0 && r < g.num_sources * g.num_topk ? r / g.num_topk : -1;
+}
 
 template <bool kMx>
 __global__ void __launch_bounds__(kThreads)
     bf16_rows_kernel(const uint8_t* __restrict__ data, int64_t data_row_bytes, const uint8_t* __restrict__ scale,
                      int64_t scale_row_bytes, int64_t outer, int64_t n, uint4* __restrict__ out,
-                     int32_t* __restrict__ flag) {
+                     int32_t* __restrict__ flag, RowGather g) {
   using Piece = std::conditional_t<kMx, uint2, uint32_t>;
   const int64_t per_row = n / 8, total = outer * per_row;
   bool inexact = false;
@@ -362,19 +377,25 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t base = blockIdx.x * int64_t{blockDim.x} * kUnroll + threadIdx.x; base < total; base += step) {
     Piece raw[kUnroll];
     uint32_t sc[kUnroll];
+    bool zero[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t t = base + int64_t{u} * blockDim.x;
       if (t >= total) break;
       const int64_t row = div_nonneg(t, per_row), p = t - row * per_row;
-      raw[u] = __ldg(reinterpret_cast<const Piece*>(data + row * data_row_bytes) + p);
-      sc[u] = __ldg(scale + row * scale_row_bytes + (kMx ? p / 4 : p / 2));
+      const int64_t src = gather_source(g, row);
+      zero[u] = src < 0;
+      if (zero[u]) continue;
+      raw[u] = __ldg(reinterpret_cast<const Piece*>(data + src * data_row_bytes) + p);
+      sc[u] = __ldg(scale + src * scale_row_bytes + (kMx ? p / 4 : p / 2));
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t t = base + int64_t{u} * blockDim.x;
       if (t >= total) break;
-      if constexpr (kMx) {
+      if (zero[u]) {
+        out[t] = make_uint4(0u, 0u, 0u, 0u);
+      } else if constexpr (kMx) {
         out[t] = mxfp8_bf16x8(raw[u].x, raw[u].y, mxfp8_chunk_scale(sc[u]), inexact);
       } else {
         out[t] = nvfp4_bf16x8(raw[u], sc[u]);
@@ -511,13 +532,19 @@ __global__ void __launch_bounds__(kThreads, 8)
 template <bool kMx>
 __global__ void bf16_strided_rows_kernel(const uint8_t* __restrict__ data, int64_t data_row_bytes,
                                          const uint8_t* __restrict__ scale, int64_t scale_row_bytes, int64_t outer,
-                                         int64_t n, uint16_t* __restrict__ out, int32_t* __restrict__ flag) {
+                                         int64_t n, uint16_t* __restrict__ out, int32_t* __restrict__ flag,
+                                         RowGather g) {
   const int64_t total = outer * n;
   bool inexact = false;
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
     const int64_t o = t / n, k = t - o * n;
-    const uint8_t* d = data + o * data_row_bytes;
-    const uint8_t* sc = scale + o * scale_row_bytes;
+    const int64_t src = gather_source(g, o);
+    if (src < 0) {
+      out[t] = 0;
+      continue;
+    }
+    const uint8_t* d = data + src * data_row_bytes;
+    const uint8_t* sc = scale + src * scale_row_bytes;
     float f;
     if constexpr (kMx) {
       f = mxfp8_decode(d[k], sc[k / kMxfp8Block]);
@@ -622,16 +649,16 @@ __global__ void bf16_elements_kernel(const uint8_t* __restrict__ data, const uin
 template <bool kMx>
 moe_ep_status launch_dequantize_bf16_rows(cudaStream_t s, const uint8_t* data, int64_t data_row_bytes,
                                           const uint8_t* scale, int64_t scale_row_bytes, int64_t outer, int64_t n,
-                                          uint16_t* out, int32_t* flag) {
+                                          uint16_t* out, int32_t* flag, RowGather g = RowGather{nullptr, 1, 0}) {
   constexpr int64_t V = kMx ? 16 : 32;
   if (n % V == 0 && data_row_bytes % 16 == 0 && detail::aligned16(data) && detail::aligned16(out)) {
     bf16_rows_kernel<kMx><<<blocks_for(div_up(outer * (n / 8), kUnroll)), kThreads, 0, s>>>(
-        data, data_row_bytes, scale, scale_row_bytes, outer, n, reinterpret_cast<uint4*>(out), flag);
+        data, data_row_bytes, scale, scale_row_bytes, outer, n, reinterpret_cast<uint4*>(out), flag, g);
     MOE_EP_CUDA_CHECK_LAUNCH("bf16_rows_kernel");
     return MOE_EP_OK;
   }
   bf16_strided_rows_kernel<kMx><<<blocks_for(outer * n), kThreads, 0, s>>>(data, data_row_bytes, scale,
-                                                                           scale_row_bytes, outer, n, out, flag);
+                                                                           scale_row_bytes, outer, n, out, flag, g);
   MOE_EP_CUDA_CHECK_LAUNCH("bf16_strided_rows_kernel");
   return MOE_EP_OK;
 }
@@ -797,15 +824,16 @@ moe_ep_status dequantize_bf16(void* stream, moe_ep_format fmt, const void* data,
 
 moe_ep_status dequantize_bf16_rows(void* stream, moe_ep_format fmt, const void* data, int64_t data_row_bytes,
                                    const void* scale, int64_t scale_row_bytes, int64_t rows, int64_t n, uint16_t* out,
-                                   int32_t* inexact) {
+                                   int32_t* inexact, const int32_t* route, int64_t num_topk, int64_t num_sources) {
   const cudaStream_t s = as_stream(stream);
   const auto* d = static_cast<const uint8_t*>(data);
   const auto* sc = static_cast<const uint8_t*>(scale);
+  const RowGather g{route, num_topk, num_sources};
   switch (fmt) {
     case MOE_EP_FORMAT_MXFP8:
-      return launch_dequantize_bf16_rows<true>(s, d, data_row_bytes, sc, scale_row_bytes, rows, n, out, inexact);
+      return launch_dequantize_bf16_rows<true>(s, d, data_row_bytes, sc, scale_row_bytes, rows, n, out, inexact, g);
     case MOE_EP_FORMAT_NVFP4:
-      return launch_dequantize_bf16_rows<false>(s, d, data_row_bytes, sc, scale_row_bytes, rows, n, out, inexact);
+      return launch_dequantize_bf16_rows<false>(s, d, data_row_bytes, sc, scale_row_bytes, rows, n, out, inexact, g);
     default:
       return fail(MOE_EP_ERR_INTERNAL,
                   "cuda::dequantize_bf16_rows: unexpected format " + std::to_string(static_cast<int>(fmt)));
