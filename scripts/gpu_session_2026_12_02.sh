@@ -489,5 +489,20 @@ case "$RUN" in
   TAIL=3 step conformance-jax-ffi 70 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
     --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
   ;;
+23)
+  # Run 22's bench step ran past its bound with nvfp4 added (bf16 and mxfp8 ran again on the
+  # warm machine: run22/bench-jax-ffi-bf16-mxfp8.json). The gather's route id divided in 32
+  # bits (div_nonneg): its tests, memcheck, bench and profile.
+  jaxffi_build
+  TAIL=4 step tests-gather-cuda 60 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    tests/test_jax_one_rank.py -k "cuda_gather or cuda_rows or straight_from_the_tokens"
+  TAIL=4 step sanitizer-memcheck-gather 60 compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_native_decode_bf16.py -k "cuda_gather"
+  TAIL=14 step bench-jax-ffi 80 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
+  TAIL=12 step jax-profile-mxfp8 30 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 8
+  ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

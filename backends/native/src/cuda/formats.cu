@@ -362,7 +362,7 @@ struct RowGather {
 __device__ __forceinline__ int64_t gather_source(const RowGather& g, int64_t o) {
   if (g.route == nullptr) return o;
   const int64_t r = __ldg(g.route + o);
-  return r >= 0 && r < g.num_sources * g.num_topk ? r / g.num_topk : -1;
+  return r >= 0 && r < g.num_sources * g.num_topk ? div_nonneg(r, g.num_topk) : -1;
 }
 
 template <bool kMx>
