@@ -289,6 +289,11 @@ def test_combine_reduce_round_trip_checks_its_format_and_positions():
                                                   r"\[0, num_rows\) = \[0, 4\); got 9"):
         host.combine_reduce(rows, np.array([0, 1, 2, 9], np.int32), 2, 2, round_trip="mxfp8")
     from moe_ep_native._capi import call
+    out = np.full((2, 32), 7.0, np.float32)  # a rejected call writes nothing, not even the tokens before the bad id
+    with pytest.raises(NativeArgumentError, match=r"route_pos\[3\] must be -1"):
+        call("moe_ep_combine_reduce_round_trip", 0, None, 2, rows.ctypes.data, 4,
+             np.array([0, 1, 2, 9], np.int32).ctypes.data, 2, 2, 32, out.ctypes.data)
+    assert (out == 7.0).all()
     with pytest.raises(NativeArgumentError, match=r"fmt must be MOE_EP_FORMAT_MXFP8 \(\d\) or MOE_EP_FORMAT_NVFP4 "
                                                   r"\(\d\): the block formats, whose round trip the sum applies; got 1"):
         call("moe_ep_combine_reduce_round_trip", 0, None, 1, rows.ctypes.data, 4, None, 2, 2, 32,

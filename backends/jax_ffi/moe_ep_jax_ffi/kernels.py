@@ -301,9 +301,9 @@ class FfiKernels:
     @staticmethod
     def _expert_attrs(config: MoeEpConfig, combined: bool) -> dict:
         """The expert targets' attributes. ``combined``: the forward returns y after the
-        combine format's round trip. The backward passes the combine format at one rank,
-        where the jax layer asks for that forward (:meth:`expert_forward_combined`), so both
-        stages share one layer object (the round trip changes nothing backward)."""
+        combine format's round trip. The backward passes the same as the one-rank forward
+        (:meth:`_one_rank_combined`: a bf16 combine format at one rank), so that both stages
+        share one layer object (the round trip changes nothing backward)."""
         clamp = config.gate_up_clamp
         return {
             "apply_topk_in_fc1": bool(config.apply_topk_in_fc1),

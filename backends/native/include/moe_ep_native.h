@@ -51,7 +51,8 @@ extern "C" {
 #define MOE_EP_API __attribute__((visibility("default")))
 #endif
 
-/** Bumped on any incompatible change of a signature or a struct below. */
+/** Bumped on any incompatible change of a signature or a struct below, and when an entry
+ *  point is added (ABI 3, 4, 5): a binding built for N calls the entry points of N. */
 #define MOE_EP_NATIVE_ABI_VERSION 5
 
 typedef enum {

@@ -215,21 +215,10 @@ def combine_reduce(rows: Any, route_pos: Optional[Any], num_tokens: int, num_top
     Returns:
         ``[num_tokens, hidden] float32``.
     """
-    if round_trip is not None:
-        fmt = parse_format(round_trip, name="round_trip")
-        if fmt not in (MoeFormat.MXFP8, MoeFormat.NVFP4):
-            raise FormatError(f"round_trip must be None, 'mxfp8' or 'nvfp4' (a block format); got {round_trip!r}")
-        r = _float32(rows, "rows")
-        if r.ndim != 2:
-            raise ShapeError(f"rows must be 2-d (num_rows, hidden); got shape {r.shape}", name="rows")
-        pos = None if route_pos is None else _int32(route_pos, "route_pos").reshape(-1)
-        if pos is not None:
-            check_shape("route_pos", pos.shape, (num_tokens * num_topk,), "(num_tokens * num_topk,)")
-        out = np.empty((int(num_tokens), r.shape[1]), np.float32)
-        call("moe_ep_combine_reduce_round_trip", _CPU, None, int(_FORMAT[fmt]), _ptr(r), r.shape[0], _ptr(pos),
-             int(num_tokens), int(num_topk), r.shape[1], _ptr(out))
-        return out
-    bf16 = np.asarray(rows).dtype == BF16
+    fmt = None if round_trip is None else parse_format(round_trip, name="round_trip")
+    if fmt is not None and fmt not in (MoeFormat.MXFP8, MoeFormat.NVFP4):
+        raise FormatError(f"round_trip must be None, 'mxfp8' or 'nvfp4' (a block format); got {round_trip!r}")
+    bf16 = fmt is None and np.asarray(rows).dtype == BF16
     r = np.ascontiguousarray(np.asarray(rows)) if bf16 else _float32(rows, "rows")
     if r.ndim != 2:
         raise ShapeError(f"rows must be 2-d (num_rows, hidden); got shape {r.shape}", name="rows")
@@ -237,8 +226,11 @@ def combine_reduce(rows: Any, route_pos: Optional[Any], num_tokens: int, num_top
     if pos is not None:
         check_shape("route_pos", pos.shape, (num_tokens * num_topk,), "(num_tokens * num_topk,)")
     out = np.empty((int(num_tokens), r.shape[1]), np.float32)
-    call("moe_ep_combine_reduce_bf16" if bf16 else "moe_ep_combine_reduce", _CPU, None, _ptr(r), r.shape[0], _ptr(pos),
-         int(num_tokens), int(num_topk), r.shape[1], _ptr(out))
+    tail = (_ptr(r), r.shape[0], _ptr(pos), int(num_tokens), int(num_topk), r.shape[1], _ptr(out))
+    if fmt is not None:
+        call("moe_ep_combine_reduce_round_trip", _CPU, None, int(_FORMAT[fmt]), *tail)
+    else:
+        call("moe_ep_combine_reduce_bf16" if bf16 else "moe_ep_combine_reduce", _CPU, None, *tail)
     return out
 
 

@@ -165,14 +165,14 @@ namespace {
 template <typename Row, bool kRoundTrip = false>
 moe_ep_status combine_reduce_entry(const char* op, moe_ep_device device, void* stream, const Row* rows,
                                    int64_t num_rows, const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
-                                   int64_t hidden, float* out, moe_ep_format fmt = MOE_EP_FORMAT_BF16) {
+                                   int64_t hidden, float* out, moe_ep_format fmt = MOE_EP_FORMAT_NONE) {
   const Check ck{op};
-  if (kRoundTrip && fmt != MOE_EP_FORMAT_MXFP8 && fmt != MOE_EP_FORMAT_NVFP4)
+  MOE_EP_TRY(check_device(ck, device, stream));
+  if (kRoundTrip && fmt != MOE_EP_FORMAT_MXFP8 && fmt != MOE_EP_FORMAT_NVFP4)  // (fmt is unused otherwise)
     return ck.bad("fmt must be MOE_EP_FORMAT_MXFP8 (" + std::to_string(MOE_EP_FORMAT_MXFP8) +
                       ") or MOE_EP_FORMAT_NVFP4 (" + std::to_string(MOE_EP_FORMAT_NVFP4) +
                       "): the block formats, whose round trip the sum applies",
                   std::to_string(static_cast<int>(fmt)));
-  MOE_EP_TRY(check_device(ck, device, stream));
   MOE_EP_TRY(ck.nonneg("num_rows", num_rows));
   MOE_EP_TRY(ck.nonneg("num_tokens", num_tokens));
   MOE_EP_TRY(ck.positive("num_topk", num_topk));
@@ -306,12 +306,13 @@ moe_ep_status moe_ep_dequantize_bf16(moe_ep_device device, void* stream, moe_ep_
 namespace {
 
 // moe_ep_dequantize_bf16_rows' and _gather's checks and dispatch: rows of out from
-// num_sources rows at data / scale, through route (NULL: the identity, num_sources = rows).
-moe_ep_status dequantize_bf16_rows_entry(const Check& ck, moe_ep_device device, void* stream, moe_ep_format fmt,
-                                         const void* data, int64_t data_row_bytes, const void* scale,
-                                         int64_t scale_row_bytes, int64_t num_sources, const int32_t* route,
-                                         int64_t num_topk, int64_t rows, int64_t n, uint16_t* out,
-                                         int32_t* out_inexact) {
+// num_sources rows at data / scale, through route when gather (else the identity,
+// num_sources = rows).
+moe_ep_status dequantize_bf16_rows_entry(const Check& ck, bool gather, moe_ep_device device, void* stream,
+                                         moe_ep_format fmt, const void* data, int64_t data_row_bytes,
+                                         const void* scale, int64_t scale_row_bytes, int64_t num_sources,
+                                         const int32_t* route, int64_t num_topk, int64_t rows, int64_t n,
+                                         uint16_t* out, int32_t* out_inexact) {
   MOE_EP_TRY(check_device(ck, device, stream));
   if (fmt != MOE_EP_FORMAT_MXFP8 && fmt != MOE_EP_FORMAT_NVFP4)
     return ck.bad("fmt must be MOE_EP_FORMAT_MXFP8 (2) or MOE_EP_FORMAT_NVFP4 (3) (the block-scaled formats; bf16 "
@@ -328,10 +329,10 @@ moe_ep_status dequantize_bf16_rows_entry(const Check& ck, moe_ep_device device, 
     return ck.bad("scale_row_bytes must be >= the scales of one row (" + std::to_string(scales) + " for n = " +
                       std::to_string(n) + ")",
                   std::to_string(scale_row_bytes));
-  const std::string src = route != nullptr ? "num_tokens" : "rows";  // the rows read
+  const std::string src = gather ? "num_tokens" : "rows";  // the rows read
   MOE_EP_TRY(ck.product((src + " * data_row_bytes").c_str(), num_sources, data_row_bytes, kElemLimit));
   MOE_EP_TRY(ck.product((src + " * scale_row_bytes").c_str(), num_sources, scale_row_bytes, kElemLimit));
-  if (route != nullptr) MOE_EP_TRY(ck.product("num_tokens * num_topk", num_sources, num_topk, kInt32Limit));
+  if (gather) MOE_EP_TRY(ck.product("num_tokens * num_topk", num_sources, num_topk, kInt32Limit));
   const int64_t count = rows * n;
   MOE_EP_TRY(ck.ptr("data", data, num_sources * n));
   MOE_EP_TRY(ck.ptr("scale", scale, num_sources * n));
@@ -348,8 +349,8 @@ moe_ep_status moe_ep_dequantize_bf16_rows(moe_ep_device device, void* stream, mo
                                           int64_t data_row_bytes, const void* scale, int64_t scale_row_bytes,
                                           int64_t rows, int64_t n, uint16_t* out, int32_t* out_inexact) {
   const Check ck{"moe_ep_dequantize_bf16_rows"};
-  return dequantize_bf16_rows_entry(ck, device, stream, fmt, data, data_row_bytes, scale, scale_row_bytes, rows,
-                                    nullptr, 1, rows, n, out, out_inexact);
+  return dequantize_bf16_rows_entry(ck, false, device, stream, fmt, data, data_row_bytes, scale, scale_row_bytes,
+                                    rows, nullptr, 1, rows, n, out, out_inexact);
 }
 
 moe_ep_status moe_ep_dequantize_bf16_gather(moe_ep_device device, void* stream, moe_ep_format fmt, const void* data,
@@ -361,7 +362,7 @@ moe_ep_status moe_ep_dequantize_bf16_gather(moe_ep_device device, void* stream, 
   MOE_EP_TRY(ck.positive("num_topk", num_topk));
   MOE_EP_TRY(ck.nonneg("rows", rows));
   MOE_EP_TRY(ck.ptr("route", route, rows, 4));
-  return dequantize_bf16_rows_entry(ck, device, stream, fmt, data, data_row_bytes, scale, scale_row_bytes,
+  return dequantize_bf16_rows_entry(ck, true, device, stream, fmt, data, data_row_bytes, scale, scale_row_bytes,
                                     num_tokens, route, num_topk, rows, n, out, out_inexact);
 }
 

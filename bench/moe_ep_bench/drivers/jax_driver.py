@@ -145,7 +145,8 @@ def _time_device(fn: Callable[..., Any], sets: Sequence[tuple], repeats: int) ->
     """Device time of each of ``repeats`` calls, one at a time, traced with
     ``jax.profiler``: as a CUDA event pair around a call measures the baselines (the
     host's dispatch and wait are not in it, every kernel of the call and any idle gap
-    between them are)."""
+    between them are). With several devices the span covers all of them (the whole
+    world's time, as the torch driver reports the slowest rank's), on the trace's one clock."""
     import shutil
     import tempfile
 
@@ -325,10 +326,11 @@ def run_jax(
                     traced.set_times(_time_device(compiled, sets, s.repeats))
                 except Exception as exc:  # noqa: BLE001 - the other rows stand without it
                     traced.status, traced.reason = "error", f"{type(exc).__name__}: {exc}"[:600]
-                traced.label = row.label.replace(
-                    "perf_counter around the call + block_until_ready",
-                    f"each call alone under jax.profiler.trace ({TRACE_PAUSE_S * 1e3:g} ms host pause between calls), "
-                    "its GPU stream events' span")
+                traced.label = (
+                    f"jax.jit({what}) on {s.ep_size} {devs[0].platform} device(s), exchange {exchange or 'default'}, "
+                    f"{kernels_name}; compiled first, then each call alone under jax.profiler.trace "
+                    f"({TRACE_PAUSE_S * 1e3:g} ms host pause between calls): the span of its GPU stream events "
+                    "(on every device: the whole world's)")
                 pipelined.append(traced)
         except Exception as exc:  # noqa: BLE001 - a failing backend is a row, not a crash
             row.status, row.reason = "error", f"{type(exc).__name__}: {exc}"[:600]

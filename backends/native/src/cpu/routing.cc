@@ -70,19 +70,23 @@ namespace {
 inline float row_value(const float* row, int64_t h) { return row[h]; }
 inline float row_value(const uint16_t* row, int64_t h) { return bf16_to_float(row[h]); }
 
+// Every route position -1 or a row, checked before anything is written.
+moe_ep_status check_route_pos(const char* op, const int32_t* route_pos, int64_t routes, int64_t num_rows) {
+  if (route_pos == nullptr) return MOE_EP_OK;
+  for (int64_t r = 0; r < routes; ++r) {
+    const int32_t p = route_pos[r];
+    if (p < -1 || p >= num_rows)
+      return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(op) + ": route_pos[" + std::to_string(r) +
+                                                   "] must be -1 or in [0, num_rows) = [0, " +
+                                                   std::to_string(num_rows) + "); got " + std::to_string(p));
+  }
+  return MOE_EP_OK;
+}
+
 template <typename Row>
 moe_ep_status combine_reduce_rows(const char* op, const Row* rows, int64_t num_rows, const int32_t* route_pos,
                                   int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out) {
-  const int64_t routes = num_tokens * num_topk;
-  if (route_pos != nullptr) {
-    for (int64_t r = 0; r < routes; ++r) {
-      const int32_t p = route_pos[r];
-      if (p < -1 || p >= num_rows)
-        return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(op) + ": route_pos[" + std::to_string(r) +
-                                                     "] must be -1 or in [0, num_rows) = [0, " +
-                                                     std::to_string(num_rows) + "); got " + std::to_string(p));
-    }
-  }
+  MOE_EP_TRY(check_route_pos(op, route_pos, num_tokens * num_topk, num_rows));
   for (int64_t t = 0; t < num_tokens; ++t) {
     float* acc = out + t * hidden;
     for (int64_t h = 0; h < hidden; ++h) acc[h] = 0.0f;  // +0
@@ -113,29 +117,23 @@ moe_ep_status combine_reduce_bf16(void*, const uint16_t* rows, int64_t num_rows,
 moe_ep_status combine_reduce_round_trip(void*, moe_ep_format fmt, const float* rows, int64_t num_rows,
                                         const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
                                         int64_t hidden, float* out) {
-  // Each route's row through the round trip into a copy (rows stay as they are), then the
-  // sum of the copies as combine_reduce sums rows: one buffer of rounded rows per token.
-  std::vector<float> rounded(static_cast<size_t>(num_topk * hidden));
-  std::vector<int32_t> pos(static_cast<size_t>(num_topk));
+  MOE_EP_TRY(check_route_pos("moe_ep_combine_reduce_round_trip", route_pos, num_tokens * num_topk, num_rows));
+  // Each route's row through the round trip into a copy (rows stay as they are), added to
+  // its token's sum in slot order from +0 as combine_reduce adds rows.
+  std::vector<float> row(static_cast<size_t>(hidden));
   std::vector<uint8_t> data(static_cast<size_t>(hidden + 1)), scale(static_cast<size_t>(hidden / 16 + 2));
   for (int64_t t = 0; t < num_tokens; ++t) {
+    float* acc = out + t * hidden;
+    for (int64_t h = 0; h < hidden; ++h) acc[h] = 0.0f;  // +0
     for (int64_t k = 0; k < num_topk; ++k) {
       const int64_t r = t * num_topk + k;
       const int64_t p = route_pos != nullptr ? route_pos[r] : r;
-      if (p < -1 || p >= num_rows)
-        return fail(MOE_EP_ERR_INVALID_ARGUMENT, "moe_ep_combine_reduce_round_trip: route_pos[" + std::to_string(r) +
-                                                     "] must be -1 or in [0, num_rows) = [0, " +
-                                                     std::to_string(num_rows) + "); got " + std::to_string(p));
-      pos[static_cast<size_t>(k)] = p < 0 ? -1 : static_cast<int32_t>(k);
-      if (p < 0) continue;
-      float* dst = rounded.data() + k * hidden;
-      std::memcpy(dst, rows + p * hidden, static_cast<size_t>(hidden) * sizeof(float));
-      moe_ep_status st = quantize(nullptr, fmt, dst, 1, hidden, 1, data.data(), scale.data());
-      if (st == MOE_EP_OK) st = dequantize(nullptr, fmt, data.data(), scale.data(), 1, hidden, 1, dst);
-      if (st != MOE_EP_OK) return st;
+      if (p < 0) continue;  // an unused slot adds nothing
+      std::memcpy(row.data(), rows + p * hidden, static_cast<size_t>(hidden) * sizeof(float));
+      MOE_EP_TRY(quantize(nullptr, fmt, row.data(), 1, hidden, 1, data.data(), scale.data()));
+      MOE_EP_TRY(dequantize(nullptr, fmt, data.data(), scale.data(), 1, hidden, 1, row.data()));
+      for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + row[static_cast<size_t>(h)];
     }
-    MOE_EP_TRY(combine_reduce_rows("moe_ep_combine_reduce_round_trip", rounded.data(), num_topk, pos.data(), 1,
-                                   num_topk, hidden, out + t * hidden));
   }
   return MOE_EP_OK;
 }
