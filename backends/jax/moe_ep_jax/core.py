@@ -613,7 +613,12 @@ def _sum_local_rows(spec: LayerSpec, plan: Plan, lay: Layout, rows: jax.Array, r
     bf16 combine format), already through the combine format's round trip: each token's
     routes summed in slot order (``reduce_rows``), NaN on an error, the output encode.
     Returns ``(output, sum)``."""
-    summed = poison(lay.error, reduce_rows(rows, _local_rows(spec, plan, lay), spec.num_tokens, spec.num_topk))
+    return _finish_sum(spec, lay, reduce_rows(rows, _local_rows(spec, plan, lay), spec.num_tokens, spec.num_topk))
+
+
+def _finish_sum(spec: LayerSpec, lay: Layout, summed: jax.Array) -> Tuple[Tensor, jax.Array]:
+    """``(output, sum)`` of a one-rank ``[T, H] float32`` sum: NaN on an error, the output encode."""
+    summed = poison(lay.error, summed)
     return encode_output(spec, summed), summed
 
 
@@ -711,7 +716,7 @@ def forward(
         # rows from the tokens by route id): NaN on an error, the encode.
         summed, c = fused(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes, _local_rows(spec, plan, lay),
                           spec.num_tokens, tokens=activation, token_route=_local_routes(spec, plan, lay))
-        out = encode_output(spec, poison(lay.error, summed))
+        out, _ = _finish_sum(spec, lay, summed)
     elif spec.num_ranks == 1 and combined is not None and reduce_rows is not None:
         # One rank, a provider that rounds y through the combine format itself and sums rows
         # by index: the routes' rows are summed straight from the buffer (combine_rows' other

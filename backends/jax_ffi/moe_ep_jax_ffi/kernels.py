@@ -47,7 +47,7 @@ import numpy as np
 from jax import lax
 
 from moe_ep_jax import formats as F
-from moe_ep_jax.core import gather_route_rows
+from moe_ep_jax.core import gather_route_rows, rebuild, tensor_parts
 from moe_ep_jax.kernels import LocalPlan, XlaKernels
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import FormatError, ShapeError
@@ -368,9 +368,7 @@ class FfiKernels:
         if source is None:
             return self.dequantize(x)
         tokens, route, k = source
-        data = self.gather_rows(tokens.data, route, k)
-        scale = self.gather_rows(tokens.scale, route, k)
-        return self.dequantize(F.BlockScaled(data, scale, tokens.format, tokens.n, tokens.axis))
+        return self.dequantize(rebuild(tokens, [self.gather_rows(p, route, k) for p in tensor_parts(tokens)]))
 
     def _operands(self, x: Tensor, fc1: Tensor, fc2: Tensor, source: Any = None) -> Tuple[Any, ...]:
         """The layer object's operands: ``(x, fc1, fc2, inexact)``.
@@ -379,8 +377,8 @@ class FfiKernels:
           tensor-core GEMMs on CUDA); ``inexact`` None.
         - Block-scaled ones (mxfp8, nvfp4, non-empty) with the others plain bfloat16:
           the block-scaled ones decoded to bfloat16 (:meth:`dequantize_bf16`, exact; x from
-          ``source`` ``(tokens, route, num_topk)`` when given and usable,
-          :meth:`dequantize_bf16_gather`);
+          ``source`` ``(tokens, route, num_topk)`` when given, which :meth:`_gathers_from`
+          has accepted: :meth:`dequantize_bf16_gather`);
           ``inexact`` ``[] bool``: some value was not a bf16 value (then decoded to NaN;
           the caller takes the float32 path instead, :meth:`_either`).
         - Otherwise all three decoded to float32 (exact); ``inexact`` None.
@@ -394,7 +392,7 @@ class FfiKernels:
                 return jnp.asarray(x), jnp.asarray(fc1), jnp.asarray(fc2), None
             decoded, flags = [], []
             for i, (t, b) in enumerate(zip(ops, blocked)):
-                if b and i == 0 and self._gathers_from(t, source):
+                if b and i == 0 and source is not None:  # (a source the caller checked: _gathers_from)
                     values, flag = self.dequantize_bf16_gather(*source)
                     decoded.append(values)
                     flags.append(flag)

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "moe_ep_native.h"
 
@@ -152,6 +153,11 @@ MOE_EP_IMPL_DECLS
 // 1 ORed into *inexact then): the staged layer's operands from block-scaled weights.
 void dequantize_bf16_values(moe_ep_format fmt, const void* data, const void* scale, int64_t outer, int64_t n,
                             int64_t inner, int64_t transpose_rows, float* out, int32_t* inexact);
+// The round trip of one row of n float32 values through fmt (a moe_ep_format code; NONE: nothing)
+// in place: quantize then dequantize, with data and scale as scratch (resized here). R_int of
+// the staged experts, the combine format's round trip of moe_ep_combine_reduce_round_trip.
+moe_ep_status round_trip_row(int32_t fmt, float* row, int64_t n, std::vector<uint8_t>* data,
+                             std::vector<uint8_t>* scale);
 }  // namespace cpu
 
 #ifdef MOE_EP_NATIVE_WITH_CUDA

@@ -65,17 +65,6 @@ void slab_outer(const float* a, const float* b, int64_t r0, int64_t r1, int64_t 
 
 inline float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
 
-// R_int: the intermediate_format round trip of one row of length I, in place.
-moe_ep_status round_trip_row(int32_t fmt, float* row, int64_t n, std::vector<uint8_t>* data, std::vector<uint8_t>* scale) {
-  if (fmt == MOE_EP_FORMAT_NONE) return MOE_EP_OK;
-  const moe_ep_format f = static_cast<moe_ep_format>(fmt);
-  data->resize(static_cast<size_t>(2 * n + 2));
-  scale->resize(static_cast<size_t>(ceil_div(n, 16) + 1));
-  moe_ep_status st = quantize(nullptr, f, row, 1, n, 1, data->data(), scale->data());
-  if (st != MOE_EP_OK) return st;
-  return dequantize(nullptr, f, data->data(), scale->data(), 1, n, 1, row);
-}
-
 }  // namespace
 
 moe_ep_status expert_forward(void*, const moe_ep_expert_desc& d, const float* x, const float* w, const float* fc1,

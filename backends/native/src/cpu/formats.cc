@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "internal.h"
 
@@ -209,6 +210,17 @@ moe_ep_status dequantize_bf16_rows(void*, moe_ep_format fmt, const void* data, i
   }
   if (any && inexact != nullptr) *inexact |= 1;
   return MOE_EP_OK;
+}
+
+moe_ep_status round_trip_row(int32_t fmt, float* row, int64_t n, std::vector<uint8_t>* data,
+                             std::vector<uint8_t>* scale) {
+  if (fmt == MOE_EP_FORMAT_NONE) return MOE_EP_OK;
+  const moe_ep_format f = static_cast<moe_ep_format>(fmt);
+  data->resize(static_cast<size_t>(2 * n + 2));
+  scale->resize(static_cast<size_t>(ceil_div(n, 16) + 1));
+  moe_ep_status st = quantize(nullptr, f, row, 1, n, 1, data->data(), scale->data());
+  if (st != MOE_EP_OK) return st;
+  return dequantize(nullptr, f, data->data(), scale->data(), 1, n, 1, row);
 }
 
 }  // namespace cpu

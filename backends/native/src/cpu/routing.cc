@@ -121,7 +121,7 @@ moe_ep_status combine_reduce_round_trip(void*, moe_ep_format fmt, const float* r
   // Each route's row through the round trip into a copy (rows stay as they are), added to
   // its token's sum in slot order from +0 as combine_reduce adds rows.
   std::vector<float> row(static_cast<size_t>(hidden));
-  std::vector<uint8_t> data(static_cast<size_t>(hidden + 1)), scale(static_cast<size_t>(hidden / 16 + 2));
+  std::vector<uint8_t> data, scale;
   for (int64_t t = 0; t < num_tokens; ++t) {
     float* acc = out + t * hidden;
     for (int64_t h = 0; h < hidden; ++h) acc[h] = 0.0f;  // +0
@@ -130,8 +130,7 @@ moe_ep_status combine_reduce_round_trip(void*, moe_ep_format fmt, const float* r
       const int64_t p = route_pos != nullptr ? route_pos[r] : r;
       if (p < 0) continue;  // an unused slot adds nothing
       std::memcpy(row.data(), rows + p * hidden, static_cast<size_t>(hidden) * sizeof(float));
-      MOE_EP_TRY(quantize(nullptr, fmt, row.data(), 1, hidden, 1, data.data(), scale.data()));
-      MOE_EP_TRY(dequantize(nullptr, fmt, data.data(), scale.data(), 1, hidden, 1, row.data()));
+      MOE_EP_TRY(round_trip_row(fmt, row.data(), hidden, &data, &scale));
       for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + row[static_cast<size_t>(h)];
     }
   }
