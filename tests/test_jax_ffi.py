@@ -570,6 +570,36 @@ def test_routing_handlers_reject_bad_shapes_and_report_the_cores_errors() -> Non
                  "outputs); got bfloat16"):
         _ffi("moe_ep_combine_reduce", [_sds((2, 16), jnp.float32)], rows16, pos, num_topk=2, round_trip=np.int32(2))
 
+    # combine_reduce_encode: the sums (round trip as above), NaN on the error flag, the encode
+    no, yes = jnp.asarray(False), jnp.asarray(True)
+    for rt_code, rt_name in ((0, None), (2, "mxfp8"), (3, "nvfp4")):
+        for fmt, code in (("mxfp8", 2), ("nvfp4", 3)):
+            for flag in (no, yes):
+                data_w = 32 if fmt == "nvfp4" else 64
+                data, scale = _ffi("moe_ep_combine_reduce_encode", [_sds((2, data_w), jnp.uint8), _sds((2, 64 // (32 if fmt == "mxfp8" else 16)), jnp.uint8)],
+                                   rows32, pos, flag, num_topk=2, round_trip=np.int32(rt_code), out_format=np.int32(code))
+                sums = np.asarray(_ffi("moe_ep_combine_reduce", [_sds((2, 64), jnp.float32)], rows32, pos, num_topk=2,
+                                       round_trip=np.int32(rt_code))[0])
+                want = spec_quantize(np.full_like(sums, np.nan) if bool(flag) else sums, fmt, axis=-1)
+                assert np.asarray(data).tobytes() == np.asarray(want.data).view(np.uint8).tobytes(), (rt_name, fmt, flag)
+                assert np.asarray(scale).tobytes() == np.asarray(want.scale).view(np.uint8).tobytes(), (rt_name, fmt, flag)
+    (b16, _) = _ffi("moe_ep_combine_reduce_encode", [_sds((2, 16), jnp.uint16), _sds((2, 0), jnp.uint8)], rows16, pos, no,
+                    num_topk=2, round_trip=np.int32(0), out_format=np.int32(1))
+    assert np.asarray(b16).tobytes() == np.asarray(o32).astype(jnp.bfloat16).tobytes()
+    with _raises("moe_ep_combine_reduce_encode: attribute out_format must be 1 (bf16), 2 (mxfp8) or 3 (nvfp4); got 0"):
+        _ffi("moe_ep_combine_reduce_encode", [_sds((2, 64), jnp.uint8), _sds((2, 2), jnp.uint8)], rows32, pos, no,
+             num_topk=2, round_trip=np.int32(0), out_format=np.int32(0))
+    with _raises("moe_ep_combine_reduce_encode: scale must have shape [T, ceil(H/B)] (B: the block; 0 for bf16) = [2, 2]; "
+                 "got [2, 4]"):
+        _ffi("moe_ep_combine_reduce_encode", [_sds((2, 64), jnp.uint8), _sds((2, 4), jnp.uint8)], rows32, pos, no,
+             num_topk=2, round_trip=np.int32(0), out_format=np.int32(2))
+    with _raises("moe_ep_combine_reduce_encode: error must hold one element (the layer's error flag); got [2]"):
+        _ffi("moe_ep_combine_reduce_encode", [_sds((2, 64), jnp.uint8), _sds((2, 2), jnp.uint8)], rows32, pos,
+             jnp.zeros((2,), jnp.bool_), num_topk=2, round_trip=np.int32(0), out_format=np.int32(2))
+    with _raises("moe_ep_combine_reduce_encode: rows must have dtype float32 when round_trip is set"):
+        _ffi("moe_ep_combine_reduce_encode", [_sds((2, 16), jnp.uint8), _sds((2, 0), jnp.uint8)], rows16, pos, no,
+             num_topk=2, round_trip=np.int32(2), out_format=np.int32(1))
+
     # permute_rows: rows in send order, codes unchanged, -1 gives a zero row
     tokens = jnp.asarray(np.arange(12, dtype=np.uint8).reshape(3, 4))
     route = jnp.asarray(np.array([5, -1, 0, 3], np.int32))
@@ -603,8 +633,12 @@ def test_expert_handlers_reject_bad_shapes_and_report_the_cores_errors() -> None
         fwd(res, x, w[:7], w1, w2, gs, **attrs)
     with _raises("moe_ep_expert_forward: group_sizes must have shape [E_local] (from fc1) = [2]; got [3]"):
         fwd(res, x, w, w1, w2, jnp.zeros((3,), jnp.int32), **attrs)
-    with _raises("moe_ep_expert_forward: fc1_c must have shape [C, 2I] = [8, 8]; got [8, 4]"):
+    with _raises("moe_ep_expert_forward: fc1_c must have shape [C, 2I], or [0, 2I] for no stash = [8, 8]; got [8, 4]"):
         fwd([res[0], _sds((c, i), bf16)], x, w, w1, w2, gs, **attrs)
+    with _raises("moe_ep_expert_forward: fc1_c must have shape [C, 2I], or [0, 2I] for no stash = [0, 8]; got [0, 4]"):
+        fwd([res[0], _sds((0, i), bf16)], x, w, w1, w2, gs, **attrs)
+    y0, none = fwd([res[0], _sds((0, 2 * i), bf16)], x, w, w1, w2, gs, **attrs)  # no stash asked for: the same y
+    assert none.shape == (0, 2 * i) and np.asarray(y0).tobytes() == np.asarray(y).tobytes()
     with _raises("moe_ep_expert_forward: attribute intermediate_format must be 0 (none), 1 (bf16), 2 (mxfp8) or 3 (nvfp4); got 9"):
         fwd(res, x, w, w1, w2, gs, **{**attrs, "intermediate_format": np.int32(9)})
     # the layer's operands: one dtype, float32 or bfloat16

@@ -393,17 +393,20 @@ def test_round_to_bf16_of_bfloat16_is_the_float32_path_bit_for_bit() -> None:
                            f"{got[bad[0]]:#06x}, through float32 {want[bad[0]]:#06x}")
 
 
-@pytest.mark.parametrize("combine,output", [("mxfp8", "bf16"), ("bf16", "bf16"), ("bf16", "nvfp4")])
-@pytest.mark.parametrize("method", ["gather_rows", "reduce_rows"])
+@pytest.mark.parametrize("combine,output", [("mxfp8", "bf16"), ("bf16", "bf16"), ("bf16", "nvfp4"),
+                                            ("nvfp4", "mxfp8")])
+@pytest.mark.parametrize("method", ["gather_rows", "reduce_rows", "expert_forward_output"])
 def test_one_rank_native_paths_equal_xla_bit_for_bit(method: str, combine: str, output: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """jax-ffi at one rank gathers rows with the native moe_ep_permute_rows (FfiKernels.gather_rows)
-    and sums the routes' rows straight from the buffer with moe_ep_combine_reduce
-    (FfiKernels.reduce_rows): the fused forward's rows come rounded through a bf16 combine
-    format by the layer object (expert_forward_combined) or unrounded, to be rounded through a
-    block format inside the sum (expert_forward_reduce, round_trip), the layered combine's with
-    XLA's bf16 round trip. Every output of the layer is the same bits as without the method (XLA's gathers; the
-    general combine: encode, gather, decode, slot sum)."""
+    """jax-ffi at one rank gathers rows with the native moe_ep_permute_rows (FfiKernels.gather_rows);
+    the fused forward runs the experts and the combine in two native calls
+    (FfiKernels.expert_forward_output: the layer object, then moe_ep_combine_reduce_encode,
+    which sums each token's routes straight from the buffer, rounding unrounded rows through a
+    block combine format as it reads them, and encodes the output), or, without that method,
+    gets the rows rounded by the layer object (expert_forward_combined) and sums them with
+    moe_ep_combine_reduce (FfiKernels.reduce_rows), the layered combine's with XLA's bf16
+    round trip. Every output of the layer is the same bits as without the method (XLA's
+    gathers; the general combine: encode, gather, decode, slot sum, NaN select, encode)."""
     ffi = pytest.importorskip("moe_ep_jax_ffi.kernels")
     rows = 10
     config = MoeEpConfig(num_experts=4, hidden=64, intermediate=32, num_topk=3, num_ranks=1, max_tokens_per_rank=rows,
@@ -436,12 +439,14 @@ def test_one_rank_native_paths_equal_xla_bit_for_bit(method: str, combine: str, 
 
     with monkeypatch.context() as m:
         m.setattr(ffi.FfiKernels, method, counted)
+        if method == "reduce_rows":  # the fused forward's own sum comes first when present
+            m.delattr(ffi.FfiKernels, "expert_forward_output")
         fast = run()
     assert calls[method] > 0, f"the one-rank layer never called FfiKernels.{method}"
     with monkeypatch.context() as m:
         m.delattr(ffi.FfiKernels, method)
-        if method == "reduce_rows":  # the fused forward's sum is reduce_rows too
-            m.delattr(ffi.FfiKernels, "expert_forward_reduce")
+        if method != "gather_rows":  # neither sum: the general combine
+            m.delattr(ffi.FfiKernels, "reduce_rows" if method == "expert_forward_output" else "expert_forward_output")
         slow = run()
     assert len(fast) == len(slow), f"leaf counts {len(fast)} and {len(slow)}"
     for i, (a, b) in enumerate(zip(fast, slow)):
@@ -453,7 +458,7 @@ def test_one_rank_block_scaled_rows_decode_straight_from_the_tokens(fmt: str, co
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """jax-ffi at one rank decodes the buffer's block-scaled rows straight from the token
     rows by route id (FfiKernels.dequantize_bf16_gather, given the dispatch's source by
-    expert_forward_reduce): every output is the same bits as decoding the gathered rows (the
+    expert_forward_output): every output is the same bits as decoding the gathered rows (the
     source withheld), one block bf16 cannot hold still takes the float32 path, and a
     forward-only program keeps no gather of the codes (XLA drops the unused one)."""
     ffi = pytest.importorskip("moe_ep_jax_ffi.kernels")
@@ -476,14 +481,14 @@ def test_one_rank_block_scaled_rows_decode_straight_from_the_tokens(fmt: str, co
 
     calls: Counter = Counter()
     gather = ffi.FfiKernels.dequantize_bf16_gather
-    reduce = ffi.FfiKernels.expert_forward_reduce
+    fused = ffi.FfiKernels.expert_forward_output
 
     def counted(self: Any, *a: Any, **kw: Any) -> Any:
         calls["gather"] += 1
         return gather(self, *a, **kw)
 
-    def without_source(self: Any, *a: Any, tokens: Any = None, token_route: Any = None) -> Any:
-        return reduce(self, *a)
+    def without_source(self: Any, *a: Any, tokens: Any = None, token_route: Any = None, **kw: Any) -> Any:
+        return fused(self, *a, **kw)
 
     tiny = world.activation.copy()
     tiny[2, :32] = 3 * 2.0**-136  # mxfp8: a block bf16 cannot hold (the float32 path); nvfp4 holds every value
@@ -494,7 +499,7 @@ def test_one_rank_block_scaled_rows_decode_straight_from_the_tokens(fmt: str, co
         assert calls["gather"] > 0, "the one-rank layer never decoded the rows from the tokens"
         calls.clear()
         with monkeypatch.context() as m:
-            m.setattr(ffi.FfiKernels, "expert_forward_reduce", without_source)
+            m.setattr(ffi.FfiKernels, "expert_forward_output", without_source)
             m.setattr(ffi.FfiKernels, "dequantize_bf16_gather", counted)
             slow = run(x_np)
         assert calls["gather"] == 0
@@ -513,3 +518,46 @@ def test_one_rank_block_scaled_rows_decode_straight_from_the_tokens(fmt: str, co
     gathers = [ln for ln in text.splitlines() if 'custom_call_target="moe_ep_permute_rows"' in ln]
     outside = [ln for ln in gathers if "/cond/branch" not in ln]  # the float32 fallback gathers when it runs
     assert not outside, f"the forward-only program still gathers the codes: {outside[0][:200]}"
+    experts = [ln for ln in text.splitlines() if 'custom_call_target="moe_ep_expert_forward"' in ln]
+    assert experts and all("bf16[0,64]" in ln for ln in experts), (
+        f"the forward-only program asks the layer object for a stash: {experts[0][:300] if experts else 'no call'}")
+
+
+@pytest.mark.parametrize("output", ["bf16", "mxfp8", "nvfp4"])
+def test_one_rank_fused_output_of_an_input_error_is_xla_nan(output: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An input error inside jit (an expert id out of range) turns every output to NaN: the
+    fused one-rank combine (moe_ep_combine_reduce_encode's error flag) gives the bits of the
+    general combine's NaN select and encode, and a program without the error is finite."""
+    ffi = pytest.importorskip("moe_ep_jax_ffi.kernels")
+    rows = 8
+    config = MoeEpConfig(num_experts=4, hidden=64, intermediate=32, num_topk=2, num_ranks=1, max_tokens_per_rank=rows,
+                         output_format=output, combine_format="mxfp8", recv_capacity=32, expert_alignment=4)
+    (world,) = random_world(config, num_tokens=rows, input_format="bf16", seed=41)
+    good = np.asarray(world.topk_idx, np.int32)
+    bad = good.copy()
+    bad[3, 1] = config.num_experts
+
+    def run(idx: np.ndarray) -> List[np.ndarray]:
+        args = (jnp.asarray(world.activation, jnp.bfloat16), jnp.asarray(world.fc1_weight, jnp.bfloat16),
+                jnp.asarray(world.fc2_weight, jnp.bfloat16), jnp.asarray(idx), jnp.asarray(world.topk_weights))
+
+        def body(x, w1, w2, idx, tw):  # type: ignore[no-untyped-def]
+            return A.moe_ep(x, w1, w2, idx, tw, config=config, exchange="capacity", kernels=ffi.FfiKernels())
+
+        return [np.asarray(a) for a in jax.tree_util.tree_leaves(_compile(_shard(body), *args)(*args))]
+
+    for name, idx in (("an expert id out of range", bad), ("no error", good)):
+        fast = run(idx)
+        with monkeypatch.context() as m:
+            m.delattr(ffi.FfiKernels, "expert_forward_output")
+            m.delattr(ffi.FfiKernels, "reduce_rows")
+            slow = run(idx)
+        assert len(fast) == len(slow)
+        for i, (a, b) in enumerate(zip(fast, slow)):
+            _assert_same_bits(f"{output}, {name}, leaf {i}: fused vs the general combine", a, b)
+        if output == "bf16":
+            nan = np.isnan(fast[0].astype(np.float32))
+        else:
+            nan_code = {"mxfp8": 0xFF, "nvfp4": 0x7F}[output]
+            nan = fast[1].view(np.uint8) == nan_code  # every block's scale: the NaN code
+        assert nan.all() if idx is bad else not nan.any(), f"{output}, {name}: NaN blocks {nan.sum()} of {nan.size}"

@@ -281,6 +281,76 @@ def test_combine_reduce_round_trip_is_the_round_trip_then_the_sum(fmt, h):
     np.testing.assert_array_equal(ident, host.combine_reduce(rounded[: t * k], None, t, k))
 
 
+def _encoded_bits(t):
+    """The bytes of an encoded array: (data, scale) of a BlockScaledTensor, (bits,) of bf16."""
+    if isinstance(t, F.BlockScaledTensor):
+        return np.asarray(t.data).view(np.uint8), np.asarray(t.scale).view(np.uint8)
+    return (np.asarray(t).view(np.uint16),)
+
+
+@pytest.mark.parametrize("out_format", ["bf16", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("rows_kind", ["float32", "bfloat16", "mxfp8", "nvfp4"])  # the last two: round trips
+@pytest.mark.parametrize("h", [64, 40])
+def test_combine_reduce_encode_is_the_sum_then_the_encode(out_format, rows_kind, h):
+    """moe_ep_combine_reduce_encode: bit for bit moe_ep_quantize of the sums of
+    moe_ep_combine_reduce (float32 or bf16 rows) or moe_ep_combine_reduce_round_trip, and of
+    all-NaN sums when the error flag is set; a NaN in one route's row stays in its token."""
+    rng = np.random.default_rng(h)
+    t, k = 11, 4
+    rows = (rng.standard_normal((t * k + 1, h)) * np.exp2(rng.integers(-20, 20, (t * k + 1, 1)))).astype(np.float32)
+    rows[-1] = np.nan  # a row no route reads
+    pos = rng.permutation(t * k).astype(np.int32)
+    pos[[2, 7]] = -1
+    rows[pos[5], 1] = np.nan  # token 1, slot 1
+    rt = rows_kind if rows_kind in ("mxfp8", "nvfp4") else None
+    if rows_kind == "bfloat16":
+        rows = rows.astype(F.BF16)
+    sums = host.combine_reduce(rows, pos, t, k, round_trip=rt)
+    for error in (False, True):
+        got = host.combine_reduce_encode(rows, pos, t, k, out_format, round_trip=rt, error=error)
+        want = host.quantize(np.full_like(sums, np.nan) if error else sums, out_format)
+        for a, b in zip(_encoded_bits(got), _encoded_bits(want)):
+            np.testing.assert_array_equal(a, b, err_msg=f"{out_format} of {rows_kind} rows, error {error}")
+    bad = np.isnan(sums).any(axis=1)
+    assert bad[1] and bad.sum() == 1, np.flatnonzero(bad)
+
+
+def test_combine_reduce_encode_checks_its_arguments():
+    from moe_ep_native._capi import call
+    rows = np.zeros((4, 32), np.float32)
+    pos = np.array([0, 1, 2, 9], np.int32)
+    with pytest.raises(NativeArgumentError, match=r"moe_ep_combine_reduce_encode: route_pos\[3\] must be -1 or in "
+                                                  r"\[0, num_rows\) = \[0, 4\); got 9"):
+        host.combine_reduce_encode(rows, pos, 2, 2, "mxfp8")
+    data = np.full((2, 32), 7, np.uint8)  # a rejected call writes nothing
+    scale = np.full((2, 1), 7, np.uint8)
+    flag = np.zeros(1, np.uint8)
+
+    def raw(rows_dtype, rt, out_format, p=None, s=scale):
+        call("moe_ep_combine_reduce_encode", 0, None, rows_dtype, rt, rows.ctypes.data, 4, p, 2, 2, 32,
+             flag.ctypes.data, out_format, data.ctypes.data, None if s is None else s.ctypes.data)
+
+    with pytest.raises(NativeArgumentError, match=r"route_pos\[3\] must be -1"):
+        raw(0, 2, 2, pos.ctypes.data)
+    assert (data == 7).all() and (scale == 7).all()
+    with pytest.raises(NativeArgumentError, match=r"rows_dtype must be MOE_EP_DTYPE_F32 \(0\) or MOE_EP_DTYPE_BF16 "
+                                                  r"\(1\); got 2"):
+        raw(2, 0, 2)
+    with pytest.raises(NativeArgumentError, match=r"round_trip must be MOE_EP_FORMAT_NONE \(0\), MOE_EP_FORMAT_MXFP8 "
+                                                  r"\(2\) or MOE_EP_FORMAT_NVFP4 \(3\); got 1"):
+        raw(0, 1, 2)
+    with pytest.raises(NativeArgumentError, match=r"rows_dtype must be MOE_EP_DTYPE_F32 when round_trip is set"):
+        raw(1, 2, 2)
+    with pytest.raises(NativeArgumentError, match=r"fmt must be MOE_EP_FORMAT_BF16 \(1\), MOE_EP_FORMAT_MXFP8 \(2\) "
+                                                  r"or MOE_EP_FORMAT_NVFP4 \(3\); got 0"):
+        raw(0, 0, 0)
+    with pytest.raises(NativeArgumentError, match=r"scale must be NULL for MOE_EP_FORMAT_BF16"):
+        raw(0, 0, 1)
+    assert (data == 7).all() and (scale == 7).all()
+    with pytest.raises(FormatError, match=r"round_trip must be None, 'mxfp8' or 'nvfp4'"):
+        host.combine_reduce_encode(rows, None, 2, 2, "bf16", round_trip="bf16")
+
+
 def test_combine_reduce_round_trip_checks_its_format_and_positions():
     rows = np.zeros((4, 32), np.float32)
     with pytest.raises(FormatError, match=r"round_trip must be None, 'mxfp8' or 'nvfp4' \(a block format\); got 'bf16'"):

@@ -285,6 +285,44 @@ def test_combine_reduce_round_trip_on_every_path(fmt, h):
     np.testing.assert_array_equal(host_of(out, np.float32, want.shape), want, err_msg=f"{fmt}, hidden {h}, identity")
 
 
+@pytest.mark.parametrize("out_format", ["bf16", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("rows_kind", ["float32", "bfloat16", "mxfp8", "nvfp4"])  # the last two: round trips
+@pytest.mark.parametrize("h", [7168, 64, 48])  # a lane's 16-byte loads; 48: 32 columns a thread
+def test_combine_reduce_encode_on_every_path(out_format, rows_kind, h):
+    """moe_ep_combine_reduce_encode on CUDA: bit for bit the CPU entry (the sums, the round
+    trip of every row read, the encode), with rows spanning 2^-140..2^100 (scale codes at both
+    ends), a NaN in one row, unused slots, a NaN row no route reads, a route position past the
+    rows (adds nothing on CUDA), and the error flag (all NaN)."""
+    rng = np.random.default_rng(h)
+    t, k, n = 23, 8, 150
+    rows = (rng.standard_normal((n, h)) * np.exp2(rng.integers(-140, 100, (n, 1)))).astype(np.float32)
+    rows[7, 5] = np.nan
+    rows[n - 1] = np.nan
+    pos = rng.integers(-1, n - 1, t * k).astype(np.int32)
+    rt = rows_kind if rows_kind in ("mxfp8", "nvfp4") else None
+    rt_code = {None: 0, "mxfp8": 2, "nvfp4": 3}[rt]
+    out_code = {"bf16": 1, "mxfp8": 2, "nvfp4": 3}[out_format]
+    if rows_kind == "bfloat16":
+        rows = rows.astype(BF16_NP)
+    src = rows.view(np.uint16) if rows.dtype == BF16_NP else rows
+    over = pos.copy()
+    over[3] = n + 5  # CUDA adds nothing for it; the CPU entry rejects it, so the expectation sets -1 there
+    expect_pos = over.copy()
+    expect_pos[3] = -1
+    for error in (False, True):
+        want = host.combine_reduce_encode(rows, expect_pos, t, k, out_format, round_trip=rt, error=error)
+        parts = [np.asarray(want.data).view(np.uint8), np.asarray(want.scale).view(np.uint8)] if out_format != "bf16" \
+            else [np.asarray(want).view(np.uint16)]
+        outs = [empty(p.nbytes) for p in parts]
+        flag = dev(np.array([1 if error else 0], np.uint8))
+        call("moe_ep_combine_reduce_encode", CUDA, stream(), 1 if rows_kind == "bfloat16" else 0, rt_code,
+             dev(src).data_ptr(), n, dev(over).data_ptr(), t, k, h, flag.data_ptr(), out_code, outs[0].data_ptr(),
+             outs[1].data_ptr() if len(outs) > 1 else None)
+        for name, o, p in zip(("data", "scale"), outs, parts):
+            np.testing.assert_array_equal(host_of(o, p.dtype, p.shape), p,
+                                          err_msg=f"{out_format} of {rows_kind} rows, hidden {h}, error {error}: {name}")
+
+
 @pytest.mark.parametrize("row_bytes", [64, 12, 6, 5])  # the uint4, uint32, uint16 and byte copy paths
 def test_permute_rows_every_copy_width(row_bytes):
     rng = np.random.default_rng(row_bytes)

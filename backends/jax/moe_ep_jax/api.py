@@ -298,14 +298,17 @@ def _handle(spec: core.LayerSpec, plan: core.Plan, route: jax.Array) -> EpHandle
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(spec: core.LayerSpec, x: Tensor, fc1: Tensor, fc2: Tensor, idx: jax.Array, tw: jax.Array):  # type: ignore[no-untyped-def]
-    out, fc1_c, meta, _, _ = core.forward(spec, x, fc1, fc2, idx, tw)
-    return out, fc1_c, meta
+    """``(output, fc1_c, route_metadata)`` with ``config.generate_c``, else ``(output,)``:
+    a forward nobody differentiates asks for no stash (the provider need not write it)."""
+    stash = spec.config.generate_c
+    out, fc1_c, meta, _, _ = core.forward(spec, x, fc1, fc2, idx, tw, stash=stash)
+    return (out, fc1_c, meta) if stash else (out,)
 
 
 def _fused_fwd(spec, x, fc1, fc2, idx, tw):  # type: ignore[no-untyped-def]
-    out, fc1_c, meta, plan, d = core.forward(spec, x, fc1, fc2, idx, tw)
+    out, fc1_c, meta, plan, d = core.forward(spec, x, fc1, fc2, idx, tw)  # the backward's stash, always
     res = (plan, d.tokens, d.weights, fc1_c, fc1, fc2, _zero_like(x), _zero_like(tw))
-    return (out, fc1_c, meta), res
+    return ((out, fc1_c, meta) if spec.config.generate_c else (out,)), res
 
 
 def _fused_bwd(spec, res, cts):  # type: ignore[no-untyped-def]
@@ -385,10 +388,11 @@ def moe_ep(
     _check_not_batched(activation, fc1_weight, fc2_weight, topk_idx, topk_weights)
     num_tokens = _check_layer(config, activation, fc1_weight, fc2_weight, topk_idx, topk_weights)
     spec = _spec(config, axis_name, num_tokens, exchange, kernels)
-    out, fc1_c, meta = _fused(spec, activation, fc1_weight, fc2_weight, topk_idx.astype(jnp.int32), topk_weights)
+    outs = _fused(spec, activation, fc1_weight, fc2_weight, topk_idx.astype(jnp.int32), topk_weights)
     if config.generate_c:
+        out, fc1_c, meta = outs
         return out, fc1_c, meta
-    return out
+    return outs[0]
 
 
 def moe_ep_backward(

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, NamedTuple, Sequence, Tuple, Union
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .devices import prepare_environment as _prepare_environment
 
@@ -613,12 +613,7 @@ def _sum_local_rows(spec: LayerSpec, plan: Plan, lay: Layout, rows: jax.Array, r
     bf16 combine format), already through the combine format's round trip: each token's
     routes summed in slot order (``reduce_rows``), NaN on an error, the output encode.
     Returns ``(output, sum)``."""
-    return _finish_sum(spec, lay, reduce_rows(rows, _local_rows(spec, plan, lay), spec.num_tokens, spec.num_topk))
-
-
-def _finish_sum(spec: LayerSpec, lay: Layout, summed: jax.Array) -> Tuple[Tensor, jax.Array]:
-    """``(output, sum)`` of a one-rank ``[T, H] float32`` sum: NaN on an error, the output encode."""
-    summed = poison(lay.error, summed)
+    summed = poison(lay.error, reduce_rows(rows, _local_rows(spec, plan, lay), spec.num_tokens, spec.num_topk))
     return encode_output(spec, summed), summed
 
 
@@ -698,10 +693,12 @@ def _tokens_to_experts_local(spec: LayerSpec, plan: Plan, lay: Layout, per_token
 
 
 def forward(
-    spec: LayerSpec, activation: Tensor, fc1: Tensor, fc2: Tensor, topk_idx: jax.Array, topk_weights: jax.Array
-) -> Tuple[Tensor, jax.Array, jax.Array, Plan, Dispatched]:
-    """The fused forward of one rank: ``(output, fc1_c [C, 2I] bf16,
-    route_metadata [C, 4] int32, plan, dispatched buffers)``.
+    spec: LayerSpec, activation: Tensor, fc1: Tensor, fc2: Tensor, topk_idx: jax.Array, topk_weights: jax.Array,
+    stash: bool = True,
+) -> Tuple[Tensor, Optional[jax.Array], jax.Array, Plan, Dispatched]:
+    """The fused forward of one rank: ``(output, fc1_c [C, 2I] bf16, route_metadata [C, 4]
+    int32, plan, dispatched buffers)``; ``stash`` False: no ``fc1_c`` (None), and a provider
+    may skip writing it (a forward nobody differentiates).
     Collectives: one all-gather (plan), two all-to-alls."""
     plan = make_plan(spec, topk_idx)
     lay = layout(spec, plan)
@@ -709,14 +706,15 @@ def forward(
     valid, _, _ = valid_rows(spec, lay)
     kern = spec.kernels
     combined, reduce_rows = getattr(kern, "expert_forward_combined", None), getattr(kern, "reduce_rows", None)
-    fused = getattr(kern, "expert_forward_reduce", None)
+    fused = getattr(kern, "expert_forward_output", None)
+    c: Optional[jax.Array]
     if spec.num_ranks == 1 and fused is not None:
-        # One rank, a provider that runs the experts and the routes' sum in one call (it may
-        # round each row through the combine format inside the sum, and read the buffer's
-        # rows from the tokens by route id): NaN on an error, the encode.
-        summed, c = fused(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes, _local_rows(spec, plan, lay),
-                          spec.num_tokens, tokens=activation, token_route=_local_routes(spec, plan, lay))
-        out, _ = _finish_sum(spec, lay, summed)
+        # One rank, a provider that runs the experts, the routes' sum, the NaN on an error and
+        # the output encode in one call (it may round each row through the combine format
+        # inside the sum, and read the buffer's rows from the tokens by route id).
+        out, c = fused(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes, _local_rows(spec, plan, lay),
+                       spec.num_tokens, lay.error, tokens=activation, token_route=_local_routes(spec, plan, lay),
+                       stash=stash)
     elif spec.num_ranks == 1 and combined is not None and reduce_rows is not None:
         # One rank, a provider that rounds y through the combine format itself and sums rows
         # by index: the routes' rows are summed straight from the buffer (combine_rows' other
@@ -726,11 +724,13 @@ def forward(
     else:
         y, c = kern.expert_forward(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes)
         out, _ = combine_rows(spec, plan, lay, y)
-    # The stash: c's bf16 rounding (the identity when the provider's c is the bf16 stash
-    # itself), +0 in padding rows; selected on the bits (XLA:CPU selects bf16 through float32).
-    keep = valid[:, None]
-    stash = _as_bits(F.round_to_bf16(c))
-    fc1_c = lax.bitcast_convert_type(jnp.where(keep, stash, jnp.zeros((), stash.dtype)), jnp.bfloat16)
+    fc1_c = None
+    if stash:
+        # The stash: c's bf16 rounding (the identity when the provider's c is the bf16 stash
+        # itself), +0 in padding rows; selected on the bits (XLA:CPU selects bf16 through float32).
+        keep = valid[:, None]
+        bits = _as_bits(F.round_to_bf16(c))
+        fc1_c = lax.bitcast_convert_type(jnp.where(keep, bits, jnp.zeros((), bits.dtype)), jnp.bfloat16)
     meta = route_metadata(spec, lay, d.route)
     return out, fc1_c, meta, plan, d
 

@@ -29,13 +29,16 @@ straight from the buffer (as bfloat16). Optional with it:
 after ``combine_format``'s round trip (float32, or bfloat16 for a bf16 combine
 format). The fused forward at one rank then passes the rows to ``reduce_rows`` as
 they are (any combine format). Optional, and preferred at one rank when present:
-``expert_forward_reduce(config, x, w, fc1, fc2, group_sizes, route_rows [T*K] int32,
-num_tokens, tokens=, token_route=) -> (sum [T, H] float32, c)``, ``expert_forward_combined``
-and ``reduce_rows`` in one call (the provider may round each row through the combine format
-inside the sum, reading y once). ``tokens`` (the layer's ``[T, H]`` input) and
-``token_route`` (``[C] int32``, the route id of every buffer row, -1 for none) are what
-``x`` was gathered from (row ``i`` = token ``token_route[i] // K``): a provider may read the
-rows from there instead of from ``x``.
+``expert_forward_output(config, x, w, fc1, fc2, group_sizes, route_rows [T*K] int32,
+num_tokens, error [] bool, tokens=, token_route=, stash=) -> (output, c or None)``: the rest
+of the one-rank forward in one call, ``expert_forward_combined``, ``reduce_rows``, NaN
+everywhere when ``error`` and the ``output_format`` encode (the provider may round each row
+through the combine format inside the sum, reading y once, and encode the sums without
+writing them). ``tokens`` (the layer's ``[T, H]`` input) and ``token_route`` (``[C] int32``,
+the route id of every buffer row, -1 for none) are what ``x`` was gathered from (row ``i`` =
+token ``token_route[i] // K``): a provider may read the rows from there instead of from
+``x``. ``stash`` False: nobody reads ``c`` (a forward that is not differentiated and does
+not return the stash); the provider may skip it and return None.
 
 :class:`XlaKernels` (the default, name ``xla``) does this with XLA-native ops:
 ``jax.lax.ragged_dot`` / ``ragged_dot_general`` over the expert slabs with

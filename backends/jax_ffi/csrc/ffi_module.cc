@@ -142,10 +142,11 @@ constexpr int64_t kMxfp8Block = 32;
 constexpr int64_t kNvfp4Block = 16;
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-ffi::Error ExpectEncodeFormat(const char* target, int32_t format) {
+ffi::Error ExpectEncodeFormat(const char* target, int32_t format, const char* name = "format") {
   if (format == MOE_EP_FORMAT_BF16 || format == MOE_EP_FORMAT_MXFP8 || format == MOE_EP_FORMAT_NVFP4)
     return ffi::Error::Success();
-  return Invalid(target, "attribute format must be 1 (bf16), 2 (mxfp8) or 3 (nvfp4)", std::to_string(format));
+  return Invalid(target, std::string("attribute ") + name + " must be 1 (bf16), 2 (mxfp8) or 3 (nvfp4)",
+                 std::to_string(format));
 }
 
 // Extents of the encoded storage along the blocked axis for `n` values.
@@ -448,6 +449,56 @@ auto BindCombineReduce(B b) {
       .template Attr<int32_t>("round_trip");   // 0, or 2 / 3: Y = the mxfp8 / nvfp4 round trip of the f32 row
 }
 
+// moe_ep_combine_reduce_encode: CombineReduce's sums, NaN on the error flag, encoded.
+ffi::Error CombineReduceEncode(Dev dev, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> route_pos,
+                               ffi::Buffer<ffi::PRED> error, ffi::Result<ffi::AnyBuffer> data,
+                               ffi::Result<ffi::Buffer<ffi::U8>> scale, int64_t num_topk, int32_t round_trip,
+                               int32_t out_format) {
+  constexpr const char* kT = "moe_ep_combine_reduce_encode";
+  MOE_EP_FFI_TRY(ExpectAtLeast(kT, "num_topk", num_topk, 1));
+  MOE_EP_FFI_TRY(ExpectEncodeFormat(kT, out_format, "out_format"));
+  const ffi::DataType rt = rows.element_type();
+  if (rt != ffi::DataType::F32 && rt != ffi::DataType::BF16)
+    return Invalid(kT, "rows must have dtype float32 or bfloat16", DtypeName(rt));
+  if (round_trip != MOE_EP_FORMAT_NONE && round_trip != MOE_EP_FORMAT_MXFP8 && round_trip != MOE_EP_FORMAT_NVFP4)
+    return Invalid(kT, "attribute round_trip must be 0 (none), 2 (mxfp8) or 3 (nvfp4)", std::to_string(round_trip));
+  if (round_trip != MOE_EP_FORMAT_NONE && rt != ffi::DataType::F32)
+    return Invalid(kT, "rows must have dtype float32 when round_trip is set (the unrounded expert outputs)",
+                   DtypeName(rt));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "rows", "[R, H]", rows.dimensions(), 2));
+  MOE_EP_FFI_TRY(ExpectRank(kT, "data", "[T, H']", data->dimensions(), 2));
+  const int64_t r = rows.dimensions()[0], h = rows.dimensions()[1], t = data->dimensions()[0];
+  MOE_EP_FFI_TRY(ExpectDtype(kT, "data", data->element_type(), DataDtype(out_format),
+                             std::string(" for out_format ") + std::to_string(out_format) + " (" +
+                                 FormatName(out_format) + ")"));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "data", "[T, H] (bf16, mxfp8) or [T, ceil(H/2)] (nvfp4); H: rows' width",
+                             data->dimensions(), {t, DataExtent(out_format, h)}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "scale", "[T, ceil(H/B)] (B: the block; 0 for bf16)", scale->dimensions(),
+                             {t, ScaleExtent(out_format, h)}));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "route_pos", "[T * K] (T: data's rows)", route_pos.dimensions(), {t * num_topk}));
+  if (error.element_count() != 1)
+    return Invalid(kT, "error must hold one element (the layer's error flag)", ShapeStr(error.dimensions()));
+  if (t == 0) return ffi::Error::Success();  // nothing to sum (and a NULL route_pos would mean the identity)
+  return FromStatus(kT, moe_ep_combine_reduce_encode(
+      dev.device, dev.stream, rt == ffi::DataType::BF16 ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32,
+      static_cast<moe_ep_format>(round_trip), DataOrNull(rows), r, static_cast<const int32_t*>(route_pos.untyped_data()),
+      t, num_topk, h, static_cast<const uint8_t*>(error.untyped_data()), static_cast<moe_ep_format>(out_format),
+      DataOrNull(*data), out_format == MOE_EP_FORMAT_BF16 ? nullptr : DataOrNull(*scale)));
+}
+
+template <typename B>
+auto BindCombineReduceEncode(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // rows [R, H] f32 or bf16: the expert outputs
+      .template Arg<ffi::Buffer<ffi::S32>>()   // route_pos [T*K] s32: row of each route, -1 = none (adds nothing)
+      .template Arg<ffi::Buffer<ffi::PRED>>()  // error [] bool: the layer's error flag (every sum NaN)
+      .template Ret<ffi::AnyBuffer>()          // data [T, H] bf16 bits / mxfp8 u8 codes, [T, ceil(H/2)] nvfp4 u8
+      .template Ret<ffi::Buffer<ffi::U8>>()    // scale [T, ceil(H/B)] u8 block scales; [T, 0], unwritten, for bf16
+      .template Attr<int64_t>("num_topk")      // K >= 1
+      .template Attr<int32_t>("round_trip")    // 0, or 2 / 3: each row read through mxfp8 / nvfp4 (f32 rows)
+      .template Attr<int32_t>("out_format");   // 1 bf16, 2 mxfp8, 3 nvfp4
+}
+
 // combine_reduce with route_pos NULL: row t*K+k is slot k of token t.
 ffi::Error SlotSum(Dev dev, ffi::Buffer<ffi::F32> rows, ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t num_topk) {
   constexpr const char* kT = "moe_ep_slot_sum";
@@ -698,7 +749,10 @@ ffi::Error ExpertForward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<f
                               group_sizes.dimensions(), &c, &h, &i, &el));
   MOE_EP_FFI_TRY(ExpectOperandDtypes(kT, x.element_type(), fc1.element_type(), fc2.element_type()));
   MOE_EP_FFI_TRY(ExpectShape(kT, "y", "[C, H]", y->dimensions(), {c, h}));
-  MOE_EP_FFI_TRY(ExpectShape(kT, "fc1_c", "[C, 2I]", fc1_c->dimensions(), {c, 2 * i}));
+  // fc1_c [0, 2I] (C > 0): no stash asked for (a forward nobody differentiates): none written.
+  const bool no_stash = c > 0 && fc1_c->dimensions().size() == 2 && fc1_c->dimensions()[0] == 0;
+  MOE_EP_FFI_TRY(ExpectShape(kT, "fc1_c", "[C, 2I], or [0, 2I] for no stash", fc1_c->dimensions(),
+                             {no_stash ? 0 : c, 2 * i}));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, intermediate_format));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, combine_format, "combine_format"));
   const bool bf16_y = combine_format == MOE_EP_FORMAT_BF16;
@@ -715,7 +769,7 @@ ffi::Error ExpertForward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<f
   return FromStatus(kT, moe_ep_layer_experts_forward(
       slot->layer, at.dev.stream, c, DataOrNull(x), static_cast<const float*>(DataOrNull(w)), DataOrNull(fc1),
       DataOrNull(fc2), static_cast<const int32_t*>(DataOrNull(group_sizes)), DataOrNull(*y),
-      static_cast<uint16_t*>(DataOrNull(*fc1_c))));
+      no_stash ? nullptr : static_cast<uint16_t*>(DataOrNull(*fc1_c))));
 }
 
 template <typename B>
@@ -728,7 +782,8 @@ auto BindExpertForward(B b) {
       .template Arg<ffi::Buffer<ffi::S32>>()      // group_sizes [E_local] s32: slab sizes, each >= 0, sum <= C
       .template Ret<ffi::AnyBuffer>()             // y [C, H] f32 (bf16 when combine_format is 1): expert output,
                                                   // after combine_format's round trip
-      .template Ret<ffi::Buffer<ffi::BF16>>()     // fc1_c [C, 2I] bf16: the stash (bf16 of the pre-clamp FC1 output)
+      .template Ret<ffi::Buffer<ffi::BF16>>()     // fc1_c [C, 2I] bf16: the stash (bf16 of the pre-clamp FC1 output);
+                                                  // [0, 2I]: none asked for, none written
       .template Attr<bool>("apply_topk_in_fc1")   // true: y = R_int(w*h) W2; false: y = w * (R_int(h) W2)
       .template Attr<bool>("has_clamp")           // the SwiGLU clamp
       .template Attr<float>("gate_up_clamp")      // its limit L > 0, finite (ignored without has_clamp)
@@ -869,6 +924,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpDequantizeBf16GatherCpu, mf::OnCpu(mf::Dequan
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPlanRoutesCpu, mf::OnCpu(mf::PlanRoutes), MOE_EP_CPU_BIND(BindPlanRoutes));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPermuteRowsCpu, mf::OnCpu(mf::PermuteRows), MOE_EP_CPU_BIND(BindPermuteRows));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceCpu, mf::OnCpu(mf::CombineReduce), MOE_EP_CPU_BIND(BindCombineReduce));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceEncodeCpu, mf::OnCpu(mf::CombineReduceEncode),
+                              MOE_EP_CPU_BIND(BindCombineReduceEncode));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpSlotSumCpu, mf::OnCpu(mf::SlotSum), MOE_EP_CPU_BIND(BindSlotSum));
 #define MOE_EP_CPU_STAGE_BIND(B) mf::B(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>())
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertForwardCpu, mf::StageOnCpu(mf::ExpertForward),
@@ -892,6 +949,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPermuteRowsCuda, mf::OnCuda(mf::PermuteRows),
                               MOE_EP_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceCuda, mf::OnCuda(mf::CombineReduce),
                               MOE_EP_CUDA_BIND(BindCombineReduce), MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceEncodeCuda, mf::OnCuda(mf::CombineReduceEncode),
+                              MOE_EP_CUDA_BIND(BindCombineReduceEncode), MOE_EP_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpSlotSumCuda, mf::OnCuda(mf::SlotSum), MOE_EP_CUDA_BIND(BindSlotSum),
                               MOE_EP_CMD_BUFFER);
 // The expert stages: an initialize handler (makes the layer object before any
@@ -972,6 +1031,7 @@ NB_MODULE(_ffi, m) {
           d["moe_ep_plan_routes"] = Capsule(MoeEpPlanRoutesCpu);
           d["moe_ep_permute_rows"] = Capsule(MoeEpPermuteRowsCpu);
           d["moe_ep_combine_reduce"] = Capsule(MoeEpCombineReduceCpu);
+          d["moe_ep_combine_reduce_encode"] = Capsule(MoeEpCombineReduceEncodeCpu);
           d["moe_ep_slot_sum"] = Capsule(MoeEpSlotSumCpu);
           d["moe_ep_expert_forward"] = Capsule(MoeEpExpertForwardCpu);
           d["moe_ep_expert_backward"] = Capsule(MoeEpExpertBackwardCpu);
@@ -985,6 +1045,7 @@ NB_MODULE(_ffi, m) {
           d["moe_ep_plan_routes"] = Capsule(MoeEpPlanRoutesCuda);
           d["moe_ep_permute_rows"] = Capsule(MoeEpPermuteRowsCuda);
           d["moe_ep_combine_reduce"] = Capsule(MoeEpCombineReduceCuda);
+          d["moe_ep_combine_reduce_encode"] = Capsule(MoeEpCombineReduceEncodeCuda);
           d["moe_ep_slot_sum"] = Capsule(MoeEpSlotSumCuda);
           d["moe_ep_expert_forward"] = Bundle(MoeEpExpertForwardCudaInit, MoeEpExpertForwardCuda);
           d["moe_ep_expert_backward"] = Bundle(MoeEpExpertBackwardCudaInit, MoeEpExpertBackwardCuda);

@@ -433,36 +433,84 @@ class FfiKernels:
         weight went into FC1); other formats' is float32."""
         return self._expert_forward(config, x, w, fc1, fc2, group_sizes, combined=True)
 
-    def expert_forward_reduce(self, config, x, w, fc1, fc2, group_sizes, route_rows, num_tokens,  # type: ignore[no-untyped-def]
-                              tokens=None, token_route=None):
-        """``(sum [T, H] float32, c [C, 2I] bfloat16)``: the fused forward at one rank,
-        :meth:`expert_forward_combined`'s rows summed as :meth:`reduce_rows` sums them. A
-        block combine format (mxfp8, nvfp4) rounds each row inside the sum
-        (``round_trip``): the layer object writes y unrounded and the sum reads it once,
-        where a round trip in the FC2 epilogue would read and write all of y first. A bf16
-        one is :meth:`expert_forward_combined` (bf16 rows) then :meth:`reduce_rows`.
+    def reduce_rows_encode(self, rows: jax.Array, route_rows: jax.Array, num_tokens: int, num_topk: int,
+                           out_format: Any, error: Any, round_trip: Any = None) -> Tensor:
+        """:meth:`reduce_rows`' ``[T, H]`` sums (``round_trip`` as there), all NaN where
+        ``error``, encoded in ``out_format`` in the same pass (the native
+        ``moe_ep_combine_reduce_encode``): the bits of ``quantize(poison(error, sums),
+        out_format)``, without the float32 sums ever being written.
+
+        Args:
+            rows: ``[R, H] float32``, or ``bfloat16`` (no round trip).
+            route_rows: ``[T*K] int32``: -1 or a row in ``[0, R)``.
+            out_format: bf16, mxfp8 or nvfp4 (blocks along H).
+            error: ``[] bool``: the layer's data-dependent error flag.
+            round_trip: None, ``mxfp8`` or ``nvfp4`` (float32 rows).
+
+        Returns:
+            ``[T, H] bfloat16``, or a :class:`~moe_ep_jax.formats.BlockScaled` blocked along axis 1.
+        """
+        rows = jnp.asarray(rows)
+        fmt = parse_format(out_format, name="out_format")
+        rt = None if round_trip is None else parse_format(round_trip, name="round_trip")
+        if rt is not None and rt not in (MoeFormat.MXFP8, MoeFormat.NVFP4):
+            raise FormatError(f"round_trip must be None, 'mxfp8' or 'nvfp4' (a block format); got {round_trip!r}")
+        if rows.dtype != jnp.bfloat16 or rt is not None:
+            rows = rows.astype(_F32)
+        h = rows.shape[1]
+        flag = jnp.asarray(error, jnp.bool_).reshape(())
+        if num_tokens == 0 or h == 0 or rows.shape[0] == 0:  # nothing any route could read: +0 sums
+            sums = jnp.where(flag, jnp.float32(jnp.nan), jnp.zeros((num_tokens, h), _F32))
+            return F.round_to_bf16(sums) if fmt is MoeFormat.BF16 else self.quantize(sums, fmt)
+        if fmt is MoeFormat.BF16:
+            data_shape, scale_shape, data_dtype = (num_tokens, h), (num_tokens, 0), jnp.uint16
+        else:
+            block = int(fmt.block_size or 0)
+            data_shape = (num_tokens, -(-h // 2) if fmt is MoeFormat.NVFP4 else h)
+            scale_shape, data_dtype = (num_tokens, -(-h // block)), _U8
+        data, scale = _call("moe_ep_combine_reduce_encode", [_sds(data_shape, data_dtype), _sds(scale_shape, _U8)],
+                            rows, jnp.asarray(route_rows).astype(_I32), flag, num_topk=int(num_topk),
+                            round_trip=_code(rt), out_format=_code(fmt))
+        if fmt is MoeFormat.BF16:
+            return lax.bitcast_convert_type(data, jnp.bfloat16)
+        if fmt is MoeFormat.MXFP8:
+            data = lax.bitcast_convert_type(data, _DATA_DTYPE[fmt])
+        return F.BlockScaled(data, lax.bitcast_convert_type(scale, _SCALE_DTYPE[fmt]), fmt, h, 1)
+
+    def expert_forward_output(self, config, x, w, fc1, fc2, group_sizes, route_rows, num_tokens, error,  # type: ignore[no-untyped-def]
+                              tokens=None, token_route=None, stash=True):
+        """``(output, c [C, 2I] bfloat16 or None)``: the fused forward at one rank after the
+        dispatch, in two calls: the layer object's experts, then :meth:`reduce_rows_encode`
+        (each token's routes summed in slot order, NaN on ``error``, the output encode). A
+        block combine format (mxfp8, nvfp4) rounds each row inside the sum (``round_trip``):
+        the layer object writes y unrounded and the sum reads it once, where a round trip in
+        the FC2 epilogue would read and write all of y first; a bf16 one is rounded by the
+        layer object (bf16 rows, :meth:`expert_forward_combined`).
 
         ``tokens`` ``[T, H]`` and ``token_route`` ``[C] int32`` (the route id of every buffer
         row, -1 for none): the dispatch's source, of which ``x`` is the gather. Block-scaled
         tokens blocked along their rows are then decoded straight from the token rows
         (:meth:`dequantize_bf16_gather`): no gathered copy of the codes is made (in a program
-        that keeps no residuals XLA drops the dispatch's gather of ``x``)."""
+        that keeps no residuals XLA drops the dispatch's gather of ``x``). ``stash`` False:
+        the layer object writes no stash and ``c`` is None."""
         k = config.num_topk
         source = (tokens, token_route, k) if tokens is not None and token_route is not None else None
-        combined = config.combine_format is MoeFormat.BF16
-        y, c = self._expert_forward(config, x, w, fc1, fc2, group_sizes, combined=combined, source=source)
-        if config.combine_format in (MoeFormat.MXFP8, MoeFormat.NVFP4):
-            return self.reduce_rows(y, route_rows, num_tokens, k, round_trip=config.combine_format), c
-        return self.reduce_rows(y, route_rows, num_tokens, k), c
+        fmt = config.combine_format
+        combined = fmt is MoeFormat.BF16
+        y, c = self._expert_forward(config, x, w, fc1, fc2, group_sizes, combined=combined, source=source,
+                                    stash=stash)
+        rt = None if combined else fmt  # (combine formats: bf16, mxfp8, nvfp4)
+        out = self.reduce_rows_encode(y, route_rows, num_tokens, k, config.output_format, error, round_trip=rt)
+        return out, (c if stash else None)
 
     @staticmethod
     def _one_rank_combined(config: MoeEpConfig) -> bool:
         """Whether the layer object rounds y through the combine format at one rank (the
         backward passes the same, so that both stages share one object): bf16 only; the
-        block formats round inside the sum (:meth:`expert_forward_reduce`)."""
+        block formats round inside the sum (:meth:`expert_forward_output`)."""
         return config.num_ranks == 1 and config.combine_format is MoeFormat.BF16
 
-    def _expert_forward(self, config, x, w, fc1, fc2, group_sizes, combined, source=None):  # type: ignore[no-untyped-def]
+    def _expert_forward(self, config, x, w, fc1, fc2, group_sizes, combined, source=None, stash=True):  # type: ignore[no-untyped-def]
         source = source if self._gathers_from(x, source) else None
         xs, w1, w2, inexact = self._operands(x, fc1, fc2, source)
         c_rows, h = xs.shape
@@ -473,7 +521,8 @@ class FfiKernels:
                                        group_sizes)
         wf, gs = jnp.asarray(w).astype(_F32), jnp.asarray(group_sizes).astype(_I32)
         bf16_y = combined and config.combine_format is MoeFormat.BF16  # the handler's rule: y bf16 iff format bf16
-        results = [_sds((c_rows, h), jnp.bfloat16 if bf16_y else _F32), _sds((c_rows, 2 * i), jnp.bfloat16)]
+        # No stash asked for: a [0, 2I] one, which the handler reads as "write none".
+        results = [_sds((c_rows, h), jnp.bfloat16 if bf16_y else _F32), _sds((c_rows if stash else 0, 2 * i), jnp.bfloat16)]
         attrs = self._expert_attrs(config, combined)
 
         def run(a: jax.Array, b: jax.Array, d: jax.Array) -> Tuple[jax.Array, jax.Array]:

@@ -52,6 +52,7 @@ TARGETS: Tuple[str, ...] = (
     "moe_ep_plan_routes",
     "moe_ep_permute_rows",
     "moe_ep_combine_reduce",
+    "moe_ep_combine_reduce_encode",
     "moe_ep_slot_sum",
     "moe_ep_expert_forward",
     "moe_ep_expert_backward",

@@ -52,8 +52,8 @@ extern "C" {
 #endif
 
 /** Bumped on any incompatible change of a signature or a struct below, and when an entry
- *  point is added (ABI 3, 4, 5): a binding built for N calls the entry points of N. */
-#define MOE_EP_NATIVE_ABI_VERSION 5
+ *  point is added (ABI 3, 4, 5, 6): a binding built for N calls the entry points of N. */
+#define MOE_EP_NATIVE_ABI_VERSION 6
 
 typedef enum {
   MOE_EP_OK = 0,
@@ -91,6 +91,12 @@ MOE_EP_API const char* moe_ep_last_error(void);
 MOE_EP_API const char* moe_ep_status_name(moe_ep_status status);
 
 /* ------------------------------------------------------------------ formats */
+
+/** The element type of a plain (unencoded) operand. */
+typedef enum {
+  MOE_EP_DTYPE_F32 = 0,  /* float32 */
+  MOE_EP_DTYPE_BF16 = 1, /* bfloat16 bit patterns (uint16_t) */
+} moe_ep_dtype;
 
 /*
  * Tensors are viewed as [outer, n, inner]: the format's blocks run along the
@@ -275,6 +281,33 @@ MOE_EP_API moe_ep_status moe_ep_combine_reduce_round_trip(moe_ep_device device, 
                                                           const int32_t* route_pos, int64_t num_tokens,
                                                           int64_t num_topk, int64_t hidden, float* out);
 
+/**
+ * The one-rank combine's last pass: the slot-order sums of moe_ep_combine_reduce (float32
+ * rows), moe_ep_combine_reduce_bf16 (bf16 rows) or moe_ep_combine_reduce_round_trip
+ * (float32 rows through round_trip's format as they are read), NaN everywhere when *error
+ * is set, encoded in out_format: bit for bit moe_ep_quantize(out_format, sums, num_tokens,
+ * hidden, 1) of those sums (after the NaN). The float32 sums are never written: one pass
+ * where the sum, the NaN select and the encode would read and write them twice more.
+ *   rows_dtype: MOE_EP_DTYPE_F32 or MOE_EP_DTYPE_BF16: rows' element type.
+ *   round_trip: MOE_EP_FORMAT_NONE, or MOE_EP_FORMAT_MXFP8 / MOE_EP_FORMAT_NVFP4 (float32 rows only).
+ *   rows, num_rows, route_pos, num_tokens, num_topk, hidden: as moe_ep_combine_reduce.
+ *   error:      [1] uint8 (device memory on CUDA), or NULL for none: nonzero: every sum is
+ *               the quiet NaN 0x7FC00000 (the spec's NaN on a data-dependent error).
+ *   out_format: MOE_EP_FORMAT_BF16, MOE_EP_FORMAT_MXFP8 or MOE_EP_FORMAT_NVFP4.
+ *   out_data, out_scale: the encoded [num_tokens, hidden] (the layout above, blocks along
+ *               hidden; out_scale NULL for bf16).
+ * CPU rejects a row index out of range (writing nothing); CUDA adds nothing for it. CUDA:
+ * 16-byte loads, four float32 or eight bf16 values a thread, a block's lanes agreeing on
+ * its scale through shuffles, when hidden is a multiple of 32 and rows and out_data are
+ * 16-byte aligned; 32 columns a thread otherwise. Added in ABI 6 (a new entry point; the
+ * moe_ep_dtype enum moved above its first use, unchanged).
+ */
+MOE_EP_API moe_ep_status moe_ep_combine_reduce_encode(moe_ep_device device, void* stream, moe_ep_dtype rows_dtype,
+                                                      moe_ep_format round_trip, const void* rows, int64_t num_rows,
+                                                      const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
+                                                      int64_t hidden, const uint8_t* error, moe_ep_format out_format,
+                                                      void* out_data, void* out_scale);
+
 /* ------------------------------------------------------------------ experts */
 
 /**
@@ -363,11 +396,6 @@ MOE_EP_API moe_ep_status moe_ep_expert_backward(moe_ep_device device, void* stre
  * struct whose bytes past the library's own size are not all zero. Fields are
  * only ever appended.
  */
-
-typedef enum {
-  MOE_EP_DTYPE_F32 = 0,  /* float32 */
-  MOE_EP_DTYPE_BF16 = 1, /* bfloat16 bit patterns (uint16_t) */
-} moe_ep_dtype;
 
 typedef struct {
   uint32_t struct_size;         /* sizeof(moe_ep_layer_config) of the caller's header */

@@ -21,9 +21,10 @@ from moe_ep_spec.errors import DTypeError, FormatError, NativeArgumentError, Sha
 from moe_ep_spec.formats import BF16, BlockScaledTensor, MoeFormat, block_axis, parse_format
 from moe_ep_spec.validation import check_shape
 
-from ._capi import ExpertDesc, Format, Status, call, load
+from ._capi import DType, ExpertDesc, Format, Status, call, load
 
-__all__ = ["quantize", "dequantize", "dequantize_bf16", "plan_routes", "permute_rows", "combine_reduce", "expert_forward",
+__all__ = ["quantize", "dequantize", "dequantize_bf16", "plan_routes", "permute_rows", "combine_reduce",
+           "combine_reduce_encode", "expert_forward",
            "expert_backward", "RoutePlan", "ExpertOutputs", "ExpertGrads", "expert_desc"]
 
 _CPU = 0
@@ -232,6 +233,51 @@ def combine_reduce(rows: Any, route_pos: Optional[Any], num_tokens: int, num_top
     else:
         call("moe_ep_combine_reduce_bf16" if bf16 else "moe_ep_combine_reduce", _CPU, None, *tail)
     return out
+
+
+def combine_reduce_encode(rows: Any, route_pos: Optional[Any], num_tokens: int, num_topk: int,
+                          out_format: Union[MoeFormat, str], round_trip: Optional[str] = None,
+                          error: bool = False) -> Union[BlockScaledTensor, np.ndarray]:
+    """:func:`combine_reduce`'s sums (``round_trip`` as there), all NaN when ``error``,
+    encoded in ``out_format`` along the last axis in the same pass
+    (``moe_ep_combine_reduce_encode``): the bits of ``quantize(sums, out_format)``.
+
+    Args:
+        rows: ``[num_rows, hidden] float32`` (float16 widened), or ``bfloat16`` (with no round trip).
+        route_pos: ``[num_tokens * num_topk]`` int (-1 = nothing), or None for row ``t*K+k``.
+        out_format: bf16, mxfp8 or nvfp4.
+        round_trip: None, ``"mxfp8"`` or ``"nvfp4"``.
+        error: the layer's data-dependent error flag: every sum NaN before the encode.
+
+    Returns:
+        ``[num_tokens, hidden]``: a ``bfloat16`` array, or a
+        :class:`~moe_ep_spec.BlockScaledTensor` blocked along axis 1.
+    """
+    fmt = parse_format(out_format, name="out_format")
+    rt = None if round_trip is None else parse_format(round_trip, name="round_trip")
+    if rt is not None and rt not in (MoeFormat.MXFP8, MoeFormat.NVFP4):
+        raise FormatError(f"round_trip must be None, 'mxfp8' or 'nvfp4' (a block format); got {round_trip!r}")
+    bf16 = rt is None and np.asarray(rows).dtype == BF16
+    r = np.ascontiguousarray(np.asarray(rows)) if bf16 else _float32(rows, "rows")
+    if r.ndim != 2:
+        raise ShapeError(f"rows must be 2-d (num_rows, hidden); got shape {r.shape}", name="rows")
+    pos = None if route_pos is None else _int32(route_pos, "route_pos").reshape(-1)
+    if pos is not None:
+        check_shape("route_pos", pos.shape, (num_tokens * num_topk,), "(num_tokens * num_topk,)")
+    t, h = int(num_tokens), r.shape[1]
+    flag = np.array([1 if error else 0], np.uint8)
+    if fmt is MoeFormat.BF16:
+        data, scale = np.empty((t, h), np.uint16), None
+    else:
+        data = np.empty((t, -(-h // 2) if fmt is MoeFormat.NVFP4 else h), np.uint8)
+        scale = np.empty((t, -(-h // fmt.block_size)), np.uint8)
+    call("moe_ep_combine_reduce_encode", _CPU, None, DType.BF16 if bf16 else DType.F32,
+         int(_FORMAT[rt]) if rt is not None else int(Format.NONE), _ptr(r), r.shape[0], _ptr(pos), t, int(num_topk),
+         h, _ptr(flag), int(_FORMAT[fmt]), _ptr(data), _ptr(scale))
+    if scale is None:
+        return data.view(BF16)
+    return BlockScaledTensor(data=data.view(fmt.data_dtype), scale=scale.view(fmt.scale_dtype), format=fmt,
+                             shape=(t, h), axis=1)
 
 
 # ----------------------------------------------------------------------------- experts

@@ -159,6 +159,26 @@ using moe_ep::kMaxExperts;
 
 namespace {
 
+// The checks every combine_reduce entry makes of its sizes, positions and rows
+// (row_bytes: 4 for float32 rows, 2 for bf16).
+moe_ep_status check_reduce(const Check& ck, const void* rows, size_t row_bytes, int64_t num_rows,
+                           const int32_t* route_pos, int64_t num_tokens, int64_t num_topk, int64_t hidden) {
+  MOE_EP_TRY(ck.nonneg("num_rows", num_rows));
+  MOE_EP_TRY(ck.nonneg("num_tokens", num_tokens));
+  MOE_EP_TRY(ck.positive("num_topk", num_topk));
+  MOE_EP_TRY(ck.nonneg("hidden", hidden));
+  MOE_EP_TRY(ck.product("num_tokens * num_topk", num_tokens, num_topk, kInt32Limit));
+  MOE_EP_TRY(ck.product("num_rows * hidden", num_rows, hidden, kElemLimit));
+  MOE_EP_TRY(ck.product("num_tokens * hidden", num_tokens, hidden, kElemLimit));
+  // NULL route_pos is the identity; with no tokens there is nothing to reduce (and the
+  // caller's empty route_pos array is NULL), whatever num_rows is.
+  if (route_pos == nullptr && num_tokens > 0 && num_rows != num_tokens * num_topk)
+    return ck.bad("num_rows must be num_tokens * num_topk = " + std::to_string(num_tokens * num_topk) +
+                      " when route_pos is NULL",
+                  std::to_string(num_rows));
+  return ck.ptr("rows", rows, num_rows * hidden, row_bytes);
+}
+
 // moe_ep_combine_reduce's checks and dispatch for rows of float32 (4 bytes) or bf16 (2).
 // Row: float (float32 rows), uint16_t (bf16 rows); kRoundTrip: float32 rows through fmt's
 // round trip as they are read (fmt is checked here).
@@ -173,20 +193,7 @@ moe_ep_status combine_reduce_entry(const char* op, moe_ep_device device, void* s
                       ") or MOE_EP_FORMAT_NVFP4 (" + std::to_string(MOE_EP_FORMAT_NVFP4) +
                       "): the block formats, whose round trip the sum applies",
                   std::to_string(static_cast<int>(fmt)));
-  MOE_EP_TRY(ck.nonneg("num_rows", num_rows));
-  MOE_EP_TRY(ck.nonneg("num_tokens", num_tokens));
-  MOE_EP_TRY(ck.positive("num_topk", num_topk));
-  MOE_EP_TRY(ck.nonneg("hidden", hidden));
-  MOE_EP_TRY(ck.product("num_tokens * num_topk", num_tokens, num_topk, kInt32Limit));
-  MOE_EP_TRY(ck.product("num_rows * hidden", num_rows, hidden, kElemLimit));
-  MOE_EP_TRY(ck.product("num_tokens * hidden", num_tokens, hidden, kElemLimit));
-  // NULL route_pos is the identity; with no tokens there is nothing to reduce (and the
-  // caller's empty route_pos array is NULL), whatever num_rows is.
-  if (route_pos == nullptr && num_tokens > 0 && num_rows != num_tokens * num_topk)
-    return ck.bad("num_rows must be num_tokens * num_topk = " + std::to_string(num_tokens * num_topk) +
-                      " when route_pos is NULL",
-                  std::to_string(num_rows));
-  MOE_EP_TRY(ck.ptr("rows", rows, num_rows * hidden, sizeof(Row)));
+  MOE_EP_TRY(check_reduce(ck, rows, sizeof(Row), num_rows, route_pos, num_tokens, num_topk, hidden));
   MOE_EP_TRY(ck.ptr("out", out, num_tokens * hidden, 4));
   if (num_tokens == 0 || hidden == 0) return MOE_EP_OK;
   if constexpr (kRoundTrip) {
@@ -426,6 +433,31 @@ moe_ep_status moe_ep_combine_reduce_round_trip(moe_ep_device device, void* strea
                                                int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out) {
   return combine_reduce_entry<float, true>("moe_ep_combine_reduce_round_trip", device, stream, rows, num_rows,
                                            route_pos, num_tokens, num_topk, hidden, out, fmt);
+}
+
+moe_ep_status moe_ep_combine_reduce_encode(moe_ep_device device, void* stream, moe_ep_dtype rows_dtype,
+                                           moe_ep_format round_trip, const void* rows, int64_t num_rows,
+                                           const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
+                                           int64_t hidden, const uint8_t* error, moe_ep_format out_format,
+                                           void* out_data, void* out_scale) {
+  const Check ck{"moe_ep_combine_reduce_encode"};
+  MOE_EP_TRY(check_device(ck, device, stream));
+  if (rows_dtype != MOE_EP_DTYPE_F32 && rows_dtype != MOE_EP_DTYPE_BF16)
+    return ck.bad("rows_dtype must be MOE_EP_DTYPE_F32 (" + std::to_string(MOE_EP_DTYPE_F32) +
+                      ") or MOE_EP_DTYPE_BF16 (" + std::to_string(MOE_EP_DTYPE_BF16) + ")",
+                  std::to_string(static_cast<int>(rows_dtype)));
+  if (round_trip != MOE_EP_FORMAT_NONE && round_trip != MOE_EP_FORMAT_MXFP8 && round_trip != MOE_EP_FORMAT_NVFP4)
+    return ck.bad("round_trip must be MOE_EP_FORMAT_NONE (0), MOE_EP_FORMAT_MXFP8 (2) or MOE_EP_FORMAT_NVFP4 (3)",
+                  std::to_string(static_cast<int>(round_trip)));
+  if (round_trip != MOE_EP_FORMAT_NONE && rows_dtype != MOE_EP_DTYPE_F32)
+    return ck.bad("rows_dtype must be MOE_EP_DTYPE_F32 when round_trip is set (the unrounded expert outputs)",
+                  std::to_string(static_cast<int>(rows_dtype)));
+  const bool bf16_rows = rows_dtype == MOE_EP_DTYPE_BF16;
+  MOE_EP_TRY(check_reduce(ck, rows, bf16_rows ? 2 : 4, num_rows, route_pos, num_tokens, num_topk, hidden));
+  MOE_EP_TRY(check_format(ck, out_format, out_data, out_scale, num_tokens * hidden));
+  if (num_tokens == 0 || hidden == 0) return MOE_EP_OK;
+  MOE_EP_DISPATCH(device, combine_reduce_encode(stream, rows_dtype, round_trip, rows, num_rows, route_pos, num_tokens,
+                                                num_topk, hidden, error, out_format, out_data, out_scale))
 }
 
 size_t moe_ep_expert_forward_workspace(const moe_ep_expert_desc* desc) {

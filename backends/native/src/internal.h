@@ -139,6 +139,12 @@ inline size_t backward_workspace_bytes(const moe_ep_expert_desc& d) { return bac
   moe_ep_status combine_reduce_round_trip(void* stream, moe_ep_format fmt, const float* rows, int64_t num_rows,     \
                                           const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,          \
                                           int64_t hidden, float* out);                                             \
+  /* rows_dtype F32 or BF16, round_trip NONE/MXFP8/NVFP4 (NONE for bf16 rows), out_format BF16/MXFP8/NVFP4; */   \
+  /* num_tokens * hidden > 0 (capi.cc checks them) */                                                           \
+  moe_ep_status combine_reduce_encode(void* stream, moe_ep_dtype rows_dtype, moe_ep_format round_trip,              \
+                                      const void* rows, int64_t num_rows, const int32_t* route_pos,                \
+                                      int64_t num_tokens, int64_t num_topk, int64_t hidden, const uint8_t* error,  \
+                                      moe_ep_format out_format, void* out_data, void* out_scale);                  \
   moe_ep_status expert_forward(void* stream, const moe_ep_expert_desc& d, const float* x, const float* w,          \
                                const float* fc1, const float* fc2, const int32_t* group_sizes, float* y, float* c,  \
                                void* workspace);                                                                   \

@@ -1,5 +1,6 @@
 // CPU routing: the plan (stable counting sort of route ids by expert), the
 // permutation of token rows into send order, and the Form-A combine reduction.
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -135,6 +136,33 @@ moe_ep_status combine_reduce_round_trip(void*, moe_ep_format fmt, const float* r
     }
   }
   return MOE_EP_OK;
+}
+
+moe_ep_status combine_reduce_encode(void* stream, moe_ep_dtype rows_dtype, moe_ep_format round_trip, const void* rows,
+                                    int64_t num_rows, const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
+                                    int64_t hidden, const uint8_t* error, moe_ep_format out_format, void* out_data,
+                                    void* out_scale) {
+  // The positions first (a rejected call writes nothing), then the sums of the entry this
+  // one fuses into a scratch row block, NaN on an error, and moe_ep_quantize's encode.
+  MOE_EP_TRY(check_route_pos("moe_ep_combine_reduce_encode", route_pos, num_tokens * num_topk, num_rows));
+  std::vector<float> sum(static_cast<size_t>(num_tokens * hidden));
+  if (round_trip != MOE_EP_FORMAT_NONE) {
+    MOE_EP_TRY(combine_reduce_round_trip(stream, round_trip, static_cast<const float*>(rows), num_rows, route_pos,
+                                         num_tokens, num_topk, hidden, sum.data()));
+  } else if (rows_dtype == MOE_EP_DTYPE_BF16) {
+    MOE_EP_TRY(combine_reduce_bf16(stream, static_cast<const uint16_t*>(rows), num_rows, route_pos, num_tokens,
+                                   num_topk, hidden, sum.data()));
+  } else {
+    MOE_EP_TRY(combine_reduce(stream, static_cast<const float*>(rows), num_rows, route_pos, num_tokens, num_topk,
+                              hidden, sum.data()));
+  }
+  if (error != nullptr && *error != 0) {
+    const uint32_t nan_bits = 0x7FC00000u;  // the positive quiet NaN of every NaN the spec writes
+    float nan;
+    std::memcpy(&nan, &nan_bits, sizeof nan);
+    std::fill(sum.begin(), sum.end(), nan);
+  }
+  return quantize(stream, out_format, sum.data(), num_tokens, hidden, 1, out_data, out_scale);
 }
 
 }  // namespace cpu

@@ -96,23 +96,6 @@ __global__ void nvfp4_quantize_kernel(const float* __restrict__ x, int64_t outer
 constexpr int kMxGroup = static_cast<int>(kMxfp8Block) / 4;
 constexpr int kNvGroup = static_cast<int>(kNvfp4Block) / 4;
 
-// The BlockMax of the block of which this lane holds v, agreed by its kGroup lanes.
-// All 32 lanes must call it (full-mask shuffles); a lane past the end passes zeros,
-// which only reach the lanes of its own (equally absent) block.
-template <int kGroup>
-__device__ __forceinline__ BlockMax group_block_max(const float (&v)[4]) {
-  BlockMax bm = block_max(v, 1, 4);
-  uint32_t nonfinite = bm.nonfinite ? 1u : 0u;
-#pragma unroll
-  for (int o = kGroup / 2; o > 0; o >>= 1) {
-    const uint32_t a = __shfl_xor_sync(0xFFFFFFFFu, bm.amax, o);
-    bm.amax = a > bm.amax ? a : bm.amax;
-    nonfinite |= __shfl_xor_sync(0xFFFFFFFFu, nonfinite, o);
-  }
-  bm.nonfinite = nonfinite != 0u;
-  return bm;
-}
-
 // Loads float4 t of x for the lane that has one; zeros otherwise.
 __device__ __forceinline__ void load4(const float4* __restrict__ x, int64_t t, int64_t total4, float (&v)[4]) {
   v[0] = v[1] = v[2] = v[3] = 0.0f;

@@ -223,21 +223,13 @@ __global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const flo
         for (int j = 0; j < 4; ++j) v[j] = fmul(wr, v[j]);
       }
     }
-    BlockMax bm = block_max(v, 1, 4);
-    uint32_t nonfinite = bm.nonfinite ? 1u : 0u;
-#pragma unroll
-    for (int o = kGroup / 2; o > 0; o >>= 1) {  // the block's lanes are kGroup-aligned within the warp
-      const uint32_t a = __shfl_xor_sync(0xffffffffu, bm.amax, o);
-      bm.amax = a > bm.amax ? a : bm.amax;
-      nonfinite |= __shfl_xor_sync(0xffffffffu, nonfinite, o);
-    }
+    const BlockMax bm = group_block_max<kGroup>(v);  // the block's lanes are kGroup-aligned within the warp
     if (!here) continue;
     if (r >= end) {
       if constexpr (kBf16Out) bf16_out[t] = make_uint2(0u, 0u);
       else y[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       continue;
     }
-    bm.nonfinite = nonfinite != 0;
     if constexpr (kFmt == MOE_EP_FORMAT_MXFP8) mxfp8_round_trip_cvt4(bm, v);  // the hardware's E4M3 converts
     else nvfp4_round_trip_with(bm, v, 4);
     if constexpr (kBf16Out) {  // exact: the upper halves (NaN stays NaN)

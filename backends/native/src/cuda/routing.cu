@@ -500,16 +500,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < kReduceBatch; ++j) {
         if (k0 + j >= num_topk) break;  // the same for every lane: the shuffles stay whole
         float v[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
-        BlockMax bm = block_max(v, 1, 4);
-        uint32_t nonfinite = bm.nonfinite ? 1u : 0u;
-#pragma unroll
-        for (int o = kGroup / 2; o > 0; o >>= 1) {  // a block's lanes are kGroup-aligned within the warp
-          const uint32_t a = __shfl_xor_sync(0xffffffffu, bm.amax, o);
-          bm.amax = a > bm.amax ? a : bm.amax;
-          nonfinite |= __shfl_xor_sync(0xffffffffu, nonfinite, o);
-        }
+        const BlockMax bm = group_block_max<kGroup>(v);  // a block's lanes are kGroup-aligned within the warp
         if (!ok[j]) continue;  // an unused slot adds nothing
-        bm.nonfinite = nonfinite != 0;
         if constexpr (kMx) mxfp8_round_trip_cvt4(bm, v);
         else nvfp4_round_trip_with(bm, v, 4);
 #pragma unroll
@@ -564,6 +556,214 @@ moe_ep_status launch_combine_reduce_round_trip(cudaStream_t s, const float* rows
       rows, num_rows, route_pos, num_tokens, num_topk, hidden, out);
   MOE_EP_CUDA_CHECK_LAUNCH("combine_reduce_round_trip_kernel");
   return MOE_EP_OK;
+}
+
+// ------------------------------------------------------------------ combine_reduce_encode
+//
+// The one-rank combine's last pass: the slot-order sums of combine_reduce (float32 or bf16
+// rows; float32 rows optionally through a block format's round trip as they are read, as
+// combine_reduce_round_trip), all NaN when *error is set, encoded straight into the output
+// format. The float32 sum is never written: the encode reads it from registers.
+
+// Stores the kN consecutive values v of one lane, elements e0..e0+kN-1 of the flat [T, H]
+// output (H a multiple of 32, so that no block crosses a row and e0 / block is the block's
+// scale index), in format kOut: bf16 bits, mxfp8 codes and E8M0 scales, nvfp4 packed codes
+// and E4M3 scales, with the quantize kernels' helpers (the same bits as moe_ep_quantize of
+// the sums). All 32 lanes must call it (the block formats' shuffles); only lanes with
+// `here` store, the first lane of a block its scale.
+template <int kOut, int kN>
+__device__ __forceinline__ void store_encoded(const float (&v)[kN], int64_t e0, bool here, int lane,
+                                              void* __restrict__ data, uint8_t* __restrict__ scale) {
+  static_assert(kN == 4 || kN == 8, "four or eight values a lane");
+  if constexpr (kOut == MOE_EP_FORMAT_BF16) {
+    if (!here) return;
+    uint32_t w[kN / 2];
+#pragma unroll
+    for (int j = 0; j < kN / 2; ++j)
+      w[j] = uint32_t{bf16_from_float(v[2 * j])} | (uint32_t{bf16_from_float(v[2 * j + 1])} << 16);
+    uint16_t* d = static_cast<uint16_t*>(data) + e0;
+    if constexpr (kN == 4) *reinterpret_cast<uint2*>(d) = make_uint2(w[0], w[1]);
+    else *reinterpret_cast<uint4*>(d) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+    constexpr int kBlock = kOut == MOE_EP_FORMAT_MXFP8 ? static_cast<int>(kMxfp8Block) : static_cast<int>(kNvfp4Block);
+    constexpr int kGroup = kBlock / kN;  // lanes of one block
+    const BlockMax bm = group_block_max<kGroup>(v);
+    if (!here) return;
+    const float(&a)[4] = *reinterpret_cast<const float(*)[4]>(&v[0]);
+    const float(&b)[4] = *reinterpret_cast<const float(*)[4]>(&v[kN - 4]);
+    uint32_t sc;
+    if constexpr (kOut == MOE_EP_FORMAT_MXFP8) {
+      sc = mxfp8_scale_code(bm);
+      uint8_t* d = static_cast<uint8_t*>(data) + e0;
+      if constexpr (kN == 4) *reinterpret_cast<uint32_t*>(d) = mxfp8_codes4(a, sc);
+      else *reinterpret_cast<uint2*>(d) = make_uint2(mxfp8_codes4(a, sc), mxfp8_codes4(b, sc));
+    } else {
+      const Nvfp4Scale ns = nvfp4_scale_of(bm);
+      sc = ns.code;
+      uint8_t* d = static_cast<uint8_t*>(data) + e0 / 2;
+      if constexpr (kN == 4) *reinterpret_cast<uint16_t*>(d) = static_cast<uint16_t>(nvfp4_codes4(a, ns.value));
+      else *reinterpret_cast<uint32_t*>(d) = nvfp4_codes4(a, ns.value) | (nvfp4_codes4(b, ns.value) << 16);
+    }
+    if ((lane & (kGroup - 1)) == 0) scale[e0 / kBlock] = static_cast<uint8_t>(sc);
+  }
+}
+
+// kN = 16 / sizeof(row element) values a lane from one 16-byte load a route (four float32
+// or eight bf16), the loads of up to kReduceBatch routes issued before any is added, as
+// combine_reduce_vec_kernel; kRt (float32 rows only) rounds each route's values through
+// the block format first, as combine_reduce_round_trip_vec_kernel. hidden a multiple of
+// 32, rows and the output 16-byte aligned. Every lane of a warp runs every iteration (the
+// shuffles need them); lanes past the end only look.
+template <bool kBf16Rows, int kRt, int kOut>
+__global__ void __launch_bounds__(kThreads)
+    combine_reduce_encode_vec_kernel(const uint4* __restrict__ rows, int64_t num_rows,
+                                     const int32_t* __restrict__ route_pos, int64_t num_tokens, int64_t num_topk,
+                                     int64_t hidden, const uint8_t* __restrict__ error, void* __restrict__ data,
+                                     uint8_t* __restrict__ scale) {
+  constexpr int kN = kBf16Rows ? 8 : 4;
+  static_assert(!kBf16Rows || kRt == MOE_EP_FORMAT_NONE, "the round trip reads float32 rows");
+  const int64_t q = hidden / kN, total = num_tokens * q;
+  const bool poisoned = error != nullptr && *error != 0;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t base = blockIdx.x * int64_t{blockDim.x} + threadIdx.x - lane; base < total; base += stride) {
+    const int64_t idx = base + lane;
+    const bool here = idx < total;
+    const int64_t t = here ? div_nonneg(idx, q) : 0, hq = idx - t * q;
+    float acc[kN];
+#pragma unroll
+    for (int u = 0; u < kN; ++u) acc[u] = 0.0f;  // +0
+    for (int64_t k0 = 0; k0 < num_topk; k0 += kReduceBatch) {
+      uint4 raw[kReduceBatch];
+      bool ok[kReduceBatch];
+#pragma unroll
+      for (int j = 0; j < kReduceBatch; ++j) {
+        const int64_t k = k0 + j;
+        int64_t p = -1;
+        if (here && k < num_topk)
+          p = route_pos != nullptr ? static_cast<int64_t>(route_pos[t * num_topk + k]) : t * num_topk + k;
+        ok[j] = p >= 0 && p < num_rows;
+        raw[j] = ok[j] ? __ldg(rows + p * q + hq) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int j = 0; j < kReduceBatch; ++j) {
+        if (k0 + j >= num_topk) break;  // the same for every lane: the shuffles stay whole
+        float v[kN];
+        unpack(raw[j], v);
+        if constexpr (kRt != MOE_EP_FORMAT_NONE) {
+          constexpr int kGroup = (kRt == MOE_EP_FORMAT_MXFP8 ? kMxfp8Block : kNvfp4Block) / 4;
+          const BlockMax bm = group_block_max<kGroup>(v);
+          if (!ok[j]) continue;  // an unused slot adds nothing
+          if constexpr (kRt == MOE_EP_FORMAT_MXFP8) mxfp8_round_trip_cvt4(bm, v);
+          else nvfp4_round_trip_with(bm, v, 4);
+        } else if (!ok[j]) {
+          continue;
+        }
+#pragma unroll
+        for (int u = 0; u < kN; ++u) acc[u] = fadd(acc[u], v[u]);
+      }
+    }
+    if (poisoned) {
+#pragma unroll
+      for (int u = 0; u < kN; ++u) acc[u] = bitsf(kQuietNaN);
+    }
+    store_encoded<kOut, kN>(acc, idx * kN, here, lane, data, scale);
+  }
+}
+
+// The same, one (token, chunk of 32 columns) a thread (any hidden; the last chunk may be
+// partial): each route's chunk copied (and round tripped block by block: 32 columns are one
+// mxfp8 block or two nvfp4 ones), added, then encoded block by block of the output format
+// with the encoders of the quantize kernels.
+constexpr int kEncodeChunk = 32;
+
+template <int kOut>
+__global__ void combine_reduce_encode_kernel(const void* __restrict__ rows, bool bf16_rows, int32_t rt,
+                                             int64_t num_rows, const int32_t* __restrict__ route_pos,
+                                             int64_t num_tokens, int64_t num_topk, int64_t hidden,
+                                             const uint8_t* __restrict__ error, void* __restrict__ data,
+                                             uint8_t* __restrict__ scale) {
+  const int64_t nc = div_up(hidden, int64_t{kEncodeChunk}), total = num_tokens * nc;
+  const bool poisoned = error != nullptr && *error != 0;
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = idx / nc, h0 = (idx - t * nc) * kEncodeChunk;
+    const int len = static_cast<int>(hidden - h0 < kEncodeChunk ? hidden - h0 : kEncodeChunk);
+    float acc[kEncodeChunk];
+    for (int j = 0; j < kEncodeChunk; ++j) acc[j] = 0.0f;
+    for (int64_t k = 0; k < num_topk; ++k) {
+      const int64_t r = t * num_topk + k;
+      const int64_t p = route_pos != nullptr ? static_cast<int64_t>(route_pos[r]) : r;
+      if (p < 0 || p >= num_rows) continue;
+      float v[kEncodeChunk];
+      for (int j = 0; j < len; ++j)
+        v[j] = bf16_rows ? bf16_to_float(static_cast<const uint16_t*>(rows)[p * hidden + h0 + j])
+                         : static_cast<const float*>(rows)[p * hidden + h0 + j];
+      if (rt == MOE_EP_FORMAT_MXFP8) {
+        mxfp8_round_trip_block(v, len);
+      } else if (rt == MOE_EP_FORMAT_NVFP4) {
+        for (int b = 0; b < len; b += static_cast<int>(kNvfp4Block))
+          nvfp4_round_trip_block(v + b, len - b < kNvfp4Block ? len - b : static_cast<int>(kNvfp4Block));
+      }
+      for (int j = 0; j < len; ++j) acc[j] = fadd(acc[j], v[j]);
+    }
+    if (poisoned)
+      for (int j = 0; j < len; ++j) acc[j] = bitsf(kQuietNaN);
+    if constexpr (kOut == MOE_EP_FORMAT_BF16) {
+      uint16_t* d = static_cast<uint16_t*>(data) + t * hidden + h0;
+      for (int j = 0; j < len; ++j) d[j] = bf16_from_float(acc[j]);
+    } else if constexpr (kOut == MOE_EP_FORMAT_MXFP8) {
+      mxfp8_encode_block(acc, 1, len, static_cast<uint8_t*>(data) + t * hidden + h0, 1,
+                         scale + t * div_up(hidden, int64_t{kMxfp8Block}) + h0 / kMxfp8Block);
+    } else {
+      uint8_t* d = static_cast<uint8_t*>(data) + t * div_up(hidden, int64_t{2}) + h0 / 2;
+      uint8_t* sc = scale + t * div_up(hidden, int64_t{kNvfp4Block}) + h0 / kNvfp4Block;
+      for (int b = 0; b < len; b += static_cast<int>(kNvfp4Block)) {
+        const int n = len - b < kNvfp4Block ? len - b : static_cast<int>(kNvfp4Block);
+        const Nvfp4Scale ns = nvfp4_block_scale(acc + b, 1, n);
+        for (int j = 0; j < n; j += 2) {
+          const uint32_t lo = nvfp4_code(fbits(acc[b + j]), ns.value);
+          const uint32_t hi = j + 1 < n ? nvfp4_code(fbits(acc[b + j + 1]), ns.value) : 0u;
+          d[(b + j) / 2] = static_cast<uint8_t>((lo & 0xFu) | ((hi & 0xFu) << 4));
+        }
+        sc[b / kNvfp4Block] = static_cast<uint8_t>(ns.code);
+      }
+    }
+  }
+}
+
+struct EncodeArgs {
+  const void* rows;
+  int64_t num_rows;
+  const int32_t* route_pos;
+  int64_t num_tokens, num_topk, hidden;
+  const uint8_t* error;
+  void* data;
+  uint8_t* scale;
+};
+
+template <bool kBf16Rows, int kRt, int kOut>
+void launch_encode_vec(cudaStream_t s, const EncodeArgs& a) {
+  const int64_t lanes = a.num_tokens * (a.hidden / (kBf16Rows ? 8 : 4));
+  combine_reduce_encode_vec_kernel<kBf16Rows, kRt, kOut><<<blocks_for(lanes), kThreads, 0, s>>>(
+      static_cast<const uint4*>(a.rows), a.num_rows, a.route_pos, a.num_tokens, a.num_topk, a.hidden, a.error, a.data,
+      a.scale);
+}
+
+template <int kOut>
+void launch_encode_vec_rows(cudaStream_t s, bool bf16_rows, int32_t rt, const EncodeArgs& a) {
+  if (bf16_rows) return launch_encode_vec<true, MOE_EP_FORMAT_NONE, kOut>(s, a);
+  if (rt == MOE_EP_FORMAT_MXFP8) return launch_encode_vec<false, MOE_EP_FORMAT_MXFP8, kOut>(s, a);
+  if (rt == MOE_EP_FORMAT_NVFP4) return launch_encode_vec<false, MOE_EP_FORMAT_NVFP4, kOut>(s, a);
+  return launch_encode_vec<false, MOE_EP_FORMAT_NONE, kOut>(s, a);
+}
+
+template <int kOut>
+void launch_encode_as(cudaStream_t s, bool vec, bool bf16_rows, int32_t rt, const EncodeArgs& a) {
+  if (vec) return launch_encode_vec_rows<kOut>(s, bf16_rows, rt, a);
+  combine_reduce_encode_kernel<kOut><<<blocks_for(a.num_tokens * div_up(a.hidden, int64_t{kEncodeChunk})), kThreads,
+                                       0, s>>>(a.rows, bf16_rows, rt, a.num_rows, a.route_pos, a.num_tokens,
+                                               a.num_topk, a.hidden, a.error, a.data, a.scale);
 }
 
 template <typename V>
@@ -642,6 +842,26 @@ moe_ep_status permute_rows(void* stream, const void* tokens, int64_t num_tokens,
   if (fits_unit(row_bytes, tokens, dst, 2))
     return launch_permute<uint16_t>(s, tokens, num_routes, num_topk, row_bytes, send_route, num_rows, dst);
   return launch_permute<uint8_t>(s, tokens, num_routes, num_topk, row_bytes, send_route, num_rows, dst);
+}
+
+moe_ep_status combine_reduce_encode(void* stream, moe_ep_dtype rows_dtype, moe_ep_format round_trip, const void* rows,
+                                    int64_t num_rows, const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
+                                    int64_t hidden, const uint8_t* error, moe_ep_format out_format, void* out_data,
+                                    void* out_scale) {
+  const cudaStream_t s = as_stream(stream);
+  const bool bf16_rows = rows_dtype == MOE_EP_DTYPE_BF16;
+  const int32_t rt = static_cast<int32_t>(round_trip);
+  // 16-byte loads and whole blocks a lane group: every block format's block divides 32.
+  const bool vec = hidden % kEncodeChunk == 0 && aligned16(rows) && aligned16(out_data);
+  const EncodeArgs a{rows, num_rows, route_pos, num_tokens, num_topk, hidden, error, out_data,
+                     static_cast<uint8_t*>(out_scale)};
+  switch (out_format) {
+    case MOE_EP_FORMAT_BF16: launch_encode_as<MOE_EP_FORMAT_BF16>(s, vec, bf16_rows, rt, a); break;
+    case MOE_EP_FORMAT_MXFP8: launch_encode_as<MOE_EP_FORMAT_MXFP8>(s, vec, bf16_rows, rt, a); break;
+    default: launch_encode_as<MOE_EP_FORMAT_NVFP4>(s, vec, bf16_rows, rt, a); break;
+  }
+  MOE_EP_CUDA_CHECK_LAUNCH(vec ? "combine_reduce_encode_vec_kernel" : "combine_reduce_encode_kernel");
+  return MOE_EP_OK;
 }
 
 moe_ep_status combine_reduce(void* stream, const float* rows, int64_t num_rows, const int32_t* route_pos,
