@@ -69,6 +69,9 @@
 #          the staged decode through cpu::dequantize_bf16_values, one shape rule for the
 #          mxfp8-weights GEMM): its checks, the CUDA tests of the layer and the front-end, the
 #          NCCL provider's table.
+#   RUN=24: (the day's sixth session) the one-rank combine in one pass (sum, round trip, NaN flag
+#          and output encode: moe_ep_combine_reduce_encode), no stash in a forward-only program,
+#          the mxfp8 rows' gather-decode a bf16 pair at a time: tests, memcheck, bench, profile.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -503,6 +506,26 @@ case "$RUN" in
     --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
     --json "$o/bench-jax-ffi.json" --no-progress
   TAIL=12 step jax-profile-mxfp8 30 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 8
+  ;;
+24)
+  # (the day's sixth session) The one-rank combine in one pass (moe_ep_combine_reduce_encode:
+  # sum, round trip, NaN flag and output encode), no stash in a forward-only program, the
+  # mxfp8 rows' gather-decode a bf16 pair at a time: tests, memcheck, bench, profile, table.
+  jaxffi_build
+  TAIL=4 step tests-native-cuda 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_cuda.py \
+    tests/test_native_decode_bf16.py -k "combine_reduce or cuda_gather or cuda_rows or rows_on_every"
+  TAIL=4 step tests-jax-one-rank-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_one_rank.py \
+    -k "native_paths or straight_from or input_error"
+  TAIL=4 step tests-jax-ffi-cuda 100 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py -k "cuda"
+  TAIL=4 step sanitizer-memcheck-encode 120 compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_native_cuda.py tests/test_native_decode_bf16.py -k "combine_reduce_encode or cuda_gather"
+  TAIL=14 step bench-jax-ffi 80 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
+  TAIL=12 step jax-profile-mxfp8 30 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 10
+  TAIL=3 step conformance-jax-ffi 70 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
+    --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -585,6 +585,43 @@ def test_gather_argument_checks_name_the_rule_the_value_and_what_is_allowed():
 
 
 @needs_cuda
+def test_cuda_mxfp8_rows_every_scale_code_and_nan_code():
+    """The mxfp8 rows' decode on CUDA (both entries: where the rows lie and gathered by route
+    id) over every scale code 0..255, each with random codes and with a NaN code (0x7F, 0xFF)
+    in one of its 8-code pieces: the pair-at-a-time bf16 path (scale codes 10..254, no NaN
+    code) and the element-by-element one meet at their bounds with the CPU entry's bits."""
+    import torch
+
+    rng = np.random.default_rng(256)
+    n = 64  # two blocks a row
+    codes = rng.integers(0, 256, (512, n), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x11  # NaN codes only where placed below
+    codes[1::2, 3] = 0x7F  # odd rows: a NaN code in piece 0
+    codes[1::4, 40] = 0xFF  # and in piece 1 of block 1
+    scale = np.stack([np.arange(256), np.arange(256)[::-1]], axis=1).repeat(2, axis=0).astype(np.uint8)
+    t = F.BlockScaledTensor(data=codes.view(F.MoeFormat.MXFP8.data_dtype), scale=scale.view(F.MoeFormat.MXFP8.scale_dtype),
+                            format="mxfp8", shape=(512, n), axis=-1)
+    want, want_flag = host.dequantize_bf16(t)
+    assert want_flag, "scale codes 0..2 hold values bf16 cannot: the flag"
+    blob, cb, rb = _packed_rows(t, 0)
+    dev = torch.from_numpy(blob).cuda()
+    stream = torch.cuda.current_stream().cuda_stream or None
+    out = torch.full((512, n), -1, dtype=torch.int16, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    _rows_call(1, stream, Format.MXFP8, dev.data_ptr(), rb, dev.data_ptr() + cb, rb, 512, n, out.data_ptr(),
+               flag.data_ptr())
+    np.testing.assert_array_equal(out.cpu().numpy().view(np.uint16), want.view(np.uint16), err_msg="rows")
+    assert bool(flag.item())
+    route = (np.arange(512)[::-1] * 2).astype(np.int32)  # buffer row i: token 511 - i, slot 0 (num_topk 2)
+    out2 = torch.full((512, n), -1, dtype=torch.int16, device="cuda")
+    flag.zero_()
+    _gather_call(1, stream, Format.MXFP8, dev.data_ptr(), rb, dev.data_ptr() + cb, rb, 512, torch.from_numpy(route)
+                 .cuda().data_ptr(), 2, 512, n, out2.data_ptr(), flag.data_ptr())
+    np.testing.assert_array_equal(out2.cpu().numpy().view(np.uint16), want.view(np.uint16)[route // 2],
+                                  err_msg="gathered rows")
+
+
+@needs_cuda
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("tokens,n,k,rows,pad", [(64, 7168, 8, 600, 0), (9, 256, 2, 30, 8), (5, 70, 3, 17, 3)])
 def test_cuda_gather_matches_the_cpu_entry(fmt, tokens, n, k, rows, pad):

@@ -324,6 +324,26 @@ __device__ __forceinline__ uint4 nvfp4_bf16x8(uint32_t word, uint32_t sc) {
   return make_uint4(a.x, a.y, c.x, c.y);
 }
 
+// Whether any of the 4 codes of a word is a NaN code (0x7F or 0xFF).
+__device__ __forceinline__ uint32_t mxfp8_nan_codes4(uint32_t w) { return __vcmpeq4(w & 0x7F7F7F7Fu, 0x7F7F7F7Fu); }
+
+// Whether any of 16 codes is a NaN code.
+__device__ __forceinline__ bool mxfp8_any_nan_code(const uint4 c4) {
+  return (mxfp8_nan_codes4(c4.x) | mxfp8_nan_codes4(c4.y) | mxfp8_nan_codes4(c4.z) | mxfp8_nan_codes4(c4.w)) != 0;
+}
+
+// Two mxfp8 codes (the low 16 bits of `two`, element 0 in the low byte) times their scales
+// as packed bf16, for scale codes in 10..254 (mxfp8_fast_scales) and codes that are not NaN:
+// one E4M3 -> f16 convert, a pack to bf16 (exact: E4M3 lies in bf16's range and grid) and
+// one bf16 multiply by sc2, the scales' bf16 pair (the bf16 bits of 2^(c - 127) are c << 7
+// for 1 <= c <= 254), exact there (mxfp8_fast_scales).
+__device__ __forceinline__ uint32_t mxfp8_pair_bf16_fast(uint32_t two, uint32_t sc2) {
+  const float2 v = __half22float2(
+      __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), __NV_E4M3)));
+  const __nv_bfloat162 p = __hmul2(__floats2bfloat162_rn(v.x, v.y), *reinterpret_cast<const __nv_bfloat162*>(&sc2));
+  return *reinterpret_cast<const uint32_t*>(&p);
+}
+
 // Rows: row o's codes at data + o * data_row_bytes (n a multiple of the chunk, 16 or 32;
 // the stride a multiple of 16) and its scales at scale + o * scale_row_bytes, out
 // [outer, n] bf16. A thread decodes one piece of 8 elements, 8 codes (mxfp8, 8 bytes) or
@@ -331,6 +351,8 @@ __device__ __forceinline__ uint4 nvfp4_bf16x8(uint32_t word, uint32_t sc) {
 // both cover contiguous bytes; it loads kUnroll pieces (a block's stride apart) before
 // decoding any, to keep enough bytes in flight. Piece p of a row starts at element 8 p:
 // mxfp8 block p / 4, nvfp4 block p / 2.
+// An mxfp8 piece whose scale code is in 10..254 and whose codes are not NaN decodes a pair
+// at a time in bf16 (mxfp8_pair_bf16_fast); others element by element (mxfp8_bf16x8).
 // With a route (RowGather::route not NULL) out row o is source row route[o] / num_topk, all
 // zero bits where route[o] is outside [0, num_sources * num_topk) (-1: no route): the
 // dispatch's gather at one rank and the decode in one pass.
@@ -379,7 +401,13 @@ __global__ void __launch_bounds__(kThreads)
       if (zero[u]) {
         out[t] = make_uint4(0u, 0u, 0u, 0u);
       } else if constexpr (kMx) {
-        out[t] = mxfp8_bf16x8(raw[u].x, raw[u].y, mxfp8_chunk_scale(sc[u]), inexact);
+        if (sc[u] >= 10u && sc[u] <= 254u && (mxfp8_nan_codes4(raw[u].x) | mxfp8_nan_codes4(raw[u].y)) == 0u) {
+          const uint32_t sc2 = (sc[u] << 7) | (sc[u] << 23);  // (mxfp8_pair_bf16_fast)
+          out[t] = make_uint4(mxfp8_pair_bf16_fast(raw[u].x, sc2), mxfp8_pair_bf16_fast(raw[u].x >> 16, sc2),
+                              mxfp8_pair_bf16_fast(raw[u].y, sc2), mxfp8_pair_bf16_fast(raw[u].y >> 16, sc2));
+        } else {
+          out[t] = mxfp8_bf16x8(raw[u].x, raw[u].y, mxfp8_chunk_scale(sc[u]), inexact);
+        }
       } else {
         out[t] = nvfp4_bf16x8(raw[u], sc[u]);
       }
@@ -457,15 +485,6 @@ __device__ __forceinline__ bool mxfp8_fast_scales(const uint4 s4) {
   return bad == 0;
 }
 
-// Whether any of 16 codes is a NaN code (0x7F or 0xFF).
-__device__ __forceinline__ bool mxfp8_any_nan_code(const uint4 c4) {
-  const uint32_t w[4] = {c4.x, c4.y, c4.z, c4.w};
-  uint32_t nan = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) nan |= __vcmpeq4(w[j] & 0x7F7F7F7Fu, 0x7F7F7F7Fu);
-  return nan != 0;
-}
-
 // mxfp8 blocked along the middle axis of [outer, n, inner] (inner a multiple of 16; data,
 // scale and out 16-byte aligned: jax's weights [E, H, 2I] blocked along H). A thread takes
 // 16 neighbours along inner of one row: their codes and their scale codes are 16
@@ -490,15 +509,10 @@ __global__ void __launch_bounds__(kThreads, 8)
     uint32_t w[8];
     if (mxfp8_fast_scales(s4) && !mxfp8_any_nan_code(c4)) {
 #pragma unroll
-      for (int e = 0; e < 16; e += 2) {
-        // bf16 bits of 2^(c - 127) are c << 7 for 1 <= c <= 254: the pair (e, e + 1).
+      for (int e = 0; e < 16; e += 2) {  // the pair (e, e + 1) and its two scales
         const uint32_t sh = 8 * (e % 4);
         const uint32_t sc2 = (((sw[e / 4] >> sh) & 0xFFu) << 7) | (((sw[e / 4] >> (sh + 8)) & 0xFFu) << 23);
-        const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(
-            static_cast<__nv_fp8x2_storage_t>((cw[e / 4] >> sh) & 0xFFFFu), __NV_E4M3)));
-        const __nv_bfloat162 p =
-            __hmul2(__floats2bfloat162_rn(v.x, v.y), *reinterpret_cast<const __nv_bfloat162*>(&sc2));
-        w[e / 2] = *reinterpret_cast<const uint32_t*>(&p);
+        w[e / 2] = mxfp8_pair_bf16_fast(cw[e / 4] >> sh, sc2);
       }
     } else {
 #pragma unroll
