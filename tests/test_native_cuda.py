@@ -319,8 +319,13 @@ def test_combine_reduce_encode_on_every_path(out_format, rows_kind, h):
              dev(src).data_ptr(), n, dev(over).data_ptr(), t, k, h, flag.data_ptr(), out_code, outs[0].data_ptr(),
              outs[1].data_ptr() if len(outs) > 1 else None)
         for name, o, p in zip(("data", "scale"), outs, parts):
-            np.testing.assert_array_equal(host_of(o, p.dtype, p.shape), p,
-                                          err_msg=f"{out_format} of {rows_kind} rows, hidden {h}, error {error}: {name}")
+            got = host_of(o, p.dtype, p.shape)
+            what = f"{out_format} of {rows_kind} rows, hidden {h}, error {error}: {name}"
+            if out_format == "bf16":  # a NaN sum's payload is the device's (CUDA's additions give 0x7FFFFFFF)
+                nan_got, nan_want = (got & 0x7FFF) > 0x7F80, (p & 0x7FFF) > 0x7F80
+                np.testing.assert_array_equal(nan_got, nan_want, err_msg=f"{what}: NaN positions")
+                got, p = np.where(nan_got, 0, got), np.where(nan_want, 0, p)
+            np.testing.assert_array_equal(got, p, err_msg=what)
 
 
 @pytest.mark.parametrize("row_bytes", [64, 12, 6, 5])  # the uint4, uint32, uint16 and byte copy paths

@@ -286,7 +286,9 @@ MOE_EP_API moe_ep_status moe_ep_combine_reduce_round_trip(moe_ep_device device, 
  * rows), moe_ep_combine_reduce_bf16 (bf16 rows) or moe_ep_combine_reduce_round_trip
  * (float32 rows through round_trip's format as they are read), NaN everywhere when *error
  * is set, encoded in out_format: bit for bit moe_ep_quantize(out_format, sums, num_tokens,
- * hidden, 1) of those sums (after the NaN). The float32 sums are never written: one pass
+ * hidden, 1) of those sums (after the NaN) on the same device (a sum that is NaN because a
+ * row held one has the device's NaN bits: CUDA's additions give 0x7FFFFFFF, which bf16
+ * keeps as 0x7FFF; the block formats encode every NaN alike). The float32 sums are never written: one pass
  * where the sum, the NaN select and the encode would read and write them twice more.
  *   rows_dtype: MOE_EP_DTYPE_F32 or MOE_EP_DTYPE_BF16: rows' element type.
  *   round_trip: MOE_EP_FORMAT_NONE, or MOE_EP_FORMAT_MXFP8 / MOE_EP_FORMAT_NVFP4 (float32 rows only).
