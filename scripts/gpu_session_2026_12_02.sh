@@ -549,20 +549,20 @@ case "$RUN" in
     TAIL=3 step "tests-decode-cuda-rows-$r" 60 env MOE_EP_ROWS_VARIANT=$r "$py" -m pytest -q -p no:cacheprovider -n 0 \
       -rs tests/test_native_decode_bf16.py -k "cuda"
   done
-  TAIL=4 step sanitizer-memcheck-encode 120 compute-sanitizer --tool memcheck --target-processes all \
-    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
-    tests/test_native_cuda.py tests/test_native_decode_bf16.py -k "combine_reduce_encode or every_scale_code or cuda_gather"
   # encode variant, FC1 epilogue units a thread, rows variant
   for vur in 0:1:0 1:4:1 2:4:1 2:1:0; do
     IFS=: read -r v u r <<< "$vur"
     TAIL=9 step "jax-profile-mxfp8-$v-$u-$r" 30 env MOE_EP_REDUCE_ENCODE_VARIANT=$v MOE_EP_FC1_EPILOGUE_UNROLL=$u \
       MOE_EP_ROWS_VARIANT=$r "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 6 --iters 3
   done
-  TAIL=4 step tests-jax-one-rank-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_one_rank.py \
-    -k "native_paths or straight_from or input_error"
   TAIL=14 step bench-jax-ffi 80 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
     --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
     --json "$o/bench-jax-ffi.json" --no-progress
+  TAIL=4 step tests-jax-one-rank-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_one_rank.py \
+    -k "native_paths or straight_from or input_error"
+  TAIL=4 step sanitizer-memcheck-encode 120 compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_native_cuda.py tests/test_native_decode_bf16.py -k "combine_reduce_encode or every_scale_code or cuda_gather"
   TAIL=3 step conformance-jax-ffi 70 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
     --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
   ;;
