@@ -72,9 +72,6 @@
 #   RUN=24: (the day's sixth session) the one-rank combine in one pass (sum, round trip, NaN flag
 #          and output encode: moe_ep_combine_reduce_encode), no stash in a forward-only program,
 #          the mxfp8 rows' gather-decode a bf16 pair at a time: tests, memcheck, bench, profile.
-#   RUN=25: block maxima by redux.sync, the fused mxfp8 encode through the E4M3 convert, the
-#          sum-encode and the FC1 epilogue with more loads in flight (temporary switches, each
-#          way's bits and profile).
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -527,42 +524,6 @@ case "$RUN" in
     --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
     --json "$o/bench-jax-ffi.json" --no-progress
   TAIL=12 step jax-profile-mxfp8 30 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 10
-  TAIL=3 step conformance-jax-ffi 70 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
-    --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
-  ;;
-25)
-  # After run 24 (the fused sum and encode at 0.41 ms, 2.4 TB/s: latency-bound; the FC1 epilogue
-  # at 2.5 TB/s): block maxima by redux.sync, the mxfp8 encode through the E4M3 convert, and
-  # behind temporary switches the sum-encode as row segments a warp (with and without the next
-  # loads issued first) and the FC1 epilogue 4 units a thread: the bit tests of each way,
-  # memcheck, the profile of each, the layer tests, the one-rank bits, the table.
-  jaxffi_build
-  for v in 0 1 2; do
-    TAIL=3 step "tests-encode-variant-$v" 60 env MOE_EP_REDUCE_ENCODE_VARIANT=$v "$py" -m pytest -q \
-      -p no:cacheprovider -n 0 -rs tests/test_native_cuda.py -k "combine_reduce"
-  done
-  for u in 1 4; do
-    TAIL=3 step "tests-layer-unroll-$u" 90 env MOE_EP_FC1_EPILOGUE_UNROLL=$u "$py" -m pytest -q -p no:cacheprovider \
-      -n 0 -rs tests/test_native_layer.py -k cuda
-  done
-  for r in 0 1; do
-    TAIL=3 step "tests-decode-cuda-rows-$r" 60 env MOE_EP_ROWS_VARIANT=$r "$py" -m pytest -q -p no:cacheprovider -n 0 \
-      -rs tests/test_native_decode_bf16.py -k "cuda"
-  done
-  # encode variant, FC1 epilogue units a thread, rows variant
-  for vur in 0:1:0 1:4:1 2:4:1 2:1:0; do
-    IFS=: read -r v u r <<< "$vur"
-    TAIL=9 step "jax-profile-mxfp8-$v-$u-$r" 30 env MOE_EP_REDUCE_ENCODE_VARIANT=$v MOE_EP_FC1_EPILOGUE_UNROLL=$u \
-      MOE_EP_ROWS_VARIANT=$r "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 6 --iters 3
-  done
-  TAIL=14 step bench-jax-ffi 80 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
-    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
-    --json "$o/bench-jax-ffi.json" --no-progress
-  TAIL=4 step tests-jax-one-rank-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_one_rank.py \
-    -k "native_paths or straight_from or input_error"
-  TAIL=4 step sanitizer-memcheck-encode 120 compute-sanitizer --tool memcheck --target-processes all \
-    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
-    tests/test_native_cuda.py tests/test_native_decode_bf16.py -k "combine_reduce_encode or every_scale_code or cuda_gather"
   TAIL=3 step conformance-jax-ffi 70 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
     --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
   ;;

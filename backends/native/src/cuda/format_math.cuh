@@ -13,11 +13,10 @@
 //   these thresholds have at most 7 significant bits and are normal float32 values: exact.
 // Decoding multiplies a code's value (<= 4 significant bits) by the scale:
 // exact, except that a result beyond float32 range is +-Inf.
-// Some mxfp8 helpers take the hardware's E4M3 converts instead (sm_89+), where the
-// values are provably the same: the round trips (mxfp8_round_trip_cvt4: x times a power
-// of two, then cvt.rn.satfinite), the combine's fused output encode (mxfp8_codes4_cvt, the
-// same convert) and the bf16 decodes (mxfp8_values2: cvt to f16, exact); the quantize
-// kernels keep the integer method. Every decoded
+// Two mxfp8 helpers take the hardware's E4M3 converts instead (sm_89+), where the
+// values are provably the same: the FC2 epilogue's round trip (mxfp8_round_trip_cvt4:
+// x times a power of two, then cvt.rn.satfinite) and the bf16 decodes (mxfp8_values2:
+// cvt to f16, exact); the encoders keep the integer method. Every decoded
 // NaN is the positive quiet NaN 0x7FC00000 (as the CPU implementation).
 // No flush-to-zero is assumed anywhere (nvcc's default -ftz=false; subnormal
 // inputs are handled on their bits).
@@ -114,16 +113,15 @@ __device__ __forceinline__ BlockMax block_max(const float* p, int64_t stride, in
 // reach only the lanes of its own (equally absent) block.
 template <int kGroup, int kN>
 __device__ __forceinline__ BlockMax group_block_max(const float (&v)[kN]) {
-  static_assert(kGroup >= 1 && kGroup <= 16 && (kGroup & (kGroup - 1)) == 0, "a power of two below the warp");
   BlockMax bm = block_max(v, 1, kN);
-  if constexpr (kGroup > 1) {
-    // One warp-level reduction a quantity over the block's lanes (redux.sync, sm_80+), where
-    // a shuffle tree takes log2(kGroup) shuffles and maxima for each.
-    const unsigned lane = threadIdx.x & 31u;
-    const unsigned mask = ((1u << kGroup) - 1u) << (lane & ~static_cast<unsigned>(kGroup - 1));
-    bm.amax = __reduce_max_sync(mask, bm.amax);
-    bm.nonfinite = __reduce_or_sync(mask, bm.nonfinite ? 1u : 0u) != 0u;
+  uint32_t nonfinite = bm.nonfinite ? 1u : 0u;
+#pragma unroll
+  for (int o = kGroup / 2; o > 0; o >>= 1) {
+    const uint32_t a = __shfl_xor_sync(0xFFFFFFFFu, bm.amax, o);
+    bm.amax = a > bm.amax ? a : bm.amax;
+    nonfinite |= __shfl_xor_sync(0xFFFFFFFFu, nonfinite, o);
   }
+  bm.nonfinite = nonfinite != 0u;
   return bm;
 }
 
@@ -218,21 +216,6 @@ __device__ __forceinline__ uint32_t mxfp8_codes4(const float (&v)[4], uint32_t s
 #pragma unroll
   for (int j = 0; j < 4; ++j) w |= mxfp8_code(fbits(v[j]), sc) << (8 * j);
   return w;
-}
-
-// mxfp8_codes4 through the hardware's E4M3 convert (sm_89 and later): x / 2^e with the
-// block's scale code sc = e + 127, then cvt.rn.satfinite, which mxfp8_round_trip_cvt4
-// shows gives e4m3_mag_code's code with the sign (|x / 2^e| <= 448 in a finite block; a
-// product below 2^-126 rounds to a signed zero code either way); 0x7F codes for the NaN
-// block (sc 0xFF), as mxfp8_code.
-__device__ __forceinline__ uint32_t mxfp8_codes4_cvt(const float (&v)[4], uint32_t sc) {
-  if (sc == 0xFFu) return 0x7F7F7F7Fu;
-  const float down = exp2_exact(127 - static_cast<int>(sc));
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(fmul(v[0], down), fmul(v[1], down)), __NV_SATFINITE,
-                                               __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(fmul(v[2], down), fmul(v[3], down)), __NV_SATFINITE,
-                                               __NV_E4M3);
-  return lo | (hi << 16);
 }
 
 // Encode one mxfp8 block of `len` (1..32) elements x[j * stride] into

@@ -4,8 +4,6 @@
 // n a multiple of the block, aligned buffers) take the vec4 kernels instead, which give
 // the same bytes through the same format_math.cuh helpers.
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "cuda/common.cuh"
@@ -418,71 +416,6 @@ __global__ void __launch_bounds__(kThreads)
   report_inexact(inexact, flag);
 }
 
-// bf16_rows_kernel's mxfp8 rows 16 codes a thread (half a block: one scale), one 16-byte
-// load into two 16-byte stores, kRows16Unroll pieces a block's width apart loaded before
-// any is decoded: half the index arithmetic and route reads of 8-code pieces, twice the
-// bytes a load.
-constexpr int kRows16Unroll = 4;
-
-__global__ void __launch_bounds__(kThreads)
-    bf16_rows16_mx_kernel(const uint8_t* __restrict__ data, int64_t data_row_bytes, const uint8_t* __restrict__ scale,
-                          int64_t scale_row_bytes, int64_t outer, int64_t n, uint4* __restrict__ out,
-                          int32_t* __restrict__ flag, RowGather g) {
-  const int64_t per_row = n / 16, total = outer * per_row;
-  bool inexact = false;
-  const int64_t step = int64_t{gridDim.x} * blockDim.x * kRows16Unroll;
-  for (int64_t base = blockIdx.x * int64_t{blockDim.x} * kRows16Unroll + threadIdx.x; base < total; base += step) {
-    uint4 raw[kRows16Unroll];
-    uint32_t sc[kRows16Unroll];
-    bool zero[kRows16Unroll];
-#pragma unroll
-    for (int u = 0; u < kRows16Unroll; ++u) {
-      const int64_t t = base + int64_t{u} * blockDim.x;
-      if (t >= total) break;
-      const int64_t row = div_nonneg(t, per_row), p = t - row * per_row;
-      const int64_t src = gather_source(g, row);
-      zero[u] = src < 0;
-      if (zero[u]) continue;
-      raw[u] = __ldg(reinterpret_cast<const uint4*>(data + src * data_row_bytes) + p);
-      sc[u] = __ldg(scale + src * scale_row_bytes + p / 2);
-    }
-#pragma unroll
-    for (int u = 0; u < kRows16Unroll; ++u) {
-      const int64_t t = base + int64_t{u} * blockDim.x;
-      if (t >= total) break;
-      uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
-      if (!zero[u]) {
-        const uint32_t w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
-        if (sc[u] >= 10u && sc[u] <= 254u &&
-            (mxfp8_nan_codes4(w[0]) | mxfp8_nan_codes4(w[1]) | mxfp8_nan_codes4(w[2]) | mxfp8_nan_codes4(w[3])) == 0u) {
-          const uint32_t sc2 = (sc[u] << 7) | (sc[u] << 23);  // (mxfp8_pair_bf16_fast)
-          lo = make_uint4(mxfp8_pair_bf16_fast(w[0], sc2), mxfp8_pair_bf16_fast(w[0] >> 16, sc2),
-                          mxfp8_pair_bf16_fast(w[1], sc2), mxfp8_pair_bf16_fast(w[1] >> 16, sc2));
-          hi = make_uint4(mxfp8_pair_bf16_fast(w[2], sc2), mxfp8_pair_bf16_fast(w[2] >> 16, sc2),
-                          mxfp8_pair_bf16_fast(w[3], sc2), mxfp8_pair_bf16_fast(w[3] >> 16, sc2));
-        } else {
-          const ChunkScale cs = mxfp8_chunk_scale(sc[u]);
-          lo = mxfp8_bf16x8(w[0], w[1], cs, inexact);
-          hi = mxfp8_bf16x8(w[2], w[3], cs, inexact);
-        }
-      }
-      out[2 * t] = lo;
-      out[2 * t + 1] = hi;
-    }
-  }
-  report_inexact(inexact, flag);
-}
-
-// Which mxfp8 rows kernel (temporary, for the 2026-12-02 timing of both:
-// MOE_EP_ROWS_VARIANT=0 8 codes a thread, 1 16 codes a thread; read once).
-int rows_variant() {
-  static const int v = [] {
-    const char* e = std::getenv("MOE_EP_ROWS_VARIANT");
-    return e != nullptr && std::strcmp(e, "0") == 0 ? 0 : 1;
-  }();
-  return v;
-}
-
 // nvfp4 blocked along the middle axis of [outer, n, inner] (inner a multiple of 16; data,
 // scale and out 16-byte aligned: e.g. jax's weights [E, H, 2I] blocked along H). A thread
 // takes 16 neighbours along inner of one byte row j, which holds rows 2j (low nibbles) and
@@ -716,12 +649,6 @@ moe_ep_status launch_dequantize_bf16_rows(cudaStream_t s, const uint8_t* data, i
                                           uint16_t* out, int32_t* flag, RowGather g = RowGather{nullptr, 1, 0}) {
   constexpr int64_t V = kMx ? 16 : 32;
   if (n % V == 0 && data_row_bytes % 16 == 0 && detail::aligned16(data) && detail::aligned16(out)) {
-    if (kMx && rows_variant() == 1) {
-      bf16_rows16_mx_kernel<<<blocks_for(div_up(outer * (n / 16), int64_t{kRows16Unroll})), kThreads, 0, s>>>(
-          data, data_row_bytes, scale, scale_row_bytes, outer, n, reinterpret_cast<uint4*>(out), flag, g);
-      MOE_EP_CUDA_CHECK_LAUNCH("bf16_rows16_mx_kernel");
-      return MOE_EP_OK;
-    }
     bf16_rows_kernel<kMx><<<blocks_for(div_up(outer * (n / 8), kUnroll)), kThreads, 0, s>>>(
         data, data_row_bytes, scale, scale_row_bytes, outer, n, reinterpret_cast<uint4*>(out), flag, g);
     MOE_EP_CUDA_CHECK_LAUNCH("bf16_rows_kernel");

@@ -26,8 +26,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "cuda/common.cuh"
@@ -271,81 +269,48 @@ __global__ void fc2_epilogue_bf16_out_kernel(const float4* __restrict__ z, const
 }
 
 // FC1 epilogue for the element-wise intermediate formats (none, bf16), four columns
-// per unit (I a multiple of 4): the same values as fc1_epilogue_kernel, with 16-byte
-// loads of c and 8-byte stores of the stash and of a one-plane operand. A thread takes kU
-// units a block's width apart and issues all their loads before computing any (more bytes
-// in flight: the SwiGLU's expf and division are long enough to leave the memory idle).
-template <bool kRoundBf16, int kU>
-__global__ void __launch_bounds__(kThreads)
-    fc1_epilogue_vec4_kernel(const float* __restrict__ c, const float* __restrict__ w,
-                             const int32_t* __restrict__ off, int num_experts, uint16_t* __restrict__ stash,
-                             uint16_t* __restrict__ op, int planes, SwigluParams p) {
+// per thread (I a multiple of 4): the same values as fc1_epilogue_kernel, with 16-byte
+// loads of c and 8-byte stores of the stash and of a one-plane operand.
+template <bool kRoundBf16>
+__global__ void fc1_epilogue_vec4_kernel(const float* __restrict__ c, const float* __restrict__ w,
+                                         const int32_t* __restrict__ off, int num_experts, uint16_t* __restrict__ stash,
+                                         uint16_t* __restrict__ op, int planes, SwigluParams p) {
   const int64_t I = p.I;
   const int64_t q = I / 4;
   const int64_t total = p.C * q;
   const int64_t end = off[num_experts];
   const int64_t plane_stride = p.C * I;
-  const int64_t step = int64_t{gridDim.x} * blockDim.x * kU;
-  for (int64_t base = blockIdx.x * int64_t{blockDim.x} * kU + threadIdx.x; base < total; base += step) {
-    float4 g4[kU], u4[kU];
-    float wr[kU];
-    bool live[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int64_t t = base + int64_t{u} * blockDim.x;
-      const int64_t r = t < total ? div_nonneg(t, q) : end, k0 = (t - r * q) * 4;
-      live[u] = r < end;
-      g4[u] = u4[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      wr[u] = 0.0f;
-      if (live[u]) {
-        g4[u] = *reinterpret_cast<const float4*>(c + r * 2 * I + k0);
-        u4[u] = *reinterpret_cast<const float4*>(c + r * 2 * I + I + k0);
-        wr[u] = w[r];
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = div_nonneg(t, q), k0 = (t - r * q) * 4;
+    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint2 sg = make_uint2(0u, 0u), su = make_uint2(0u, 0u);
+    if (r < end) {
+      const float4 g4 = *reinterpret_cast<const float4*>(c + r * 2 * I + k0);
+      const float4 u4 = *reinterpret_cast<const float4*>(c + r * 2 * I + I + k0);
+      const float g[4] = {g4.x, g4.y, g4.z, g4.w}, u[4] = {u4.x, u4.y, u4.z, u4.w};
+      const float wr = w[r];
+      uint16_t bg[4], bu[4];
+      for (int j = 0; j < 4; ++j) {
+        bg[j] = bf16_from_float(g[j]);
+        bu[j] = bf16_from_float(u[j]);
+        o[j] = swiglu_operand(g[j], u[j], wr, p);
+        if (kRoundBf16) o[j] = bf16_round_trip(o[j]);
       }
+      sg = make_uint2(bg[0] | (uint32_t{bg[1]} << 16), bg[2] | (uint32_t{bg[3]} << 16));
+      su = make_uint2(bu[0] | (uint32_t{bu[1]} << 16), bu[2] | (uint32_t{bu[3]} << 16));
     }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int64_t t = base + int64_t{u} * blockDim.x;
-      if (t >= total) break;
-      const int64_t r = div_nonneg(t, q), k0 = (t - r * q) * 4;
-      float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      uint2 sg = make_uint2(0u, 0u), su = make_uint2(0u, 0u);
-      if (live[u]) {
-        const float g[4] = {g4[u].x, g4[u].y, g4[u].z, g4[u].w}, uu[4] = {u4[u].x, u4[u].y, u4[u].z, u4[u].w};
-        uint16_t bg[4], bu[4];
-        for (int j = 0; j < 4; ++j) {
-          bg[j] = bf16_from_float(g[j]);
-          bu[j] = bf16_from_float(uu[j]);
-          o[j] = swiglu_operand(g[j], uu[j], wr[u], p);
-          if (kRoundBf16) o[j] = bf16_round_trip(o[j]);
-        }
-        sg = make_uint2(bg[0] | (uint32_t{bg[1]} << 16), bg[2] | (uint32_t{bg[3]} << 16));
-        su = make_uint2(bu[0] | (uint32_t{bu[1]} << 16), bu[2] | (uint32_t{bu[3]} << 16));
-      }
-      if (stash != nullptr) {
-        *reinterpret_cast<uint2*>(stash + r * 2 * I + k0) = sg;
-        *reinterpret_cast<uint2*>(stash + r * 2 * I + I + k0) = su;
-      }
-      if (planes == 1) {
-        uint16_t b[4];
-        for (int j = 0; j < 4; ++j) b[j] = bf16_from_float(o[j]);  // o is a bf16 value (one plane)
-        *reinterpret_cast<uint2*>(op + r * I + k0) =
-            make_uint2(b[0] | (uint32_t{b[1]} << 16), b[2] | (uint32_t{b[3]} << 16));
-      } else {
-        for (int j = 0; j < 4; ++j) put_planes(op, plane_stride, r * I + k0 + j, planes, o[j]);
-      }
+    if (stash != nullptr) {
+      *reinterpret_cast<uint2*>(stash + r * 2 * I + k0) = sg;
+      *reinterpret_cast<uint2*>(stash + r * 2 * I + I + k0) = su;
+    }
+    if (planes == 1) {
+      uint16_t b[4];
+      for (int j = 0; j < 4; ++j) b[j] = bf16_from_float(o[j]);  // o is a bf16 value (one plane)
+      *reinterpret_cast<uint2*>(op + r * I + k0) = make_uint2(b[0] | (uint32_t{b[1]} << 16), b[2] | (uint32_t{b[3]} << 16));
+    } else {
+      for (int j = 0; j < 4; ++j) put_planes(op, plane_stride, r * I + k0 + j, planes, o[j]);
     }
   }
-}
-
-// Units a thread of fc1_epilogue_vec4_kernel takes. MOE_EP_FC1_EPILOGUE_UNROLL=1 or 4
-// (temporary, for the 2026-12-02 timing of both; read once).
-int fc1_epilogue_unroll() {
-  static const int u = [] {
-    const char* v = std::getenv("MOE_EP_FC1_EPILOGUE_UNROLL");
-    return v != nullptr && std::strcmp(v, "1") == 0 ? 1 : 4;
-  }();
-  return u;
 }
 
 // ------------------------------------------------------------------ backward kernels
@@ -496,13 +461,8 @@ void launch_fc1_epilogue_as(unsigned blocks, cudaStream_t s, const float* c, con
     const uintptr_t a = reinterpret_cast<uintptr_t>(c) | reinterpret_cast<uintptr_t>(stash) |
                         reinterpret_cast<uintptr_t>(op);
     if (p.I % 4 == 0 && a % 16 == 0) {
-      const int64_t units = p.C * (p.I / 4);
-      if (fc1_epilogue_unroll() == 4)
-        fc1_epilogue_vec4_kernel<kFmt == MOE_EP_FORMAT_BF16, 4><<<blocks_for(div_up(units, int64_t{4})), kThreads, 0, s>>>(
-            c, w, off, E, stash, op, planes, p);
-      else
-        fc1_epilogue_vec4_kernel<kFmt == MOE_EP_FORMAT_BF16, 1><<<blocks_for(units), kThreads, 0, s>>>(
-            c, w, off, E, stash, op, planes, p);
+      const unsigned b = blocks_for(p.C * (p.I / 4));
+      fc1_epilogue_vec4_kernel<kFmt == MOE_EP_FORMAT_BF16><<<b, kThreads, 0, s>>>(c, w, off, E, stash, op, planes, p);
       return;
     }
   }

@@ -567,9 +567,9 @@ moe_ep_status launch_combine_reduce_round_trip(cudaStream_t s, const float* rows
 
 // Stores the kN consecutive values v of one lane, elements e0..e0+kN-1 of the flat [T, H]
 // output (H a multiple of 32, so that no block crosses a row and e0 / block is the block's
-// scale index), in format kOut: bf16 bits, mxfp8 codes (through the E4M3 convert,
-// mxfp8_codes4_cvt) and E8M0 scales, nvfp4 packed codes and E4M3 scales: the same bits as
-// moe_ep_quantize of the sums. All 32 lanes must call it (the block formats' shuffles); only lanes with
+// scale index), in format kOut: bf16 bits, mxfp8 codes and E8M0 scales, nvfp4 packed codes
+// and E4M3 scales, with the quantize kernels' helpers (the same bits as moe_ep_quantize of
+// the sums). All 32 lanes must call it (the block formats' shuffles); only lanes with
 // `here` store, the first lane of a block its scale.
 template <int kOut, int kN>
 __device__ __forceinline__ void store_encoded(const float (&v)[kN], int64_t e0, bool here, int lane,
@@ -595,8 +595,8 @@ __device__ __forceinline__ void store_encoded(const float (&v)[kN], int64_t e0, 
     if constexpr (kOut == MOE_EP_FORMAT_MXFP8) {
       sc = mxfp8_scale_code(bm);
       uint8_t* d = static_cast<uint8_t*>(data) + e0;
-      if constexpr (kN == 4) *reinterpret_cast<uint32_t*>(d) = mxfp8_codes4_cvt(a, sc);
-      else *reinterpret_cast<uint2*>(d) = make_uint2(mxfp8_codes4_cvt(a, sc), mxfp8_codes4_cvt(b, sc));
+      if constexpr (kN == 4) *reinterpret_cast<uint32_t*>(d) = mxfp8_codes4(a, sc);
+      else *reinterpret_cast<uint2*>(d) = make_uint2(mxfp8_codes4(a, sc), mxfp8_codes4(b, sc));
     } else {
       const Nvfp4Scale ns = nvfp4_scale_of(bm);
       sc = ns.code;
@@ -669,91 +669,6 @@ __global__ void __launch_bounds__(kThreads)
     }
     store_encoded<kOut, kN>(acc, idx * kN, here, lane, data, scale);
   }
-}
-
-// The same sums with warps walking row segments (num_topk <= kReduceBatch): a warp takes a
-// (token, segment of kSegChunks * 32 lane units) item, loads its route positions once, and
-// walks the segment 32 units at a time; with kPrefetch it issues the next step's row loads
-// before rounding and adding the current ones (two sets of loads in registers).
-constexpr int kSegChunks = 8;
-
-template <bool kBf16Rows, int kRt, int kOut, bool kPrefetch>
-__global__ void __launch_bounds__(kThreads)
-    combine_reduce_encode_seg_kernel(const uint4* __restrict__ rows, int64_t num_rows,
-                                     const int32_t* __restrict__ route_pos, int64_t num_tokens, int num_topk,
-                                     int64_t hidden, const uint8_t* __restrict__ error, void* __restrict__ data,
-                                     uint8_t* __restrict__ scale) {
-  constexpr int kN = kBf16Rows ? 8 : 4;
-  const int64_t q = hidden / kN;
-  const int64_t segs = div_up(q, int64_t{32 * kSegChunks}), items = num_tokens * segs;
-  const bool poisoned = error != nullptr && *error != 0;
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int64_t warps = (int64_t{gridDim.x} * blockDim.x) >> 5;
-  for (int64_t item = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) >> 5; item < items; item += warps) {
-    const int64_t t = div_nonneg(item, segs), u0 = (item - t * segs) * (32 * kSegChunks);
-    const int64_t u1 = u0 + 32 * kSegChunks < q ? u0 + 32 * kSegChunks : q;
-    int64_t p[kReduceBatch];
-#pragma unroll
-    for (int j = 0; j < kReduceBatch; ++j) {
-      int64_t r = -1;
-      if (j < num_topk) r = route_pos != nullptr ? static_cast<int64_t>(route_pos[t * num_topk + j]) : t * num_topk + j;
-      p[j] = r >= 0 && r < num_rows ? r * q : -1;  // the row's first unit, or -1: adds nothing
-    }
-    auto load = [&](int64_t u, uint4 (&raw)[kReduceBatch]) {
-#pragma unroll
-      for (int j = 0; j < kReduceBatch; ++j)
-        raw[j] = u < u1 && p[j] >= 0 ? __ldg(rows + p[j] + u) : make_uint4(0u, 0u, 0u, 0u);
-    };
-    uint4 cur[kReduceBatch];
-    load(u0 + lane, cur);
-    for (int64_t ub = u0; ub < u1; ub += 32) {
-      const int64_t u = ub + lane;
-      uint4 nxt[kReduceBatch];
-      if constexpr (kPrefetch) load(u + 32, nxt);
-      float acc[kN];
-#pragma unroll
-      for (int i = 0; i < kN; ++i) acc[i] = 0.0f;  // +0
-#pragma unroll
-      for (int j = 0; j < kReduceBatch; ++j) {
-        if (j >= num_topk) break;  // the same for every lane
-        float v[kN];
-        unpack(cur[j], v);
-        if constexpr (kRt != MOE_EP_FORMAT_NONE) {
-          constexpr int kGroup = (kRt == MOE_EP_FORMAT_MXFP8 ? kMxfp8Block : kNvfp4Block) / 4;
-          const BlockMax bm = group_block_max<kGroup>(v);
-          if (p[j] < 0) continue;
-          if constexpr (kRt == MOE_EP_FORMAT_MXFP8) mxfp8_round_trip_cvt4(bm, v);
-          else nvfp4_round_trip_with(bm, v, 4);
-        } else if (p[j] < 0) {
-          continue;
-        }
-#pragma unroll
-        for (int i = 0; i < kN; ++i) acc[i] = fadd(acc[i], v[i]);
-      }
-      if (poisoned) {
-#pragma unroll
-        for (int i = 0; i < kN; ++i) acc[i] = bitsf(kQuietNaN);
-      }
-      store_encoded<kOut, kN>(acc, (t * q + u) * kN, u < u1, lane, data, scale);
-      if constexpr (kPrefetch) {
-#pragma unroll
-        for (int j = 0; j < kReduceBatch; ++j) cur[j] = nxt[j];
-      } else if (ub + 32 < u1) {
-        load(u + 32, cur);
-      }
-    }
-  }
-}
-
-// Which sum-encode kernel (temporary, for the 2026-12-02 timing of the three ways:
-// MOE_EP_REDUCE_ENCODE_VARIANT=0 a lane unit a thread, 1 segments, 2 segments with the
-// next loads issued first; read once). The segment kernels take num_topk <= kReduceBatch.
-int reduce_encode_variant() {
-  static const int v = [] {
-    const char* e = std::getenv("MOE_EP_REDUCE_ENCODE_VARIANT");
-    return e == nullptr ? 2 : std::atoi(e);
-  }();
-  return v;
 }
 
 // The same, one (token, chunk of 32 columns) a thread (any hidden; the last chunk may be
@@ -829,21 +744,7 @@ struct EncodeArgs {
 
 template <bool kBf16Rows, int kRt, int kOut>
 void launch_encode_vec(cudaStream_t s, const EncodeArgs& a) {
-  const int64_t q = a.hidden / (kBf16Rows ? 8 : 4), lanes = a.num_tokens * q;
-  const int variant = reduce_encode_variant();
-  if (variant != 0 && a.num_topk <= kReduceBatch) {
-    const int64_t items = a.num_tokens * div_up(q, int64_t{32 * kSegChunks});
-    const unsigned blocks = blocks_for(items * 32);
-    const auto* rows = static_cast<const uint4*>(a.rows);
-    const int k = static_cast<int>(a.num_topk);
-    if (variant == 1)
-      combine_reduce_encode_seg_kernel<kBf16Rows, kRt, kOut, false><<<blocks, kThreads, 0, s>>>(
-          rows, a.num_rows, a.route_pos, a.num_tokens, k, a.hidden, a.error, a.data, a.scale);
-    else
-      combine_reduce_encode_seg_kernel<kBf16Rows, kRt, kOut, true><<<blocks, kThreads, 0, s>>>(
-          rows, a.num_rows, a.route_pos, a.num_tokens, k, a.hidden, a.error, a.data, a.scale);
-    return;
-  }
+  const int64_t lanes = a.num_tokens * (a.hidden / (kBf16Rows ? 8 : 4));
   combine_reduce_encode_vec_kernel<kBf16Rows, kRt, kOut><<<blocks_for(lanes), kThreads, 0, s>>>(
       static_cast<const uint4*>(a.rows), a.num_rows, a.route_pos, a.num_tokens, a.num_topk, a.hidden, a.error, a.data,
       a.scale);
