@@ -134,6 +134,38 @@ def _code(fmt: Any) -> np.int32:
     return np.int32(native.FORMAT_CODES[None if fmt is None else parse_format(fmt)])
 
 
+def _encoded_extents(fmt: MoeFormat, n: int) -> Tuple[int, int, Any]:
+    """``(data extent, scale extent, data dtype)`` of ``n`` values encoded in ``fmt`` along
+    their blocked axis (the C ABI's storage: bf16 bits and no scale, or one-byte codes)."""
+    if fmt is MoeFormat.BF16:
+        return n, 0, jnp.uint16
+    block = int(fmt.block_size or 0)  # 32 (mxfp8) or 16 (nvfp4)
+    return (-(-n // 2) if fmt is MoeFormat.NVFP4 else n), -(-n // block), _U8
+
+
+def _encoded(fmt: MoeFormat, data: jax.Array, scale: jax.Array, n: int, axis: int) -> Tensor:
+    """The layer's Tensor of a handler's encoded storage (already in its logical shape):
+    bf16 bits as ``bfloat16``, or a :class:`~moe_ep_jax.formats.BlockScaled` with the
+    format's dtypes (a bit cast)."""
+    if fmt is MoeFormat.BF16:
+        return lax.bitcast_convert_type(data, jnp.bfloat16)
+    if fmt is MoeFormat.MXFP8:
+        data = lax.bitcast_convert_type(data, _DATA_DTYPE[fmt])
+    return F.BlockScaled(data, lax.bitcast_convert_type(scale, _SCALE_DTYPE[fmt]), fmt, n, axis)
+
+
+def _sum_rows(rows: Any, round_trip: Any) -> Tuple[jax.Array, Any]:
+    """``(rows, round-trip format or None)`` as the combine_reduce handlers take them:
+    float32, or bfloat16 as they are when nothing rounds them."""
+    rows = jnp.asarray(rows)
+    fmt = None if round_trip is None else parse_format(round_trip, name="round_trip")
+    if fmt is not None and fmt not in (MoeFormat.MXFP8, MoeFormat.NVFP4):
+        raise FormatError(f"round_trip must be None, 'mxfp8' or 'nvfp4' (a block format); got {round_trip!r}")
+    if rows.dtype != jnp.bfloat16 or fmt is not None:
+        rows = rows.astype(_F32)
+    return rows, fmt
+
+
 # ----------------------------------------------------------------------------- the provider
 
 
@@ -177,32 +209,18 @@ class FfiKernels:
         x = x.astype(_F32)
         shape = tuple(x.shape)
         outer, n, inner = _view(shape, axis)
-        if fmt is MoeFormat.BF16:
-            data_shape: Tuple[int, ...] = (outer, n, inner)
-            scale_shape: Tuple[int, ...] = (outer, 0, inner)
-            data_dtype: Any = jnp.uint16
-        else:
-            block = int(fmt.block_size or 0)  # 32 (mxfp8) or 16 (nvfp4): only block formats reach here
-            data_shape = (outer, -(-n // 2) if fmt is MoeFormat.NVFP4 else n, inner)
-            scale_shape = (outer, -(-n // block), inner)
-            data_dtype = _U8
+        data_n, scale_n, data_dtype = _encoded_extents(fmt, n)
         data, scale = _call(
-            "moe_ep_quantize", [_sds(data_shape, data_dtype), _sds(scale_shape, _U8)], x.reshape(outer, n, inner),
-            format=_code(fmt),
+            "moe_ep_quantize", [_sds((outer, data_n, inner), data_dtype), _sds((outer, scale_n, inner), _U8)],
+            x.reshape(outer, n, inner), format=_code(fmt),
         )
-        if fmt is MoeFormat.BF16:
-            return lax.bitcast_convert_type(data, jnp.bfloat16).reshape(shape)
 
         def logical(a: jax.Array, extent: int) -> jax.Array:
             s = list(shape)
             s[axis] = extent
             return a.reshape(s)
 
-        data = logical(data, data_shape[1])
-        scale = logical(scale, scale_shape[1])
-        if fmt is MoeFormat.MXFP8:
-            data = lax.bitcast_convert_type(data, _DATA_DTYPE[fmt])
-        return F.BlockScaled(data, lax.bitcast_convert_type(scale, _SCALE_DTYPE[fmt]), fmt, n, axis)
+        return _encoded(fmt, logical(data, data_n), logical(scale, scale_n), n, axis)
 
     def dequantize(self, x: Tensor) -> jax.Array:
         """Decode to float32, exactly: plain arrays with ``astype``, block-scaled
@@ -283,12 +301,7 @@ class FfiKernels:
                 through its round trip first, bit for bit the format's encode and decode
                 (``moe_ep_combine_reduce_round_trip``; float32 rows).
         """
-        rows = jnp.asarray(rows)
-        fmt = None if round_trip is None else parse_format(round_trip, name="round_trip")
-        if fmt is not None and fmt not in (MoeFormat.MXFP8, MoeFormat.NVFP4):
-            raise FormatError(f"round_trip must be None, 'mxfp8' or 'nvfp4' (a block format); got {round_trip!r}")
-        if rows.dtype != jnp.bfloat16 or fmt is not None:
-            rows = rows.astype(_F32)
+        rows, fmt = _sum_rows(rows, round_trip)
         h = rows.shape[1]
         if num_tokens == 0 or h == 0 or rows.shape[0] == 0:  # nothing any route could read
             return jnp.zeros((num_tokens, h), _F32)
@@ -450,32 +463,19 @@ class FfiKernels:
         Returns:
             ``[T, H] bfloat16``, or a :class:`~moe_ep_jax.formats.BlockScaled` blocked along axis 1.
         """
-        rows = jnp.asarray(rows)
         fmt = parse_format(out_format, name="out_format")
-        rt = None if round_trip is None else parse_format(round_trip, name="round_trip")
-        if rt is not None and rt not in (MoeFormat.MXFP8, MoeFormat.NVFP4):
-            raise FormatError(f"round_trip must be None, 'mxfp8' or 'nvfp4' (a block format); got {round_trip!r}")
-        if rows.dtype != jnp.bfloat16 or rt is not None:
-            rows = rows.astype(_F32)
+        rows, rt = _sum_rows(rows, round_trip)
         h = rows.shape[1]
         flag = jnp.asarray(error, jnp.bool_).reshape(())
         if num_tokens == 0 or h == 0 or rows.shape[0] == 0:  # nothing any route could read: +0 sums
             sums = jnp.where(flag, jnp.float32(jnp.nan), jnp.zeros((num_tokens, h), _F32))
             return F.round_to_bf16(sums) if fmt is MoeFormat.BF16 else self.quantize(sums, fmt)
-        if fmt is MoeFormat.BF16:
-            data_shape, scale_shape, data_dtype = (num_tokens, h), (num_tokens, 0), jnp.uint16
-        else:
-            block = int(fmt.block_size or 0)
-            data_shape = (num_tokens, -(-h // 2) if fmt is MoeFormat.NVFP4 else h)
-            scale_shape, data_dtype = (num_tokens, -(-h // block)), _U8
-        data, scale = _call("moe_ep_combine_reduce_encode", [_sds(data_shape, data_dtype), _sds(scale_shape, _U8)],
+        data_n, scale_n, data_dtype = _encoded_extents(fmt, h)
+        data, scale = _call("moe_ep_combine_reduce_encode",
+                            [_sds((num_tokens, data_n), data_dtype), _sds((num_tokens, scale_n), _U8)],
                             rows, jnp.asarray(route_rows).astype(_I32), flag, num_topk=int(num_topk),
                             round_trip=_code(rt), out_format=_code(fmt))
-        if fmt is MoeFormat.BF16:
-            return lax.bitcast_convert_type(data, jnp.bfloat16)
-        if fmt is MoeFormat.MXFP8:
-            data = lax.bitcast_convert_type(data, _DATA_DTYPE[fmt])
-        return F.BlockScaled(data, lax.bitcast_convert_type(scale, _SCALE_DTYPE[fmt]), fmt, h, 1)
+        return _encoded(fmt, data, scale, h, 1)
 
     def expert_forward_output(self, config, x, w, fc1, fc2, group_sizes, route_rows, num_tokens, error,  # type: ignore[no-untyped-def]
                               tokens=None, token_route=None, stash=True):

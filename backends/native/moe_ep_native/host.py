@@ -202,6 +202,23 @@ def permute_rows(tokens: np.ndarray, send_route: Any, num_topk: int) -> np.ndarr
     return out
 
 
+def _reduce_args(rows: Any, route_pos: Optional[Any], num_tokens: int, num_topk: int,
+                 round_trip: Optional[str]) -> Tuple[Optional[MoeFormat], bool, np.ndarray, Optional[np.ndarray]]:
+    """The checked arguments every combine_reduce entry takes: ``(round_trip format or None,
+    bf16 rows?, rows [R, H] contiguous, route_pos [T*K] int32 or None)``."""
+    fmt = None if round_trip is None else parse_format(round_trip, name="round_trip")
+    if fmt is not None and fmt not in (MoeFormat.MXFP8, MoeFormat.NVFP4):
+        raise FormatError(f"round_trip must be None, 'mxfp8' or 'nvfp4' (a block format); got {round_trip!r}")
+    bf16 = fmt is None and np.asarray(rows).dtype == BF16
+    r = np.ascontiguousarray(np.asarray(rows)) if bf16 else _float32(rows, "rows")
+    if r.ndim != 2:
+        raise ShapeError(f"rows must be 2-d (num_rows, hidden); got shape {r.shape}", name="rows")
+    pos = None if route_pos is None else _int32(route_pos, "route_pos").reshape(-1)
+    if pos is not None:
+        check_shape("route_pos", pos.shape, (num_tokens * num_topk,), "(num_tokens * num_topk,)")
+    return fmt, bf16, r, pos
+
+
 def combine_reduce(rows: Any, route_pos: Optional[Any], num_tokens: int, num_topk: int,
                    round_trip: Optional[str] = None) -> np.ndarray:
     """Form-A reduction: ``out[t] = sum over slots k (in order, from +0) of rows[route_pos[t*K+k]]``.
@@ -216,16 +233,7 @@ def combine_reduce(rows: Any, route_pos: Optional[Any], num_tokens: int, num_top
     Returns:
         ``[num_tokens, hidden] float32``.
     """
-    fmt = None if round_trip is None else parse_format(round_trip, name="round_trip")
-    if fmt is not None and fmt not in (MoeFormat.MXFP8, MoeFormat.NVFP4):
-        raise FormatError(f"round_trip must be None, 'mxfp8' or 'nvfp4' (a block format); got {round_trip!r}")
-    bf16 = fmt is None and np.asarray(rows).dtype == BF16
-    r = np.ascontiguousarray(np.asarray(rows)) if bf16 else _float32(rows, "rows")
-    if r.ndim != 2:
-        raise ShapeError(f"rows must be 2-d (num_rows, hidden); got shape {r.shape}", name="rows")
-    pos = None if route_pos is None else _int32(route_pos, "route_pos").reshape(-1)
-    if pos is not None:
-        check_shape("route_pos", pos.shape, (num_tokens * num_topk,), "(num_tokens * num_topk,)")
+    fmt, bf16, r, pos = _reduce_args(rows, route_pos, num_tokens, num_topk, round_trip)
     out = np.empty((int(num_tokens), r.shape[1]), np.float32)
     tail = (_ptr(r), r.shape[0], _ptr(pos), int(num_tokens), int(num_topk), r.shape[1], _ptr(out))
     if fmt is not None:
@@ -254,16 +262,7 @@ def combine_reduce_encode(rows: Any, route_pos: Optional[Any], num_tokens: int, 
         :class:`~moe_ep_spec.BlockScaledTensor` blocked along axis 1.
     """
     fmt = parse_format(out_format, name="out_format")
-    rt = None if round_trip is None else parse_format(round_trip, name="round_trip")
-    if rt is not None and rt not in (MoeFormat.MXFP8, MoeFormat.NVFP4):
-        raise FormatError(f"round_trip must be None, 'mxfp8' or 'nvfp4' (a block format); got {round_trip!r}")
-    bf16 = rt is None and np.asarray(rows).dtype == BF16
-    r = np.ascontiguousarray(np.asarray(rows)) if bf16 else _float32(rows, "rows")
-    if r.ndim != 2:
-        raise ShapeError(f"rows must be 2-d (num_rows, hidden); got shape {r.shape}", name="rows")
-    pos = None if route_pos is None else _int32(route_pos, "route_pos").reshape(-1)
-    if pos is not None:
-        check_shape("route_pos", pos.shape, (num_tokens * num_topk,), "(num_tokens * num_topk,)")
+    rt, bf16, r, pos = _reduce_args(rows, route_pos, num_tokens, num_topk, round_trip)
     t, h = int(num_tokens), r.shape[1]
     flag = np.array([1 if error else 0], np.uint8)
     if fmt is MoeFormat.BF16:
