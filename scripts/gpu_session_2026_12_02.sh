@@ -72,6 +72,12 @@
 #   RUN=24: (the day's sixth session) the one-rank combine in one pass (sum, round trip, NaN flag
 #          and output encode: moe_ep_combine_reduce_encode), no stash in a forward-only program,
 #          the mxfp8 rows' gather-decode a bf16 pair at a time: tests, memcheck, bench, profile.
+#   RUN=26: (the day's seventh session) the prefill's kNN GEMMs with a float32 D as pingpong
+#          128x128x64 (grouped_gemm_nn_pingpong128{,_bf16}.cu): every kernel's GEMM checks and
+#          the prefill timings of each; the mxfp8 rows' decode 16 codes a thread (run 25's
+#          variant, now the kernel); jax-ffi's bench with each kNN kernel
+#          (MOE_EP_GEMM_KNN); the CUDA tests, memcheck, the profile, cuda-nccl's bench.
+#          (Run 25's script is in commit c5ea0a1.)
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -526,6 +532,31 @@ case "$RUN" in
   TAIL=12 step jax-profile-mxfp8 30 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 10
   TAIL=3 step conformance-jax-ffi 70 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
     --timeout 45 --report-md "$o/conformance-jax-ffi-ep1.md"
+  ;;
+26)
+  # (the day's seventh session) Deciding first: the GEMM checks and timings, then jax-ffi's
+  # bench with the new default (pingpong 128x128 for a float32 D) and with the cooperative kernel.
+  TAIL=45 step gemm-check 120 .devbuild/moe_ep_gemm_check
+  jaxffi_build
+  TAIL=14 step bench-jax-ffi 90 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
+  TAIL=14 step bench-jax-ffi-coop 90 env MOE_EP_GEMM_KNN=cooperative "$py" -m moe_ep_spec.cli bench --device cuda \
+    --ep-size 1 --backend jax-ffi --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 \
+    --op forward --json "$o/bench-jax-ffi-coop.json" --no-progress
+  TAIL=12 step jax-profile-mxfp8 40 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 10
+  TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_layer.py \
+    tests/test_native_decode_bf16.py tests/test_native_cuda.py -k "cuda"
+  TAIL=4 step sanitizer-memcheck-rows 60 compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_native_decode_bf16.py -k "cuda_rows or rows_on_every or cuda_gather"
+  TAIL=14 step bench-cuda-nccl 90 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 --op forward \
+    --json "$o/bench-cuda-nccl.json" --no-progress
+  # What limits the decode's mxfp8-weights GEMM (issue 15's decode target): one launch under
+  # Nsight Compute's counters, clocks left alone.
+  TAIL=80 step ncu-mxfp8-weights-gemm 90 ncu --clock-control none --set full -k regex:mxfp8_weights_gemm -s 16 -c 1 \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

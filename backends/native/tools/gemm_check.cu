@@ -28,6 +28,7 @@
 #include "cuda/gemm/mxfp8_weights_gemm.cuh"
 
 using moe_ep::cuda::GemmLayout;
+using moe_ep::cuda::GemmKernel;
 using moe_ep::cuda::GroupedGemmProblem;
 
 namespace {
@@ -188,9 +189,9 @@ int g_failures = 0;
 
 // One correctness check: layout, fixed dims, per-group row counts, extra rows past the
 // last offset, accumulate, launched directly or through a captured CUDA graph.
-// rows_hint (kNN/kNT) picks the kernel: 1 the pingpong 64x128 one, 1024 the cooperative 128x256 one.
+// kernel: the one to run (kAuto: what the dispatcher picks; rows_hint 0).
 void check(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k, const std::vector<int>& rows,
-           int64_t extra_rows, bool accumulate, bool graph, int64_t rows_hint, int sm_count, uint64_t seed) {
+           int64_t extra_rows, bool accumulate, bool graph, GemmKernel kernel_choice, int sm_count, uint64_t seed) {
   GroupedGemmProblem p;
   p.layout = layout;
   p.num_groups = static_cast<int32_t>(rows.size());
@@ -201,10 +202,10 @@ void check(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k,
   p.n = n;
   p.k = k;
   p.accumulate = accumulate;
-  p.rows_hint = rows_hint;
-  const char* kernel = layout == GemmLayout::kTN ? "coop" : (rows_hint <= 128 || n <= 128 ? "pingpong" : "coop");
+  p.kernel = kernel_choice;
+  const char* kernel = moe_ep::cuda::grouped_gemm_kernel_name(p);
   char label[256];
-  std::snprintf(label, sizeof(label), "check %-26s %s %-8s groups=%d m=%lld n=%lld k=%lld rows=%lld%s%s", name,
+  std::snprintf(label, sizeof(label), "check %-26s %s %-11s groups=%d m=%lld n=%lld k=%lld rows=%lld%s%s", name,
                 layout_name(layout), kernel, p.num_groups, static_cast<long long>(m), static_cast<long long>(n),
                 static_cast<long long>(k), static_cast<long long>(p.total_rows), accumulate ? " accumulate" : "",
                 graph ? " graph" : "");
@@ -295,7 +296,7 @@ void check(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k,
 // two instantiations share tile, schedule and mainloop, so their accumulators are equal),
 // rows past the last offset untouched.
 void check_bf16_out(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int64_t extra_rows,
-                    int64_t rows_hint, int sm_count, uint64_t seed) {
+                    GemmKernel kernel_choice, int sm_count, uint64_t seed) {
   GroupedGemmProblem p;
   p.layout = GemmLayout::kNN;
   p.num_groups = static_cast<int32_t>(rows.size());
@@ -304,10 +305,10 @@ void check_bf16_out(const char* name, int64_t n, int64_t k, const std::vector<in
   p.total_rows = off.back() + extra_rows;
   p.n = n;
   p.k = k;
-  p.rows_hint = rows_hint;
+  p.kernel = kernel_choice;
   char label[256];
-  std::snprintf(label, sizeof(label), "check %-26s NN %-8s bf16 D groups=%d n=%lld k=%lld rows=%lld", name,
-                rows_hint <= 128 || n <= 128 ? "pingpong" : "coop", p.num_groups, static_cast<long long>(n),
+  std::snprintf(label, sizeof(label), "check %-26s NN %-11s bf16 D groups=%d n=%lld k=%lld rows=%lld", name,
+                moe_ep::cuda::grouped_gemm_kernel_name(p), p.num_groups, static_cast<long long>(n),
                 static_cast<long long>(k), static_cast<long long>(p.total_rows));
   Buffers buf = make_buffers(p, off, sm_count, seed);
   uint16_t* d16 = device_alloc<uint16_t>(buf.d_elems);
@@ -356,7 +357,7 @@ void check_bf16_out(const char* name, int64_t n, int64_t k, const std::vector<in
 
 // Times one shape: warm-up, then `iters` launches between CUDA events.
 void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k, int groups, int rows_per_group,
-                int sm_count, int64_t rows_hint = 0, bool bf16_d = false) {
+                int sm_count, GemmKernel kernel_choice = GemmKernel::kAuto, bool bf16_d = false) {
   GroupedGemmProblem p;
   p.layout = layout;
   p.num_groups = groups;
@@ -366,7 +367,7 @@ void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64
   p.m = m;
   p.n = n;
   p.k = k;
-  p.rows_hint = rows_hint;
+  p.kernel = kernel_choice;
   Buffers buf = make_buffers(p, off, sm_count, 7);
   CHECK_CUDA(cudaMemset(buf.d, 0, buf.d_elems * sizeof(float)));
   void* ws = buf.ws;
@@ -393,9 +394,8 @@ void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64
   const double fixed = layout == GemmLayout::kTN ? static_cast<double>(m) * n : static_cast<double>(n) * k;
   const double flops = 2.0 * static_cast<double>(p.total_rows) * fixed;
   const double bytes = 2.0 * (buf.a_elems + buf.b_elems) + (bf16_d ? 2.0 : 4.0) * buf.d_elems;
-  const int64_t hint = rows_hint > 0 ? rows_hint : rows_per_group;
-  const char* kernel = layout == GemmLayout::kTN ? "coop" : (hint <= 128 || n <= 128 ? "pingpong" : "coop");
-  std::printf("time  %-30s %s %-8s groups=%d rows/group=%d m=%lld n=%lld k=%lld: %.3f ms, %.1f TFLOP/s, %.2f TB/s (A+B+D once)\n",
+  const char* kernel = moe_ep::cuda::grouped_gemm_kernel_name(p);
+  std::printf("time  %-30s %s %-11s groups=%d rows/group=%d m=%lld n=%lld k=%lld: %.3f ms, %.1f TFLOP/s, %.2f TB/s (A+B+D once)\n",
               name, layout_name(layout), kernel, groups, rows_per_group, static_cast<long long>(m), static_cast<long long>(n),
               static_cast<long long>(k), ms, flops / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e12);
   CHECK_CUDA(cudaEventDestroy(t0));
@@ -711,7 +711,7 @@ __global__ void read_after_plain_kernel(const float* d, int64_t n, float* sink) 
 }
 
 int initcheck_probe(int sm_count) {
-  for (int64_t hint : {int64_t{1024}, int64_t{1}}) {  // the cooperative kernel, the pingpong kernel
+  for (GemmKernel kernel : {GemmKernel::kCooperative, GemmKernel::kPingpong, GemmKernel::kPingpong128}) {
     GroupedGemmProblem p;
     p.layout = GemmLayout::kNN;
     const std::vector<int> rows = {64, 200, 0, 33};
@@ -721,7 +721,7 @@ int initcheck_probe(int sm_count) {
     p.total_rows = off.back();
     p.n = 256;
     p.k = 128;
-    p.rows_hint = hint;
+    p.kernel = kernel;
     Buffers buf = make_buffers(p, off, sm_count, 11);
     CHECK_CUDA(cudaMemset(buf.ws, 0, std::max<size_t>(buf.ws_bytes, 1)));
     float* sink = device_alloc<float>(1);
@@ -733,7 +733,7 @@ int initcheck_probe(int sm_count) {
     read_after_plain_kernel<<<grid_for(buf.d_elems), 256>>>(plain, buf.d_elems, sink);
     CHECK_CUDA(cudaDeviceSynchronize());
     std::printf("initcheck probe (%s kernel): the GEMM wrote %lld floats of a fresh D, then two read kernels ran\n",
-                hint == 1 ? "pingpong" : "cooperative", static_cast<long long>(buf.d_elems));
+                moe_ep::cuda::grouped_gemm_kernel_name(p), static_cast<long long>(buf.d_elems));
     cudaFree(sink);
     cudaFree(plain);
     buf.release();
@@ -776,26 +776,28 @@ int main(int argc, char** argv) {
   const std::vector<int> ragged = {0, 1, 129, 0, 300, 7, 256, 45, 0};
   const std::vector<int> all_empty = {0, 0, 0};
   for (GemmLayout layout : {GemmLayout::kNN, GemmLayout::kNT}) {
-    for (int64_t hint : {int64_t{1024}, int64_t{1}}) {  // the cooperative kernel, the pingpong kernel
+    for (GemmKernel kernel : {GemmKernel::kCooperative, GemmKernel::kPingpong, GemmKernel::kPingpong128}) {
+      if (kernel == GemmKernel::kPingpong128 && layout != GemmLayout::kNN) continue;
       for (bool acc : {false, true}) {
-        check("ragged, n,k off the tile", layout, 0, 264, 200, ragged, 13, acc, false, hint, sms, 1);
-        check("ragged, big n,k", layout, 0, 1024, 1536, ragged, 0, acc, false, hint, sms, 2);
+        check("ragged, n,k off the tile", layout, 0, 264, 200, ragged, 13, acc, false, kernel, sms, 1);
+        check("ragged, big n,k", layout, 0, 1024, 1536, ragged, 0, acc, false, kernel, sms, 2);
       }
-      check("all groups empty", layout, 0, 256, 128, all_empty, 5, false, false, hint, sms, 3);
-      check("one group", layout, 0, 512, 512, {1000}, 0, false, false, hint, sms, 4);
-      check("ragged, graph", layout, 0, 264, 200, ragged, 13, true, true, hint, sms, 5);
+      check("all groups empty", layout, 0, 256, 128, all_empty, 5, false, false, kernel, sms, 3);
+      check("one group", layout, 0, 512, 512, {1000}, 0, false, false, kernel, sms, 4);
+      check("ragged, graph", layout, 0, 264, 200, ragged, 13, true, true, kernel, sms, 5);
     }
-    check("ragged, n = 8", layout, 0, 8, 64, ragged, 0, false, false, 0, sms, 10);
+    check("ragged, n = 8", layout, 0, 8, 64, ragged, 0, false, false, GemmKernel::kAuto, sms, 10);
   }
   for (bool acc : {false, true}) {
-    check("ragged K, m,n off the tile", GemmLayout::kTN, 264, 136, 0, ragged, 11, acc, false, 0, sms, 6);
-    check("ragged K, big m,n", GemmLayout::kTN, 1024, 1536, 0, {0, 3, 77, 0, 512, 64, 1, 250}, 0, acc, false, 0, sms, 7);
-    check("all groups empty", GemmLayout::kTN, 256, 128, 0, all_empty, 5, acc, false, 0, sms, 8);
+    check("ragged K, m,n off the tile", GemmLayout::kTN, 264, 136, 0, ragged, 11, acc, false, GemmKernel::kAuto, sms, 6);
+    check("ragged K, big m,n", GemmLayout::kTN, 1024, 1536, 0, {0, 3, 77, 0, 512, 64, 1, 250}, 0, acc, false,
+          GemmKernel::kAuto, sms, 7);
+    check("all groups empty", GemmLayout::kTN, 256, 128, 0, all_empty, 5, acc, false, GemmKernel::kAuto, sms, 8);
   }
-  check("ragged K, graph", GemmLayout::kTN, 264, 136, 0, ragged, 11, false, true, 0, sms, 9);
-  for (int64_t hint : {int64_t{1024}, int64_t{1}}) {
-    check_bf16_out("ragged, n,k off the tile", 264, 200, ragged, 13, hint, sms, 12);
-    check_bf16_out("ragged, big n,k", 1024, 1536, ragged, 0, hint, sms, 13);
+  check("ragged K, graph", GemmLayout::kTN, 264, 136, 0, ragged, 11, false, true, GemmKernel::kAuto, sms, 9);
+  for (GemmKernel kernel : {GemmKernel::kCooperative, GemmKernel::kPingpong, GemmKernel::kPingpong128}) {
+    check_bf16_out("ragged, n,k off the tile", 264, 200, ragged, 13, kernel, sms, 12);
+    check_bf16_out("ragged, big n,k", 1024, 1536, ragged, 0, kernel, sms, 13);
   }
   mxfp8_weights_checks(false, sms);
   std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
@@ -804,19 +806,28 @@ int main(int argc, char** argv) {
     time_mxfp8_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), sms);
     time_mxfp8_weights("FC2 (decode)", 7168, 2048, std::vector<int>(32, 32), sms);
     // DeepSeek-V3 per rank: hidden 7168, intermediate 2048 (FC1 out 2I = 4096), 32 local experts.
-    time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms);
-    time_shape("FC2 forward (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms);
-    time_shape("FC2 forward, bf16 D (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, 0, true);
-    time_shape("FC2 forward, bf16 D (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms, 0, true);
+    const GemmKernel coop = GemmKernel::kCooperative, pp = GemmKernel::kPingpong, pp128 = GemmKernel::kPingpong128;
+    // The prefill's kNN kernels against each other, float32 and bf16 D, back to back.
+    for (GemmKernel kernel : {coop, pp128}) {
+      time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms, kernel);
+      time_shape("FC2 forward (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, kernel);
+      time_shape("FC1 forward, bf16 D (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms, kernel, true);
+      time_shape("FC2 forward, bf16 D (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, kernel, true);
+    }
+    for (GemmKernel kernel : {coop, pp128}) {
+      time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms, kernel);
+      time_shape("FC2 forward (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, kernel);
+    }
+    time_shape("FC2 forward, bf16 D (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms, GemmKernel::kAuto, true);
     time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms);
     time_shape("FC2 forward (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms);
-    // The other kernel on the same shapes, to check the rows_hint threshold.
-    time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms, 1);
-    time_shape("FC2 forward (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, 1);
-    time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms, 1024);
-    time_shape("FC2 forward (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms, 1024);
-    time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms);
-    time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, 1024);
+    // The other kernels on the same shapes, to check the rows_hint threshold.
+    time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms, pp);
+    time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms, coop);
+    time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms, pp128);
+    time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, pp);
+    time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, coop);
+    time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, pp128);
     time_shape("FC1 data grad", GemmLayout::kNT, 0, 7168, 4096, 32, 1024, sms);
     time_shape("FC2 data grad", GemmLayout::kNT, 0, 2048, 7168, 32, 1024, sms);
     time_shape("FC1 weight grad", GemmLayout::kTN, 7168, 4096, 0, 32, 1024, sms);

@@ -1,10 +1,13 @@
 // The grouped-GEMM dispatcher (grouped_gemm.h): checks the problem, picks the
 // instantiation, resolves the SM count. No CUTLASS header here; the kernels are in
-// grouped_gemm_{nn,nt,tn}{,_pingpong}.cu, built only with MOE_EP_NATIVE_WITH_CUTLASS.
+// grouped_gemm_{nn,nt,tn}{,_pingpong,_pingpong128}{,_bf16}.cu, built only with
+// MOE_EP_NATIVE_WITH_CUTLASS.
 #include "cuda/gemm/grouped_gemm.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "cuda/gemm/grouped_gemm_impl.h"
@@ -32,7 +35,48 @@ bool few_rows(const GroupedGemmProblem& p) {
   return rows <= 128 || p.n <= 128;
 }
 
+// MOE_EP_GEMM_KNN: kAuto (unset), kCooperative or kPingpong128; read once.
+GemmKernel knn_override() {
+  static const GemmKernel k = [] {
+    const char* e = std::getenv("MOE_EP_GEMM_KNN");
+    if (e != nullptr && std::strcmp(e, "cooperative") == 0) return GemmKernel::kCooperative;
+    if (e != nullptr && std::strcmp(e, "pingpong128") == 0) return GemmKernel::kPingpong128;
+    return GemmKernel::kAuto;
+  }();
+  return k;
+}
+
+bool kernel_fits_layout(GemmKernel k, GemmLayout l) {
+  switch (k) {
+    case GemmKernel::kAuto:
+    case GemmKernel::kCooperative: return true;
+    case GemmKernel::kPingpong: return l != GemmLayout::kTN;
+    case GemmKernel::kPingpong128: return l == GemmLayout::kNN;
+  }
+  return false;
+}
+
 }  // namespace
+
+GemmKernel grouped_gemm_kernel(const GroupedGemmProblem& p) {
+  if (p.kernel != GemmKernel::kAuto) return p.kernel;
+  if (p.layout == GemmLayout::kTN) return GemmKernel::kCooperative;
+  if (few_rows(p)) return GemmKernel::kPingpong;
+  if (p.layout == GemmLayout::kNT) return GemmKernel::kCooperative;
+  const GemmKernel forced = knn_override();
+  if (forced != GemmKernel::kAuto) return forced;
+  return p.d_bf16 != nullptr ? GemmKernel::kCooperative : GemmKernel::kPingpong128;
+}
+
+const char* grouped_gemm_kernel_name(const GroupedGemmProblem& p) {
+  switch (grouped_gemm_kernel(p)) {
+    case GemmKernel::kCooperative: return "cooperative";
+    case GemmKernel::kPingpong: return "pingpong";
+    case GemmKernel::kPingpong128: return "pingpong128";
+    case GemmKernel::kAuto: break;
+  }
+  return "?";
+}
 
 bool grouped_gemm_built() {
 #if defined(MOE_EP_NATIVE_WITH_CUTLASS)
@@ -48,6 +92,7 @@ bool grouped_gemm_supported(const GroupedGemmProblem& p) {
   if (p.total_rows < 0 || p.total_rows >= kMaxDim) return false;
   if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || !aligned16(p.d_bf16)) return false;
   if (p.d_bf16 != nullptr && (p.layout != GemmLayout::kNN || p.accumulate)) return false;
+  if (!kernel_fits_layout(p.kernel, p.layout)) return false;
   switch (p.layout) {
     case GemmLayout::kNN:
     case GemmLayout::kNT:
@@ -62,14 +107,17 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmProblem& p, int sm_count) {
   if (!grouped_gemm_supported(p)) return 0;
   if (resolve_sm_count(&sm_count) != cudaSuccess) return 0;
 #if defined(MOE_EP_NATIVE_WITH_CUTLASS)
-  // The larger of the kernels the layout may pick: the size does not depend on rows_hint.
+  // The larger of the kernels the layout may pick: the size does not depend on rows_hint
+  // or kernel.
   switch (p.layout) {
     case GemmLayout::kNN:
       if (p.d_bf16 != nullptr)
-        return std::max(gemm_detail::grouped_gemm_nn_coop_bf16_workspace_bytes(p, sm_count),
-                        gemm_detail::grouped_gemm_nn_pingpong_bf16_workspace_bytes(p, sm_count));
-      return std::max(gemm_detail::grouped_gemm_nn_coop_workspace_bytes(p, sm_count),
-                      gemm_detail::grouped_gemm_nn_pingpong_workspace_bytes(p, sm_count));
+        return std::max({gemm_detail::grouped_gemm_nn_coop_bf16_workspace_bytes(p, sm_count),
+                         gemm_detail::grouped_gemm_nn_pingpong_bf16_workspace_bytes(p, sm_count),
+                         gemm_detail::grouped_gemm_nn_pingpong128_bf16_workspace_bytes(p, sm_count)});
+      return std::max({gemm_detail::grouped_gemm_nn_coop_workspace_bytes(p, sm_count),
+                       gemm_detail::grouped_gemm_nn_pingpong_workspace_bytes(p, sm_count),
+                       gemm_detail::grouped_gemm_nn_pingpong128_workspace_bytes(p, sm_count)});
     case GemmLayout::kNT:
       return std::max(gemm_detail::grouped_gemm_nt_coop_workspace_bytes(p, sm_count),
                       gemm_detail::grouped_gemm_nt_pingpong_workspace_bytes(p, sm_count));
@@ -87,17 +135,25 @@ cudaError_t grouped_gemm_bf16(const GroupedGemmProblem& p, void* workspace, size
   cudaError_t e = resolve_sm_count(&sm_count);
   if (e != cudaSuccess) return e;
 #if defined(MOE_EP_NATIVE_WITH_CUTLASS)
+  const GemmKernel kernel = grouped_gemm_kernel(p);
   switch (p.layout) {
     case GemmLayout::kNN:
-      if (p.d_bf16 != nullptr)
-        return few_rows(p)
-                   ? gemm_detail::grouped_gemm_nn_pingpong_bf16_launch(p, workspace, workspace_bytes, stream, sm_count)
-                   : gemm_detail::grouped_gemm_nn_coop_bf16_launch(p, workspace, workspace_bytes, stream, sm_count);
-      return few_rows(p) ? gemm_detail::grouped_gemm_nn_pingpong_launch(p, workspace, workspace_bytes, stream, sm_count)
-                         : gemm_detail::grouped_gemm_nn_coop_launch(p, workspace, workspace_bytes, stream, sm_count);
+      if (p.d_bf16 != nullptr) {
+        if (kernel == GemmKernel::kPingpong)
+          return gemm_detail::grouped_gemm_nn_pingpong_bf16_launch(p, workspace, workspace_bytes, stream, sm_count);
+        if (kernel == GemmKernel::kPingpong128)
+          return gemm_detail::grouped_gemm_nn_pingpong128_bf16_launch(p, workspace, workspace_bytes, stream, sm_count);
+        return gemm_detail::grouped_gemm_nn_coop_bf16_launch(p, workspace, workspace_bytes, stream, sm_count);
+      }
+      if (kernel == GemmKernel::kPingpong)
+        return gemm_detail::grouped_gemm_nn_pingpong_launch(p, workspace, workspace_bytes, stream, sm_count);
+      if (kernel == GemmKernel::kPingpong128)
+        return gemm_detail::grouped_gemm_nn_pingpong128_launch(p, workspace, workspace_bytes, stream, sm_count);
+      return gemm_detail::grouped_gemm_nn_coop_launch(p, workspace, workspace_bytes, stream, sm_count);
     case GemmLayout::kNT:
-      return few_rows(p) ? gemm_detail::grouped_gemm_nt_pingpong_launch(p, workspace, workspace_bytes, stream, sm_count)
-                         : gemm_detail::grouped_gemm_nt_coop_launch(p, workspace, workspace_bytes, stream, sm_count);
+      return kernel == GemmKernel::kPingpong
+                 ? gemm_detail::grouped_gemm_nt_pingpong_launch(p, workspace, workspace_bytes, stream, sm_count)
+                 : gemm_detail::grouped_gemm_nt_coop_launch(p, workspace, workspace_bytes, stream, sm_count);
     case GemmLayout::kTN: return gemm_detail::grouped_gemm_tn_coop_launch(p, workspace, workspace_bytes, stream, sm_count);
   }
 #else

@@ -30,6 +30,13 @@ namespace cuda {
 //   kTN (weight grad, ragged K): D_g[m, n] = (A_g[rows(g), m])^T * B_g[rows(g), n]
 enum class GemmLayout : int { kNN = 0, kNT = 1, kTN = 2 };
 
+// The CUTLASS kernel a launch runs (grouped_gemm_kernel picks it for kAuto):
+//   kCooperative: cooperative 128x256x64, cluster 2x1 (every layout);
+//   kPingpong:    pingpong 64x128x128, cluster 2x1 (kNN, kNT): few rows a group;
+//   kPingpong128: pingpong 128x128x64, cluster 2x1 (kNN): one warpgroup's epilogue under
+//                 the other's MMAs.
+enum class GemmKernel : int { kAuto = 0, kCooperative = 1, kPingpong = 2, kPingpong128 = 3 };
+
 // One grouped GEMM over num_groups groups:  D_g = A_g * B_g + (accumulate ? D_g : 0).
 // Operands (all dense row-major):
 //   layout kNN:
@@ -69,12 +76,27 @@ struct GroupedGemmProblem {
   // (decode), else the cooperative 128x256x64 one. 0: total_rows / num_groups. Results
   // do not depend on it beyond float32 summation order.
   int64_t rows_hint = 0;
+  // The kernel; kAuto (the default) lets grouped_gemm_kernel choose. Set for tests and
+  // timings of one kernel; a kernel the layout does not have is not supported.
+  GemmKernel kernel = GemmKernel::kAuto;
 };
+
+// The kernel a launch of p runs: p.kernel, or for kAuto: kTN the cooperative kernel;
+// kNN/kNT with few rows a group (rows_hint, above) the pingpong 64x128x128 kernel; kNT
+// otherwise the cooperative kernel; kNN otherwise the pingpong 128x128x64 kernel for a
+// float32 D and the cooperative kernel for a bf16 D (the faster of the two in the
+// 2026-12-02 timings, docs/native.md). MOE_EP_GEMM_KNN=cooperative|pingpong128 (read once)
+// overrides that last choice, to time both in a whole layer.
+GemmKernel grouped_gemm_kernel(const GroupedGemmProblem& p);
+
+// "cooperative", "pingpong" or "pingpong128": grouped_gemm_kernel(p)'s name.
+const char* grouped_gemm_kernel_name(const GroupedGemmProblem& p);
 
 // True when this build has the CUTLASS kernels (MOE_EP_NATIVE_WITH_CUTLASS) and the
 // problem is supported: num_groups in [1, 1024]; every row length (k and n for
 // kNN/kNT, m and n for kTN) a positive multiple of 8 elements and below 2^31; total_rows
-// in [0, 2^31); non-null operands 16-byte aligned; d_bf16 only with kNN and no accumulate.
+// in [0, 2^31); non-null operands 16-byte aligned; d_bf16 only with kNN and no accumulate;
+// p.kernel one the layout has.
 // Does not look at the offsets. The
 // device must be sm_90 (the kernels are sm_90a only): callers check the device once.
 bool grouped_gemm_supported(const GroupedGemmProblem& p);
