@@ -537,6 +537,7 @@ case "$RUN" in
   # (the day's seventh session) Deciding first: the GEMM checks and timings, then jax-ffi's
   # bench with the new default (pingpong 128x128 for a float32 D) and with the cooperative kernel.
   TAIL=45 step gemm-check 120 .devbuild/moe_ep_gemm_check
+  TAIL=12 step sass-hgmma 60 bash -c "cuobjdump --dump-sass .devbuild/moe_ep_gemm_check | awk '/Function :/ {f=\$3} /HGMMA/ {n[f]++} END {for (k in n) print n[k], k}' | sort -k2 | cut -c1-160"
   jaxffi_build
   TAIL=14 step bench-jax-ffi 90 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
     --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
