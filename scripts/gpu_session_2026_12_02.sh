@@ -78,6 +78,11 @@
 #          variant, now the kernel); jax-ffi's bench with each kNN kernel
 #          (MOE_EP_GEMM_KNN); the CUDA tests, memcheck, the profile, cuda-nccl's bench.
 #          (Run 25's script is in commit c5ea0a1.)
+#   RUN=27: after run 26 (pingpong 128x128 no faster alone and 1.2 ms slower in jax-ffi's
+#          layer: dropped): the kNN cooperative kernel with cluster 1x2 instead of 2x1, so no CTA
+#          idles on a group's odd M tile count: every kernel's GEMM checks, timings at the
+#          routing's spread of rows; jax-ffi's bench with each kNN kernel; cuda-nccl's bench;
+#          the layer's CUDA tests.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -558,6 +563,24 @@ case "$RUN" in
   # Nsight Compute's counters, clocks left alone.
   TAIL=80 step ncu-mxfp8-weights-gemm 90 ncu --clock-control none --set full -k regex:mxfp8_weights_gemm -s 16 -c 1 \
     .devbuild/moe_ep_gemm_check --mxfp8-weights
+  ;;
+27)
+  TAIL=45 step gemm-check 150 .devbuild/moe_ep_gemm_check
+  jaxffi_build
+  # The two kernels alternating (clocks drift over a run): 1x2, 2x1, 1x2, 2x1.
+  i=0
+  for knn in cooperative_1x2 cooperative cooperative_1x2 cooperative; do
+    i=$((i + 1))
+    TAIL=14 step "bench-jax-ffi-$i-$knn" 90 env MOE_EP_GEMM_KNN=$knn "$py" -m moe_ep_spec.cli bench --device cuda \
+      --ep-size 1 --backend jax-ffi --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 \
+      --op forward --json "$o/bench-jax-ffi-$i-$knn.json" --no-progress
+  done
+  TAIL=12 step jax-profile-mxfp8 40 "$py" scripts/gpu_jax_ffi_profile.py --tokens 4096 --format mxfp8 --top 10
+  TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_layer.py \
+    tests/test_native_cuda.py tests/test_jax_one_rank.py -k "cuda or native_paths or straight_from"
+  TAIL=14 step bench-cuda-nccl 100 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 --op forward \
+    --op forward_backward --json "$o/bench-cuda-nccl.json" --no-progress
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -185,6 +185,22 @@ Buffers make_buffers(GroupedGemmProblem& p, const std::vector<int32_t>& offsets,
   return buf;
 }
 
+// Rows an expert for `routes` routes (tokens x top-8) over 32 local experts: a fixed draw of
+// the multinomial spread around routes / 32 (the bench's random routing), `routes` in all.
+// 1024 routes: the decode (128 tokens; 20 to 42 rows an expert); 32768: the prefill (4096
+// tokens; about 1024 +- 32, so about half the experts have 9 tiles of 128 rows).
+std::vector<int> spread_rows(int routes) {
+  std::vector<int> rows(32, 0);
+  uint64_t h = 0x9E3779B97F4A7C15ull;
+  for (int i = 0; i < routes; ++i) {
+    h ^= h >> 33;
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 29;
+    ++rows[(h >> 7) % 32];
+  }
+  return rows;
+}
+
 int g_failures = 0;
 
 // One correctness check: layout, fixed dims, per-group row counts, extra rows past the
@@ -356,13 +372,15 @@ void check_bf16_out(const char* name, int64_t n, int64_t k, const std::vector<in
 }
 
 // Times one shape: warm-up, then `iters` launches between CUDA events.
-void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k, int groups, int rows_per_group,
-                int sm_count, GemmKernel kernel_choice = GemmKernel::kAuto, bool bf16_d = false) {
+void time_rows(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k, const std::vector<int>& rows,
+               int sm_count, GemmKernel kernel_choice = GemmKernel::kAuto, bool bf16_d = false) {
   GroupedGemmProblem p;
   p.layout = layout;
+  const int groups = static_cast<int>(rows.size());
   p.num_groups = groups;
-  std::vector<int32_t> off(groups + 1);
-  for (int g = 0; g <= groups; ++g) off[g] = g * rows_per_group;
+  std::vector<int32_t> off(groups + 1, 0);
+  for (int g = 0; g < groups; ++g) off[g + 1] = off[g] + rows[g];
+  const int min_rows = *std::min_element(rows.begin(), rows.end()), max_rows = *std::max_element(rows.begin(), rows.end());
   p.total_rows = off.back();
   p.m = m;
   p.n = n;
@@ -395,13 +413,22 @@ void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64
   const double flops = 2.0 * static_cast<double>(p.total_rows) * fixed;
   const double bytes = 2.0 * (buf.a_elems + buf.b_elems) + (bf16_d ? 2.0 : 4.0) * buf.d_elems;
   const char* kernel = moe_ep::cuda::grouped_gemm_kernel_name(p);
-  std::printf("time  %-30s %s %-11s groups=%d rows/group=%d m=%lld n=%lld k=%lld: %.3f ms, %.1f TFLOP/s, %.2f TB/s (A+B+D once)\n",
-              name, layout_name(layout), kernel, groups, rows_per_group, static_cast<long long>(m), static_cast<long long>(n),
+  char per_group[32];
+  if (min_rows == max_rows) std::snprintf(per_group, sizeof(per_group), "%d", min_rows);
+  else std::snprintf(per_group, sizeof(per_group), "%d..%d", min_rows, max_rows);
+  std::printf("time  %-30s %s %-15s groups=%d rows/group=%s m=%lld n=%lld k=%lld: %.3f ms, %.1f TFLOP/s, %.2f TB/s (A+B+D once)\n",
+              name, layout_name(layout), kernel, groups, per_group, static_cast<long long>(m), static_cast<long long>(n),
               static_cast<long long>(k), ms, flops / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e12);
   CHECK_CUDA(cudaEventDestroy(t0));
   CHECK_CUDA(cudaEventDestroy(t1));
   if (bf16_d) cudaFree(ws);
   buf.release();
+}
+
+// time_rows with every group the same size.
+void time_shape(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k, int groups, int rows_per_group,
+                int sm_count, GemmKernel kernel_choice = GemmKernel::kAuto, bool bf16_d = false) {
+  time_rows(name, layout, m, n, k, std::vector<int>(groups, rows_per_group), sm_count, kernel_choice, bf16_d);
 }
 
 // ------------------------------------------------------------------ mxfp8 weights (--mxfp8-weights)
@@ -653,20 +680,6 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
   if (lo == hi) time_shape(name, GemmLayout::kNN, 0, n, k, experts, lo, sm_count);  // the bf16 GEMM, same shape
 }
 
-// Rows an expert at 128 tokens, top-8, 32 local experts (1024 routes): a fixed draw of the
-// multinomial spread around 32 (the bench's random routing), 1024 in all.
-std::vector<int> decode_rows() {
-  std::vector<int> rows(32, 0);
-  uint64_t h = 0x9E3779B97F4A7C15ull;
-  for (int i = 0; i < 1024; ++i) {
-    h ^= h >> 33;
-    h *= 0xFF51AFD7ED558CCDull;
-    h ^= h >> 29;
-    ++rows[(h >> 7) % 32];
-  }
-  return rows;
-}
-
 void mxfp8_weights_checks(bool timing, int sm_count) {
   const std::vector<int> ragged = {0, 1, 33, 0, 70, 7, 32, 45, 0, 129};
   for (bool acc : {false, true}) check_mxfp8_weights("ragged", 256, 512, ragged, 5, acc, MxPlant::kNone, 21);
@@ -680,9 +693,9 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
   // DeepSeek-V3 per rank at 128 tokens, top-8: 32 local experts, 1024 rows.
   time_mxfp8_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), sm_count);
   time_mxfp8_weights("FC2 (decode)", 7168, 2048, std::vector<int>(32, 32), sm_count);
-  time_mxfp8_weights("FC1 (decode, spread)", 4096, 7168, decode_rows(), sm_count);
-  time_mxfp8_weights("FC2 (decode, spread)", 7168, 2048, decode_rows(), sm_count);
-  time_mxfp8_weights("FC1 (spread, 32-row passes)", 4096, 7168, decode_rows(), sm_count, true);
+  time_mxfp8_weights("FC1 (decode, spread)", 4096, 7168, spread_rows(1024), sm_count);
+  time_mxfp8_weights("FC2 (decode, spread)", 7168, 2048, spread_rows(1024), sm_count);
+  time_mxfp8_weights("FC1 (spread, 32-row passes)", 4096, 7168, spread_rows(1024), sm_count, true);
   time_mxfp8_weights("FC1 (64 rows)", 4096, 7168, std::vector<int>(32, 64), sm_count);
 }
 
@@ -711,7 +724,7 @@ __global__ void read_after_plain_kernel(const float* d, int64_t n, float* sink) 
 }
 
 int initcheck_probe(int sm_count) {
-  for (GemmKernel kernel : {GemmKernel::kCooperative, GemmKernel::kPingpong, GemmKernel::kPingpong128}) {
+  for (GemmKernel kernel : {GemmKernel::kCooperative, GemmKernel::kPingpong, GemmKernel::kCooperativeN2}) {
     GroupedGemmProblem p;
     p.layout = GemmLayout::kNN;
     const std::vector<int> rows = {64, 200, 0, 33};
@@ -776,8 +789,8 @@ int main(int argc, char** argv) {
   const std::vector<int> ragged = {0, 1, 129, 0, 300, 7, 256, 45, 0};
   const std::vector<int> all_empty = {0, 0, 0};
   for (GemmLayout layout : {GemmLayout::kNN, GemmLayout::kNT}) {
-    for (GemmKernel kernel : {GemmKernel::kCooperative, GemmKernel::kPingpong, GemmKernel::kPingpong128}) {
-      if (kernel == GemmKernel::kPingpong128 && layout != GemmLayout::kNN) continue;
+    for (GemmKernel kernel : {GemmKernel::kCooperative, GemmKernel::kPingpong, GemmKernel::kCooperativeN2}) {
+      if (kernel == GemmKernel::kCooperativeN2 && layout != GemmLayout::kNN) continue;
       for (bool acc : {false, true}) {
         check("ragged, n,k off the tile", layout, 0, 264, 200, ragged, 13, acc, false, kernel, sms, 1);
         check("ragged, big n,k", layout, 0, 1024, 1536, ragged, 0, acc, false, kernel, sms, 2);
@@ -795,7 +808,7 @@ int main(int argc, char** argv) {
     check("all groups empty", GemmLayout::kTN, 256, 128, 0, all_empty, 5, acc, false, GemmKernel::kAuto, sms, 8);
   }
   check("ragged K, graph", GemmLayout::kTN, 264, 136, 0, ragged, 11, false, true, GemmKernel::kAuto, sms, 9);
-  for (GemmKernel kernel : {GemmKernel::kCooperative, GemmKernel::kPingpong, GemmKernel::kPingpong128}) {
+  for (GemmKernel kernel : {GemmKernel::kCooperative, GemmKernel::kPingpong, GemmKernel::kCooperativeN2}) {
     check_bf16_out("ragged, n,k off the tile", 264, 200, ragged, 13, kernel, sms, 12);
     check_bf16_out("ragged, big n,k", 1024, 1536, ragged, 0, kernel, sms, 13);
   }
@@ -806,17 +819,21 @@ int main(int argc, char** argv) {
     time_mxfp8_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), sms);
     time_mxfp8_weights("FC2 (decode)", 7168, 2048, std::vector<int>(32, 32), sms);
     // DeepSeek-V3 per rank: hidden 7168, intermediate 2048 (FC1 out 2I = 4096), 32 local experts.
-    const GemmKernel coop = GemmKernel::kCooperative, pp = GemmKernel::kPingpong, pp128 = GemmKernel::kPingpong128;
-    // The prefill's kNN kernels against each other, float32 and bf16 D, back to back.
-    for (GemmKernel kernel : {coop, pp128}) {
-      time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms, kernel);
-      time_shape("FC2 forward (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, kernel);
-      time_shape("FC1 forward, bf16 D (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms, kernel, true);
-      time_shape("FC2 forward, bf16 D (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, kernel, true);
+    const GemmKernel coop = GemmKernel::kCooperative, pp = GemmKernel::kPingpong, n2 = GemmKernel::kCooperativeN2;
+    // The prefill's kNN kernels against each other: the routing's spread of rows (as the
+    // layer gets them), then every group 1024 rows; float32 and bf16 D; twice, alternating.
+    const std::vector<int> spread = spread_rows(32768);
+    for (int pass = 0; pass < 2; ++pass) {
+      for (GemmKernel kernel : {coop, n2}) {
+        time_rows("FC1 forward (prefill, spread)", GemmLayout::kNN, 0, 4096, 7168, spread, sms, kernel);
+        time_rows("FC2 forward (prefill, spread)", GemmLayout::kNN, 0, 7168, 2048, spread, sms, kernel);
+        time_rows("FC2 fwd, bf16 D (prefill, spread)", GemmLayout::kNN, 0, 7168, 2048, spread, sms, kernel, true);
+      }
     }
-    for (GemmKernel kernel : {coop, pp128}) {
+    for (GemmKernel kernel : {coop, n2}) {
       time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms, kernel);
       time_shape("FC2 forward (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, kernel);
+      time_shape("FC2 forward, bf16 D (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, kernel, true);
     }
     time_shape("FC2 forward, bf16 D (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms, GemmKernel::kAuto, true);
     time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms);
@@ -824,10 +841,11 @@ int main(int argc, char** argv) {
     // The other kernels on the same shapes, to check the rows_hint threshold.
     time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms, pp);
     time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms, coop);
-    time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms, pp128);
+    time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms, n2);
     time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, pp);
     time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, coop);
-    time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, pp128);
+    time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, n2);
+    time_rows("FC1 data grad (spread)", GemmLayout::kNT, 0, 7168, 4096, spread, sms);
     time_shape("FC1 data grad", GemmLayout::kNT, 0, 7168, 4096, 32, 1024, sms);
     time_shape("FC2 data grad", GemmLayout::kNT, 0, 2048, 7168, 32, 1024, sms);
     time_shape("FC1 weight grad", GemmLayout::kTN, 7168, 4096, 0, 32, 1024, sms);

@@ -1,6 +1,6 @@
 // The grouped-GEMM dispatcher (grouped_gemm.h): checks the problem, picks the
 // instantiation, resolves the SM count. No CUTLASS header here; the kernels are in
-// grouped_gemm_{nn,nt,tn}{,_pingpong,_pingpong128}{,_bf16}.cu, built only with
+// grouped_gemm_{nn,nt,tn}{,_pingpong,_coop_n2}{,_bf16}.cu, built only with
 // MOE_EP_NATIVE_WITH_CUTLASS.
 #include "cuda/gemm/grouped_gemm.h"
 
@@ -35,12 +35,12 @@ bool few_rows(const GroupedGemmProblem& p) {
   return rows <= 128 || p.n <= 128;
 }
 
-// MOE_EP_GEMM_KNN: kAuto (unset), kCooperative or kPingpong128; read once.
+// MOE_EP_GEMM_KNN: kAuto (unset), kCooperative or kCooperativeN2; read once.
 GemmKernel knn_override() {
   static const GemmKernel k = [] {
     const char* e = std::getenv("MOE_EP_GEMM_KNN");
     if (e != nullptr && std::strcmp(e, "cooperative") == 0) return GemmKernel::kCooperative;
-    if (e != nullptr && std::strcmp(e, "pingpong128") == 0) return GemmKernel::kPingpong128;
+    if (e != nullptr && std::strcmp(e, "cooperative_1x2") == 0) return GemmKernel::kCooperativeN2;
     return GemmKernel::kAuto;
   }();
   return k;
@@ -51,7 +51,7 @@ bool kernel_fits_layout(GemmKernel k, GemmLayout l) {
     case GemmKernel::kAuto:
     case GemmKernel::kCooperative: return true;
     case GemmKernel::kPingpong: return l != GemmLayout::kTN;
-    case GemmKernel::kPingpong128: return l == GemmLayout::kNN;
+    case GemmKernel::kCooperativeN2: return l == GemmLayout::kNN;
   }
   return false;
 }
@@ -65,14 +65,15 @@ GemmKernel grouped_gemm_kernel(const GroupedGemmProblem& p) {
   if (p.layout == GemmLayout::kNT) return GemmKernel::kCooperative;
   const GemmKernel forced = knn_override();
   if (forced != GemmKernel::kAuto) return forced;
-  return p.d_bf16 != nullptr ? GemmKernel::kCooperative : GemmKernel::kPingpong128;
+  constexpr int64_t kTileN = 256;
+  return ((p.n + kTileN - 1) / kTileN) % 2 == 0 ? GemmKernel::kCooperativeN2 : GemmKernel::kCooperative;
 }
 
 const char* grouped_gemm_kernel_name(const GroupedGemmProblem& p) {
   switch (grouped_gemm_kernel(p)) {
     case GemmKernel::kCooperative: return "cooperative";
     case GemmKernel::kPingpong: return "pingpong";
-    case GemmKernel::kPingpong128: return "pingpong128";
+    case GemmKernel::kCooperativeN2: return "cooperative_1x2";
     case GemmKernel::kAuto: break;
   }
   return "?";
@@ -114,10 +115,10 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmProblem& p, int sm_count) {
       if (p.d_bf16 != nullptr)
         return std::max({gemm_detail::grouped_gemm_nn_coop_bf16_workspace_bytes(p, sm_count),
                          gemm_detail::grouped_gemm_nn_pingpong_bf16_workspace_bytes(p, sm_count),
-                         gemm_detail::grouped_gemm_nn_pingpong128_bf16_workspace_bytes(p, sm_count)});
+                         gemm_detail::grouped_gemm_nn_coop_n2_bf16_workspace_bytes(p, sm_count)});
       return std::max({gemm_detail::grouped_gemm_nn_coop_workspace_bytes(p, sm_count),
                        gemm_detail::grouped_gemm_nn_pingpong_workspace_bytes(p, sm_count),
-                       gemm_detail::grouped_gemm_nn_pingpong128_workspace_bytes(p, sm_count)});
+                       gemm_detail::grouped_gemm_nn_coop_n2_workspace_bytes(p, sm_count)});
     case GemmLayout::kNT:
       return std::max(gemm_detail::grouped_gemm_nt_coop_workspace_bytes(p, sm_count),
                       gemm_detail::grouped_gemm_nt_pingpong_workspace_bytes(p, sm_count));
@@ -141,14 +142,14 @@ cudaError_t grouped_gemm_bf16(const GroupedGemmProblem& p, void* workspace, size
       if (p.d_bf16 != nullptr) {
         if (kernel == GemmKernel::kPingpong)
           return gemm_detail::grouped_gemm_nn_pingpong_bf16_launch(p, workspace, workspace_bytes, stream, sm_count);
-        if (kernel == GemmKernel::kPingpong128)
-          return gemm_detail::grouped_gemm_nn_pingpong128_bf16_launch(p, workspace, workspace_bytes, stream, sm_count);
+        if (kernel == GemmKernel::kCooperativeN2)
+          return gemm_detail::grouped_gemm_nn_coop_n2_bf16_launch(p, workspace, workspace_bytes, stream, sm_count);
         return gemm_detail::grouped_gemm_nn_coop_bf16_launch(p, workspace, workspace_bytes, stream, sm_count);
       }
       if (kernel == GemmKernel::kPingpong)
         return gemm_detail::grouped_gemm_nn_pingpong_launch(p, workspace, workspace_bytes, stream, sm_count);
-      if (kernel == GemmKernel::kPingpong128)
-        return gemm_detail::grouped_gemm_nn_pingpong128_launch(p, workspace, workspace_bytes, stream, sm_count);
+      if (kernel == GemmKernel::kCooperativeN2)
+        return gemm_detail::grouped_gemm_nn_coop_n2_launch(p, workspace, workspace_bytes, stream, sm_count);
       return gemm_detail::grouped_gemm_nn_coop_launch(p, workspace, workspace_bytes, stream, sm_count);
     case GemmLayout::kNT:
       return kernel == GemmKernel::kPingpong

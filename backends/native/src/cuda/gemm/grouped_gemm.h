@@ -31,11 +31,11 @@ namespace cuda {
 enum class GemmLayout : int { kNN = 0, kNT = 1, kTN = 2 };
 
 // The CUTLASS kernel a launch runs (grouped_gemm_kernel picks it for kAuto):
-//   kCooperative: cooperative 128x256x64, cluster 2x1 (every layout);
-//   kPingpong:    pingpong 64x128x128, cluster 2x1 (kNN, kNT): few rows a group;
-//   kPingpong128: pingpong 128x128x64, cluster 2x1 (kNN): one warpgroup's epilogue under
-//                 the other's MMAs.
-enum class GemmKernel : int { kAuto = 0, kCooperative = 1, kPingpong = 2, kPingpong128 = 3 };
+//   kCooperative:   cooperative 128x256x64, cluster 2x1 (every layout);
+//   kPingpong:      pingpong 64x128x128, cluster 2x1 (kNN, kNT): few rows a group;
+//   kCooperativeN2: cooperative 128x256x64, cluster 1x2 (kNN): a cluster's two CTAs on
+//                   neighbouring N tiles, so no CTA idles on a group's odd M tile count.
+enum class GemmKernel : int { kAuto = 0, kCooperative = 1, kPingpong = 2, kCooperativeN2 = 3 };
 
 // One grouped GEMM over num_groups groups:  D_g = A_g * B_g + (accumulate ? D_g : 0).
 // Operands (all dense row-major):
@@ -83,13 +83,13 @@ struct GroupedGemmProblem {
 
 // The kernel a launch of p runs: p.kernel, or for kAuto: kTN the cooperative kernel;
 // kNN/kNT with few rows a group (rows_hint, above) the pingpong 64x128x128 kernel; kNT
-// otherwise the cooperative kernel; kNN otherwise the pingpong 128x128x64 kernel for a
-// float32 D and the cooperative kernel for a bf16 D (the faster of the two in the
-// 2026-12-02 timings, docs/native.md). MOE_EP_GEMM_KNN=cooperative|pingpong128 (read once)
-// overrides that last choice, to time both in a whole layer.
+// otherwise the cooperative kernel; kNN otherwise the cooperative 1x2 kernel when n spans
+// an even number of 256-column tiles (then no N tile is rounded up either), else the
+// cooperative 2x1 one. MOE_EP_GEMM_KNN=cooperative|cooperative_1x2 (read once) overrides
+// that last choice, to time both in a whole layer.
 GemmKernel grouped_gemm_kernel(const GroupedGemmProblem& p);
 
-// "cooperative", "pingpong" or "pingpong128": grouped_gemm_kernel(p)'s name.
+// "cooperative", "pingpong" or "cooperative_1x2": grouped_gemm_kernel(p)'s name.
 const char* grouped_gemm_kernel_name(const GroupedGemmProblem& p);
 
 // True when this build has the CUTLASS kernels (MOE_EP_NATIVE_WITH_CUTLASS) and the

@@ -28,8 +28,8 @@ MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nn_pingpong)  // kNN, pingpong 64x128x1
 MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nt_pingpong)  // kNT, pingpong 64x128x128, cluster 2x1
 MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nn_coop_bf16)      // kNN, cooperative, bf16 D
 MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nn_pingpong_bf16)  // kNN, pingpong, bf16 D
-MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nn_pingpong128)       // kNN, pingpong 128x128x64, cluster 2x1
-MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nn_pingpong128_bf16)  // kNN, pingpong 128x128x64, bf16 D
+MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nn_coop_n2)       // kNN, cooperative 128x256x64, cluster 1x2
+MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nn_coop_n2_bf16)  // kNN, cooperative 128x256x64, cluster 1x2, bf16 D
 
 #undef MOE_EP_GROUPED_GEMM_DECLARE
 
