@@ -83,6 +83,11 @@
 #          idles on a group's odd M tile count: every kernel's GEMM checks, timings at the
 #          routing's spread of rows; jax-ffi's bench with each kNN kernel; cuda-nccl's bench;
 #          the layer's CUDA tests.
+#   RUN=28: after run 27 (1x2 clusters: jax-ffi mxfp8 0.702 against 0.691 with 2x1, and the FC1
+#          GEMM at 32 rows a group 0.45 ms against pingpong's 0.63): the cooperative 1x2 kernel
+#          for the kNN GEMMs at any rows a group: the GEMM checks under memcheck, the decode
+#          kernels timed against each other, cuda-nccl's bench at 128 and 4096 tokens,
+#          jax-ffi's bench (bf16, mxfp8, nvfp4), the CUDA tests, both backends' tables at EP 1.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -581,6 +586,25 @@ case "$RUN" in
   TAIL=14 step bench-cuda-nccl 100 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
     --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 --op forward \
     --op forward_backward --json "$o/bench-cuda-nccl.json" --no-progress
+  ;;
+28)
+  TAIL=50 step gemm-check 150 .devbuild/moe_ep_gemm_check
+  TAIL=14 step bench-cuda-nccl 120 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend cuda-nccl \
+    --tokens 128 --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 \
+    --op forward --json "$o/bench-cuda-nccl.json" --no-progress
+  jaxffi_build
+  TAIL=20 step bench-jax-ffi 90 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
+  TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_layer.py \
+    tests/test_cuda_nccl_block_scaled.py tests/test_native_mxfp8_weights.py -k "cuda"
+  TAIL=6 step sanitizer-memcheck-gemm 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    .devbuild/moe_ep_gemm_check --no-time
+  TAIL=3 step conformance-nccl-ep1 90 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --report-md "$o/conformance-nccl-ep1.md"
+  TAIL=3 step conformance-jax-ffi 100 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
+    --timeout 90 --report-md "$o/conformance-jax-ffi-ep1.md"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

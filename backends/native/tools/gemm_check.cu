@@ -835,16 +835,22 @@ int main(int argc, char** argv) {
       time_shape("FC2 forward (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, kernel);
       time_shape("FC2 forward, bf16 D (prefill)", GemmLayout::kNN, 0, 7168, 2048, 32, 1024, sms, kernel, true);
     }
-    time_shape("FC2 forward, bf16 D (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms, GemmKernel::kAuto, true);
-    time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms);
-    time_shape("FC2 forward (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms);
-    // The other kernels on the same shapes, to check the rows_hint threshold.
-    time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms, pp);
+    // The decode's kNN kernels against each other (32 rows an expert, and the routing's
+    // spread at 128 tokens), twice, alternating; then 128 rows an expert.
+    const std::vector<int> decode = spread_rows(1024);
+    for (int pass = 0; pass < 2; ++pass) {
+      for (GemmKernel kernel : {pp, n2}) {
+        time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms, kernel);
+        time_shape("FC2 forward (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms, kernel);
+        time_shape("FC2 forward, bf16 D (decode)", GemmLayout::kNN, 0, 7168, 2048, 32, 32, sms, kernel, true);
+        time_rows("FC1 forward (decode, spread)", GemmLayout::kNN, 0, 4096, 7168, decode, sms, kernel);
+        time_rows("FC2 forward (decode, spread)", GemmLayout::kNN, 0, 7168, 2048, decode, sms, kernel);
+      }
+    }
     time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms, coop);
-    time_shape("FC1 forward (decode)", GemmLayout::kNN, 0, 4096, 7168, 32, 32, sms, n2);
-    time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, pp);
-    time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, coop);
-    time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, n2);
+    time_shape("FC1 forward (prefill)", GemmLayout::kNN, 0, 4096, 7168, 32, 1024, sms, pp);
+    for (GemmKernel kernel : {pp, coop, n2})
+      time_shape("FC1 forward (128 rows/group)", GemmLayout::kNN, 0, 4096, 7168, 32, 128, sms, kernel);
     time_rows("FC1 data grad (spread)", GemmLayout::kNT, 0, 7168, 4096, spread, sms);
     time_shape("FC1 data grad", GemmLayout::kNT, 0, 7168, 4096, 32, 1024, sms);
     time_shape("FC2 data grad", GemmLayout::kNT, 0, 2048, 7168, 32, 1024, sms);

@@ -29,17 +29,19 @@ cudaError_t resolve_sm_count(int* sm_count) {
   return cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device);
 }
 
-// kNN/kNT: few rows per group (decode) or a narrow n take the pingpong 64x128x128 kernel.
+// Few rows per group (decode) or a narrow n: the pingpong 64x128x128 kernel (kNT; kNN
+// where n spans an odd number of 256-column tiles).
 bool few_rows(const GroupedGemmProblem& p) {
   const int64_t rows = p.rows_hint > 0 ? p.rows_hint : p.total_rows / p.num_groups;
   return rows <= 128 || p.n <= 128;
 }
 
-// MOE_EP_GEMM_KNN: kAuto (unset), kCooperative or kCooperativeN2; read once.
+// MOE_EP_GEMM_KNN: kAuto (unset), kCooperative, kPingpong or kCooperativeN2; read once.
 GemmKernel knn_override() {
   static const GemmKernel k = [] {
     const char* e = std::getenv("MOE_EP_GEMM_KNN");
     if (e != nullptr && std::strcmp(e, "cooperative") == 0) return GemmKernel::kCooperative;
+    if (e != nullptr && std::strcmp(e, "pingpong") == 0) return GemmKernel::kPingpong;
     if (e != nullptr && std::strcmp(e, "cooperative_1x2") == 0) return GemmKernel::kCooperativeN2;
     return GemmKernel::kAuto;
   }();
@@ -61,12 +63,13 @@ bool kernel_fits_layout(GemmKernel k, GemmLayout l) {
 GemmKernel grouped_gemm_kernel(const GroupedGemmProblem& p) {
   if (p.kernel != GemmKernel::kAuto) return p.kernel;
   if (p.layout == GemmLayout::kTN) return GemmKernel::kCooperative;
-  if (few_rows(p)) return GemmKernel::kPingpong;
-  if (p.layout == GemmLayout::kNT) return GemmKernel::kCooperative;
-  const GemmKernel forced = knn_override();
-  if (forced != GemmKernel::kAuto) return forced;
-  constexpr int64_t kTileN = 256;
-  return ((p.n + kTileN - 1) / kTileN) % 2 == 0 ? GemmKernel::kCooperativeN2 : GemmKernel::kCooperative;
+  if (p.layout == GemmLayout::kNN) {
+    const GemmKernel forced = knn_override();
+    if (forced != GemmKernel::kAuto) return forced;
+    constexpr int64_t kTileN = 256;
+    if ((p.n + kTileN - 1) / kTileN % 2 == 0) return GemmKernel::kCooperativeN2;
+  }
+  return few_rows(p) ? GemmKernel::kPingpong : GemmKernel::kCooperative;
 }
 
 const char* grouped_gemm_kernel_name(const GroupedGemmProblem& p) {

@@ -72,21 +72,25 @@ struct GroupedGemmProblem {
   uint16_t* d_bf16 = nullptr;
   bool accumulate = false;      // D_g += A_g * B_g instead of D_g = A_g * B_g
   // kNN/kNT: the expected rows per group, a host-side hint that picks the kernel (never
-  // read from the offsets): at most 128 (or n <= 128) takes the pingpong 64x128x128 kernel
-  // (decode), else the cooperative 128x256x64 one. 0: total_rows / num_groups. Results
-  // do not depend on it beyond float32 summation order.
+  // read from the offsets; see grouped_gemm_kernel): at most 128 (or n <= 128) counts as
+  // few rows (decode). 0: total_rows / num_groups. Results do not depend on it beyond
+  // float32 summation order.
   int64_t rows_hint = 0;
   // The kernel; kAuto (the default) lets grouped_gemm_kernel choose. Set for tests and
   // timings of one kernel; a kernel the layout does not have is not supported.
   GemmKernel kernel = GemmKernel::kAuto;
 };
 
-// The kernel a launch of p runs: p.kernel, or for kAuto: kTN the cooperative kernel;
-// kNN/kNT with few rows a group (rows_hint, above) the pingpong 64x128x128 kernel; kNT
-// otherwise the cooperative kernel; kNN otherwise the cooperative 1x2 kernel when n spans
-// an even number of 256-column tiles (then no N tile is rounded up either), else the
-// cooperative 2x1 one. MOE_EP_GEMM_KNN=cooperative|cooperative_1x2 (read once) overrides
-// that last choice, to time both in a whole layer.
+// The kernel a launch of p runs: p.kernel, or for kAuto:
+//   kTN: the cooperative kernel;
+//   kNN where n spans an even number of 256-column tiles (n = 4096, 7168, ...): the
+//     cooperative 1x2 kernel at any rows a group (2026-12-02, run 27: the one-rank jax-ffi
+//     forward 5.90 ms against 6.03 with the 2x1 kernel; the FC1 GEMM at 32 rows a group
+//     0.45 ms against the pingpong kernel's 0.63);
+//   otherwise (kNT, and kNN with an odd count): few rows a group (rows_hint, above) the
+//     pingpong 64x128x128 kernel, else the cooperative 2x1 kernel.
+// MOE_EP_GEMM_KNN=cooperative|pingpong|cooperative_1x2 (read once) overrides the kNN
+// choice, to time the kernels in a whole layer.
 GemmKernel grouped_gemm_kernel(const GroupedGemmProblem& p);
 
 // "cooperative", "pingpong" or "cooperative_1x2": grouped_gemm_kernel(p)'s name.
