@@ -88,6 +88,9 @@
 #          for the kNN GEMMs at any rows a group: the GEMM checks under memcheck, the decode
 #          kernels timed against each other, cuda-nccl's bench at 128 and 4096 tokens,
 #          jax-ffi's bench (bf16, mxfp8, nvfp4), the CUDA tests, both backends' tables at EP 1.
+#   RUN=29: after run 28 (its jax-ffi bench with nvfp4 and its CUDA tests, selected by -k "cuda",
+#          which matched whole modules, ran past their limits): the CUDA tests by name (a new
+#          layer case wide enough for the 1x2 kernel), jax-ffi's tests and bench (bf16, mxfp8).
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -605,6 +608,18 @@ case "$RUN" in
     --device cuda --report-md "$o/conformance-nccl-ep1.md"
   TAIL=3 step conformance-jax-ffi 100 "$py" -m moe_ep_spec.cli conformance --backend jax-ffi --device cuda --ep-size 1 \
     --timeout 90 --report-md "$o/conformance-jax-ffi-ep1.md"
+  ;;
+29)
+  TAIL=4 step tests-native-cuda 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_layer.py \
+    tests/test_native_mxfp8_weights.py tests/test_native_cuda.py -k "test_cuda_ or test_native_cuda"
+  TAIL=4 step tests-cuda-nccl-block 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_cuda_nccl_block_scaled.py -k "test_cuda_explicit or test_cuda_tensor or test_cuda_values"
+  jaxffi_build
+  TAIL=14 step bench-jax-ffi 90 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format bf16 --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi.json" --no-progress
+  TAIL=4 step tests-jax-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py \
+    tests/test_jax_one_rank.py -k "cuda or native_paths or straight_from or input_error"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

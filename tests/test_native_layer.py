@@ -58,6 +58,13 @@ CONFIGS = {
                                             intermediate_format="nvfp4", combine_format="nvfp4",
                                             output_format="nvfp4"),
 }
+# The CUDA tests' configurations: CONFIGS and one wide enough that the forward's kNN GEMMs
+# take the cooperative 1x2 kernel (n = 2I = 512 and n = H = 512: two 256-column tiles each),
+# whose groups of 130 and 257 rows are 2 and 3 row tiles.
+CUDA_CONFIGS = {
+    **CONFIGS,
+    "wide-fc1-comb_bf16": MoeEpConfig(num_experts=3, hidden=512, intermediate=256, num_topk=2, num_ranks=1),
+}
 
 
 @pytest.mark.parametrize("bf16_operands", [True, False], ids=["bf16_operands", "f32_operands"])
@@ -167,13 +174,13 @@ def _cuda_available() -> bool:
 
 
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device and a native build with CUDA")
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(CUDA_CONFIGS))
 def test_cuda_tensor_core_layer_matches_the_cpu_float32_kernels(name) -> None:
     """On sm_90 with CUTLASS the bf16 layer runs on tensor cores; its results agree with the
     CPU float32 kernels to float32 accumulation accuracy (other summation order)."""
     import torch
 
-    config = CONFIGS[name]
+    config = CUDA_CONFIGS[name]
     sizes = [130, 0, 257][: config.num_local_experts]
     x, w, fc1, fc2, gs, dy = _case(config, sizes, seed=3)
     rows = x.shape[0]
@@ -279,11 +286,12 @@ def test_bf16_expert_output_rows_need_a_bf16_or_nvfp4_combine_format() -> None:
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device and a native build with CUDA")
 @pytest.mark.parametrize("name,weight_in_fc1", [("fc1-clamp-int_none-comb_bf16", True),
                                                 ("fc1-clamp-int_none-comb_bf16", False),
-                                                ("fc1-int_nvfp4-comb_nvfp4", True), ("fc1-int_nvfp4-comb_nvfp4", False)])
+                                                ("fc1-int_nvfp4-comb_nvfp4", True), ("fc1-int_nvfp4-comb_nvfp4", False),
+                                                ("wide-fc1-comb_bf16", True)])
 def test_cuda_bf16_expert_output_rows_equal_the_float32_rows(name, weight_in_fc1) -> None:
     import torch
 
-    config = CONFIGS[name].replace(apply_topk_in_fc1=weight_in_fc1)
+    config = CUDA_CONFIGS[name].replace(apply_topk_in_fc1=weight_in_fc1)
     sizes = [130, 0, 257]
     x, w, fc1, fc2, gs, dy = _case(config, sizes, seed=5)
     rows = x.shape[0]
