@@ -84,10 +84,10 @@ moe_ep_status check_route_pos(const char* op, const int32_t* route_pos, int64_t 
   return MOE_EP_OK;
 }
 
+// The slot-order sums of the combine entries; the route positions are checked by the caller.
 template <typename Row>
-moe_ep_status combine_reduce_rows(const char* op, const Row* rows, int64_t num_rows, const int32_t* route_pos,
-                                  int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out) {
-  MOE_EP_TRY(check_route_pos(op, route_pos, num_tokens * num_topk, num_rows));
+void sum_rows(const Row* rows, const int32_t* route_pos, int64_t num_tokens, int64_t num_topk, int64_t hidden,
+              float* out) {
   for (int64_t t = 0; t < num_tokens; ++t) {
     float* acc = out + t * hidden;
     for (int64_t h = 0; h < hidden; ++h) acc[h] = 0.0f;  // +0
@@ -99,28 +99,13 @@ moe_ep_status combine_reduce_rows(const char* op, const Row* rows, int64_t num_r
       for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + row_value(row, h);
     }
   }
-  return MOE_EP_OK;
 }
 
-}  // namespace
-
-moe_ep_status combine_reduce(void*, const float* rows, int64_t num_rows, const int32_t* route_pos, int64_t num_tokens,
-                             int64_t num_topk, int64_t hidden, float* out) {
-  return combine_reduce_rows("moe_ep_combine_reduce", rows, num_rows, route_pos, num_tokens, num_topk, hidden, out);
-}
-
-moe_ep_status combine_reduce_bf16(void*, const uint16_t* rows, int64_t num_rows, const int32_t* route_pos,
-                                  int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out) {
-  return combine_reduce_rows("moe_ep_combine_reduce_bf16", rows, num_rows, route_pos, num_tokens, num_topk, hidden,
-                             out);
-}
-
-moe_ep_status combine_reduce_round_trip(void*, moe_ep_format fmt, const float* rows, int64_t num_rows,
-                                        const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
-                                        int64_t hidden, float* out) {
-  MOE_EP_TRY(check_route_pos("moe_ep_combine_reduce_round_trip", route_pos, num_tokens * num_topk, num_rows));
-  // Each route's row through the round trip into a copy (rows stay as they are), added to
-  // its token's sum in slot order from +0 as combine_reduce adds rows.
+// Each route's row through the round trip into a copy (rows stay as they are), added to
+// its token's sum in slot order from +0 as sum_rows adds rows. The positions are checked
+// by the caller.
+moe_ep_status round_trip_sum_rows(moe_ep_format fmt, const float* rows, const int32_t* route_pos, int64_t num_tokens,
+                                  int64_t num_topk, int64_t hidden, float* out) {
   std::vector<float> row(static_cast<size_t>(hidden));
   std::vector<uint8_t> data, scale;
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -138,23 +123,44 @@ moe_ep_status combine_reduce_round_trip(void*, moe_ep_format fmt, const float* r
   return MOE_EP_OK;
 }
 
+}  // namespace
+
+moe_ep_status combine_reduce(void*, const float* rows, int64_t num_rows, const int32_t* route_pos, int64_t num_tokens,
+                             int64_t num_topk, int64_t hidden, float* out) {
+  MOE_EP_TRY(check_route_pos("moe_ep_combine_reduce", route_pos, num_tokens * num_topk, num_rows));
+  sum_rows(rows, route_pos, num_tokens, num_topk, hidden, out);
+  return MOE_EP_OK;
+}
+
+moe_ep_status combine_reduce_bf16(void*, const uint16_t* rows, int64_t num_rows, const int32_t* route_pos,
+                                  int64_t num_tokens, int64_t num_topk, int64_t hidden, float* out) {
+  MOE_EP_TRY(check_route_pos("moe_ep_combine_reduce_bf16", route_pos, num_tokens * num_topk, num_rows));
+  sum_rows(rows, route_pos, num_tokens, num_topk, hidden, out);
+  return MOE_EP_OK;
+}
+
+moe_ep_status combine_reduce_round_trip(void*, moe_ep_format fmt, const float* rows, int64_t num_rows,
+                                        const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
+                                        int64_t hidden, float* out) {
+  MOE_EP_TRY(check_route_pos("moe_ep_combine_reduce_round_trip", route_pos, num_tokens * num_topk, num_rows));
+  return round_trip_sum_rows(fmt, rows, route_pos, num_tokens, num_topk, hidden, out);
+}
+
 moe_ep_status combine_reduce_encode(void* stream, moe_ep_dtype rows_dtype, moe_ep_format round_trip, const void* rows,
                                     int64_t num_rows, const int32_t* route_pos, int64_t num_tokens, int64_t num_topk,
                                     int64_t hidden, const uint8_t* error, moe_ep_format out_format, void* out_data,
                                     void* out_scale) {
-  // The positions first (a rejected call writes nothing), then the sums of the entry this
+  // The positions once (a rejected call writes nothing), then the sums of the entry this
   // one fuses into a scratch row block, NaN on an error, and moe_ep_quantize's encode.
   MOE_EP_TRY(check_route_pos("moe_ep_combine_reduce_encode", route_pos, num_tokens * num_topk, num_rows));
   std::vector<float> sum(static_cast<size_t>(num_tokens * hidden));
   if (round_trip != MOE_EP_FORMAT_NONE) {
-    MOE_EP_TRY(combine_reduce_round_trip(stream, round_trip, static_cast<const float*>(rows), num_rows, route_pos,
-                                         num_tokens, num_topk, hidden, sum.data()));
+    MOE_EP_TRY(round_trip_sum_rows(round_trip, static_cast<const float*>(rows), route_pos, num_tokens, num_topk,
+                                   hidden, sum.data()));
   } else if (rows_dtype == MOE_EP_DTYPE_BF16) {
-    MOE_EP_TRY(combine_reduce_bf16(stream, static_cast<const uint16_t*>(rows), num_rows, route_pos, num_tokens,
-                                   num_topk, hidden, sum.data()));
+    sum_rows(static_cast<const uint16_t*>(rows), route_pos, num_tokens, num_topk, hidden, sum.data());
   } else {
-    MOE_EP_TRY(combine_reduce(stream, static_cast<const float*>(rows), num_rows, route_pos, num_tokens, num_topk,
-                              hidden, sum.data()));
+    sum_rows(static_cast<const float*>(rows), route_pos, num_tokens, num_topk, hidden, sum.data());
   }
   if (error != nullptr && *error != 0) {
     const uint32_t nan_bits = 0x7FC00000u;  // the positive quiet NaN of every NaN the spec writes
