@@ -91,6 +91,8 @@
 #   RUN=29: after run 28 (its jax-ffi bench with nvfp4 and its CUDA tests, selected by -k "cuda",
 #          which matched whole modules, ran past their limits): the CUDA tests by name (a new
 #          layer case wide enough for the 1x2 kernel), jax-ffi's tests and bench (bf16, mxfp8).
+#   RUN=30: where cuda-nccl's forward+backward spends its time (issue 15's 0.70 stands at 0.375):
+#          the layer profile, bf16, device mode, with the exact and the bf16 FC2 operand.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -620,6 +622,10 @@ case "$RUN" in
     --json "$o/bench-jax-ffi.json" --no-progress
   TAIL=4 step tests-jax-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_jax_ffi.py \
     tests/test_jax_one_rank.py -k "cuda or native_paths or straight_from or input_error"
+  ;;
+30)
+  TAIL=80 step profile-fwd-bwd 150 "$py" scripts/gpu_layer_profile.py --mode device --format bf16 \
+    --intermediate-format bf16 --intermediate-format none --iters 3 --top 16
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
