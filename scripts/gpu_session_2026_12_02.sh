@@ -73,7 +73,8 @@
 #          and output encode: moe_ep_combine_reduce_encode), no stash in a forward-only program,
 #          the mxfp8 rows' gather-decode a bf16 pair at a time: tests, memcheck, bench, profile.
 #   RUN=26: (the day's seventh session) the prefill's kNN GEMMs with a float32 D as pingpong
-#          128x128x64 (grouped_gemm_nn_pingpong128{,_bf16}.cu): every kernel's GEMM checks and
+#          128x128x64 (grouped_gemm_nn_pingpong128{,_bf16}.cu, in commit 7cbc580 only; a later
+#          build has no such kernel and ignores the switch's value): every kernel's GEMM checks and
 #          the prefill timings of each; the mxfp8 rows' decode 16 codes a thread (run 25's
 #          variant, now the kernel); jax-ffi's bench with each kNN kernel
 #          (MOE_EP_GEMM_KNN); the CUDA tests, memcheck, the profile, cuda-nccl's bench.

@@ -205,7 +205,7 @@ int g_failures = 0;
 
 // One correctness check: layout, fixed dims, per-group row counts, extra rows past the
 // last offset, accumulate, launched directly or through a captured CUDA graph.
-// kernel: the one to run (kAuto: what the dispatcher picks; rows_hint 0).
+// kernel_choice: the one to run (kAuto: what the dispatcher picks).
 void check(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k, const std::vector<int>& rows,
            int64_t extra_rows, bool accumulate, bool graph, GemmKernel kernel_choice, int sm_count, uint64_t seed) {
   GroupedGemmProblem p;
@@ -221,7 +221,7 @@ void check(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k,
   p.kernel = kernel_choice;
   const char* kernel = moe_ep::cuda::grouped_gemm_kernel_name(p);
   char label[256];
-  std::snprintf(label, sizeof(label), "check %-26s %s %-11s groups=%d m=%lld n=%lld k=%lld rows=%lld%s%s", name,
+  std::snprintf(label, sizeof(label), "check %-26s %s %-15s groups=%d m=%lld n=%lld k=%lld rows=%lld%s%s", name,
                 layout_name(layout), kernel, p.num_groups, static_cast<long long>(m), static_cast<long long>(n),
                 static_cast<long long>(k), static_cast<long long>(p.total_rows), accumulate ? " accumulate" : "",
                 graph ? " graph" : "");
@@ -323,7 +323,7 @@ void check_bf16_out(const char* name, int64_t n, int64_t k, const std::vector<in
   p.k = k;
   p.kernel = kernel_choice;
   char label[256];
-  std::snprintf(label, sizeof(label), "check %-26s NN %-11s bf16 D groups=%d n=%lld k=%lld rows=%lld", name,
+  std::snprintf(label, sizeof(label), "check %-26s NN %-15s bf16 D groups=%d n=%lld k=%lld rows=%lld", name,
                 moe_ep::cuda::grouped_gemm_kernel_name(p), p.num_groups, static_cast<long long>(n),
                 static_cast<long long>(k), static_cast<long long>(p.total_rows));
   Buffers buf = make_buffers(p, off, sm_count, seed);

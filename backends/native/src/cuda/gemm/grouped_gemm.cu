@@ -32,8 +32,7 @@ cudaError_t resolve_sm_count(int* sm_count) {
 // Few rows per group (decode) or a narrow n: the pingpong 64x128x128 kernel (kNT; kNN
 // where n spans an odd number of 256-column tiles).
 bool few_rows(const GroupedGemmProblem& p) {
-  const int64_t rows = p.rows_hint > 0 ? p.rows_hint : p.total_rows / p.num_groups;
-  return rows <= 128 || p.n <= 128;
+  return p.total_rows / p.num_groups <= 128 || p.n <= 128;
 }
 
 // MOE_EP_GEMM_KNN: kAuto (unset), kCooperative, kPingpong or kCooperativeN2; read once.
@@ -111,8 +110,7 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmProblem& p, int sm_count) {
   if (!grouped_gemm_supported(p)) return 0;
   if (resolve_sm_count(&sm_count) != cudaSuccess) return 0;
 #if defined(MOE_EP_NATIVE_WITH_CUTLASS)
-  // The larger of the kernels the layout may pick: the size does not depend on rows_hint
-  // or kernel.
+  // The larger of the kernels the layout may pick: the size does not depend on the kernel.
   switch (p.layout) {
     case GemmLayout::kNN:
       if (p.d_bf16 != nullptr)

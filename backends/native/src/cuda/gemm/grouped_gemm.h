@@ -71,13 +71,9 @@ struct GroupedGemmProblem {
   // rounded to nearest even, [total_rows, n] bf16 bit patterns, device, 16-byte aligned.
   uint16_t* d_bf16 = nullptr;
   bool accumulate = false;      // D_g += A_g * B_g instead of D_g = A_g * B_g
-  // kNN/kNT: the expected rows per group, a host-side hint that picks the kernel (never
-  // read from the offsets; see grouped_gemm_kernel): at most 128 (or n <= 128) counts as
-  // few rows (decode). 0: total_rows / num_groups. Results do not depend on it beyond
-  // float32 summation order.
-  int64_t rows_hint = 0;
   // The kernel; kAuto (the default) lets grouped_gemm_kernel choose. Set for tests and
-  // timings of one kernel; a kernel the layout does not have is not supported.
+  // timings of one kernel; a kernel the layout does not have is not supported. Results
+  // do not depend on it beyond float32 summation order.
   GemmKernel kernel = GemmKernel::kAuto;
 };
 
@@ -87,8 +83,9 @@ struct GroupedGemmProblem {
 //     cooperative 1x2 kernel at any rows a group (2026-12-02, run 27: the one-rank jax-ffi
 //     forward 5.90 ms against 6.03 with the 2x1 kernel; the FC1 GEMM at 32 rows a group
 //     0.45 ms against the pingpong kernel's 0.63);
-//   otherwise (kNT, and kNN with an odd count): few rows a group (rows_hint, above) the
-//     pingpong 64x128x128 kernel, else the cooperative 2x1 kernel.
+//   otherwise (kNT, and kNN with an odd count): few rows a group (total_rows / num_groups
+//     at most 128, read on the host, never from the offsets; or n <= 128) the pingpong
+//     64x128x128 kernel, else the cooperative 2x1 kernel.
 // MOE_EP_GEMM_KNN=cooperative|pingpong|cooperative_1x2 (read once) overrides the kNN
 // choice, to time the kernels in a whole layer.
 GemmKernel grouped_gemm_kernel(const GroupedGemmProblem& p);
