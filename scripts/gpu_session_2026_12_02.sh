@@ -94,6 +94,12 @@
 #          layer case wide enough for the 1x2 kernel), jax-ffi's tests and bench (bf16, mxfp8).
 #   RUN=30: where cuda-nccl's forward+backward spends its time (issue 15's 0.70 stands at 0.375):
 #          the layer profile, bf16, device mode, with the exact and the bf16 FC2 operand.
+#   RUN=31: (the day's eighth session) the mxfp8-weights GEMM with a cheaper decode (the bf16
+#          convert first, then one bf16x2 multiply by the scale; no NaN select) and passes of
+#          1 to 4 m16 tiles as the expert's rows need: its checks (a NaN code, a scale sweep
+#          across the fast path's bound), memcheck, its SASS counts, the decode timings;
+#          cuda-nccl's decode bench with the kernel and with the kept bf16 decode, alternated;
+#          the tests.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -627,6 +633,21 @@ case "$RUN" in
 30)
   TAIL=80 step profile-fwd-bwd 150 "$py" scripts/gpu_layer_profile.py --mode device --format bf16 \
     --intermediate-format bf16 --intermediate-format none --iters 3 --top 16
+  ;;
+31)
+  TAIL=40 step gemm-check-mxfp8-weights 120 .devbuild/moe_ep_gemm_check --mxfp8-weights
+  TAIL=12 step sass-mxfp8-weights 60 bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check mxfp8_weights_gemm_kernel
+  TAIL=6 step sanitizer-memcheck-mxfp8-weights 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
+  i=0
+  for mx in 1 0 1 0; do
+    i=$((i + 1))
+    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
+      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
+      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
+  done
+  TAIL=4 step tests-mxfp8-weights 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
+    -k "test_cuda_"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -530,7 +530,7 @@ MxBuffers make_mx(moe_ep::cuda::Mxfp8WeightsGemm& p, const std::vector<int32_t>&
 }
 
 // What a check plants in the weights before the run.
-enum class MxPlant { kNone, kNanBlock, kInexactBlock };
+enum class MxPlant { kNone, kNanBlock, kInexactBlock, kNanCode, kScaleSweep };
 
 // The kernel against the float64 reference: |y - ref| <= k 2^-24 sum |products| (+ 1e-30),
 // the bound of float32 summation (bf16 output: plus its rounding, 2^-8 of |ref| + that
@@ -538,7 +538,11 @@ enum class MxPlant { kNone, kNanBlock, kInexactBlock };
 // set exactly when a weight value is not a bf16 value.
 // kNanBlock: the scale of (expert 0, weight row 5, block 1) is 0xFF. kInexactBlock: the
 // scale of (expert 0, weight row 7, block 0) is 0, whose random codes include values below
-// bf16's subnormal grid: weight row 7 decodes to NaN for every row of expert 0.
+// bf16's subnormal grid: weight row 7 decodes to NaN for every row of expert 0. kNanCode:
+// the code of (expert 0, weight row 9, k 37) is 0x7F (NaN), decoded by the fast path.
+// kScaleSweep: expert 0's scale codes run through 3..14 (both sides of the fast decode's
+// lower bound, 10) and expert 1's through 130..150: no NaN, no flag (expert 0's outputs, near
+// 2^-120, sit under the bound's 1e-30 floor: there only NaN and the flag are checked).
 void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int64_t extra_rows,
                          bool accumulate, MxPlant plant, uint64_t seed, bool bf16_out = false,
                          bool passes_of_32 = false) {
@@ -551,11 +555,26 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
   for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
   const int64_t total_rows = off.back() + extra_rows;
   MxBuffers b = make_mx(p, off, total_rows, seed);
-  if (plant != MxPlant::kNone) {
+  double* ref = device_alloc<double>(b.y_elems);
+  double* bound = device_alloc<double>(b.y_elems);
+  if (plant == MxPlant::kNanBlock || plant == MxPlant::kInexactBlock) {
     const uint8_t code = plant == MxPlant::kNanBlock ? 0xFF : 0x00;
     const int64_t at = plant == MxPlant::kNanBlock ? 5 * (k / 32) + 1 : 7 * (k / 32);
     CHECK_CUDA(cudaMemcpy(b.scales + at, &code, 1, cudaMemcpyHostToDevice));
+  } else if (plant == MxPlant::kNanCode) {
+    const uint8_t code = 0x7F;
+    CHECK_CUDA(cudaMemcpy(b.codes + 9 * k + 37, &code, 1, cudaMemcpyHostToDevice));
+  } else if (plant == MxPlant::kScaleSweep) {
+    const int64_t per_expert = n * (k / 32);
+    std::vector<uint8_t> sc(static_cast<size_t>(2 * per_expert));
+    for (int64_t i = 0; i < per_expert; ++i) {
+      sc[static_cast<size_t>(i)] = static_cast<uint8_t>(3 + i % 12);
+      sc[static_cast<size_t>(per_expert + i)] = static_cast<uint8_t>(130 + i % 21);
+    }
+    CHECK_CUDA(cudaMemcpy(b.scales, sc.data(), sc.size(), cudaMemcpyHostToDevice));
   }
+  mxfp8_reference<<<grid_for(b.y_elems), 256>>>(p, total_rows, b.y, ref, bound);
+  CHECK_CUDA(cudaGetLastError());
   int32_t* flag = device_alloc<int32_t>(1);
   CHECK_CUDA(cudaMemset(flag, 0, sizeof(int32_t)));
   p.inexact = flag;
@@ -565,10 +584,6 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
     CHECK_CUDA(cudaMemset(y16, 0, b.y_elems * sizeof(uint16_t)));
     p.y_bf16 = y16;
   }
-  double* ref = device_alloc<double>(b.y_elems);
-  double* bound = device_alloc<double>(b.y_elems);
-  mxfp8_reference<<<grid_for(b.y_elems), 256>>>(p, total_rows, b.y, ref, bound);
-  CHECK_CUDA(cudaGetLastError());
   if (!moe_ep::cuda::mxfp8_weights_gemm_fits(p)) {
     std::printf("check mxfp8 weights %-34s: MISMATCH (the sizes do not fit the kernel)\n", name);
     ++g_failures;
@@ -606,7 +621,9 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
     const bool ok = want_nan ? std::isnan(y[i]) : (!std::isnan(y[i]) && std::fabs(static_cast<double>(y[i]) - r[i]) <= tol);
     if (!ok && bad++ == 0) first = i;
   }
-  const int64_t want_nans = plant == MxPlant::kNone ? 0 : rows[0];  // one weight row of expert 0: every row of expert 0
+  // One NaN weight row of expert 0: every row of expert 0 is NaN in that column.
+  const bool nan_row = plant == MxPlant::kNanBlock || plant == MxPlant::kInexactBlock || plant == MxPlant::kNanCode;
+  const int64_t want_nans = nan_row ? rows[0] : 0;
   if (nans != want_nans) {
     std::printf("check mxfp8 weights %-34s: MISMATCH (%lld NaN outputs expected, the reference has %lld)\n", name,
                 static_cast<long long>(want_nans), static_cast<long long>(nans));
@@ -687,6 +704,10 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
   check_mxfp8_weights("ragged, 32-row passes", 256, 512, ragged, 5, true, MxPlant::kNone, 27, false, true);
   check_mxfp8_weights("ragged, a NaN scale block", 128, 1024, {17, 3, 40}, 0, false, MxPlant::kNanBlock, 22);
   check_mxfp8_weights("ragged, an inexact block", 128, 1024, {40, 3, 17}, 0, false, MxPlant::kInexactBlock, 26);
+  check_mxfp8_weights("ragged, a NaN code", 128, 1024, {40, 3, 17}, 0, false, MxPlant::kNanCode, 28);
+  check_mxfp8_weights("scale codes 3..14 and 130..150", 128, 1024, {33, 50, 9}, 2, true, MxPlant::kScaleSweep, 29);
+  check_mxfp8_weights("32-row passes, scale sweep", 256, 512, {50, 33, 17}, 0, false, MxPlant::kScaleSweep, 30,
+                      false, true);
   check_mxfp8_weights("decode FC2 shape, 4 experts", 7168, 2048, {32, 31, 1, 64}, 0, false, MxPlant::kNone, 23);
   check_mxfp8_weights("all experts empty", 128, 128, {0, 0, 0}, 3, false, MxPlant::kNone, 24);
   if (!timing) return;

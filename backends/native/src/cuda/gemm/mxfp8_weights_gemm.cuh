@@ -14,19 +14,25 @@
 // (rows past off[E] untouched). Needs K % 128 == 0 and N % 128 == 0
 // (mxfp8_weights_gemm_fits).
 //
-// Exact decode: E4M3 -> f16 (cvt, exact) -> float32, times 2^(c - 127) (exact), then the
-// bf16 convert, which rounds nothing for scale codes c >= 3 (docs/cuda-nccl.md, "bf16
-// holds the decoded values"); a scale code 0xFF (NaN) or a NaN code gives NaN. Where a
-// scale code is below 3, the lane checks its 16 values: if one is not a bf16 value, its 16
-// values of that weight row decode to NaN (every output of that weight row and expert is
-// NaN either way, as with moe_ep_dequantize_bf16's NaN for that one value) and 1 is ORed
-// into *inexact: the result is exact or visibly not, never silently rounded.
+// Exact decode. Fast (scale codes 10..254, kFastScaleMin): E4M3 -> f16 (cvt, exact, NaN
+// kept) -> float32 -> bf16 (exact: every E4M3 value is a bf16 value), then one bf16x2
+// multiply by 2^(c - 127), exact because every nonzero result is a normal bf16 (or overflows
+// to +-Inf, as the float32 product does). Slow (codes 0..9 and 0xFF, per lane and 16
+// codes): E4M3 -> f16 -> float32, times 2^(c - 127) in float32 (exact), then the bf16
+// convert, which rounds nothing for scale codes c >= 3 (docs/cuda-nccl.md, "bf16 holds the
+// decoded values"). A scale code 0xFF (NaN) or a NaN code gives NaN. Where a scale code is
+// below 3, the lane checks its 16 values: if one is not a bf16 value, its 16 values of that
+// weight row decode to NaN (every output of that weight row and expert is NaN either way,
+// as with moe_ep_dequantize_bf16's NaN for that one value) and 1 is ORed into *inexact: the
+// result is exact or visibly not, never silently rounded.
 //
 // The pipeline: a block (4 warps, 128 weight rows of one expert) streams K in stages of
 // 128 through shared memory with cp.async, kStages deep: the stage's codes (128 rows x
 // 128 bytes, 16-byte chunks swizzled by the row's parity), scales (4 bytes a row) and x
-// rows (up to 64, rows past the expert's last zero-filled; rows padded to 272 bytes). So
-// the loads of later stages are in flight while a stage is multiplied.
+// rows (up to 16 kMaxMt, rows past the expert's last zero-filled; rows padded to 272
+// bytes). So the loads of later stages are in flight while a stage is multiplied. A pass
+// takes the m16 tiles the expert's remaining rows need (1 to kMaxMt: 4, or 2 with
+// passes_of_32), so a 20-row expert does not pay for 64 rows of MMAs and x loads.
 //
 // The sum over k is permuted alike for both operands: in each 64-slice, lane quad q holds
 // the 16 codes [16 q, 16 q + 16) of its weight row (one 16-byte shared load), and the
@@ -66,17 +72,23 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = 32;               // weight rows a warp: four n8 tiles
 constexpr int kTileN = kWarps * kRowsPerWarp;  // weight rows a block
-constexpr int kMaxM = 64;                      // expert rows a pass: up to four m16 tiles
 constexpr int kStageK = 128;                   // k a stage: two 64-slices
 constexpr int kStages = 3;
 constexpr int kXStride = kStageK + 8;          // bf16 a shared x row: 272 bytes (conflict-free 16-byte reads)
+// Scale codes the fast decode takes: from 10 (every product v 2^(c - 127) of a nonzero E4M3
+// value v >= 2^-9 is then a normal bf16, so no subnormal arithmetic is involved) to 254.
+constexpr uint32_t kFastScaleMin = 10;
 
+// kMaxMt: the m16 tiles of x rows a pass holds at most (a pass: up to 16 kMaxMt rows of one
+// expert, the weights read once).
+template <int kMaxMt>
 struct Stage {
-  uint4 w[kTileN][kStageK / 16];    // codes, 16-byte chunk c of row r at c ^ (4 * (r & 1))
-  uint32_t s[kTileN];               // 4 scale codes a row
-  uint16_t x[kMaxM][kXStride];      // x rows
+  uint4 w[kTileN][kStageK / 16];     // codes, 16-byte chunk c of row r at c ^ (4 * (r & 1))
+  uint32_t s[kTileN];                // 4 scale codes a row
+  uint16_t x[16 * kMaxMt][kXStride]; // x rows
 };
-constexpr size_t kSmemBytes = sizeof(Stage) * kStages;
+template <int kMaxMt>
+constexpr size_t smem_bytes() { return sizeof(Stage<kMaxMt>) * kStages; }
 static_assert(kThreads == kTileN, "one thread loads the scales of one weight row");
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {
@@ -93,13 +105,28 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+__device__ __forceinline__ uint32_t bf16x2_bits(const __nv_bfloat162& b) {
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
 // Two E4M3 codes (low byte: the lower k) of one block whose scale value is s (NaN scale:
 // nan), as two bf16 (the lower k in the low half): mxfp8_values2's exact values (NaN for a
-// NaN code or scale), then the bf16 convert, exact for scale codes >= 3.
+// NaN code or scale), then the bf16 convert, exact for scale codes >= 3. The slow decode.
 __device__ __forceinline__ uint32_t bf16x2_of(uint32_t two, float s, bool nan) {
   const float2 f = detail::mxfp8_values2(two, s, nan, s, nan);
-  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
-  return *reinterpret_cast<const uint32_t*>(&b);
+  return bf16x2_bits(__floats2bfloat162_rn(f.x, f.y));
+}
+
+// The fast decode of two E4M3 codes (the low 16 bits of two) times the bf16x2 multiplier
+// 2^(c - 127) (both halves; kFastScaleMin <= c <= 254): cvt to f16 (exact, NaN kept), to
+// float32 and to bf16 (exact: every E4M3 value is a bf16 value), then one bf16x2 multiply,
+// exact: the product of a value of at most 4 significant bits and a power of two whose
+// result is a normal bf16 or +-Inf (as the float32 product overflows alike) or +-0.
+__device__ __forceinline__ uint32_t fast_bf16x2(uint32_t two, uint32_t mult) {
+  const float2 f = __half22float2(
+      __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), __NV_E4M3)));
+  const __nv_bfloat162 v = __floats2bfloat162_rn(f.x, f.y);
+  return bf16x2_bits(__hmul2(v, *reinterpret_cast<const __nv_bfloat162*>(&mult)));
 }
 
 // Whether one of the 16 codes of v, with scale value s, is not a bf16 value (the check of
@@ -119,6 +146,34 @@ __device__ __forceinline__ bool any_inexact(const uint4& v, float s) {
   return inexact;
 }
 
+// The 16 codes of v (one lane's share of a weight row in a 64-slice) with scale code sc as
+// 8 bf16x2 MMA operands, b[2 j], b[2 j + 1] those of k16 step j (codes 4 j .. 4 j + 3).
+// Scale codes below kFastScaleMin or 0xFF (NaN) take the slow decode; below 3, a value bf16
+// cannot hold turns the 16 values into NaN and sets bad.
+__device__ __forceinline__ void decode16(const uint4& v, uint32_t sc, uint32_t (&b)[8], bool& bad) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+  if (sc - kFastScaleMin <= 254u - kFastScaleMin) {
+    const uint32_t mult = (sc << 7) * 0x10001u;  // bf16 2^(sc - 127) in both halves
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      b[2 * j] = fast_bf16x2(words[j], mult);
+      b[2 * j + 1] = fast_bf16x2(words[j] >> 16, mult);
+    }
+    return;
+  }
+  const float s = detail::exp2_exact(static_cast<int>(sc) - 127);
+  bool nan = sc == 0xFFu;
+  if (sc < 3u && any_inexact(v, s)) {  // values below bf16's subnormal grid
+    nan = true;
+    bad = true;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    b[2 * j] = bf16x2_of(words[j] & 0xFFFFu, s, nan);
+    b[2 * j + 1] = bf16x2_of(words[j] >> 16, s, nan);
+  }
+}
+
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -129,32 +184,35 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 }
 
 // Stage ks (k from ks * kStageK) of the block's weight rows and of the pass's kMt * 16 x
-// rows from m0 (rows at or past r1 zero-filled) into st.
-template <int kMt>
-__device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage& st, int e, int64_t nb, int64_t m0,
-                                           int64_t r1, int64_t ks) {
+// rows from m0 (rows at or past r1 zero-filled) into st. A thread's code chunks are rows
+// tid / 8 + 16 u at chunk tid % 8: one source pointer, stepped by 16 rows.
+template <int kMt, int kMaxMt>
+__device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMaxMt>& st, int e, int64_t nb,
+                                           int64_t m0, int64_t r1, int64_t ks) {
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t K = p.k, k0 = ks * kStageK;
-  const uint8_t* wbase = p.codes + (static_cast<int64_t>(e) * p.n + nb) * K + k0;
+  constexpr int kChunks = kStageK / 16;
+  const int r = tid / kChunks, c = tid % kChunks;
+  const uint8_t* src = p.codes + (static_cast<int64_t>(e) * p.n + nb + r) * K + k0 + 16 * c;
+  const int cs = c ^ ((r & 1) << 2);  // the row parity is the same for rows r + 16 u
 #pragma unroll
-  for (int u = 0; u < kTileN * (kStageK / 16) / kThreads; ++u) {
-    const int i = tid + u * kThreads, r = i / (kStageK / 16), c = i % (kStageK / 16);
-    cp_async16(&st.w[r][c ^ ((r & 1) << 2)], wbase + static_cast<int64_t>(r) * K + 16 * c, true);
-  }
+  for (int u = 0; u < kTileN * kChunks / kThreads; ++u)
+    cp_async16(&st.w[r + u * (kThreads / kChunks)][cs], src + u * (kThreads / kChunks) * K, true);
   cp_async4(&st.s[tid], p.scales + (static_cast<int64_t>(e) * p.n + nb + tid) * (K / 32) + k0 / 32);
+  constexpr int kXChunks = kStageK / 8;
 #pragma unroll
-  for (int u = 0; u < kMt * 16 * (kStageK / 8) / kThreads; ++u) {
-    const int i = tid + u * kThreads, r = i / (kStageK / 8), c = i % (kStageK / 8);
-    const bool in = m0 + r < r1;
-    cp_async16(&st.x[r][8 * c], p.x + (in ? m0 + r : m0) * K + k0 + 8 * c, in);
+  for (int u = 0; u < kMt * 16 * kXChunks / kThreads; ++u) {
+    const int i = tid + u * kThreads, xr = i / kXChunks, xc = i % kXChunks;
+    const bool in = m0 + xr < r1;
+    cp_async16(&st.x[xr][8 * xc], p.x + (in ? m0 + xr : m0) * K + k0 + 8 * xc, in);
   }
 }
 
 // One pass over K for the rows [m0, min(m0 + 16 kMt, r1)) of expert e and the block's
 // weight rows from nb; this warp's 32 of them from nw.
-template <int kMt>
-__device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage* stages, int e, int64_t nb, int64_t m0,
-                                     int64_t r1) {
+template <int kMt, int kMaxMt>
+__device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<kMaxMt>* stages, int e, int64_t nb,
+                                     int64_t m0, int64_t r1) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane >> 2, q = lane & 3;
   const int64_t nks = p.k / kStageK;
@@ -177,23 +235,18 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage* stages, i
     const int64_t next = ks + kStages - 1;
     if (next < nks) load_stage<kMt>(p, stages[next % kStages], e, nb, m0, r1, next);
     cp_async_commit();
-    const Stage& st = stages[ks % kStages];
+    const Stage<kMaxMt>& st = stages[ks % kStages];
+    uint32_t scw[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) scw[t] = st.s[warp * kRowsPerWarp + 8 * t + g];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the stage's two 64-slices
-      uint4 w[4];
-      float sv[4];
-      bool nan[4];
+      uint32_t b[4][8];
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         const int r = warp * kRowsPerWarp + 8 * t + g;
-        w[t] = st.w[r][(4 * h + q) ^ ((r & 1) << 2)];
-        const uint32_t sc = (st.s[r] >> (8 * (2 * h + (q >> 1)))) & 0xFFu;
-        sv[t] = detail::exp2_exact(static_cast<int>(sc) - 127);
-        nan[t] = sc == 0xFFu;
-        if (sc < 3u && any_inexact(w[t], sv[t])) {  // rare: values below bf16's normal range
-          nan[t] = true;
-          bad = true;
-        }
+        const uint4 w = st.w[r][(4 * h + q) ^ ((r & 1) << 2)];
+        decode16(w, (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu, b[t], bad);
       }
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
@@ -208,14 +261,12 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage* stages, i
           const int j = 2 * jj + j2;
 #pragma unroll
           for (int t = 0; t < 4; ++t) {
-            const uint32_t word = j == 0 ? w[t].x : (j == 1 ? w[t].y : (j == 2 ? w[t].z : w[t].w));
-            const uint32_t b0 = bf16x2_of(word & 0xFFFFu, sv[t], nan[t]), b1 = bf16x2_of(word >> 16, sv[t], nan[t]);
 #pragma unroll
             for (int mt = 0; mt < kMt; ++mt) {
               // a0: row g, logical k 2q, 2q + 1; a1: row g + 8; a2, a3: logical k 2q + 8, 2q + 9.
               const uint32_t a0 = j2 ? xa[mt][0].z : xa[mt][0].x, a2 = j2 ? xa[mt][0].w : xa[mt][0].y;
               const uint32_t a1 = j2 ? xa[mt][1].z : xa[mt][1].x, a3 = j2 ? xa[mt][1].w : xa[mt][1].y;
-              mma_bf16(acc[mt][t], a0, a1, a2, a3, b0, b1);
+              mma_bf16(acc[mt][t], a0, a1, a2, a3, b[t][2 * j], b[t][2 * j + 1]);
             }
           }
         }
@@ -237,8 +288,8 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage* stages, i
         const int64_t at = r * p.n + nw + 8 * t + 2 * q;
         float2 v = make_float2(acc[mt][t][2 * hh], acc[mt][t][2 * hh + 1]);
         if (p.y_bf16 != nullptr) {
-          const __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
-          *reinterpret_cast<__nv_bfloat162*>(p.y_bf16 + at) = b;
+          const __nv_bfloat162 bo = __floats2bfloat162_rn(v.x, v.y);
+          *reinterpret_cast<__nv_bfloat162*>(p.y_bf16 + at) = bo;
           continue;
         }
         float2* dst = reinterpret_cast<float2*>(p.y + at);
@@ -251,22 +302,29 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage* stages, i
     }
 }
 
-// Grid (N / kTileN, E), kThreads threads, kSmemBytes of dynamic shared memory. Lane =
-// 4 g + q: g picks the row of an n8 (or m8) tile, q the quad of k.
+// Grid (N / kTileN, E), kThreads threads, smem_bytes<kMaxMt>() of dynamic shared memory.
+// Lane = 4 g + q: g picks the row of an n8 (or m8) tile, q the quad of k. Each pass takes
+// as many m16 tiles as the expert's remaining rows need, up to kMaxMt.
+template <int kMaxMt>
 __global__ void __launch_bounds__(kThreads, 2) mxfp8_weights_gemm_kernel(Mxfp8WeightsGemm p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  Stage* stages = reinterpret_cast<Stage*>(smem);
+  Stage<kMaxMt>* stages = reinterpret_cast<Stage<kMaxMt>*>(smem);
   const int e = static_cast<int>(blockIdx.y);
   const int64_t r0 = p.off[e], r1 = p.off[e + 1];
   const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
   for (int64_t m0 = r0; m0 < r1;) {
-    if (r1 - m0 > 32 && !p.passes_of_32) {
-      pass<4>(p, stages, e, nb, m0, r1);
-      m0 += 64;
-    } else {
-      pass<2>(p, stages, e, nb, m0, r1);
-      m0 += 32;
+    const int64_t rem = r1 - m0;
+    int tiles = rem > 48 ? 4 : (rem > 32 ? 3 : (rem > 16 ? 2 : 1));
+    tiles = tiles < kMaxMt ? tiles : kMaxMt;
+    if constexpr (kMaxMt >= 4) {
+      if (tiles == 4) pass<4, kMaxMt>(p, stages, e, nb, m0, r1);
     }
+    if constexpr (kMaxMt >= 3) {
+      if (tiles == 3) pass<3, kMaxMt>(p, stages, e, nb, m0, r1);
+    }
+    if (tiles == 2) pass<2, kMaxMt>(p, stages, e, nb, m0, r1);
+    if (tiles == 1) pass<1, kMaxMt>(p, stages, e, nb, m0, r1);
+    m0 += 16 * tiles;
   }
 }
 
@@ -289,15 +347,21 @@ inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) {
          reinterpret_cast<uintptr_t>(p.scales) % 4 == 0 && out_ok && p.num_experts > 0 && p.num_experts <= 65535;
 }
 
-inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
+template <int kMaxMt>
+inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
+  constexpr size_t smem = mxw::smem_bytes<kMaxMt>();
   // Per device and cheap; not a stream operation, so allowed inside a CUDA-graph capture.
-  cudaError_t err = cudaFuncSetAttribute(mxw::mxfp8_weights_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(mxw::kSmemBytes));
+  cudaError_t err = cudaFuncSetAttribute(mxw::mxfp8_weights_gemm_kernel<kMaxMt>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.n / mxw::kTileN), static_cast<unsigned>(p.num_experts));
-  mxw::mxfp8_weights_gemm_kernel<<<grid, mxw::kThreads, mxw::kSmemBytes, stream>>>(p);
+  mxw::mxfp8_weights_gemm_kernel<kMaxMt><<<grid, mxw::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
+}
+
+inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
+  if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
+  return p.passes_of_32 ? mxfp8_weights_gemm_launch<2>(p, stream) : mxfp8_weights_gemm_launch<4>(p, stream);
 }
 
 }  // namespace cuda
