@@ -543,6 +543,10 @@ enum class MxPlant { kNone, kNanBlock, kInexactBlock, kNanCode, kScaleSweep };
 // kScaleSweep: expert 0's scale codes run through 3..14 (both sides of the fast decode's
 // lower bound, 10) and expert 1's through 130..150: no NaN, no flag (expert 0's outputs, near
 // 2^-120, sit under the bound's 1e-30 floor: there only NaN and the flag are checked).
+// The launch check_mxfp8_weights runs (the default choice unless a variant is checked).
+cudaError_t (*g_mx_check_launch)(const moe_ep::cuda::Mxfp8WeightsGemm&, cudaStream_t) =
+    &moe_ep::cuda::mxfp8_weights_gemm;
+
 void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int64_t extra_rows,
                          bool accumulate, MxPlant plant, uint64_t seed, bool bf16_out = false,
                          bool passes_of_32 = false) {
@@ -590,7 +594,7 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
     b.release();
     return;
   }
-  CHECK_CUDA(moe_ep::cuda::mxfp8_weights_gemm(p, 0));
+  CHECK_CUDA(g_mx_check_launch(p, 0));
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<float> y(b.y_elems);
   std::vector<double> r(b.y_elems), bd(b.y_elems);
@@ -653,8 +657,12 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
 // The kernel at the decode shape against a device copy: the read rate of the codes and
 // scales, as a fraction of the copy's (read + write) bandwidth; and the bf16 grouped GEMM
 // on the same shape (its weights 2 bytes an element) for comparison.
+// A launch of the mxfp8-weights GEMM: the default choice, or one kernel variant.
+using MxLaunch = cudaError_t (*)(const moe_ep::cuda::Mxfp8WeightsGemm&, cudaStream_t);
+
 void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int sm_count,
-                        bool passes_of_32 = false) {
+                        bool passes_of_32 = false, MxLaunch launch = &moe_ep::cuda::mxfp8_weights_gemm,
+                        bool with_bf16 = true) {
   moe_ep::cuda::Mxfp8WeightsGemm p{};
   p.n = n;
   p.k = k;
@@ -677,7 +685,7 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
     CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
     return static_cast<double>(ms) / iters;
   };
-  const double ms = timed([&] { CHECK_CUDA(moe_ep::cuda::mxfp8_weights_gemm(p, 0)); });
+  const double ms = timed([&] { CHECK_CUDA(launch(p, 0)); });
   uint8_t* copy = device_alloc<uint8_t>(b.code_bytes);
   const double copy_ms =
       timed([&] { CHECK_CUDA(cudaMemcpyAsync(copy, b.codes, b.code_bytes, cudaMemcpyDeviceToDevice, 0)); });
@@ -694,7 +702,7 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
   CHECK_CUDA(cudaEventDestroy(t0));
   CHECK_CUDA(cudaEventDestroy(t1));
   b.release();
-  if (lo == hi) time_shape(name, GemmLayout::kNN, 0, n, k, experts, lo, sm_count);  // the bf16 GEMM, same shape
+  if (with_bf16 && lo == hi) time_shape(name, GemmLayout::kNN, 0, n, k, experts, lo, sm_count);  // the bf16 GEMM
 }
 
 void mxfp8_weights_checks(bool timing, int sm_count) {
@@ -718,6 +726,36 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
   time_mxfp8_weights("FC2 (decode, spread)", 7168, 2048, spread_rows(1024), sm_count);
   time_mxfp8_weights("FC1 (spread, 32-row passes)", 4096, 7168, spread_rows(1024), sm_count, true);
   time_mxfp8_weights("FC1 (64 rows)", 4096, 7168, std::vector<int>(32, 64), sm_count);
+  // Kernel variants <kMaxMt, kStages, kMinBlocks> at the decode shapes, alternated with the
+  // default <4, 3, 2> (clocks drift over a run).
+  using namespace moe_ep::cuda;
+  struct Variant {
+    const char* name;
+    MxLaunch launch;
+  };
+  const Variant variants[] = {
+      {"<4,3,2> default", &mxfp8_weights_gemm_launch<mxw::Config<4, 3, 2>>},
+      {"<3,3,2>", &mxfp8_weights_gemm_launch<mxw::Config<3, 3, 2>>},
+      {"<3,2,3>", &mxfp8_weights_gemm_launch<mxw::Config<3, 2, 3>>},
+      {"<4,3,2> default", &mxfp8_weights_gemm_launch<mxw::Config<4, 3, 2>>},
+      {"<4,2,3>", &mxfp8_weights_gemm_launch<mxw::Config<4, 2, 3>>},
+      {"<2,2,3>", &mxfp8_weights_gemm_launch<mxw::Config<2, 2, 3>>},
+  };
+  for (const Variant& v : variants) {  // each variant's own checks first (the ragged and decode-shape ones)
+    g_mx_check_launch = v.launch;
+    const std::string label = std::string("variant ") + v.name;
+    check_mxfp8_weights(label.c_str(), 256, 512, {0, 1, 33, 0, 70, 7, 32, 45, 0, 129}, 5, true, MxPlant::kNone, 31);
+    check_mxfp8_weights((label + ", NaN code").c_str(), 128, 1024, {40, 3, 17}, 0, false, MxPlant::kNanCode, 32);
+    check_mxfp8_weights((label + ", FC2 shape").c_str(), 7168, 2048, {32, 31, 1, 64}, 0, false, MxPlant::kNone, 33);
+  }
+  g_mx_check_launch = &mxfp8_weights_gemm;
+  for (const Variant& v : variants) {
+    for (const bool fc1 : {true, false}) {
+      const std::string label = std::string(fc1 ? "FC1 spread " : "FC2 spread ") + v.name;
+      time_mxfp8_weights(label.c_str(), fc1 ? 4096 : 7168, fc1 ? 7168 : 2048, spread_rows(1024), sm_count, false,
+                         v.launch, false);
+    }
+  }
 }
 
 // --initcheck-probe (run under compute-sanitizer --tool initcheck): does initcheck see the

@@ -27,7 +27,7 @@
 // result is exact or visibly not, never silently rounded.
 //
 // The pipeline: a block (4 warps, 128 weight rows of one expert) streams K in stages of
-// 128 through shared memory with cp.async, kStages deep: the stage's codes (128 rows x
+// 128 through shared memory with cp.async, Config::kStages deep: the stage's codes (128 rows x
 // 128 bytes, 16-byte chunks swizzled by the row's parity), scales (4 bytes a row) and x
 // rows (up to 16 kMaxMt, rows past the expert's last zero-filled; rows padded to 272
 // bytes). So the loads of later stages are in flight while a stage is multiplied. A pass
@@ -73,7 +73,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = 32;               // weight rows a warp: four n8 tiles
 constexpr int kTileN = kWarps * kRowsPerWarp;  // weight rows a block
 constexpr int kStageK = 128;                   // k a stage: two 64-slices
-constexpr int kStages = 3;
 constexpr int kXStride = kStageK + 8;          // bf16 a shared x row: 272 bytes (conflict-free 16-byte reads)
 // Scale codes the fast decode takes: from 10 (every product v 2^(c - 127) of a nonzero E4M3
 // value v >= 2^-9 is then a normal bf16, so no subnormal arithmetic is involved) to 254.
@@ -87,8 +86,20 @@ struct Stage {
   uint32_t s[kTileN];                // 4 scale codes a row
   uint16_t x[16 * kMaxMt][kXStride]; // x rows
 };
-template <int kMaxMt>
-constexpr size_t smem_bytes() { return sizeof(Stage<kMaxMt>) * kStages; }
+// A kernel variant: kMaxMt (above), kStages (the cp.async pipeline's depth) and kMinBlocks
+// (the blocks an SM should hold: __launch_bounds__'s register budget).
+template <int kMaxMt_, int kStages_, int kMinBlocks_>
+struct Config {
+  static constexpr int kMaxMt = kMaxMt_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+};
+// The default: passes of up to 64 rows, 3 stages, 2 blocks an SM (shared memory allows 2).
+using DefaultConfig = Config<4, 3, 2>;
+// passes_of_32: passes of up to 32 rows.
+using Passes32Config = Config<2, 3, 2>;
+template <class Cfg>
+constexpr size_t smem_bytes() { return sizeof(Stage<Cfg::kMaxMt>) * Cfg::kStages; }
 static_assert(kThreads == kTileN, "one thread loads the scales of one weight row");
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {
@@ -129,13 +140,13 @@ __device__ __forceinline__ uint32_t fast_bf16x2(uint32_t two, uint32_t mult) {
   return bf16x2_bits(__hmul2(v, *reinterpret_cast<const __nv_bfloat162*>(&mult)));
 }
 
-// Whether one of the 16 codes of v, with scale value s, is not a bf16 value (the check of
+// Whether one of the 8 codes of v, with scale value s, is not a bf16 value (the check of
 // moe_ep_dequantize_bf16: the low 16 bits of the float32 value).
-__device__ __forceinline__ bool any_inexact(const uint4& v, float s) {
+__device__ __forceinline__ bool any_inexact(const uint2& v, float s) {
   bool inexact = false;
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+  const uint32_t words[2] = {v.x, v.y};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 2; ++i) {
     const float2 a = detail::mxfp8_values2(words[i] & 0xFFFFu, s, false, s, false);
     const float2 b = detail::mxfp8_values2(words[i] >> 16, s, false, s, false);
     (void)detail::bf16_exact_bits(a.x, inexact);
@@ -146,19 +157,17 @@ __device__ __forceinline__ bool any_inexact(const uint4& v, float s) {
   return inexact;
 }
 
-// The 16 codes of v (one lane's share of a weight row in a 64-slice) with scale code sc as
-// 8 bf16x2 MMA operands, b[2 j], b[2 j + 1] those of k16 step j (codes 4 j .. 4 j + 3).
-// Scale codes below kFastScaleMin or 0xFF (NaN) take the slow decode; below 3, a value bf16
-// cannot hold turns the 16 values into NaN and sets bad.
-__device__ __forceinline__ void decode16(const uint4& v, uint32_t sc, uint32_t (&b)[8], bool& bad) {
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+// 8 codes of a weight row (two k16 steps of one lane) with scale code sc as 4 bf16x2 MMA
+// operands: b[0], b[1] the first step's (codes 0..3), b[2], b[3] the second's. Scale codes
+// below kFastScaleMin or 0xFF (NaN) take the slow decode; below 3, a value bf16 cannot hold
+// turns the 8 values into NaN and sets bad.
+__device__ __forceinline__ void decode8(const uint2& v, uint32_t sc, uint32_t (&b)[4], bool& bad) {
   if (sc - kFastScaleMin <= 254u - kFastScaleMin) {
     const uint32_t mult = (sc << 7) * 0x10001u;  // bf16 2^(sc - 127) in both halves
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      b[2 * j] = fast_bf16x2(words[j], mult);
-      b[2 * j + 1] = fast_bf16x2(words[j] >> 16, mult);
-    }
+    b[0] = fast_bf16x2(v.x, mult);
+    b[1] = fast_bf16x2(v.x >> 16, mult);
+    b[2] = fast_bf16x2(v.y, mult);
+    b[3] = fast_bf16x2(v.y >> 16, mult);
     return;
   }
   const float s = detail::exp2_exact(static_cast<int>(sc) - 127);
@@ -167,11 +176,10 @@ __device__ __forceinline__ void decode16(const uint4& v, uint32_t sc, uint32_t (
     nan = true;
     bad = true;
   }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    b[2 * j] = bf16x2_of(words[j] & 0xFFFFu, s, nan);
-    b[2 * j + 1] = bf16x2_of(words[j] >> 16, s, nan);
-  }
+  b[0] = bf16x2_of(v.x & 0xFFFFu, s, nan);
+  b[1] = bf16x2_of(v.x >> 16, s, nan);
+  b[2] = bf16x2_of(v.y & 0xFFFFu, s, nan);
+  b[3] = bf16x2_of(v.y >> 16, s, nan);
 }
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -210,9 +218,10 @@ __device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMax
 
 // One pass over K for the rows [m0, min(m0 + 16 kMt, r1)) of expert e and the block's
 // weight rows from nb; this warp's 32 of them from nw.
-template <int kMt, int kMaxMt>
-__device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<kMaxMt>* stages, int e, int64_t nb,
+template <int kMt, class Cfg>
+__device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxMt>* stages, int e, int64_t nb,
                                      int64_t m0, int64_t r1) {
+  constexpr int kStages = Cfg::kStages;
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane >> 2, q = lane & 3;
   const int64_t nks = p.k / kStageK;
@@ -235,38 +244,35 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<kMaxMt>* s
     const int64_t next = ks + kStages - 1;
     if (next < nks) load_stage<kMt>(p, stages[next % kStages], e, nb, m0, r1, next);
     cp_async_commit();
-    const Stage<kMaxMt>& st = stages[ks % kStages];
+    const Stage<Cfg::kMaxMt>& st = stages[ks % kStages];
     uint32_t scw[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) scw[t] = st.s[warp * kRowsPerWarp + 8 * t + g];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the stage's two 64-slices
-      uint32_t b[4][8];
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const int r = warp * kRowsPerWarp + 8 * t + g;
-        const uint4 w = st.w[r][(4 * h + q) ^ ((r & 1) << 2)];
-        decode16(w, (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu, b[t], bad);
-      }
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        uint4 xa[kMt][2];  // rows g and g + 8 of each m16 tile: the columns of steps 2 jj and 2 jj + 1
+      for (int jj = 0; jj < 2; ++jj) {  // k16 steps 2 jj and 2 jj + 1 of the slice
+        uint4 xa[kMt][2];  // rows g and g + 8 of each m16 tile: the columns of the two steps
 #pragma unroll
         for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh)
             xa[mt][hh] = *reinterpret_cast<const uint4*>(&st.x[16 * mt + 8 * hh + g][64 * h + 16 * q + 8 * jj]);
 #pragma unroll
-        for (int j2 = 0; j2 < 2; ++j2) {
-          const int j = 2 * jj + j2;
+        for (int t = 0; t < 4; ++t) {
+          const int r = warp * kRowsPerWarp + 8 * t + g;
+          // Half jj of the lane's 16-byte chunk: codes 8 jj .. 8 jj + 7, one scale block.
+          const uint2 w = reinterpret_cast<const uint2*>(&st.w[r][(4 * h + q) ^ ((r & 1) << 2)])[jj];
+          uint32_t b[4];
+          decode8(w, (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu, b, bad);
 #pragma unroll
-          for (int t = 0; t < 4; ++t) {
+          for (int j2 = 0; j2 < 2; ++j2) {
 #pragma unroll
             for (int mt = 0; mt < kMt; ++mt) {
               // a0: row g, logical k 2q, 2q + 1; a1: row g + 8; a2, a3: logical k 2q + 8, 2q + 9.
               const uint32_t a0 = j2 ? xa[mt][0].z : xa[mt][0].x, a2 = j2 ? xa[mt][0].w : xa[mt][0].y;
               const uint32_t a1 = j2 ? xa[mt][1].z : xa[mt][1].x, a3 = j2 ? xa[mt][1].w : xa[mt][1].y;
-              mma_bf16(acc[mt][t], a0, a1, a2, a3, b[t][2 * j], b[t][2 * j + 1]);
+              mma_bf16(acc[mt][t], a0, a1, a2, a3, b[2 * j2], b[2 * j2 + 1]);
             }
           }
         }
@@ -302,11 +308,12 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<kMaxMt>* s
     }
 }
 
-// Grid (N / kTileN, E), kThreads threads, smem_bytes<kMaxMt>() of dynamic shared memory.
+// Grid (N / kTileN, E), kThreads threads, smem_bytes<Cfg>() of dynamic shared memory.
 // Lane = 4 g + q: g picks the row of an n8 (or m8) tile, q the quad of k. Each pass takes
-// as many m16 tiles as the expert's remaining rows need, up to kMaxMt.
-template <int kMaxMt>
-__global__ void __launch_bounds__(kThreads, 2) mxfp8_weights_gemm_kernel(Mxfp8WeightsGemm p) {
+// as many m16 tiles as the expert's remaining rows need, up to Cfg::kMaxMt.
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) mxfp8_weights_gemm_kernel(Mxfp8WeightsGemm p) {
+  constexpr int kMaxMt = Cfg::kMaxMt;
   extern __shared__ __align__(16) unsigned char smem[];
   Stage<kMaxMt>* stages = reinterpret_cast<Stage<kMaxMt>*>(smem);
   const int e = static_cast<int>(blockIdx.y);
@@ -317,13 +324,13 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_weights_gemm_kernel(Mxfp8We
     int tiles = rem > 48 ? 4 : (rem > 32 ? 3 : (rem > 16 ? 2 : 1));
     tiles = tiles < kMaxMt ? tiles : kMaxMt;
     if constexpr (kMaxMt >= 4) {
-      if (tiles == 4) pass<4, kMaxMt>(p, stages, e, nb, m0, r1);
+      if (tiles == 4) pass<4, Cfg>(p, stages, e, nb, m0, r1);
     }
     if constexpr (kMaxMt >= 3) {
-      if (tiles == 3) pass<3, kMaxMt>(p, stages, e, nb, m0, r1);
+      if (tiles == 3) pass<3, Cfg>(p, stages, e, nb, m0, r1);
     }
-    if (tiles == 2) pass<2, kMaxMt>(p, stages, e, nb, m0, r1);
-    if (tiles == 1) pass<1, kMaxMt>(p, stages, e, nb, m0, r1);
+    if (tiles == 2) pass<2, Cfg>(p, stages, e, nb, m0, r1);
+    if (tiles == 1) pass<1, Cfg>(p, stages, e, nb, m0, r1);
     m0 += 16 * tiles;
   }
 }
@@ -347,21 +354,24 @@ inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) {
          reinterpret_cast<uintptr_t>(p.scales) % 4 == 0 && out_ok && p.num_experts > 0 && p.num_experts <= 65535;
 }
 
-template <int kMaxMt>
+// One variant's launch (mxfp8_weights_gemm picks the default; moe_ep_gemm_check times others).
+template <class Cfg>
 inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  constexpr size_t smem = mxw::smem_bytes<kMaxMt>();
+  if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
+  constexpr size_t smem = mxw::smem_bytes<Cfg>();
   // Per device and cheap; not a stream operation, so allowed inside a CUDA-graph capture.
-  cudaError_t err = cudaFuncSetAttribute(mxw::mxfp8_weights_gemm_kernel<kMaxMt>,
+  cudaError_t err = cudaFuncSetAttribute(mxw::mxfp8_weights_gemm_kernel<Cfg>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.n / mxw::kTileN), static_cast<unsigned>(p.num_experts));
-  mxw::mxfp8_weights_gemm_kernel<kMaxMt><<<grid, mxw::kThreads, smem, stream>>>(p);
+  mxw::mxfp8_weights_gemm_kernel<Cfg><<<grid, mxw::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
   if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
-  return p.passes_of_32 ? mxfp8_weights_gemm_launch<2>(p, stream) : mxfp8_weights_gemm_launch<4>(p, stream);
+  return p.passes_of_32 ? mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream)
+                        : mxfp8_weights_gemm_launch<mxw::DefaultConfig>(p, stream);
 }
 
 }  // namespace cuda
