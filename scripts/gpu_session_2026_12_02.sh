@@ -104,6 +104,10 @@
 #          kept bf16 decode: 0.366 against 0.406): the decode 8 codes at a time between the
 #          MMAs, and kernel variants <kMaxMt, kStages, kMinBlocks> (more blocks an SM, fewer
 #          stages) checked and timed against the default; the decode bench alternated again.
+#   RUN=33: after run 32 (an H100: <4,2,3> and <3,2,3> faster than <4,3,2> at the routing's
+#          spread; the layer with the GEMM still behind the kept decode, 0.402 against 0.421):
+#          <4,2,3> as the default: every check and memcheck on it, the variants again, the
+#          decode bench alternated, the tests.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -654,6 +658,21 @@ case "$RUN" in
     -k "test_cuda_"
   ;;
 32)
+  TAIL=60 step gemm-check-mxfp8-weights 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
+  TAIL=12 step sass-mxfp8-weights 60 bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check mxfp8_weights_gemm_kernel
+  i=0
+  for mx in 1 0 1 0; do
+    i=$((i + 1))
+    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
+      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
+      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
+  done
+  TAIL=6 step sanitizer-memcheck-mxfp8-weights 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
+  TAIL=4 step tests-mxfp8-weights 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
+    -k "test_cuda_"
+  ;;
+33)
   TAIL=60 step gemm-check-mxfp8-weights 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
   TAIL=12 step sass-mxfp8-weights 60 bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check mxfp8_weights_gemm_kernel
   i=0
