@@ -108,6 +108,10 @@
 #          spread; the layer with the GEMM still behind the kept decode, 0.402 against 0.421):
 #          <4,2,3> as the default: every check and memcheck on it, the variants again, the
 #          decode bench alternated, the tests.
+#   RUN=34: after run 33 (an H100: with <4,2,3> the layer's decode took the GEMM at 0.433
+#          against the kept decode's 0.421): the variant picked by the rows an expert
+#          (<3,2,3> up to 48 on average, else <4,3,2>), its checks and memcheck, the decode
+#          bench alternated, the decode forward's profile with the GEMM, the tests.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -686,6 +690,22 @@ case "$RUN" in
     .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
   TAIL=4 step tests-mxfp8-weights 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
     -k "test_cuda_"
+  ;;
+34)
+  TAIL=60 step gemm-check-mxfp8-weights 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
+  TAIL=6 step sanitizer-memcheck-mxfp8-weights 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
+  i=0
+  for mx in 1 0 1 0; do
+    i=$((i + 1))
+    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
+      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
+      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
+  done
+  TAIL=30 step profile-decode-mxw1 90 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=1 "$py" scripts/gpu_layer_profile.py \
+    --mode device --tokens 128 --format mxfp8 --intermediate-format bf16 --iters 5 --top 16
+  TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
+    tests/test_native_layer.py -k "test_cuda_"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

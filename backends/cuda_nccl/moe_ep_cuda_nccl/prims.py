@@ -686,10 +686,10 @@ def _operands(x: Any, fc1: Any, fc2: Any) -> Tuple[bool, torch.Tensor, torch.Ten
 
 #: ``1``: read mxfp8 weights' codes in the forward when the rows are few
 #: (:func:`mxfp8_weights_path`); ``0`` (default): always their kept bf16 decode. Off by
-#: default because it measured slower at the bench's decode shape on an H200 (2026-12-02,
-#: run 14: 0.295 of the weight read against the bf16 decode path's 0.308; the GEMM alone
-#: is faster at 32 rows an expert, slower at the routing's spread of 20 to 42): see
-#: docs/cuda-nccl.md, "The mxfp8-weights forward".
+#: default: at the bench's decode shape it measured slower on an H200 (2026-12-02, run 31:
+#: 0.366 of the weight read against the kept decode's 0.406) and only a little faster on an
+#: H100 with the later kernel (run 33: 0.433 against 0.421), which no H200 run has timed
+#: yet: see docs/cuda-nccl.md, "The mxfp8-weights forward".
 MXFP8_WEIGHTS_ENV = "MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS"
 #: The mxfp8-weights forward runs when the buffer has at most this many rows per local
 #: expert on average: it reads the weights once per 64 rows of an expert, the bf16 GEMMs

@@ -450,6 +450,7 @@ struct Gemm {
     p.y_bf16 = out_bf16;
     p.accumulate = accumulate;
     p.inexact = inexact;
+    p.total_rows = d.num_rows;
     return gemm_status(mxfp8_weights_gemm(p, stream), what);
   }
 };

@@ -64,6 +64,9 @@ struct Mxfp8WeightsGemm {
   bool accumulate;      // y += instead of y = (float32 output only)
   int32_t* inexact;     // [1]: 1 ORed in where a weight value is not a bf16 value (NULL: not reported)
   bool passes_of_32;    // every pass 32 rows (the weights read once per 32 rows), instead of up to 64
+  // Rows of x (an upper bound on off[E], read on the host, never from the offsets): picks
+  // the kernel variant by the rows an expert on average (mxfp8_weights_gemm). 0: unknown.
+  int64_t total_rows;
 };
 
 namespace mxw {
@@ -94,12 +97,17 @@ struct Config {
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
 };
-// The default: passes of up to 64 rows, 2 stages, 3 blocks an SM (168 registers, a few
-// spilled; 69 KB of shared memory a block). 2026-12-02, run 32 (an H100), the routing's
-// spread of 20..42 rows an expert at 128 tokens: FC1 0.660 ms and FC2 0.312 ms against
-// 0.689 and 0.356 with <4, 3, 2> (2 blocks an SM), in the same run.
-using DefaultConfig = Config<4, 2, 3>;
-// passes_of_32: passes of up to 32 rows.
+// The variants mxfp8_weights_gemm picks (2026-12-02, run 33, an H100, every ratio against
+// a device copy of the codes in the same run):
+// - at most 48 rows an expert on average (the decode: 32 at 128 tokens, spread 20..42):
+//   passes of up to 48 rows, 2 stages, 3 blocks an SM (168 registers, a few spilled; 60 KB
+//   of shared memory a block). At the spread FC1 0.516 and FC2 0.538 of the copy, against
+//   0.490 / 0.517 for <4, 2, 3> and 0.471 / 0.460 for <4, 3, 2>.
+using FewRowsConfig = Config<3, 2, 3>;
+// - more rows: passes of up to 64 rows, 3 stages, 2 blocks an SM (253 registers, 103 KB).
+//   At 64 rows an expert FC1 0.457 of the copy (run 32), against 0.406 for <4, 2, 3>.
+using DefaultConfig = Config<4, 3, 2>;
+// - passes_of_32: passes of up to 32 rows.
 using Passes32Config = Config<2, 3, 2>;
 template <class Cfg>
 constexpr size_t smem_bytes() { return sizeof(Stage<Cfg::kMaxMt>) * Cfg::kStages; }
@@ -357,7 +365,7 @@ inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) {
          reinterpret_cast<uintptr_t>(p.scales) % 4 == 0 && out_ok && p.num_experts > 0 && p.num_experts <= 65535;
 }
 
-// One variant's launch (mxfp8_weights_gemm picks the default; moe_ep_gemm_check times others).
+// One variant's launch (mxfp8_weights_gemm picks one; moe_ep_gemm_check times them all).
 template <class Cfg>
 inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
   if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
@@ -371,10 +379,14 @@ inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStre
   return cudaGetLastError();
 }
 
+// The launch: the variant for p's rows an expert on average (total_rows / num_experts, on
+// the host; unknown counts as many), or passes of 32 rows.
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
   if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
-  return p.passes_of_32 ? mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream)
-                        : mxfp8_weights_gemm_launch<mxw::DefaultConfig>(p, stream);
+  if (p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream);
+  const bool few = p.total_rows > 0 && p.total_rows <= 48 * static_cast<int64_t>(p.num_experts);
+  return few ? mxfp8_weights_gemm_launch<mxw::FewRowsConfig>(p, stream)
+             : mxfp8_weights_gemm_launch<mxw::DefaultConfig>(p, stream);
 }
 
 }  // namespace cuda
