@@ -116,6 +116,9 @@
 #          slower, FC1 at the spread 0.621 ms against run 31's 0.538, and the layer with the
 #          GEMM 0.328 against the kept decode's 0.409): that decode for passes of 1 and 2 tiles
 #          only, all 16 codes first for 3 and 4; the variants, the bench alternated, the tests.
+#   RUN=36: after run 35 (the H200: still slower than run 31's kernel at the routing's spread,
+#          FC1 0.565 ms against 0.538): run 31's kernel again as the default <4,3,2>, its
+#          checks and memcheck, the variants of it, the decode bench alternated, the tests.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -712,6 +715,20 @@ case "$RUN" in
     tests/test_native_layer.py -k "test_cuda_"
   ;;
 35)
+  TAIL=60 step gemm-check-mxfp8-weights 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
+  TAIL=6 step sanitizer-memcheck-mxfp8-weights 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
+  i=0
+  for mx in 1 0 1 0; do
+    i=$((i + 1))
+    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
+      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
+      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
+  done
+  TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
+    tests/test_native_layer.py -k "test_cuda_"
+  ;;
+36)
   TAIL=60 step gemm-check-mxfp8-weights 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
   TAIL=6 step sanitizer-memcheck-mxfp8-weights 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
     .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time

@@ -421,7 +421,6 @@ struct Gemm {
     p.layout = layout;
     p.num_groups = static_cast<int32_t>(d.num_local_experts);
     p.offsets = ws.offsets;
-    p.total_rows = d.num_rows;
     p.m = m;
     p.n = n;
     p.k = k;
@@ -450,7 +449,6 @@ struct Gemm {
     p.y_bf16 = out_bf16;
     p.accumulate = accumulate;
     p.inexact = inexact;
-    p.total_rows = d.num_rows;
     return gemm_status(mxfp8_weights_gemm(p, stream), what);
   }
 };
@@ -543,7 +541,6 @@ void for_each_problem(const moe_ep_expert_desc& d, bool backward, bool bf16_out,
     p.layout = l;
     p.d_bf16 = d_bf16 ? reinterpret_cast<uint16_t*>(uintptr_t{256}) : nullptr;  // a stand-in: sizes only
     p.num_groups = static_cast<int32_t>(d.num_local_experts);
-    p.total_rows = d.num_rows;
     p.m = m;
     p.n = n;
     p.k = k;

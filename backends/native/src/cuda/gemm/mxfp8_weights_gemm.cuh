@@ -64,9 +64,6 @@ struct Mxfp8WeightsGemm {
   bool accumulate;      // y += instead of y = (float32 output only)
   int32_t* inexact;     // [1]: 1 ORed in where a weight value is not a bf16 value (NULL: not reported)
   bool passes_of_32;    // every pass 32 rows (the weights read once per 32 rows), instead of up to 64
-  // Rows of x (an upper bound on off[E], read on the host, never from the offsets): picks
-  // the kernel variant by the rows an expert on average (mxfp8_weights_gemm). 0: unknown.
-  int64_t total_rows;
 };
 
 namespace mxw {
@@ -97,17 +94,13 @@ struct Config {
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
 };
-// The variants mxfp8_weights_gemm picks (2026-12-02, run 33, an H100, every ratio against
-// a device copy of the codes in the same run):
-// - at most 48 rows an expert on average (the decode: 32 at 128 tokens, spread 20..42):
-//   passes of up to 48 rows, 2 stages, 3 blocks an SM (168 registers, a few spilled; 60 KB
-//   of shared memory a block). At the spread FC1 0.516 and FC2 0.538 of the copy, against
-//   0.490 / 0.517 for <4, 2, 3> and 0.471 / 0.460 for <4, 3, 2>.
-using FewRowsConfig = Config<3, 2, 3>;
-// - more rows: passes of up to 64 rows, 3 stages, 2 blocks an SM (253 registers, 103 KB).
-//   At 64 rows an expert FC1 0.457 of the copy (run 32), against 0.406 for <4, 2, 3>.
+// The default: passes of up to 64 rows, 3 stages, 2 blocks an SM (230 registers, 103 KB of
+// shared memory a block). 2026-12-02, runs 31 to 35 (H200 and H100): the other variants
+// timed, and the decode 8 codes at a time between the MMAs, were faster at 32 rows an
+// expert on one card or the other but slower at the routing's spread of 20..42 rows on the
+// H200 (FC1 0.565 ms and more, against 0.538 with this one): docs/cuda-nccl.md.
 using DefaultConfig = Config<4, 3, 2>;
-// - passes_of_32: passes of up to 32 rows.
+// passes_of_32: passes of up to 32 rows.
 using Passes32Config = Config<2, 3, 2>;
 template <class Cfg>
 constexpr size_t smem_bytes() { return sizeof(Stage<Cfg::kMaxMt>) * Cfg::kStages; }
@@ -151,13 +144,13 @@ __device__ __forceinline__ uint32_t fast_bf16x2(uint32_t two, uint32_t mult) {
   return bf16x2_bits(__hmul2(v, *reinterpret_cast<const __nv_bfloat162*>(&mult)));
 }
 
-// Whether one of the 8 codes of v, with scale value s, is not a bf16 value (the check of
+// Whether one of the 16 codes of v, with scale value s, is not a bf16 value (the check of
 // moe_ep_dequantize_bf16: the low 16 bits of the float32 value).
-__device__ __forceinline__ bool any_inexact(const uint2& v, float s) {
+__device__ __forceinline__ bool any_inexact(const uint4& v, float s) {
   bool inexact = false;
-  const uint32_t words[2] = {v.x, v.y};
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < 4; ++i) {
     const float2 a = detail::mxfp8_values2(words[i] & 0xFFFFu, s, false, s, false);
     const float2 b = detail::mxfp8_values2(words[i] >> 16, s, false, s, false);
     (void)detail::bf16_exact_bits(a.x, inexact);
@@ -168,17 +161,19 @@ __device__ __forceinline__ bool any_inexact(const uint2& v, float s) {
   return inexact;
 }
 
-// 8 codes of a weight row (two k16 steps of one lane) with scale code sc as 4 bf16x2 MMA
-// operands: b[0], b[1] the first step's (codes 0..3), b[2], b[3] the second's. Scale codes
-// below kFastScaleMin or 0xFF (NaN) take the slow decode; below 3, a value bf16 cannot hold
-// turns the 8 values into NaN and sets bad.
-__device__ __forceinline__ void decode8(const uint2& v, uint32_t sc, uint32_t (&b)[4], bool& bad) {
+// The 16 codes of v (one lane's share of a weight row in a 64-slice) with scale code sc as
+// 8 bf16x2 MMA operands, b[2 j], b[2 j + 1] those of k16 step j (codes 4 j .. 4 j + 3).
+// Scale codes below kFastScaleMin or 0xFF (NaN) take the slow decode; below 3, a value bf16
+// cannot hold turns the 16 values into NaN and sets bad.
+__device__ __forceinline__ void decode16(const uint4& v, uint32_t sc, uint32_t (&b)[8], bool& bad) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
   if (sc - kFastScaleMin <= 254u - kFastScaleMin) {
     const uint32_t mult = (sc << 7) * 0x10001u;  // bf16 2^(sc - 127) in both halves
-    b[0] = fast_bf16x2(v.x, mult);
-    b[1] = fast_bf16x2(v.x >> 16, mult);
-    b[2] = fast_bf16x2(v.y, mult);
-    b[3] = fast_bf16x2(v.y >> 16, mult);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      b[2 * j] = fast_bf16x2(words[j], mult);
+      b[2 * j + 1] = fast_bf16x2(words[j] >> 16, mult);
+    }
     return;
   }
   const float s = detail::exp2_exact(static_cast<int>(sc) - 127);
@@ -187,10 +182,11 @@ __device__ __forceinline__ void decode8(const uint2& v, uint32_t sc, uint32_t (&
     nan = true;
     bad = true;
   }
-  b[0] = bf16x2_of(v.x & 0xFFFFu, s, nan);
-  b[1] = bf16x2_of(v.x >> 16, s, nan);
-  b[2] = bf16x2_of(v.y & 0xFFFFu, s, nan);
-  b[3] = bf16x2_of(v.y >> 16, s, nan);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    b[2 * j] = bf16x2_of(words[j] & 0xFFFFu, s, nan);
+    b[2 * j + 1] = bf16x2_of(words[j] >> 16, s, nan);
+  }
 }
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -261,74 +257,32 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxM
     for (int t = 0; t < 4; ++t) scw[t] = st.s[warp * kRowsPerWarp + 8 * t + g];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the stage's two 64-slices
-      if constexpr (kMt <= 2) {
-        // Few x tiles: each tile's 8 codes of two k16 steps decoded right before their
-        // MMAs (run 34: FC1 at 32 rows an expert 0.402 ms against 0.441 decoding all 16 first).
+      uint32_t b[4][8];
 #pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {  // k16 steps 2 jj and 2 jj + 1 of the slice
-          uint4 xa[kMt][2];  // rows g and g + 8 of each m16 tile: the columns of the two steps
+      for (int t = 0; t < 4; ++t) {
+        const int r = warp * kRowsPerWarp + 8 * t + g;
+        const uint4 w = st.w[r][(4 * h + q) ^ ((r & 1) << 2)];
+        decode16(w, (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu, b[t], bad);
+      }
 #pragma unroll
-          for (int mt = 0; mt < kMt; ++mt)
+      for (int jj = 0; jj < 2; ++jj) {
+        uint4 xa[kMt][2];  // rows g and g + 8 of each m16 tile: the columns of steps 2 jj and 2 jj + 1
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-              xa[mt][hh] = *reinterpret_cast<const uint4*>(&st.x[16 * mt + 8 * hh + g][64 * h + 16 * q + 8 * jj]);
+        for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            xa[mt][hh] = *reinterpret_cast<const uint4*>(&st.x[16 * mt + 8 * hh + g][64 * h + 16 * q + 8 * jj]);
+#pragma unroll
+        for (int j2 = 0; j2 < 2; ++j2) {
+          const int j = 2 * jj + j2;
 #pragma unroll
           for (int t = 0; t < 4; ++t) {
-            const int r = warp * kRowsPerWarp + 8 * t + g;
-            // Half jj of the lane's 16-byte chunk: codes 8 jj .. 8 jj + 7, one scale block.
-            const uint2 w = reinterpret_cast<const uint2*>(&st.w[r][(4 * h + q) ^ ((r & 1) << 2)])[jj];
-            uint32_t b[4];
-            decode8(w, (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu, b, bad);
 #pragma unroll
-            for (int j2 = 0; j2 < 2; ++j2) {
-#pragma unroll
-              for (int mt = 0; mt < kMt; ++mt) {
-                // a0: row g, logical k 2q, 2q + 1; a1: row g + 8; a2, a3: logical k 2q + 8, 2q + 9.
-                const uint32_t a0 = j2 ? xa[mt][0].z : xa[mt][0].x, a2 = j2 ? xa[mt][0].w : xa[mt][0].y;
-                const uint32_t a1 = j2 ? xa[mt][1].z : xa[mt][1].x, a3 = j2 ? xa[mt][1].w : xa[mt][1].y;
-                mma_bf16(acc[mt][t], a0, a1, a2, a3, b[2 * j2], b[2 * j2 + 1]);
-              }
-            }
-          }
-        }
-      } else {
-        // More x tiles: the slice's 16 codes of every tile decoded first, then the MMAs (run
-        // 34: decoding between the MMAs made passes of 3 and 4 tiles slower, FC1 at the
-        // routing's spread 0.679 ms against run 31's 0.538).
-        uint32_t b[4][8];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const int r = warp * kRowsPerWarp + 8 * t + g;
-          const uint4 w = st.w[r][(4 * h + q) ^ ((r & 1) << 2)];
-          const uint32_t sc = (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu;
-          uint32_t lo[4], hi[4];
-          decode8(make_uint2(w.x, w.y), sc, lo, bad);
-          decode8(make_uint2(w.z, w.w), sc, hi, bad);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            b[t][i] = lo[i];
-            b[t][4 + i] = hi[i];
-          }
-        }
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          uint4 xa[kMt][2];
-#pragma unroll
-          for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-              xa[mt][hh] = *reinterpret_cast<const uint4*>(&st.x[16 * mt + 8 * hh + g][64 * h + 16 * q + 8 * jj]);
-#pragma unroll
-          for (int j2 = 0; j2 < 2; ++j2) {
-            const int j = 2 * jj + j2;
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-#pragma unroll
-              for (int mt = 0; mt < kMt; ++mt) {
-                const uint32_t a0 = j2 ? xa[mt][0].z : xa[mt][0].x, a2 = j2 ? xa[mt][0].w : xa[mt][0].y;
-                const uint32_t a1 = j2 ? xa[mt][1].z : xa[mt][1].x, a3 = j2 ? xa[mt][1].w : xa[mt][1].y;
-                mma_bf16(acc[mt][t], a0, a1, a2, a3, b[t][2 * j], b[t][2 * j + 1]);
-              }
+            for (int mt = 0; mt < kMt; ++mt) {
+              // a0: row g, logical k 2q, 2q + 1; a1: row g + 8; a2, a3: logical k 2q + 8, 2q + 9.
+              const uint32_t a0 = j2 ? xa[mt][0].z : xa[mt][0].x, a2 = j2 ? xa[mt][0].w : xa[mt][0].y;
+              const uint32_t a1 = j2 ? xa[mt][1].z : xa[mt][1].x, a3 = j2 ? xa[mt][1].w : xa[mt][1].y;
+              mma_bf16(acc[mt][t], a0, a1, a2, a3, b[t][2 * j], b[t][2 * j + 1]);
             }
           }
         }
@@ -410,7 +364,7 @@ inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) {
          reinterpret_cast<uintptr_t>(p.scales) % 4 == 0 && out_ok && p.num_experts > 0 && p.num_experts <= 65535;
 }
 
-// One variant's launch (mxfp8_weights_gemm picks one; moe_ep_gemm_check times them all).
+// One variant's launch (mxfp8_weights_gemm takes the default; moe_ep_gemm_check times others).
 template <class Cfg>
 inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
   if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
@@ -424,14 +378,9 @@ inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStre
   return cudaGetLastError();
 }
 
-// The launch: the variant for p's rows an expert on average (total_rows / num_experts, on
-// the host; unknown counts as many), or passes of 32 rows.
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
-  if (p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream);
-  const bool few = p.total_rows > 0 && p.total_rows <= 48 * static_cast<int64_t>(p.num_experts);
-  return few ? mxfp8_weights_gemm_launch<mxw::FewRowsConfig>(p, stream)
-             : mxfp8_weights_gemm_launch<mxw::DefaultConfig>(p, stream);
+  return p.passes_of_32 ? mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream)
+                        : mxfp8_weights_gemm_launch<mxw::DefaultConfig>(p, stream);
 }
 
 }  // namespace cuda
