@@ -119,6 +119,11 @@
 #   RUN=36: after run 35 (the H200: still slower than run 31's kernel at the routing's spread,
 #          FC1 0.565 ms against 0.538): run 31's kernel again as the default <4,3,2>, its
 #          checks and memcheck, the variants of it, the decode bench alternated, the tests.
+#   RUN=37: after run 36 (run 31's kernel body: <3,2,3> of it 0.511 / 0.522 of the copy at the
+#          spread against the default's 0.427 / 0.438; but its layer tests failed and the kept
+#          decode's bench read 2.19: a commit had dropped GroupedGemmProblem::total_rows from
+#          the layer's CUTLASS launches): the build with it back, <3,2,3> picked up to 48 rows
+#          an expert; the checks, memcheck, the decode bench alternated, the CUDA tests.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -741,6 +746,20 @@ case "$RUN" in
   done
   TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
     tests/test_native_layer.py -k "test_cuda_"
+  ;;
+37)
+  TAIL=60 step gemm-check-mxfp8-weights 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
+  TAIL=6 step sanitizer-memcheck-mxfp8-weights 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
+  i=0
+  for mx in 1 0 1 0; do
+    i=$((i + 1))
+    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
+      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
+      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
+  done
+  TAIL=4 step tests-native-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_layer.py \
+    tests/test_native_mxfp8_weights.py tests/test_native_cuda.py -k "test_cuda_ or test_native_cuda"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -510,6 +510,7 @@ MxBuffers make_mx(moe_ep::cuda::Mxfp8WeightsGemm& p, const std::vector<int32_t>&
   b.code_bytes = E * p.n * p.k;
   b.scale_bytes = E * p.n * (p.k / 32);
   b.y_elems = rows * p.n;
+  p.total_rows = rows;
   b.x = device_alloc<uint16_t>(b.x_elems);
   b.codes = device_alloc<uint8_t>(b.code_bytes);
   b.scales = device_alloc<uint8_t>(b.scale_bytes);
@@ -726,18 +727,18 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
   time_mxfp8_weights("FC2 (decode, spread)", 7168, 2048, spread_rows(1024), sm_count);
   time_mxfp8_weights("FC1 (spread, 32-row passes)", 4096, 7168, spread_rows(1024), sm_count, true);
   time_mxfp8_weights("FC1 (64 rows)", 4096, 7168, std::vector<int>(32, 64), sm_count);
-  // Kernel variants <kMaxMt, kStages, kMinBlocks> at the decode shapes, alternated with the
-  // default <4, 3, 2> (clocks drift over a run).
+  // Kernel variants <kMaxMt, kStages, kMinBlocks> at the decode shapes, the one the decode
+  // picks (<3, 2, 3>) alternated with the others (clocks drift over a run).
   using namespace moe_ep::cuda;
   struct Variant {
     const char* name;
     MxLaunch launch;
   };
   const Variant variants[] = {
+      {"<3,2,3> few rows", &mxfp8_weights_gemm_launch<mxw::FewRowsConfig>},
       {"<4,3,2> default", &mxfp8_weights_gemm_launch<mxw::DefaultConfig>},
-      {"<3,2,3>", &mxfp8_weights_gemm_launch<mxw::Config<3, 2, 3>>},
       {"<4,2,3>", &mxfp8_weights_gemm_launch<mxw::Config<4, 2, 3>>},
-      {"<4,3,2> default", &mxfp8_weights_gemm_launch<mxw::DefaultConfig>},
+      {"<3,2,3> few rows", &mxfp8_weights_gemm_launch<mxw::FewRowsConfig>},
   };
   for (const Variant& v : variants) {  // each variant's own checks first (the ragged and decode-shape ones)
     g_mx_check_launch = v.launch;

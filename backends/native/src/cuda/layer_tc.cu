@@ -421,6 +421,7 @@ struct Gemm {
     p.layout = layout;
     p.num_groups = static_cast<int32_t>(d.num_local_experts);
     p.offsets = ws.offsets;
+    p.total_rows = d.num_rows;
     p.m = m;
     p.n = n;
     p.k = k;
@@ -449,6 +450,7 @@ struct Gemm {
     p.y_bf16 = out_bf16;
     p.accumulate = accumulate;
     p.inexact = inexact;
+    p.total_rows = d.num_rows;
     return gemm_status(mxfp8_weights_gemm(p, stream), what);
   }
 };
@@ -541,6 +543,7 @@ void for_each_problem(const moe_ep_expert_desc& d, bool backward, bool bf16_out,
     p.layout = l;
     p.d_bf16 = d_bf16 ? reinterpret_cast<uint16_t*>(uintptr_t{256}) : nullptr;  // a stand-in: sizes only
     p.num_groups = static_cast<int32_t>(d.num_local_experts);
+    p.total_rows = d.num_rows;
     p.m = m;
     p.n = n;
     p.k = k;

@@ -64,6 +64,9 @@ struct Mxfp8WeightsGemm {
   bool accumulate;      // y += instead of y = (float32 output only)
   int32_t* inexact;     // [1]: 1 ORed in where a weight value is not a bf16 value (NULL: not reported)
   bool passes_of_32;    // every pass 32 rows (the weights read once per 32 rows), instead of up to 64
+  // Rows of x (an upper bound on off[E], read on the host, never from the offsets): picks
+  // the kernel variant by the rows an expert on average (mxfp8_weights_gemm). 0: unknown.
+  int64_t total_rows;
 };
 
 namespace mxw {
@@ -94,13 +97,15 @@ struct Config {
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
 };
-// The default: passes of up to 64 rows, 3 stages, 2 blocks an SM (230 registers, 103 KB of
-// shared memory a block). 2026-12-02, runs 31 to 35 (H200 and H100): the other variants
-// timed, and the decode 8 codes at a time between the MMAs, were faster at 32 rows an
-// expert on one card or the other but slower at the routing's spread of 20..42 rows on the
-// H200 (FC1 0.565 ms and more, against 0.538 with this one): docs/cuda-nccl.md.
+// The variants mxfp8_weights_gemm picks (2026-12-02, run 36 on an H200, the routing's spread
+// of 20..42 rows an expert at 128 tokens, against a device copy of the codes in the same run):
+// - at most 48 rows an expert on average: passes of up to 48 rows, 2 stages, 3 blocks an SM
+//   (168 registers, a few spilled; 60 KB of shared memory a block): FC1 0.511 and FC2 0.522
+//   of the copy, against 0.427 and 0.438 for the default;
+using FewRowsConfig = Config<3, 2, 3>;
+// - more rows: passes of up to 64 rows, 3 stages, 2 blocks an SM (230 registers, 103 KB).
 using DefaultConfig = Config<4, 3, 2>;
-// passes_of_32: passes of up to 32 rows.
+// - passes_of_32: passes of up to 32 rows.
 using Passes32Config = Config<2, 3, 2>;
 template <class Cfg>
 constexpr size_t smem_bytes() { return sizeof(Stage<Cfg::kMaxMt>) * Cfg::kStages; }
@@ -364,7 +369,7 @@ inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) {
          reinterpret_cast<uintptr_t>(p.scales) % 4 == 0 && out_ok && p.num_experts > 0 && p.num_experts <= 65535;
 }
 
-// One variant's launch (mxfp8_weights_gemm takes the default; moe_ep_gemm_check times others).
+// One variant's launch (mxfp8_weights_gemm picks one; moe_ep_gemm_check times them all).
 template <class Cfg>
 inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
   if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
@@ -378,9 +383,13 @@ inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStre
   return cudaGetLastError();
 }
 
+// The launch: the variant for p's rows an expert on average (total_rows / num_experts, on
+// the host; unknown counts as many), or passes of 32 rows.
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  return p.passes_of_32 ? mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream)
-                        : mxfp8_weights_gemm_launch<mxw::DefaultConfig>(p, stream);
+  if (p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream);
+  const bool few = p.total_rows > 0 && p.total_rows <= 48 * static_cast<int64_t>(p.num_experts);
+  return few ? mxfp8_weights_gemm_launch<mxw::FewRowsConfig>(p, stream)
+             : mxfp8_weights_gemm_launch<mxw::DefaultConfig>(p, stream);
 }
 
 }  // namespace cuda
