@@ -124,6 +124,11 @@
 #          decode's bench read 2.19: a commit had dropped GroupedGemmProblem::total_rows from
 #          the layer's CUTLASS launches): the build with it back, <3,2,3> picked up to 48 rows
 #          an expert; the checks, memcheck, the decode bench alternated, the CUDA tests.
+#   RUN=38: after run 37 (the H200: the layer's decode with the GEMM 0.429 / 0.427 against the
+#          kept decode's 0.402 / 0.402; 145 CUDA tests passed, memcheck clean): the GEMM on by
+#          default up to 40 rows an expert: the NCCL provider's conformance table at EP 1,
+#          the front-end's and the block-scaled CUDA tests, the decode bench (default, then
+#          the switch at 0).
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -760,6 +765,19 @@ case "$RUN" in
   done
   TAIL=4 step tests-native-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_layer.py \
     tests/test_native_mxfp8_weights.py tests/test_native_cuda.py -k "test_cuda_ or test_native_cuda"
+  ;;
+38)
+  TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
+    tests/test_cuda_nccl_block_scaled.py -k "test_cuda_"
+  TAIL=8 step bench-cuda-nccl-decode-default 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
+    --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-cuda-nccl-decode-default.json" --no-progress
+  TAIL=8 step bench-cuda-nccl-decode-mxw0 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=0 "$py" -m moe_ep_spec.cli bench \
+    --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 \
+    --op forward --json "$o/bench-cuda-nccl-decode-mxw0.json" --no-progress
+  TAIL=3 step conformance-nccl-ep1 120 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --report-md "$o/conformance-nccl-ep1.md"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -261,10 +261,10 @@ def test_cuda_mxfp8_weights_forward_needs_multiples_of_128() -> None:
 
 @needs_cuda
 def test_cuda_nccl_front_end_reads_mxfp8_weight_codes_at_few_rows(monkeypatch) -> None:
-    """With MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=1, prims.expert_forward with mxfp8 weights at few
-    rows takes the mxfp8-weights forward (no kept decode is made) and agrees with the
-    bf16-decode path (the switch at 0, the default) to float32 accumulation accuracy; at
-    many rows it takes the bf16 path."""
+    """By default (and with MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=1), prims.expert_forward with mxfp8
+    weights at few rows takes the mxfp8-weights forward (no kept decode is made) and agrees
+    with the bf16-decode path (the switch at 0) to float32 accumulation accuracy; at many
+    rows it takes the bf16 path."""
     import torch
 
     from moe_ep_cuda_nccl import prims
@@ -283,7 +283,8 @@ def test_cuda_nccl_front_end_reads_mxfp8_weight_codes_at_few_rows(monkeypatch) -
     xt = t(x.view(np.uint16)).view(torch.bfloat16)
     wt, gst = t(w), t(gs)
     prims.forget_decoded_weights()
-    assert not prims.mxfp8_weights_path(config, xt, w1, w2, host_check=False), "opt-in: off by default"
+    monkeypatch.delenv(prims.MXFP8_WEIGHTS_ENV, raising=False)
+    assert prims.mxfp8_weights_path(config, xt, w1, w2, host_check=False), "on by default at few rows"
     monkeypatch.setenv(prims.MXFP8_WEIGHTS_ENV, "1")
     assert prims.mxfp8_weights_path(config, xt, w1, w2, host_check=False)
     many = torch.zeros((prims.MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT * config.num_local_experts + 1, config.hidden),

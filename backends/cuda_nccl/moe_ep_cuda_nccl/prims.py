@@ -684,17 +684,17 @@ def _operands(x: Any, fc1: Any, fc2: Any) -> Tuple[bool, torch.Tensor, torch.Ten
     return False, _f32(x), _f32(fc1), _f32(fc2)
 
 
-#: ``1``: read mxfp8 weights' codes in the forward when the rows are few
-#: (:func:`mxfp8_weights_path`); ``0`` (default): always their kept bf16 decode. Off by
-#: default: at the bench's decode shape it measured slower on an H200 (2026-12-02, run 31:
-#: 0.366 of the weight read against the kept decode's 0.406) and only a little faster on an
-#: H100 with the later kernel (run 33: 0.433 against 0.421), which no H200 run has timed
-#: yet: see docs/cuda-nccl.md, "The mxfp8-weights forward".
+#: ``1`` (default): read mxfp8 weights' codes in the forward when the rows are few
+#: (:func:`mxfp8_weights_path`); ``0``: always their kept bf16 decode. On by default since
+#: 2026-12-02, run 37 (an H200, the bench's decode shape, alternated in one call): 0.429 and
+#: 0.427 of the weight read against the kept decode's 0.402 and 0.402; see
+#: docs/cuda-nccl.md, "The mxfp8-weights forward".
 MXFP8_WEIGHTS_ENV = "MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS"
 #: The mxfp8-weights forward runs when the buffer has at most this many rows per local
-#: expert on average: it reads the weights once per 64 rows of an expert, the bf16 GEMMs
-#: on a kept decode read twice the bytes once.
-MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT = 64
+#: expert on average. At 32 (128 tokens, top-8, 32 experts) it beats the bf16 GEMMs on a
+#: kept decode; at 64 it does not (run 37: FC1 0.620 ms against 0.456): it reads half the
+#: bytes, but its decode and MMAs grow with the rows.
+MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT = 40
 
 
 def mxfp8_weights_path(config: MoeEpConfig, x: Any, fc1: Any, fc2: Any, *, host_check: bool) -> bool:
@@ -704,12 +704,12 @@ def mxfp8_weights_path(config: MoeEpConfig, x: Any, fc1: Any, fc2: Any, *, host_
     mxfp8 :class:`BlockScaledOperand` s on CUDA, x bf16 or block-scaled, hidden and
     intermediate multiples of 128, at most :data:`MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT` rows
     per local expert (the decode regime, where the weight read is the cost), and
-    :data:`MXFP8_WEIGHTS_ENV` set to ``1`` (opt-in). With ``host_check`` (outside a capture) both
+    :data:`MXFP8_WEIGHTS_ENV` not ``0``. With ``host_check`` (outside a capture) both
     weights also need a cached exact verdict (:func:`operands` makes it on the first call),
     so the weights' flags need no read: like a kept decode with a verdict, a value bf16
     cannot hold is NaN and lands in :func:`inexact_decodes`. The values are those of the
     bf16 path; the sums may differ in order only (float32 accumulation either way)."""
-    value = os.environ.get(MXFP8_WEIGHTS_ENV, "0")
+    value = os.environ.get(MXFP8_WEIGHTS_ENV, "1")
     if value not in ("0", "1"):
         raise E.ConfigError(
             f"{MXFP8_WEIGHTS_ENV} must be '0' (always the bf16 decode) or '1' (read the codes when rows are few); "
