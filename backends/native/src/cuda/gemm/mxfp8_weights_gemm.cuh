@@ -2,11 +2,11 @@
 // y[r, n] = sum_k x[r, k] * W_e[n, k] for the rows r of expert e (off[e] <= r < off[e + 1]),
 // with W_e[n, k] = E4M3(codes[e, n, k]) * 2^(scales[e, n, k / 32] - 127) decoded to bf16 in
 // registers and multiplied on the tensor cores (mma.sync m16n8k16, bf16 in, float32
-// accumulation). The weights are read once per pass of up to 64 rows of an expert, at one
-// byte an element plus a scale byte per 32, instead of the two bytes of a kept bf16
-// decode: the decode forward's weight read (docs/cuda-nccl.md, "What issue 15's decode
-// target needs"). The layer's mxfp8-weights forward (moe_ep_layer_experts_forward_mxfp8)
-// runs its FC1 and FC2 through it.
+// accumulation). The weights are read once per pass of up to 48 or 64 rows of an expert
+// (the variant mxfp8_weights_gemm picks), at one byte an element plus a scale byte per 32,
+// instead of the two bytes of a kept bf16 decode: the decode forward's weight read
+// (docs/cuda-nccl.md, "What issue 15's decode target needs"). The layer's mxfp8-weights
+// forward (moe_ep_layer_experts_forward_mxfp8) runs its FC1 and FC2 through it.
 //
 // Layouts: x [C, K] bf16 row-major (the expert-major rows); codes [E, N, K] and scales
 // [E, N, K / 32] (the transposed block-scaled weight, blocked along K: K-major, what the
@@ -31,7 +31,7 @@
 // 128 bytes, 16-byte chunks swizzled by the row's parity), scales (4 bytes a row) and x
 // rows (up to 16 kMaxMt, rows past the expert's last zero-filled; rows padded to 272
 // bytes). So the loads of later stages are in flight while a stage is multiplied. A pass
-// takes the m16 tiles the expert's remaining rows need (1 to kMaxMt: 4, or 2 with
+// takes the m16 tiles the expert's remaining rows need (1 to kMaxMt: 3 or 4, or 2 with
 // passes_of_32), so a 20-row expert does not pay for 64 rows of MMAs and x loads.
 //
 // The sum over k is permuted alike for both operands: in each 64-slice, lane quad q holds
