@@ -284,6 +284,22 @@ def test_kept_decodes_die_with_their_weight_and_can_be_turned_off(monkeypatch):
         P.decoded_weight(w, None)
 
 
+def test_mxfp8_weights_switch_checks_its_value_and_never_applies_off_cuda(monkeypatch):
+    """MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS is read before any operand: a value other than '0' or
+    '1' is a ConfigError with the rule and the value. Unset (on by default) or '1', CPU
+    weights never take the mxfp8-weights forward (it is a CUDA kernel)."""
+    config = MoeEpConfig(num_experts=2, hidden=128, intermediate=128, num_topk=1, num_ranks=1)
+    w = P.BlockScaledOperand(_weight("mxfp8"), weight=True)
+    x = torch.zeros((4, 128), dtype=torch.bfloat16)
+    monkeypatch.delenv(P.MXFP8_WEIGHTS_ENV, raising=False)
+    assert not P.mxfp8_weights_path(config, x, w, w, host_check=True)
+    monkeypatch.setenv(P.MXFP8_WEIGHTS_ENV, "1")
+    assert not P.mxfp8_weights_path(config, x, w, w, host_check=True)
+    monkeypatch.setenv(P.MXFP8_WEIGHTS_ENV, "on")
+    with pytest.raises(P.E.ConfigError, match=r"MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS must be '0' .* or '1' .*; got 'on'"):
+        P.mxfp8_weights_path(config, x, w, w, host_check=True)
+
+
 def test_dequantize_bf16_checks_its_flag():
     from moe_ep_spec.errors import DeviceError
 
