@@ -530,6 +530,11 @@ MxBuffers make_mx(moe_ep::cuda::Mxfp8WeightsGemm& p, const std::vector<int32_t>&
   return b;
 }
 
+// A launch of the mxfp8-weights GEMM: the default choice, or one kernel variant.
+using MxLaunch = cudaError_t (*)(const moe_ep::cuda::Mxfp8WeightsGemm&, cudaStream_t);
+// The launch check_mxfp8_weights runs (the default choice unless a variant is checked).
+MxLaunch g_mx_check_launch = &moe_ep::cuda::mxfp8_weights_gemm;
+
 // What a check plants in the weights before the run.
 enum class MxPlant { kNone, kNanBlock, kInexactBlock, kNanCode, kScaleSweep };
 
@@ -544,10 +549,7 @@ enum class MxPlant { kNone, kNanBlock, kInexactBlock, kNanCode, kScaleSweep };
 // kScaleSweep: expert 0's scale codes run through 3..14 (both sides of the fast decode's
 // lower bound, 10) and expert 1's through 130..150: no NaN, no flag (expert 0's outputs, near
 // 2^-120, sit under the bound's 1e-30 floor: there only NaN and the flag are checked).
-// The launch check_mxfp8_weights runs (the default choice unless a variant is checked).
-cudaError_t (*g_mx_check_launch)(const moe_ep::cuda::Mxfp8WeightsGemm&, cudaStream_t) =
-    &moe_ep::cuda::mxfp8_weights_gemm;
-
+// The launch is g_mx_check_launch.
 void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int64_t extra_rows,
                          bool accumulate, MxPlant plant, uint64_t seed, bool bf16_out = false,
                          bool passes_of_32 = false) {
@@ -657,10 +659,8 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
 
 // The kernel at the decode shape against a device copy: the read rate of the codes and
 // scales, as a fraction of the copy's (read + write) bandwidth; and the bf16 grouped GEMM
-// on the same shape (its weights 2 bytes an element) for comparison.
-// A launch of the mxfp8-weights GEMM: the default choice, or one kernel variant.
-using MxLaunch = cudaError_t (*)(const moe_ep::cuda::Mxfp8WeightsGemm&, cudaStream_t);
-
+// on the same shape (its weights 2 bytes an element) for comparison; `launch` runs the
+// kernel (a variant's, for the variant timings, which skip the bf16 GEMM: with_bf16).
 void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int sm_count,
                         bool passes_of_32 = false, MxLaunch launch = &moe_ep::cuda::mxfp8_weights_gemm,
                         bool with_bf16 = true) {
