@@ -135,6 +135,26 @@ cd "$(dirname "$0")/.."
 o="${OUT:-reports}/run${RUN:?RUN=1..}"; mkdir -p "$o"
 . scripts/device_env.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# The eighth session's mxfp8-weights GEMM steps (RUN=31..37): its checks and timings, their
+# memcheck, its SASS counts, and the decode bench alternated between the GEMM reading the
+# codes (MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=1) and the kept bf16 decode (0), twice.
+mxw_gemm_check() { step gemm-check-mxfp8-weights "$1" .devbuild/moe_ep_gemm_check --mxfp8-weights; }
+mxw_memcheck() {
+  TAIL=6 step sanitizer-memcheck-mxfp8-weights "$1" compute-sanitizer --tool memcheck --error-exitcode 9 \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
+}
+mxw_sass() {
+  TAIL=12 step sass-mxfp8-weights 60 bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check mxfp8_weights_gemm_kernel
+}
+decode_bench_ab() {
+  local i=0 mx
+  for mx in 1 0 1 0; do
+    i=$((i + 1))
+    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
+      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
+      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
+  done
+}
 jaxffi_build() {
   step jaxffi-build 150 env MOE_EP_NATIVE_CUDA=ON MOE_EP_CUDA_ARCHS=90a \
     MOE_EP_NATIVE_CORE_LIBRARY="$PWD/.devbuild/libmoe_ep_native_core.a" \
@@ -664,105 +684,56 @@ case "$RUN" in
     --intermediate-format bf16 --intermediate-format none --iters 3 --top 16
   ;;
 31)
-  TAIL=40 step gemm-check-mxfp8-weights 120 .devbuild/moe_ep_gemm_check --mxfp8-weights
-  TAIL=12 step sass-mxfp8-weights 60 bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check mxfp8_weights_gemm_kernel
-  TAIL=6 step sanitizer-memcheck-mxfp8-weights 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
-  i=0
-  for mx in 1 0 1 0; do
-    i=$((i + 1))
-    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
-      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
-      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
-  done
+  TAIL=40 mxw_gemm_check 120
+  mxw_sass
+  mxw_memcheck 120
+  decode_bench_ab
   TAIL=4 step tests-mxfp8-weights 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
     -k "test_cuda_"
   ;;
 32)
-  TAIL=60 step gemm-check-mxfp8-weights 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
-  TAIL=12 step sass-mxfp8-weights 60 bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check mxfp8_weights_gemm_kernel
-  i=0
-  for mx in 1 0 1 0; do
-    i=$((i + 1))
-    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
-      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
-      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
-  done
-  TAIL=6 step sanitizer-memcheck-mxfp8-weights 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
+  TAIL=60 mxw_gemm_check 150
+  mxw_sass
+  decode_bench_ab
+  mxw_memcheck 150
   TAIL=4 step tests-mxfp8-weights 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
     -k "test_cuda_"
   ;;
 33)
-  TAIL=60 step gemm-check-mxfp8-weights 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
-  TAIL=12 step sass-mxfp8-weights 60 bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check mxfp8_weights_gemm_kernel
-  i=0
-  for mx in 1 0 1 0; do
-    i=$((i + 1))
-    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
-      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
-      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
-  done
-  TAIL=6 step sanitizer-memcheck-mxfp8-weights 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
+  TAIL=60 mxw_gemm_check 150
+  mxw_sass
+  decode_bench_ab
+  mxw_memcheck 150
   TAIL=4 step tests-mxfp8-weights 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
     -k "test_cuda_"
   ;;
 34)
-  TAIL=60 step gemm-check-mxfp8-weights 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
-  TAIL=6 step sanitizer-memcheck-mxfp8-weights 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
-  i=0
-  for mx in 1 0 1 0; do
-    i=$((i + 1))
-    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
-      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
-      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
-  done
+  TAIL=60 mxw_gemm_check 150
+  mxw_memcheck 150
+  decode_bench_ab
   TAIL=30 step profile-decode-mxw1 90 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=1 "$py" scripts/gpu_layer_profile.py \
     --mode device --tokens 128 --format mxfp8 --intermediate-format bf16 --iters 5 --top 16
   TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
     tests/test_native_layer.py -k "test_cuda_"
   ;;
 35)
-  TAIL=60 step gemm-check-mxfp8-weights 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
-  TAIL=6 step sanitizer-memcheck-mxfp8-weights 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
-  i=0
-  for mx in 1 0 1 0; do
-    i=$((i + 1))
-    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
-      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
-      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
-  done
+  TAIL=60 mxw_gemm_check 150
+  mxw_memcheck 150
+  decode_bench_ab
   TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
     tests/test_native_layer.py -k "test_cuda_"
   ;;
 36)
-  TAIL=60 step gemm-check-mxfp8-weights 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
-  TAIL=6 step sanitizer-memcheck-mxfp8-weights 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
-  i=0
-  for mx in 1 0 1 0; do
-    i=$((i + 1))
-    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
-      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
-      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
-  done
+  TAIL=60 mxw_gemm_check 150
+  mxw_memcheck 150
+  decode_bench_ab
   TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
     tests/test_native_layer.py -k "test_cuda_"
   ;;
 37)
-  TAIL=60 step gemm-check-mxfp8-weights 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
-  TAIL=6 step sanitizer-memcheck-mxfp8-weights 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
-  i=0
-  for mx in 1 0 1 0; do
-    i=$((i + 1))
-    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
-      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
-      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
-  done
+  TAIL=60 mxw_gemm_check 150
+  mxw_memcheck 150
+  decode_bench_ab
   TAIL=4 step tests-native-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_layer.py \
     tests/test_native_mxfp8_weights.py tests/test_native_cuda.py -k "test_cuda_ or test_native_cuda"
   ;;
