@@ -750,5 +750,29 @@ case "$RUN" in
     MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
     --device cuda --report-md "$o/conformance-nccl-ep1.md"
   ;;
+39)
+  # (the day's ninth session) The mxfp8-weights GEMM with the x rows as the MMA's n8 B operand
+  # (rows in steps of 8, the new default) against the m16 layout: both checked and timed,
+  # memcheck on the new default, Nsight Compute's warp states on one launch of each at FC1's
+  # spread, SASS counts, the layer's decode alternated between the layouts, the CUDA tests.
+  TAIL=75 mxw_gemm_check 150
+  mxw_memcheck 100
+  TAIL=120 step ncu-mxw-sections 120 ncu --clock-control none -k regex:mxfp8_weights_gemm_kernel -c 2 \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+    --section ComputeWorkloadAnalysis --print-details all .devbuild/moe_ep_gemm_check --mxfp8-weights-profile
+  TAIL=60 step ncu-mxw-stalls 60 ncu --clock-control none -k regex:mxfp8_weights_gemm_kernel -c 2 \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,gpu__time_duration.sum" \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights-profile
+  mxw_sass
+  i=0
+  for lay in n8 m16 n8 m16; do
+    i=$((i + 1))
+    TAIL=6 step "bench-cuda-nccl-decode-$i-$lay" 60 env MOE_EP_MXW_LAYOUT=$lay "$py" -m moe_ep_spec.cli \
+      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
+      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-$lay.json" --no-progress
+  done
+  TAIL=4 step tests-cuda 100 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
+    -k "test_cuda_"
+  ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -706,6 +706,39 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
   if (with_bf16 && lo == hi) time_shape(name, GemmLayout::kNN, 0, n, k, experts, lo, sm_count);  // the bf16 GEMM
 }
 
+// Kernel variants <kMaxMt, kStages, kMinBlocks(, n8)> at the decode shapes, the one the
+// decode picks (<3, 2, 3>) alternated with the others (clocks drift over a run).
+struct MxVariant {
+  const char* name;
+  MxLaunch launch;
+};
+const MxVariant kMxVariants[] = {
+    {"<3,2,3,m16>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<3, 2, 3>>},
+    {"<3,2,3,n8> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
+    {"<4,3,2,m16>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<4, 3, 2>>},
+    {"<4,3,2,n8> default", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::DefaultConfig>},
+    {"<3,2,3,m16>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<3, 2, 3>>},
+    {"<3,2,3,n8> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
+};
+
+// --mxfp8-weights-profile: one launch of each variant at FC1's decode shape with the
+// routing's spread, nothing else (for a profiler: ncu -k regex:mxfp8_weights_gemm).
+void mxfp8_weights_profile_launches() {
+  moe_ep::cuda::Mxfp8WeightsGemm p{};
+  p.n = 4096;
+  p.k = 7168;
+  const std::vector<int> rows = spread_rows(1024);
+  std::vector<int32_t> off(rows.size() + 1, 0);
+  for (size_t e = 0; e < rows.size(); ++e) off[e + 1] = off[e] + rows[e];
+  MxBuffers b = make_mx(p, off, off.back(), 11);
+  for (int i = 0; i < 4; ++i) {  // the first four: each kernel once
+    CHECK_CUDA(kMxVariants[i].launch(p, 0));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::printf("profiled launch %d: %s\n", i, kMxVariants[i].name);
+  }
+  b.release();
+}
+
 void mxfp8_weights_checks(bool timing, int sm_count) {
   const std::vector<int> ragged = {0, 1, 33, 0, 70, 7, 32, 45, 0, 129};
   for (bool acc : {false, true}) check_mxfp8_weights("ragged", 256, 512, ragged, 5, acc, MxPlant::kNone, 21);
@@ -727,28 +760,21 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
   time_mxfp8_weights("FC2 (decode, spread)", 7168, 2048, spread_rows(1024), sm_count);
   time_mxfp8_weights("FC1 (spread, 32-row passes)", 4096, 7168, spread_rows(1024), sm_count, true);
   time_mxfp8_weights("FC1 (64 rows)", 4096, 7168, std::vector<int>(32, 64), sm_count);
-  // Kernel variants <kMaxMt, kStages, kMinBlocks> at the decode shapes, the one the decode
-  // picks (<3, 2, 3>) alternated with the others (clocks drift over a run).
-  using namespace moe_ep::cuda;
-  struct Variant {
-    const char* name;
-    MxLaunch launch;
-  };
-  const Variant variants[] = {
-      {"<3,2,3> few rows", &mxfp8_weights_gemm_launch<mxw::FewRowsConfig>},
-      {"<4,3,2> default", &mxfp8_weights_gemm_launch<mxw::DefaultConfig>},
-      {"<4,2,3>", &mxfp8_weights_gemm_launch<mxw::Config<4, 2, 3>>},
-      {"<3,2,3> few rows", &mxfp8_weights_gemm_launch<mxw::FewRowsConfig>},
-  };
-  for (const Variant& v : variants) {  // each variant's own checks first (the ragged and decode-shape ones)
+  // The variants (kMxVariants): each one's own checks first (the ragged and decode-shape ones).
+  for (const MxVariant& v : kMxVariants) {
     g_mx_check_launch = v.launch;
     const std::string label = std::string("variant ") + v.name;
     check_mxfp8_weights(label.c_str(), 256, 512, {0, 1, 33, 0, 70, 7, 32, 45, 0, 129}, 5, true, MxPlant::kNone, 31);
     check_mxfp8_weights((label + ", NaN code").c_str(), 128, 1024, {40, 3, 17}, 0, false, MxPlant::kNanCode, 32);
+    check_mxfp8_weights((label + ", bf16 output").c_str(), 256, 512, {0, 1, 33, 0, 70, 7, 32, 45, 0, 129}, 5, false,
+                        MxPlant::kNone, 34, true);
+    check_mxfp8_weights((label + ", an inexact block").c_str(), 128, 1024, {40, 3, 17}, 0, false,
+                        MxPlant::kInexactBlock, 35);
+    check_mxfp8_weights((label + ", scale sweep").c_str(), 128, 1024, {33, 50, 9}, 2, true, MxPlant::kScaleSweep, 36);
     check_mxfp8_weights((label + ", FC2 shape").c_str(), 7168, 2048, {32, 31, 1, 64}, 0, false, MxPlant::kNone, 33);
   }
-  g_mx_check_launch = &mxfp8_weights_gemm;
-  for (const Variant& v : variants) {
+  g_mx_check_launch = &moe_ep::cuda::mxfp8_weights_gemm;
+  for (const MxVariant& v : kMxVariants) {
     for (const bool fc1 : {true, false}) {
       const std::string label = std::string(fc1 ? "FC1 spread " : "FC2 spread ") + v.name;
       time_mxfp8_weights(label.c_str(), fc1 ? 4096 : 7168, fc1 ? 7168 : 2048, spread_rows(1024), sm_count, false,
@@ -815,11 +841,12 @@ int initcheck_probe(int sm_count) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool timing = true, probe = false, mxfp8_only = false;
+  bool timing = true, probe = false, mxfp8_only = false, mx_profile = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) timing = false;
     if (std::strcmp(argv[i], "--initcheck-probe") == 0) probe = true;
     if (std::strcmp(argv[i], "--mxfp8-weights") == 0) mxfp8_only = true;
+    if (std::strcmp(argv[i], "--mxfp8-weights-profile") == 0) mx_profile = true;
   }
   if (!moe_ep::cuda::grouped_gemm_built()) {
     std::printf("moe_ep_gemm_check: this build has no CUTLASS grouped GEMM (MOE_EP_NATIVE_CUTLASS=OFF)\n");
@@ -836,6 +863,10 @@ int main(int argc, char** argv) {
   }
   const int sms = prop.multiProcessorCount;
   if (probe) return initcheck_probe(sms);
+  if (mx_profile) {
+    mxfp8_weights_profile_launches();
+    return 0;
+  }
   if (mxfp8_only) {  // the mxfp8-weights kernel alone: its checks, then (unless --no-time) its timings
     mxfp8_weights_checks(timing, sms);
     std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);

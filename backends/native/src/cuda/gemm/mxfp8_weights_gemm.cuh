@@ -46,6 +46,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/format_math.cuh"
 
@@ -83,32 +85,37 @@ constexpr uint32_t kFastScaleMin = 10;
 
 // kMaxMt: the m16 tiles of x rows a pass holds at most (a pass: up to 16 kMaxMt rows of one
 // expert, the weights read once).
-template <int kMaxMt>
+template <int kMaxRows>
 struct Stage {
-  uint4 w[kTileN][kStageK / 16];     // codes, 16-byte chunk c of row r at c ^ (4 * (r & 1))
-  uint32_t s[kTileN];                // 4 scale codes a row
-  uint16_t x[16 * kMaxMt][kXStride]; // x rows
+  uint4 w[kTileN][kStageK / 16];   // codes, 16-byte chunk c of row r at c ^ (4 * (r & 1))
+  uint32_t s[kTileN];              // 4 scale codes a row
+  uint16_t x[kMaxRows][kXStride];  // x rows
 };
-// A kernel variant: kMaxMt (above), kStages (the cp.async pipeline's depth) and kMinBlocks
-// (the blocks an SM should hold: __launch_bounds__'s register budget).
-template <int kMaxMt_, int kStages_, int kMinBlocks_>
+// A kernel variant: kMaxMt (above), kStages (the cp.async pipeline's depth), kMinBlocks
+// (the blocks an SM should hold: __launch_bounds__'s register budget) and kXN8: the x rows
+// are the MMA's n8 B operand and the decoded weights its m16 A operand (a pass takes the
+// n8 tiles its rows need, up to 2 kMaxMt: rows in steps of 8), instead of x rows as m16 A
+// tiles and the weights as n8 B tiles (rows in steps of 16).
+template <int kMaxMt_, int kStages_, int kMinBlocks_, bool kXN8_ = false>
 struct Config {
   static constexpr int kMaxMt = kMaxMt_;
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr bool kXN8 = kXN8_;
+  static constexpr int kMaxRows = 16 * kMaxMt_;
 };
 // The variants mxfp8_weights_gemm picks (2026-12-02, run 36 on an H200, the routing's spread
 // of 20..42 rows an expert at 128 tokens, against a device copy of the codes in the same run):
 // - at most 48 rows an expert on average: passes of up to 48 rows, 2 stages, 3 blocks an SM
 //   (168 registers, a few spilled; 60 KB of shared memory a block): FC1 0.511 and FC2 0.522
 //   of the copy, against 0.427 and 0.438 for the default;
-using FewRowsConfig = Config<3, 2, 3>;
+using FewRowsConfig = Config<3, 2, 3, true>;
 // - more rows: passes of up to 64 rows, 3 stages, 2 blocks an SM (230 registers, 103 KB).
-using DefaultConfig = Config<4, 3, 2>;
+using DefaultConfig = Config<4, 3, 2, true>;
 // - passes_of_32: passes of up to 32 rows.
-using Passes32Config = Config<2, 3, 2>;
+using Passes32Config = Config<2, 3, 2, true>;
 template <class Cfg>
-constexpr size_t smem_bytes() { return sizeof(Stage<Cfg::kMaxMt>) * Cfg::kStages; }
+constexpr size_t smem_bytes() { return sizeof(Stage<Cfg::kMaxRows>) * Cfg::kStages; }
 static_assert(kThreads == kTileN, "one thread loads the scales of one weight row");
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {
@@ -203,11 +210,11 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Stage ks (k from ks * kStageK) of the block's weight rows and of the pass's kMt * 16 x
+// Stage ks (k from ks * kStageK) of the block's weight rows and of the pass's kRows x
 // rows from m0 (rows at or past r1 zero-filled) into st. A thread's code chunks are rows
 // tid / 8 + 16 u at chunk tid % 8: one source pointer, stepped by 16 rows.
-template <int kMt, int kMaxMt>
-__device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMaxMt>& st, int e, int64_t nb,
+template <int kRows, int kMaxRows>
+__device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMaxRows>& st, int e, int64_t nb,
                                            int64_t m0, int64_t r1, int64_t ks) {
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t K = p.k, k0 = ks * kStageK;
@@ -220,8 +227,9 @@ __device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMax
     cp_async16(&st.w[r + u * (kThreads / kChunks)][cs], src + u * (kThreads / kChunks) * K, true);
   cp_async4(&st.s[tid], p.scales + (static_cast<int64_t>(e) * p.n + nb + tid) * (K / 32) + k0 / 32);
   constexpr int kXChunks = kStageK / 8;
+  static_assert(kRows * kXChunks % kThreads == 0, "whole rounds of x chunks");
 #pragma unroll
-  for (int u = 0; u < kMt * 16 * kXChunks / kThreads; ++u) {
+  for (int u = 0; u < kRows * kXChunks / kThreads; ++u) {
     const int i = tid + u * kThreads, xr = i / kXChunks, xc = i % kXChunks;
     const bool in = m0 + xr < r1;
     cp_async16(&st.x[xr][8 * xc], p.x + (in ? m0 + xr : m0) * K + k0 + 8 * xc, in);
@@ -231,7 +239,7 @@ __device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMax
 // One pass over K for the rows [m0, min(m0 + 16 kMt, r1)) of expert e and the block's
 // weight rows from nb; this warp's 32 of them from nw.
 template <int kMt, class Cfg>
-__device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxMt>* stages, int e, int64_t nb,
+__device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxRows>* stages, int e, int64_t nb,
                                      int64_t m0, int64_t r1) {
   constexpr int kStages = Cfg::kStages;
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
@@ -246,7 +254,7 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxM
       for (int c = 0; c < 4; ++c) acc[mt][t][c] = 0.0f;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nks) load_stage<kMt>(p, stages[s], e, nb, m0, r1, s);
+    if (s < nks) load_stage<16 * kMt>(p, stages[s], e, nb, m0, r1, s);
     cp_async_commit();
   }
   bool bad = false;
@@ -254,9 +262,9 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxM
     cp_async_wait<kStages - 2>();
     __syncthreads();  // stage ks landed for every thread; stage ks - 1's buffer is free
     const int64_t next = ks + kStages - 1;
-    if (next < nks) load_stage<kMt>(p, stages[next % kStages], e, nb, m0, r1, next);
+    if (next < nks) load_stage<16 * kMt>(p, stages[next % kStages], e, nb, m0, r1, next);
     cp_async_commit();
-    const Stage<Cfg::kMaxMt>& st = stages[ks % kStages];
+    const Stage<Cfg::kMaxRows>& st = stages[ks % kStages];
     uint32_t scw[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) scw[t] = st.s[warp * kRowsPerWarp + 8 * t + g];
@@ -323,6 +331,97 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxM
     }
 }
 
+// The pass with the roles swapped (Cfg::kXN8): the warp's 32 decoded weight rows are two
+// m16 A tiles (A tile u's rows g and g + 8 are weight rows 16 u + g and 16 u + 8 + g: the
+// n8 tiles 2 u and 2 u + 1 of pass, decoded alike) and the rows [m0, m0 + 8 kNt) are kNt n8
+// B tiles, so a pass pays for its rows in steps of 8. The accumulator acc[u][nt] holds
+// y[x row 8 nt + 2 q (+1)] at weight rows 16 u + g (c0, c1) and 16 u + 8 + g (c2, c3).
+template <int kNt, class Cfg>
+__device__ __forceinline__ void pass_n8(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxRows>* stages, int e,
+                                        int64_t nb, int64_t m0, int64_t r1) {
+  constexpr int kStages = Cfg::kStages;
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  const int64_t nks = p.k / kStageK;
+  float acc[2][kNt][4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[u][nt][c] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nks) load_stage<8 * kNt>(p, stages[s], e, nb, m0, r1, s);
+    cp_async_commit();
+  }
+  bool bad = false;
+  for (int64_t ks = 0; ks < nks; ++ks) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage ks landed for every thread; stage ks - 1's buffer is free
+    const int64_t next = ks + kStages - 1;
+    if (next < nks) load_stage<8 * kNt>(p, stages[next % kStages], e, nb, m0, r1, next);
+    cp_async_commit();
+    const Stage<Cfg::kMaxRows>& st = stages[ks % kStages];
+    uint32_t scw[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) scw[t] = st.s[warp * kRowsPerWarp + 8 * t + g];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the stage's two 64-slices
+      uint32_t b[4][8];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const int r = warp * kRowsPerWarp + 8 * t + g;
+        const uint4 w = st.w[r][(4 * h + q) ^ ((r & 1) << 2)];
+        decode16(w, (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu, b[t], bad);
+      }
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        uint4 xb[kNt];  // row g of each n8 tile: the columns of steps 2 jj and 2 jj + 1
+#pragma unroll
+        for (int nt = 0; nt < kNt; ++nt)
+          xb[nt] = *reinterpret_cast<const uint4*>(&st.x[8 * nt + g][64 * h + 16 * q + 8 * jj]);
+#pragma unroll
+        for (int j2 = 0; j2 < 2; ++j2) {
+          const int j = 2 * jj + j2;
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+#pragma unroll
+            for (int nt = 0; nt < kNt; ++nt) {
+              // b0: x row g, logical k 2q, 2q + 1; b1: logical k 2q + 8, 2q + 9.
+              const uint32_t b0 = j2 ? xb[nt].z : xb[nt].x, b1 = j2 ? xb[nt].w : xb[nt].y;
+              mma_bf16(acc[u][nt], b[2 * u][2 * j], b[2 * u + 1][2 * j], b[2 * u][2 * j + 1], b[2 * u + 1][2 * j + 1],
+                       b0, b1);
+            }
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp done with the buffers before the next pass refills them
+  if (bad && p.inexact != nullptr) atomicOr(p.inexact, 1);
+  const int64_t nw = nb + warp * kRowsPerWarp;
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int64_t r = m0 + 8 * nt + 2 * q + (c & 1);
+      if (r >= r1) continue;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int64_t at = r * p.n + nw + 16 * u + 8 * (c >> 1) + g;
+        float v = acc[u][nt][c];
+        if (p.y_bf16 != nullptr) {
+          p.y_bf16[at] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+          continue;
+        }
+        if (p.accumulate) v += p.y[at];
+        p.y[at] = v;
+      }
+    }
+}
+
 // Grid (N / kTileN, E), kThreads threads, smem_bytes<Cfg>() of dynamic shared memory.
 // Lane = 4 g + q: g picks the row of an n8 (or m8) tile, q the quad of k. Each pass takes
 // as many m16 tiles as the expert's remaining rows need, up to Cfg::kMaxMt.
@@ -330,23 +429,44 @@ template <class Cfg>
 __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) mxfp8_weights_gemm_kernel(Mxfp8WeightsGemm p) {
   constexpr int kMaxMt = Cfg::kMaxMt;
   extern __shared__ __align__(16) unsigned char smem[];
-  Stage<kMaxMt>* stages = reinterpret_cast<Stage<kMaxMt>*>(smem);
+  Stage<Cfg::kMaxRows>* stages = reinterpret_cast<Stage<Cfg::kMaxRows>*>(smem);
   const int e = static_cast<int>(blockIdx.y);
   const int64_t r0 = p.off[e], r1 = p.off[e + 1];
   const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
-  for (int64_t m0 = r0; m0 < r1;) {
-    const int64_t rem = r1 - m0;
-    int tiles = rem > 48 ? 4 : (rem > 32 ? 3 : (rem > 16 ? 2 : 1));
-    tiles = tiles < kMaxMt ? tiles : kMaxMt;
-    if constexpr (kMaxMt >= 4) {
-      if (tiles == 4) pass<4, Cfg>(p, stages, e, nb, m0, r1);
+  if constexpr (Cfg::kXN8) {
+    constexpr int kMaxNt = 2 * kMaxMt;
+    for (int64_t m0 = r0; m0 < r1;) {
+      const int64_t rem = r1 - m0;
+      const int tiles = rem >= 8 * kMaxNt ? kMaxNt : static_cast<int>((rem + 7) / 8);
+      if constexpr (kMaxNt >= 8) {
+        if (tiles == 8) pass_n8<8, Cfg>(p, stages, e, nb, m0, r1);
+        if (tiles == 7) pass_n8<7, Cfg>(p, stages, e, nb, m0, r1);
+      }
+      if constexpr (kMaxNt >= 6) {
+        if (tiles == 6) pass_n8<6, Cfg>(p, stages, e, nb, m0, r1);
+        if (tiles == 5) pass_n8<5, Cfg>(p, stages, e, nb, m0, r1);
+      }
+      if (tiles == 4) pass_n8<4, Cfg>(p, stages, e, nb, m0, r1);
+      if (tiles == 3) pass_n8<3, Cfg>(p, stages, e, nb, m0, r1);
+      if (tiles == 2) pass_n8<2, Cfg>(p, stages, e, nb, m0, r1);
+      if (tiles == 1) pass_n8<1, Cfg>(p, stages, e, nb, m0, r1);
+      m0 += 8 * tiles;
     }
-    if constexpr (kMaxMt >= 3) {
-      if (tiles == 3) pass<3, Cfg>(p, stages, e, nb, m0, r1);
+  } else {
+    for (int64_t m0 = r0; m0 < r1;) {
+      const int64_t rem = r1 - m0;
+      int tiles = rem > 48 ? 4 : (rem > 32 ? 3 : (rem > 16 ? 2 : 1));
+      tiles = tiles < kMaxMt ? tiles : kMaxMt;
+      if constexpr (kMaxMt >= 4) {
+        if (tiles == 4) pass<4, Cfg>(p, stages, e, nb, m0, r1);
+      }
+      if constexpr (kMaxMt >= 3) {
+        if (tiles == 3) pass<3, Cfg>(p, stages, e, nb, m0, r1);
+      }
+      if (tiles == 2) pass<2, Cfg>(p, stages, e, nb, m0, r1);
+      if (tiles == 1) pass<1, Cfg>(p, stages, e, nb, m0, r1);
+      m0 += 16 * tiles;
     }
-    if (tiles == 2) pass<2, Cfg>(p, stages, e, nb, m0, r1);
-    if (tiles == 1) pass<1, Cfg>(p, stages, e, nb, m0, r1);
-    m0 += 16 * tiles;
   }
 }
 
@@ -386,6 +506,17 @@ inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStre
 // The launch: the variant for p's rows an expert on average (total_rows / num_experts, on
 // the host; unknown counts as many), or passes of 32 rows.
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
+  // TEMPORARY (run 39's A/B): MOE_EP_MXW_LAYOUT=m16 takes the x-rows-as-m16 kernels.
+  static const bool m16 = [] {
+    const char* v = std::getenv("MOE_EP_MXW_LAYOUT");
+    return v != nullptr && std::strcmp(v, "m16") == 0;
+  }();
+  if (m16) {
+    if (p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Config<2, 3, 2>>(p, stream);
+    const bool few = p.total_rows > 0 && p.total_rows <= 48 * static_cast<int64_t>(p.num_experts);
+    return few ? mxfp8_weights_gemm_launch<mxw::Config<3, 2, 3>>(p, stream)
+               : mxfp8_weights_gemm_launch<mxw::Config<4, 3, 2>>(p, stream);
+  }
   if (p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream);
   const bool few = p.total_rows > 0 && p.total_rows <= 48 * static_cast<int64_t>(p.num_experts);
   return few ? mxfp8_weights_gemm_launch<mxw::FewRowsConfig>(p, stream)
