@@ -774,5 +774,34 @@ case "$RUN" in
   TAIL=4 step tests-cuda 100 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
     -k "test_cuda_"
   ;;
+40)
+  # After run 39 (the n8 layout won; a fifth of its stalls were instruction-cache misses):
+  # the n8 kernel alone, its stages on the fast decode without the slow decode in their code.
+  # Alternated against run 39's build and a build with the slow decode out of line (their
+  # gemm_check binaries carried as moe_ep_gemm_check_run39 and _noinline); then memcheck,
+  # the warp states, SASS counts, the layer's decode and its profile, the CUDA tests and the
+  # cuda-nccl table at EP 1.
+  TAIL=40 mxw_gemm_check 150
+  TAIL=12 step gemm-check-run39 150 .devbuild/moe_ep_gemm_check_run39 --mxfp8-weights
+  TAIL=12 step gemm-check-noinline 150 .devbuild/moe_ep_gemm_check_noinline --mxfp8-weights
+  TAIL=12 step gemm-check-again 150 .devbuild/moe_ep_gemm_check --mxfp8-weights
+  mxw_memcheck 100
+  TAIL=30 step ncu-mxw-stalls 60 ncu --clock-control none -k regex:mxfp8_weights_gemm_kernel -c 1 \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active" \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights-profile
+  mxw_sass
+  for i in 1 2; do
+    TAIL=6 step "bench-cuda-nccl-decode-$i" 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
+      --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
+      --json "$o/bench-cuda-nccl-decode-$i.json" --no-progress
+  done
+  TAIL=30 step profile-decode 90 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 --format mxfp8 \
+    --intermediate-format bf16 --iters 5 --top 20
+  TAIL=4 step tests-cuda 100 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
+    -k "test_cuda_"
+  TAIL=3 step conformance-nccl-ep1 150 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --report-md "$o/conformance-nccl-ep1.md"
+  ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -706,19 +706,17 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
   if (with_bf16 && lo == hi) time_shape(name, GemmLayout::kNN, 0, n, k, experts, lo, sm_count);  // the bf16 GEMM
 }
 
-// Kernel variants <kMaxMt, kStages, kMinBlocks(, n8)> at the decode shapes, the one the
-// decode picks (<3, 2, 3>) alternated with the others (clocks drift over a run).
+// Kernel variants <kMaxNt, kStages, kMinBlocks> at the decode shapes, the one the decode
+// picks (<6, 2, 3>) alternated with the others (clocks drift over a run).
 struct MxVariant {
   const char* name;
   MxLaunch launch;
 };
 const MxVariant kMxVariants[] = {
-    {"<3,2,3,m16>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<3, 2, 3>>},
-    {"<3,2,3,n8> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
-    {"<4,3,2,m16>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<4, 3, 2>>},
-    {"<4,3,2,n8> default", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::DefaultConfig>},
-    {"<3,2,3,m16>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<3, 2, 3>>},
-    {"<3,2,3,n8> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
+    {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
+    {"<8,3,2> default", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::DefaultConfig>},
+    {"<6,3,2>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<6, 3, 2>>},
+    {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
 };
 
 // --mxfp8-weights-profile: one launch of each variant at FC1's decode shape with the
@@ -731,7 +729,7 @@ void mxfp8_weights_profile_launches() {
   std::vector<int32_t> off(rows.size() + 1, 0);
   for (size_t e = 0; e < rows.size(); ++e) off[e + 1] = off[e] + rows[e];
   MxBuffers b = make_mx(p, off, off.back(), 11);
-  for (int i = 0; i < 4; ++i) {  // the first four: each kernel once
+  for (int i = 0; i < 3; ++i) {  // the first three: each kernel once
     CHECK_CUDA(kMxVariants[i].launch(p, 0));
     CHECK_CUDA(cudaDeviceSynchronize());
     std::printf("profiled launch %d: %s\n", i, kMxVariants[i].name);

@@ -46,8 +46,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "cuda/format_math.cuh"
 
@@ -83,37 +81,32 @@ constexpr int kXStride = kStageK + 8;          // bf16 a shared x row: 272 bytes
 // value v >= 2^-9 is then a normal bf16, so no subnormal arithmetic is involved) to 254.
 constexpr uint32_t kFastScaleMin = 10;
 
-// kMaxMt: the m16 tiles of x rows a pass holds at most (a pass: up to 16 kMaxMt rows of one
-// expert, the weights read once).
 template <int kMaxRows>
 struct Stage {
   uint4 w[kTileN][kStageK / 16];   // codes, 16-byte chunk c of row r at c ^ (4 * (r & 1))
   uint32_t s[kTileN];              // 4 scale codes a row
   uint16_t x[kMaxRows][kXStride];  // x rows
 };
-// A kernel variant: kMaxMt (above), kStages (the cp.async pipeline's depth), kMinBlocks
-// (the blocks an SM should hold: __launch_bounds__'s register budget) and kXN8: the x rows
-// are the MMA's n8 B operand and the decoded weights its m16 A operand (a pass takes the
-// n8 tiles its rows need, up to 2 kMaxMt: rows in steps of 8), instead of x rows as m16 A
-// tiles and the weights as n8 B tiles (rows in steps of 16).
-template <int kMaxMt_, int kStages_, int kMinBlocks_, bool kXN8_ = false>
+// A kernel variant: kMaxNt, the n8 tiles of x rows a pass holds at most (a pass: up to
+// 8 kMaxNt rows of one expert, the weights read once); kStages, the cp.async pipeline's
+// depth; kMinBlocks, the blocks an SM should hold (__launch_bounds__'s register budget).
+template <int kMaxNt_, int kStages_, int kMinBlocks_>
 struct Config {
-  static constexpr int kMaxMt = kMaxMt_;
+  static constexpr int kMaxNt = kMaxNt_;
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
-  static constexpr bool kXN8 = kXN8_;
-  static constexpr int kMaxRows = 16 * kMaxMt_;
+  static constexpr int kMaxRows = 8 * kMaxNt_;
 };
-// The variants mxfp8_weights_gemm picks (2026-12-02, run 36 on an H200, the routing's spread
-// of 20..42 rows an expert at 128 tokens, against a device copy of the codes in the same run):
+// The variants mxfp8_weights_gemm picks (2026-12-02, runs 39 and 40 on an H200, the
+// routing's spread of 20..42 rows an expert at 128 tokens, against a device copy of the
+// codes in the same run):
 // - at most 48 rows an expert on average: passes of up to 48 rows, 2 stages, 3 blocks an SM
-//   (168 registers, a few spilled; 60 KB of shared memory a block): FC1 0.511 and FC2 0.522
-//   of the copy, against 0.427 and 0.438 for the default;
-using FewRowsConfig = Config<3, 2, 3, true>;
-// - more rows: passes of up to 64 rows, 3 stages, 2 blocks an SM (230 registers, 103 KB).
-using DefaultConfig = Config<4, 3, 2, true>;
+//   (168 registers, 60 KB of shared memory a block);
+using FewRowsConfig = Config<6, 2, 3>;
+// - more rows: passes of up to 64 rows, 3 stages, 2 blocks an SM (103 KB).
+using DefaultConfig = Config<8, 3, 2>;
 // - passes_of_32: passes of up to 32 rows.
-using Passes32Config = Config<2, 3, 2, true>;
+using Passes32Config = Config<4, 3, 2>;
 template <class Cfg>
 constexpr size_t smem_bytes() { return sizeof(Stage<Cfg::kMaxRows>) * Cfg::kStages; }
 static_assert(kThreads == kTileN, "one thread loads the scales of one weight row");
@@ -173,13 +166,27 @@ __device__ __forceinline__ bool any_inexact(const uint4& v, float s) {
   return inexact;
 }
 
+// Whether every scale code of a thread's stage (the 8 of its weight rows and k quads, scw)
+// takes the fast decode (kFastScaleMin..254): then the stage runs stage_slices<true>, with no
+// slow decode in its code.
+__device__ __forceinline__ bool stage_all_fast(const uint32_t (&scw)[4], int q) {
+  bool fast = true;
+#pragma unroll
+  for (int t = 0; t < 4; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) fast &= ((scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu) - kFastScaleMin <= 254u - kFastScaleMin;
+  return fast;
+}
+
 // The 16 codes of v (one lane's share of a weight row in a 64-slice) with scale code sc as
 // 8 bf16x2 MMA operands, b[2 j], b[2 j + 1] those of k16 step j (codes 4 j .. 4 j + 3).
-// Scale codes below kFastScaleMin or 0xFF (NaN) take the slow decode; below 3, a value bf16
-// cannot hold turns the 16 values into NaN and sets bad.
+// kFast: sc is known to be in kFastScaleMin..254. Otherwise scale codes below kFastScaleMin
+// or 0xFF (NaN) take the slow decode; below 3, a value bf16 cannot hold turns the 16 values
+// into NaN and sets bad.
+template <bool kFast>
 __device__ __forceinline__ void decode16(const uint4& v, uint32_t sc, uint32_t (&b)[8], bool& bad) {
   const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-  if (sc - kFastScaleMin <= 254u - kFastScaleMin) {
+  if (kFast || sc - kFastScaleMin <= 254u - kFastScaleMin) {
     const uint32_t mult = (sc << 7) * 0x10001u;  // bf16 2^(sc - 127) in both halves
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -236,109 +243,50 @@ __device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMax
   }
 }
 
-// One pass over K for the rows [m0, min(m0 + 16 kMt, r1)) of expert e and the block's
-// weight rows from nb; this warp's 32 of them from nw.
-template <int kMt, class Cfg>
-__device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxRows>* stages, int e, int64_t nb,
-                                     int64_t m0, int64_t r1) {
-  constexpr int kStages = Cfg::kStages;
-  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
-  const int g = lane >> 2, q = lane & 3;
-  const int64_t nks = p.k / kStageK;
-  float acc[kMt][4][4];
+// One 64-slice h of a stage for one warp: its 32 weight rows' codes decoded (decode16<kFast>)
+// into two m16 A tiles, multiplied with the pass's kNt n8 B tiles of x rows into acc. A
+// tile u's rows g and g + 8 are the warp's weight rows 16 u + g and 16 u + 8 + g (b[2 u] and
+// b[2 u + 1], decoded alike as rows 8 t + g).
+template <int kNt, bool kFast, int kMaxRows>
+__device__ __forceinline__ void stage_slice(const Stage<kMaxRows>& st, const uint32_t (&scw)[4], int h, int warp,
+                                            int g, int q, float (&acc)[2][kNt][4], bool& bad) {
+  uint32_t b[4][8];
 #pragma unroll
-  for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-    for (int t = 0; t < 4; ++t)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[mt][t][c] = 0.0f;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nks) load_stage<16 * kMt>(p, stages[s], e, nb, m0, r1, s);
-    cp_async_commit();
+  for (int t = 0; t < 4; ++t) {
+    const int r = warp * kRowsPerWarp + 8 * t + g;
+    const uint4 w = st.w[r][(4 * h + q) ^ ((r & 1) << 2)];
+    decode16<kFast>(w, (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu, b[t], bad);
   }
-  bool bad = false;
-  for (int64_t ks = 0; ks < nks; ++ks) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // stage ks landed for every thread; stage ks - 1's buffer is free
-    const int64_t next = ks + kStages - 1;
-    if (next < nks) load_stage<16 * kMt>(p, stages[next % kStages], e, nb, m0, r1, next);
-    cp_async_commit();
-    const Stage<Cfg::kMaxRows>& st = stages[ks % kStages];
-    uint32_t scw[4];
 #pragma unroll
-    for (int t = 0; t < 4; ++t) scw[t] = st.s[warp * kRowsPerWarp + 8 * t + g];
+  for (int jj = 0; jj < 2; ++jj) {
+    uint4 xb[kNt];  // row g of each n8 tile: the columns of steps 2 jj and 2 jj + 1
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // the stage's two 64-slices
-      uint32_t b[4][8];
+    for (int nt = 0; nt < kNt; ++nt)
+      xb[nt] = *reinterpret_cast<const uint4*>(&st.x[8 * nt + g][64 * h + 16 * q + 8 * jj]);
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const int r = warp * kRowsPerWarp + 8 * t + g;
-        const uint4 w = st.w[r][(4 * h + q) ^ ((r & 1) << 2)];
-        decode16(w, (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu, b[t], bad);
-      }
+    for (int j2 = 0; j2 < 2; ++j2) {
+      const int j = 2 * jj + j2;
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        uint4 xa[kMt][2];  // rows g and g + 8 of each m16 tile: the columns of steps 2 jj and 2 jj + 1
+      for (int u = 0; u < 2; ++u) {
 #pragma unroll
-        for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            xa[mt][hh] = *reinterpret_cast<const uint4*>(&st.x[16 * mt + 8 * hh + g][64 * h + 16 * q + 8 * jj]);
-#pragma unroll
-        for (int j2 = 0; j2 < 2; ++j2) {
-          const int j = 2 * jj + j2;
-#pragma unroll
-          for (int t = 0; t < 4; ++t) {
-#pragma unroll
-            for (int mt = 0; mt < kMt; ++mt) {
-              // a0: row g, logical k 2q, 2q + 1; a1: row g + 8; a2, a3: logical k 2q + 8, 2q + 9.
-              const uint32_t a0 = j2 ? xa[mt][0].z : xa[mt][0].x, a2 = j2 ? xa[mt][0].w : xa[mt][0].y;
-              const uint32_t a1 = j2 ? xa[mt][1].z : xa[mt][1].x, a3 = j2 ? xa[mt][1].w : xa[mt][1].y;
-              mma_bf16(acc[mt][t], a0, a1, a2, a3, b[t][2 * j], b[t][2 * j + 1]);
-            }
-          }
+        for (int nt = 0; nt < kNt; ++nt) {
+          // A: a0 row g, logical k 2q, 2q + 1; a1 row g + 8; a2, a3 logical k 2q + 8, 2q + 9.
+          // B: b0 x row g, logical k 2q, 2q + 1; b1 logical k 2q + 8, 2q + 9.
+          const uint32_t b0 = j2 ? xb[nt].z : xb[nt].x, b1 = j2 ? xb[nt].w : xb[nt].y;
+          mma_bf16(acc[u][nt], b[2 * u][2 * j], b[2 * u + 1][2 * j], b[2 * u][2 * j + 1], b[2 * u + 1][2 * j + 1], b0,
+                   b1);
         }
       }
     }
   }
-  cp_async_wait<0>();
-  __syncthreads();  // every warp done with the buffers before the next pass refills them
-  if (bad && p.inexact != nullptr) atomicOr(p.inexact, 1);
-  const int64_t nw = nb + warp * kRowsPerWarp;
-#pragma unroll
-  for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int64_t r = m0 + 16 * mt + 8 * hh + g;
-      if (r >= r1) continue;
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const int64_t at = r * p.n + nw + 8 * t + 2 * q;
-        float2 v = make_float2(acc[mt][t][2 * hh], acc[mt][t][2 * hh + 1]);
-        if (p.y_bf16 != nullptr) {
-          const __nv_bfloat162 bo = __floats2bfloat162_rn(v.x, v.y);
-          *reinterpret_cast<__nv_bfloat162*>(p.y_bf16 + at) = bo;
-          continue;
-        }
-        float2* dst = reinterpret_cast<float2*>(p.y + at);
-        if (p.accumulate) {
-          const float2 old = *dst;
-          v = make_float2(old.x + v.x, old.y + v.y);
-        }
-        *dst = v;
-      }
-    }
 }
 
-// The pass with the roles swapped (Cfg::kXN8): the warp's 32 decoded weight rows are two
-// m16 A tiles (A tile u's rows g and g + 8 are weight rows 16 u + g and 16 u + 8 + g: the
-// n8 tiles 2 u and 2 u + 1 of pass, decoded alike) and the rows [m0, m0 + 8 kNt) are kNt n8
-// B tiles, so a pass pays for its rows in steps of 8. The accumulator acc[u][nt] holds
+// One pass over K for the rows [m0, min(m0 + 8 kNt, r1)) of expert e and the block's
+// weight rows from nb; this warp's 32 of them from nw = nb + 32 warp. acc[u][nt] holds
 // y[x row 8 nt + 2 q (+1)] at weight rows 16 u + g (c0, c1) and 16 u + 8 + g (c2, c3).
 template <int kNt, class Cfg>
-__device__ __forceinline__ void pass_n8(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxRows>* stages, int e,
-                                        int64_t nb, int64_t m0, int64_t r1) {
+__device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxRows>* stages, int e, int64_t nb,
+                                     int64_t m0, int64_t r1) {
   constexpr int kStages = Cfg::kStages;
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane >> 2, q = lane & 3;
@@ -366,36 +314,15 @@ __device__ __forceinline__ void pass_n8(const Mxfp8WeightsGemm& p, Stage<Cfg::kM
     uint32_t scw[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) scw[t] = st.s[warp * kRowsPerWarp + 8 * t + g];
+    // The common case, every scale code of the stage on the fast decode, has its own copy of
+    // the stage with no slow decode in it: compact code (instruction-cache misses were a
+    // fifth of the stalls with the slow decode inlined at each decode, run 39).
+    if (stage_all_fast(scw, q)) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // the stage's two 64-slices
-      uint32_t b[4][8];
+      for (int h = 0; h < 2; ++h) stage_slice<kNt, true>(st, scw, h, warp, g, q, acc, bad);
+    } else {
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const int r = warp * kRowsPerWarp + 8 * t + g;
-        const uint4 w = st.w[r][(4 * h + q) ^ ((r & 1) << 2)];
-        decode16(w, (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu, b[t], bad);
-      }
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        uint4 xb[kNt];  // row g of each n8 tile: the columns of steps 2 jj and 2 jj + 1
-#pragma unroll
-        for (int nt = 0; nt < kNt; ++nt)
-          xb[nt] = *reinterpret_cast<const uint4*>(&st.x[8 * nt + g][64 * h + 16 * q + 8 * jj]);
-#pragma unroll
-        for (int j2 = 0; j2 < 2; ++j2) {
-          const int j = 2 * jj + j2;
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-#pragma unroll
-            for (int nt = 0; nt < kNt; ++nt) {
-              // b0: x row g, logical k 2q, 2q + 1; b1: logical k 2q + 8, 2q + 9.
-              const uint32_t b0 = j2 ? xb[nt].z : xb[nt].x, b1 = j2 ? xb[nt].w : xb[nt].y;
-              mma_bf16(acc[u][nt], b[2 * u][2 * j], b[2 * u + 1][2 * j], b[2 * u][2 * j + 1], b[2 * u + 1][2 * j + 1],
-                       b0, b1);
-            }
-          }
-        }
-      }
+      for (int h = 0; h < 2; ++h) stage_slice<kNt, false>(st, scw, h, warp, g, q, acc, bad);
     }
   }
   cp_async_wait<0>();
@@ -423,50 +350,34 @@ __device__ __forceinline__ void pass_n8(const Mxfp8WeightsGemm& p, Stage<Cfg::kM
 }
 
 // Grid (N / kTileN, E), kThreads threads, smem_bytes<Cfg>() of dynamic shared memory.
-// Lane = 4 g + q: g picks the row of an n8 (or m8) tile, q the quad of k. Each pass takes
-// as many m16 tiles as the expert's remaining rows need, up to Cfg::kMaxMt.
+// Lane = 4 g + q: g picks the row of an n8 tile (or of an m16 tile's halves), q the quad of
+// k. Each pass takes as many n8 tiles as the expert's remaining rows need, up to
+// Cfg::kMaxNt.
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) mxfp8_weights_gemm_kernel(Mxfp8WeightsGemm p) {
-  constexpr int kMaxMt = Cfg::kMaxMt;
+  constexpr int kMaxNt = Cfg::kMaxNt;
+  static_assert(kMaxNt == 4 || kMaxNt == 6 || kMaxNt == 8, "the passes below");
   extern __shared__ __align__(16) unsigned char smem[];
   Stage<Cfg::kMaxRows>* stages = reinterpret_cast<Stage<Cfg::kMaxRows>*>(smem);
   const int e = static_cast<int>(blockIdx.y);
   const int64_t r0 = p.off[e], r1 = p.off[e + 1];
   const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
-  if constexpr (Cfg::kXN8) {
-    constexpr int kMaxNt = 2 * kMaxMt;
-    for (int64_t m0 = r0; m0 < r1;) {
-      const int64_t rem = r1 - m0;
-      const int tiles = rem >= 8 * kMaxNt ? kMaxNt : static_cast<int>((rem + 7) / 8);
-      if constexpr (kMaxNt >= 8) {
-        if (tiles == 8) pass_n8<8, Cfg>(p, stages, e, nb, m0, r1);
-        if (tiles == 7) pass_n8<7, Cfg>(p, stages, e, nb, m0, r1);
-      }
-      if constexpr (kMaxNt >= 6) {
-        if (tiles == 6) pass_n8<6, Cfg>(p, stages, e, nb, m0, r1);
-        if (tiles == 5) pass_n8<5, Cfg>(p, stages, e, nb, m0, r1);
-      }
-      if (tiles == 4) pass_n8<4, Cfg>(p, stages, e, nb, m0, r1);
-      if (tiles == 3) pass_n8<3, Cfg>(p, stages, e, nb, m0, r1);
-      if (tiles == 2) pass_n8<2, Cfg>(p, stages, e, nb, m0, r1);
-      if (tiles == 1) pass_n8<1, Cfg>(p, stages, e, nb, m0, r1);
-      m0 += 8 * tiles;
+  for (int64_t m0 = r0; m0 < r1;) {
+    const int64_t rem = r1 - m0;
+    const int tiles = rem >= 8 * kMaxNt ? kMaxNt : static_cast<int>((rem + 7) / 8);
+    if constexpr (kMaxNt >= 8) {
+      if (tiles == 8) pass<8, Cfg>(p, stages, e, nb, m0, r1);
+      if (tiles == 7) pass<7, Cfg>(p, stages, e, nb, m0, r1);
     }
-  } else {
-    for (int64_t m0 = r0; m0 < r1;) {
-      const int64_t rem = r1 - m0;
-      int tiles = rem > 48 ? 4 : (rem > 32 ? 3 : (rem > 16 ? 2 : 1));
-      tiles = tiles < kMaxMt ? tiles : kMaxMt;
-      if constexpr (kMaxMt >= 4) {
-        if (tiles == 4) pass<4, Cfg>(p, stages, e, nb, m0, r1);
-      }
-      if constexpr (kMaxMt >= 3) {
-        if (tiles == 3) pass<3, Cfg>(p, stages, e, nb, m0, r1);
-      }
-      if (tiles == 2) pass<2, Cfg>(p, stages, e, nb, m0, r1);
-      if (tiles == 1) pass<1, Cfg>(p, stages, e, nb, m0, r1);
-      m0 += 16 * tiles;
+    if constexpr (kMaxNt >= 6) {
+      if (tiles == 6) pass<6, Cfg>(p, stages, e, nb, m0, r1);
+      if (tiles == 5) pass<5, Cfg>(p, stages, e, nb, m0, r1);
     }
+    if (tiles == 4) pass<4, Cfg>(p, stages, e, nb, m0, r1);
+    if (tiles == 3) pass<3, Cfg>(p, stages, e, nb, m0, r1);
+    if (tiles == 2) pass<2, Cfg>(p, stages, e, nb, m0, r1);
+    if (tiles == 1) pass<1, Cfg>(p, stages, e, nb, m0, r1);
+    m0 += 8 * tiles;
   }
 }
 
@@ -506,17 +417,6 @@ inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStre
 // The launch: the variant for p's rows an expert on average (total_rows / num_experts, on
 // the host; unknown counts as many), or passes of 32 rows.
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  // TEMPORARY (run 39's A/B): MOE_EP_MXW_LAYOUT=m16 takes the x-rows-as-m16 kernels.
-  static const bool m16 = [] {
-    const char* v = std::getenv("MOE_EP_MXW_LAYOUT");
-    return v != nullptr && std::strcmp(v, "m16") == 0;
-  }();
-  if (m16) {
-    if (p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Config<2, 3, 2>>(p, stream);
-    const bool few = p.total_rows > 0 && p.total_rows <= 48 * static_cast<int64_t>(p.num_experts);
-    return few ? mxfp8_weights_gemm_launch<mxw::Config<3, 2, 3>>(p, stream)
-               : mxfp8_weights_gemm_launch<mxw::Config<4, 3, 2>>(p, stream);
-  }
   if (p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream);
   const bool few = p.total_rows > 0 && p.total_rows <= 48 * static_cast<int64_t>(p.num_experts);
   return few ? mxfp8_weights_gemm_launch<mxw::FewRowsConfig>(p, stream)
