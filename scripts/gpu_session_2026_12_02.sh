@@ -803,5 +803,24 @@ case "$RUN" in
     MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
     --device cuda --report-md "$o/conformance-nccl-ep1.md"
   ;;
+41)
+  # After run 40 (a stage's fast/slow choice was per lane, so the .aligned MMAs diverged and
+  # the checks with planted scale codes hung): the choice is warp-uniform now. The checks
+  # and timings, memcheck, the SASS of the decode's kernel, the layer's decode, the CUDA
+  # tests and the cuda-nccl table at EP 1.
+  TAIL=40 mxw_gemm_check 150
+  mxw_memcheck 120
+  step sass-dump-few-rows 60 bash -c "cuobjdump --dump-sass --function '_ZN6moe_ep4cuda3mxw25mxfp8_weights_gemm_kernelINS1_6ConfigILi6ELi2ELi3EEEEEvNS0_16Mxfp8WeightsGemmE' .devbuild/moe_ep_gemm_check"
+  for i in 1 2; do
+    TAIL=6 step "bench-cuda-nccl-decode-$i" 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
+      --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
+      --json "$o/bench-cuda-nccl-decode-$i.json" --no-progress
+  done
+  TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
+    -k "test_cuda_"
+  TAIL=3 step conformance-nccl-ep1 150 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --report-md "$o/conformance-nccl-ep1.md"
+  ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -757,6 +757,7 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
   time_mxfp8_weights("FC1 (decode, spread)", 4096, 7168, spread_rows(1024), sm_count);
   time_mxfp8_weights("FC2 (decode, spread)", 7168, 2048, spread_rows(1024), sm_count);
   time_mxfp8_weights("FC1 (spread, 32-row passes)", 4096, 7168, spread_rows(1024), sm_count, true);
+  time_mxfp8_weights("FC1 (48 rows)", 4096, 7168, std::vector<int>(32, 48), sm_count);
   time_mxfp8_weights("FC1 (64 rows)", 4096, 7168, std::vector<int>(32, 64), sm_count);
   // The variants (kMxVariants): each one's own checks first (the ragged and decode-shape ones).
   for (const MxVariant& v : kMxVariants) {

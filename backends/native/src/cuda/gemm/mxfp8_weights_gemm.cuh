@@ -317,7 +317,8 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxR
     // The common case, every scale code of the stage on the fast decode, has its own copy of
     // the stage with no slow decode in it: compact code (instruction-cache misses were a
     // fifth of the stalls with the slow decode inlined at each decode, run 39).
-    if (stage_all_fast(scw, q)) {
+    // Warp-uniform (the MMAs are .aligned: every lane of a warp runs the same one).
+    if (__all_sync(0xFFFFFFFFu, stage_all_fast(scw, q))) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) stage_slice<kNt, true>(st, scw, h, warp, g, q, acc, bad);
     } else {
