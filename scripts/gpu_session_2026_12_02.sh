@@ -822,5 +822,25 @@ case "$RUN" in
     MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
     --device cuda --report-md "$o/conformance-nccl-ep1.md"
   ;;
+42)
+  # The mxfp8-weights GEMM applies the FC2 epilogue itself (router weight, combine round trip;
+  # checked bit for bit against the plain kernel and the epilogue), and cuda-nccl takes the
+  # codes up to 48 rows an expert: checks and timings, memcheck, the layer's decode and its
+  # profile, the CUDA tests and the cuda-nccl table at EP 1.
+  TAIL=50 mxw_gemm_check 150
+  mxw_memcheck 120
+  for i in 1 2; do
+    TAIL=6 step "bench-cuda-nccl-decode-$i" 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
+      --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
+      --json "$o/bench-cuda-nccl-decode-$i.json" --no-progress
+  done
+  TAIL=30 step profile-decode 90 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 --format mxfp8 \
+    --intermediate-format bf16 --iters 5 --top 20
+  TAIL=4 step tests-cuda 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
+    tests/test_native_layer.py -k "test_cuda_"
+  TAIL=3 step conformance-nccl-ep1 150 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --report-md "$o/conformance-nccl-ep1.md"
+  ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -691,10 +691,12 @@ def _operands(x: Any, fc1: Any, fc2: Any) -> Tuple[bool, torch.Tensor, torch.Ten
 #: docs/cuda-nccl.md, "The mxfp8-weights forward".
 MXFP8_WEIGHTS_ENV = "MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS"
 #: The mxfp8-weights forward runs when the buffer has at most this many rows per local
-#: expert on average. At 32 (128 tokens, top-8, 32 experts) it beats the bf16 GEMMs on a
-#: kept decode; at 64 it does not (run 37: FC1 0.620 ms against 0.456): it reads half the
-#: bytes, but its decode and MMAs grow with the rows.
-MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT = 40
+#: expert on average: the bound up to which the kernel takes its few-rows variant
+#: (``FewRowsConfig`` in ``mxfp8_weights_gemm.cuh``), so a padded decode buffer (128 tokens,
+#: top-8, 32 experts, alignment 16: 47 rows an expert) takes it too. Run 41 (an H200,
+#: FC1 of the decode shape): 0.353 ms at 48 rows an expert against the kept decode's bf16
+#: GEMM's 0.446 (at 64 rows 0.444 against 0.458: no longer worth the bound).
+MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT = 48
 
 
 def mxfp8_weights_path(config: MoeEpConfig, x: Any, fc1: Any, fc2: Any, *, host_check: bool) -> bool:
