@@ -842,5 +842,16 @@ case "$RUN" in
     MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
     --device cuda --report-md "$o/conformance-nccl-ep1.md"
   ;;
+43)
+  # The session's record: the checks and timings (FC2 with the fused epilogue alternated
+  # against the plain kernel), the cuda-nccl bench at 128 tokens in the three formats, and
+  # test_cuda_nccl_block_scaled.py's CUDA tests, which run 38 cut short.
+  TAIL=30 mxw_gemm_check 150
+  TAIL=8 step bench-cuda-nccl-decode-formats 120 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
+    --backend cuda-nccl --tokens 128 "${shape[@]}" --format bf16 --format mxfp8 --format nvfp4 \
+    --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-formats.json" --no-progress
+  TAIL=4 step tests-cuda-block-scaled 280 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_cuda_nccl_block_scaled.py -k "test_cuda_tensor_cores or test_cuda_explicit or test_cuda_values"
+  ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -745,9 +745,10 @@ void check_mxfp8_fused_epilogue(const char* name, int64_t n, int64_t k, const st
 // scales, as a fraction of the copy's (read + write) bandwidth; and the bf16 grouped GEMM
 // on the same shape (its weights 2 bytes an element) for comparison; `launch` runs the
 // kernel (a variant's, for the variant timings, which skip the bf16 GEMM: with_bf16).
+// fused_epilogue: with the layer's FC2 epilogue fused (a row weight, the mxfp8 round trip).
 void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int sm_count,
                         bool passes_of_32 = false, MxLaunch launch = &moe_ep::cuda::mxfp8_weights_gemm,
-                        bool with_bf16 = true) {
+                        bool with_bf16 = true, bool fused_epilogue = false) {
   moe_ep::cuda::Mxfp8WeightsGemm p{};
   p.n = n;
   p.k = k;
@@ -756,6 +757,14 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
   std::vector<int32_t> off(experts + 1, 0);
   for (int e = 0; e < experts; ++e) off[e + 1] = off[e] + rows[e];
   MxBuffers b = make_mx(p, off, off.back(), 11);
+  float* row_weight = nullptr;
+  if (fused_epilogue) {
+    row_weight = device_alloc<float>(off.back());
+    fill_float<<<grid_for(off.back()), 256>>>(row_weight, off.back(), 12, 0.0f, true);
+    CHECK_CUDA(cudaGetLastError());
+    p.row_weight = row_weight;
+    p.round_trip = moe_ep::cuda::MxwRoundTrip::kMxfp8;
+  }
   const int warmup = 3, iters = 20;
   cudaEvent_t t0, t1;
   CHECK_CUDA(cudaEventCreate(&t0));
@@ -784,6 +793,7 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
               name, experts, off.back(), lo, hi, static_cast<long long>(n), static_cast<long long>(k), ms,
               copy_bw / 1e12, read_ms, read_ms / ms);
   cudaFree(copy);
+  cudaFree(row_weight);
   CHECK_CUDA(cudaEventDestroy(t0));
   CHECK_CUDA(cudaEventDestroy(t1));
   b.release();
@@ -873,6 +883,15 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
       time_mxfp8_weights(label.c_str(), fc1 ? 4096 : 7168, fc1 ? 7168 : 2048, spread_rows(1024), sm_count, false,
                          v.launch, false);
     }
+  }
+  // FC2 with the layer's epilogue fused (router weight, mxfp8 round trip) against the plain
+  // kernel, alternated: what the fusion costs the GEMM (the separate epilogue kernel it
+  // replaces read and wrote y once more).
+  for (int i = 0; i < 2; ++i) {
+    time_mxfp8_weights("FC2 spread, plain", 7168, 2048, spread_rows(1024), sm_count, false,
+                       &moe_ep::cuda::mxfp8_weights_gemm, false, false);
+    time_mxfp8_weights("FC2 spread, fused epilogue", 7168, 2048, spread_rows(1024), sm_count, false,
+                       &moe_ep::cuda::mxfp8_weights_gemm, false, true);
   }
 }
 
