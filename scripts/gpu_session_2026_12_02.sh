@@ -853,5 +853,22 @@ case "$RUN" in
   TAIL=4 step tests-cuda-block-scaled 280 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
     tests/test_cuda_nccl_block_scaled.py -k "test_cuda_tensor_cores or test_cuda_explicit or test_cuda_values"
   ;;
+44)
+  # The final build (run 43: the fused FC2 epilogue cost the GEMM as much as the kernel it
+  # replaced, so it was taken out again): checks and timings, memcheck, the layer's decode,
+  # the CUDA tests of the mxfp8-weights forward and the layer, the cuda-nccl table at EP 1.
+  TAIL=30 mxw_gemm_check 150
+  mxw_memcheck 120
+  for i in 1 2; do
+    TAIL=6 step "bench-cuda-nccl-decode-$i" 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
+      --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
+      --json "$o/bench-cuda-nccl-decode-$i.json" --no-progress
+  done
+  TAIL=4 step tests-cuda 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
+    tests/test_native_layer.py -k "test_cuda_"
+  TAIL=3 step conformance-nccl-ep1 150 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --report-md "$o/conformance-nccl-ep1.md"
+  ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

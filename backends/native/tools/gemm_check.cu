@@ -657,98 +657,13 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
   b.release();
 }
 
-// The layer's FC2 epilogue on a plain y, as launch_fc2_epilogue's kernels compute it, for
-// the fused epilogue's check: one thread per (row r < off[E], 32-column block): the row
-// weight (when w), then the round trip.
-__global__ void fc2_epilogue_reference(float* y, const float* w, const int32_t* off, int num_experts, int64_t n,
-                                       moe_ep::cuda::MxwRoundTrip rt) {
-  using namespace moe_ep::cuda::detail;
-  const int64_t rows = off[num_experts], blocks = n / 32;
-  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < rows * blocks;
-       t += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = t / blocks;
-    float* yr = y + r * n + (t % blocks) * 32;
-    float v[32];
-    for (int j = 0; j < 32; ++j) v[j] = w != nullptr ? fmul(w[r], yr[j]) : yr[j];
-    if (rt == moe_ep::cuda::MxwRoundTrip::kMxfp8) {
-      const BlockMax bm = block_max(v, 1, 32);
-      for (int j = 0; j < 32; j += 4) {
-        float q4[4] = {v[j], v[j + 1], v[j + 2], v[j + 3]};
-        mxfp8_round_trip_cvt4(bm, q4);
-        for (int i = 0; i < 4; ++i) v[j + i] = q4[i];
-      }
-    } else if (rt == moe_ep::cuda::MxwRoundTrip::kBf16) {
-      for (int j = 0; j < 32; ++j) v[j] = bf16_round_trip(v[j]);
-    }
-    for (int j = 0; j < 32; ++j) yr[j] = v[j];
-  }
-}
-
-// The fused FC2 epilogue (row_weight, round_trip) against the plain kernel followed by the
-// epilogue (fc2_epilogue_reference): bit for bit (NaN where NaN), rows past the last
-// expert untouched. Row weights random bf16 values, one NaN (row 3); the default launch.
-void check_mxfp8_fused_epilogue(const char* name, int64_t n, int64_t k, const std::vector<int>& rows,
-                                bool with_weight, moe_ep::cuda::MxwRoundTrip rt, uint64_t seed) {
-  moe_ep::cuda::Mxfp8WeightsGemm p{};
-  p.n = n;
-  p.k = k;
-  std::vector<int32_t> off(rows.size() + 1, 0);
-  for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
-  const int64_t total_rows = off.back() + 3;
-  MxBuffers b = make_mx(p, off, total_rows, seed);
-  float* w = device_alloc<float>(total_rows);
-  fill_float<<<grid_for(total_rows), 256>>>(w, total_rows, seed * 7 + 1, 0.0f, true);
-  CHECK_CUDA(cudaGetLastError());
-  const float nan = std::nanf("");
-  if (with_weight && total_rows > 3) CHECK_CUDA(cudaMemcpy(w + 3, &nan, sizeof nan, cudaMemcpyHostToDevice));
-  CHECK_CUDA(moe_ep::cuda::mxfp8_weights_gemm(p, 0));  // plain, into b.y
-  fc2_epilogue_reference<<<grid_for(b.y_elems / 32), 256>>>(b.y, with_weight ? w : nullptr, b.off,
-                                                              static_cast<int>(rows.size()), n, rt);
-  CHECK_CUDA(cudaGetLastError());
-  float* fused = device_alloc<float>(b.y_elems);
-  CHECK_CUDA(cudaMemset(fused, 0, b.y_elems * sizeof(float)));
-  p.y = fused;
-  p.row_weight = with_weight ? w : nullptr;
-  p.round_trip = rt;
-  CHECK_CUDA(moe_ep::cuda::mxfp8_weights_gemm(p, 0));
-  CHECK_CUDA(cudaDeviceSynchronize());
-  std::vector<uint32_t> want(b.y_elems), got(b.y_elems);
-  CHECK_CUDA(cudaMemcpy(want.data(), b.y, want.size() * 4, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(got.data(), fused, got.size() * 4, cudaMemcpyDeviceToHost));
-  int64_t bad = 0, first = -1, nans = 0;
-  for (int64_t i = 0; i < b.y_elems; ++i) {
-    const bool in = i / n < off.back();
-    const bool nan_want = (want[i] & 0x7FFFFFFFu) > 0x7F800000u, nan_got = (got[i] & 0x7FFFFFFFu) > 0x7F800000u;
-    nans += in && nan_want ? 1 : 0;
-    const bool ok = in ? (nan_want ? nan_got : got[i] == want[i]) : got[i] == 0u;
-    if (!ok && bad++ == 0) first = i;
-  }
-  if (bad) {
-    std::printf("check mxfp8 fused epilogue %-27s: MISMATCH at %lld of %lld (first [%lld, %lld]: bits %08x, want %08x)\n",
-                name, static_cast<long long>(bad), static_cast<long long>(b.y_elems), static_cast<long long>(first / n),
-                static_cast<long long>(first % n), got[first], want[first]);
-    ++g_failures;
-  } else if (with_weight && off.back() > 3 && nans < n) {
-    std::printf("check mxfp8 fused epilogue %-27s: MISMATCH (the NaN row weight gave %lld NaN outputs, want >= %lld)\n",
-                name, static_cast<long long>(nans), static_cast<long long>(n));
-    ++g_failures;
-  } else {
-    std::printf("check mxfp8 fused epilogue %-27s: ok (%lld outputs, %lld NaN)\n", name,
-                static_cast<long long>(b.y_elems), static_cast<long long>(nans));
-  }
-  cudaFree(w);
-  cudaFree(fused);
-  b.release();
-}
-
 // The kernel at the decode shape against a device copy: the read rate of the codes and
 // scales, as a fraction of the copy's (read + write) bandwidth; and the bf16 grouped GEMM
 // on the same shape (its weights 2 bytes an element) for comparison; `launch` runs the
 // kernel (a variant's, for the variant timings, which skip the bf16 GEMM: with_bf16).
-// fused_epilogue: with the layer's FC2 epilogue fused (a row weight, the mxfp8 round trip).
 void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int sm_count,
                         bool passes_of_32 = false, MxLaunch launch = &moe_ep::cuda::mxfp8_weights_gemm,
-                        bool with_bf16 = true, bool fused_epilogue = false) {
+                        bool with_bf16 = true) {
   moe_ep::cuda::Mxfp8WeightsGemm p{};
   p.n = n;
   p.k = k;
@@ -757,14 +672,6 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
   std::vector<int32_t> off(experts + 1, 0);
   for (int e = 0; e < experts; ++e) off[e + 1] = off[e] + rows[e];
   MxBuffers b = make_mx(p, off, off.back(), 11);
-  float* row_weight = nullptr;
-  if (fused_epilogue) {
-    row_weight = device_alloc<float>(off.back());
-    fill_float<<<grid_for(off.back()), 256>>>(row_weight, off.back(), 12, 0.0f, true);
-    CHECK_CUDA(cudaGetLastError());
-    p.row_weight = row_weight;
-    p.round_trip = moe_ep::cuda::MxwRoundTrip::kMxfp8;
-  }
   const int warmup = 3, iters = 20;
   cudaEvent_t t0, t1;
   CHECK_CUDA(cudaEventCreate(&t0));
@@ -793,7 +700,6 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
               name, experts, off.back(), lo, hi, static_cast<long long>(n), static_cast<long long>(k), ms,
               copy_bw / 1e12, read_ms, read_ms / ms);
   cudaFree(copy);
-  cudaFree(row_weight);
   CHECK_CUDA(cudaEventDestroy(t0));
   CHECK_CUDA(cudaEventDestroy(t1));
   b.release();
@@ -844,16 +750,6 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
                       false, true);
   check_mxfp8_weights("decode FC2 shape, 4 experts", 7168, 2048, {32, 31, 1, 64}, 0, false, MxPlant::kNone, 23);
   check_mxfp8_weights("all experts empty", 128, 128, {0, 0, 0}, 3, false, MxPlant::kNone, 24);
-  {
-    using moe_ep::cuda::MxwRoundTrip;
-    const std::vector<int> few = {20, 0, 42, 33, 1}, many = {70, 9, 129};  // few: <6,2,3>; many: <8,3,2>
-    check_mxfp8_fused_epilogue("mxfp8, weight", 256, 512, few, true, MxwRoundTrip::kMxfp8, 41);
-    check_mxfp8_fused_epilogue("mxfp8, no weight", 256, 512, few, false, MxwRoundTrip::kMxfp8, 42);
-    check_mxfp8_fused_epilogue("mxfp8, weight, 64-row passes", 256, 512, many, true, MxwRoundTrip::kMxfp8, 43);
-    check_mxfp8_fused_epilogue("bf16, weight", 256, 512, few, true, MxwRoundTrip::kBf16, 44);
-    check_mxfp8_fused_epilogue("none, weight", 256, 512, many, true, MxwRoundTrip::kNone, 45);
-    check_mxfp8_fused_epilogue("mxfp8, decode FC2 shape", 7168, 2048, {32, 41, 20}, true, MxwRoundTrip::kMxfp8, 46);
-  }
   if (!timing) return;
   // DeepSeek-V3 per rank at 128 tokens, top-8: 32 local experts, 1024 rows.
   time_mxfp8_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), sm_count);
@@ -883,15 +779,6 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
       time_mxfp8_weights(label.c_str(), fc1 ? 4096 : 7168, fc1 ? 7168 : 2048, spread_rows(1024), sm_count, false,
                          v.launch, false);
     }
-  }
-  // FC2 with the layer's epilogue fused (router weight, mxfp8 round trip) against the plain
-  // kernel, alternated: what the fusion costs the GEMM (the separate epilogue kernel it
-  // replaces read and wrote y once more).
-  for (int i = 0; i < 2; ++i) {
-    time_mxfp8_weights("FC2 spread, plain", 7168, 2048, spread_rows(1024), sm_count, false,
-                       &moe_ep::cuda::mxfp8_weights_gemm, false, false);
-    time_mxfp8_weights("FC2 spread, fused epilogue", 7168, 2048, spread_rows(1024), sm_count, false,
-                       &moe_ep::cuda::mxfp8_weights_gemm, false, true);
   }
 }
 

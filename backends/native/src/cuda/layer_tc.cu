@@ -434,11 +434,9 @@ struct Gemm {
   }
   // out[r] (+)= a[r] W_e for the forward's NN GEMMs [C, k] x [E, k, n]: the bf16 weight b, or the
   // mxfp8 codes and scales ([E, n, k], [E, n, k / 32]) through the mxfp8-weights GEMM.
-  // row_weight, round_trip: the mxfp8-weights GEMM's fused FC2 epilogue (codes only).
   moe_ep_status forward(int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, const uint8_t* codes,
                         const uint8_t* scales, int32_t* inexact, float* out, bool accumulate, const char* what,
-                        uint16_t* out_bf16 = nullptr, const float* row_weight = nullptr,
-                        MxwRoundTrip round_trip = MxwRoundTrip::kNone) const {
+                        uint16_t* out_bf16 = nullptr) const {
     if (codes == nullptr) return run(GemmLayout::kNN, 0, n, k, a, b, out, accumulate, what, out_bf16);
     Mxfp8WeightsGemm p{};
     p.x = a;
@@ -453,8 +451,6 @@ struct Gemm {
     p.accumulate = accumulate;
     p.inexact = inexact;
     p.total_rows = d.num_rows;
-    p.row_weight = row_weight;
-    p.round_trip = round_trip;
     return gemm_status(mxfp8_weights_gemm(p, stream), what);
   }
 };
@@ -655,21 +651,6 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
     return MOE_EP_OK;
   }
   float* y = bf16_out ? ws.y32 : static_cast<float*>(y_out);
-  if (wt.fc2_codes != nullptr && planes == 1 && !bf16_out &&
-      (combine_format == MOE_EP_FORMAT_MXFP8 || combine_format == MOE_EP_FORMAT_BF16 ||
-       combine_format == MOE_EP_FORMAT_NONE)) {
-    // The mxfp8-weights GEMM applies the FC2 epilogue itself (the router weight, the combine
-    // round trip: the values of launch_fc2_epilogue), so y is written once; rows of no expert
-    // are zeroed.
-    const MxwRoundTrip rt = combine_format == MOE_EP_FORMAT_MXFP8  ? MxwRoundTrip::kMxfp8
-                            : combine_format == MOE_EP_FORMAT_BF16 ? MxwRoundTrip::kBf16
-                                                                   : MxwRoundTrip::kNone;
-    MOE_EP_TRY(gemm.forward(H, I, ws.left, wt.fc2, wt.fc2_codes, wt.fc2_scales, wt.inexact, y, false, "FC2", nullptr,
-                            weight ? w : nullptr, rt));
-    zero_tail_rows_kernel<<<tail_blocks(C * H, ws), kThreads, 0, s>>>(y, ws.offsets, E, C, H);
-    MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel");
-    return MOE_EP_OK;
-  }
   for (int pl = 0; pl < planes; ++pl)
     MOE_EP_TRY(gemm.forward(H, I, ws.left + static_cast<int64_t>(pl) * C * I, wt.fc2, wt.fc2_codes, wt.fc2_scales,
                             wt.inexact, y, pl > 0, "FC2"));

@@ -52,9 +52,6 @@
 namespace moe_ep {
 namespace cuda {
 
-// The round trip of the fused FC2 epilogue (Mxfp8WeightsGemm::round_trip).
-enum class MxwRoundTrip : int32_t { kNone = 0, kBf16 = 1, kMxfp8 = 2 };
-
 struct Mxfp8WeightsGemm {
   const uint16_t* x;      // [C, K] bf16
   const int32_t* off;     // [E + 1] row offsets of the experts (device)
@@ -70,12 +67,6 @@ struct Mxfp8WeightsGemm {
   // Rows of x (an upper bound on off[E], read on the host, never from the offsets): picks
   // the kernel variant by the rows an expert on average (mxfp8_weights_gemm). 0: unknown.
   int64_t total_rows;
-  // The layer's FC2 epilogue, fused (float32 y only, no accumulation): each sum is first
-  // multiplied by row_weight[r] ([C] float32, when not NULL; fmul, as the epilogue kernel),
-  // then round-tripped through `round_trip` (the combine format: none, bf16, or mxfp8 blocks
-  // of 32 along n). The same values as the layer's fc2 epilogue kernels on the plain y.
-  const float* row_weight;
-  MxwRoundTrip round_trip;
 };
 
 namespace mxw {
@@ -290,47 +281,6 @@ __device__ __forceinline__ void stage_slice(const Stage<kMaxRows>& st, const uin
   }
 }
 
-// The fused FC2 epilogue's stores (row_weight, round_trip; float32 y, no accumulation). x row
-// 8 nt + 2 q + c of this lane holds the weight rows (y's columns) nw + 16 u + 8 hh + g in
-// acc[u][nt][c + 2 hh]: with the 8 lanes of its q (g = 0..7) the 32 columns [nw, nw + 32),
-// one mxfp8 block, whose largest magnitude the 8 lanes agree on by shuffles over g (lane
-// bits 2..4). Every lane runs every shuffle; rows past r1 (zero sums) are not stored.
-template <int kNt>
-__device__ __forceinline__ void store_fused(const Mxfp8WeightsGemm& p, const float (&acc)[2][kNt][4], int64_t m0,
-                                            int64_t r1, int64_t nw, int g, int q) {
-#pragma unroll
-  for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int64_t r = m0 + 8 * nt + 2 * q + c;
-      const bool here = r < r1;
-      float v[4] = {acc[0][nt][c], acc[0][nt][c + 2], acc[1][nt][c], acc[1][nt][c + 2]};
-      if (p.row_weight != nullptr) {
-        const float wr = here ? p.row_weight[r] : 0.0f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = detail::fmul(wr, v[i]);
-      }
-      if (p.round_trip == MxwRoundTrip::kMxfp8) {
-        detail::BlockMax bm = detail::block_max(v, 1, 4);
-        uint32_t nonfinite = bm.nonfinite ? 1u : 0u;
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-          const uint32_t a = __shfl_xor_sync(0xFFFFFFFFu, bm.amax, o);
-          bm.amax = a > bm.amax ? a : bm.amax;
-          nonfinite |= __shfl_xor_sync(0xFFFFFFFFu, nonfinite, o);
-        }
-        bm.nonfinite = nonfinite != 0u;
-        detail::mxfp8_round_trip_cvt4(bm, v);
-      } else if (p.round_trip == MxwRoundTrip::kBf16) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = detail::bf16_round_trip(v[i]);
-      }
-      if (!here) continue;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) p.y[r * p.n + nw + 16 * (i >> 1) + 8 * (i & 1) + g] = v[i];
-    }
-}
-
 // One pass over K for the rows [m0, min(m0 + 8 kNt, r1)) of expert e and the block's
 // weight rows from nb; this warp's 32 of them from nw = nb + 32 warp. acc[u][nt] holds
 // y[x row 8 nt + 2 q (+1)] at weight rows 16 u + g (c0, c1) and 16 u + 8 + g (c2, c3).
@@ -380,10 +330,6 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxR
   __syncthreads();  // every warp done with the buffers before the next pass refills them
   if (bad && p.inexact != nullptr) atomicOr(p.inexact, 1);
   const int64_t nw = nb + warp * kRowsPerWarp;
-  if (p.row_weight != nullptr || p.round_trip != MxwRoundTrip::kNone) {
-    store_fused<kNt>(p, acc, m0, r1, nw, g, q);
-    return;
-  }
 #pragma unroll
   for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
@@ -445,14 +391,12 @@ inline bool mxfp8_weights_shape_fits(int64_t n, int64_t k) {
 }
 
 // Whether the kernel takes p: its shape (mxfp8_weights_shape_fits); codes and x 16-byte
-// aligned, scales 4-byte aligned, y 8-byte (y_bf16 4-byte) aligned; no accumulation into
-// bf16 output; the fused epilogue (row_weight, round_trip) only with a float32 y written,
-// not accumulated.
+// aligned, scales 4-byte aligned, y 8-byte (y_bf16 4-byte) aligned; no accumulation
+// into bf16 output.
 inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) {
   const uintptr_t a16 = reinterpret_cast<uintptr_t>(p.codes) | reinterpret_cast<uintptr_t>(p.x);
-  const bool fused = p.row_weight != nullptr || p.round_trip != MxwRoundTrip::kNone;
-  const bool out_ok = p.y_bf16 != nullptr ? (reinterpret_cast<uintptr_t>(p.y_bf16) % 4 == 0 && !p.accumulate && !fused)
-                                          : (reinterpret_cast<uintptr_t>(p.y) % 8 == 0 && !(fused && p.accumulate));
+  const bool out_ok = p.y_bf16 != nullptr ? (reinterpret_cast<uintptr_t>(p.y_bf16) % 4 == 0 && !p.accumulate)
+                                          : reinterpret_cast<uintptr_t>(p.y) % 8 == 0;
   return mxfp8_weights_shape_fits(p.n, p.k) && a16 % 16 == 0 &&
          reinterpret_cast<uintptr_t>(p.scales) % 4 == 0 && out_ok && p.num_experts > 0 && p.num_experts <= 65535;
 }
