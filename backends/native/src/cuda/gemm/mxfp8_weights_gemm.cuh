@@ -10,7 +10,7 @@
 //
 // Layouts: x [C, K] bf16 row-major (the expert-major rows); codes [E, N, K] and scales
 // [E, N, K / 32] (the transposed block-scaled weight, blocked along K: K-major, what the
-// B operand of mma .row.col wants); y [C, N] float32 or y_bf16 [C, N] bf16 row-major
+// A operand of mma .row.col wants); y [C, N] float32 or y_bf16 [C, N] bf16 row-major
 // (rows past off[E] untouched). Needs K % 128 == 0 and N % 128 == 0
 // (mxfp8_weights_gemm_fits).
 //
@@ -18,7 +18,8 @@
 // kept) -> float32 -> bf16 (exact: every E4M3 value is a bf16 value), then one bf16x2
 // multiply by 2^(c - 127), exact because every nonzero result is a normal bf16 (or overflows
 // to +-Inf, as the float32 product does). Slow (codes 0..9 and 0xFF, per lane and 16
-// codes): E4M3 -> f16 -> float32, times 2^(c - 127) in float32 (exact), then the bf16
+// codes, run only in a stage where a lane of the warp has such a code: the stage's other
+// copy, see pass): E4M3 -> f16 -> float32, times 2^(c - 127) in float32 (exact), then the bf16
 // convert, which rounds nothing for scale codes c >= 3 (docs/cuda-nccl.md, "bf16 holds the
 // decoded values"). A scale code 0xFF (NaN) or a NaN code gives NaN. Where a scale code is
 // below 3, the lane checks its 16 values: if one is not a bf16 value, its 16 values of that
@@ -29,10 +30,11 @@
 // The pipeline: a block (4 warps, 128 weight rows of one expert) streams K in stages of
 // 128 through shared memory with cp.async, Config::kStages deep: the stage's codes (128 rows x
 // 128 bytes, 16-byte chunks swizzled by the row's parity), scales (4 bytes a row) and x
-// rows (up to 16 kMaxMt, rows past the expert's last zero-filled; rows padded to 272
-// bytes). So the loads of later stages are in flight while a stage is multiplied. A pass
-// takes the m16 tiles the expert's remaining rows need (1 to kMaxMt: 3 or 4, or 2 with
-// passes_of_32), so a 20-row expert does not pay for 64 rows of MMAs and x loads.
+// rows (up to 8 kMaxNt, rows past the expert's last zero-filled; rows padded to 272
+// bytes). So the loads of later stages are in flight while a stage is multiplied. The
+// decoded weights are the MMA's m16 A operand (a warp's 32 weight rows: two A tiles) and
+// the x rows its n8 B operand: a pass takes the n8 tiles the expert's remaining rows need
+// (1 to kMaxNt: 6 or 8, or 4 with passes_of_32), so a 20-row expert multiplies 24 rows.
 //
 // The sum over k is permuted alike for both operands: in each 64-slice, lane quad q holds
 // the 16 codes [16 q, 16 q + 16) of its weight row (one 16-byte shared load), and the
