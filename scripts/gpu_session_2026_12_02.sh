@@ -870,5 +870,30 @@ case "$RUN" in
     MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
     --device cuda --report-md "$o/conformance-nccl-ep1.md"
   ;;
+45)
+  # Three x planes in one pass (FC2 of a float32 or mxfp8 intermediate, the bench's default
+  # intermediate_format none): the checks (3 planes at few and many rows, NaN code, inexact
+  # block) and FC2's timing, one pass against a launch a plane, alternated; memcheck; the
+  # CUDA tests (the intermediate-mxfp8 case takes the one-pass kernel); the decode forward
+  # with intermediate_format none, the codes against the kept decode, alternated, then bf16;
+  # the cuda-nccl table at EP 1.
+  TAIL=40 mxw_gemm_check 150
+  mxw_memcheck 120
+  TAIL=4 step tests-cuda 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
+    tests/test_native_layer.py -k "test_cuda_"
+  i=0
+  for mx in 1 0 1; do
+    i=$((i + 1))
+    TAIL=6 step "bench-cuda-nccl-decode-none-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
+      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
+      --intermediate-format none --op forward --json "$o/bench-cuda-nccl-decode-none-$i-mxw$mx.json" --no-progress
+  done
+  TAIL=6 step bench-cuda-nccl-decode-bf16 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
+    --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
+    --json "$o/bench-cuda-nccl-decode-bf16.json" --no-progress
+  TAIL=3 step conformance-nccl-ep1 150 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --report-md "$o/conformance-nccl-ep1.md"
+  ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

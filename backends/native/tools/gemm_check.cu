@@ -478,12 +478,15 @@ __global__ void mxfp8_reference(moe_ep::cuda::Mxfp8WeightsGemm p, int64_t rows, 
     const uint8_t* c = p.codes + (static_cast<int64_t>(e) * p.n + n) * p.k;
     const uint8_t* sc = p.scales + (static_cast<int64_t>(e) * p.n + n) * (p.k / 32);
     double s = 0.0, b = 0.0;
+    const int planes = p.x_planes > 1 ? p.x_planes : 1;
     for (int64_t k = 0; k < p.k; ++k) {
       const double w = mxfp8_exact(c[k], sc[k / 32]);
       if (!bf16_holds(w)) s = nan("");
-      const double prod = static_cast<double>(bf16_to_float(p.x[r * p.k + k])) * w;
-      s += prod;
-      b += fabs(prod);
+      for (int pl = 0; pl < planes; ++pl) {
+        const double prod = static_cast<double>(bf16_to_float(p.x[pl * p.x_plane_stride + r * p.k + k])) * w;
+        s += prod;
+        b += fabs(prod);
+      }
     }
     ref[idx] = (p.accumulate ? static_cast<double>(y0[idx]) : 0.0) + s;
     bound[idx] = b;
@@ -503,10 +506,14 @@ struct MxBuffers {
   }
 };
 
-MxBuffers make_mx(moe_ep::cuda::Mxfp8WeightsGemm& p, const std::vector<int32_t>& off, int64_t rows, uint64_t seed) {
+// planes: x as that many bf16 planes of [rows, k] (p.x_planes, p.x_plane_stride).
+MxBuffers make_mx(moe_ep::cuda::Mxfp8WeightsGemm& p, const std::vector<int32_t>& off, int64_t rows, uint64_t seed,
+                  int planes = 1) {
   MxBuffers b;
   const int64_t E = static_cast<int64_t>(off.size()) - 1;
-  b.x_elems = rows * p.k;
+  b.x_elems = planes * rows * p.k;
+  p.x_planes = planes;
+  p.x_plane_stride = rows * p.k;
   b.code_bytes = E * p.n * p.k;
   b.scale_bytes = E * p.n * (p.k / 32);
   b.y_elems = rows * p.n;
@@ -550,9 +557,11 @@ enum class MxPlant { kNone, kNanBlock, kInexactBlock, kNanCode, kScaleSweep };
 // lower bound, 10) and expert 1's through 130..150: no NaN, no flag (expert 0's outputs, near
 // 2^-120, sit under the bound's 1e-30 floor: there only NaN and the flag are checked).
 // The launch is g_mx_check_launch.
+// planes: x as that many bf16 planes (3: one pass multiplies them all at few rows; a
+// launch a plane at more).
 void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int64_t extra_rows,
                          bool accumulate, MxPlant plant, uint64_t seed, bool bf16_out = false,
-                         bool passes_of_32 = false) {
+                         bool passes_of_32 = false, int planes = 1) {
   moe_ep::cuda::Mxfp8WeightsGemm p{};
   p.n = n;
   p.k = k;
@@ -561,7 +570,7 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
   std::vector<int32_t> off(rows.size() + 1, 0);
   for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
   const int64_t total_rows = off.back() + extra_rows;
-  MxBuffers b = make_mx(p, off, total_rows, seed);
+  MxBuffers b = make_mx(p, off, total_rows, seed, planes);
   double* ref = device_alloc<double>(b.y_elems);
   double* bound = device_alloc<double>(b.y_elems);
   if (plant == MxPlant::kNanBlock || plant == MxPlant::kInexactBlock) {
@@ -618,7 +627,7 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
   int32_t flagged = 0;
   CHECK_CUDA(cudaMemcpy(&flagged, flag, sizeof flagged, cudaMemcpyDeviceToHost));
   int64_t bad = 0, nans = 0, first = -1;
-  const double rel = static_cast<double>(k) * std::ldexp(1.0, -24);
+  const double rel = static_cast<double>(k * planes) * std::ldexp(1.0, -24);
   for (int64_t i = 0; i < b.y_elems; ++i) {
     const bool want_nan = std::isnan(r[i]);
     nans += want_nan ? 1 : 0;
@@ -661,9 +670,12 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
 // scales, as a fraction of the copy's (read + write) bandwidth; and the bf16 grouped GEMM
 // on the same shape (its weights 2 bytes an element) for comparison; `launch` runs the
 // kernel (a variant's, for the variant timings, which skip the bf16 GEMM: with_bf16).
+// planes: x as that many bf16 planes, one launch for them all (mxfp8_weights_gemm), or with
+// planes_apart a launch a plane (x_planes 1, the later ones accumulating: what the layer ran
+// before).
 void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int sm_count,
                         bool passes_of_32 = false, MxLaunch launch = &moe_ep::cuda::mxfp8_weights_gemm,
-                        bool with_bf16 = true) {
+                        bool with_bf16 = true, int planes = 1, bool planes_apart = false) {
   moe_ep::cuda::Mxfp8WeightsGemm p{};
   p.n = n;
   p.k = k;
@@ -671,7 +683,7 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
   const int experts = static_cast<int>(rows.size());
   std::vector<int32_t> off(experts + 1, 0);
   for (int e = 0; e < experts; ++e) off[e + 1] = off[e] + rows[e];
-  MxBuffers b = make_mx(p, off, off.back(), 11);
+  MxBuffers b = make_mx(p, off, off.back(), 11, planes);
   const int warmup = 3, iters = 20;
   cudaEvent_t t0, t1;
   CHECK_CUDA(cudaEventCreate(&t0));
@@ -686,7 +698,19 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
     CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
     return static_cast<double>(ms) / iters;
   };
-  const double ms = timed([&] { CHECK_CUDA(launch(p, 0)); });
+  const double ms = timed([&] {
+    if (!planes_apart) {
+      CHECK_CUDA(launch(p, 0));
+      return;
+    }
+    moe_ep::cuda::Mxfp8WeightsGemm one = p;
+    one.x_planes = 1;
+    for (int pl = 0; pl < planes; ++pl) {
+      one.x = p.x + pl * p.x_plane_stride;
+      one.accumulate = pl > 0;
+      CHECK_CUDA(launch(one, 0));
+    }
+  });
   uint8_t* copy = device_alloc<uint8_t>(b.code_bytes);
   const double copy_ms =
       timed([&] { CHECK_CUDA(cudaMemcpyAsync(copy, b.codes, b.code_bytes, cudaMemcpyDeviceToDevice, 0)); });
@@ -750,6 +774,16 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
                       false, true);
   check_mxfp8_weights("decode FC2 shape, 4 experts", 7168, 2048, {32, 31, 1, 64}, 0, false, MxPlant::kNone, 23);
   check_mxfp8_weights("all experts empty", 128, 128, {0, 0, 0}, 3, false, MxPlant::kNone, 24);
+  // Three x planes: one pass at few rows (Planes3Config), a launch a plane at more.
+  check_mxfp8_weights("3 planes, few rows", 256, 512, {20, 0, 42, 1, 33}, 3, false, MxPlant::kNone, 47, false, false, 3);
+  check_mxfp8_weights("3 planes, few rows, accumulate", 256, 512, {20, 0, 42, 1, 33}, 3, true, MxPlant::kNone, 48, false,
+                      false, 3);
+  check_mxfp8_weights("3 planes, a NaN code", 128, 1024, {40, 3, 17}, 0, false, MxPlant::kNanCode, 49, false, false, 3);
+  check_mxfp8_weights("3 planes, an inexact block", 128, 1024, {40, 3, 17}, 0, false, MxPlant::kInexactBlock, 50,
+                      false, false, 3);
+  check_mxfp8_weights("3 planes, many rows", 256, 512, {70, 9, 129}, 2, true, MxPlant::kNone, 51, false, false, 3);
+  check_mxfp8_weights("3 planes, decode FC2 shape", 7168, 2048, {32, 31, 1, 40}, 0, false, MxPlant::kNone, 52, false,
+                      false, 3);
   if (!timing) return;
   // DeepSeek-V3 per rank at 128 tokens, top-8: 32 local experts, 1024 rows.
   time_mxfp8_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), sm_count);
@@ -773,6 +807,14 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
     check_mxfp8_weights((label + ", FC2 shape").c_str(), 7168, 2048, {32, 31, 1, 64}, 0, false, MxPlant::kNone, 33);
   }
   g_mx_check_launch = &moe_ep::cuda::mxfp8_weights_gemm;
+  // FC2 of a float32 or mxfp8 intermediate (three bf16 planes) at the spread: one pass for
+  // the three planes against a launch a plane, alternated.
+  for (int i = 0; i < 2; ++i) {
+    time_mxfp8_weights("FC2 spread, 3 planes apart", 7168, 2048, spread_rows(1024), sm_count, false,
+                       &moe_ep::cuda::mxfp8_weights_gemm, false, 3, true);
+    time_mxfp8_weights("FC2 spread, 3 planes, one pass", 7168, 2048, spread_rows(1024), sm_count, false,
+                       &moe_ep::cuda::mxfp8_weights_gemm, false, 3, false);
+  }
   for (const MxVariant& v : kMxVariants) {
     for (const bool fc1 : {true, false}) {
       const std::string label = std::string(fc1 ? "FC1 spread " : "FC2 spread ") + v.name;

@@ -434,9 +434,11 @@ struct Gemm {
   }
   // out[r] (+)= a[r] W_e for the forward's NN GEMMs [C, k] x [E, k, n]: the bf16 weight b, or the
   // mxfp8 codes and scales ([E, n, k], [E, n, k / 32]) through the mxfp8-weights GEMM.
+  // a_planes > 1 (codes only): a holds that many bf16 planes, a_plane_stride elements apart,
+  // summed (the mxfp8-weights GEMM multiplies them with the weights decoded once).
   moe_ep_status forward(int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, const uint8_t* codes,
                         const uint8_t* scales, int32_t* inexact, float* out, bool accumulate, const char* what,
-                        uint16_t* out_bf16 = nullptr) const {
+                        uint16_t* out_bf16 = nullptr, int a_planes = 1, int64_t a_plane_stride = 0) const {
     if (codes == nullptr) return run(GemmLayout::kNN, 0, n, k, a, b, out, accumulate, what, out_bf16);
     Mxfp8WeightsGemm p{};
     p.x = a;
@@ -451,6 +453,8 @@ struct Gemm {
     p.accumulate = accumulate;
     p.inexact = inexact;
     p.total_rows = d.num_rows;
+    p.x_planes = a_planes;
+    p.x_plane_stride = a_plane_stride;
     return gemm_status(mxfp8_weights_gemm(p, stream), what);
   }
 };
@@ -651,9 +655,14 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
     return MOE_EP_OK;
   }
   float* y = bf16_out ? ws.y32 : static_cast<float*>(y_out);
-  for (int pl = 0; pl < planes; ++pl)
-    MOE_EP_TRY(gemm.forward(H, I, ws.left + static_cast<int64_t>(pl) * C * I, wt.fc2, wt.fc2_codes, wt.fc2_scales,
-                            wt.inexact, y, pl > 0, "FC2"));
+  if (wt.fc2_codes != nullptr) {  // every plane in one call: the weights decoded once at few rows
+    MOE_EP_TRY(gemm.forward(H, I, ws.left, wt.fc2, wt.fc2_codes, wt.fc2_scales, wt.inexact, y, false, "FC2", nullptr,
+                            planes, C * I));
+  } else {
+    for (int pl = 0; pl < planes; ++pl)
+      MOE_EP_TRY(gemm.forward(H, I, ws.left + static_cast<int64_t>(pl) * C * I, wt.fc2, wt.fc2_codes,
+                              wt.fc2_scales, wt.inexact, y, pl > 0, "FC2"));
+  }
 
   if (bf16_out && combine_format == MOE_EP_FORMAT_NVFP4) {  // nvfp4's values are bf16 values (exact)
     // H is a multiple of 16 (the layer's configuration check): no block crosses a row.

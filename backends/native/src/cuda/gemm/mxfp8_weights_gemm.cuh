@@ -69,6 +69,11 @@ struct Mxfp8WeightsGemm {
   // Rows of x (an upper bound on off[E], read on the host, never from the offsets): picks
   // the kernel variant by the rows an expert on average (mxfp8_weights_gemm). 0: unknown.
   int64_t total_rows;
+  // x as x_planes bf16 planes (0 or 1: one; 3: the exact bf16 pieces of a float32 operand,
+  // plane p at x + p * x_plane_stride elements), summed: y = sum_p x_p W (float32 y only).
+  // At few rows one pass multiplies every plane with the weights decoded once.
+  int x_planes;
+  int64_t x_plane_stride;
 };
 
 namespace mxw {
@@ -83,20 +88,22 @@ constexpr int kXStride = kStageK + 8;          // bf16 a shared x row: 272 bytes
 // value v >= 2^-9 is then a normal bf16, so no subnormal arithmetic is involved) to 254.
 constexpr uint32_t kFastScaleMin = 10;
 
-template <int kMaxRows>
+template <int kMaxRows, int kPlanes>
 struct Stage {
-  uint4 w[kTileN][kStageK / 16];   // codes, 16-byte chunk c of row r at c ^ (4 * (r & 1))
-  uint32_t s[kTileN];              // 4 scale codes a row
-  uint16_t x[kMaxRows][kXStride];  // x rows
+  uint4 w[kTileN][kStageK / 16];            // codes, 16-byte chunk c of row r at c ^ (4 * (r & 1))
+  uint32_t s[kTileN];                       // 4 scale codes a row
+  uint16_t x[kPlanes][kMaxRows][kXStride];  // x rows, each plane's
 };
 // A kernel variant: kMaxNt, the n8 tiles of x rows a pass holds at most (a pass: up to
 // 8 kMaxNt rows of one expert, the weights read once); kStages, the cp.async pipeline's
-// depth; kMinBlocks, the blocks an SM should hold (__launch_bounds__'s register budget).
-template <int kMaxNt_, int kStages_, int kMinBlocks_>
+// depth; kMinBlocks, the blocks an SM should hold (__launch_bounds__'s register budget);
+// kPlanes, the x planes a pass multiplies (Mxfp8WeightsGemm::x_planes: 1 or 3).
+template <int kMaxNt_, int kStages_, int kMinBlocks_, int kPlanes_ = 1>
 struct Config {
   static constexpr int kMaxNt = kMaxNt_;
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr int kPlanes = kPlanes_;
   static constexpr int kMaxRows = 8 * kMaxNt_;
 };
 // The variants mxfp8_weights_gemm picks (2026-12-02, runs 39 and 40 on an H200, the
@@ -109,8 +116,13 @@ using FewRowsConfig = Config<6, 2, 3>;
 using DefaultConfig = Config<8, 3, 2>;
 // - passes_of_32: passes of up to 32 rows.
 using Passes32Config = Config<4, 3, 2>;
+// - three x planes at few rows: passes of up to 48 rows, 2 stages, 2 blocks an SM (110 KB of
+//   shared memory a block: the three planes' x rows). More rows: a plane a launch.
+using Planes3Config = Config<6, 2, 2, 3>;
 template <class Cfg>
-constexpr size_t smem_bytes() { return sizeof(Stage<Cfg::kMaxRows>) * Cfg::kStages; }
+using StageOf = Stage<Cfg::kMaxRows, Cfg::kPlanes>;
+template <class Cfg>
+constexpr size_t smem_bytes() { return sizeof(StageOf<Cfg>) * Cfg::kStages; }
 static_assert(kThreads == kTileN, "one thread loads the scales of one weight row");
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {
@@ -222,9 +234,9 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // Stage ks (k from ks * kStageK) of the block's weight rows and of the pass's kRows x
 // rows from m0 (rows at or past r1 zero-filled) into st. A thread's code chunks are rows
 // tid / 8 + 16 u at chunk tid % 8: one source pointer, stepped by 16 rows.
-template <int kRows, int kMaxRows>
-__device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMaxRows>& st, int e, int64_t nb,
-                                           int64_t m0, int64_t r1, int64_t ks) {
+template <int kRows, int kMaxRows, int kPlanes>
+__device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMaxRows, kPlanes>& st, int e,
+                                           int64_t nb, int64_t m0, int64_t r1, int64_t ks) {
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t K = p.k, k0 = ks * kStageK;
   constexpr int kChunks = kStageK / 16;
@@ -238,10 +250,14 @@ __device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMax
   constexpr int kXChunks = kStageK / 8;
   static_assert(kRows * kXChunks % kThreads == 0, "whole rounds of x chunks");
 #pragma unroll
-  for (int u = 0; u < kRows * kXChunks / kThreads; ++u) {
-    const int i = tid + u * kThreads, xr = i / kXChunks, xc = i % kXChunks;
-    const bool in = m0 + xr < r1;
-    cp_async16(&st.x[xr][8 * xc], p.x + (in ? m0 + xr : m0) * K + k0 + 8 * xc, in);
+  for (int pl = 0; pl < kPlanes; ++pl) {
+    const uint16_t* x = p.x + pl * p.x_plane_stride;
+#pragma unroll
+    for (int u = 0; u < kRows * kXChunks / kThreads; ++u) {
+      const int i = tid + u * kThreads, xr = i / kXChunks, xc = i % kXChunks;
+      const bool in = m0 + xr < r1;
+      cp_async16(&st.x[pl][xr][8 * xc], x + (in ? m0 + xr : m0) * K + k0 + 8 * xc, in);
+    }
   }
 }
 
@@ -249,9 +265,10 @@ __device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMax
 // into two m16 A tiles, multiplied with the pass's kNt n8 B tiles of x rows into acc. A
 // tile u's rows g and g + 8 are the warp's weight rows 16 u + g and 16 u + 8 + g (b[2 u] and
 // b[2 u + 1], decoded alike as rows 8 t + g).
-template <int kNt, bool kFast, int kMaxRows>
-__device__ __forceinline__ void stage_slice(const Stage<kMaxRows>& st, const uint32_t (&scw)[4], int h, int warp,
-                                            int g, int q, float (&acc)[2][kNt][4], bool& bad) {
+// With kPlanes x planes each plane's tiles are multiplied in turn into the same acc.
+template <int kNt, bool kFast, int kMaxRows, int kPlanes>
+__device__ __forceinline__ void stage_slice(const Stage<kMaxRows, kPlanes>& st, const uint32_t (&scw)[4], int h,
+                                            int warp, int g, int q, float (&acc)[2][kNt][4], bool& bad) {
   uint32_t b[4][8];
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
@@ -260,14 +277,15 @@ __device__ __forceinline__ void stage_slice(const Stage<kMaxRows>& st, const uin
     decode16<kFast>(w, (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu, b[t], bad);
   }
 #pragma unroll
-  for (int jj = 0; jj < 2; ++jj) {
-    uint4 xb[kNt];  // row g of each n8 tile: the columns of steps 2 jj and 2 jj + 1
+  for (int jj = 0; jj < 2 * kPlanes; ++jj) {
+    const int pl = jj / 2;
+    uint4 xb[kNt];  // row g of each n8 tile: the columns of steps 2 (jj % 2) and 2 (jj % 2) + 1
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt)
-      xb[nt] = *reinterpret_cast<const uint4*>(&st.x[8 * nt + g][64 * h + 16 * q + 8 * jj]);
+      xb[nt] = *reinterpret_cast<const uint4*>(&st.x[pl][8 * nt + g][64 * h + 16 * q + 8 * (jj % 2)]);
 #pragma unroll
     for (int j2 = 0; j2 < 2; ++j2) {
-      const int j = 2 * jj + j2;
+      const int j = 2 * (jj % 2) + j2;
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
 #pragma unroll
@@ -287,7 +305,7 @@ __device__ __forceinline__ void stage_slice(const Stage<kMaxRows>& st, const uin
 // weight rows from nb; this warp's 32 of them from nw = nb + 32 warp. acc[u][nt] holds
 // y[x row 8 nt + 2 q (+1)] at weight rows 16 u + g (c0, c1) and 16 u + 8 + g (c2, c3).
 template <int kNt, class Cfg>
-__device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxRows>* stages, int e, int64_t nb,
+__device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* stages, int e, int64_t nb,
                                      int64_t m0, int64_t r1) {
   constexpr int kStages = Cfg::kStages;
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
@@ -312,7 +330,7 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, Stage<Cfg::kMaxR
     const int64_t next = ks + kStages - 1;
     if (next < nks) load_stage<8 * kNt>(p, stages[next % kStages], e, nb, m0, r1, next);
     cp_async_commit();
-    const Stage<Cfg::kMaxRows>& st = stages[ks % kStages];
+    const StageOf<Cfg>& st = stages[ks % kStages];
     uint32_t scw[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) scw[t] = st.s[warp * kRowsPerWarp + 8 * t + g];
@@ -361,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) mxfp8_weights_gemm_
   constexpr int kMaxNt = Cfg::kMaxNt;
   static_assert(kMaxNt == 4 || kMaxNt == 6 || kMaxNt == 8, "the passes below");
   extern __shared__ __align__(16) unsigned char smem[];
-  Stage<Cfg::kMaxRows>* stages = reinterpret_cast<Stage<Cfg::kMaxRows>*>(smem);
+  StageOf<Cfg>* stages = reinterpret_cast<StageOf<Cfg>*>(smem);
   const int e = static_cast<int>(blockIdx.y);
   const int64_t r0 = p.off[e], r1 = p.off[e + 1];
   const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
@@ -399,14 +417,16 @@ inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) {
   const uintptr_t a16 = reinterpret_cast<uintptr_t>(p.codes) | reinterpret_cast<uintptr_t>(p.x);
   const bool out_ok = p.y_bf16 != nullptr ? (reinterpret_cast<uintptr_t>(p.y_bf16) % 4 == 0 && !p.accumulate)
                                           : reinterpret_cast<uintptr_t>(p.y) % 8 == 0;
-  return mxfp8_weights_shape_fits(p.n, p.k) && a16 % 16 == 0 &&
+  const bool planes_ok = p.x_planes == 0 || p.x_planes == 1 ||
+                         (p.x_planes == 3 && p.y_bf16 == nullptr && p.x_plane_stride % 8 == 0);
+  return mxfp8_weights_shape_fits(p.n, p.k) && a16 % 16 == 0 && planes_ok &&
          reinterpret_cast<uintptr_t>(p.scales) % 4 == 0 && out_ok && p.num_experts > 0 && p.num_experts <= 65535;
 }
 
 // One variant's launch (mxfp8_weights_gemm picks one; moe_ep_gemm_check times them all).
 template <class Cfg>
 inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
+  if (!mxfp8_weights_gemm_fits(p) || (p.x_planes == 3) != (Cfg::kPlanes == 3)) return cudaErrorInvalidValue;
   constexpr size_t smem = mxw::smem_bytes<Cfg>();
   // Per device and cheap; not a stream operation, so allowed inside a CUDA-graph capture.
   cudaError_t err = cudaFuncSetAttribute(mxw::mxfp8_weights_gemm_kernel<Cfg>,
@@ -418,10 +438,24 @@ inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStre
 }
 
 // The launch: the variant for p's rows an expert on average (total_rows / num_experts, on
-// the host; unknown counts as many), or passes of 32 rows.
+// the host; unknown counts as many), or passes of 32 rows; three x planes in one pass at
+// few rows, else a launch a plane.
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  if (p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream);
   const bool few = p.total_rows > 0 && p.total_rows <= 48 * static_cast<int64_t>(p.num_experts);
+  if (p.x_planes == 3) {
+    if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
+    if (few && !p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Planes3Config>(p, stream);
+    Mxfp8WeightsGemm one = p;  // more rows: a plane a launch, the later ones accumulating
+    one.x_planes = 1;
+    for (int pl = 0; pl < 3; ++pl) {
+      one.x = p.x + pl * p.x_plane_stride;
+      one.accumulate = p.accumulate || pl > 0;
+      const cudaError_t err = mxfp8_weights_gemm(one, stream);
+      if (err != cudaSuccess) return err;
+    }
+    return cudaSuccess;
+  }
+  if (p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream);
   return few ? mxfp8_weights_gemm_launch<mxw::FewRowsConfig>(p, stream)
              : mxfp8_weights_gemm_launch<mxw::DefaultConfig>(p, stream);
 }
