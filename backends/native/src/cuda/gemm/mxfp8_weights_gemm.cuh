@@ -8,7 +8,8 @@
 // (docs/cuda-nccl.md, "What issue 15's decode target needs"). The layer's mxfp8-weights
 // forward (moe_ep_layer_experts_forward_mxfp8) runs its FC1 and FC2 through it.
 //
-// Layouts: x [C, K] bf16 row-major (the expert-major rows); codes [E, N, K] and scales
+// Layouts: x [C, K] bf16 row-major (the expert-major rows), or three such planes summed
+// (x_planes: FC2's exact bf16 pieces of a float32 operand); codes [E, N, K] and scales
 // [E, N, K / 32] (the transposed block-scaled weight, blocked along K: K-major, what the
 // A operand of mma .row.col wants); y [C, N] float32 or y_bf16 [C, N] bf16 row-major
 // (rows past off[E] untouched). Needs K % 128 == 0 and N % 128 == 0
