@@ -190,7 +190,8 @@ needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA devi
 CUDA_CONFIGS = {
     "fc1-int_bf16-comb_bf16": MoeEpConfig(num_experts=3, hidden=256, intermediate=128, num_topk=2, num_ranks=1,
                                           intermediate_format="bf16", combine_format="bf16"),
-    # The mxfp8-weights GEMM's fused FC2 epilogue: the router weight and the mxfp8 round trip.
+    # One FC2 plane (bf16 intermediate) with the router weight in FC2 and an mxfp8 combine:
+    # the epilogue kernel's multiply and block round trip on the GEMM's float32 rows.
     "fc2-int_bf16-comb_mxfp8": MoeEpConfig(num_experts=3, hidden=256, intermediate=128, num_topk=2, num_ranks=1,
                                            apply_topk_in_fc1=False, intermediate_format="bf16",
                                            combine_format="mxfp8", output_format="mxfp8"),

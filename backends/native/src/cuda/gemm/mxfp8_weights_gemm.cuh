@@ -107,9 +107,9 @@ struct Config {
   static constexpr int kPlanes = kPlanes_;
   static constexpr int kMaxRows = 8 * kMaxNt_;
 };
-// The variants mxfp8_weights_gemm picks (2026-12-02, runs 39 and 40 on an H200, the
+// The variants mxfp8_weights_gemm picks (2026-12-02, runs 39 to 45 on an H200, the
 // routing's spread of 20..42 rows an expert at 128 tokens, against a device copy of the
-// codes in the same run):
+// codes in the same run; docs/cuda-nccl.md, "The mxfp8-weights forward"):
 // - at most 48 rows an expert on average: passes of up to 48 rows, 2 stages, 3 blocks an SM
 //   (168 registers, 60 KB of shared memory a block);
 using FewRowsConfig = Config<6, 2, 3>;
@@ -182,14 +182,17 @@ __device__ __forceinline__ bool any_inexact(const uint4& v, float s) {
 }
 
 // Whether every scale code of a thread's stage (the 8 of its weight rows and k quads, scw)
-// takes the fast decode (kFastScaleMin..254): then the stage runs stage_slices<true>, with no
-// slow decode in its code.
+// takes the fast decode (kFastScaleMin..254). When it holds for every lane of the warp, the
+// stage runs stage_slice<kNt, true>, which has no slow decode in its code.
 __device__ __forceinline__ bool stage_all_fast(const uint32_t (&scw)[4], int q) {
   bool fast = true;
 #pragma unroll
   for (int t = 0; t < 4; ++t)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) fast &= ((scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu) - kFastScaleMin <= 254u - kFastScaleMin;
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t sc = (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu;
+      fast &= sc - kFastScaleMin <= 254u - kFastScaleMin;
+    }
   return fast;
 }
 
