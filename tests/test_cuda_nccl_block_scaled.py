@@ -300,6 +300,22 @@ def test_mxfp8_weights_switch_checks_its_value_and_never_applies_off_cuda(monkey
         P.mxfp8_weights_path(config, x, w, w, host_check=True)
 
 
+def test_mxfp8_weights_row_bound_is_the_kernels():
+    """The front-end takes the mxfp8-weights forward up to the rows an expert where the
+    kernel picks its few-rows variant (``mxw::kFewRowsPerExpert`` in the CUDA header), so the
+    decode never lands on the variant for many rows through cuda-nccl."""
+    import pathlib
+    import re
+
+    header = (pathlib.Path(__file__).resolve().parents[1] / "backends" / "native" / "src" / "cuda" / "gemm"
+              / "mxfp8_weights_gemm.cuh")
+    found = re.findall(r"constexpr int64_t kFewRowsPerExpert = (\d+);", header.read_text())
+    assert len(found) == 1, f"{header} should define kFewRowsPerExpert once; found {found}"
+    assert P.MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT == int(found[0]), (
+        f"prims.MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT is {P.MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT}, the kernel's few-rows "
+        f"bound {found[0]}")
+
+
 def test_dequantize_bf16_checks_its_flag():
     from moe_ep_spec.errors import DeviceError
 

@@ -692,10 +692,11 @@ def _operands(x: Any, fc1: Any, fc2: Any) -> Tuple[bool, torch.Tensor, torch.Ten
 MXFP8_WEIGHTS_ENV = "MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS"
 #: The mxfp8-weights forward runs when the buffer has at most this many rows per local
 #: expert on average: the bound up to which the kernel takes its few-rows variant
-#: (``FewRowsConfig`` in ``mxfp8_weights_gemm.cuh``), so a padded decode buffer (128 tokens,
-#: top-8, 32 experts, alignment 16: 47 rows an expert) takes it too. Run 41 (an H200,
-#: FC1 of the decode shape): 0.353 ms at 48 rows an expert against the kept decode's bf16
-#: GEMM's 0.446 (at 64 rows 0.444 against 0.458: no longer worth the bound).
+#: (``mxw::kFewRowsPerExpert`` in ``mxfp8_weights_gemm.cuh``; a test keeps the two equal),
+#: so a padded decode buffer (128 tokens, top-8, 32 experts, alignment 16: 47 rows an
+#: expert) takes it too. Run 41 (an H200, FC1 of the decode shape): 0.353 ms at 48 rows an
+#: expert against the kept decode's bf16 GEMM's 0.446 (at 64 rows 0.444 against 0.458: no
+#: longer worth the bound).
 MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT = 48
 
 

@@ -107,6 +107,11 @@ struct Config {
   static constexpr int kPlanes = kPlanes_;
   static constexpr int kMaxRows = 8 * kMaxNt_;
 };
+// The rows an expert on average (Mxfp8WeightsGemm::total_rows / num_experts) up to which
+// mxfp8_weights_gemm picks FewRowsConfig (and Planes3Config). cuda-nccl's front-end takes the
+// kernel up to the same bound (prims.MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT; a CPU test reads this
+// line and compares).
+constexpr int64_t kFewRowsPerExpert = 48;
 // The variants mxfp8_weights_gemm picks (2026-12-02, runs 39 to 45 on an H200, the
 // routing's spread of 20..42 rows an expert at 128 tokens, against a device copy of the
 // codes in the same run; docs/cuda-nccl.md, "The mxfp8-weights forward"):
@@ -445,7 +450,7 @@ inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStre
 // the host; unknown counts as many), or passes of 32 rows; three x planes in one pass at
 // few rows, else a launch a plane.
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  const bool few = p.total_rows > 0 && p.total_rows <= 48 * static_cast<int64_t>(p.num_experts);
+  const bool few = p.total_rows > 0 && p.total_rows <= mxw::kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
   if (p.x_planes == 3) {
     if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
     if (few && !p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Planes3Config>(p, stream);
