@@ -129,6 +129,14 @@
 #          default up to 40 rows an expert: the NCCL provider's conformance table at EP 1,
 #          the front-end's and the block-scaled CUDA tests, the decode bench (default, then
 #          the switch at 0).
+#   RUN=39: (the day's ninth session) the mxfp8-weights GEMM with the x rows as the n8 B
+#          operand against the m16 layout: checks, timings, ncu warp states, the layer A/B.
+#   RUN=40: the fast stages apart (the choice per lane: its checks hung), against run 39's
+#          build and an out-of-line slow decode.
+#   RUN=41: the choice warp-uniform: checks, memcheck, SASS, the layer, tests, the table.
+#   RUN=42, 43: the FC2 epilogue fused into the GEMM (taken out after run 43's timing), the
+#          48-row bound, the three-format decode bench, the block-scaled CUDA tests.
+#   RUN=44: the build without the fused epilogue. RUN=45: three x planes in one pass.
 #   OUT=/tmp/o RUN=1 bash scripts/gpu_session_2026_12_02.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
