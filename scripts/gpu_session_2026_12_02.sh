@@ -154,14 +154,34 @@ mxw_memcheck() {
 mxw_sass() {
   TAIL=12 step sass-mxfp8-weights 60 bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check mxfp8_weights_gemm_kernel
 }
+# decode_bench LABEL INTERMEDIATE [VAR=VALUE...]: the cuda-nccl bench at 128 tokens, mxfp8,
+# with that intermediate_format, under those variables; log and JSON bench-cuda-nccl-decode-LABEL.
+decode_bench() {
+  local label="$1" inter="$2"
+  shift 2
+  step "bench-cuda-nccl-decode-$label" 60 env "$@" "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
+    --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format "$inter" --op forward \
+    --json "$o/bench-cuda-nccl-decode-$label.json" --no-progress
+}
 decode_bench_ab() {
   local i=0 mx
   for mx in 1 0 1 0; do
     i=$((i + 1))
-    TAIL=8 step "bench-cuda-nccl-decode-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
-      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
-      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-mxw$mx.json" --no-progress
+    TAIL=8 decode_bench "$i-mxw$mx" bf16 MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx
   done
+}
+# The ninth session's steps (RUN=38..45): the mxfp8-weights forward's CUDA tests (SECONDS,
+# then more test files), the cuda-nccl table at EP 1 over NCCL (SECONDS).
+mxw_tests() {
+  local secs="$1"
+  shift
+  TAIL=4 step tests-cuda "$secs" "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
+    "$@" -k "test_cuda_"
+}
+conformance_nccl_ep1() {
+  TAIL=3 step conformance-nccl-ep1 "$1" env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
+    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
+    --device cuda --report-md "$o/conformance-nccl-ep1.md"
 }
 jaxffi_build() {
   step jaxffi-build 150 env MOE_EP_NATIVE_CUDA=ON MOE_EP_CUDA_ARCHS=90a \
@@ -746,17 +766,10 @@ case "$RUN" in
     tests/test_native_mxfp8_weights.py tests/test_native_cuda.py -k "test_cuda_ or test_native_cuda"
   ;;
 38)
-  TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
-    tests/test_cuda_nccl_block_scaled.py -k "test_cuda_"
-  TAIL=8 step bench-cuda-nccl-decode-default 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
-    --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
-    --json "$o/bench-cuda-nccl-decode-default.json" --no-progress
-  TAIL=8 step bench-cuda-nccl-decode-mxw0 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=0 "$py" -m moe_ep_spec.cli bench \
-    --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 \
-    --op forward --json "$o/bench-cuda-nccl-decode-mxw0.json" --no-progress
-  TAIL=3 step conformance-nccl-ep1 120 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
-    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
-    --device cuda --report-md "$o/conformance-nccl-ep1.md"
+  mxw_tests 150 tests/test_cuda_nccl_block_scaled.py
+  TAIL=8 decode_bench default bf16
+  TAIL=8 decode_bench mxw0 bf16 MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=0
+  conformance_nccl_ep1 120
   ;;
 39)
   # (the day's ninth session) The mxfp8-weights GEMM with the x rows as the MMA's n8 B operand
@@ -775,12 +788,9 @@ case "$RUN" in
   i=0
   for lay in n8 m16 n8 m16; do
     i=$((i + 1))
-    TAIL=6 step "bench-cuda-nccl-decode-$i-$lay" 60 env MOE_EP_MXW_LAYOUT=$lay "$py" -m moe_ep_spec.cli \
-      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
-      --intermediate-format bf16 --op forward --json "$o/bench-cuda-nccl-decode-$i-$lay.json" --no-progress
+    TAIL=6 decode_bench "$i-$lay" bf16 MOE_EP_MXW_LAYOUT=$lay
   done
-  TAIL=4 step tests-cuda 100 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
-    -k "test_cuda_"
+  mxw_tests 100
   ;;
 40)
   # After run 39 (the n8 layout won; a fifth of its stalls were instruction-cache misses):
@@ -798,18 +808,11 @@ case "$RUN" in
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active" \
     .devbuild/moe_ep_gemm_check --mxfp8-weights-profile
   mxw_sass
-  for i in 1 2; do
-    TAIL=6 step "bench-cuda-nccl-decode-$i" 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
-      --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
-      --json "$o/bench-cuda-nccl-decode-$i.json" --no-progress
-  done
+  for i in 1 2; do TAIL=6 decode_bench "$i" bf16; done
   TAIL=30 step profile-decode 90 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 --format mxfp8 \
     --intermediate-format bf16 --iters 5 --top 20
-  TAIL=4 step tests-cuda 100 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
-    -k "test_cuda_"
-  TAIL=3 step conformance-nccl-ep1 150 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
-    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
-    --device cuda --report-md "$o/conformance-nccl-ep1.md"
+  mxw_tests 100
+  conformance_nccl_ep1 150
   ;;
 41)
   # After run 40 (a stage's fast/slow choice was per lane, so the .aligned MMAs diverged and
@@ -819,16 +822,9 @@ case "$RUN" in
   TAIL=40 mxw_gemm_check 150
   mxw_memcheck 120
   step sass-dump-few-rows 60 bash -c "cuobjdump --dump-sass --function '_ZN6moe_ep4cuda3mxw25mxfp8_weights_gemm_kernelINS1_6ConfigILi6ELi2ELi3EEEEEvNS0_16Mxfp8WeightsGemmE' .devbuild/moe_ep_gemm_check"
-  for i in 1 2; do
-    TAIL=6 step "bench-cuda-nccl-decode-$i" 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
-      --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
-      --json "$o/bench-cuda-nccl-decode-$i.json" --no-progress
-  done
-  TAIL=4 step tests-cuda 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
-    -k "test_cuda_"
-  TAIL=3 step conformance-nccl-ep1 150 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
-    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
-    --device cuda --report-md "$o/conformance-nccl-ep1.md"
+  for i in 1 2; do TAIL=6 decode_bench "$i" bf16; done
+  mxw_tests 150
+  conformance_nccl_ep1 150
   ;;
 42)
   # The mxfp8-weights GEMM applies the FC2 epilogue itself (router weight, combine round trip;
@@ -837,18 +833,11 @@ case "$RUN" in
   # profile, the CUDA tests and the cuda-nccl table at EP 1.
   TAIL=50 mxw_gemm_check 150
   mxw_memcheck 120
-  for i in 1 2; do
-    TAIL=6 step "bench-cuda-nccl-decode-$i" 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
-      --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
-      --json "$o/bench-cuda-nccl-decode-$i.json" --no-progress
-  done
+  for i in 1 2; do TAIL=6 decode_bench "$i" bf16; done
   TAIL=30 step profile-decode 90 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 --format mxfp8 \
     --intermediate-format bf16 --iters 5 --top 20
-  TAIL=4 step tests-cuda 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
-    tests/test_native_layer.py -k "test_cuda_"
-  TAIL=3 step conformance-nccl-ep1 150 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
-    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
-    --device cuda --report-md "$o/conformance-nccl-ep1.md"
+  mxw_tests 200 tests/test_native_layer.py
+  conformance_nccl_ep1 150
   ;;
 43)
   # The session's record: the checks and timings (FC2 with the fused epilogue alternated
@@ -867,16 +856,9 @@ case "$RUN" in
   # the CUDA tests of the mxfp8-weights forward and the layer, the cuda-nccl table at EP 1.
   TAIL=30 mxw_gemm_check 150
   mxw_memcheck 120
-  for i in 1 2; do
-    TAIL=6 step "bench-cuda-nccl-decode-$i" 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
-      --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
-      --json "$o/bench-cuda-nccl-decode-$i.json" --no-progress
-  done
-  TAIL=4 step tests-cuda 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
-    tests/test_native_layer.py -k "test_cuda_"
-  TAIL=3 step conformance-nccl-ep1 150 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
-    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
-    --device cuda --report-md "$o/conformance-nccl-ep1.md"
+  for i in 1 2; do TAIL=6 decode_bench "$i" bf16; done
+  mxw_tests 200 tests/test_native_layer.py
+  conformance_nccl_ep1 150
   ;;
 45)
   # Three x planes in one pass (FC2 of a float32 or mxfp8 intermediate, the bench's default
@@ -887,21 +869,14 @@ case "$RUN" in
   # the cuda-nccl table at EP 1.
   TAIL=40 mxw_gemm_check 150
   mxw_memcheck 120
-  TAIL=4 step tests-cuda 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_mxfp8_weights.py \
-    tests/test_native_layer.py -k "test_cuda_"
+  mxw_tests 200 tests/test_native_layer.py
   i=0
   for mx in 1 0 1; do
     i=$((i + 1))
-    TAIL=6 step "bench-cuda-nccl-decode-none-$i-mxw$mx" 60 env MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx "$py" -m moe_ep_spec.cli \
-      bench --device cuda --ep-size 1 --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 \
-      --intermediate-format none --op forward --json "$o/bench-cuda-nccl-decode-none-$i-mxw$mx.json" --no-progress
+    TAIL=6 decode_bench "none-$i-mxw$mx" none MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS=$mx
   done
-  TAIL=6 step bench-cuda-nccl-decode-bf16 60 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 \
-    --backend cuda-nccl --tokens 128 "${shape[@]}" --format mxfp8 --intermediate-format bf16 --op forward \
-    --json "$o/bench-cuda-nccl-decode-bf16.json" --no-progress
-  TAIL=3 step conformance-nccl-ep1 150 env MOE_EP_CUDA_NCCL_EXCHANGE=device MOE_EP_EXCHANGE_PEERS=nccl \
-    MOE_EP_LOAD_PLUGINS=reference,cuda-nccl "$py" -m moe_ep_spec.cli conformance --backend cuda-nccl --ep-size 1 \
-    --device cuda --report-md "$o/conformance-nccl-ep1.md"
+  TAIL=6 decode_bench bf16 bf16
+  conformance_nccl_ep1 150
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
