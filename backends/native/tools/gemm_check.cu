@@ -201,6 +201,13 @@ std::vector<int> spread_rows(int routes) {
   return rows;
 }
 
+// The groups' row offsets: off[0] = 0, off[g + 1] = off[g] + rows[g].
+std::vector<int32_t> offsets_of(const std::vector<int>& rows) {
+  std::vector<int32_t> off(rows.size() + 1, 0);
+  for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
+  return off;
+}
+
 int g_failures = 0;
 
 // One correctness check: layout, fixed dims, per-group row counts, extra rows past the
@@ -211,8 +218,7 @@ void check(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k,
   GroupedGemmProblem p;
   p.layout = layout;
   p.num_groups = static_cast<int32_t>(rows.size());
-  std::vector<int32_t> off(rows.size() + 1, 0);
-  for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
+  const std::vector<int32_t> off = offsets_of(rows);
   p.total_rows = off.back() + extra_rows;
   p.m = m;
   p.n = n;
@@ -316,8 +322,7 @@ void check_bf16_out(const char* name, int64_t n, int64_t k, const std::vector<in
   GroupedGemmProblem p;
   p.layout = GemmLayout::kNN;
   p.num_groups = static_cast<int32_t>(rows.size());
-  std::vector<int32_t> off(rows.size() + 1, 0);
-  for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
+  const std::vector<int32_t> off = offsets_of(rows);
   p.total_rows = off.back() + extra_rows;
   p.n = n;
   p.k = k;
@@ -378,8 +383,7 @@ void time_rows(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_
   p.layout = layout;
   const int groups = static_cast<int>(rows.size());
   p.num_groups = groups;
-  std::vector<int32_t> off(groups + 1, 0);
-  for (int g = 0; g < groups; ++g) off[g + 1] = off[g] + rows[g];
+  const std::vector<int32_t> off = offsets_of(rows);
   const int min_rows = *std::min_element(rows.begin(), rows.end()), max_rows = *std::max_element(rows.begin(), rows.end());
   p.total_rows = off.back();
   p.m = m;
@@ -567,8 +571,7 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
   p.k = k;
   p.accumulate = accumulate;
   p.passes_of_32 = passes_of_32;
-  std::vector<int32_t> off(rows.size() + 1, 0);
-  for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
+  const std::vector<int32_t> off = offsets_of(rows);
   const int64_t total_rows = off.back() + extra_rows;
   MxBuffers b = make_mx(p, off, total_rows, seed, planes);
   double* ref = device_alloc<double>(b.y_elems);
@@ -670,19 +673,17 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
 // scales, as a fraction of the copy's (read + write) bandwidth; and the bf16 grouped GEMM
 // on the same shape (its weights 2 bytes an element) for comparison; `launch` runs the
 // kernel (a variant's, for the variant timings, which skip the bf16 GEMM: with_bf16).
-// planes: x as that many bf16 planes, one launch for them all (mxfp8_weights_gemm), or with
-// planes_apart a launch a plane (x_planes 1, the later ones accumulating: what the layer ran
-// before).
+// planes: x as that many bf16 planes (launch mxfp8_weights_gemm_plane_by_plane for a launch a
+// plane).
 void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int sm_count,
                         bool passes_of_32 = false, MxLaunch launch = &moe_ep::cuda::mxfp8_weights_gemm,
-                        bool with_bf16 = true, int planes = 1, bool planes_apart = false) {
+                        bool with_bf16 = true, int planes = 1) {
   moe_ep::cuda::Mxfp8WeightsGemm p{};
   p.n = n;
   p.k = k;
   p.passes_of_32 = passes_of_32;
   const int experts = static_cast<int>(rows.size());
-  std::vector<int32_t> off(experts + 1, 0);
-  for (int e = 0; e < experts; ++e) off[e + 1] = off[e] + rows[e];
+  const std::vector<int32_t> off = offsets_of(rows);
   MxBuffers b = make_mx(p, off, off.back(), 11, planes);
   const int warmup = 3, iters = 20;
   cudaEvent_t t0, t1;
@@ -698,19 +699,7 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
     CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
     return static_cast<double>(ms) / iters;
   };
-  const double ms = timed([&] {
-    if (!planes_apart) {
-      CHECK_CUDA(launch(p, 0));
-      return;
-    }
-    moe_ep::cuda::Mxfp8WeightsGemm one = p;
-    one.x_planes = 1;
-    for (int pl = 0; pl < planes; ++pl) {
-      one.x = p.x + pl * p.x_plane_stride;
-      one.accumulate = pl > 0;
-      CHECK_CUDA(launch(one, 0));
-    }
-  });
+  const double ms = timed([&] { CHECK_CUDA(launch(p, 0)); });
   uint8_t* copy = device_alloc<uint8_t>(b.code_bytes);
   const double copy_ms =
       timed([&] { CHECK_CUDA(cudaMemcpyAsync(copy, b.codes, b.code_bytes, cudaMemcpyDeviceToDevice, 0)); });
@@ -750,8 +739,7 @@ void mxfp8_weights_profile_launches() {
   p.n = 4096;
   p.k = 7168;
   const std::vector<int> rows = spread_rows(1024);
-  std::vector<int32_t> off(rows.size() + 1, 0);
-  for (size_t e = 0; e < rows.size(); ++e) off[e + 1] = off[e] + rows[e];
+  const std::vector<int32_t> off = offsets_of(rows);
   MxBuffers b = make_mx(p, off, off.back(), 11);
   for (int i = 0; i < 3; ++i) {  // the first three: each kernel once
     CHECK_CUDA(kMxVariants[i].launch(p, 0));
@@ -811,9 +799,9 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
   // the three planes against a launch a plane, alternated.
   for (int i = 0; i < 2; ++i) {
     time_mxfp8_weights("FC2 spread, 3 planes apart", 7168, 2048, spread_rows(1024), sm_count, false,
-                       &moe_ep::cuda::mxfp8_weights_gemm, false, 3, true);
+                       &moe_ep::cuda::mxfp8_weights_gemm_plane_by_plane, false, 3);
     time_mxfp8_weights("FC2 spread, 3 planes, one pass", 7168, 2048, spread_rows(1024), sm_count, false,
-                       &moe_ep::cuda::mxfp8_weights_gemm, false, 3, false);
+                       &moe_ep::cuda::mxfp8_weights_gemm, false, 3);
   }
   for (const MxVariant& v : kMxVariants) {
     for (const bool fc1 : {true, false}) {
@@ -853,8 +841,7 @@ int initcheck_probe(int sm_count) {
     GroupedGemmProblem p;
     p.layout = GemmLayout::kNN;
     const std::vector<int> rows = {64, 200, 0, 33};
-    std::vector<int32_t> off(rows.size() + 1, 0);
-    for (size_t g = 0; g < rows.size(); ++g) off[g + 1] = off[g] + rows[g];
+    const std::vector<int32_t> off = offsets_of(rows);
     p.num_groups = static_cast<int32_t>(rows.size());
     p.total_rows = off.back();
     p.n = 256;

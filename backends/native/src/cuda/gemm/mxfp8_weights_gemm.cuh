@@ -446,6 +446,23 @@ inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStre
   return cudaGetLastError();
 }
 
+inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream);
+
+// p's x planes as a launch a plane (x_planes 1, the later ones accumulating): what
+// mxfp8_weights_gemm runs for three planes at more rows (moe_ep_gemm_check times it against
+// the one-pass kernel at few rows).
+inline cudaError_t mxfp8_weights_gemm_plane_by_plane(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
+  Mxfp8WeightsGemm one = p;
+  one.x_planes = 1;
+  for (int pl = 0; pl < (p.x_planes > 1 ? p.x_planes : 1); ++pl) {
+    one.x = p.x + pl * p.x_plane_stride;
+    one.accumulate = p.accumulate || pl > 0;
+    const cudaError_t err = mxfp8_weights_gemm(one, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 // The launch: the variant for p's rows an expert on average (total_rows / num_experts, on
 // the host; unknown counts as many), or passes of 32 rows; three x planes in one pass at
 // few rows, else a launch a plane.
@@ -454,15 +471,7 @@ inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t st
   if (p.x_planes == 3) {
     if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
     if (few && !p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Planes3Config>(p, stream);
-    Mxfp8WeightsGemm one = p;  // more rows: a plane a launch, the later ones accumulating
-    one.x_planes = 1;
-    for (int pl = 0; pl < 3; ++pl) {
-      one.x = p.x + pl * p.x_plane_stride;
-      one.accumulate = p.accumulate || pl > 0;
-      const cudaError_t err = mxfp8_weights_gemm(one, stream);
-      if (err != cudaSuccess) return err;
-    }
-    return cudaSuccess;
+    return mxfp8_weights_gemm_plane_by_plane(p, stream);
   }
   if (p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream);
   return few ? mxfp8_weights_gemm_launch<mxw::FewRowsConfig>(p, stream)
