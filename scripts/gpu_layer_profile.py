@@ -32,6 +32,10 @@ def main() -> None:
                              "forward only, as the spec differentiates plain inputs only)")
     parser.add_argument("--detail", action="store_true",
                         help="also the ops by input shape and by the Python lines that issued them (5 frames)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also one forward's kernels in launch order: start after the call's first kernel, "
+                             "duration and the idle gap before each (the call queued behind a GPU sleep, as the "
+                             "bench times it)")
     parser.add_argument("--intermediate-format", action="append", default=None,
                         help="repeatable; 'none' for the exact float32 FC2 operand (default: none and bf16)")
     args = parser.parse_args()
@@ -106,6 +110,8 @@ def main() -> None:
         print(f"== format {fmt}, intermediate_format {inter}: forward {times['forward']:.3f} ms "
               f"({flops / times['forward'] / 1e9:.0f} TFLOP/s)"
               + (f", forward+backward {times['forward+backward']:.3f} ms" if len(runs) > 1 else ""), flush=True)
+        if args.timeline:
+            print_timeline(fwd, profile, ProfilerActivity, torch)
         for name, fn in runs:
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=args.detail,
                          with_stack=args.detail) as prof:
@@ -124,6 +130,40 @@ def main() -> None:
                     sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=40), flush=True)
     cn.close_communicators()
     dist.destroy_process_group()
+
+
+def print_timeline(fn, profile, activity, torch) -> None:
+    """One call of ``fn`` queued behind a ~1 ms GPU sleep (so the host's launches do not
+    pace the GPU, as in the bench): each GPU kernel and copy in order with its start, duration and the
+    idle gap before it (microseconds), then the totals."""
+    import json
+    import tempfile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[activity.CUDA, activity.CPU]) as prof:
+        torch.cuda._sleep(2_000_000)
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    gpu = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    gpu.sort(key=lambda e: float(e["ts"]))
+    gpu = [e for e in gpu if "sleep" not in e["name"]]
+    if not gpu:
+        print("-- timeline: no GPU events", flush=True)
+        return
+    t0, end, busy, gaps = float(gpu[0]["ts"]), float(gpu[0]["ts"]), 0.0, 0.0
+    print("-- timeline of one forward (us): start, duration, idle gap before, kernel", flush=True)
+    for e in gpu:
+        ts, dur = float(e["ts"]), float(e["dur"])
+        gap = max(0.0, ts - end)
+        gaps += gap
+        busy += max(0.0, ts + dur - max(ts, end))
+        end = max(end, ts + dur)
+        print(f"{ts - t0:9.1f} {dur:8.1f} {gap:7.1f}  {e['name'][:110]}", flush=True)
+    print(f"-- span {end - t0:.1f} us: busy {busy:.1f}, idle gaps {gaps:.1f}, {len(gpu)} events", flush=True)
 
 
 if __name__ == "__main__":

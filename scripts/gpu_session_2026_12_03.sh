@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The device calls of 2026-12-03 (one H200), one per RUN, each under the call's 600 s:
+#   RUN=46: (the day's first session) where the decode forward's time goes outside its two
+#          GEMMs: one forward's kernels in order with the idle gaps between them (mxfp8, 128
+#          tokens, intermediate_format none and bf16); the mxfp8-weights GEMM with its grid's
+#          rows ordered by the experts' rows, most first (heavy first), checked and timed
+#          against the plain order, alternated; Nsight Compute's pipe use on FC1's spread.
+#   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+o="${OUT:-reports}/run${RUN:?RUN=46..}"; mkdir -p "$o"
+. scripts/device_env.sh
+. scripts/gpu_session_steps.sh
+case "$RUN" in
+46)
+  for inter in none bf16; do
+    TAIL=45 step "timeline-decode-$inter" 90 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 \
+      --format mxfp8 --intermediate-format "$inter" --iters 5 --top 24 --timeline
+  done
+  TAIL=60 mxw_gemm_check 200
+  TAIL=40 step ncu-mxw-pipes 120 ncu --clock-control none -k regex:mxfp8_weights_gemm_kernel -c 4 \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
+    --print-details all .devbuild/moe_ep_gemm_check --mxfp8-weights-profile
+  mxw_memcheck 150
+  for i in 1 2; do TAIL=6 decode_bench "$i" none; done
+  ;;
+*) echo "no RUN $RUN"; exit 2 ;;
+esac
