@@ -5,6 +5,11 @@
 #          tokens, intermediate_format none and bf16); the mxfp8-weights GEMM with its grid's
 #          rows ordered by the experts' rows, most first (heavy first), checked and timed
 #          against the plain order, alternated; Nsight Compute's pipe use on FC1's spread.
+#   RUN=47: after run 46 (heavy first was slower: FC1 0.661 against 0.714; the glue around the
+#          two GEMMs about 0.15 ms, of it 26 us in the five dispatch kernels and 22 us in the five
+#          combine kernels at one rank): the one-rank dispatch (two kernels) and combine (one):
+#          the decode bench, the timeline, the exchange's CUDA tests at EP 1 and 2 (errors
+#          included), the cuda-nccl table at EP 1.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +28,15 @@ case "$RUN" in
     --print-details all .devbuild/moe_ep_gemm_check --mxfp8-weights-profile
   mxw_memcheck 150
   for i in 1 2; do TAIL=6 decode_bench "$i" none; done
+  ;;
+47)
+  for i in 1 2; do TAIL=6 decode_bench "$i" none; done
+  TAIL=6 decode_bench bf16 bf16
+  TAIL=40 step timeline-decode-bf16 90 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 \
+    --format mxfp8 --intermediate-format bf16 --iters 5 --top 5 --timeline
+  TAIL=6 step tests-cuda-exchange 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
+    -k "test_cuda_loopback and (ep1 or ep2)"
+  conformance_nccl_ep1 150
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -73,7 +73,7 @@ def device_matches_static(rank: int, config, world_inputs, grad_outputs, combine
 
 
 def device_errors(rank: int, config, world_inputs, mutate: str, device: str, mode: str = "throughput") -> Dict[str, Any]:
-    """A bad id / overflow on rank 1 through the device exchange: NaN everywhere, check_errors raises."""
+    """A bad id / overflow on the last rank through the device exchange: NaN everywhere, check_errors raises."""
     import torch
 
     os.environ["MOE_EP_CUDA_NCCL_EXCHANGE_MODE"] = mode
@@ -85,7 +85,7 @@ def device_errors(rank: int, config, world_inputs, mutate: str, device: str, mod
         torch.cuda.set_device(0)
     act, fc1, fc2, idx, tw = _inputs(world_inputs, rank, dev, False)
     bad = idx.clone()
-    if rank == 1:
+    if rank == config.num_ranks - 1:
         if mutate == "expert_id":
             bad[0, 0] = config.num_experts + 3
         else:

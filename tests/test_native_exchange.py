@@ -477,7 +477,7 @@ EXCHANGE_MODES = pytest.mark.parametrize("mode", ["throughput", "low_latency"])
 
 
 @cuda
-@pytest.mark.parametrize("world_size,tokens", [(2, (12, 1)), (4, (5, 12, 3, 7))], ids=["ep2", "ep4"])
+@pytest.mark.parametrize("world_size,tokens", [(1, (9,)), (2, (12, 1)), (4, (5, 12, 3, 7))], ids=["ep1", "ep2", "ep4"])
 @pytest.mark.parametrize("combine", ["slot", "rank"])
 @EXCHANGE_MODES
 def test_cuda_loopback_device_exchange_on_one_gpu(world_size, tokens, combine, mode) -> None:
@@ -494,11 +494,14 @@ def test_cuda_loopback_device_exchange_on_one_gpu(world_size, tokens, combine, m
 
 
 @cuda
+@pytest.mark.parametrize("world_size", [1, 2], ids=["ep1", "ep2"])  # ep1: the one-rank kernels (no exchange)
 @pytest.mark.parametrize("mutate", ["expert_id", "overflow"])
 @EXCHANGE_MODES
-def test_cuda_loopback_errors(mutate, mode) -> None:
-    world, _ = _world(FRONT, 6, (12, 12))
-    results = _ok(run_ranks(XW.device_errors, 2, FRONT, world, mutate, "cuda", mode, timeout=300))
+def test_cuda_loopback_errors(world_size, mutate, mode) -> None:
+    # EP 1: 12 tokens x 3 routes all to expert 0 overflow recv_capacity 24.
+    config = FRONT if world_size == 2 else FRONT.replace(num_ranks=1, num_experts=4, recv_capacity=24)
+    world, _ = _world(config, 6, (12,) * world_size)
+    results = _ok(run_ranks(XW.device_errors, world_size, config, world, mutate, "cuda", mode, timeout=300))
     for res in results:
         assert res["all_nan"] and res["error"] and res["good_is_finite"], res
 

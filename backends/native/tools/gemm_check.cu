@@ -724,19 +724,12 @@ void time_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vecto
 struct MxVariant {
   const char* name;
   MxLaunch launch;
-  int planes = 1;  // x planes the variant takes (Config::kPlanes)
 };
 const MxVariant kMxVariants[] = {
     {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
     {"<8,3,2> default", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::DefaultConfig>},
     {"<6,3,2>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<6, 3, 2>>},
     {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
-    {"<6,2,3,1,heavy first>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<6, 2, 3, 1, true>>},
-    {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
-    {"<6,2,3,1,heavy first>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<6, 2, 3, 1, true>>},
-    {"<6,2,2,3,heavy first> planes", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<6, 2, 2, 3, true>>,
-     3},
-    {"<6,2,2,3> planes", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Planes3Config>, 3},
 };
 
 // --mxfp8-weights-profile: one launch of each variant at FC1's decode shape with the
@@ -748,7 +741,7 @@ void mxfp8_weights_profile_launches() {
   const std::vector<int> rows = spread_rows(1024);
   const std::vector<int32_t> off = offsets_of(rows);
   MxBuffers b = make_mx(p, off, off.back(), 11);
-  for (int i : {0, 1, 2, 4}) {  // each single-plane kernel once
+  for (int i = 0; i < 3; ++i) {  // the first three: each kernel once
     CHECK_CUDA(kMxVariants[i].launch(p, 0));
     CHECK_CUDA(cudaDeviceSynchronize());
     std::printf("profiled launch %d: %s\n", i, kMxVariants[i].name);
@@ -792,20 +785,14 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
   for (const MxVariant& v : kMxVariants) {
     g_mx_check_launch = v.launch;
     const std::string label = std::string("variant ") + v.name;
-    const int pl = v.planes;
-    check_mxfp8_weights(label.c_str(), 256, 512, {0, 1, 33, 0, 70, 7, 32, 45, 0, 129}, 5, true, MxPlant::kNone, 31,
-                        false, false, pl);
-    check_mxfp8_weights((label + ", NaN code").c_str(), 128, 1024, {40, 3, 17}, 0, false, MxPlant::kNanCode, 32, false,
-                        false, pl);
-    if (pl == 1)  // three planes take a float32 output only
-      check_mxfp8_weights((label + ", bf16 output").c_str(), 256, 512, {0, 1, 33, 0, 70, 7, 32, 45, 0, 129}, 5, false,
-                          MxPlant::kNone, 34, true);
+    check_mxfp8_weights(label.c_str(), 256, 512, {0, 1, 33, 0, 70, 7, 32, 45, 0, 129}, 5, true, MxPlant::kNone, 31);
+    check_mxfp8_weights((label + ", NaN code").c_str(), 128, 1024, {40, 3, 17}, 0, false, MxPlant::kNanCode, 32);
+    check_mxfp8_weights((label + ", bf16 output").c_str(), 256, 512, {0, 1, 33, 0, 70, 7, 32, 45, 0, 129}, 5, false,
+                        MxPlant::kNone, 34, true);
     check_mxfp8_weights((label + ", an inexact block").c_str(), 128, 1024, {40, 3, 17}, 0, false,
-                        MxPlant::kInexactBlock, 35, false, false, pl);
-    check_mxfp8_weights((label + ", scale sweep").c_str(), 128, 1024, {33, 50, 9}, 2, true, MxPlant::kScaleSweep, 36,
-                        false, false, pl);
-    check_mxfp8_weights((label + ", FC2 shape").c_str(), 7168, 2048, {32, 31, 1, 64}, 0, false, MxPlant::kNone, 33,
-                        false, false, pl);
+                        MxPlant::kInexactBlock, 35);
+    check_mxfp8_weights((label + ", scale sweep").c_str(), 128, 1024, {33, 50, 9}, 2, true, MxPlant::kScaleSweep, 36);
+    check_mxfp8_weights((label + ", FC2 shape").c_str(), 7168, 2048, {32, 31, 1, 64}, 0, false, MxPlant::kNone, 33);
   }
   g_mx_check_launch = &moe_ep::cuda::mxfp8_weights_gemm;
   // FC2 of a float32 or mxfp8 intermediate (three bf16 planes) at the spread: one pass for
@@ -818,10 +805,9 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
   }
   for (const MxVariant& v : kMxVariants) {
     for (const bool fc1 : {true, false}) {
-      if (fc1 && v.planes != 1) continue;  // FC1's x is one plane
       const std::string label = std::string(fc1 ? "FC1 spread " : "FC2 spread ") + v.name;
       time_mxfp8_weights(label.c_str(), fc1 ? 4096 : 7168, fc1 ? 7168 : 2048, spread_rows(1024), sm_count, false,
-                         v.launch, false, v.planes);
+                         v.launch, false);
     }
   }
 }

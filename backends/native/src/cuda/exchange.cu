@@ -19,10 +19,12 @@
 //             float32 row per source token, the routes here summed in slot
 //             order, or one row per route; y float32 or bf16) -> sync -> finish
 //             (one warp per (token, piece of H): the home rank's sum, NaN on any
-//             error) -> ack. One rank alone (N = 1) skips a pass: send writes the
-//             slot-order sums into the output itself (what finish would write:
-//             +0 + s is s for a sum s started at +0, and the slot rows' sum from +0
-//             is the same sum), and finish writes only an error's NaN.
+//             error) -> ack.
+// One rank alone (N = 1, either mode) exchanges nothing: the dispatch is dispatch_one_plan
+// (begin's prefix, send's route records and count table, sync's plan, in one block, no
+// flag or wait) -> place; the combine is one kernel, combine_one: send's slot-order sums
+// straight into the output (what finish would write: +0 + s is s for a sum s started at
+// +0, and the slot rows' sum from +0 is the same sum), and finish's NaN on an error.
 // That is the throughput mode (MOE_EP_EXCHANGE_THROUGHPUT); the low-latency mode runs the
 // same steps in one cooperative kernel per stage, grid barriers between them (dispatch_ll,
 // combine_ll).
@@ -186,9 +188,8 @@ __device__ void publish(const Dev& d, int64_t off, uint64_t value) {
 
 // ------------------------------------------------------------------ dispatch
 
-// One warp: the step number, this rank's token count, the send-side prefix, and the wait
-// for every receiver's acknowledgement of the previous step.
-__device__ void dispatch_begin_warp(const Dev& d, int64_t T) {
+// One warp: the step number, this rank's token count and the send-side prefix.
+__device__ void dispatch_prefix_warp(const Dev& d, int64_t T) {
   const int lane = threadIdx.x & 31;
   const uint64_t seq = d.l.seq[0] + 1;
   __syncwarp();  // every lane read the old step number
@@ -214,8 +215,15 @@ __device__ void dispatch_begin_warp(const Dev& d, int64_t T) {
     d.l.excl[g] = static_cast<int32_t>(run);
     run += d.l.counts[g];
   }
+}
+
+// One warp: dispatch_prefix_warp, then the wait for every receiver's acknowledgement of the
+// previous step.
+__device__ void dispatch_begin_warp(const Dev& d, int64_t T) {
+  dispatch_prefix_warp(d, T);
+  const uint64_t seq = d.l.seq[0];
   const int32_t err = wait_peers(d, d.L.disp_ack, [seq](uint64_t v) { return v + 1 >= seq; }, false);
-  if (lane == 0) *d.l.step_err = err;
+  if ((threadIdx.x & 31) == 0) *d.l.step_err = err;
 }
 
 __global__ void dispatch_begin(Dev d, int64_t T) {  // <<<1, 32>>>
@@ -771,6 +779,61 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   combine_finish_grid<kVec, O>(d, T, out, out_values, out_error);
 }
 
+// ------------------------------------------------------------------ one rank: no exchange
+
+// One rank alone (N = 1, either mode) has no peer to send to, wait for or acknowledge: the
+// dispatch is dispatch_one_plan (the prefix, the route records, the count table and the plan,
+// what dispatch_begin, dispatch_send and dispatch_sync compute, in one block, with no
+// flag, fence or wait) and then dispatch_place; the combine is combine_one (combine_send's
+// sums straight into the output, combine_finish's NaN and error, the routes' values). The
+// same results bit for bit as the five-kernel stages at N = 1 (those moved nothing either:
+// the rows stay in `tokens`, the sums go straight into the output), in two kernels instead
+// of five and one instead of five; no step flag changes (no peer reads them).
+
+__global__ void __launch_bounds__(kSyncThreads)
+    dispatch_one_plan(Dev d, int64_t T, const float* __restrict__ weights, int32_t* out_gs, int32_t* out_tpe,
+                      int32_t* out_error) {  // <<<1, kSyncThreads>>>
+  pdl_begin();
+  if (threadIdx.x < 32) {
+    dispatch_prefix_warp(d, T);
+    if (threadIdx.x == 0) *d.l.step_err = 0;
+  }
+  __syncthreads();  // the prefix and the step's error visible to the block
+  dispatch_send_grid(d, T, 0, nullptr, weights);  // route records and the count table (no row: p == rank)
+  __syncthreads();  // the table and the records written (the block's own global stores)
+  const int32_t* table = reinterpret_cast<const int32_t*>(d.own + d.L.table);
+  const int32_t err = plan_from_table_block(d, table, false, out_gs, out_tpe);
+  if (threadIdx.x == 0) {
+    *d.l.step_err = err;
+    atomicOr(d.l.sticky_err, err);
+    *out_error = err;
+  }
+}
+
+// Per own route: its value (row_values at its row) as combine_finish returns it at N = 1,
+// NaN on an error. A route with no row here has none: 0 (at N = 1 a routed route without a
+// row is an overflow, an error).
+__device__ void combine_one_values(const Dev& d, int64_t T, const float* __restrict__ row_values,
+                                   float* __restrict__ out_values) {
+  const int32_t err = *d.l.step_err;
+  const float nan = __int_as_float(0x7fc00000);
+  const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t r = gtid; r < T * d.s.K; r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t row = d.l.rowmap[r];
+    out_values[r] = err ? nan : (row >= 0 ? row_values[row] : 0.0f);
+  }
+}
+
+template <typename Y, bool kVecY, bool kVecOut, typename O>
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    combine_one(Dev d, int64_t T, const Y* __restrict__ y, const float* __restrict__ row_values, O* __restrict__ out,
+                float* __restrict__ out_values, int32_t* out_error) {
+  pdl_begin();
+  combine_send_grid<Y, kVecY, O>(d, y, nullptr, out);            // the sums (nothing on an error)
+  combine_finish_grid<kVecOut, O>(d, T, out, nullptr, out_error);  // an error's NaN rows; the error
+  if (out_values != nullptr) combine_one_values(d, T, row_values, out_values);
+}
+
 // ------------------------------------------------------------------ low latency: one kernel per stage
 
 // The low-latency mode runs a stage's steps in one cooperative kernel (every block resident,
@@ -906,6 +969,20 @@ moe_ep_status combine_ll_as(cudaStream_t st, const Exchange& x, const Dev& d, in
   return e == cudaSuccess ? MOE_EP_OK : launch_failed("combine_ll", e);
 }
 
+// The one-rank combine (combine_one) with 16-byte vectors where y and the output allow.
+template <typename Y, typename O>
+moe_ep_status combine_one_as(cudaStream_t st, const Exchange& x, const Dev& d, int64_t T, const void* y, O* out,
+                             const float* row_values, float* out_values, int32_t* out_error) {
+  const Y* rows = static_cast<const Y*>(y);
+  const bool vec_out = d.s.H % 4 == 0 && aligned16(out);
+  const bool vec_y = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) && vec_out;
+  auto* kernel = vec_y ? (vec_out ? combine_one<Y, true, true, O> : combine_one<Y, true, false, O>)
+                       : (vec_out ? combine_one<Y, false, true, O> : combine_one<Y, false, false, O>);
+  MOE_EP_EX_LAUNCH("combine_one", kernel, static_cast<unsigned>(x.num_blocks), kCopyThreads, st, d, T, rows,
+                   row_values, out, out_values, out_error);
+  return MOE_EP_OK;
+}
+
 Dev make_dev(const Exchange& x) {
   Dev d;
   d.s = x.shape;
@@ -1011,6 +1088,13 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
                           int32_t* out_tpe, int32_t* out_error) {
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
+  if (d.s.N == 1) {  // one rank: no exchange (either mode)
+    MOE_EP_EX_LAUNCH("dispatch_one_plan", dispatch_one_plan, 1, kSyncThreads, st, d, T, weights, out_gs, out_tpe,
+                     out_error);
+    MOE_EP_EX_LAUNCH("dispatch_place", dispatch_place, static_cast<unsigned>(x.num_blocks), kCopyThreads, st, d,
+                     row_bytes, static_cast<const char*>(tokens), static_cast<char*>(out_tokens), out_w, out_meta);
+    return MOE_EP_OK;
+  }
   if (x.mode == MOE_EP_EXCHANGE_LOW_LATENCY) {
     const cudaError_t e = launch_cooperative(dispatch_ll, x.ll_blocks, st, d, T, row_bytes,
                                              static_cast<const char*>(tokens), weights, static_cast<char*>(out_tokens),
@@ -1032,6 +1116,16 @@ moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const void*
                          bool out_bf16, const float* row_values, float* out_values, int32_t* out_error) {
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
+  if (d.s.N == 1) {  // one rank: no exchange (either mode)
+    if (out_bf16) {
+      uint16_t* o = static_cast<uint16_t*>(out);
+      return y_bf16 ? combine_one_as<uint16_t>(st, x, d, T, y, o, row_values, out_values, out_error)
+                    : combine_one_as<float>(st, x, d, T, y, o, row_values, out_values, out_error);
+    }
+    float* o = static_cast<float*>(out);
+    return y_bf16 ? combine_one_as<uint16_t>(st, x, d, T, y, o, row_values, out_values, out_error)
+                  : combine_one_as<float>(st, x, d, T, y, o, row_values, out_values, out_error);
+  }
   if (x.mode == MOE_EP_EXCHANGE_LOW_LATENCY) {
     if (out_bf16) {
       uint16_t* o = static_cast<uint16_t*>(out);

@@ -98,16 +98,13 @@ struct Stage {
 // A kernel variant: kMaxNt, the n8 tiles of x rows a pass holds at most (a pass: up to
 // 8 kMaxNt rows of one expert, the weights read once); kStages, the cp.async pipeline's
 // depth; kMinBlocks, the blocks an SM should hold (__launch_bounds__'s register budget);
-// kPlanes, the x planes a pass multiplies (Mxfp8WeightsGemm::x_planes: 1 or 3); kHeavyFirst,
-// the grid's rows of blocks given to the experts in order of their rows, most first
-// (expert_of_block), instead of expert e at row e.
-template <int kMaxNt_, int kStages_, int kMinBlocks_, int kPlanes_ = 1, bool kHeavyFirst_ = false>
+// kPlanes, the x planes a pass multiplies (Mxfp8WeightsGemm::x_planes: 1 or 3).
+template <int kMaxNt_, int kStages_, int kMinBlocks_, int kPlanes_ = 1>
 struct Config {
   static constexpr int kMaxNt = kMaxNt_;
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kPlanes = kPlanes_;
-  static constexpr bool kHeavyFirst = kHeavyFirst_;
   static constexpr int kMaxRows = 8 * kMaxNt_;
 };
 // The rows an expert on average (Mxfp8WeightsGemm::total_rows / num_experts) up to which
@@ -382,31 +379,6 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* st
     }
 }
 
-// The experts a heavy-first launch orders (expert_of_block): up to this many; more keep
-// expert e at the grid's row e.
-constexpr int kMaxOrderedExperts = 256;
-
-// The expert of the grid's row `row` of blocks when the rows go to the experts in order of
-// their rows (off[e + 1] - off[e]), most first, ties by expert index: the row-th in that
-// order. The hardware starts blocks about in the order of their index, so the experts
-// whose passes take longest start first and the last wave is one of short blocks (a
-// longest-first list schedule). Every thread of the block calls it (a barrier inside).
-__device__ __forceinline__ int expert_of_block(const int32_t* off, int num_experts, int row) {
-  __shared__ int s_rows[kMaxOrderedExperts];
-  __shared__ int s_expert;
-  if (num_experts > kMaxOrderedExperts) return row;
-  for (int t = static_cast<int>(threadIdx.x); t < num_experts; t += kThreads) s_rows[t] = off[t + 1] - off[t];
-  __syncthreads();
-  for (int t = static_cast<int>(threadIdx.x); t < num_experts; t += kThreads) {
-    const int mine = s_rows[t];
-    int before = 0;
-    for (int j = 0; j < num_experts; ++j) before += (s_rows[j] > mine) || (s_rows[j] == mine && j < t);
-    if (before == row) s_expert = t;  // exactly one t: the order is a permutation
-  }
-  __syncthreads();
-  return s_expert;
-}
-
 // Grid (N / kTileN, E), kThreads threads, smem_bytes<Cfg>() of dynamic shared memory.
 // Lane = 4 g + q: g picks the row of an n8 tile (or of an m16 tile's halves), q the quad of
 // k. Each pass takes as many n8 tiles as the expert's remaining rows need, up to
@@ -417,8 +389,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) mxfp8_weights_gemm_
   static_assert(kMaxNt == 4 || kMaxNt == 6 || kMaxNt == 8, "the passes below");
   extern __shared__ __align__(16) unsigned char smem[];
   StageOf<Cfg>* stages = reinterpret_cast<StageOf<Cfg>*>(smem);
-  int e = static_cast<int>(blockIdx.y);
-  if constexpr (Cfg::kHeavyFirst) e = expert_of_block(p.off, p.num_experts, e);
+  const int e = static_cast<int>(blockIdx.y);
   const int64_t r0 = p.off[e], r1 = p.off[e + 1];
   const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
   for (int64_t m0 = r0; m0 < r1;) {
