@@ -10,6 +10,8 @@
 #          combine kernels at one rank): the one-rank dispatch (two kernels) and combine (one):
 #          the decode bench, the timeline, the exchange's CUDA tests at EP 1 and 2 (errors
 #          included), the cuda-nccl table at EP 1.
+#   RUN=48: the exchange's EP 1 CUDA tests with their configuration mended (run 47's failed on
+#          a recv_capacity below the good routing's rows).
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +39,10 @@ case "$RUN" in
   TAIL=6 step tests-cuda-exchange 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
     -k "test_cuda_loopback and (ep1 or ep2)"
   conformance_nccl_ep1 150
+  ;;
+48)
+  TAIL=6 step tests-cuda-exchange-ep1 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
+    -k "test_cuda_loopback and ep1"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -481,7 +481,8 @@ EXCHANGE_MODES = pytest.mark.parametrize("mode", ["throughput", "low_latency"])
 @pytest.mark.parametrize("combine", ["slot", "rank"])
 @EXCHANGE_MODES
 def test_cuda_loopback_device_exchange_on_one_gpu(world_size, tokens, combine, mode) -> None:
-    config = FRONT.replace(num_ranks=world_size, num_experts=4 * world_size, recv_capacity=24 * world_size)
+    # EP 1: the one-rank kernels (no exchange); 9 tokens x 3 routes on 4 experts take up to 39 aligned rows.
+    config = FRONT.replace(num_ranks=world_size, num_experts=4 * world_size, recv_capacity=max(48, 24 * world_size))
     world, grads = _world(config, 21, tokens)
     results = _ok(run_ranks(XW.device_matches_static, world_size, config, world, grads, combine, False, "cuda", mode,
                             timeout=300))
@@ -494,12 +495,14 @@ def test_cuda_loopback_device_exchange_on_one_gpu(world_size, tokens, combine, m
 
 
 @cuda
-@pytest.mark.parametrize("world_size", [1, 2], ids=["ep1", "ep2"])  # ep1: the one-rank kernels (no exchange)
-@pytest.mark.parametrize("mutate", ["expert_id", "overflow"])
+@pytest.mark.parametrize("world_size,mutate", [(1, "expert_id"), (2, "expert_id"), (2, "overflow")],
+                         ids=["ep1-expert_id", "ep2-expert_id", "ep2-overflow"])
 @EXCHANGE_MODES
 def test_cuda_loopback_errors(world_size, mutate, mode) -> None:
-    # EP 1: 12 tokens x 3 routes all to expert 0 overflow recv_capacity 24.
-    config = FRONT if world_size == 2 else FRONT.replace(num_ranks=1, num_experts=4, recv_capacity=24)
+    # EP 1 (the one-rank kernels): a bad id only. One rank's all-to-one routes need no more aligned
+    # rows than its good routes may (12 x 3 routes on 4 experts: 36 against up to 48), so the
+    # overflow case needs the second rank's rows.
+    config = FRONT if world_size == 2 else FRONT.replace(num_ranks=1, num_experts=4, recv_capacity=48)
     world, _ = _world(config, 6, (12,) * world_size)
     results = _ok(run_ranks(XW.device_errors, world_size, config, world, mutate, "cuda", mode, timeout=300))
     for res in results:
