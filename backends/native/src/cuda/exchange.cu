@@ -975,8 +975,9 @@ moe_ep_status combine_one_as(cudaStream_t st, const Exchange& x, const Dev& d, i
                              const float* row_values, float* out_values, int32_t* out_error) {
   const Y* rows = static_cast<const Y*>(y);
   const bool vec_out = d.s.H % 4 == 0 && aligned16(out);
+  // Vector rows of y only with a vector output (combine_send writes the sums into it).
   const bool vec_y = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) && vec_out;
-  auto* kernel = vec_y ? (vec_out ? combine_one<Y, true, true, O> : combine_one<Y, true, false, O>)
+  auto* kernel = vec_y ? combine_one<Y, true, true, O>
                        : (vec_out ? combine_one<Y, false, true, O> : combine_one<Y, false, false, O>);
   MOE_EP_EX_LAUNCH("combine_one", kernel, static_cast<unsigned>(x.num_blocks), kCopyThreads, st, d, T, rows,
                    row_values, out, out_values, out_error);
