@@ -12,6 +12,8 @@
 #          included), the cuda-nccl table at EP 1.
 #   RUN=48: the exchange's EP 1 CUDA tests with their configuration mended (run 47's failed on
 #          a recv_capacity below the good routing's rows).
+#   RUN=49: compute-sanitizer on the one-rank kernels: memcheck and racecheck on the EP 1
+#          exchange timing (128 tokens, both modes), memcheck on the EP 1 exchange tests.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +45,16 @@ case "$RUN" in
 48)
   TAIL=6 step tests-cuda-exchange-ep1 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
     -k "test_cuda_loopback and ep1"
+  ;;
+49)
+  for tool in memcheck racecheck; do
+    TAIL=8 step "sanitizer-exchange-ep1-$tool" 150 compute-sanitizer --tool "$tool" --target-processes all \
+      --report-api-errors no --error-exitcode 9 "$py" scripts/gpu_exchange_check.py --time --tokens 128 \
+      --mode throughput --mode low_latency
+  done
+  TAIL=8 step sanitizer-memcheck-tests-ep1 200 compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_native_exchange.py -k "test_cuda_loopback and ep1 and throughput"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
