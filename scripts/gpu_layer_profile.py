@@ -147,7 +147,8 @@ def print_timeline(fn, profile, activity, torch) -> None:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as trace_file:
+            trace = json.load(trace_file)
     gpu = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     gpu.sort(key=lambda e: float(e["ts"]))
     gpu = [e for e in gpu if "sleep" not in e["name"]]
