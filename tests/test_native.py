@@ -220,6 +220,48 @@ def test_permute_rows_rejects_a_route_out_of_range_and_writes_nothing():
         host.permute_rows(tokens, np.array([0, 4], np.int32), num_topk=2)
 
 
+def test_record_step_ors_the_bits_and_keeps_the_most_aligned_rows():
+    call = moe_ep_native._capi.call
+    record = np.array([0b0100, 40], np.int64)
+    err = np.array([0b0001], np.int32)
+    tpe = np.array([0, 1, 7, 8, 9], np.int32)  # aligned to 8: 0 + 8 + 8 + 8 + 16 = 40
+    call("moe_ep_record_step", 0, None, err.ctypes.data, tpe.ctypes.data, 5, 8, record.ctypes.data)
+    assert record.tolist() == [0b0101, 40], "the bits OR-ed in; 40 rows is not above the record's 40"
+    tpe[0] = 3  # one more aligned slab of 8
+    err[0] = 0
+    call("moe_ep_record_step", 0, None, err.ctypes.data, tpe.ctypes.data, 5, 8, record.ctypes.data)
+    assert record.tolist() == [0b0101, 48], "no bits cleared; the record rises to this step's 48 rows"
+    call("moe_ep_record_step", 0, None, err.ctypes.data, tpe.ctypes.data, 5, 1, record.ctypes.data)
+    assert record.tolist() == [0b0101, 48], "alignment 1: 28 rows, below the record"
+
+
+def test_record_step_on_cuda_gives_the_cpu_records():
+    torch = pytest.importorskip("torch")
+    if not (moe_ep_native.has_cuda() and torch.cuda.is_available()):
+        pytest.skip("needs a CUDA build of the native core and a GPU")
+    call = moe_ep_native._capi.call
+    rng = np.random.default_rng(8)
+    steps = [(int(rng.integers(0, 16)), rng.integers(0, 40, size=300).astype(np.int32), a) for a in (1, 8, 8, 128)]
+    host_rec = np.array([0, 0], np.int64)
+    dev_rec = torch.zeros(2, dtype=torch.int64, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream or None
+    for bits, tpe, a in steps:
+        err = np.array([bits], np.int32)
+        call("moe_ep_record_step", 0, None, err.ctypes.data, tpe.ctypes.data, tpe.size, a, host_rec.ctypes.data)
+        err_d, tpe_d = torch.from_numpy(err).cuda(), torch.from_numpy(tpe).cuda()
+        call("moe_ep_record_step", 1, stream, err_d.data_ptr(), tpe_d.data_ptr(), tpe.size, a, dev_rec.data_ptr())
+        assert dev_rec.cpu().tolist() == host_rec.tolist(), f"after a step of bits {bits}, alignment {a}"
+
+
+def test_record_step_rejects_a_bad_alignment_and_writes_nothing():
+    record = np.array([3, 5], np.int64)
+    err, tpe = np.array([1], np.int32), np.array([9], np.int32)
+    with pytest.raises(NativeArgumentError, match=r"alignment must be >= 1; got 0"):
+        moe_ep_native._capi.call("moe_ep_record_step", 0, None, err.ctypes.data, tpe.ctypes.data, 1, 0,
+                                 record.ctypes.data)
+    assert record.tolist() == [3, 5]
+
+
 def test_combine_reduce_sums_in_slot_order_and_skips_unused_slots():
     rng = np.random.default_rng(4)
     t, k, h = 9, 3, 16

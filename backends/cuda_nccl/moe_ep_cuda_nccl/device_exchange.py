@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from moe_ep_native import _capi as C
 from moe_ep_native import exchange as X
 from moe_ep_native.layer import layer_config
 from moe_ep_spec import errors as E
@@ -255,11 +256,15 @@ def _received_parts(rows: torch.Tensor, layout: List[Tuple[torch.dtype, Tuple[in
 
 
 def _record(config: MoeEpConfig, group: Any, err: torch.Tensor, tpe: torch.Tensor) -> None:
+    """One step into the group's static-mode flags (:func:`moe_ep_cuda_nccl.static.error_flags`):
+    ``err`` ``[1] int32`` (a stage's error bits) OR-ed into ``flags[0]``, this rank's aligned
+    rows (``tpe`` ``[E_local] int32``: routes per local expert) into the maximum ``flags[1]``:
+    one native kernel (``moe_ep_record_step``), no host synchronisation."""
     flags = static.error_flags(group, err.device)
-    flags[0:1].bitwise_or_(err.to(torch.int64).reshape(1))
-    a = config.expert_alignment
-    aligned = ((tpe.to(torch.int64) + (a - 1)) // a * a).sum().reshape(1)  # this rank's aligned rows
-    torch.maximum(flags[1:2], aligned, out=flags[1:2])
+    tpe32 = tpe.to(torch.int32).contiguous()
+    dev, stream = where(err)
+    C.call("moe_ep_record_step", dev, stream, ptr(err), ptr(tpe32), int(tpe32.numel()), config.expert_alignment,
+           ptr(flags))
 
 
 def forward(

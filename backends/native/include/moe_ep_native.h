@@ -52,8 +52,8 @@ extern "C" {
 #endif
 
 /** Bumped on any incompatible change of a signature or a struct below, and when an entry
- *  point is added (ABI 3, 4, 5, 6): a binding built for N calls the entry points of N. */
-#define MOE_EP_NATIVE_ABI_VERSION 6
+ *  point is added (ABI 3, 4, 5, 6, 7): a binding built for N calls the entry points of N. */
+#define MOE_EP_NATIVE_ABI_VERSION 7
 
 typedef enum {
   MOE_EP_OK = 0,
@@ -220,6 +220,21 @@ MOE_EP_API moe_ep_status moe_ep_plan_routes(moe_ep_device device, void* stream, 
                                             int64_t num_tokens, int64_t num_topk, int64_t num_experts,
                                             int32_t* send_route, int32_t* route_pos, int32_t* route_expert,
                                             int32_t* counts);
+
+/**
+ * One step's entry in a front-end's persistent error record (the record a host reads and
+ * clears with one synchronisation, e.g. the PyTorch front-end's static-mode flags):
+ *   record[0] |= *error;
+ *   record[1]  = max(record[1], sum over le of align_up(tokens_per_expert[le], alignment)).
+ *   error:             [1] int32: a step's error bits (a dispatch's or combine's out_error).
+ *   tokens_per_expert: [num_local_experts] int32: a dispatch's routes per local expert (>= 0).
+ *   record:            [2] int64 in/out: the OR of the error bits, the most aligned rows seen.
+ * num_local_experts >= 1, alignment >= 1. CUDA: one kernel, nothing allocated, capturable.
+ * Added in ABI 7 (a new entry point; no struct changed).
+ */
+MOE_EP_API moe_ep_status moe_ep_record_step(moe_ep_device device, void* stream, const int32_t* error,
+                                            const int32_t* tokens_per_expert, int64_t num_local_experts,
+                                            int64_t alignment, int64_t* record);
 
 /**
  * Permute token rows into send order: dst[i] = tokens[send_route[i] / num_topk]

@@ -15,7 +15,7 @@ __all__ = ["ABI_VERSION", "Format", "Status", "DType", "ExpertDesc", "LayerConfi
            "abi_version", "has_cuda", "has_nccl", "build_info"]
 
 #: The ABI this binding was written for (MOE_EP_NATIVE_ABI_VERSION).
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 #: Set to a file path to load that library instead of the installed one.
 LIBRARY_ENV = "MOE_EP_NATIVE_LIBRARY"
@@ -170,6 +170,7 @@ _PROTOTYPES = {
     "moe_ep_dequantize_bf16_rows": (_I32, [_I32, _P, _I32, _P, _I64, _P, _I64, _I64, _I64, _P, _P]),
     "moe_ep_dequantize_bf16_gather": (_I32, [_I32, _P, _I32, _P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P]),
     "moe_ep_plan_routes": (_I32, [_I32, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P]),
+    "moe_ep_record_step": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P]),
     "moe_ep_permute_rows": (_I32, [_I32, _P, _P, _I64, _I64, _I64, _P, _I64, _P]),
     "moe_ep_combine_reduce": (_I32, [_I32, _P, _P, _I64, _P, _I64, _I64, _I64, _P]),
     "moe_ep_combine_reduce_bf16": (_I32, [_I32, _P, _P, _I64, _P, _I64, _I64, _I64, _P]),

@@ -394,6 +394,19 @@ moe_ep_status moe_ep_plan_routes(moe_ep_device device, void* stream, const int32
                                       route_expert, counts))
 }
 
+moe_ep_status moe_ep_record_step(moe_ep_device device, void* stream, const int32_t* error,
+                                 const int32_t* tokens_per_expert, int64_t num_local_experts, int64_t alignment,
+                                 int64_t* record) {
+  const Check ck{"moe_ep_record_step"};
+  MOE_EP_TRY(check_device(ck, device, stream));
+  MOE_EP_TRY(ck.positive("num_local_experts", num_local_experts));
+  MOE_EP_TRY(ck.positive("alignment", alignment));
+  MOE_EP_TRY(ck.ptr("error", error, 1, 4));
+  MOE_EP_TRY(ck.ptr("tokens_per_expert", tokens_per_expert, num_local_experts, 4));
+  MOE_EP_TRY(ck.ptr("record", record, 2, 8));
+  MOE_EP_DISPATCH(device, record_step(stream, error, tokens_per_expert, num_local_experts, alignment, record))
+}
+
 moe_ep_status moe_ep_permute_rows(moe_ep_device device, void* stream, const void* tokens, int64_t num_tokens,
                                   int64_t num_topk, int64_t row_bytes, const int32_t* send_route, int64_t num_rows,
                                   void* dst) {

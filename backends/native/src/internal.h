@@ -129,6 +129,8 @@ inline size_t backward_workspace_bytes(const moe_ep_expert_desc& d) { return bac
   moe_ep_status plan_routes(void* stream, const int32_t* topk_idx, int64_t num_tokens, int64_t num_topk,           \
                             int64_t num_experts, int32_t* send_route, int32_t* route_pos, int32_t* route_expert,    \
                             int32_t* counts);                                                                      \
+  moe_ep_status record_step(void* stream, const int32_t* error, const int32_t* tokens_per_expert,                  \
+                            int64_t num_local_experts, int64_t alignment, int64_t* record);                         \
   moe_ep_status permute_rows(void* stream, const void* tokens, int64_t num_tokens, int64_t num_topk,               \
                              int64_t row_bytes, const int32_t* send_route, int64_t num_rows, void* dst);           \
   moe_ep_status combine_reduce(void* stream, const float* rows, int64_t num_rows, const int32_t* route_pos,        \
@@ -232,6 +234,12 @@ moe_ep_status nan_on_error(void* stream, const int32_t* error, void* p, int64_t 
 // `rows`: zero (the padding rows of an exchange's slabs). One block per group: only padding is touched.
 moe_ep_status zero_padding_rows(void* stream, const int32_t* off, const int32_t* valid, int64_t groups, uint16_t* x,
                                 int64_t rows, int64_t n);
+// An exchange layer's experts forward finished in one kernel: with *error == 0, zero_padding_rows
+// of the stash (stash [rows, stash_cols] bf16, NULL: none); otherwise y [y_count] of y_dtype and
+// the whole stash NaN (what zero_padding_rows and then nan_on_error on both give).
+moe_ep_status finish_forward(void* stream, const int32_t* error, const int32_t* off, const int32_t* valid,
+                             int64_t groups, uint16_t* stash, int64_t rows, int64_t stash_cols, void* y,
+                             int64_t y_count, int32_t y_dtype);
 }  // namespace cuda
 #endif
 

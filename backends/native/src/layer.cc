@@ -416,8 +416,17 @@ moe_ep_status check_forward_outputs(const Check& ck, const moe_ep_layer* l, int6
 // After an experts forward: the stash's padding rows zero and, after a failed dispatch, the
 // outputs NaN (zero_stash_padding, nan_on_dispatch_error).
 moe_ep_status finish_forward(const moe_ep_layer* l, void* stream, int64_t C, void* y, uint16_t* fc1_c) {
-  MOE_EP_TRY(zero_stash_padding(l, stream, fc1_c, C));
   const bool bf16_out = l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  if (is_cuda(l)) {  // both in one kernel
+    if (l->ex == nullptr || l->ex->last_tokens < 0) return MOE_EP_OK;
+    return cuda::finish_forward(stream, l->ex->loc.step_err, l->ex->loc.off, l->ex->loc.nloc,
+                                l->desc.num_local_experts, fc1_c, C, 2 * l->desc.intermediate, y,
+                                y != nullptr ? C * l->desc.hidden : 0,
+                                bf16_out ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32);
+  }
+#endif
+  MOE_EP_TRY(zero_stash_padding(l, stream, fc1_c, C));
   return nan_on_dispatch_error(l, stream,
                                {{y, C * l->desc.hidden, bf16_out ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32},
                                 {fc1_c, C * 2 * l->desc.intermediate, MOE_EP_DTYPE_BF16}});

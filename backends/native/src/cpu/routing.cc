@@ -47,6 +47,18 @@ moe_ep_status plan_routes(void*, const int32_t* topk_idx, int64_t num_tokens, in
   return MOE_EP_OK;
 }
 
+moe_ep_status record_step(void*, const int32_t* error, const int32_t* tokens_per_expert, int64_t num_local_experts,
+                          int64_t alignment, int64_t* record) {
+  int64_t rows = 0;
+  for (int64_t le = 0; le < num_local_experts; ++le) {
+    const int64_t n = tokens_per_expert[le];
+    rows += (n + alignment - 1) / alignment * alignment;
+  }
+  record[0] |= static_cast<int64_t>(*error);
+  record[1] = std::max(record[1], rows);
+  return MOE_EP_OK;
+}
+
 moe_ep_status permute_rows(void*, const void* tokens, int64_t num_tokens, int64_t num_topk, int64_t row_bytes,
                            const int32_t* send_route, int64_t num_rows, void* dst) {
   const int64_t routes = num_tokens * num_topk;

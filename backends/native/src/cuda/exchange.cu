@@ -790,16 +790,42 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
 // the rows stay in `tokens`, the sums go straight into the output), in two kernels instead
 // of five and one instead of five; no step flag changes (no peer reads them).
 
-__global__ void __launch_bounds__(kSyncThreads)
+// What dispatch_send_grid writes at N = 1 (rank 0; no row moves), spread over one block as
+// one thread per route rather than one warp per token: every token's destination ranks and
+// rank list, the count-table row and every route's record (the same values).
+__device__ void dispatch_one_records_block(const Dev& d, int64_t T, const float* __restrict__ weights) {
+  const ex::Shape& s = d.s;
+  for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
+    int32_t* dest = d.l.route_dest + t * s.K;
+    for (int64_t k = 0; k < s.K; ++k) dest[k] = d.l.route_expert[t * s.K + k] >= 0 ? 0 : -1;
+    ex::token_ranks(dest, s.K, d.l.tok_ranks + t * s.K);
+  }
+  int32_t* table = reinterpret_cast<int32_t*>(d.own + d.L.table);
+  for (int64_t j = threadIdx.x; j < s.E + 2; j += blockDim.x)
+    table[j] = j <= s.E ? d.l.counts[j] : static_cast<int32_t>(T);
+  RouteMeta* meta = reinterpret_cast<RouteMeta*>(d.own + d.L.dmeta);
+  for (int64_t r = threadIdx.x; r < T * s.K; r += blockDim.x) {
+    const int32_t g = d.l.route_expert[r];
+    RouteMeta m{-1, 0, 0.0f, 0};
+    if (g >= 0) {  // every expert is this rank's (El == E)
+      m.le = g;
+      m.pos = d.l.route_pos[r] - d.l.excl[g];
+      m.w = weights[r];
+    }
+    meta[r] = m;
+  }
+}
+
+__global__ void __launch_bounds__(kCopyThreads)
     dispatch_one_plan(Dev d, int64_t T, const float* __restrict__ weights, int32_t* out_gs, int32_t* out_tpe,
-                      int32_t* out_error) {  // <<<1, kSyncThreads>>>
+                      int32_t* out_error) {  // <<<1, kCopyThreads>>>
   pdl_begin();
   if (threadIdx.x < 32) {
     dispatch_prefix_warp(d, T);
     if (threadIdx.x == 0) *d.l.step_err = 0;
   }
   __syncthreads();  // the prefix and the step's error visible to the block
-  dispatch_send_grid(d, T, 0, nullptr, weights);  // route records and the count table (no row: p == rank)
+  dispatch_one_records_block(d, T, weights);  // route records and the count table
   __syncthreads();  // the table and the records written (the block's own global stores)
   const int32_t* table = reinterpret_cast<const int32_t*>(d.own + d.L.table);
   const int32_t err = plan_from_table_block(d, table, false, out_gs, out_tpe);
@@ -1090,7 +1116,7 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
   if (d.s.N == 1) {  // one rank: no exchange (either mode)
-    MOE_EP_EX_LAUNCH("dispatch_one_plan", dispatch_one_plan, 1, kSyncThreads, st, d, T, weights, out_gs, out_tpe,
+    MOE_EP_EX_LAUNCH("dispatch_one_plan", dispatch_one_plan, 1, kCopyThreads, st, d, T, weights, out_gs, out_tpe,
                      out_error);
     MOE_EP_EX_LAUNCH("dispatch_place", dispatch_place, static_cast<unsigned>(x.num_blocks), kCopyThreads, st, d,
                      row_bytes, static_cast<const char*>(tokens), static_cast<char*>(out_tokens), out_w, out_meta);

@@ -815,6 +815,41 @@ moe_ep_status zero_padding_rows(void* stream, const int32_t* off, const int32_t*
   return MOE_EP_OK;
 }
 
+__global__ void finish_forward_kernel(const int32_t* __restrict__ error, const int32_t* __restrict__ off,
+                                      const int32_t* __restrict__ valid, int64_t groups, uint16_t* __restrict__ stash,
+                                      int64_t rows, int64_t cols, void* __restrict__ y, int64_t y_count, bool y_bf16) {
+  const int64_t tid = blockIdx.x * int64_t{blockDim.x} + threadIdx.x, nthreads = int64_t{gridDim.x} * blockDim.x;
+  if (*error != 0) {  // everything NaN, the stash's padding included
+    const int64_t s_count = stash != nullptr ? rows * cols : 0;
+    for (int64_t t = tid; t < y_count; t += nthreads) {
+      if (y_bf16) static_cast<uint16_t*>(y)[t] = 0x7FC0;
+      else static_cast<float*>(y)[t] = __int_as_float(0x7fc00000);
+    }
+    for (int64_t t = tid; t < s_count; t += nthreads) stash[t] = 0x7FC0;
+    return;
+  }
+  if (stash == nullptr) return;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {  // a block per group: only padding is touched
+    const int64_t end = min(static_cast<int64_t>(off[g + 1]), rows);
+    const int64_t start = min(static_cast<int64_t>(off[g]) + valid[g], end);
+    for (int64_t t = start * cols + threadIdx.x; t < end * cols; t += blockDim.x) stash[t] = 0;
+  }
+}
+
+moe_ep_status finish_forward(void* stream, const int32_t* error, const int32_t* off, const int32_t* valid,
+                             int64_t groups, uint16_t* stash, int64_t rows, int64_t stash_cols, void* y,
+                             int64_t y_count, int32_t y_dtype) {
+  const int64_t s_count = stash != nullptr ? rows * stash_cols : 0;
+  if (y_count + s_count == 0) return MOE_EP_OK;
+  // Enough blocks for the NaN pass (a no-op when there is no error) and one per group.
+  const unsigned blocks = std::max(std::min(blocks_for(y_count + s_count), 1024u),
+                                   static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>(groups, 1), 65535)));
+  finish_forward_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(error, off, valid, groups, stash, rows, stash_cols,
+                                                                    y, y_count, y_dtype == MOE_EP_DTYPE_BF16);
+  MOE_EP_CUDA_CHECK_LAUNCH("finish_forward_kernel");
+  return MOE_EP_OK;
+}
+
 moe_ep_status device_alloc(int cuda_device, size_t bytes, void** out) {
   *out = nullptr;
   if (bytes == 0) return MOE_EP_OK;

@@ -830,6 +830,41 @@ moe_ep_status plan_routes(void* stream, const int32_t* topk_idx, int64_t num_tok
   return MOE_EP_OK;
 }
 
+namespace {
+
+constexpr int kRecordThreads = 256;
+
+// moe_ep_record_step: one block sums the aligned counts, thread 0 updates the record.
+__global__ void __launch_bounds__(kRecordThreads)
+    record_step_kernel(const int32_t* __restrict__ error, const int32_t* __restrict__ tpe, int64_t n,
+                       int64_t alignment, int64_t* record) {
+  __shared__ int64_t s_part[kRecordThreads / 32];
+  int64_t rows = 0;
+  for (int64_t le = threadIdx.x; le < n; le += blockDim.x) {
+    const int64_t c = tpe[le];
+    rows += (c + alignment - 1) / alignment * alignment;
+  }
+  for (int o = 16; o > 0; o >>= 1) rows += __shfl_xor_sync(0xffffffffu, rows, o);
+  if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = rows;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t all = 0;
+    for (int w = 0; w < kRecordThreads / 32; ++w) all += s_part[w];
+    record[0] |= static_cast<int64_t>(*error);
+    record[1] = all > record[1] ? all : record[1];
+  }
+}
+
+}  // namespace
+
+moe_ep_status record_step(void* stream, const int32_t* error, const int32_t* tokens_per_expert,
+                          int64_t num_local_experts, int64_t alignment, int64_t* record) {
+  record_step_kernel<<<1, kRecordThreads, 0, as_stream(stream)>>>(error, tokens_per_expert, num_local_experts,
+                                                                   alignment, record);
+  MOE_EP_CUDA_CHECK_LAUNCH("record_step_kernel");
+  return MOE_EP_OK;
+}
+
 moe_ep_status permute_rows(void* stream, const void* tokens, int64_t num_tokens, int64_t num_topk, int64_t row_bytes,
                            const int32_t* send_route, int64_t num_rows, void* dst) {
   if (num_rows == 0 || row_bytes == 0) return MOE_EP_OK;
