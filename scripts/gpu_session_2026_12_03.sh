@@ -14,6 +14,11 @@
 #          a recv_capacity below the good routing's rows).
 #   RUN=49: compute-sanitizer on the one-rank kernels: memcheck and racecheck on the EP 1
 #          exchange timing (128 tokens, both modes), memcheck on the EP 1 exchange tests.
+#   RUN=50: (the day's third session) the decode glue cut: dispatch_one_plan over one thread
+#          per route, the error record in one kernel (moe_ep_record_step), the forward's
+#          finish in one kernel: the EP 1 exchange timing (both modes), the exchange's CUDA
+#          tests at EP 1 and 2, the record's CUDA test, the cuda-nccl table at EP 1, the
+#          decode bench (none twice, bf16), the timeline, memcheck on the EP 1 tests.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +60,20 @@ case "$RUN" in
   TAIL=8 step sanitizer-memcheck-tests-ep1 200 compute-sanitizer --tool memcheck --target-processes all \
     --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
     tests/test_native_exchange.py -k "test_cuda_loopback and ep1 and throughput"
+  ;;
+50)
+  for i in 1 2; do TAIL=6 decode_bench "$i" none; done
+  TAIL=6 decode_bench bf16 bf16
+  TAIL=40 step timeline-decode-bf16 90 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 \
+    --format mxfp8 --intermediate-format bf16 --iters 5 --top 5 --timeline
+  TAIL=14 step exchange-ep1-timing 90 "$py" scripts/gpu_exchange_check.py --time --tokens 128 \
+    --mode throughput --mode low_latency
+  TAIL=6 step tests-cuda-record-exchange 240 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native.py \
+    tests/test_native_exchange.py -k "record_step or (test_cuda_loopback and (ep1 or ep2))"
+  conformance_nccl_ep1 150
+  TAIL=8 step sanitizer-memcheck-ep1 120 compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native.py \
+    tests/test_native_exchange.py -k "record_step or (test_cuda_loopback and ep1 and throughput)"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
