@@ -72,6 +72,34 @@ def device_matches_static(rank: int, config, world_inputs, grad_outputs, combine
     return res
 
 
+def round_trip_places_agree(rank: int, config, world_inputs, grad_outputs, combine: str, device: str,
+                            mode: str = "throughput") -> Dict[str, Any]:
+    """The device exchange's forward and backward with an mxfp8 combine_format's round trip
+    done by the experts stage (MOE_EP_CUDA_NCCL_ROUND_TRIP=experts) and by the combine as it
+    reads the rows (=combine): the outputs of both, and the round-trip setting of every
+    exchange layer this ran on."""
+    import torch
+
+    os.environ["MOE_EP_CUDA_NCCL_COMBINE"] = combine
+    os.environ["MOE_EP_CUDA_NCCL_EXCHANGE_MODE"] = mode
+    from moe_ep_cuda_nccl import api
+    from moe_ep_cuda_nccl import device_exchange as D
+
+    group = torch.distributed.group.WORLD
+    dev = torch.device("cuda:0") if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    g = torch.from_numpy(grad_outputs[rank].astype(np.float32)).to(dev)
+    res: Dict[str, Any] = {}
+    for where in ("experts", "combine"):
+        os.environ[D.ROUND_TRIP_ENV] = where
+        res[where] = _run(api.DEVICE_OPS, config, group, _inputs(world_inputs, rank, dev, False), g)
+    res["round_trip_in_combine"] = sorted({layer.combine_round_trip for _, layer in D._LAYERS.values()})
+    api.check_errors(config)
+    api.close_communicators()
+    return res
+
+
 def device_errors(rank: int, config, world_inputs, mutate: str, device: str, mode: str = "throughput") -> Dict[str, Any]:
     """A bad id / overflow on the last rank through the device exchange: NaN everywhere, check_errors raises."""
     import torch

@@ -300,9 +300,14 @@ def test_cpu_twin_combine_checks_the_alignment_of_y_by_its_dtype() -> None:
                     with pytest.raises(NativeArgumentError, match=r"must be aligned to 4 bytes; got an address 2"):
                         layer.combine(None, 2, base + 2, _ptr(out), y_bf16=False)
                 layer.combine(None, 2, base, _ptr(out), y_bf16=bf16)
-            with pytest.raises(NativeArgumentError, match=r"y_dtype must be MOE_EP_DTYPE_F32 \(0\) or "
-                                                          r"MOE_EP_DTYPE_BF16 \(1\); got 7"):
+            with pytest.raises(NativeArgumentError, match=r"y_dtype must be MOE_EP_DTYPE_F32 \(0\), "
+                                                          r"MOE_EP_DTYPE_BF16 \(1\) or MOE_EP_Y_F32_MXFP8_ROUND_TRIP "
+                                                          r"\(2\); got 7"):
                 call("moe_ep_layer_combine", layer._handle, None, 2, base, 7, _ptr(out), 0, None, None, None)
+            with pytest.raises(NativeArgumentError, match=r"hidden must be a multiple of 128 with y_dtype "
+                                                          r"MOE_EP_Y_F32_MXFP8_ROUND_TRIP .*; got 8"):
+                layer.combine(None, 2, base, _ptr(out), y_round_trip=True)
+            layer.combine(None, 2, base, _ptr(out), y_bf16=bf16)  # the refused calls changed nothing
             with pytest.raises(NativeArgumentError, match=r"out_dtype must be MOE_EP_DTYPE_F32 \(0\) or "
                                                           r"MOE_EP_DTYPE_BF16 \(1\); got 5"):
                 call("moe_ep_layer_combine", layer._handle, None, 2, base, 0, _ptr(out), 5, None, None, None)
@@ -433,6 +438,31 @@ def test_front_end_device_exchange_equals_the_static_mode_on_cpu(world_size, tok
     _compare(results, exact_keys=set(results[0]["static"][0]))  # slot order: everything bit for bit
 
 
+def _check_round_trip_places(results) -> None:
+    for rank, res in enumerate(results):
+        assert res["round_trip_in_combine"] == [False, True], (
+            f"rank {rank}: exchange layers with the round trip in the combine {res['round_trip_in_combine']}; "
+            "want one of each (experts, combine)"
+        )
+        for key, want in res["experts"].items():
+            assert np.array_equal(res["combine"][key], want, equal_nan=True), (
+                f"rank {rank}: {key} with the round trip in the combine differs from the experts stage's"
+            )
+
+
+# An mxfp8 combine format whose blocks the combine reads a warp's 128 columns at a time.
+ROUND_TRIP = FRONT.replace(hidden=128, combine_format="mxfp8")
+
+
+@pytest.mark.parametrize("world_size,tokens", [(1, (9,)), (2, (12, 5))], ids=["ep1", "ep2"])
+@pytest.mark.parametrize("combine", ["slot", "rank"])
+def test_front_end_round_trip_in_the_combine_is_bit_for_bit_on_cpu(world_size, tokens, combine) -> None:
+    config = ROUND_TRIP.replace(num_ranks=world_size, num_experts=4 * world_size, recv_capacity=max(48, 24 * world_size))
+    world, grads = _world(config, 31, tokens)
+    _check_round_trip_places(_ok(run_ranks(XW.round_trip_places_agree, world_size, config, world, grads, combine,
+                                           "cpu")))
+
+
 def test_front_end_rank_sums_stay_close_and_fixed_parts_are_exact_on_cpu() -> None:
     world, grads = _world(FRONT, 12, (12, 9))
     results = _ok(run_ranks(XW.device_matches_static, 2, FRONT, world, grads, "rank", False, "cpu"))
@@ -492,6 +522,18 @@ def test_cuda_loopback_device_exchange_on_one_gpu(world_size, tokens, combine, m
         assert res["modes"] == [MODES[mode]], f"rank {rank} ran exchange layers of modes {res['modes']}, not {mode}"
     # The exchange is exact; CUDA's float32 kernels against the CPU ones are compared within tolerance.
     _compare(results, exact_keys={"route_metadata"})
+
+
+@cuda
+@pytest.mark.parametrize("world_size,tokens", [(1, (9,)), (2, (12, 5))], ids=["ep1", "ep2"])
+@pytest.mark.parametrize("combine", ["slot", "rank"])
+@EXCHANGE_MODES
+def test_cuda_loopback_round_trip_in_the_combine_is_bit_for_bit(world_size, tokens, combine, mode) -> None:
+    # combine_one (EP 1), combine_send (EP 2, throughput), combine_ll (EP 2, low latency); slot: copy_piece.
+    config = ROUND_TRIP.replace(num_ranks=world_size, num_experts=4 * world_size, recv_capacity=max(48, 24 * world_size))
+    world, grads = _world(config, 32, tokens)
+    _check_round_trip_places(_ok(run_ranks(XW.round_trip_places_agree, world_size, config, world, grads, combine,
+                                           "cuda", mode, timeout=300)))
 
 
 @cuda

@@ -55,7 +55,7 @@ from moe_ep_torch.api import _check, _check_group
 from . import static
 from .prims import TIMEOUT_ENV, NativePrimitives, mxfp8_weights_forward, mxfp8_weights_path, operands, ptr, where
 
-__all__ = ["EXCHANGE_ENV", "COMBINE_ENV", "MODE_ENV", "enabled", "forward", "backward", "backward_and_metadata", "move", "close"]
+__all__ = ["EXCHANGE_ENV", "COMBINE_ENV", "MODE_ENV", "ROUND_TRIP_ENV", "enabled", "forward", "backward", "backward_and_metadata", "move", "close"]
 
 #: ``device``: every ``host_sync=False`` call uses the device exchange (default ``nccl``: the static mode's NCCL
 #: exchange), and so does every call of the world-level backend (:mod:`moe_ep_cuda_nccl.device_world`).
@@ -66,6 +66,11 @@ COMBINE_ENV = "MOE_EP_CUDA_NCCL_COMBINE"
 SMS_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE_SMS"
 #: Where the peers' memory comes from: ``auto`` (default), ``nccl`` (NCCL symmetric memory) or ``ipc`` (CUDA IPC).
 PEERS_ENV = "MOE_EP_EXCHANGE_PEERS"
+#: Where an mxfp8 ``combine_format``'s round trip of the expert outputs happens: ``combine`` (default: the
+#: combine puts each row through it as it reads it, one pass over the rows fewer; needs ``hidden % 128 == 0``,
+#: otherwise ``experts``) or ``experts`` (the experts stage rounds the rows, the combine sums them). The same
+#: results, bit for bit.
+ROUND_TRIP_ENV = "MOE_EP_CUDA_NCCL_ROUND_TRIP"
 #: How a stage runs on CUDA: ``throughput`` (default: five kernels chained with programmatic dependent launch)
 #: or ``low_latency`` (one cooperative kernel per stage, for few tokens); the same results, bit for bit.
 MODE_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE_MODE"
@@ -125,6 +130,18 @@ def _peers() -> str:
     return value
 
 
+def _combine_round_trip(config: MoeEpConfig) -> bool:
+    """Whether the layer's combine applies an mxfp8 ``combine_format``'s round trip as it reads
+    the expert outputs (``MOE_EP_CUDA_NCCL_ROUND_TRIP``): the layer is then made with
+    ``combine_format`` none, its experts stage leaves the rows unrounded, and the forward's
+    combine reads them as ``Y_F32_MXFP8_ROUND_TRIP``."""
+    value = os.environ.get(ROUND_TRIP_ENV, "combine")
+    if value not in ("combine", "experts"):
+        raise E.ConfigError(f"{ROUND_TRIP_ENV} must be 'combine' or 'experts'; got {value!r}", field=ROUND_TRIP_ENV,
+                            value=value)
+    return value == "combine" and config.combine_format is MoeFormat.MXFP8 and config.hidden % 128 == 0
+
+
 def _bf16_rows(config: MoeEpConfig) -> bool:
     """Whether the expert-output rows travel as bf16: combine_format bf16, or nvfp4, whose
     round-tripped values are bf16 values too (E2M1 x E4M3: at most 6 significant bits, 2^-10
@@ -139,7 +156,8 @@ def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, to
     order = _combine_order()
     peers = _peers()
     mode = _mode()
-    key = (config, cuda_device, bf16, token_bytes, order, mode, group.group_name, id(group))
+    round_trip = _combine_round_trip(config)
+    key = (config, cuda_device, bf16, token_bytes, order, mode, round_trip, group.group_name, id(group))
     with _LOCK:
         entry = _LAYERS.get(key)
         if entry is not None:
@@ -154,6 +172,8 @@ def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, to
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     base = layer_config(config, max_rows=int(config.recv_capacity), cuda_device=cuda_device, bf16_operands=bf16,
                         with_backward=True, bf16_expert_out=_bf16_rows(config))
+    if round_trip:  # the combine rounds the rows (see _combine_round_trip)
+        base.combine_format = int(C.Format.NONE)
     cfg = X.with_exchange(
         base, num_ranks=n, rank=rank, num_topk=config.num_topk, max_tokens=int(config.max_tokens_per_rank),
         token_bytes=token_bytes + 4 * config.hidden, expert_alignment=config.expert_alignment,
@@ -161,6 +181,7 @@ def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, to
         combine_order=order, mode=mode,
     )
     layer = X.ExchangeLayer(cfg)
+    layer.combine_round_trip = round_trip  # what the forward's combine passes (the layer's key holds it)
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = dist.PrefixStore(f"moe_ep_cuda_nccl_exchange/{group.group_name}/{gen}/", _get_default_store())
@@ -300,7 +321,7 @@ def forward(
     out = torch.empty((t, h), dtype=torch.bfloat16 if bf16_out else torch.float32, device=device)
     cerr = torch.empty(1, dtype=torch.int32, device=device)  # the dispatch's bits and a combine timeout
     layer.combine(stream, t, ptr(y), ptr(out), None, None, ptr(cerr), y_bf16=layer.bf16_expert_out,
-                  out_bf16=bf16_out)  # NaN on any error
+                  out_bf16=bf16_out, y_round_trip=layer.combine_round_trip)  # NaN on any error
     _record(config, group, cerr, tpe)
     return {"output": out if bf16_out else prims.encode_output(config, out), "fc1_c": c, "route_metadata": meta}
 

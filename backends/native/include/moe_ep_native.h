@@ -687,7 +687,8 @@ MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream
  *   y:           [C, H] y_dtype: rows as dispatched (padding rows never read).
  *   y_dtype:     MOE_EP_DTYPE_F32, or MOE_EP_DTYPE_BF16 (bf16 bit patterns: e.g. the rows of
  *                experts_forward with expert_out_dtype bf16); sums are float32 either way,
- *                the same numbers for the same values.
+ *                the same numbers for the same values. Or MOE_EP_Y_F32_MXFP8_ROUND_TRIP:
+ *                float32 rows each put through mxfp8's round trip as the combine reads them.
  *   out:         [T, H] out_dtype out: the sums (+0 for a token with no route), float32, or
  *                their bf16 encoding (nearest, ties to even: the output encoding for bf16).
  *   out_dtype:   MOE_EP_DTYPE_F32 or MOE_EP_DTYPE_BF16.
@@ -698,6 +699,16 @@ MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream
  * of the output cotangent rows, dispatch_backward a combine of the row
  * cotangents with the router-weight cotangents as row_values.
  */
+/*
+ * y_dtype of moe_ep_layer_combine: float32 rows of which the combine puts each through mxfp8's
+ * round trip (docs/spec.md section 8) as it reads it, the sums then as for the round-tripped
+ * rows in float32, bit for bit. An mxfp8 combine_format's rounding done by the combine rather
+ * than by the experts forward: a layer made with combine_format MOE_EP_FORMAT_NONE writes y
+ * unrounded, and this combine rounds it, one pass over y fewer. hidden must be a multiple of
+ * 128; on CUDA y and out must be 16-byte aligned. Added in ABI 7.
+ */
+#define MOE_EP_Y_F32_MXFP8_ROUND_TRIP 2
+
 MOE_EP_API moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t num_tokens, const void* y,
                                               int32_t y_dtype, void* out, int32_t out_dtype, const float* row_values,
                                               float* out_values, int32_t* out_error);

@@ -43,7 +43,7 @@ from .layer import Layer
 
 __all__ = [
     "BAD_EXPERT_ID", "OVERFLOW", "TIMEOUT", "RANK_SUMS", "SLOT_ORDER", "THROUGHPUT", "LOW_LATENCY", "MODES",
-    "IPC_HANDLE_BYTES", "with_exchange",
+    "IPC_HANDLE_BYTES", "Y_F32_MXFP8_ROUND_TRIP", "with_exchange",
     "PROVIDERS", "ExchangeLayer", "Loopback", "NcclPeers", "connect_loopback", "connect_nccl", "connect",
 ]
 
@@ -60,6 +60,8 @@ THROUGHPUT = 0
 LOW_LATENCY = 1
 #: The modes by name.
 MODES = {"throughput": THROUGHPUT, "low_latency": LOW_LATENCY}
+#: y_dtype of moe_ep_layer_combine (ABI 7): float32 rows each put through mxfp8's round trip as they are read.
+Y_F32_MXFP8_ROUND_TRIP = 2
 #: MOE_EP_IPC_HANDLE_BYTES.
 IPC_HANDLE_BYTES = 64
 #: The peer providers :func:`connect` takes.
@@ -187,12 +189,18 @@ class ExchangeLayer(Layer):
              out_tokens, out_weights, out_route_metadata, out_group_sizes, out_tokens_per_expert, out_error)
 
     def combine(self, stream, num_tokens, y, out, row_values=None, out_values=None, out_error=None,
-                y_bf16: bool = False, out_bf16: bool = False) -> None:
+                y_bf16: bool = False, out_bf16: bool = False, y_round_trip: bool = False) -> None:
         """``moe_ep_layer_combine``: ``y`` ``[C, H]`` float32 rows, or bf16 bit patterns
-        with ``y_bf16`` (e.g. the rows of a layer made with ``bf16_expert_out``);
+        with ``y_bf16`` (e.g. the rows of a layer made with ``bf16_expert_out``), or
+        float32 rows that the combine puts through mxfp8's round trip as it reads them
+        with ``y_round_trip`` (:data:`Y_F32_MXFP8_ROUND_TRIP`: ``hidden % 128 == 0``);
         ``out`` ``[T, H]`` float32, or bf16 with ``out_bf16``."""
+        if y_bf16 and y_round_trip:
+            raise DTypeError("combine: y_round_trip reads float32 rows; y_bf16 must be False with it",
+                             name="y", expected="float32 rows", got="bf16 rows")
         dt = lambda bf16: int(DType.BF16 if bf16 else DType.F32)  # noqa: E731
-        call("moe_ep_layer_combine", self._handle, stream, num_tokens, y, dt(y_bf16), out, dt(out_bf16), row_values,
+        y_dtype = Y_F32_MXFP8_ROUND_TRIP if y_round_trip else dt(y_bf16)
+        call("moe_ep_layer_combine", self._handle, stream, num_tokens, y, y_dtype, out, dt(out_bf16), row_values,
              out_values, out_error)
 
     def status(self, stream: Optional[int] = None, clear: bool = False) -> int:

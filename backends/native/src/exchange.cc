@@ -157,12 +157,16 @@ float y_value(const uint16_t* y, int64_t i) { return cpu::bf16_to_float(y[i]); }
 void put_out(float* out, int64_t i, float v) { out[i] = v; }
 void put_out(uint16_t* out, int64_t i, float v) { out[i] = cpu::bf16_from_float(v); }
 
+// round_trip (float32 y only): each route's row through mxfp8's round trip as it is read
+// (MOE_EP_Y_F32_MXFP8_ROUND_TRIP), into a copy of the token's K rows.
 template <typename Y, typename O>
 moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, O* out, const float* row_values,
-                          float* out_values, int32_t* out_error) {
+                          float* out_values, int32_t* out_error, bool round_trip) {
   const ex::Shape& s = x.shape;
   const ex::SymLayout& L = x.sym;
   const ex::Local& l = x.loc;
+  std::vector<float> rt_rows(round_trip ? static_cast<size_t>(s.K * s.H) : 0);
+  std::vector<uint8_t> rt_data, rt_scale;
   const uint64_t seq = ++l.seq[1];
   int32_t err = *l.step_err;
   err |= wait_all(x, L.comb_ack, [&](uint64_t v) { return v >= seq - 1; }, nullptr);
@@ -173,20 +177,32 @@ moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, O* out, const floa
       float* cvals = reinterpret_cast<float*>(base + L.cvals);
       for (int64_t t = 0; t < l.tsrc[src]; ++t) {
         const int32_t* rm = l.rowmap + (src * s.Tmax + t) * s.K;
+        if (round_trip) {
+          for (int64_t k = 0; k < s.K; ++k) {
+            if (rm[k] < 0) continue;
+            float* row = rt_rows.data() + k * s.H;
+            for (int64_t h = 0; h < s.H; ++h) row[h] = y_value(y, rm[k] * s.H + h);
+            MOE_EP_TRY(cpu::round_trip_row(MOE_EP_FORMAT_MXFP8, row, s.H, &rt_data, &rt_scale));
+          }
+        }
+        // Route k's element h as the combine reads it.
+        const auto value = [&](int64_t k, int64_t h) {
+          return round_trip ? rt_rows[static_cast<size_t>(k * s.H + h)] : y_value(y, rm[k] * s.H + h);
+        };
         bool has = false;
         for (int64_t k = 0; k < s.K; ++k) {
           if (rm[k] < 0) continue;
           has = true;
           if (row_values != nullptr) cvals[t * s.K + k] = row_values[rm[k]];
           if (s.order == 1)
-            for (int64_t h = 0; h < s.H; ++h) crows[(k * s.Tmax + t) * s.H + h] = y_value(y, rm[k] * s.H + h);
+            for (int64_t h = 0; h < s.H; ++h) crows[(k * s.Tmax + t) * s.H + h] = value(k, h);
         }
         if (s.order == 1 || !has) continue;
         float* dst = crows + (static_cast<int64_t>(s.rank) * s.Tmax + t) * s.H;
         for (int64_t h = 0; h < s.H; ++h) {
           float acc = 0.0f;
           for (int64_t k = 0; k < s.K; ++k)
-            if (rm[k] >= 0) acc += y_value(y, rm[k] * s.H + h);
+            if (rm[k] >= 0) acc += value(k, h);
           dst[h] = acc;
         }
       }
@@ -520,10 +536,14 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
     return ck.bad("num_tokens must be the last dispatch's T = " + std::to_string(x->last_tokens),
                   std::to_string(num_tokens));
   const moe_ep::ex::Shape& s = x->shape;
-  if (y_dtype != MOE_EP_DTYPE_F32 && y_dtype != MOE_EP_DTYPE_BF16)
-    return ck.bad("y_dtype must be MOE_EP_DTYPE_F32 (0) or MOE_EP_DTYPE_BF16 (1)", std::to_string(y_dtype));
-  const bool y_bf16 = y_dtype == MOE_EP_DTYPE_BF16;
+  if (y_dtype != MOE_EP_DTYPE_F32 && y_dtype != MOE_EP_DTYPE_BF16 && y_dtype != MOE_EP_Y_F32_MXFP8_ROUND_TRIP)
+    return ck.bad("y_dtype must be MOE_EP_DTYPE_F32 (0), MOE_EP_DTYPE_BF16 (1) or MOE_EP_Y_F32_MXFP8_ROUND_TRIP (2)",
+                  std::to_string(y_dtype));
+  const bool y_bf16 = y_dtype == MOE_EP_DTYPE_BF16, y_rt = y_dtype == MOE_EP_Y_F32_MXFP8_ROUND_TRIP;
   MOE_EP_TRY(ck.ptr("y", y_rows, s.C * s.H, y_bf16 ? 2 : 4));
+  if (y_rt && s.H % 128 != 0)
+    return ck.bad("hidden must be a multiple of 128 with y_dtype MOE_EP_Y_F32_MXFP8_ROUND_TRIP (whole mxfp8 blocks "
+                  "a warp's 128 columns)", std::to_string(s.H));
   if (out_dtype != MOE_EP_DTYPE_F32 && out_dtype != MOE_EP_DTYPE_BF16)
     return ck.bad("out_dtype must be MOE_EP_DTYPE_F32 (0) or MOE_EP_DTYPE_BF16 (1)", std::to_string(out_dtype));
   const bool out_bf16 = out_dtype == MOE_EP_DTYPE_BF16;
@@ -534,17 +554,22 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
   }
   if (out_error != nullptr) MOE_EP_TRY(ck.ptr("out_error", out_error, 1, 4));
 #ifdef MOE_EP_NATIVE_WITH_CUDA
-  if (x->cuda)
-    return moe_ep::cuda::ex_combine(stream, *x, num_tokens, y_rows, y_bf16, out, out_bf16, row_values, out_values,
+  if (x->cuda) {
+    if (y_rt && (reinterpret_cast<uintptr_t>(y_rows) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0))
+      return ck.bad("y and out must be 16-byte aligned with y_dtype MOE_EP_Y_F32_MXFP8_ROUND_TRIP on CUDA",
+                    "y at " + std::to_string(reinterpret_cast<uintptr_t>(y_rows) % 16) + ", out at " +
+                        std::to_string(reinterpret_cast<uintptr_t>(out) % 16) + " bytes past a multiple of 16");
+    return moe_ep::cuda::ex_combine(stream, *x, num_tokens, y_rows, y_dtype, out, out_bf16, row_values, out_values,
                                     out_error);
+  }
 #endif
   moe_ep::cpu::IeeeFpEnv fp_env;
   const auto run = [&](auto* typed_out) {
     if (y_bf16)
       return moe_ep::cpu_combine(*x, num_tokens, static_cast<const uint16_t*>(y_rows), typed_out, row_values,
-                                 out_values, out_error);
+                                 out_values, out_error, false);
     return moe_ep::cpu_combine(*x, num_tokens, static_cast<const float*>(y_rows), typed_out, row_values, out_values,
-                               out_error);
+                               out_error, y_rt);
   };
   if (out_bf16) return run(static_cast<uint16_t*>(out));
   return run(static_cast<float*>(out));

@@ -581,12 +581,25 @@ __device__ __forceinline__ void store(uint16_t* p, const float (&v)[V]) {
   }
 }
 
+// kRt: float32 rows of y that still need mxfp8's round trip (MOE_EP_Y_F32_MXFP8_ROUND_TRIP): each
+// lane's four values through it as they are read, the block's maximum agreed by its eight lanes
+// (the FC2 epilogue's round trip, the same values: fc2_epilogue_block_vec4_kernel). Every lane of
+// the warp must take part (H a multiple of 128: ex_combine checks it), and whether a row is read
+// must be the same in all of them (one token a warp).
+template <typename C, bool kRt>
+__device__ __forceinline__ void round_trip_read(float (&v)[C::V]) {
+  if constexpr (kRt) {
+    static_assert(C::V == 4 && std::is_same<typename C::Elem, float>::value, "the round trip reads float4 rows");
+    detail::mxfp8_round_trip_cvt4(detail::group_block_max<8>(v), v);
+  }
+}
+
 // acc = (((+0 + r_0) + r_1) + ...) over the rows r_j = row(j), j < n, that are not
-// NULL, in that order (float32, round to nearest), at the C::V elements from h;
-// the loads of kSumBatch rows are in flight at once.
+// NULL, in that order (float32, round to nearest), at the C::V elements from h (kRt: each
+// row's values through round_trip_read first); the loads of kSumBatch rows are in flight at once.
 constexpr int kSumBatch = 4;
 
-template <typename C, typename Row>
+template <typename C, bool kRt = false, typename Row>
 __device__ __forceinline__ void sum_rows(int64_t n, Row row, int64_t h, float (&acc)[C::V]) {
 #pragma unroll
   for (int u = 0; u < C::V; ++u) acc[u] = 0.0f;
@@ -604,14 +617,15 @@ __device__ __forceinline__ void sum_rows(int64_t n, Row row, int64_t h, float (&
       if (!ok[j]) continue;
       float v[C::V];
       unpack(raw[j], v);
+      round_trip_read<C, kRt>(v);
 #pragma unroll
       for (int u = 0; u < C::V; ++u) acc[u] = __fadd_rn(acc[u], v[u]);
     }
   }
 }
 
-// The warp's piece [h0, h1) of row `from`, as float32, into row `to`.
-template <typename C>
+// The warp's piece [h0, h1) of row `from`, as float32 (kRt: through round_trip_read), into row `to`.
+template <typename C, bool kRt = false>
 __device__ __forceinline__ void copy_piece(float* to, const typename C::Elem* from, int64_t h0, int64_t h1, int lane) {
   typename C::Raw raw[kPieceVecs];
 #pragma unroll
@@ -625,6 +639,7 @@ __device__ __forceinline__ void copy_piece(float* to, const typename C::Elem* fr
     if (h >= h1) continue;
     float v[C::V];
     unpack(raw[i], v);
+    round_trip_read<C, kRt>(v);
     store(to + h, v);
   }
 }
@@ -652,7 +667,7 @@ __global__ void combine_begin(Dev d) {  // <<<1, 32>>>
 // source and the home rank): the sums in slot order go straight into `direct`,
 // every token's row (a token with no route: +0), and nothing at all on an error
 // (combine_finish writes the NaN).
-template <typename Y, bool kVec, typename O>
+template <typename Y, bool kVec, typename O, bool kRt = false>
 __device__ void combine_send_grid(const Dev& d, const Y* __restrict__ y, const float* __restrict__ row_values,
                                   O* __restrict__ direct) {
   using C = Cols<Y, kVec>;
@@ -676,7 +691,7 @@ __device__ void combine_send_grid(const Dev& d, const Y* __restrict__ y, const f
     if (s.order == 1 && direct == nullptr) {
       for (int64_t k = 0; k < s.K; ++k)
         if (rm[k] >= 0)
-          copy_piece<C>(crows + (k * s.Tmax + t) * s.H, y + static_cast<int64_t>(rm[k]) * s.H, h0, h1, lane);
+          copy_piece<C, kRt>(crows + (k * s.Tmax + t) * s.H, y + static_cast<int64_t>(rm[k]) * s.H, h0, h1, lane);
       continue;
     }
     if (direct == nullptr) {
@@ -691,18 +706,18 @@ __device__ void combine_send_grid(const Dev& d, const Y* __restrict__ y, const f
     float* to = crows + (static_cast<int64_t>(s.rank) * s.Tmax + t) * s.H;
     for (int64_t h = h0 + lane * C::V; h < h1; h += 32 * C::V) {
       float acc[C::V];
-      sum_rows<C>(s.K, route_row, h, acc);
+      sum_rows<C, kRt>(s.K, route_row, h, acc);
       if (direct != nullptr) store(direct + t * s.H + h, acc);
       else store(to + h, acc);
     }
   }
 }
 
-template <typename Y, bool kVec, typename O>
+template <typename Y, bool kVec, typename O, bool kRt = false>
 __global__ void __launch_bounds__(kCopyThreads, 2)
     combine_send(Dev d, const Y* __restrict__ y, const float* __restrict__ row_values, O* __restrict__ direct) {
   pdl_begin();
-  combine_send_grid<Y, kVec, O>(d, y, row_values, direct);
+  combine_send_grid<Y, kVec, O, kRt>(d, y, row_values, direct);
 }
 
 // One warp: publish this step in every source's flag and wait for theirs.
@@ -850,12 +865,12 @@ __device__ void combine_one_values(const Dev& d, int64_t T, const float* __restr
   }
 }
 
-template <typename Y, bool kVecY, bool kVecOut, typename O>
+template <typename Y, bool kVecY, bool kVecOut, typename O, bool kRt = false>
 __global__ void __launch_bounds__(kCopyThreads, 2)
     combine_one(Dev d, int64_t T, const Y* __restrict__ y, const float* __restrict__ row_values, O* __restrict__ out,
                 float* __restrict__ out_values, int32_t* out_error) {
   pdl_begin();
-  combine_send_grid<Y, kVecY, O>(d, y, nullptr, out);            // the sums (nothing on an error)
+  combine_send_grid<Y, kVecY, O, kRt>(d, y, nullptr, out);       // the sums (nothing on an error)
   combine_finish_grid<kVecOut, O>(d, T, out, nullptr, out_error);  // an error's NaN rows; the error
   if (out_values != nullptr) combine_one_values(d, T, row_values, out_values);
 }
@@ -885,14 +900,14 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   if (blockIdx.x == 0 && threadIdx.x < 32) publish(d, d.L.disp_ack, d.l.seq[0]);
 }
 
-template <typename Y, bool kVecY, bool kVecOut, typename O>
+template <typename Y, bool kVecY, bool kVecOut, typename O, bool kRt = false>
 __global__ void __launch_bounds__(kCopyThreads, 2)
     combine_ll(Dev d, int64_t T, const Y* __restrict__ y, const float* __restrict__ row_values, O* __restrict__ out,
                float* __restrict__ out_values, int32_t* out_error) {
   cg::grid_group grid = cg::this_grid();
   if (blockIdx.x == 0 && threadIdx.x < 32) combine_begin_warp(d);
   grid.sync();
-  combine_send_grid<Y, kVecY, O>(d, y, row_values, d.s.N == 1 ? out : nullptr);
+  combine_send_grid<Y, kVecY, O, kRt>(d, y, row_values, d.s.N == 1 ? out : nullptr);
   __threadfence_system();
   grid.sync();
   if (blockIdx.x == 0 && threadIdx.x < 32) combine_sync_warp(d);
@@ -951,14 +966,15 @@ moe_ep_status launch_failed(const char* kernel, cudaError_t err) {
   } while (0)
 
 // combine_send for y of element type Y and output element O (at one rank combine_send
-// writes the output), 16-byte vectors where the rows and `direct` allow.
-template <typename Y, typename O>
+// writes the output), 16-byte vectors where the rows and `direct` allow (kRt: always; the
+// caller checked y, the output and H).
+template <typename Y, typename O, bool kRt = false>
 moe_ep_status launch_combine_send(cudaStream_t st, unsigned blocks, const Dev& d, const void* y,
                                   const float* row_values, O* direct) {
   const Y* rows = static_cast<const Y*>(y);
-  const bool vec = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) &&
-                   (direct == nullptr || aligned16(direct));
-  auto* kernel = vec ? combine_send<Y, true, O> : combine_send<Y, false, O>;
+  const bool vec = kRt || (d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) &&
+                           (direct == nullptr || aligned16(direct)));
+  auto* kernel = kRt ? combine_send<Y, true, O, kRt> : (vec ? combine_send<Y, true, O> : combine_send<Y, false, O>);
   MOE_EP_EX_LAUNCH("combine_send", kernel, blocks, kCopyThreads, st, d, rows, row_values, direct);
   return MOE_EP_OK;
 }
@@ -966,11 +982,13 @@ moe_ep_status launch_combine_send(cudaStream_t st, unsigned blocks, const Dev& d
 // The combine's five launches for output element O (float, or uint16_t bf16 bits).
 template <typename O>
 moe_ep_status combine_as(cudaStream_t st, const Dev& d, int num_blocks, int64_t comb_ack, int64_t T, const void* y,
-                         bool y_bf16, O* out, const float* row_values, float* out_values, int32_t* out_error) {
+                         int32_t y_dtype, O* out, const float* row_values, float* out_values, int32_t* out_error) {
   const unsigned blocks = static_cast<unsigned>(num_blocks);
   O* direct = d.s.N == 1 ? out : nullptr;  // one rank: the sums go straight into out
   MOE_EP_EX_LAUNCH("combine_begin", combine_begin, 1, 32, st, d);
-  if (y_bf16) MOE_EP_TRY(launch_combine_send<uint16_t>(st, blocks, d, y, row_values, direct));
+  if (y_dtype == MOE_EP_DTYPE_BF16) MOE_EP_TRY(launch_combine_send<uint16_t>(st, blocks, d, y, row_values, direct));
+  else if (y_dtype == MOE_EP_Y_F32_MXFP8_ROUND_TRIP)
+    MOE_EP_TRY((launch_combine_send<float, O, true>(st, blocks, d, y, row_values, direct)));
   else MOE_EP_TRY(launch_combine_send<float>(st, blocks, d, y, row_values, direct));
   MOE_EP_EX_LAUNCH("combine_sync", combine_sync, 1, 32, st, d);
   auto* finish = d.s.H % 4 == 0 && aligned16(out) ? combine_finish<true, O> : combine_finish<false, O>;
@@ -982,29 +1000,31 @@ moe_ep_status combine_as(cudaStream_t st, const Dev& d, int num_blocks, int64_t 
 
 // The low-latency combine: combine_ll with 16-byte vectors where the rows of y (combine_send)
 // and the output (combine_finish, and combine_send at one rank) allow.
-template <typename Y, typename O>
+template <typename Y, typename O, bool kRt = false>
 moe_ep_status combine_ll_as(cudaStream_t st, const Exchange& x, const Dev& d, int64_t T, const void* y, O* out,
                             const float* row_values, float* out_values, int32_t* out_error) {
   const Y* rows = static_cast<const Y*>(y);
   const bool vec_out = d.s.H % 4 == 0 && aligned16(out);
   const bool vec_y = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) && (d.s.N > 1 || vec_out);
-  auto* kernel = vec_y ? (vec_out ? combine_ll<Y, true, true, O> : combine_ll<Y, true, false, O>)
-                       : (vec_out ? combine_ll<Y, false, true, O> : combine_ll<Y, false, false, O>);
+  auto* kernel = kRt ? combine_ll<Y, true, true, O, kRt>  // the caller checked y, the output and H
+                     : vec_y ? (vec_out ? combine_ll<Y, true, true, O> : combine_ll<Y, true, false, O>)
+                             : (vec_out ? combine_ll<Y, false, true, O> : combine_ll<Y, false, false, O>);
   const cudaError_t e = launch_cooperative(kernel, x.ll_blocks, st, d, T, rows, row_values, out, out_values,
                                            out_error);
   return e == cudaSuccess ? MOE_EP_OK : launch_failed("combine_ll", e);
 }
 
 // The one-rank combine (combine_one) with 16-byte vectors where y and the output allow.
-template <typename Y, typename O>
+template <typename Y, typename O, bool kRt = false>
 moe_ep_status combine_one_as(cudaStream_t st, const Exchange& x, const Dev& d, int64_t T, const void* y, O* out,
                              const float* row_values, float* out_values, int32_t* out_error) {
   const Y* rows = static_cast<const Y*>(y);
   const bool vec_out = d.s.H % 4 == 0 && aligned16(out);
   // Vector rows of y only with a vector output (combine_send writes the sums into it).
   const bool vec_y = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) && vec_out;
-  auto* kernel = vec_y ? combine_one<Y, true, true, O>
-                       : (vec_out ? combine_one<Y, false, true, O> : combine_one<Y, false, false, O>);
+  auto* kernel = kRt ? combine_one<Y, true, true, O, kRt>  // the caller checked y, the output and H
+                     : vec_y ? combine_one<Y, true, true, O>
+                             : (vec_out ? combine_one<Y, false, true, O> : combine_one<Y, false, false, O>);
   MOE_EP_EX_LAUNCH("combine_one", kernel, static_cast<unsigned>(x.num_blocks), kCopyThreads, st, d, T, rows,
                    row_values, out, out_values, out_error);
   return MOE_EP_OK;
@@ -1139,35 +1159,31 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
   return MOE_EP_OK;
 }
 
-moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const void* y, bool y_bf16, void* out,
+// The combine of y_dtype rows (MOE_EP_DTYPE_F32, _BF16 or MOE_EP_Y_F32_MXFP8_ROUND_TRIP) into
+// output elements O, in the layer's mode.
+template <typename O>
+moe_ep_status ex_combine_into(cudaStream_t st, const Exchange& x, const Dev& d, int64_t T, const void* y,
+                              int32_t y_dtype, O* out, const float* row_values, float* out_values,
+                              int32_t* out_error) {
+  const bool bf16 = y_dtype == MOE_EP_DTYPE_BF16, rt = y_dtype == MOE_EP_Y_F32_MXFP8_ROUND_TRIP;
+  if (d.s.N == 1)  // one rank: no exchange (either mode)
+    return bf16 ? combine_one_as<uint16_t>(st, x, d, T, y, out, row_values, out_values, out_error)
+           : rt ? combine_one_as<float, O, true>(st, x, d, T, y, out, row_values, out_values, out_error)
+                : combine_one_as<float>(st, x, d, T, y, out, row_values, out_values, out_error);
+  if (x.mode == MOE_EP_EXCHANGE_LOW_LATENCY)
+    return bf16 ? combine_ll_as<uint16_t>(st, x, d, T, y, out, row_values, out_values, out_error)
+           : rt ? combine_ll_as<float, O, true>(st, x, d, T, y, out, row_values, out_values, out_error)
+                : combine_ll_as<float>(st, x, d, T, y, out, row_values, out_values, out_error);
+  return combine_as(st, d, x.num_blocks, x.sym.comb_ack, T, y, y_dtype, out, row_values, out_values, out_error);
+}
+
+moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const void* y, int32_t y_dtype, void* out,
                          bool out_bf16, const float* row_values, float* out_values, int32_t* out_error) {
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
-  if (d.s.N == 1) {  // one rank: no exchange (either mode)
-    if (out_bf16) {
-      uint16_t* o = static_cast<uint16_t*>(out);
-      return y_bf16 ? combine_one_as<uint16_t>(st, x, d, T, y, o, row_values, out_values, out_error)
-                    : combine_one_as<float>(st, x, d, T, y, o, row_values, out_values, out_error);
-    }
-    float* o = static_cast<float*>(out);
-    return y_bf16 ? combine_one_as<uint16_t>(st, x, d, T, y, o, row_values, out_values, out_error)
-                  : combine_one_as<float>(st, x, d, T, y, o, row_values, out_values, out_error);
-  }
-  if (x.mode == MOE_EP_EXCHANGE_LOW_LATENCY) {
-    if (out_bf16) {
-      uint16_t* o = static_cast<uint16_t*>(out);
-      return y_bf16 ? combine_ll_as<uint16_t>(st, x, d, T, y, o, row_values, out_values, out_error)
-                    : combine_ll_as<float>(st, x, d, T, y, o, row_values, out_values, out_error);
-    }
-    float* o = static_cast<float*>(out);
-    return y_bf16 ? combine_ll_as<uint16_t>(st, x, d, T, y, o, row_values, out_values, out_error)
-                  : combine_ll_as<float>(st, x, d, T, y, o, row_values, out_values, out_error);
-  }
   if (out_bf16)
-    return combine_as(st, d, x.num_blocks, x.sym.comb_ack, T, y, y_bf16, static_cast<uint16_t*>(out), row_values,
-                      out_values, out_error);
-  return combine_as(st, d, x.num_blocks, x.sym.comb_ack, T, y, y_bf16, static_cast<float*>(out), row_values,
-                    out_values, out_error);
+    return ex_combine_into(st, x, d, T, y, y_dtype, static_cast<uint16_t*>(out), row_values, out_values, out_error);
+  return ex_combine_into(st, x, d, T, y, y_dtype, static_cast<float*>(out), row_values, out_values, out_error);
 }
 
 moe_ep_status ex_status(void* stream, const Exchange& x, int32_t* bits, bool clear) {

@@ -829,10 +829,16 @@ __global__ void finish_forward_kernel(const int32_t* __restrict__ error, const i
     return;
   }
   if (stash == nullptr) return;
-  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {  // a block per group: only padding is touched
+  // Every group's padding rows over the whole grid; 16-byte stores when rows are whole vectors.
+  const bool vec = cols % 8 == 0 && reinterpret_cast<uintptr_t>(stash) % 16 == 0;
+  const int64_t per = vec ? cols / 8 : cols;  // stores a row
+  for (int64_t g = 0; g < groups; ++g) {  // only padding is touched
     const int64_t end = min(static_cast<int64_t>(off[g + 1]), rows);
     const int64_t start = min(static_cast<int64_t>(off[g]) + valid[g], end);
-    for (int64_t t = start * cols + threadIdx.x; t < end * cols; t += blockDim.x) stash[t] = 0;
+    for (int64_t t = start * per + tid; t < end * per; t += nthreads) {
+      if (vec) reinterpret_cast<uint4*>(stash)[t] = make_uint4(0u, 0u, 0u, 0u);
+      else stash[t] = 0;
+    }
   }
 }
 
@@ -841,9 +847,8 @@ moe_ep_status finish_forward(void* stream, const int32_t* error, const int32_t* 
                              int64_t y_count, int32_t y_dtype) {
   const int64_t s_count = stash != nullptr ? rows * stash_cols : 0;
   if (y_count + s_count == 0) return MOE_EP_OK;
-  // Enough blocks for the NaN pass (a no-op when there is no error) and one per group.
-  const unsigned blocks = std::max(std::min(blocks_for(y_count + s_count), 1024u),
-                                   static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>(groups, 1), 65535)));
+  // Enough blocks for the NaN pass (a no-op when there is no error) and the padding's zeros.
+  const unsigned blocks = std::min(blocks_for(y_count + s_count), 1024u);
   finish_forward_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(error, off, valid, groups, stash, rows, stash_cols,
                                                                     y, y_count, y_dtype == MOE_EP_DTYPE_BF16);
   MOE_EP_CUDA_CHECK_LAUNCH("finish_forward_kernel");
