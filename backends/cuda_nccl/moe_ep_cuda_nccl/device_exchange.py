@@ -21,10 +21,13 @@ or when NCCL's provider is unsupported on one host), ``nccl`` or ``ipc``. CPU
 tensors: ``/dev/shm``. On CUDA a stage runs as five kernels chained with
 programmatic dependent launch, or, with ``MOE_EP_CUDA_NCCL_EXCHANGE_MODE=low_latency``,
 as one cooperative kernel (for few tokens; the same results, bit for bit). The NCCL provider's communicator serves only this setup
-and lives as long as the layer.
+and lives as long as the layer. An mxfp8 ``combine_format``'s round trip of the
+expert outputs is done by the forward's combine as it reads each row
+(``MOE_EP_CUDA_NCCL_ROUND_TRIP=combine``, the default when ``hidden`` is a multiple
+of 128; ``experts``: by the experts stage), the same values bit for bit.
 
 One native layer per (configuration, device, operand dtype, token bytes, combine
-order, exchange mode, group)
+order, exchange mode, round-trip place, group)
 holds the exchange and runs the experts between the two stages. Its timeout is
 ``MOE_EP_CUDA_NCCL_TIMEOUT_S`` (default 300 s): a peer that does not arrive
 makes every waiting rank's outputs NaN and :func:`moe_ep_cuda_nccl.api.check_errors`
