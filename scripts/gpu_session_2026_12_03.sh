@@ -23,7 +23,8 @@
 #          done by the combine as it reads y (MOE_EP_CUDA_NCCL_ROUND_TRIP=combine, the new
 #          default) against the experts stage's pass (=experts), alternated in the decode bench;
 #          the timeline; the round-trip CUDA tests (EP 1 and 2, both modes, slot and rank
-#          order: bit for bit); the EP 1 exchange tests; the cuda-nccl table at EP 1; memcheck.
+#          order: bit for bit); the EP 1 exchange tests; the cuda-nccl table at EP 1; memcheck;
+#          racecheck on the EP 1 exchange timing (the routes' plan now inside dispatch_one_plan).
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -86,7 +87,6 @@ case "$RUN" in
     TAIL=6 decode_bench "$i-rt-experts" none MOE_EP_CUDA_NCCL_ROUND_TRIP=experts
   done
   TAIL=6 decode_bench bf16-rt-combine bf16 MOE_EP_CUDA_NCCL_ROUND_TRIP=combine
-  TAIL=6 decode_bench bf16-rt-experts bf16 MOE_EP_CUDA_NCCL_ROUND_TRIP=experts
   TAIL=40 step timeline-decode-bf16 90 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 \
     --format mxfp8 --intermediate-format bf16 --iters 5 --top 5 --timeline
   TAIL=8 step tests-cuda-round-trip 240 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
@@ -95,6 +95,9 @@ case "$RUN" in
   TAIL=8 step sanitizer-memcheck-round-trip 150 compute-sanitizer --tool memcheck --target-processes all \
     --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
     tests/test_native_exchange.py -k "round_trip and cuda and (ep1 or (ep2 and slot))"
+  TAIL=8 step sanitizer-racecheck-exchange-ep1 120 compute-sanitizer --tool racecheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" scripts/gpu_exchange_check.py --time --tokens 128 \
+    --mode throughput
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

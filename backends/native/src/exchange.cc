@@ -513,10 +513,9 @@ moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream, int64_t n
   x->last_tokens = num_tokens;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (x->cuda) {
-    MOE_EP_TRY(moe_ep::cuda::plan_routes(stream, topk_idx, num_tokens, s.K, s.E, x->loc.send_route, x->loc.route_pos,
-                                         x->loc.route_expert, x->loc.counts));
-    return moe_ep::cuda::ex_dispatch(stream, *x, num_tokens, row_bytes, tokens, topk_weights, out_tokens, out_weights,
-                                     out_route_metadata, out_group_sizes, out_tokens_per_expert, out_error);
+    return moe_ep::cuda::ex_dispatch(stream, *x, num_tokens, row_bytes, tokens, topk_idx, topk_weights, out_tokens,
+                                     out_weights, out_route_metadata, out_group_sizes, out_tokens_per_expert,
+                                     out_error);
   }
 #endif
   moe_ep::cpu::IeeeFpEnv fp_env;

@@ -58,9 +58,10 @@ moe_ep_status ex_copy_to_device(int cuda_device, void* dst, const void* src, siz
 moe_ep_status ex_ipc_handle(const void* base, uint8_t* handle);
 moe_ep_status ex_ipc_open(int cuda_device, const uint8_t* handle, void** out);
 moe_ep_status ex_ipc_close(void* p);
+// Plans the routes of topk_idx itself (plan_routes, or inside the one-rank kernel).
 moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t row_bytes, const void* tokens,
-                          const float* weights, void* out_tokens, float* out_w, int32_t* out_meta, int32_t* out_gs,
-                          int32_t* out_tpe, int32_t* out_error);
+                          const int32_t* topk_idx, const float* weights, void* out_tokens, float* out_w,
+                          int32_t* out_meta, int32_t* out_gs, int32_t* out_tpe, int32_t* out_error);
 // y: [C, H] of y_dtype (MOE_EP_DTYPE_F32, _BF16, or MOE_EP_Y_F32_MXFP8_ROUND_TRIP: float32 put through
 // mxfp8's round trip as read; H % 128 == 0, y and out 16-byte aligned: moe_ep_layer_combine checks);
 // out: [T, H] float32, or bf16 with out_bf16.

@@ -831,15 +831,80 @@ __device__ void dispatch_one_records_block(const Dev& d, int64_t T, const float*
   }
 }
 
+// The one-kernel plan at N = 1 keeps a counter per (warp, expert) in shared memory: up to
+// this many experts (more: plan_routes first, then dispatch_one_plan).
+constexpr int64_t kOneRouteExperts = 256;
+constexpr int kOneWarps = kCopyThreads / 32;
+
+// plan_routes' outputs that the exchange reads (route_expert, route_pos, counts; not
+// send_route), the same values, computed by one block of kCopyThreads threads at
+// E <= kOneRouteExperts: routes in chunks of the block's threads, in route order; in a
+// chunk, the lanes of a warp with the same expert take consecutive places in lane order
+// (__match_any_sync), and the warps of the chunk follow each other per expert from the
+// expert's running count. route_pos holds each route's index among its expert's routes
+// until the prefix is known; then its send position (+ excl[expert]).
+__device__ void one_rank_routes_block(const Dev& d, const int32_t* __restrict__ topk, int64_t T) {
+  __shared__ int32_t s_cnt[kOneWarps][kOneRouteExperts];
+  __shared__ int32_t s_cursor[kOneRouteExperts];
+  __shared__ int32_t s_bad;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int E = static_cast<int>(d.s.E);
+  const int64_t R = T * d.s.K;
+  for (int e = tid; e < E; e += blockDim.x) s_cursor[e] = 0;
+  if (tid == 0) s_bad = 0;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  for (int64_t chunk = 0; chunk < R; chunk += blockDim.x) {
+    for (int e = lane; e < E; e += 32) s_cnt[warp][e] = 0;
+    __syncthreads();  // the counters zero (and the cursors, the first time)
+    const int64_t r = chunk + tid;
+    const int v = r < R ? topk[r] : -1;
+    const bool routed = r < R && v >= 0 && v < E;
+    if (r < R && !routed && v != -1) atomicAdd(&s_bad, 1);
+    const unsigned peers = __match_any_sync(0xffffffffu, routed ? v : E + lane);  // not routed: a group alone
+    const int rank = __popc(peers & lanes_below);
+    if (routed && rank == 0) s_cnt[warp][v] = __popc(peers);
+    __syncthreads();  // every warp's counts
+    for (int e = tid; e < E; e += blockDim.x) {  // the warps' starts per expert, in warp order
+      int run = s_cursor[e];
+      for (int w = 0; w < kOneWarps; ++w) {
+        const int c = s_cnt[w][e];
+        s_cnt[w][e] = run;
+        run += c;
+      }
+      s_cursor[e] = run;
+    }
+    __syncthreads();  // the starts
+    if (r < R) {
+      d.l.route_expert[r] = routed ? v : -1;
+      d.l.route_pos[r] = routed ? s_cnt[warp][v] + rank : -1;
+    }
+    __syncthreads();  // every start read before the next chunk zeroes the counters
+  }
+  for (int e = tid; e < E; e += blockDim.x) d.l.counts[e] = s_cursor[e];
+  if (tid == 0) d.l.counts[E] = s_bad;
+}
+
+// One block: at E <= kOneRouteExperts with topk (plan_routes not run), the routes first
+// (one_rank_routes_block); then the prefix, the route records, the count table and the plan.
 __global__ void __launch_bounds__(kCopyThreads)
-    dispatch_one_plan(Dev d, int64_t T, const float* __restrict__ weights, int32_t* out_gs, int32_t* out_tpe,
-                      int32_t* out_error) {  // <<<1, kCopyThreads>>>
+    dispatch_one_plan(Dev d, int64_t T, const int32_t* __restrict__ topk, const float* __restrict__ weights,
+                      int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {  // <<<1, kCopyThreads>>>
   pdl_begin();
+  if (topk != nullptr) {
+    one_rank_routes_block(d, topk, T);
+    __syncthreads();  // counts, route_expert and route_pos written (the block's own global stores)
+  }
   if (threadIdx.x < 32) {
     dispatch_prefix_warp(d, T);
     if (threadIdx.x == 0) *d.l.step_err = 0;
   }
   __syncthreads();  // the prefix and the step's error visible to the block
+  if (topk != nullptr)  // the routes' indices among their expert's routes into send positions
+    for (int64_t r = threadIdx.x; r < T * d.s.K; r += blockDim.x) {
+      const int32_t g = d.l.route_expert[r];
+      if (g >= 0) d.l.route_pos[r] += d.l.excl[g];
+    }
+  __syncthreads();
   dispatch_one_records_block(d, T, weights);  // route records and the count table
   __syncthreads();  // the table and the records written (the block's own global stores)
   const int32_t* table = reinterpret_cast<const int32_t*>(d.own + d.L.table);
@@ -1131,13 +1196,18 @@ moe_ep_status ex_ipc_close(void* p) {
 }
 
 moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t row_bytes, const void* tokens,
-                          const float* weights, void* out_tokens, float* out_w, int32_t* out_meta, int32_t* out_gs,
-                          int32_t* out_tpe, int32_t* out_error) {
+                          const int32_t* topk_idx, const float* weights, void* out_tokens, float* out_w,
+                          int32_t* out_meta, int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
+  // One rank with few experts: the plan of the routes inside dispatch_one_plan; otherwise plan_routes first.
+  const bool one_kernel_plan = d.s.N == 1 && d.s.E <= kOneRouteExperts;
+  if (!one_kernel_plan)
+    MOE_EP_TRY(plan_routes(stream, topk_idx, T, d.s.K, d.s.E, x.loc.send_route, x.loc.route_pos, x.loc.route_expert,
+                           x.loc.counts));
   if (d.s.N == 1) {  // one rank: no exchange (either mode)
-    MOE_EP_EX_LAUNCH("dispatch_one_plan", dispatch_one_plan, 1, kCopyThreads, st, d, T, weights, out_gs, out_tpe,
-                     out_error);
+    MOE_EP_EX_LAUNCH("dispatch_one_plan", dispatch_one_plan, 1, kCopyThreads, st, d, T,
+                     one_kernel_plan ? topk_idx : nullptr, weights, out_gs, out_tpe, out_error);
     MOE_EP_EX_LAUNCH("dispatch_place", dispatch_place, static_cast<unsigned>(x.num_blocks), kCopyThreads, st, d,
                      row_bytes, static_cast<const char*>(tokens), static_cast<char*>(out_tokens), out_w, out_meta);
     return MOE_EP_OK;
