@@ -25,6 +25,9 @@
 #          the timeline; the round-trip CUDA tests (EP 1 and 2, both modes, slot and rank
 #          order: bit for bit); the EP 1 exchange tests; the cuda-nccl table at EP 1; memcheck;
 #          racecheck on the EP 1 exchange timing (the routes' plan now inside dispatch_one_plan).
+#   RUN=52: finish_forward_kernel mended (run 51: 18.5 us): the EP 1 exchange tests that compare
+#          the stash with the static mode's and the errors' NaN, the decode bench (bf16), the
+#          timeline, memcheck on one of the tests (the session's last device time: short).
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,6 +101,16 @@ case "$RUN" in
   TAIL=8 step sanitizer-racecheck-exchange-ep1 120 compute-sanitizer --tool racecheck --target-processes all \
     --report-api-errors no --error-exitcode 9 "$py" scripts/gpu_exchange_check.py --time --tokens 128 \
     --mode throughput
+  ;;
+52)
+  TAIL=6 step tests-cuda-exchange-ep1 150 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
+    -k "(test_cuda_loopback_device_exchange or test_cuda_loopback_errors) and ep1 and throughput"
+  TAIL=6 decode_bench bf16 bf16
+  TAIL=40 step timeline-decode-bf16 60 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 \
+    --format mxfp8 --intermediate-format bf16 --iters 5 --top 5 --timeline
+  TAIL=8 step sanitizer-memcheck-ep1 90 compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_native_exchange.py -k "test_cuda_loopback_device_exchange and ep1 and throughput and slot"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
