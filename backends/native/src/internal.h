@@ -230,13 +230,10 @@ moe_ep_status round_trip_rows(void* stream, int32_t fmt, float* y, int64_t rows,
 // p[0, n) of dtype (moe_ep_dtype) all NaN when *error != 0 (device memory), else untouched: a grid
 // of at most a few blocks per SM whose threads return at once when there is no error.
 moe_ep_status nan_on_error(void* stream, const int32_t* error, void* p, int64_t n, int32_t dtype);
-// rows [min(off[g] + valid[g], off[g + 1]), off[g + 1]) of x [rows, n] bf16, every g < groups, cut at
-// `rows`: zero (the padding rows of an exchange's slabs). One block per group: only padding is touched.
-moe_ep_status zero_padding_rows(void* stream, const int32_t* off, const int32_t* valid, int64_t groups, uint16_t* x,
-                                int64_t rows, int64_t n);
-// An exchange layer's experts forward finished in one kernel: with *error == 0, zero_padding_rows
-// of the stash (stash [rows, stash_cols] bf16, NULL: none); otherwise y [y_count] of y_dtype and
-// the whole stash NaN (what zero_padding_rows and then nan_on_error on both give).
+// An exchange layer's experts forward finished in one kernel: with *error == 0, the stash's
+// padding rows [min(off[g] + valid[g], off[g + 1]), off[g + 1]) of every g < groups, cut at `rows`,
+// zero (stash [rows, stash_cols] bf16, NULL: none); otherwise y [y_count] of y_dtype and the
+// whole stash NaN (what zeroing the padding and then nan_on_error on both would give).
 moe_ep_status finish_forward(void* stream, const int32_t* error, const int32_t* off, const int32_t* valid,
                              int64_t groups, uint16_t* stash, int64_t rows, int64_t stash_cols, void* y,
                              int64_t y_count, int32_t y_dtype);

@@ -383,15 +383,13 @@ moe_ep_status nan_on_dispatch_error(const moe_ep_layer* l, void* stream, std::in
 }
 
 // With an exchange after its dispatch: the stash rows of the slabs' padding (alignment rows
-// past each local expert's routes) are zero whatever the weights hold (0 * inf is NaN).
-moe_ep_status zero_stash_padding(const moe_ep_layer* l, void* stream, uint16_t* fc1_c, int64_t rows) {
+// past each local expert's routes) are zero whatever the weights hold (0 * inf is NaN). CPU
+// layers (a CUDA layer's finish_forward zeroes them in its one kernel).
+moe_ep_status zero_stash_padding(const moe_ep_layer* l, uint16_t* fc1_c, int64_t rows) {
   if (l->ex == nullptr || l->ex->last_tokens < 0 || fc1_c == nullptr) return MOE_EP_OK;
   const int64_t n = 2 * l->desc.intermediate, groups = l->desc.num_local_experts;
   const int32_t* off = l->ex->loc.off;
   const int32_t* valid = l->ex->loc.nloc;
-#ifdef MOE_EP_NATIVE_WITH_CUDA
-  if (is_cuda(l)) return cuda::zero_padding_rows(stream, off, valid, groups, fc1_c, rows, n);
-#endif
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t end = std::min<int64_t>(off[g + 1], rows);
     const int64_t start = std::min<int64_t>(static_cast<int64_t>(off[g]) + valid[g], end);
@@ -426,7 +424,7 @@ moe_ep_status finish_forward(const moe_ep_layer* l, void* stream, int64_t C, voi
                                 bf16_out ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32);
   }
 #endif
-  MOE_EP_TRY(zero_stash_padding(l, stream, fc1_c, C));
+  MOE_EP_TRY(zero_stash_padding(l, fc1_c, C));
   return nan_on_dispatch_error(l, stream,
                                {{y, C * l->desc.hidden, bf16_out ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32},
                                 {fc1_c, C * 2 * l->desc.intermediate, MOE_EP_DTYPE_BF16}});

@@ -799,22 +799,6 @@ moe_ep_status nan_on_error(void* stream, const int32_t* error, void* p, int64_t 
   return MOE_EP_OK;
 }
 
-__global__ void zero_padding_rows_kernel(const int32_t* __restrict__ off, const int32_t* __restrict__ valid,
-                                         uint16_t* __restrict__ x, int64_t rows, int64_t n) {
-  const int64_t g = blockIdx.x;
-  const int64_t end = min(static_cast<int64_t>(off[g + 1]), rows);
-  const int64_t start = min(static_cast<int64_t>(off[g]) + valid[g], end);
-  for (int64_t t = start * n + threadIdx.x; t < end * n; t += blockDim.x) x[t] = 0;
-}
-
-moe_ep_status zero_padding_rows(void* stream, const int32_t* off, const int32_t* valid, int64_t groups, uint16_t* x,
-                                int64_t rows, int64_t n) {
-  if (groups == 0 || rows == 0 || x == nullptr) return MOE_EP_OK;
-  zero_padding_rows_kernel<<<static_cast<unsigned>(groups), 1024, 0, as_stream(stream)>>>(off, valid, x, rows, n);
-  MOE_EP_CUDA_CHECK_LAUNCH("zero_padding_rows_kernel");
-  return MOE_EP_OK;
-}
-
 __global__ void finish_forward_kernel(const int32_t* __restrict__ error, const int32_t* __restrict__ off,
                                       const int32_t* __restrict__ valid, int64_t groups, uint16_t* __restrict__ stash,
                                       int64_t rows, int64_t cols, void* __restrict__ y, int64_t y_count, bool y_bf16) {
