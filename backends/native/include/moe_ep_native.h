@@ -680,6 +680,16 @@ MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream
                                                int32_t* out_route_metadata, int32_t* out_group_sizes,
                                                int32_t* out_tokens_per_expert, int32_t* out_error);
 
+/*
+ * y_dtype of moe_ep_layer_combine: float32 rows of which the combine puts each through mxfp8's
+ * round trip (docs/spec.md section 8) as it reads it, the sums then as for the round-tripped
+ * rows in float32, bit for bit. An mxfp8 combine_format's rounding done by the combine rather
+ * than by the experts forward: a layer made with combine_format MOE_EP_FORMAT_NONE writes y
+ * unrounded, and this combine rounds it, one pass over y fewer. hidden must be a multiple of
+ * 128; on CUDA y and out must be 16-byte aligned. Added in ABI 7.
+ */
+#define MOE_EP_Y_F32_MXFP8_ROUND_TRIP 2
+
 /**
  * Combine (collective) of the last dispatch: the expert-major rows back to their
  * tokens, unweighted, summed per token in float32 (moe_ep_combine_order).
@@ -699,16 +709,6 @@ MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream
  * of the output cotangent rows, dispatch_backward a combine of the row
  * cotangents with the router-weight cotangents as row_values.
  */
-/*
- * y_dtype of moe_ep_layer_combine: float32 rows of which the combine puts each through mxfp8's
- * round trip (docs/spec.md section 8) as it reads it, the sums then as for the round-tripped
- * rows in float32, bit for bit. An mxfp8 combine_format's rounding done by the combine rather
- * than by the experts forward: a layer made with combine_format MOE_EP_FORMAT_NONE writes y
- * unrounded, and this combine rounds it, one pass over y fewer. hidden must be a multiple of
- * 128; on CUDA y and out must be 16-byte aligned. Added in ABI 7.
- */
-#define MOE_EP_Y_F32_MXFP8_ROUND_TRIP 2
-
 MOE_EP_API moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t num_tokens, const void* y,
                                               int32_t y_dtype, void* out, int32_t out_dtype, const float* row_values,
                                               float* out_values, int32_t* out_error);
