@@ -28,6 +28,12 @@
 #   RUN=52: finish_forward_kernel mended (run 51: 18.5 us): the EP 1 exchange tests that compare
 #          the stash with the static mode's and the errors' NaN, the decode bench (bf16), the
 #          timeline, memcheck on one of the tests (the session's last device time: short).
+#   RUN=53: (the day's fourth session) the mxfp8-weights GEMM's f16 path (weights decoded to f16
+#          relative to their row's largest scale code, two instructions a code pair; x rows
+#          as f16 relative to a power of two): its checks against the float64 reference and
+#          the bf16 path, its timings against the bf16 path alternated; the plain kernel's
+#          checks (its passes were restructured); memcheck on both; SASS counts; the decode
+#          bench (bf16) for the plain kernel.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,6 +117,14 @@ case "$RUN" in
   TAIL=8 step sanitizer-memcheck-ep1 90 compute-sanitizer --tool memcheck --target-processes all \
     --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
     tests/test_native_exchange.py -k "test_cuda_loopback_device_exchange and ep1 and throughput and slot"
+  ;;
+53)
+  TAIL=30 step gemm-check-mxfp8-weights-f16 240 .devbuild/moe_ep_gemm_check --mxfp8-weights-f16
+  TAIL=4 step gemm-check-mxfp8-weights-plain 150 .devbuild/moe_ep_gemm_check --mxfp8-weights --no-time
+  mxw_sass
+  TAIL=6 step sanitizer-memcheck-mxfp8-weights-f16 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights-f16 --no-time
+  TAIL=6 decode_bench bf16 bf16
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
