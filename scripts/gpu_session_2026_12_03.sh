@@ -34,6 +34,9 @@
 #          the bf16 path, its timings against the bf16 path alternated; the plain kernel's
 #          checks (its passes were restructured); memcheck on both; SASS counts; the decode
 #          bench (bf16) for the plain kernel.
+#   RUN=54: after run 53 (every f16 check passed, bit for bit equal to the bf16 path, until the
+#          empty-experts check's own fill launch of no blocks failed): the f16 path's checks
+#          (mended) and timings, memcheck on its checks.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -125,6 +128,11 @@ case "$RUN" in
   TAIL=6 step sanitizer-memcheck-mxfp8-weights-f16 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
     .devbuild/moe_ep_gemm_check --mxfp8-weights-f16 --no-time
   TAIL=6 decode_bench bf16 bf16
+  ;;
+54)
+  TAIL=30 step gemm-check-mxfp8-weights-f16 300 .devbuild/moe_ep_gemm_check --mxfp8-weights-f16
+  TAIL=6 step sanitizer-memcheck-mxfp8-weights-f16 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights-f16 --no-time
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

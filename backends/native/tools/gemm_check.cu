@@ -618,13 +618,14 @@ __global__ void to_f16_relative(const uint16_t* x, int64_t k, uint16_t* x_f16, i
 // wide_row: expert 0's weight row 3 spans 110..126 (its block runs the bf16 path); nan_code:
 // the code of (expert 0, weight row 9, k 37) is NaN.
 void check_mxfp8_weights_f16(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, bool accumulate,
-                             bool mxfp8_x, bool wide_row, uint64_t seed, bool nan_code = false) {
+                             bool mxfp8_x, bool wide_row, uint64_t seed, bool nan_code = false,
+                             int64_t extra_rows = 0) {
   moe_ep::cuda::Mxfp8WeightsGemm p{};
   p.n = n;
   p.k = k;
   p.accumulate = accumulate;
   const std::vector<int32_t> off = offsets_of(rows);
-  const int64_t total_rows = off.back();
+  const int64_t total_rows = off.back() + extra_rows;  // rows past the last expert: left untouched
   MxBuffers b = make_mx(p, off, total_rows, seed);
   fill_scales<<<grid_for(b.scale_bytes), 256>>>(b.scales, b.scale_bytes, seed * 5 + 2, 116, 11);
   if (mxfp8_x) {
@@ -772,7 +773,8 @@ void mxfp8_weights_f16_checks(bool timing) {
   check_mxfp8_weights_f16("a weight row of range 16", 256, 512, {40, 3, 17}, false, true, true, 63);
   check_mxfp8_weights_f16("a NaN code", 128, 1024, {40, 3, 17}, false, true, false, 64, true);
   check_mxfp8_weights_f16("decode FC1 shape, spread", 4096, 7168, spread_rows(1024), false, true, false, 65);
-  check_mxfp8_weights_f16("all experts empty", 128, 128, {0, 0, 0}, false, true, false, 66);
+  check_mxfp8_weights_f16("all experts empty", 128, 128, {0, 0, 0}, false, true, false, 66, false, 3);
+  check_mxfp8_weights_f16("ragged, rows past the last expert", 256, 512, ragged, true, true, false, 67, false, 5);
   if (!timing) return;
   time_mxfp8_weights_f16("FC1 (decode, spread)", 4096, 7168, spread_rows(1024));
   time_mxfp8_weights_f16("FC1 (decode, 32 rows)", 4096, 7168, std::vector<int>(32, 32));
