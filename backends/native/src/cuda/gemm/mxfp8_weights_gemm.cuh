@@ -75,19 +75,6 @@ struct Mxfp8WeightsGemm {
   // At few rows one pass multiplies every plane with the weights decoded once.
   int x_planes;
   int64_t x_plane_stride;
-  // The f16 path (mxw::pass<kNt, Cfg, true>; x_planes 0 or 1 and float32 y only), or NULL:
-  // x_f16 [C, K] f16 bits, x[r, k] / 2^(x_exp[r] - 127), exact; x_exp [C] int32: the row's
-  // exponent code (1..254), 0 where f16 does not hold the row's values so scaled (its passes
-  // run on x, the bf16 path). A pass takes the f16 path when every row of it has an exponent
-  // and every weight row of the block has its scale codes within 15 of the row's largest
-  // (mxw::weight_row_reference); the weights are then decoded to f16 relative to that
-  // largest code (E4M3 -> f16 and one f16x2 multiply: two instructions a code pair, against
-  // five for the bf16 decode) and each sum is scaled by 2^(Rw - 127) 2^(x_exp - 127) at the
-  // end. The products are those of the bf16 path times one power of two per output, so the
-  // sums are the bf16 path's (exact products, float32 accumulation in the same order) except
-  // where a scaled sum leaves float32's normal range.
-  const uint16_t* x_f16;
-  const int32_t* x_exp;
 };
 
 namespace mxw {
@@ -138,9 +125,6 @@ using Passes32Config = Config<4, 3, 2>;
 // - three x planes at few rows: passes of up to 48 rows, 2 stages, 2 blocks an SM (110 KB of
 //   shared memory a block: the three planes' x rows). More rows: a plane a launch.
 using Planes3Config = Config<6, 2, 2, 3>;
-// - the f16 path (Mxfp8WeightsGemm::x_f16) at few rows: passes of up to 48 rows, 3 stages, 2
-//   blocks an SM (at 3 blocks an SM its kernel spills 88 bytes; this one none).
-using F16FewRowsConfig = Config<6, 3, 2>;
 template <class Cfg>
 using StageOf = Stage<Cfg::kMaxRows, Cfg::kPlanes>;
 template <class Cfg>
@@ -183,24 +167,6 @@ __device__ __forceinline__ uint32_t fast_bf16x2(uint32_t two, uint32_t mult) {
       __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), __NV_E4M3)));
   const __nv_bfloat162 v = __floats2bfloat162_rn(f.x, f.y);
   return bf16x2_bits(__hmul2(v, *reinterpret_cast<const __nv_bfloat162*>(&mult)));
-}
-
-// The f16 decode of two E4M3 codes (the low 16 bits of two) times the f16x2 multiplier
-// 2^d (both halves, -15 <= d <= 0): the cvt is exact (every E4M3 value is an f16 value, NaN
-// kept) and so is the multiply: a value's lowest bit is at least 2^-9, so the product's is at
-// least 2^-24, f16's subnormal grid (f16 arithmetic keeps subnormals: no .ftz).
-__device__ __forceinline__ uint32_t f16x2_scaled(uint32_t two, uint32_t mult) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), __NV_E4M3);
-  const uint32_t v = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-  uint32_t out;
-  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(out) : "r"(v), "r"(mult));
-  return out;
-}
-
-// The f16 bits of 2^d for -15 <= d <= 0, in both halves (2^-15 is f16's subnormal 0x0200).
-__device__ __forceinline__ uint32_t f16_pow2_x2(int d) {
-  const uint32_t one = d >= -14 ? static_cast<uint32_t>(15 + d) << 10 : 0x0200u;
-  return one * 0x10001u;
 }
 
 // Whether one of the 16 codes of v, with scale value s, is not a bf16 value (the check of
@@ -274,43 +240,12 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// The largest scale code of weight row `row` of expert e (all its K / 32 blocks), and
-// whether the f16 path takes the row: every code within 15 of that largest one (so each
-// block's 2^(c - Rw) is an f16 multiplier that keeps the decode exact) and no NaN scale.
-// Returns Rw, or 0 when the row is not taken.
-__device__ __forceinline__ uint32_t weight_row_reference(const Mxfp8WeightsGemm& p, int e, int64_t row) {
-  const uint32_t* s = reinterpret_cast<const uint32_t*>(p.scales + (static_cast<int64_t>(e) * p.n + row) * (p.k / 32));
-  uint32_t hi = 0, lo = 0xFFFFFFFFu;
-  for (int64_t i = 0; i < p.k / 128; ++i) {
-    const uint32_t w = __ldg(s + i);
-    hi = __vmaxu4(hi, w);
-    lo = __vminu4(lo, w);
-  }
-  uint32_t mx = 0, mn = 0xFFu;
-#pragma unroll
-  for (int b = 0; b < 4; ++b) {
-    mx = max(mx, (hi >> (8 * b)) & 0xFFu);
-    mn = min(mn, (lo >> (8 * b)) & 0xFFu);
-  }
-  return (mx <= 254u && mn + 15u >= mx) ? mx : 0u;
-}
-
 // Stage ks (k from ks * kStageK) of the block's weight rows and of the pass's kRows x
-// rows from m0 (rows at or past r1 zero-filled; x rows from xbase: p.x, or p.x_f16) into st. A thread's code chunks are rows
+// rows from m0 (rows at or past r1 zero-filled) into st. A thread's code chunks are rows
 // tid / 8 + 16 u at chunk tid % 8: one source pointer, stepped by 16 rows.
 template <int kRows, int kMaxRows, int kPlanes>
-__device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, const uint16_t* xbase,
-                                           Stage<kMaxRows, kPlanes>& st, int e, int64_t nb, int64_t m0, int64_t r1,
-                                           int64_t ks) {
+__device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMaxRows, kPlanes>& st, int e,
+                                           int64_t nb, int64_t m0, int64_t r1, int64_t ks) {
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t K = p.k, k0 = ks * kStageK;
   constexpr int kChunks = kStageK / 16;
@@ -325,7 +260,7 @@ __device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, const uint
   static_assert(kRows * kXChunks % kThreads == 0, "whole rounds of x chunks");
 #pragma unroll
   for (int pl = 0; pl < kPlanes; ++pl) {
-    const uint16_t* x = xbase + pl * p.x_plane_stride;
+    const uint16_t* x = p.x + pl * p.x_plane_stride;
 #pragma unroll
     for (int u = 0; u < kRows * kXChunks / kThreads; ++u) {
       const int i = tid + u * kThreads, xr = i / kXChunks, xc = i % kXChunks;
@@ -340,30 +275,15 @@ __device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, const uint
 // tile u's rows g and g + 8 are the warp's weight rows 16 u + g and 16 u + 8 + g (b[2 u] and
 // b[2 u + 1], decoded alike as rows 8 t + g).
 // With kPlanes x planes each plane's tiles are multiplied in turn into the same acc.
-// kF16 (the f16 path): the codes are decoded to f16 relative to their row's reference
-// rw[t] (f16x2_scaled by 2^(c - rw[t])) and the x rows in the stage are f16, so the MMAs are
-// f16 ones; kFast is then ignored.
-template <int kNt, bool kFast, int kMaxRows, int kPlanes, bool kF16 = false>
-__device__ __forceinline__ void stage_slice(const Stage<kMaxRows, kPlanes>& st, const uint32_t (&scw)[4],
-                                            const uint32_t (&rw)[4], int h, int warp, int g, int q,
-                                            float (&acc)[2][kNt][4], bool& bad) {
+template <int kNt, bool kFast, int kMaxRows, int kPlanes>
+__device__ __forceinline__ void stage_slice(const Stage<kMaxRows, kPlanes>& st, const uint32_t (&scw)[4], int h,
+                                            int warp, int g, int q, float (&acc)[2][kNt][4], bool& bad) {
   uint32_t b[4][8];
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
     const int r = warp * kRowsPerWarp + 8 * t + g;
     const uint4 w = st.w[r][(4 * h + q) ^ ((r & 1) << 2)];
-    const uint32_t sc = (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu;
-    if constexpr (kF16) {
-      const uint32_t mult = f16_pow2_x2(static_cast<int>(sc) - static_cast<int>(rw[t]));
-      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        b[t][2 * j] = f16x2_scaled(words[j], mult);
-        b[t][2 * j + 1] = f16x2_scaled(words[j] >> 16, mult);
-      }
-    } else {
-      decode16<kFast>(w, sc, b[t], bad);
-    }
+    decode16<kFast>(w, (scw[t] >> (8 * (2 * h + (q >> 1)))) & 0xFFu, b[t], bad);
   }
 #pragma unroll
   for (int jj = 0; jj < 2 * kPlanes; ++jj) {
@@ -382,12 +302,8 @@ __device__ __forceinline__ void stage_slice(const Stage<kMaxRows, kPlanes>& st, 
           // A: a0 row g, logical k 2q, 2q + 1; a1 row g + 8; a2, a3 logical k 2q + 8, 2q + 9.
           // B: b0 x row g, logical k 2q, 2q + 1; b1 logical k 2q + 8, 2q + 9.
           const uint32_t b0 = j2 ? xb[nt].z : xb[nt].x, b1 = j2 ? xb[nt].w : xb[nt].y;
-          if constexpr (kF16)
-            mma_f16(acc[u][nt], b[2 * u][2 * j], b[2 * u + 1][2 * j], b[2 * u][2 * j + 1], b[2 * u + 1][2 * j + 1],
-                    b0, b1);
-          else
-            mma_bf16(acc[u][nt], b[2 * u][2 * j], b[2 * u + 1][2 * j], b[2 * u][2 * j + 1], b[2 * u + 1][2 * j + 1],
-                     b0, b1);
+          mma_bf16(acc[u][nt], b[2 * u][2 * j], b[2 * u + 1][2 * j], b[2 * u][2 * j + 1], b[2 * u + 1][2 * j + 1], b0,
+                   b1);
         }
       }
     }
@@ -397,22 +313,13 @@ __device__ __forceinline__ void stage_slice(const Stage<kMaxRows, kPlanes>& st, 
 // One pass over K for the rows [m0, min(m0 + 8 kNt, r1)) of expert e and the block's
 // weight rows from nb; this warp's 32 of them from nw = nb + 32 warp. acc[u][nt] holds
 // y[x row 8 nt + 2 q (+1)] at weight rows 16 u + g (c0, c1) and 16 u + 8 + g (c2, c3).
-// kF16: the f16 path (x rows from p.x_f16; wref: the block's weight rows' references,
-// weight_row_reference, every one nonzero); each sum is scaled by 2^(Rw - 127) 2^(x_exp - 127)
-// as it is stored.
-template <int kNt, class Cfg, bool kF16 = false>
+template <int kNt, class Cfg>
 __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* stages, int e, int64_t nb,
-                                     int64_t m0, int64_t r1, const uint8_t* wref) {
+                                     int64_t m0, int64_t r1) {
   constexpr int kStages = Cfg::kStages;
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane >> 2, q = lane & 3;
   const int64_t nks = p.k / kStageK;
-  const uint16_t* xbase = kF16 ? p.x_f16 : p.x;
-  uint32_t rw[4] = {0, 0, 0, 0};
-  if constexpr (kF16) {
-#pragma unroll
-    for (int t = 0; t < 4; ++t) rw[t] = wref[warp * kRowsPerWarp + 8 * t + g];
-  }
   float acc[2][kNt][4];
 #pragma unroll
   for (int u = 0; u < 2; ++u)
@@ -422,7 +329,7 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* st
       for (int c = 0; c < 4; ++c) acc[u][nt][c] = 0.0f;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nks) load_stage<8 * kNt>(p, xbase, stages[s], e, nb, m0, r1, s);
+    if (s < nks) load_stage<8 * kNt>(p, stages[s], e, nb, m0, r1, s);
     cp_async_commit();
   }
   bool bad = false;
@@ -430,7 +337,7 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* st
     cp_async_wait<kStages - 2>();
     __syncthreads();  // stage ks landed for every thread; stage ks - 1's buffer is free
     const int64_t next = ks + kStages - 1;
-    if (next < nks) load_stage<8 * kNt>(p, xbase, stages[next % kStages], e, nb, m0, r1, next);
+    if (next < nks) load_stage<8 * kNt>(p, stages[next % kStages], e, nb, m0, r1, next);
     cp_async_commit();
     const StageOf<Cfg>& st = stages[ks % kStages];
     uint32_t scw[4];
@@ -440,15 +347,12 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* st
     // the stage with no slow decode in it: compact code (instruction-cache misses were a
     // fifth of the stalls with the slow decode inlined at each decode, run 39).
     // Warp-uniform (the MMAs are .aligned: every lane of a warp runs the same one).
-    if constexpr (kF16) {
+    if (__all_sync(0xFFFFFFFFu, stage_all_fast(scw, q))) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) stage_slice<kNt, true, Cfg::kMaxRows, Cfg::kPlanes, true>(st, scw, rw, h, warp, g, q, acc, bad);
-    } else if (__all_sync(0xFFFFFFFFu, stage_all_fast(scw, q))) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) stage_slice<kNt, true>(st, scw, rw, h, warp, g, q, acc, bad);
+      for (int h = 0; h < 2; ++h) stage_slice<kNt, true>(st, scw, h, warp, g, q, acc, bad);
     } else {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) stage_slice<kNt, false>(st, scw, rw, h, warp, g, q, acc, bad);
+      for (int h = 0; h < 2; ++h) stage_slice<kNt, false>(st, scw, h, warp, g, q, acc, bad);
     }
   }
   cp_async_wait<0>();
@@ -465,10 +369,6 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* st
       for (int u = 0; u < 2; ++u) {
         const int64_t at = r * p.n + nw + 16 * u + 8 * (c >> 1) + g;
         float v = acc[u][nt][c];
-        if constexpr (kF16) {  // times 2^ex as two halves of ex: exact while the result is a normal float32
-          const int ex = static_cast<int>(rw[2 * u + (c >> 1)]) + __ldg(p.x_exp + r) - 254, half = ex / 2;
-          v = v * detail::exp2_exact(half) * detail::exp2_exact(ex - half);
-        }
         if (p.y_bf16 != nullptr) {
           p.y_bf16[at] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
           continue;
@@ -479,32 +379,11 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* st
     }
 }
 
-// The pass of `tiles` n8 tiles.
-template <class Cfg, bool kF16>
-__device__ __forceinline__ void run_pass(int tiles, const Mxfp8WeightsGemm& p, StageOf<Cfg>* stages, int e, int64_t nb,
-                                         int64_t m0, int64_t r1, const uint8_t* wref) {
-  constexpr int kMaxNt = Cfg::kMaxNt;
-  if constexpr (kMaxNt >= 8) {
-    if (tiles == 8) pass<8, Cfg, kF16>(p, stages, e, nb, m0, r1, wref);
-    if (tiles == 7) pass<7, Cfg, kF16>(p, stages, e, nb, m0, r1, wref);
-  }
-  if constexpr (kMaxNt >= 6) {
-    if (tiles == 6) pass<6, Cfg, kF16>(p, stages, e, nb, m0, r1, wref);
-    if (tiles == 5) pass<5, Cfg, kF16>(p, stages, e, nb, m0, r1, wref);
-  }
-  if (tiles == 4) pass<4, Cfg, kF16>(p, stages, e, nb, m0, r1, wref);
-  if (tiles == 3) pass<3, Cfg, kF16>(p, stages, e, nb, m0, r1, wref);
-  if (tiles == 2) pass<2, Cfg, kF16>(p, stages, e, nb, m0, r1, wref);
-  if (tiles == 1) pass<1, Cfg, kF16>(p, stages, e, nb, m0, r1, wref);
-}
-
 // Grid (N / kTileN, E), kThreads threads, smem_bytes<Cfg>() of dynamic shared memory.
 // Lane = 4 g + q: g picks the row of an n8 tile (or of an m16 tile's halves), q the quad of
 // k. Each pass takes as many n8 tiles as the expert's remaining rows need, up to
 // Cfg::kMaxNt.
-// kWithF16: the kernel for p.x_f16 != NULL (the f16 path where it applies, the bf16 path
-// elsewhere); the plain kernel has no f16 code (its registers are the bf16 path's alone).
-template <class Cfg, bool kWithF16 = false>
+template <class Cfg>
 __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) mxfp8_weights_gemm_kernel(Mxfp8WeightsGemm p) {
   constexpr int kMaxNt = Cfg::kMaxNt;
   static_assert(kMaxNt == 4 || kMaxNt == 6 || kMaxNt == 8, "the passes below");
@@ -513,34 +392,21 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) mxfp8_weights_gemm_
   const int e = static_cast<int>(blockIdx.y);
   const int64_t r0 = p.off[e], r1 = p.off[e + 1];
   const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
-  if (r0 >= r1) return;
-  // The f16 path's weight-row references (one thread a weight row), and whether every row
-  // of the block has one.
-  __shared__ uint8_t wref[kWithF16 ? kTileN : 1];
-  bool f16_weights = false;
-  if constexpr (kWithF16) {
-    static_assert(Cfg::kPlanes == 1, "the f16 path takes one x plane");
-    {
-      const uint32_t ref = weight_row_reference(p, e, nb + threadIdx.x);
-      wref[threadIdx.x] = static_cast<uint8_t>(ref);
-      f16_weights = __syncthreads_and(ref != 0u) != 0;
-    }
-  }
   for (int64_t m0 = r0; m0 < r1;) {
     const int64_t rem = r1 - m0;
     const int tiles = rem >= 8 * kMaxNt ? kMaxNt : static_cast<int>((rem + 7) / 8);
-    bool f16 = false;
-    if constexpr (kWithF16) {
-      if (f16_weights) {  // block-uniform: and every row of the pass has an exponent
-        const int64_t r = m0 + static_cast<int64_t>(threadIdx.x);
-        f16 = __syncthreads_and(threadIdx.x >= 8 * tiles || r >= r1 || __ldg(p.x_exp + r) > 0) != 0;
-      }
+    if constexpr (kMaxNt >= 8) {
+      if (tiles == 8) pass<8, Cfg>(p, stages, e, nb, m0, r1);
+      if (tiles == 7) pass<7, Cfg>(p, stages, e, nb, m0, r1);
     }
-    if (f16) {
-      if constexpr (kWithF16) run_pass<Cfg, true>(tiles, p, stages, e, nb, m0, r1, wref);
-    } else {
-      run_pass<Cfg, false>(tiles, p, stages, e, nb, m0, r1, wref);
+    if constexpr (kMaxNt >= 6) {
+      if (tiles == 6) pass<6, Cfg>(p, stages, e, nb, m0, r1);
+      if (tiles == 5) pass<5, Cfg>(p, stages, e, nb, m0, r1);
     }
+    if (tiles == 4) pass<4, Cfg>(p, stages, e, nb, m0, r1);
+    if (tiles == 3) pass<3, Cfg>(p, stages, e, nb, m0, r1);
+    if (tiles == 2) pass<2, Cfg>(p, stages, e, nb, m0, r1);
+    if (tiles == 1) pass<1, Cfg>(p, stages, e, nb, m0, r1);
     m0 += 8 * tiles;
   }
 }
@@ -562,34 +428,22 @@ inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) {
                                           : reinterpret_cast<uintptr_t>(p.y) % 8 == 0;
   const bool planes_ok = p.x_planes == 0 || p.x_planes == 1 ||
                          (p.x_planes == 3 && p.y_bf16 == nullptr && p.x_plane_stride % 8 == 0);
-  const bool f16_ok = p.x_f16 == nullptr || (p.x_exp != nullptr && p.x_planes <= 1 && p.y_bf16 == nullptr &&
-                                             reinterpret_cast<uintptr_t>(p.x_f16) % 16 == 0);
-  return mxfp8_weights_shape_fits(p.n, p.k) && a16 % 16 == 0 && planes_ok && f16_ok &&
+  return mxfp8_weights_shape_fits(p.n, p.k) && a16 % 16 == 0 && planes_ok &&
          reinterpret_cast<uintptr_t>(p.scales) % 4 == 0 && out_ok && p.num_experts > 0 && p.num_experts <= 65535;
 }
-
-namespace mxw {
-template <class Cfg, bool kWithF16>
-inline cudaError_t launch_kernel(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  constexpr size_t smem = smem_bytes<Cfg>();
-  // Per device and cheap; not a stream operation, so allowed inside a CUDA-graph capture.
-  cudaError_t err = cudaFuncSetAttribute(mxfp8_weights_gemm_kernel<Cfg, kWithF16>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>(p.n / kTileN), static_cast<unsigned>(p.num_experts));
-  mxfp8_weights_gemm_kernel<Cfg, kWithF16><<<grid, kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
-}
-}  // namespace mxw
 
 // One variant's launch (mxfp8_weights_gemm picks one; moe_ep_gemm_check times them all).
 template <class Cfg>
 inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
   if (!mxfp8_weights_gemm_fits(p) || (p.x_planes == 3) != (Cfg::kPlanes == 3)) return cudaErrorInvalidValue;
-  if constexpr (Cfg::kPlanes == 1) {
-    if (p.x_f16 != nullptr) return mxw::launch_kernel<Cfg, true>(p, stream);
-  }
-  return mxw::launch_kernel<Cfg, false>(p, stream);
+  constexpr size_t smem = mxw::smem_bytes<Cfg>();
+  // Per device and cheap; not a stream operation, so allowed inside a CUDA-graph capture.
+  cudaError_t err = cudaFuncSetAttribute(mxw::mxfp8_weights_gemm_kernel<Cfg>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(p.n / mxw::kTileN), static_cast<unsigned>(p.num_experts));
+  mxw::mxfp8_weights_gemm_kernel<Cfg><<<grid, mxw::kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
 }
 
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream);
@@ -620,9 +474,6 @@ inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t st
     return mxfp8_weights_gemm_plane_by_plane(p, stream);
   }
   if (p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream);
-  if (p.x_f16 != nullptr)
-    return few ? mxfp8_weights_gemm_launch<mxw::F16FewRowsConfig>(p, stream)
-               : mxfp8_weights_gemm_launch<mxw::DefaultConfig>(p, stream);
   return few ? mxfp8_weights_gemm_launch<mxw::FewRowsConfig>(p, stream)
              : mxfp8_weights_gemm_launch<mxw::DefaultConfig>(p, stream);
 }
