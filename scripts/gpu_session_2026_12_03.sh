@@ -36,7 +36,14 @@
 #          bench (bf16) for the plain kernel.
 #   RUN=54: after run 53 (every f16 check passed, bit for bit equal to the bf16 path, until the
 #          empty-experts check's own fill launch of no blocks failed): the f16 path's checks
-#          (mended) and timings, memcheck on its checks.
+#          (mended) and timings, memcheck on its checks. (Runs 53 and 54 ran commits e3867e1 and
+#          22cdc5c; --mxfp8-weights-f16 is gone since 9597f5e.)
+#   RUN=55: after runs 53 and 54 (the f16 path no faster: taken out): group_block_max with one
+#          vote instead of the NaN flag's shuffles, and sum_rows' round trips in straight-line
+#          code (combine_one with the round trip took 25.5 us against 12.0 without, run 52):
+#          the block-format CUDA tests (bit for bit against the spec: encodes, epilogue round
+#          trips, the combine's reduce), the round-trip exchange tests at EP 1 and 2, the
+#          decode timeline and bench, memcheck and racecheck on the round-trip tests at EP 1.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -133,6 +140,21 @@ case "$RUN" in
   TAIL=30 step gemm-check-mxfp8-weights-f16 300 .devbuild/moe_ep_gemm_check --mxfp8-weights-f16
   TAIL=6 step sanitizer-memcheck-mxfp8-weights-f16 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
     .devbuild/moe_ep_gemm_check --mxfp8-weights-f16 --no-time
+  ;;
+55)
+  TAIL=4 step tests-native-cuda 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
+    tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_ or epilogue"
+  TAIL=6 step tests-cuda-round-trip 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
+    -k "(round_trip and cuda) or (test_cuda_loopback and ep1)"
+  TAIL=40 step timeline-decode-bf16 60 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 \
+    --format mxfp8 --intermediate-format bf16 --iters 5 --top 5 --timeline
+  TAIL=6 decode_bench none none
+  TAIL=6 decode_bench bf16 bf16
+  for tool in memcheck racecheck; do
+    TAIL=6 step "sanitizer-$tool-round-trip-ep1" 60 compute-sanitizer --tool "$tool" --target-processes all \
+      --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+      tests/test_native_exchange.py -k "round_trip and cuda and ep1"
+  done
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
