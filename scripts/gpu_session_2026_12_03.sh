@@ -151,7 +151,7 @@ case "$RUN" in
   TAIL=6 decode_bench none none
   TAIL=6 decode_bench bf16 bf16
   for tool in memcheck racecheck; do
-    TAIL=6 step "sanitizer-$tool-round-trip-ep1" 60 compute-sanitizer --tool "$tool" --target-processes all \
+    TAIL=6 step "sanitizer-$tool-round-trip-ep1" 90 compute-sanitizer --tool "$tool" --target-processes all \
       --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
       tests/test_native_exchange.py -k "round_trip and cuda and ep1"
   done
