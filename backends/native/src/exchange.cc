@@ -170,20 +170,25 @@ moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, O* out, const floa
   const uint64_t seq = ++l.seq[1];
   int32_t err = *l.step_err;
   err |= wait_all(x, L.comb_ack, [&](uint64_t v) { return v >= seq - 1; }, nullptr);
+  // A failed round trip (not possible for mxfp8 rows of a valid shape) stops the sums, but the
+  // peers are still signalled below, so that none waits for this rank into its timeout; this
+  // rank's outputs are then NaN and the status is returned.
+  moe_ep_status status = MOE_EP_OK;
   if (!(err & ex::kTimeout)) {
-    for (int32_t src = 0; src < s.N; ++src) {
+    for (int32_t src = 0; src < s.N && status == MOE_EP_OK; ++src) {
       char* base = peer(x, src);
       float* crows = reinterpret_cast<float*>(base + L.crows);
       float* cvals = reinterpret_cast<float*>(base + L.cvals);
-      for (int64_t t = 0; t < l.tsrc[src]; ++t) {
+      for (int64_t t = 0; t < l.tsrc[src] && status == MOE_EP_OK; ++t) {
         const int32_t* rm = l.rowmap + (src * s.Tmax + t) * s.K;
         if (round_trip) {
-          for (int64_t k = 0; k < s.K; ++k) {
+          for (int64_t k = 0; k < s.K && status == MOE_EP_OK; ++k) {
             if (rm[k] < 0) continue;
             float* row = rt_rows.data() + k * s.H;
             for (int64_t h = 0; h < s.H; ++h) row[h] = y_value(y, rm[k] * s.H + h);
-            MOE_EP_TRY(cpu::round_trip_row(MOE_EP_FORMAT_MXFP8, row, s.H, &rt_data, &rt_scale));
+            status = cpu::round_trip_row(MOE_EP_FORMAT_MXFP8, row, s.H, &rt_data, &rt_scale);
           }
+          if (status != MOE_EP_OK) break;
         }
         // Route k's element h as the combine reads it.
         const auto value = [&](int64_t k, int64_t h) {
@@ -217,6 +222,7 @@ moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, O* out, const floa
   const float* crows = reinterpret_cast<const float*>(region + L.crows);
   const float* cvals = reinterpret_cast<const float*>(region + L.cvals);
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  const bool bad = err != 0 || status != MOE_EP_OK;
   for (int64_t t = 0; t < T; ++t) {
     const int32_t* dest = l.route_dest + t * s.K;
     const int32_t* ranks = l.tok_ranks + t * s.K;  // RANK_SUMS: the ranks to add, in rank order
@@ -228,16 +234,16 @@ moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, O* out, const floa
       } else {
         for (int64_t j = 0; j < s.K && ranks[j] >= 0; ++j) acc += crows[(ranks[j] * s.Tmax + t) * s.H + h];
       }
-      put_out(out, t * s.H + h, err ? nan : acc);
+      put_out(out, t * s.H + h, bad ? nan : acc);
     }
     if (out_values != nullptr)
       for (int64_t k = 0; k < s.K; ++k)
-        out_values[t * s.K + k] = err ? nan : (dest[k] >= 0 ? cvals[t * s.K + k] : 0.0f);
+        out_values[t * s.K + k] = bad ? nan : (dest[k] >= 0 ? cvals[t * s.K + k] : 0.0f);
   }
   if (out_error != nullptr) *out_error = err;
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   for (int32_t p = 0; p < s.N; ++p) store_release(peer(x, p), L.comb_ack, s.rank, seq);
-  return MOE_EP_OK;
+  return status;
 }
 
 moe_ep_status alloc_zero(Exchange* x, size_t bytes, void** out) {
