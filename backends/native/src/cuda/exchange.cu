@@ -231,6 +231,19 @@ __global__ void dispatch_begin(Dev d, int64_t T) {  // <<<1, 32>>>
   dispatch_begin_warp(d, T);
 }
 
+// The record of route r (t * K + k) for rank p: its expert local to p, its send position among
+// that expert's rows, its weight; le -1 when the route goes elsewhere or nowhere.
+__device__ __forceinline__ RouteMeta route_record(const Dev& d, int64_t r, int32_t p, const float* __restrict__ weights) {
+  const int32_t g = d.l.route_expert[r];
+  RouteMeta m{-1, 0, 0.0f, 0};
+  if (g >= 0 && g / d.s.El == p) {
+    m.le = static_cast<int32_t>(g % d.s.El);
+    m.pos = d.l.route_pos[r] - d.l.excl[g];
+    m.w = weights[r];
+  }
+  return m;
+}
+
 // One thread per own token: its routes' destination ranks and its rank list (the
 // combine's); block 0: this rank's count-table row into every peer; one warp per
 // (token, destination rank): the token's K route records, and its row once if any
@@ -267,15 +280,8 @@ __device__ void dispatch_send_grid(const Dev& d, int64_t T, int64_t row_bytes, c
     RouteMeta* meta = reinterpret_cast<RouteMeta*>(base + d.L.dmeta) + (static_cast<int64_t>(s.rank) * s.Tmax + t) * s.K;
     bool has = false;
     for (int64_t k = lane; k < s.K; k += 32) {
-      const int64_t r = t * s.K + k;
-      const int32_t g = d.l.route_expert[r];
-      RouteMeta m{-1, 0, 0.0f, 0};
-      if (g >= 0 && g / s.El == p) {
-        m.le = static_cast<int32_t>(g % s.El);
-        m.pos = d.l.route_pos[r] - d.l.excl[g];
-        m.w = weights[r];
-        has = true;
-      }
+      const RouteMeta m = route_record(d, t * s.K + k, p, weights);
+      has = has || m.le >= 0;
       meta[k] = m;
     }
     if (p != s.rank && __any_sync(0xffffffffu, has))  // p is warp-uniform
@@ -833,16 +839,7 @@ __device__ void dispatch_one_records_block(const Dev& d, int64_t T, const float*
   for (int64_t j = threadIdx.x; j < s.E + 2; j += blockDim.x)
     table[j] = j <= s.E ? d.l.counts[j] : static_cast<int32_t>(T);
   RouteMeta* meta = reinterpret_cast<RouteMeta*>(d.own + d.L.dmeta);
-  for (int64_t r = threadIdx.x; r < T * s.K; r += blockDim.x) {
-    const int32_t g = d.l.route_expert[r];
-    RouteMeta m{-1, 0, 0.0f, 0};
-    if (g >= 0) {  // every expert is this rank's (El == E)
-      m.le = g;
-      m.pos = d.l.route_pos[r] - d.l.excl[g];
-      m.w = weights[r];
-    }
-    meta[r] = m;
-  }
+  for (int64_t r = threadIdx.x; r < T * s.K; r += blockDim.x) meta[r] = route_record(d, r, 0, weights);
 }
 
 // The one-kernel plan at N = 1 keeps a counter per (warp, expert) in shared memory: up to

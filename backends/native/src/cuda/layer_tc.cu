@@ -783,12 +783,17 @@ moe_ep_status round_trip_rows(void* stream, int32_t fmt, float* y, int64_t rows,
   return MOE_EP_OK;
 }
 
-__global__ void nan_on_error_kernel(const int32_t* __restrict__ error, void* __restrict__ p, int64_t n, bool bf16) {
-  if (*error == 0) return;
+// p[0, n) NaN (bf16 or float32 quiet NaN), grid-stride.
+__device__ __forceinline__ void fill_nan(void* __restrict__ p, int64_t n, bool bf16) {
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < n; t += int64_t{gridDim.x} * blockDim.x) {
     if (bf16) static_cast<uint16_t*>(p)[t] = 0x7FC0;
     else static_cast<float*>(p)[t] = __int_as_float(0x7fc00000);
   }
+}
+
+__global__ void nan_on_error_kernel(const int32_t* __restrict__ error, void* __restrict__ p, int64_t n, bool bf16) {
+  if (*error == 0) return;
+  fill_nan(p, n, bf16);
 }
 
 moe_ep_status nan_on_error(void* stream, const int32_t* error, void* p, int64_t n, int32_t dtype) {
@@ -802,14 +807,9 @@ moe_ep_status nan_on_error(void* stream, const int32_t* error, void* p, int64_t 
 __global__ void finish_forward_kernel(const int32_t* __restrict__ error, const int32_t* __restrict__ off,
                                       const int32_t* __restrict__ valid, int64_t groups, uint16_t* __restrict__ stash,
                                       int64_t rows, int64_t cols, void* __restrict__ y, int64_t y_count, bool y_bf16) {
-  const int64_t tid = blockIdx.x * int64_t{blockDim.x} + threadIdx.x, nthreads = int64_t{gridDim.x} * blockDim.x;
   if (*error != 0) {  // everything NaN, the stash's padding included
-    const int64_t s_count = stash != nullptr ? rows * cols : 0;
-    for (int64_t t = tid; t < y_count; t += nthreads) {
-      if (y_bf16) static_cast<uint16_t*>(y)[t] = 0x7FC0;
-      else static_cast<float*>(y)[t] = __int_as_float(0x7fc00000);
-    }
-    for (int64_t t = tid; t < s_count; t += nthreads) stash[t] = 0x7FC0;
+    fill_nan(y, y_count, y_bf16);
+    fill_nan(stash, stash != nullptr ? rows * cols : 0, true);
     return;
   }
   if (stash == nullptr || groups == 0) return;
