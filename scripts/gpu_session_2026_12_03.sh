@@ -44,6 +44,8 @@
 #          the block-format CUDA tests (bit for bit against the spec: encodes, epilogue round
 #          trips, the combine's reduce), the round-trip exchange tests at EP 1 and 2, the
 #          decode timeline and bench, memcheck and racecheck on the round-trip tests at EP 1.
+#          First: the mxfp8-weights GEMM's pipelined variants (a producer warp, mbarriers, no
+#          block-wide barrier in the loop): their checks and timings against the plain kernel's.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -142,6 +144,7 @@ case "$RUN" in
     .devbuild/moe_ep_gemm_check --mxfp8-weights-f16 --no-time
   ;;
 55)
+  TAIL=70 mxw_gemm_check 200
   TAIL=4 step tests-native-cuda 90 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
     tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_ or epilogue"
   TAIL=6 step tests-cuda-round-trip 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
