@@ -45,7 +45,12 @@
 #          trips, the combine's reduce), the round-trip exchange tests at EP 1 and 2, the
 #          decode timeline and bench, memcheck and racecheck on the round-trip tests at EP 1.
 #          First: the mxfp8-weights GEMM's pipelined variants (a producer warp, mbarriers, no
-#          block-wide barrier in the loop): their checks and timings against the plain kernel's.
+#          block-wide barrier in the loop): their checks and timings against the plain kernel's
+#          (commit ae63d01; the variants are gone since).
+#   RUN=56: after run 55 (the pipelined variants correct but slower: taken out; combine_one with
+#          the round trip still 25.7 us): the round-trip combine's rows in one batch of 8 (one
+#          load wait a token): the round-trip tests (bit for bit, EP 1 and 2), the timeline, the
+#          decode bench (none, bf16), memcheck on the round-trip tests at EP 1.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -158,6 +163,17 @@ case "$RUN" in
       --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
       tests/test_native_exchange.py -k "round_trip and cuda and ep1"
   done
+  ;;
+56)
+  TAIL=6 step tests-cuda-round-trip 200 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_exchange.py \
+    -k "(round_trip and cuda) or (test_cuda_loopback and ep1)"
+  TAIL=40 step timeline-decode-bf16 60 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 \
+    --format mxfp8 --intermediate-format bf16 --iters 5 --top 5 --timeline
+  TAIL=6 decode_bench none none
+  TAIL=6 decode_bench bf16 bf16
+  TAIL=6 step sanitizer-memcheck-round-trip-ep1 90 compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_native_exchange.py -k "round_trip and cuda and ep1"
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

@@ -729,18 +729,8 @@ const MxVariant kMxVariants[] = {
     {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
     {"<8,3,2> default", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::DefaultConfig>},
     {"<6,3,2>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<6, 3, 2>>},
-    // The pipelined kernel (a producer warp, mbarriers): <kMaxNt, kStages, kMinBlocks>.
-    {"pipelined <6,3,2>", &moe_ep::cuda::mxfp8_weights_gemm_pipelined_launch<moe_ep::cuda::mxw::Config<6, 3, 2>>},
-    {"pipelined <6,4,1>", &moe_ep::cuda::mxfp8_weights_gemm_pipelined_launch<moe_ep::cuda::mxw::Config<6, 4, 1>>},
-    {"pipelined <6,6,1>", &moe_ep::cuda::mxfp8_weights_gemm_pipelined_launch<moe_ep::cuda::mxw::Config<6, 6, 1>>},
-    {"pipelined <4,4,2>", &moe_ep::cuda::mxfp8_weights_gemm_pipelined_launch<moe_ep::cuda::mxw::Config<4, 4, 2>>},
-    {"pipelined <8,3,2>", &moe_ep::cuda::mxfp8_weights_gemm_pipelined_launch<moe_ep::cuda::mxw::Config<8, 3, 2>>},
     {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
 };
-
-// The pipelined kernel with three x planes (one pass at few rows; 165 KB a block).
-const MxLaunch kMxPlanes3Pipelined =
-    &moe_ep::cuda::mxfp8_weights_gemm_pipelined_launch<moe_ep::cuda::mxw::Config<6, 3, 1, 3>>;
 
 // --mxfp8-weights-profile: one launch of each variant at FC1's decode shape with the
 // routing's spread, nothing else (for a profiler: ncu -k regex:mxfp8_weights_gemm).
@@ -782,6 +772,15 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
   check_mxfp8_weights("3 planes, many rows", 256, 512, {70, 9, 129}, 2, true, MxPlant::kNone, 51, false, false, 3);
   check_mxfp8_weights("3 planes, decode FC2 shape", 7168, 2048, {32, 31, 1, 40}, 0, false, MxPlant::kNone, 52, false,
                       false, 3);
+  if (!timing) return;
+  // DeepSeek-V3 per rank at 128 tokens, top-8: 32 local experts, 1024 rows.
+  time_mxfp8_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), sm_count);
+  time_mxfp8_weights("FC2 (decode)", 7168, 2048, std::vector<int>(32, 32), sm_count);
+  time_mxfp8_weights("FC1 (decode, spread)", 4096, 7168, spread_rows(1024), sm_count);
+  time_mxfp8_weights("FC2 (decode, spread)", 7168, 2048, spread_rows(1024), sm_count);
+  time_mxfp8_weights("FC1 (spread, 32-row passes)", 4096, 7168, spread_rows(1024), sm_count, true);
+  time_mxfp8_weights("FC1 (48 rows)", 4096, 7168, std::vector<int>(32, 48), sm_count);
+  time_mxfp8_weights("FC1 (64 rows)", 4096, 7168, std::vector<int>(32, 64), sm_count);
   // The variants (kMxVariants): each one's own checks first (the ragged and decode-shape ones).
   for (const MxVariant& v : kMxVariants) {
     g_mx_check_launch = v.launch;
@@ -795,24 +794,7 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
     check_mxfp8_weights((label + ", scale sweep").c_str(), 128, 1024, {33, 50, 9}, 2, true, MxPlant::kScaleSweep, 36);
     check_mxfp8_weights((label + ", FC2 shape").c_str(), 7168, 2048, {32, 31, 1, 64}, 0, false, MxPlant::kNone, 33);
   }
-  // The pipelined kernel with three x planes: the three-plane checks.
-  g_mx_check_launch = kMxPlanes3Pipelined;
-  check_mxfp8_weights("pipelined 3 planes, few rows", 256, 512, {20, 0, 42, 1, 33}, 3, true, MxPlant::kNone, 53, false,
-                      false, 3);
-  check_mxfp8_weights("pipelined 3 planes, a NaN code", 128, 1024, {40, 3, 17}, 0, false, MxPlant::kNanCode, 54, false,
-                      false, 3);
-  check_mxfp8_weights("pipelined 3 planes, decode FC2 shape", 7168, 2048, {32, 31, 1, 40}, 0, false, MxPlant::kNone,
-                      55, false, false, 3);
   g_mx_check_launch = &moe_ep::cuda::mxfp8_weights_gemm;
-  if (!timing) return;
-  // DeepSeek-V3 per rank at 128 tokens, top-8: 32 local experts, 1024 rows.
-  time_mxfp8_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), sm_count);
-  time_mxfp8_weights("FC2 (decode)", 7168, 2048, std::vector<int>(32, 32), sm_count);
-  time_mxfp8_weights("FC1 (decode, spread)", 4096, 7168, spread_rows(1024), sm_count);
-  time_mxfp8_weights("FC2 (decode, spread)", 7168, 2048, spread_rows(1024), sm_count);
-  time_mxfp8_weights("FC1 (spread, 32-row passes)", 4096, 7168, spread_rows(1024), sm_count, true);
-  time_mxfp8_weights("FC1 (48 rows)", 4096, 7168, std::vector<int>(32, 48), sm_count);
-  time_mxfp8_weights("FC1 (64 rows)", 4096, 7168, std::vector<int>(32, 64), sm_count);
   // FC2 of a float32 or mxfp8 intermediate (three bf16 planes) at the spread: one pass for
   // the three planes against a launch a plane, alternated.
   for (int i = 0; i < 2; ++i) {
@@ -820,8 +802,6 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
                        &moe_ep::cuda::mxfp8_weights_gemm_plane_by_plane, false, 3);
     time_mxfp8_weights("FC2 spread, 3 planes, one pass", 7168, 2048, spread_rows(1024), sm_count, false,
                        &moe_ep::cuda::mxfp8_weights_gemm, false, 3);
-    time_mxfp8_weights("FC2 spread, 3 planes, pipelined <6,3,1>", 7168, 2048, spread_rows(1024), sm_count, false,
-                       kMxPlanes3Pipelined, false, 3);
   }
   for (const MxVariant& v : kMxVariants) {
     for (const bool fc1 : {true, false}) {

@@ -310,10 +310,6 @@ __device__ __forceinline__ void stage_slice(const Stage<kMaxRows, kPlanes>& st, 
   }
 }
 
-template <int kNt>
-__device__ __forceinline__ void store_pass(const Mxfp8WeightsGemm& p, const float (&acc)[2][kNt][4], bool bad,
-                                           int64_t nb, int64_t m0, int64_t r1, int warp, int g, int q);
-
 // One pass over K for the rows [m0, min(m0 + 8 kNt, r1)) of expert e and the block's
 // weight rows from nb; this warp's 32 of them from nw = nb + 32 warp. acc[u][nt] holds
 // y[x row 8 nt + 2 q (+1)] at weight rows 16 u + g (c0, c1) and 16 u + 8 + g (c2, c3).
@@ -361,14 +357,6 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* st
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp done with the buffers before the next pass refills them
-  store_pass<kNt>(p, acc, bad, nb, m0, r1, warp, g, q);
-}
-
-// The pass's sums acc (pass's layout) into y (or y_bf16) at the rows [m0, r1) and this warp's
-// weight rows; bad: 1 into *p.inexact.
-template <int kNt>
-__device__ __forceinline__ void store_pass(const Mxfp8WeightsGemm& p, const float (&acc)[2][kNt][4], bool bad,
-                                           int64_t nb, int64_t m0, int64_t r1, int warp, int g, int q) {
   if (bad && p.inexact != nullptr) atomicOr(p.inexact, 1);
   const int64_t nw = nb + warp * kRowsPerWarp;
 #pragma unroll
@@ -423,161 +411,6 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) mxfp8_weights_gemm_
   }
 }
 
-// ------------------------------------------------------------------ the pipelined variant
-// The same sums, the same stages and the same per-warp work (stage_slice, store_pass), with a
-// producer warp: a block is kWarps consumer warps and one producer warp. The producer streams
-// every stage of every pass of the block into a ring of Cfg::kStages buffers with cp.async;
-// each lane's copies complete on the buffer's `full` mbarrier (cp.async.mbarrier.arrive.noinc,
-// 32 arrivals). A consumer warp waits on that barrier alone, multiplies the stage, and arrives
-// on the buffer's `empty` barrier (one arrival a warp), which the producer waits on before it
-// refills the buffer. No block-wide barrier in the loop: the loads run up to kStages - 1
-// stages ahead of the slowest warp, across passes too (the next pass's loads overlap a pass's
-// stores).
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar)) : "memory");
-}
-// This thread's cp.async copies so far arrive on bar when they complete (no pending-count increment).
-__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      " .reg .pred done;\n"
-      " WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// Stage ks of the rows [m0, m0 + rows) (zero-filled from r1) into st, by the producer warp's
-// 32 lanes (load_stage's copies, split over 32 lanes instead of the block).
-template <int kMaxRows, int kPlanes>
-__device__ __forceinline__ void producer_load(const Mxfp8WeightsGemm& p, Stage<kMaxRows, kPlanes>& st, int e,
-                                              int64_t nb, int64_t m0, int64_t r1, int64_t ks, int rows, int lane) {
-  const int64_t K = p.k, k0 = ks * kStageK;
-  constexpr int kChunks = kStageK / 16;
-  const int c = lane % kChunks, r0 = lane / kChunks;  // rows r0 + 4 u
-  const int cs = c ^ ((r0 & 1) << 2);                 // 4 u keeps the parity
-  const uint8_t* src = p.codes + (static_cast<int64_t>(e) * p.n + nb + r0) * K + k0 + 16 * c;
-#pragma unroll 8
-  for (int u = 0; u < kTileN / 4; ++u) cp_async16(&st.w[r0 + 4 * u][cs], src + 4 * u * K, true);
-#pragma unroll
-  for (int v = 0; v < kTileN / 32; ++v)
-    cp_async4(&st.s[lane + 32 * v], p.scales + (static_cast<int64_t>(e) * p.n + nb + lane + 32 * v) * (K / 32) + k0 / 32);
-  constexpr int kXChunks = kStageK / 8;
-  for (int pl = 0; pl < kPlanes; ++pl) {
-    const uint16_t* x = p.x + pl * p.x_plane_stride;
-    for (int i = lane; i < rows * kXChunks; i += 32) {
-      const int xr = i / kXChunks, xc = i % kXChunks;
-      const bool in = m0 + xr < r1;
-      cp_async16(&st.x[pl][xr][8 * xc], x + (in ? m0 + xr : m0) * K + k0 + 8 * xc, in);
-    }
-  }
-}
-
-// A consumer warp's pass of kNt n8 tiles: stage it (ring position) onward, nks stages.
-template <int kNt, class Cfg>
-__device__ __forceinline__ void consumer_pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* stages, uint64_t* full,
-                                              uint64_t* empty, int64_t& it, int64_t nb, int64_t m0, int64_t r1) {
-  constexpr int kStages = Cfg::kStages;
-  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
-  const int g = lane >> 2, q = lane & 3;
-  const int64_t nks = p.k / kStageK;
-  float acc[2][kNt][4];
-#pragma unroll
-  for (int u = 0; u < 2; ++u)
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[u][nt][c] = 0.0f;
-  bool bad = false;
-  for (int64_t ks = 0; ks < nks; ++ks, ++it) {
-    const int b = static_cast<int>(it % kStages);
-    mbar_wait(&full[b], static_cast<uint32_t>((it / kStages) & 1));
-    const StageOf<Cfg>& st = stages[b];
-    uint32_t scw[4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) scw[t] = st.s[warp * kRowsPerWarp + 8 * t + g];
-    if (__all_sync(0xFFFFFFFFu, stage_all_fast(scw, q))) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) stage_slice<kNt, true>(st, scw, h, warp, g, q, acc, bad);
-    } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) stage_slice<kNt, false>(st, scw, h, warp, g, q, acc, bad);
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[b]);
-  }
-  store_pass<kNt>(p, acc, bad, nb, m0, r1, warp, g, q);
-}
-
-// Grid (N / kTileN, E), kThreads + 32 threads (the last warp the producer),
-// smem_bytes<Cfg>() of dynamic shared memory.
-template <class Cfg>
-__global__ void __launch_bounds__(kThreads + 32, Cfg::kMinBlocks) mxfp8_weights_gemm_pipelined_kernel(Mxfp8WeightsGemm p) {
-  constexpr int kMaxNt = Cfg::kMaxNt, kStages = Cfg::kStages;
-  static_assert(kMaxNt == 4 || kMaxNt == 6 || kMaxNt == 8, "the passes below");
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
-  StageOf<Cfg>* stages = reinterpret_cast<StageOf<Cfg>*>(smem);
-  const int e = static_cast<int>(blockIdx.y);
-  const int64_t r0 = p.off[e], r1 = p.off[e + 1];
-  if (r0 >= r1) return;  // the whole block
-  const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
-  if (threadIdx.x == 0) {
-    for (int b = 0; b < kStages; ++b) {
-      mbar_init(&full[b], 32);       // the producer's 32 lanes
-      mbar_init(&empty[b], kWarps);  // one arrival a consumer warp
-    }
-  }
-  __syncthreads();
-  const int64_t nks = p.k / kStageK;
-  int64_t it = 0;
-  if (threadIdx.x >= kThreads) {  // the producer warp
-    const int lane = static_cast<int>(threadIdx.x) & 31;
-    for (int64_t m0 = r0; m0 < r1;) {
-      const int64_t rem = r1 - m0;
-      const int tiles = rem >= 8 * kMaxNt ? kMaxNt : static_cast<int>((rem + 7) / 8);
-      for (int64_t ks = 0; ks < nks; ++ks, ++it) {
-        const int b = static_cast<int>(it % kStages);
-        if (it >= kStages) mbar_wait(&empty[b], static_cast<uint32_t>((it / kStages - 1) & 1));
-        producer_load(p, stages[b], e, nb, m0, r1, ks, 8 * tiles, lane);
-        cp_async_arrive(&full[b]);
-      }
-      m0 += 8 * tiles;
-    }
-    cp_async_wait<0>();  // every copy landed (and arrived) before the warp leaves
-    return;
-  }
-  for (int64_t m0 = r0; m0 < r1;) {
-    const int64_t rem = r1 - m0;
-    const int tiles = rem >= 8 * kMaxNt ? kMaxNt : static_cast<int>((rem + 7) / 8);
-    if constexpr (kMaxNt >= 8) {
-      if (tiles == 8) consumer_pass<8, Cfg>(p, stages, full, empty, it, nb, m0, r1);
-      if (tiles == 7) consumer_pass<7, Cfg>(p, stages, full, empty, it, nb, m0, r1);
-    }
-    if constexpr (kMaxNt >= 6) {
-      if (tiles == 6) consumer_pass<6, Cfg>(p, stages, full, empty, it, nb, m0, r1);
-      if (tiles == 5) consumer_pass<5, Cfg>(p, stages, full, empty, it, nb, m0, r1);
-    }
-    if (tiles == 4) consumer_pass<4, Cfg>(p, stages, full, empty, it, nb, m0, r1);
-    if (tiles == 3) consumer_pass<3, Cfg>(p, stages, full, empty, it, nb, m0, r1);
-    if (tiles == 2) consumer_pass<2, Cfg>(p, stages, full, empty, it, nb, m0, r1);
-    if (tiles == 1) consumer_pass<1, Cfg>(p, stages, full, empty, it, nb, m0, r1);
-    m0 += 8 * tiles;
-  }
-}
-
 }  // namespace mxw
 
 // Whether the kernel takes an [E, n, k] weight: k a multiple of the stage's 128, n of the
@@ -614,19 +447,6 @@ inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStre
 }
 
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream);
-
-// One pipelined variant's launch (mxw::mxfp8_weights_gemm_pipelined_kernel).
-template <class Cfg>
-inline cudaError_t mxfp8_weights_gemm_pipelined_launch(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  if (!mxfp8_weights_gemm_fits(p) || (p.x_planes == 3) != (Cfg::kPlanes == 3)) return cudaErrorInvalidValue;
-  constexpr size_t smem = mxw::smem_bytes<Cfg>();
-  cudaError_t err = cudaFuncSetAttribute(mxw::mxfp8_weights_gemm_pipelined_kernel<Cfg>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>(p.n / mxw::kTileN), static_cast<unsigned>(p.num_experts));
-  mxw::mxfp8_weights_gemm_pipelined_kernel<Cfg><<<grid, mxw::kThreads + 32, smem, stream>>>(p);
-  return cudaGetLastError();
-}
 
 // p's x planes as a launch a plane (x_planes 1, the later ones accumulating): what
 // mxfp8_weights_gemm runs for three planes at more rows (moe_ep_gemm_check times it against
