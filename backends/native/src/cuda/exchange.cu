@@ -602,47 +602,28 @@ __device__ __forceinline__ void round_trip_read(float (&v)[C::V]) {
 
 // acc = (((+0 + r_0) + r_1) + ...) over the rows r_j = row(j), j < n, that are not
 // NULL, in that order (float32, round to nearest), at the C::V elements from h (kRt: each
-// row's values through round_trip_read first); the loads of kSumBatch rows (kRt: kSumBatchRt)
-// are in flight at once.
+// row's values through round_trip_read first); the loads of kSumBatch rows are in flight at once.
 constexpr int kSumBatch = 4;
-// With the round trip, a batch's processing is longer than its loads' wait, and the next
-// batch's loads are issued only after it: top-8's rows in one batch, one wait a token (run 55:
-// 25.7 us with batches of 4, as before the straight-line round trips).
-constexpr int kSumBatchRt = 8;
 
 template <typename C, bool kRt = false, typename Row>
 __device__ __forceinline__ void sum_rows(int64_t n, Row row, int64_t h, float (&acc)[C::V]) {
 #pragma unroll
   for (int u = 0; u < C::V; ++u) acc[u] = 0.0f;
-  constexpr int kBatch = kRt ? kSumBatchRt : kSumBatch;
-  for (int64_t j0 = 0; j0 < n; j0 += kBatch) {
-    typename C::Raw raw[kBatch];
-    bool ok[kBatch];
+  for (int64_t j0 = 0; j0 < n; j0 += kSumBatch) {
+    typename C::Raw raw[kSumBatch];
+    bool ok[kSumBatch];
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
+    for (int j = 0; j < kSumBatch; ++j) {
       const typename C::Elem* p = j0 + j < n ? row(j0 + j) : nullptr;
       ok[j] = p != nullptr;
       if (ok[j]) raw[j] = C::load(p + h);
     }
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
+    for (int j = 0; j < kSumBatch; ++j) {
+      if (!ok[j]) continue;
       float v[C::V];
-      if constexpr (kRt) {
-        // Straight-line code for the batch's rows, so that their round trips may overlap (alone
-        // it changed nothing measurable: run 55). A missing row is zeros, whose round trip is
-        // zeros, added as +0: a no-op, since acc starts at +0 and a round-to-nearest sum is -0
-        // only when both terms are.
-        if (ok[j]) {
-          unpack(raw[j], v);
-        } else {
-#pragma unroll
-          for (int u = 0; u < C::V; ++u) v[u] = 0.0f;
-        }
-        round_trip_read<C, kRt>(v);
-      } else {
-        if (!ok[j]) continue;
-        unpack(raw[j], v);
-      }
+      unpack(raw[j], v);
+      round_trip_read<C, kRt>(v);
 #pragma unroll
       for (int u = 0; u < C::V; ++u) acc[u] = __fadd_rn(acc[u], v[u]);
     }
