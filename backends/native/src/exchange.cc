@@ -172,7 +172,8 @@ moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, O* out, const floa
   err |= wait_all(x, L.comb_ack, [&](uint64_t v) { return v >= seq - 1; }, nullptr);
   // A failed round trip (not possible for mxfp8 rows of a valid shape) stops the sums, but the
   // peers are still signalled below, so that none waits for this rank into its timeout; this
-  // rank's outputs are then NaN and the status is returned.
+  // rank's outputs are then NaN and the status is returned (the peers' sums lack this rank's
+  // part, and the error status is this rank's alone).
   moe_ep_status status = MOE_EP_OK;
   if (!(err & ex::kTimeout)) {
     for (int32_t src = 0; src < s.N && status == MOE_EP_OK; ++src) {

@@ -112,8 +112,8 @@ __device__ __forceinline__ BlockMax block_max(const float* p, int64_t stride, in
 // lanes must call it (full-mask shuffles); a lane with nothing to hold passes zeros, which
 // reach only the lanes of its own (equally absent) block.
 // The NaN/Inf flag takes shuffles of its own only when some lane of the warp holds such a
-// value (one vote; half the shuffles in the common case, on the critical path of every
-// block-format round trip and encode).
+// value (one vote: half the shuffles in the common case; the round-trip combine did not move
+// with it, run 55).
 template <int kGroup, int kN>
 __device__ __forceinline__ BlockMax group_block_max(const float (&v)[kN]) {
   BlockMax bm = block_max(v, 1, kN);
