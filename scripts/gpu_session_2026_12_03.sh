@@ -52,9 +52,9 @@
 #          load wait a token): the round-trip tests (bit for bit, EP 1 and 2), the timeline, the
 #          decode bench (none, bf16), memcheck on the round-trip tests at EP 1.
 #   RUN=57: after run 56 (one batch of 8: combine_one 31.8 us, slower): sum_rows as before run 55
-#          (batches of 4, a branch a row), group_block_max's vote kept: the block-format CUDA
-#          tests, the round-trip and exchange tests at EP 1, the timeline (the session's last
-#          device time: short).
+#          (batches of 4, a branch a row), group_block_max's vote kept (its other callers ran in
+#          runs 55 and 56): the round-trip and exchange tests at EP 1, the timeline (the
+#          session's last device time: short).
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -180,8 +180,6 @@ case "$RUN" in
     tests/test_native_exchange.py -k "round_trip and cuda and ep1"
   ;;
 57)
-  TAIL=4 step tests-native-cuda 60 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_native_decode_bf16.py \
-    tests/test_native_cuda.py tests/test_native_layer.py -k "test_native_cuda or test_cuda_ or epilogue"
   TAIL=6 step tests-cuda-round-trip-ep1 120 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
     tests/test_native_exchange.py -k "(round_trip and cuda and ep1) or (test_cuda_loopback and ep1)"
   TAIL=40 step timeline-decode-bf16 40 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 \
