@@ -51,7 +51,8 @@
 #          the round trip still 25.7 us): the round-trip combine's rows in one batch of 8 (one
 #          load wait a token): the round-trip tests (bit for bit, EP 1 and 2), the timeline, the
 #          decode bench (none, bf16), memcheck on the round-trip tests at EP 1.
-#   RUN=57: after run 56 (one batch of 8: combine_one 31.8 us, slower): sum_rows as before run 55
+#   RUN=57 (not run: no device time was left; group_block_max's vote was taken out instead, so
+#          the final build's device code is what runs 52 to 56 ran): after run 56 (one batch of 8: combine_one 31.8 us, slower): sum_rows as before run 55
 #          (batches of 4, a branch a row), group_block_max's vote kept (its other callers ran in
 #          runs 55 and 56): the round-trip and exchange tests at EP 1, the timeline (the
 #          session's last device time: short).

@@ -111,23 +111,17 @@ __device__ __forceinline__ BlockMax block_max(const float* p, int64_t stride, in
 // by the block's kGroup lanes (kGroup-aligned within the warp) through shuffles. All 32
 // lanes must call it (full-mask shuffles); a lane with nothing to hold passes zeros, which
 // reach only the lanes of its own (equally absent) block.
-// The NaN/Inf flag takes shuffles of its own only when some lane of the warp holds such a
-// value (one vote: half the shuffles in the common case; the round-trip combine did not move
-// with it, run 55).
 template <int kGroup, int kN>
 __device__ __forceinline__ BlockMax group_block_max(const float (&v)[kN]) {
   BlockMax bm = block_max(v, 1, kN);
+  uint32_t nonfinite = bm.nonfinite ? 1u : 0u;
 #pragma unroll
   for (int o = kGroup / 2; o > 0; o >>= 1) {
     const uint32_t a = __shfl_xor_sync(0xFFFFFFFFu, bm.amax, o);
     bm.amax = a > bm.amax ? a : bm.amax;
+    nonfinite |= __shfl_xor_sync(0xFFFFFFFFu, nonfinite, o);
   }
-  if (__any_sync(0xFFFFFFFFu, bm.nonfinite)) {  // warp-uniform
-    uint32_t nonfinite = bm.nonfinite ? 1u : 0u;
-#pragma unroll
-    for (int o = kGroup / 2; o > 0; o >>= 1) nonfinite |= __shfl_xor_sync(0xFFFFFFFFu, nonfinite, o);
-    bm.nonfinite = nonfinite != 0u;
-  }
+  bm.nonfinite = nonfinite != 0u;
   return bm;
 }
 
