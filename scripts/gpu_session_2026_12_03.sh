@@ -56,6 +56,10 @@
 #          (batches of 4, a branch a row), group_block_max's vote kept (its other callers ran in
 #          runs 55 and 56): the round-trip and exchange tests at EP 1, the timeline (the
 #          session's last device time: short).
+#   RUN=58: (the day's fifth session) the mxfp8-weights GEMM on warpgroup MMAs
+#          (mxfp8_weights_wgmma.cuh): every variant's checks (float64 reference, NaN, inexact
+#          flag, scale sweep), then the timings against the plain kernel's, alternated; the
+#          SASS counts (HGMMA) of the wgmma kernels.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -185,6 +189,11 @@ case "$RUN" in
     tests/test_native_exchange.py -k "(round_trip and cuda and ep1) or (test_cuda_loopback and ep1)"
   TAIL=40 step timeline-decode-bf16 40 "$py" scripts/gpu_layer_profile.py --mode device --tokens 128 \
     --format mxfp8 --intermediate-format bf16 --iters 5 --top 5 --timeline
+  ;;
+58)
+  TAIL=12 step sass-mxfp8-weights-wgmma 60 bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check \
+    mxfp8_weights_wgmma_kernel
+  TAIL=120 mxw_gemm_check 420
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
