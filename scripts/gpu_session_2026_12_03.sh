@@ -60,6 +60,10 @@
 #          (mxfp8_weights_wgmma.cuh): every variant's checks (float64 reference, NaN, inexact
 #          flag, scale sweep), then the timings against the plain kernel's, alternated; the
 #          SASS counts (HGMMA) of the wgmma kernels.
+#   RUN=59: after run 58 (the wgmma kernel right on every check, but at 0.40 to 0.45 of the
+#          weight read against the plain kernel's 0.69): where its time goes: its ablations
+#          (no wgmma; x copied in 16-byte chunks) timed against it and the plain kernel,
+#          Nsight Compute's warp states and source counters on one launch of each.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -194,6 +198,13 @@ case "$RUN" in
   TAIL=12 step sass-mxfp8-weights-wgmma 60 bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check \
     mxfp8_weights_wgmma_kernel
   TAIL=120 mxw_gemm_check 420
+  ;;
+59)
+  TAIL=40 step gemm-check-mxfp8-weights-ablations 120 .devbuild/moe_ep_gemm_check --mxfp8-weights-ablations
+  TAIL=10 step ncu-mxw-wgmma 200 ncu --clock-control none -k regex:mxfp8_weights_ -c 2 \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+    --section SourceCounters --section InstructionStats --print-details all \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights-profile
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

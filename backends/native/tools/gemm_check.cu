@@ -5,6 +5,8 @@
 //   moe_ep_gemm_check --no-time        checks only
 //   moe_ep_gemm_check --mxfp8-weights  the mxfp8-weights GEMM alone (cuda/gemm/mxfp8_weights_gemm.cuh):
 //                                      its checks, then its timings at the decode shape
+//   moe_ep_gemm_check --mxfp8-weights-profile    one launch of the plain and the wgmma kernel (ncu)
+//   moe_ep_gemm_check --mxfp8-weights-ablations  the wgmma kernel with parts taken out, timed
 //
 // Every check prints one line ("ok" or "MISMATCH ..."); the exit status is non-zero on
 // any mismatch or CUDA error. The reference multiplies the bf16 inputs exactly (the
@@ -739,6 +741,16 @@ const MxVariant kMxVariants[] = {
     {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
 };
 
+// The wgmma kernel with parts of its work taken out (kAblate: wrong results, timed only):
+// where its time goes.
+const MxVariant kMxWgAblations[] = {
+    {"wgmma <6,2,2,1,3> as checked", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 2, 2, 1, 3>>},
+    {"ablation: no wgmma", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 2, 2, 1, 3, 1, 1>>},
+    {"ablation: x in 16-byte chunks", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 2, 2, 1, 3, 1, 2>>},
+    {"ablation: x 16-byte, no wgmma", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 2, 2, 1, 3, 1, 3>>},
+    {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
+};
+
 // The wgmma kernel with three x planes (one pass at few rows).
 const MxLaunch kMxPlanes3Wgmma =
     &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 1, 3, 1, 2, 3>>;
@@ -752,12 +764,27 @@ void mxfp8_weights_profile_launches() {
   const std::vector<int> rows = spread_rows(1024);
   const std::vector<int32_t> off = offsets_of(rows);
   MxBuffers b = make_mx(p, off, off.back(), 11);
-  for (int i = 0; i < 3; ++i) {  // the first three: each kernel once
-    CHECK_CUDA(kMxVariants[i].launch(p, 0));
+  const MxVariant profiled[] = {kMxVariants[0], kMxWgAblations[0]};  // the plain kernel as picked, the wgmma one
+  for (int i = 0; i < 2; ++i) {
+    CHECK_CUDA(profiled[i].launch(p, 0));
     CHECK_CUDA(cudaDeviceSynchronize());
-    std::printf("profiled launch %d: %s\n", i, kMxVariants[i].name);
+    std::printf("profiled launch %d: %s\n", i, profiled[i].name);
   }
   b.release();
+}
+
+// --mxfp8-weights-ablations: the wgmma kernel's ablations (kMxWgAblations) timed at FC1's and
+// FC2's spread and at 32 rows, alternated with the kernel as checked and the plain kernel.
+void mxfp8_weights_ablations(int sm_count) {
+  for (int round = 0; round < 2; ++round)
+    for (const MxVariant& v : kMxWgAblations) {
+      time_mxfp8_weights((std::string("FC1 spread ") + v.name).c_str(), 4096, 7168, spread_rows(1024), sm_count, false,
+                         v.launch, false);
+      time_mxfp8_weights((std::string("FC2 spread ") + v.name).c_str(), 7168, 2048, spread_rows(1024), sm_count, false,
+                         v.launch, false);
+      time_mxfp8_weights((std::string("FC1 32 rows ") + v.name).c_str(), 4096, 7168, std::vector<int>(32, 32), sm_count,
+                         false, v.launch, false);
+    }
 }
 
 void mxfp8_weights_checks(bool timing, int sm_count) {
@@ -899,12 +926,13 @@ int initcheck_probe(int sm_count) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool timing = true, probe = false, mxfp8_only = false, mx_profile = false;
+  bool timing = true, probe = false, mxfp8_only = false, mx_profile = false, mx_ablations = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) timing = false;
     if (std::strcmp(argv[i], "--initcheck-probe") == 0) probe = true;
     if (std::strcmp(argv[i], "--mxfp8-weights") == 0) mxfp8_only = true;
     if (std::strcmp(argv[i], "--mxfp8-weights-profile") == 0) mx_profile = true;
+    if (std::strcmp(argv[i], "--mxfp8-weights-ablations") == 0) mx_ablations = true;
   }
   if (!moe_ep::cuda::grouped_gemm_built()) {
     std::printf("moe_ep_gemm_check: this build has no CUTLASS grouped GEMM (MOE_EP_NATIVE_CUTLASS=OFF)\n");
@@ -923,6 +951,10 @@ int main(int argc, char** argv) {
   if (probe) return initcheck_probe(sms);
   if (mx_profile) {
     mxfp8_weights_profile_launches();
+    return 0;
+  }
+  if (mx_ablations) {
+    mxfp8_weights_ablations(sms);
     return 0;
   }
   if (mxfp8_only) {  // the mxfp8-weights kernel alone: its checks, then (unless --no-time) its timings

@@ -208,8 +208,11 @@ constexpr int kCoreSbo = 288;  // bytes from one 8-row group to the next
 // stage's wgmmas run on while the next stage starts; kStages == kAhead + 1 waits for them
 // at every stage); kMinBlocks, the blocks an SM (the register budget); kPlanes, the x
 // planes (1 or 3).
-template <int kMaxNt_, int kSlices_, int kStages_, int kAhead_, int kMinBlocks_, int kPlanes_ = 1>
+// kAblate (measurement only; the results are wrong unless 0): bit 1, no wgmma issued; bit 2,
+// x rows copied as 16-byte chunks unpermuted; bit 4, no decode (the A fragments are the raw codes).
+template <int kMaxNt_, int kSlices_, int kStages_, int kAhead_, int kMinBlocks_, int kPlanes_ = 1, int kAblate_ = 0>
 struct WgConfig {
+  static constexpr int kAblate = kAblate_;
   static constexpr int kMaxNt = kMaxNt_;
   static constexpr int kSlices = kSlices_;
   static constexpr int kStages = kStages_;
@@ -266,6 +269,19 @@ __device__ __forceinline__ void wg_load_stage(const Mxfp8WeightsGemm& p, WgStage
     cp_async16(&st.w[r + u * kRowsARound][cs], src + u * kRowsARound * K, true);
   cp_async4(&st.s[tid], p.scales + (static_cast<int64_t>(e) * p.n + nb + tid) * (K / 32) + ((k0 / 32) & ~int64_t{3}));
   constexpr int kPieces = Cfg::kStageK / 2;  // 4-byte pieces of an x row
+  if constexpr ((Cfg::kAblate & 2) != 0) {
+    constexpr int kXChunks = Cfg::kStageK / 8;
+    for (int pl = 0; pl < Cfg::kPlanes; ++pl) {
+      const uint16_t* x = p.x + pl * p.x_plane_stride;
+      for (int i = tid; i < rows * kXChunks; i += kThreads) {
+        const int xr = i / kXChunks, c = i % kXChunks;
+        const bool in = m0 + xr < r1;
+        cp_async16(&st.x[pl][(c >> 1) * Cfg::kStepPitch + (xr >> 3) * kCoreSbo + (c & 1) * kCoreLbo + (xr & 7) * 16],
+                   x + (in ? m0 + xr : m0) * K + k0 + 8 * c, in);
+      }
+    }
+    return;
+  }
   constexpr int kRowsARoundX = kThreads / kPieces;  // 2 or 4
   const int rounds = rows / kRowsARoundX;            // rows is a multiple of 8
 #pragma unroll
@@ -382,13 +398,28 @@ __device__ __forceinline__ void wg_stage(const Mxfp8WeightsGemm& p, WgStage<Cfg>
     constexpr int kBufBase = kParity * Cfg::kSlices;
     uint32_t(&ab)[4][8] = a[(kBufBase + h) & 1];
     if (h > 0) wg_wait<1>();  // the group that last read this A buffer (two slices ago) is done
-    if (fast) {
+    if constexpr ((Cfg::kAblate & 4) != 0) {
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const uint4 w = st.w[wg_row(t, warp, g)][Cfg::kStageK == 128 ? (4 * h + q) ^ ((wg_row(t, warp, g) & 1) << 2) : q];
+        ab[t][0] = w.x, ab[t][1] = w.y, ab[t][2] = w.z, ab[t][3] = w.w;
+        ab[t][4] = w.x ^ scw[t], ab[t][5] = w.y, ab[t][6] = w.z, ab[t][7] = w.w ^ fast;
+      }
+    } else if (fast) {
       wg_decode<true, Cfg>(st, scw, sel, h, warp, g, q, ab, bad);
     } else {
       wg_decode<false, Cfg>(st, scw, sel, h, warp, g, q, ab, bad);
     }
     wg_fence();
-    wg_issue_nt<Cfg>(st, h, acc, ab, nt);
+    if constexpr ((Cfg::kAblate & 1) != 0) {
+      // Keep the decode: fold the A fragments into the accumulators (no tensor work).
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[t >> 1][(4 * (t & 1) + i) % (4 * Cfg::kMaxNt)] += __uint_as_float(ab[t][i]);
+    } else {
+      wg_issue_nt<Cfg>(st, h, acc, ab, nt);
+    }
     wg_commit();
   }
 }
