@@ -64,6 +64,10 @@
 #          weight read against the plain kernel's 0.69): where its time goes: its ablations
 #          (no wgmma; x copied in 16-byte chunks) timed against it and the plain kernel,
 #          Nsight Compute's warp states and source counters on one launch of each.
+#   RUN=60: after run 59 (the wgmma kernel executed twice the plain kernel's instructions: the
+#          x pieces' address arithmetic, about 15 instructions a 4-byte copy): the copies with
+#          constant shared offsets and a stepped global pointer: every check, the timings, the
+#          ablations.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -198,6 +202,10 @@ case "$RUN" in
   TAIL=12 step sass-mxfp8-weights-wgmma 60 bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check \
     mxfp8_weights_wgmma_kernel
   TAIL=120 mxw_gemm_check 420
+  ;;
+60)
+  TAIL=50 mxw_gemm_check 300
+  TAIL=40 step gemm-check-mxfp8-weights-ablations 120 .devbuild/moe_ep_gemm_check --mxfp8-weights-ablations
   ;;
 59)
   TAIL=40 step gemm-check-mxfp8-weights-ablations 120 .devbuild/moe_ep_gemm_check --mxfp8-weights-ablations

@@ -282,19 +282,27 @@ __device__ __forceinline__ void wg_load_stage(const Mxfp8WeightsGemm& p, WgStage
     }
     return;
   }
-  constexpr int kRowsARoundX = kThreads / kPieces;  // 2 or 4
-  const int rounds = rows / kRowsARoundX;            // rows is a multiple of 8
+  // A thread copies the same piece pi of rows xr0 + kRowsARoundX u: its shared offsets
+  // differ by constants, its global addresses by kRowsARoundX rows.
+  constexpr int kRowsARoundX = kThreads / kPieces;  // 2 or 4 (a divisor of 8)
+  const int pi = tid % kPieces, xr0 = tid / kPieces;
+  const int h = pi >> 5, q = (pi >> 3) & 3, j = (pi >> 1) & 3, hh = pi & 1;
+  const int dst0 = (4 * h + j) * Cfg::kStepPitch + hh * kCoreLbo + xr0 * 16 + 4 * q;
+  const int rounds = rows / kRowsARoundX;  // rows: a multiple of 8, at most kMaxRows
+  const int64_t left = r1 - m0 - xr0;      // this thread's rows in the pass
 #pragma unroll
   for (int pl = 0; pl < Cfg::kPlanes; ++pl) {
-    const uint16_t* x = p.x + pl * p.x_plane_stride;
-#pragma unroll 4
-    for (int u = 0; u < rounds; ++u) {
-      const int i = tid + u * kThreads, xr = i / kPieces, pi = i % kPieces;
-      const int h = pi >> 5, q = (pi >> 3) & 3, j = (pi >> 1) & 3, hh = pi & 1;
-      const bool in = m0 + xr < r1;
-      unsigned char* dst =
-          &st.x[pl][(4 * h + j) * Cfg::kStepPitch + (xr >> 3) * kCoreSbo + hh * kCoreLbo + (xr & 7) * 16 + 4 * q];
-      cp_async4_zfill(dst, x + (in ? m0 + xr : m0) * K + k0 + 2 * pi, in);
+    const uint16_t* first = p.x + pl * p.x_plane_stride + m0 * K + k0 + 2 * pi;  // row m0: always valid
+    const uint16_t* src = first + xr0 * K;
+#pragma unroll
+    for (int u = 0; u < Cfg::kMaxRows / kRowsARoundX; ++u) {
+      if (u < rounds) {
+        constexpr int kStep = kRowsARoundX;
+        const int off = ((kStep * u) >> 3) * kCoreSbo + ((kStep * u) & 7) * 16;
+        const bool in = kStep * u < left;
+        cp_async4_zfill(&st.x[pl][dst0 + off], in ? src : first, in);
+      }
+      src += kRowsARoundX * K;
     }
   }
 }
