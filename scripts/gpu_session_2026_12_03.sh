@@ -68,6 +68,9 @@
 #          x pieces' address arithmetic, about 15 instructions a 4-byte copy): the copies with
 #          constant shared offsets and a stepped global pointer: every check, the timings, the
 #          ablations.
+#          Runs 58 to 60 need the wgmma kernel's commit (9ede90b): it was taken out after run 60
+#          (slower than the plain kernel in every configuration), and --mxfp8-weights-ablations
+#          with it.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -5,8 +5,6 @@
 //   moe_ep_gemm_check --no-time        checks only
 //   moe_ep_gemm_check --mxfp8-weights  the mxfp8-weights GEMM alone (cuda/gemm/mxfp8_weights_gemm.cuh):
 //                                      its checks, then its timings at the decode shape
-//   moe_ep_gemm_check --mxfp8-weights-profile    one launch of the plain and the wgmma kernel (ncu)
-//   moe_ep_gemm_check --mxfp8-weights-ablations  the wgmma kernel with parts taken out, timed
 //
 // Every check prints one line ("ok" or "MISMATCH ..."); the exit status is non-zero on
 // any mismatch or CUDA error. The reference multiplies the bf16 inputs exactly (the
@@ -28,7 +26,6 @@
 #include "cpu/formats.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/mxfp8_weights_gemm.cuh"
-#include "cuda/gemm/mxfp8_weights_wgmma.cuh"
 
 using moe_ep::cuda::GemmLayout;
 using moe_ep::cuda::GemmKernel;
@@ -732,28 +729,8 @@ const MxVariant kMxVariants[] = {
     {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
     {"<8,3,2> default", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::DefaultConfig>},
     {"<6,3,2>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<6, 3, 2>>},
-    // The wgmma kernel (mxfp8_weights_wgmma.cuh): <kMaxNt, kSlices, kStages, kAhead, kMinBlocks>.
-    {"wgmma <6,2,3,1,2>", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 2, 3, 1, 2>>},
-    {"wgmma <6,2,2,1,3>", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 2, 2, 1, 3>>},
-    {"wgmma <6,1,4,2,3>", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 1, 4, 2, 3>>},
-    {"wgmma <6,1,3,1,3>", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 1, 3, 1, 3>>},
-    {"wgmma <8,2,3,1,2>", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<8, 2, 3, 1, 2>>},
     {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
 };
-
-// The wgmma kernel with parts of its work taken out (kAblate: wrong results, timed only):
-// where its time goes.
-const MxVariant kMxWgAblations[] = {
-    {"wgmma <6,2,2,1,3> as checked", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 2, 2, 1, 3>>},
-    {"ablation: no wgmma", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 2, 2, 1, 3, 1, 1>>},
-    {"ablation: x in 16-byte chunks", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 2, 2, 1, 3, 1, 2>>},
-    {"ablation: x 16-byte, no wgmma", &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 2, 2, 1, 3, 1, 3>>},
-    {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
-};
-
-// The wgmma kernel with three x planes (one pass at few rows).
-const MxLaunch kMxPlanes3Wgmma =
-    &moe_ep::cuda::mxfp8_weights_wgmma_launch<moe_ep::cuda::mxw::WgConfig<6, 1, 3, 1, 2, 3>>;
 
 // --mxfp8-weights-profile: one launch of each variant at FC1's decode shape with the
 // routing's spread, nothing else (for a profiler: ncu -k regex:mxfp8_weights_gemm).
@@ -764,27 +741,12 @@ void mxfp8_weights_profile_launches() {
   const std::vector<int> rows = spread_rows(1024);
   const std::vector<int32_t> off = offsets_of(rows);
   MxBuffers b = make_mx(p, off, off.back(), 11);
-  const MxVariant profiled[] = {kMxVariants[0], kMxWgAblations[0]};  // the plain kernel as picked, the wgmma one
-  for (int i = 0; i < 2; ++i) {
-    CHECK_CUDA(profiled[i].launch(p, 0));
+  for (int i = 0; i < 3; ++i) {  // the first three: each kernel once
+    CHECK_CUDA(kMxVariants[i].launch(p, 0));
     CHECK_CUDA(cudaDeviceSynchronize());
-    std::printf("profiled launch %d: %s\n", i, profiled[i].name);
+    std::printf("profiled launch %d: %s\n", i, kMxVariants[i].name);
   }
   b.release();
-}
-
-// --mxfp8-weights-ablations: the wgmma kernel's ablations (kMxWgAblations) timed at FC1's and
-// FC2's spread and at 32 rows, alternated with the kernel as checked and the plain kernel.
-void mxfp8_weights_ablations(int sm_count) {
-  for (int round = 0; round < 2; ++round)
-    for (const MxVariant& v : kMxWgAblations) {
-      time_mxfp8_weights((std::string("FC1 spread ") + v.name).c_str(), 4096, 7168, spread_rows(1024), sm_count, false,
-                         v.launch, false);
-      time_mxfp8_weights((std::string("FC2 spread ") + v.name).c_str(), 7168, 2048, spread_rows(1024), sm_count, false,
-                         v.launch, false);
-      time_mxfp8_weights((std::string("FC1 32 rows ") + v.name).c_str(), 4096, 7168, std::vector<int>(32, 32), sm_count,
-                         false, v.launch, false);
-    }
 }
 
 void mxfp8_weights_checks(bool timing, int sm_count) {
@@ -810,6 +772,15 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
   check_mxfp8_weights("3 planes, many rows", 256, 512, {70, 9, 129}, 2, true, MxPlant::kNone, 51, false, false, 3);
   check_mxfp8_weights("3 planes, decode FC2 shape", 7168, 2048, {32, 31, 1, 40}, 0, false, MxPlant::kNone, 52, false,
                       false, 3);
+  if (!timing) return;
+  // DeepSeek-V3 per rank at 128 tokens, top-8: 32 local experts, 1024 rows.
+  time_mxfp8_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), sm_count);
+  time_mxfp8_weights("FC2 (decode)", 7168, 2048, std::vector<int>(32, 32), sm_count);
+  time_mxfp8_weights("FC1 (decode, spread)", 4096, 7168, spread_rows(1024), sm_count);
+  time_mxfp8_weights("FC2 (decode, spread)", 7168, 2048, spread_rows(1024), sm_count);
+  time_mxfp8_weights("FC1 (spread, 32-row passes)", 4096, 7168, spread_rows(1024), sm_count, true);
+  time_mxfp8_weights("FC1 (48 rows)", 4096, 7168, std::vector<int>(32, 48), sm_count);
+  time_mxfp8_weights("FC1 (64 rows)", 4096, 7168, std::vector<int>(32, 64), sm_count);
   // The variants (kMxVariants): each one's own checks first (the ragged and decode-shape ones).
   for (const MxVariant& v : kMxVariants) {
     g_mx_check_launch = v.launch;
@@ -822,28 +793,10 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
                         MxPlant::kInexactBlock, 35);
     check_mxfp8_weights((label + ", scale sweep").c_str(), 128, 1024, {33, 50, 9}, 2, true, MxPlant::kScaleSweep, 36);
     check_mxfp8_weights((label + ", FC2 shape").c_str(), 7168, 2048, {32, 31, 1, 64}, 0, false, MxPlant::kNone, 33);
+    // K = 384: three 128-k stages, an odd count for the 2-stage ring (ran in runs 58 and 60).
     check_mxfp8_weights((label + ", k 384").c_str(), 128, 384, {9, 50, 0, 17}, 1, true, MxPlant::kNone, 37);
   }
-  // The wgmma kernel with three x planes: the three-plane checks.
-  g_mx_check_launch = kMxPlanes3Wgmma;
-  check_mxfp8_weights("wgmma 3 planes, few rows", 256, 512, {20, 0, 42, 1, 33}, 3, true, MxPlant::kNone, 53, false,
-                      false, 3);
-  check_mxfp8_weights("wgmma 3 planes, a NaN code", 128, 1024, {40, 3, 17}, 0, false, MxPlant::kNanCode, 54, false,
-                      false, 3);
-  check_mxfp8_weights("wgmma 3 planes, an inexact block", 128, 1024, {40, 3, 17}, 0, false, MxPlant::kInexactBlock,
-                      56, false, false, 3);
-  check_mxfp8_weights("wgmma 3 planes, decode FC2 shape", 7168, 2048, {32, 31, 1, 40}, 0, false, MxPlant::kNone, 55,
-                      false, false, 3);
   g_mx_check_launch = &moe_ep::cuda::mxfp8_weights_gemm;
-  if (!timing) return;
-  // DeepSeek-V3 per rank at 128 tokens, top-8: 32 local experts, 1024 rows.
-  time_mxfp8_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), sm_count);
-  time_mxfp8_weights("FC2 (decode)", 7168, 2048, std::vector<int>(32, 32), sm_count);
-  time_mxfp8_weights("FC1 (decode, spread)", 4096, 7168, spread_rows(1024), sm_count);
-  time_mxfp8_weights("FC2 (decode, spread)", 7168, 2048, spread_rows(1024), sm_count);
-  time_mxfp8_weights("FC1 (spread, 32-row passes)", 4096, 7168, spread_rows(1024), sm_count, true);
-  time_mxfp8_weights("FC1 (48 rows)", 4096, 7168, std::vector<int>(32, 48), sm_count);
-  time_mxfp8_weights("FC1 (64 rows)", 4096, 7168, std::vector<int>(32, 64), sm_count);
   // FC2 of a float32 or mxfp8 intermediate (three bf16 planes) at the spread: one pass for
   // the three planes against a launch a plane, alternated.
   for (int i = 0; i < 2; ++i) {
@@ -851,8 +804,6 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
                        &moe_ep::cuda::mxfp8_weights_gemm_plane_by_plane, false, 3);
     time_mxfp8_weights("FC2 spread, 3 planes, one pass", 7168, 2048, spread_rows(1024), sm_count, false,
                        &moe_ep::cuda::mxfp8_weights_gemm, false, 3);
-    time_mxfp8_weights("FC2 spread, 3 planes, wgmma", 7168, 2048, spread_rows(1024), sm_count, false,
-                       kMxPlanes3Wgmma, false, 3);
   }
   for (const MxVariant& v : kMxVariants) {
     for (const bool fc1 : {true, false}) {
@@ -860,12 +811,6 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
       time_mxfp8_weights(label.c_str(), fc1 ? 4096 : 7168, fc1 ? 7168 : 2048, spread_rows(1024), sm_count, false,
                          v.launch, false);
     }
-  }
-  for (const MxVariant& v : kMxVariants) {
-    time_mxfp8_weights((std::string("FC1 32 rows ") + v.name).c_str(), 4096, 7168, std::vector<int>(32, 32), sm_count,
-                       false, v.launch, false);
-    time_mxfp8_weights((std::string("FC1 64 rows ") + v.name).c_str(), 4096, 7168, std::vector<int>(32, 64), sm_count,
-                       false, v.launch, false);
   }
 }
 
@@ -926,13 +871,12 @@ int initcheck_probe(int sm_count) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool timing = true, probe = false, mxfp8_only = false, mx_profile = false, mx_ablations = false;
+  bool timing = true, probe = false, mxfp8_only = false, mx_profile = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) timing = false;
     if (std::strcmp(argv[i], "--initcheck-probe") == 0) probe = true;
     if (std::strcmp(argv[i], "--mxfp8-weights") == 0) mxfp8_only = true;
     if (std::strcmp(argv[i], "--mxfp8-weights-profile") == 0) mx_profile = true;
-    if (std::strcmp(argv[i], "--mxfp8-weights-ablations") == 0) mx_ablations = true;
   }
   if (!moe_ep::cuda::grouped_gemm_built()) {
     std::printf("moe_ep_gemm_check: this build has no CUTLASS grouped GEMM (MOE_EP_NATIVE_CUTLASS=OFF)\n");
@@ -951,10 +895,6 @@ int main(int argc, char** argv) {
   if (probe) return initcheck_probe(sms);
   if (mx_profile) {
     mxfp8_weights_profile_launches();
-    return 0;
-  }
-  if (mx_ablations) {
-    mxfp8_weights_ablations(sms);
     return 0;
   }
   if (mxfp8_only) {  // the mxfp8-weights kernel alone: its checks, then (unless --no-time) its timings
