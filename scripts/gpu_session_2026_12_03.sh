@@ -71,6 +71,10 @@
 #          Runs 58 to 60 need the wgmma kernel's commit (9ede90b): it was taken out after run 60
 #          (slower than the plain kernel in every configuration), and --mxfp8-weights-ablations
 #          with it.
+#   RUN=61: the final build (the device code of runs 52 to 56): memcheck on the EP 1 error
+#          tests (finish_forward_kernel's error branch through fill_nan, which runs 55 and 56
+#          ran outside the sanitizer); jax-ffi's nvfp4 forward at 4096 tokens, never timed,
+#          with its bf16 row in the same call as the baseline's neighbour.
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -205,6 +209,15 @@ case "$RUN" in
   TAIL=12 step sass-mxfp8-weights-wgmma 60 bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check \
     mxfp8_weights_wgmma_kernel
   TAIL=120 mxw_gemm_check 420
+  ;;
+61)
+  TAIL=6 step sanitizer-memcheck-errors-ep1 150 compute-sanitizer --tool memcheck --target-processes all \
+    --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
+    tests/test_native_exchange.py -k "test_cuda_loopback_errors and ep1"
+  jaxffi_build
+  TAIL=14 step bench-jax-ffi-nvfp4 150 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format nvfp4 --format bf16 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi-nvfp4.json" --no-progress
   ;;
 60)
   TAIL=50 mxw_gemm_check 300
