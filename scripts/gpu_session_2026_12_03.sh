@@ -75,6 +75,8 @@
 #          tests (finish_forward_kernel's error branch through fill_nan, which runs 55 and 56
 #          ran outside the sanitizer); jax-ffi's nvfp4 forward at 4096 tokens, never timed,
 #          with its bf16 row in the same call as the baseline's neighbour.
+#   RUN=62: run 61's jax-ffi bench, over the core built without NCCL (run 61 carried the NCCL
+#          build's core, and the module's import failed on ncclDevCommCreate).
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -216,6 +218,12 @@ case "$RUN" in
     tests/test_native_exchange.py -k "test_cuda_loopback_errors and ep1"
   jaxffi_build
   TAIL=14 step bench-jax-ffi-nvfp4 150 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format nvfp4 --format bf16 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi-nvfp4.json" --no-progress
+  ;;
+62)
+  jaxffi_build
+  TAIL=14 step bench-jax-ffi-nvfp4 200 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
     --tokens 4096 "${shape[@]}" --format nvfp4 --format bf16 --intermediate-format bf16 --op forward \
     --json "$o/bench-jax-ffi-nvfp4.json" --no-progress
   ;;
