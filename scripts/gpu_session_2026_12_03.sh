@@ -73,8 +73,8 @@
 #          with it.
 #   RUN=61: the final build (the device code of runs 52 to 56): memcheck on the EP 1 error
 #          tests (finish_forward_kernel's error branch through fill_nan, which runs 55 and 56
-#          ran outside the sanitizer); jax-ffi's nvfp4 forward at 4096 tokens, never timed,
-#          with its bf16 row in the same call as the baseline's neighbour.
+#          ran outside the sanitizer); jax-ffi's nvfp4 forward at 4096 tokens, never timed
+#          (its bf16 row in the same call).
 #   RUN=62: run 61's jax-ffi bench, over the core built without NCCL (run 61 carried the NCCL
 #          build's core, and the module's import failed on ncclDevCommCreate).
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
@@ -212,6 +212,17 @@ case "$RUN" in
     mxfp8_weights_wgmma_kernel
   TAIL=120 mxw_gemm_check 420
   ;;
+59)
+  TAIL=40 step gemm-check-mxfp8-weights-ablations 120 .devbuild/moe_ep_gemm_check --mxfp8-weights-ablations
+  TAIL=10 step ncu-mxw-wgmma 200 ncu --clock-control none -k regex:mxfp8_weights_ -c 2 \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+    --section SourceCounters --section InstructionStats --print-details all \
+    .devbuild/moe_ep_gemm_check --mxfp8-weights-profile
+  ;;
+60)
+  TAIL=50 mxw_gemm_check 300
+  TAIL=40 step gemm-check-mxfp8-weights-ablations 120 .devbuild/moe_ep_gemm_check --mxfp8-weights-ablations
+  ;;
 61)
   TAIL=6 step sanitizer-memcheck-errors-ep1 150 compute-sanitizer --tool memcheck --target-processes all \
     --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
@@ -226,17 +237,6 @@ case "$RUN" in
   TAIL=14 step bench-jax-ffi-nvfp4 200 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
     --tokens 4096 "${shape[@]}" --format nvfp4 --format bf16 --intermediate-format bf16 --op forward \
     --json "$o/bench-jax-ffi-nvfp4.json" --no-progress
-  ;;
-60)
-  TAIL=50 mxw_gemm_check 300
-  TAIL=40 step gemm-check-mxfp8-weights-ablations 120 .devbuild/moe_ep_gemm_check --mxfp8-weights-ablations
-  ;;
-59)
-  TAIL=40 step gemm-check-mxfp8-weights-ablations 120 .devbuild/moe_ep_gemm_check --mxfp8-weights-ablations
-  TAIL=10 step ncu-mxw-wgmma 200 ncu --clock-control none -k regex:mxfp8_weights_ -c 2 \
-    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
-    --section SourceCounters --section InstructionStats --print-details all \
-    .devbuild/moe_ep_gemm_check --mxfp8-weights-profile
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac
