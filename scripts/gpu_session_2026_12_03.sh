@@ -77,12 +77,20 @@
 #          (its bf16 row in the same call).
 #   RUN=62: run 61's jax-ffi bench, over the core built without NCCL (run 61 carried the NCCL
 #          build's core, and the module's import failed on ncclDevCommCreate).
+#   RUN=63: the mxfp8-weights checks with the K = 384 case in the default checks, under
+#          memcheck (--no-time).
 #   OUT=/tmp/o RUN=46 bash scripts/gpu_session_2026_12_03.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 o="${OUT:-reports}/run${RUN:?RUN=46..}"; mkdir -p "$o"
 . scripts/device_env.sh
 . scripts/gpu_session_steps.sh
+# jaxffi_nvfp4_bench SECONDS: jax-ffi's nvfp4 and bf16 forward at 4096 tokens (runs 61 and 62).
+jaxffi_nvfp4_bench() {
+  TAIL=14 step bench-jax-ffi-nvfp4 "$1" "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
+    --tokens 4096 "${shape[@]}" --format nvfp4 --format bf16 --intermediate-format bf16 --op forward \
+    --json "$o/bench-jax-ffi-nvfp4.json" --no-progress
+}
 case "$RUN" in
 46)
   for inter in none bf16; do
@@ -228,15 +236,14 @@ case "$RUN" in
     --report-api-errors no --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -n 0 -rs \
     tests/test_native_exchange.py -k "test_cuda_loopback_errors and ep1"
   jaxffi_build
-  TAIL=14 step bench-jax-ffi-nvfp4 150 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
-    --tokens 4096 "${shape[@]}" --format nvfp4 --format bf16 --intermediate-format bf16 --op forward \
-    --json "$o/bench-jax-ffi-nvfp4.json" --no-progress
+  jaxffi_nvfp4_bench 150
   ;;
 62)
   jaxffi_build
-  TAIL=14 step bench-jax-ffi-nvfp4 200 "$py" -m moe_ep_spec.cli bench --device cuda --ep-size 1 --backend jax-ffi \
-    --tokens 4096 "${shape[@]}" --format nvfp4 --format bf16 --intermediate-format bf16 --op forward \
-    --json "$o/bench-jax-ffi-nvfp4.json" --no-progress
+  jaxffi_nvfp4_bench 200
+  ;;
+63)
+  mxw_memcheck 200
   ;;
 *) echo "no RUN $RUN"; exit 2 ;;
 esac

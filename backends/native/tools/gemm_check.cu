@@ -762,6 +762,8 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
                       false, true);
   check_mxfp8_weights("decode FC2 shape, 4 experts", 7168, 2048, {32, 31, 1, 64}, 0, false, MxPlant::kNone, 23);
   check_mxfp8_weights("all experts empty", 128, 128, {0, 0, 0}, 3, false, MxPlant::kNone, 24);
+  // K = 384: three 128-k stages, an odd count for the picked 2-stage ring (also with --no-time).
+  check_mxfp8_weights("ragged, k 384", 128, 384, {9, 50, 0, 17}, 1, true, MxPlant::kNone, 38);
   // Three x planes: one pass at few rows (Planes3Config), a launch a plane at more.
   check_mxfp8_weights("3 planes, few rows", 256, 512, {20, 0, 42, 1, 33}, 3, false, MxPlant::kNone, 47, false, false, 3);
   check_mxfp8_weights("3 planes, few rows, accumulate", 256, 512, {20, 0, 42, 1, 33}, 3, true, MxPlant::kNone, 48, false,
