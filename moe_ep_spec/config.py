@@ -80,6 +80,11 @@ class MoeEpConfig:
         expert_alignment: static layout only: every local expert's slab starts at
             a multiple of this many rows and is padded with zero rows (metadata
             -1) up to it. ``>= 1``; values above 1 need ``recv_capacity``.
+        backward_operand_format: the backward's GEMM operands. None (the
+            default): exact, the float32 ``dc`` and ``w*h`` enter their GEMMs
+            with their exact values. ``"bf16"``: the cotangent, ``dc`` and
+            ``w*h`` are rounded to bf16 (round to nearest even) before their
+            GEMMs, as training stacks do (spec section 9.3).
 
     Expert placement is contiguous: global expert ``e`` lives on rank
     ``e // num_local_experts`` as local expert ``e % num_local_experts``.
@@ -99,6 +104,7 @@ class MoeEpConfig:
     generate_c: bool = False
     recv_capacity: Optional[int] = None
     expert_alignment: int = 1
+    backward_operand_format: Optional[Union[MoeFormat, str]] = None
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -171,6 +177,17 @@ class MoeEpConfig:
                 field="expert_alignment",
                 value=self.expert_alignment,
             )
+
+        if self.backward_operand_format is not None:
+            value = self.backward_operand_format
+            fmt = parse_format(value, name="backward_operand_format")
+            if fmt is not MoeFormat.BF16:
+                raise ConfigError(
+                    f"backward_operand_format must be None (exact float32 operands) or 'bf16'; got {value!r}",
+                    field="backward_operand_format",
+                    value=value,
+                )
+            s(self, "backward_operand_format", fmt)
 
     # ------------------------------------------------------------------ derived
 
