@@ -11,7 +11,8 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 from moe_ep_spec.backend import Availability, Capabilities, Launch
 from moe_ep_torch.backend import TorchBackend, installed_version
@@ -126,6 +127,16 @@ class CudaNcclBackend(TorchBackend):
         out["native_nccl"] = "yes" if moe_ep_native.has_nccl() else "no"
         out["exchange"] = "device (loopback provider, gloo group)" if _device_exchange() else "nccl"
         return out
+
+    def torch_layer(self, host_sync: bool = True) -> Callable[..., Any]:
+        """The functional layer :class:`moe_ep_torch.module.MoeEpLayer` runs on
+        this backend: :func:`moe_ep_cuda_nccl.api.moe_ep` with ``host_sync``
+        (False: the static-shape mode; its exchange as that function chooses).
+        Imports the torch layer now, so a missing piece fails here, not in the
+        first forward."""
+        from .api import moe_ep
+
+        return partial(moe_ep, host_sync=host_sync)
 
     # ------------------------------------------------- the device exchange (MOE_EP_CUDA_NCCL_EXCHANGE=device)
 

@@ -13,7 +13,7 @@ import importlib.util
 import re
 from datetime import timedelta
 from importlib import metadata
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from moe_ep_spec.api import (
 )
 from moe_ep_spec.backend import Availability, Capabilities, Launch, MoeEpBackend
 from moe_ep_spec.config import MoeEpConfig
-from moe_ep_spec.errors import MoeEpError, StashError
+from moe_ep_spec.errors import ConfigError, MoeEpError, StashError
 from moe_ep_spec.formats import BF16, BlockScaledTensor
 
 __all__ = ["TorchBackend"]
@@ -228,6 +228,27 @@ class TorchBackend(MoeEpBackend):
         if version is not None and release(version) < (2, 1):
             return Availability(False, f"torch {version} has no float8_e4m3fn (need torch >= 2.1)")
         return Availability(True)
+
+    def torch_layer(self, host_sync: bool = True) -> Callable[..., Any]:
+        """The functional layer :class:`moe_ep_torch.module.MoeEpLayer` runs on
+        this backend: ``f(activation, fc1_weight, fc2_weight, topk_idx,
+        topk_weights, *, config, group)`` with the arguments and result of
+        :func:`moe_ep_torch.api.moe_ep`. A torch-based backend of another
+        package overrides this, so the layer reaches it through the registry.
+
+        Args:
+            host_sync: False asks for the static-shape mode, which the torch
+                backend does not have (the layer checks that first).
+        """
+        if not host_sync:
+            raise ConfigError(
+                f"host_sync=False (the static-shape mode) needs backend 'cuda-nccl'; got backend {self.name!r}",
+                field="host_sync",
+                value=host_sync,
+            )
+        from .api import OPS
+
+        return OPS.moe_ep
 
     def framework_versions(self) -> dict:
         import torch

@@ -33,7 +33,9 @@ from torch import Tensor
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import ConfigError, DTypeError
 from moe_ep_spec.formats import MoeFormat, parse_format
+from moe_ep_spec.registry import get_backend
 
+from .backend import TorchBackend
 from .formats import TorchBlockScaled, quantize, round_trip
 
 __all__ = ["MoeEpLayer", "TORCH_BACKENDS", "PARAMETER_DTYPES"]
@@ -47,6 +49,23 @@ PARAMETER_DTYPES = (torch.bfloat16, torch.float32)
 # Elements per scale block of the block-scaled formats: the weights' reduction
 # extents (hidden for FC1, intermediate for FC2) must be multiples of it.
 _BLOCK = {MoeFormat.MXFP8: 32, MoeFormat.NVFP4: 16}
+
+
+def _torch_layer(backend: str, host_sync: bool) -> Any:
+    """The functional layer of the torch-based backend ``backend``: this
+    package's own for ``torch``, else what the backend registered under that
+    name in :mod:`moe_ep_spec.registry` returns from its ``torch_layer``."""
+    if backend == "torch":
+        return TorchBackend().torch_layer(host_sync)
+    impl = get_backend(backend, require_available=False)
+    if not callable(getattr(impl, "torch_layer", None)):
+        raise ConfigError(
+            f"backend {backend!r} is registered by {type(impl).__module__}.{type(impl).__name__}, which has no "
+            f"torch_layer (the torch-based backends {TORCH_BACKENDS} have one)",
+            field="backend",
+            value=backend,
+        )
+    return impl.torch_layer(host_sync)
 
 
 class MoeEpLayer(torch.nn.Module):
@@ -158,9 +177,9 @@ class MoeEpLayer(torch.nn.Module):
                 field="num_ranks",
                 value=size,
             )
-        if backend == "cuda-nccl":
-            from moe_ep_cuda_nccl import api as cuda_nccl_api  # noqa: F401 - fail here, not in forward
-
+        # The functional layer: the torch backend's own, or the one the backend
+        # registered under that name provides (resolved now: fail here, not in forward).
+        self._layer_op = _torch_layer(backend, host_sync)
         self.config = config
         self.group = group
         self.backend = backend
@@ -221,16 +240,7 @@ class MoeEpLayer(torch.nn.Module):
             (:mod:`moe_ep_spec.errors`) on every rank.
         """
         fc1, fc2 = self._weights()
-        if self.backend == "cuda-nccl":
-            from moe_ep_cuda_nccl.api import moe_ep as cuda_nccl_moe_ep
-
-            return cuda_nccl_moe_ep(
-                activation, fc1, fc2, topk_idx, topk_weights, config=self.config, group=self.group,
-                host_sync=self.host_sync,
-            )
-        from .api import OPS
-
-        return OPS.moe_ep(activation, fc1, fc2, topk_idx, topk_weights, config=self.config, group=self.group)
+        return self._layer_op(activation, fc1, fc2, topk_idx, topk_weights, config=self.config, group=self.group)
 
     def extra_repr(self) -> str:
         c = self.config
