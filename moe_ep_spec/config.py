@@ -180,7 +180,10 @@ class MoeEpConfig:
 
         if self.backward_operand_format is not None:
             value = self.backward_operand_format
-            fmt = parse_format(value, name="backward_operand_format")
+            try:
+                fmt = _parse_format(value, name="backward_operand_format")
+            except FormatError:
+                fmt = None
             if fmt is not MoeFormat.BF16:
                 raise ConfigError(
                     f"backward_operand_format must be None (exact float32 operands) or 'bf16'; got {value!r}",
