@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -56,6 +55,7 @@ from moe_ep_torch import formats as TF
 from moe_ep_torch.api import _check, _check_group
 
 from . import static
+from .exchange_layers import _GENERATION, _LAYERS, _LOCK, close
 from .prims import TIMEOUT_ENV, NativePrimitives, mxfp8_weights_forward, mxfp8_weights_path, operands, ptr, where
 
 __all__ = ["EXCHANGE_ENV", "COMBINE_ENV", "MODE_ENV", "ROUND_TRIP_ENV", "enabled", "forward", "backward", "backward_and_metadata", "move", "close"]
@@ -78,9 +78,6 @@ ROUND_TRIP_ENV = "MOE_EP_CUDA_NCCL_ROUND_TRIP"
 #: or ``low_latency`` (one cooperative kernel per stage, for few tokens); the same results, bit for bit.
 MODE_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE_MODE"
 
-_LAYERS: Dict[Tuple[Any, ...], Tuple[Any, X.ExchangeLayer]] = {}
-_GENERATION: Dict[str, int] = {}
-_LOCK = threading.Lock()
 
 
 def enabled() -> bool:
@@ -96,21 +93,6 @@ def _combine_order() -> int:
     if value not in ("rank", "slot"):
         raise E.ConfigError(f"{COMBINE_ENV} must be 'rank' or 'slot'; got {value!r}", field=COMBINE_ENV, value=value)
     return X.SLOT_ORDER if value == "slot" else X.RANK_SUMS
-
-
-def close(group: Any = None, keep: Any = None) -> None:
-    """Drop the exchange layers of ``group`` (all when None), but those of the
-    configuration ``keep`` (None: none kept); local, not collective: call it when
-    no peer can still be in a stage of these layers (e.g. after a host collective
-    that every rank reaches after its last call)."""
-    with _LOCK:
-        keys = [k for k, (g, _) in _LAYERS.items()
-                if (group is None or g is group) and (keep is None or k[0] != keep)]  # k[0]: the configuration
-        layers = [_LAYERS.pop(k)[1] for k in keys]
-    for layer in layers:
-        if layer.cuda_device is not None:
-            torch.cuda.synchronize(layer.cuda_device)
-        layer.close()
 
 
 def _mode() -> int:

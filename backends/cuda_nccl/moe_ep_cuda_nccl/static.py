@@ -42,6 +42,7 @@ from moe_ep_spec.config import MoeEpConfig
 from moe_ep_torch import core
 from moe_ep_torch.api import _check, _check_group
 
+from .exchange_layers import close as close_exchange
 from .prims import NativePrimitives, combine_reduce, expert_backward, expert_forward, inexact_decodes_anywhere, ptr, where
 
 __all__ = ["StaticPlan", "peer_capacity", "dispatch", "forward", "backward", "check_errors", "error_flags"]
@@ -262,9 +263,7 @@ def check_errors(config: MoeEpConfig, group: Any) -> None:
         bits, aligned = (int(v) for v in flags.tolist())
         flags.zero_()
         if bits & TRANSPORT:
-            from . import device_exchange
-
-            device_exchange.close(group)  # its layers are unusable after a timeout
+            close_exchange(group)  # the device exchange's layers are unusable after a timeout
             raise E.TransportError(
                 f"rank {dist.get_rank(group)}: a peer of the device exchange did not arrive within "
                 f"MOE_EP_CUDA_NCCL_TIMEOUT_S in a static call since the last check (its outputs are NaN); "
