@@ -43,6 +43,8 @@ import numpy as np
 from moe_ep_spec import BlockScaledTensor, MoeEpConfig, MoeFormat, RankInputs
 from moe_ep_spec.formats import BF16, FLOAT8_E4M3, FLOAT8_E8M0
 
+from .checks import Check, _exact_ints, _expect_array, _kind
+
 __all__ = ["FORMAT_POINTS", "FormatCase", "format_cases", "check_format_case", "HIDDEN", "INTERMEDIATE"]
 
 HIDDEN = 64
@@ -570,8 +572,6 @@ def _first(mask: np.ndarray) -> Tuple[int, ...]:
 
 
 def _construction(name: str, budget: np.ndarray, ref_values: np.ndarray, case: FormatCase) -> List[Any]:
-    from .runner import Check
-
     loose = np.isfinite(ref_values) & (np.asarray(budget) != 0)
     if loose.any():
         at = _first(loose)
@@ -583,8 +583,6 @@ def _construction(name: str, budget: np.ndarray, ref_values: np.ndarray, case: F
 
 
 def _bf16_codes(name: str, got: Any, ref: np.ndarray, case: FormatCase) -> Any:
-    from .runner import Check, _expect_array
-
     wrong = _expect_array(name, got, BF16, ref.shape)
     if wrong is not None:
         return wrong
@@ -607,8 +605,6 @@ def _nibbles(t: BlockScaledTensor) -> np.ndarray:
 
 
 def _block_codes(name: str, got: Any, ref: BlockScaledTensor, case: FormatCase) -> List[Any]:
-    from .runner import Check, _kind
-
     if not isinstance(got, BlockScaledTensor) or got.format is not ref.format or got.shape != ref.shape or got.axis != ref.axis:
         return [Check(name, False, float("inf"), float("inf"), f"{name}: expected {_kind(ref)}; got {_kind(got)}")]
     checks = []
@@ -647,8 +643,6 @@ def _block_codes(name: str, got: Any, ref: BlockScaledTensor, case: FormatCase) 
 def check_format_case(runner: Any) -> List[Any]:
     """Run a :class:`FormatCase` (``runner`` is the conformance runner holding the
     backend, the reference and the case) and judge it code for code."""
-    from .runner import Check, _exact_ints
-
     case: FormatCase = runner.case
     cfg = runner.config
     world = case.world()
