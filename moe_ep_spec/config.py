@@ -84,7 +84,7 @@ class MoeEpConfig:
             default): exact, the float32 ``dc`` and ``w*h`` enter their GEMMs
             with their exact values. ``"bf16"``: the cotangent, ``dc`` and
             ``w*h`` are rounded to bf16 (round to nearest even) before their
-            GEMMs, as training stacks do (spec section 9.3).
+            GEMMs, as training stacks do (spec section 9.2).
 
     Expert placement is contiguous: global expert ``e`` lives on rank
     ``e // num_local_experts`` as local expert ``e % num_local_experts``.

@@ -60,6 +60,7 @@ __all__ = [
     "exact_reduction",
     "reduction_bound",
     "rounding_error_bound",
+    "product_bound",
     "allowed_scale_codes",
     "ForwardBudget",
     "Comparison",
@@ -181,6 +182,35 @@ def reduction_bound(abs_sum: Any, n: int, exact: Any = False) -> np.ndarray:
     where ``exact`` (see :func:`exact_reduction`)."""
     a = np.asarray(abs_sum, dtype=np.float64)
     return np.where(exact, 0.0, gamma(n) * a + underflow(n))
+
+
+def product_bound(lhs: Any, rhs: Any, lhs_error: Any = 0.0, rhs_error: Any = 0.0) -> np.ndarray:
+    """The error bound of a float32-accumulated matrix product ``lhs @ rhs`` whose
+    operands are off by at most ``lhs_error`` and ``rhs_error``.
+
+    Args:
+        lhs: ``[n, k]`` float64: the reference's left operand; rhs: ``[k, m]``
+            float64: its right operand (values after any rounding point).
+        lhs_error, rhs_error: broadcastable to the operands: how far a
+            conforming backend's operands may be (0: they are the reference's,
+            e.g. a rounded operand whose :func:`rounding_error_bound` is 0).
+
+    Returns:
+        ``[n, m]`` float64: ``lhs_error @ |rhs| + |lhs| @ rhs_error +
+        reduction_bound(|lhs| @ |rhs|, k, exact)``, where ``exact`` holds for an
+        output element whose row of ``lhs`` and column of ``rhs`` have no error
+        and whose reduction is exact in float32 (:func:`exact_reduction` with
+        :func:`dot_quantum`).
+    """
+    a = np.asarray(lhs, dtype=np.float64)
+    b = np.asarray(rhs, dtype=np.float64)
+    ea = np.broadcast_to(np.asarray(lhs_error, dtype=np.float64), a.shape)
+    eb = np.broadcast_to(np.asarray(rhs_error, dtype=np.float64), b.shape)
+    abs_a, abs_b = np.abs(a), np.abs(b)
+    abs_sum = abs_a @ abs_b
+    exact = exact_reduction(abs_sum, dot_quantum(a, b))
+    exact &= (ea == 0).all(axis=1, keepdims=True) & (eb == 0).all(axis=0, keepdims=True)
+    return ea @ abs_b + abs_a @ eb + reduction_bound(abs_sum, a.shape[1], exact)
 
 
 def _half_gap(mag: np.ndarray, scale: np.ndarray, fmt: MoeFormat) -> np.ndarray:

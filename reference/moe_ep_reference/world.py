@@ -31,6 +31,7 @@ from moe_ep_spec.tolerance import (
     exact_reduction,
     gamma,
     dot_quantum,
+    product_bound,
     quantum,
     reduction_bound,
     rounding_error_bound,
@@ -45,6 +46,7 @@ __all__ = [
     "decode",
     "expert_forward",
     "expert_backward",
+    "bf16_operand",
     "sum_slots",
 ]
 
@@ -271,6 +273,12 @@ def expert_forward(
     return y, c_all, None if bound is None else (bound, c_bound)
 
 
+def bf16_operand(values: np.ndarray) -> np.ndarray:
+    """A backward GEMM operand rounded to bf16 (nearest, ties to even), as float64:
+    the rounding points of ``backward_operand_format = "bf16"`` (spec section 9.2)."""
+    return round_to_bf16(values).astype(np.float64)
+
+
 def expert_backward(
     config: MoeEpConfig,
     handle: DispatchHandle,
@@ -283,6 +291,11 @@ def expert_backward(
     with_bound: bool = False,
 ) -> Tuple[Tuple[np.ndarray, ...], Optional[Tuple[np.ndarray, ...]]]:
     """The spec backward of one rank's experts (straight-through roundings).
+
+    With ``config.backward_operand_format`` bf16 the cotangent rows, ``dc``
+    and ``w * h`` are rounded to bf16 (:func:`bf16_operand`) where section 9.2
+    puts them, and their GEMMs take the rounded values; everything else is
+    float64 as in the exact mode (None).
 
     Args:
         x, w, fc1, fc2: as :func:`expert_forward`.
@@ -299,6 +312,7 @@ def expert_backward(
     dfc1, dfc2 = np.zeros_like(fc1), np.zeros_like(fc2)
     bounds = (np.zeros_like(dx), np.zeros_like(dw), np.zeros_like(dfc1), np.zeros_like(dfc2)) if with_bound else None
     u32 = FP32_UNIT_ROUNDOFF * SAFETY
+    bf16_ops = config.backward_operand_format is not None
     for e in range(config.num_local_experts):
         lo = int(handle.expert_offsets[e])
         n_e = int(handle.tokens_per_expert[e])
@@ -315,21 +329,24 @@ def expert_backward(
         sig, s = _silu_parts(g)
         h = s * u
         we = w[sl, None]
-        dye = dy[sl]
+        dye = bf16_operand(dy[sl]) if bf16_ops else dy[sl]
         dy_w2t = dye @ fc2[e].T
         hw2 = h @ fc2[e]
+        wh = we * h
+        wh_op = bf16_operand(wh) if bf16_ops else wh
         if config.apply_topk_in_fc1:
-            dfc2[e] = (we * h).T @ dye
+            dfc2[e] = wh_op.T @ dye
             dw[sl] = np.sum(dy_w2t * h, axis=1)
         else:
-            dfc2[e] = h.T @ (we * dye)
+            dfc2[e] = wh_op.T @ dye if bf16_ops else h.T @ (we * dye)
             dw[sl] = np.sum(dye * hw2, axis=1)
         dh = dy_w2t * we
         fg = u * sig * (1.0 + g * (1.0 - sig)) * gate_mask
         fu = s * up_mask
         dc = np.concatenate([dh * fg, dh * fu], axis=1)
-        dfc1[e] = x[sl].T @ dc
-        dx[sl] = dc @ fc1[e].T
+        dc_op = bf16_operand(dc) if bf16_ops else dc
+        dfc1[e] = x[sl].T @ dc_op
+        dx[sl] = dc_op @ fc1[e].T
         if bounds is None:
             continue
         b_dx, b_dw, b_dfc1, b_dfc2 = bounds
@@ -351,11 +368,27 @@ def expert_backward(
             axis=1,
         )
         a_dc = np.concatenate([a_dh * a_fg, a_dh * a_fu], axis=1)
-        b_dfc1[e] = np.abs(x[sl]).T @ e_dc + gamma(n_e) * (np.abs(x[sl]).T @ a_dc) + underflow(n_e)
-        b_dx[sl] = e_dc @ np.abs(fc1[e]).T + gamma(2 * i_size) * (a_dc @ np.abs(fc1[e]).T) + underflow(2 * i_size)
-        a_wh = np.abs(we * h)
+        a_wh = np.abs(wh)
         h_abs = np.abs(u) * np.abs(g) * sig_abs + tiny  # h's absolute error below the normal range
-        b_dfc2[e] = (gamma(n_e) + 4 * u32) * (a_wh.T @ np.abs(dye)) + (np.abs(we) * h_abs).T @ np.abs(dye) + underflow(n_e)
+        if bf16_ops:
+            # The bf16 operands: RB_bf16 of the float32 value's bound at each
+            # rounding point, then the GEMM on the rounded operands; a GEMM whose
+            # operands are the reference's (bound 0) and that is exact in float32
+            # gets nothing.
+            b_dc = rounding_error_bound(dc, e_dc, MoeFormat.BF16)
+            b_dx[sl] = product_bound(dc_op, fc1[e].T, lhs_error=b_dc)
+            b_dfc1[e] = product_bound(x[sl].T, dc_op, rhs_error=b_dc)
+            # w*h from the exact stash: h's float32 evaluation (4 eps and the SiLU
+            # underflow term), then one more rounding for the product with w.
+            d_wh = np.abs(we) * (4 * u32 * np.abs(h) + h_abs) + (u32 * a_wh + tiny) * (wh != 0)
+            b_wh = rounding_error_bound(wh, d_wh, MoeFormat.BF16)
+            b_dfc2[e] = product_bound(wh_op.T, dye, lhs_error=b_wh.T)
+        else:
+            b_dfc1[e] = np.abs(x[sl]).T @ e_dc + gamma(n_e) * (np.abs(x[sl]).T @ a_dc) + underflow(n_e)
+            b_dx[sl] = e_dc @ np.abs(fc1[e]).T + gamma(2 * i_size) * (a_dc @ np.abs(fc1[e]).T) + underflow(2 * i_size)
+            b_dfc2[e] = (
+                (gamma(n_e) + 4 * u32) * (a_wh.T @ np.abs(dye)) + (np.abs(we) * h_abs).T @ np.abs(dye) + underflow(n_e)
+            )
         if config.apply_topk_in_fc1:
             b_dw[sl] = np.sum((gamma(h_size) * a_dyw + gamma(i_size) * a_dyw + 4 * u32 * a_dyw) * np.abs(h), axis=1)
             b_dw[sl] += np.sum(a_dyw * h_abs + underflow(h_size) * np.abs(h), axis=1) + underflow(i_size)
