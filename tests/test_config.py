@@ -256,7 +256,9 @@ _ORDER_CASES = [
     (dict(generate_c=1, gate_up_clamp=0), "generate_c", "generate_c must be a bool"),
     (dict(gate_up_clamp=0, expert_alignment=0), "gate_up_clamp", "gate_up_clamp must be a finite"),
     (dict(expert_alignment=0, recv_capacity=0), "expert_alignment", "expert_alignment must be an integer >= 1"),
-    (dict(recv_capacity=0), "recv_capacity", "recv_capacity must be an integer >= 1"),
+    (dict(recv_capacity=0, backward_operand_format="mxfp8"), "recv_capacity", "recv_capacity must be an integer >= 1"),
+    (dict(expert_alignment=2, backward_operand_format="mxfp8"), "expert_alignment", "expert_alignment applies to"),
+    (dict(backward_operand_format="nvfp4"), "backward_operand_format", "backward_operand_format must be None"),
 ]
 
 
@@ -265,6 +267,47 @@ def test_validation_order(changes, field, prefix):
     with pytest.raises(ConfigError, match="^" + re.escape(prefix)) as ei:
         make(**changes)
     assert ei.value.field == field
+
+
+# ============================================================================ backward_operand_format
+
+
+@pytest.mark.parametrize("value", ["bf16", "BF16", "Bf16", MoeFormat.BF16])
+def test_backward_operand_format_bf16_is_normalised(value):
+    c = make(backward_operand_format=value)
+    assert c.backward_operand_format is MoeFormat.BF16
+    assert c == make(backward_operand_format=MoeFormat.BF16) and hash(c) == hash(make(backward_operand_format="bf16"))
+    assert c != make()  # the mode is part of the layer's identity
+
+
+def test_backward_operand_format_default_is_exact():
+    assert make().backward_operand_format is None
+    assert make(backward_operand_format=None) == make()
+    assert make(backward_operand_format="bf16").replace(backward_operand_format=None).backward_operand_format is None
+
+
+@pytest.mark.parametrize(
+    "value,shown",
+    [("mxfp8", "'mxfp8'"), (MoeFormat.NVFP4, "<MoeFormat.NVFP4"), ("fp8", "'fp8'"), ("", "''"), ("float32", "'float32'"),
+     (1, "1"), (True, "True"), (16, "16"), (np.float32(1.0), "1.0")],
+)
+def test_backward_operand_format_rejects_everything_else(value, shown):
+    with pytest.raises(ConfigError) as ei:
+        make(backward_operand_format=value)
+    err = ei.value
+    assert err.field == "backward_operand_format" and err.value is value
+    text = str(err)
+    assert text.startswith("backward_operand_format must be None (exact float32 operands) or 'bf16'; got "), text
+    assert shown in text, text
+    assert isinstance(err, ValueError) and isinstance(err, MoeEpError)
+
+
+def test_backward_operand_format_replace_validates():
+    c = make(backward_operand_format="bf16")
+    with pytest.raises(ConfigError) as ei:
+        c.replace(backward_operand_format="mxfp8")
+    assert ei.value.field == "backward_operand_format"
+    assert c.replace(num_topk=1).backward_operand_format is MoeFormat.BF16
 
 
 def test_config_errors_are_value_errors():
