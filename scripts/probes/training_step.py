@@ -1,7 +1,7 @@
 """One training step through ``moe_ep_torch.api.moe_ep`` over NCCL on CUDA,
 gradients from ``loss.backward()`` checked against the reference backward.
 
-    python scripts/gpu_training_step.py NUM_RANKS
+    python scripts/probes/training_step.py NUM_RANKS      # on a machine with NUM_RANKS GPUs
 """
 
 from __future__ import annotations

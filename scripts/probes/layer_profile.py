@@ -3,7 +3,7 @@ times of forward and forward+backward, and the top kernels of each under
 torch.profiler, for the exact (float32) FC2 operand and for a bf16
 intermediate_format.
 
-    python scripts/gpu_layer_profile.py --tokens 4096      # the DeepSeek-V3 per-rank shape by default
+    python scripts/probes/layer_profile.py --tokens 4096      # the DeepSeek-V3 per-rank shape by default
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # Instruction counts of the kernels in a CUDA binary whose (mangled) name contains PATTERN:
 # all instructions, HMMA / HGMMA (tensor-core MMAs) and HMUL2, per kernel. Runs cuobjdump,
 # so on a machine with the CUDA toolkit's binaries (the device).
-#   bash scripts/sass_counts.sh .devbuild/moe_ep_gemm_check mxfp8_weights_gemm_kernel
+#   bash scripts/probes/sass_counts.sh .devbuild/moe_ep_gemm_check mxfp8_weights_gemm_kernel
 set -euo pipefail
 bin="${1:?binary}" pattern="${2:?kernel name pattern}"
 cuobjdump --dump-sass "$bin" | awk -v pat="$pattern" '

@@ -1,4 +1,5 @@
-"""Device checks of the native layer's device exchange (scripts/gpu_exchange_check.sh runs them).
+"""Device checks of the native layer's device exchange: a probe, run by hand on a GPU machine
+(scripts/gpu.py runs the exchange's tests).
 
   --smoke N   N processes on ONE GPU (CUDA IPC loopback): dispatch and combine
               against the spec's routing order bit for bit (tests/test_native_exchange.py's
@@ -11,6 +12,9 @@
               bf16 expert-output rows; its copy baseline copies bf16 rows). Checks first
               (bit for bit): the placed rows, the combine against the slot-order sum, and
               the bf16-rows combine against the float32-rows one of the same values.
+
+    python scripts/probes/exchange_check.py --smoke 2
+    python scripts/probes/exchange_check.py --time --tokens 128 --mode throughput --mode low_latency
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
 #: The exchange mode of every layer made here (--mode sets it; spawned ranks inherit it).
 MODE_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE_MODE"
