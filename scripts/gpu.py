@@ -60,7 +60,7 @@ BUDGETS: Dict[str, Tuple[float, float]] = {
     "test": (1500.0, 45.0),
     "conformance": (1500.0, 60.0),
     "sanitize": (900.0, 60.0),
-    "bench": (600.0, 90.0),
+    "bench": (1800.0, 90.0),
 }
 #: issue 14's per-rank DeepSeek-V3 shape at EP 1
 SHAPE = ("--hidden", "7168", "--intermediate", "2048", "--experts", "32", "--topk", "8")
@@ -446,8 +446,23 @@ def sanitize_commands(ctx: Context) -> List[Command]:
     ]
 
 
+def baseline_commands(path: Path) -> List[str]:
+    """The bench command lines a baseline file was measured with: a bench report's
+    ``command``, or every ``sources[].command`` of a file of bench/baselines/."""
+    doc = json.loads(path.read_text())
+    if "sources" in doc:
+        return [str(s["command"]) for s in doc["sources"] if s.get("command")]
+    return [str(doc["command"])] if doc.get("command") else []
+
+
 def bench_commands(ctx: Context) -> List[Command]:
     out = ctx.out
+    baseline = ctx.baseline
+    if baseline is None:
+        missing = f"no baseline for this card ({', '.join(ctx.gpu_names) or 'unknown'}) in bench/baselines/"
+    else:
+        missing = "" if baseline.is_file() else f"no baseline file {baseline}"
+    compare = () if missing else ("--compare", str(baseline))
     if ctx.quick:
         args = ("--tokens", "128", "--format", "mxfp8", "--intermediate-format", "bf16", "--op", "forward",
                 "--repeats", "10", "--warmup", "2")
@@ -455,17 +470,19 @@ def bench_commands(ctx: Context) -> List[Command]:
         args = ("--tokens", "128", "--tokens", "4096", "--format", "bf16", "--format", "mxfp8", "--format", "nvfp4",
                 "--intermediate-format", "bf16", "--op", "forward", "--op", "forward_backward")
     cmds = [Command("cuda-nccl", _cli(ctx, "bench", "--device", "cuda", "--ep-size", "1", "--backend", "cuda-nccl",
-                                      *SHAPE, *args, "--json", str(out / "bench-cuda-nccl.json"), "--no-progress"))]
-    baseline = ctx.baseline
-
-    def needs_baseline() -> str:
-        if baseline is None:
-            return f"no baseline for this card ({', '.join(ctx.gpu_names) or 'unknown'}) in bench/baselines/"
-        return "" if baseline.is_file() else f"no baseline file {baseline}"
-
-    if not ctx.quick:
-        cmds.append(Command("compare", _cli(ctx, "bench", "--compare", str(baseline), "--json", str(out / "bench-compare.json"),
-                                            "--no-progress"), needs=needs_baseline))
+                                      *SHAPE, *args, *compare, "--json", str(out / "bench-cuda-nccl.json"), "--no-progress"))]
+    if ctx.quick:
+        return cmds
+    if missing:
+        where = str(baseline or ctx.path("bench", "baselines", "CARD.json"))
+        cmds.append(Command("compare", ("moe-ep", "bench", "--compare", where), needs=lambda: missing))
+        return cmds
+    for i, line in enumerate(baseline_commands(baseline), 1):
+        argv = shlex.split(line)
+        if argv[:2] != ["moe-ep", "bench"]:
+            continue
+        cmds.append(Command(f"compare-{i}", _cli(ctx, *argv[1:], *compare, "--json", str(out / f"bench-compare-{i}.json"),
+                                                 "--no-progress")))
     return cmds
 
 

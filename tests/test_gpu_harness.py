@@ -133,10 +133,20 @@ def test_bench_compares_with_the_cards_baseline_or_says_there_is_none(tmp_path) 
     assert gpu.default_baseline(ROOT, ("NVIDIA H200",)) == ROOT / "bench" / "baselines" / "h200.json"
     assert gpu.default_baseline(ROOT, ("NVIDIA H100 80GB HBM3",)) == ROOT / "bench" / "baselines" / "h100.json"
     assert gpu.default_baseline(ROOT, ("NVIDIA A100",)) is None
-    ctx = _ctx(tmp_path, baseline=None)
-    bench, compare = gpu.bench_commands(ctx)
-    assert "--hidden" in bench.argv and "7168" in bench.argv and compare.argv[3:5] == ("bench", "--compare")
+    bench, compare = gpu.bench_commands(_ctx(tmp_path, baseline=None))
+    assert "--hidden" in bench.argv and "7168" in bench.argv and "--compare" not in bench.argv
     assert compare.needs().startswith("no baseline for this card (NVIDIA H200)")
+    # a baseline made of two runs: the DeepSeek-V3 run compared with it, then each run's command again
+    baseline = tmp_path / "h200.json"
+    baseline.write_text(json.dumps({"schema": "moe-ep-bench-baseline/1", "rows": [], "sources": [
+        {"file": "a.json", "command": "moe-ep bench --device cuda --backend jax-ffi --tokens 4096 --op forward"},
+        {"file": "b.json", "command": "moe-ep bench --device cuda --backend cuda-nccl --op dispatch"}]}))
+    cmds = gpu.bench_commands(_ctx(tmp_path, baseline=baseline))
+    assert [c.name for c in cmds] == ["cuda-nccl", "compare-1", "compare-2"]
+    assert all(c.argv[c.argv.index("--compare") + 1] == str(baseline) for c in cmds)
+    assert cmds[1].argv[1:8] == ("-m", "moe_ep_spec.cli", "bench", "--device", "cuda", "--backend", "jax-ffi")
+    (quick,) = gpu.bench_commands(_ctx(tmp_path, baseline=baseline, quick=True))
+    assert "--compare" in quick.argv and quick.argv[quick.argv.index("--tokens") + 1] == "128"
 
 
 def test_main_without_a_gpu_writes_verdicts_and_a_summary(tmp_path, capsys) -> None:
@@ -153,8 +163,8 @@ def test_main_without_a_gpu_writes_verdicts_and_a_summary(tmp_path, capsys) -> N
 def test_main_dry_run_lists_each_steps_commands_and_budget(tmp_path, capsys) -> None:
     assert gpu.main(["--out", str(tmp_path), "--dry-run", "bench", "test"], probe=lambda: ONE_H200) == 0
     out = capsys.readouterr().out
-    assert out.index("[test] budget 1500 s") < out.index("[bench] budget 600 s")
-    assert "moe_ep_spec.cli bench --compare" in out and "bench/baselines/h200.json" in out
+    assert out.index("[test] budget 1500 s") < out.index("[bench] budget 1800 s")
+    assert "--compare " + str(ROOT / "bench" / "baselines" / "h200.json") in out
     assert not (tmp_path / "verdicts.txt").exists()
 
 
