@@ -17,6 +17,9 @@ must not be run concurrently with the reference from another thread.
 ``MUTANTS`` are the mutants the suite must catch; ``GAP_MUTANTS`` break rules
 that the conformance table does not exercise at all today (see their docstrings);
 the tests mark those as expected failures so that a suite fix shows up.
+``BF16_BACKWARD_MUTANTS`` break the rounding points of the bf16-operand backward
+(``backward_operand_format = "bf16"``, spec section 9.2); ``tests/test_mutants.py``
+checks that the reference's budgets of that mode reject each of them.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from moe_ep_spec.api import DispatchHandle
 from moe_ep_spec.formats import BF16, BlockScaledTensor, MoeFormat, round_to_bf16, round_trip
 from moe_ep_reference import ReferenceBackend
 
-__all__ = ["MUTANTS", "GAP_MUTANTS", "ALL_MUTANTS", "PATCH_TARGETS", "patched", "Mutant"]
+__all__ = ["MUTANTS", "GAP_MUTANTS", "ALL_MUTANTS", "BF16_BACKWARD_MUTANTS", "PATCH_TARGETS", "patched", "Mutant"]
 
 #: Every (module, attribute) any mutant may replace; the tests check they are
 #: all back to their originals after the mutants ran.
@@ -47,6 +50,7 @@ PATCH_TARGETS: Tuple[Tuple[Any, str], ...] = (
     (W, "encode_output"),
     (W, "expert_forward"),
     (W, "expert_backward"),
+    (W, "bf16_operand"),
     (W, "_clamp"),
     (W, "decode"),
     (F, "_mxfp8_scale_exponent"),
@@ -1016,6 +1020,103 @@ class CombineExpertSlabsSwapped(Mutant):
         return [(W, "scatter_slots", factory)]
 
 
+# ============================================================================ bf16-operand backward
+
+
+class Bf16BackwardNotRounded(Mutant):
+    """Section 9.2, backward operand format: with ``backward_operand_format`` bf16
+    the cotangent, ``dc`` and ``w * h`` are rounded to bf16 before their GEMMs.
+    This backend accepts the field and runs the exact backward (no rounding)."""
+
+    name = "mutant-bf16-backward-not-rounded"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        return [(W, "bf16_operand", lambda orig: lambda values: values)] if op == "backward" else ()
+
+
+def _bf16_backward_mixed(take_from_exact: Sequence[int]) -> Callable[[Any], Any]:
+    """An ``expert_backward`` factory: the bf16 mode's results, except the result
+    indices ``take_from_exact`` (0 dx, 1 dw, 2 dfc1, 3 dfc2), which come from the
+    exact mode run on the rounded cotangent: those GEMMs take an unrounded operand."""
+
+    def factory(orig):
+        def expert_backward(config, handle, x, w, fc1, fc2, c, dy, with_bound=False):
+            rounded, bounds = orig(config, handle, x, w, fc1, fc2, c, dy, with_bound=with_bound)
+            if config.backward_operand_format is None:
+                return rounded, bounds
+            exact, _ = orig(config.replace(backward_operand_format=None), handle, x, w, fc1, fc2, c,
+                            round_to_bf16(dy).astype(np.float64))
+            return tuple(exact[i] if i in take_from_exact else rounded[i] for i in range(4)), bounds
+
+        return expert_backward
+
+    return factory
+
+
+class Bf16BackwardDcUnroundedInDW1(Mutant):
+    """Section 9.2, backward operand format: ``dc_b = R_bf16(dc)`` is the operand of
+    both ``dW1 += x^T dc_b`` and ``dx = dc_b W1^T``. This backend rounds ``dc`` for
+    ``dx`` only; its ``dW1`` GEMM reads the float32 ``dc``."""
+
+    name = "mutant-bf16-backward-dc-unrounded-in-dw1"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        return [(W, "expert_backward", _bf16_backward_mixed((2,)))] if op == "backward" else ()
+
+
+class Bf16BackwardWhUnrounded(Mutant):
+    """Section 9.2, backward operand format: ``dW2 += R_bf16(w * h)^T dY_b`` in both
+    router-weight placements. This backend rounds the cotangent and ``dc`` but
+    runs ``dW2`` on the float32 ``w * h``."""
+
+    name = "mutant-bf16-backward-wh-unrounded"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        return [(W, "expert_backward", _bf16_backward_mixed((3,)))] if op == "backward" else ()
+
+
+class Bf16BackwardRoundsDh(Mutant):
+    """Section 9.2, backward operand format: the rounding point is ``dc``, after the
+    SwiGLU derivative. This backend rounds ``dh = w * (dY_b W2^T)`` to bf16 instead
+    and feeds the float32 ``dc`` computed from it to ``dW1`` and ``dx`` (``dW2`` and
+    ``dw`` as the spec says)."""
+
+    name = "mutant-bf16-backward-rounds-dh"
+
+    def patches(self, op: str) -> Sequence[Patch]:
+        if op != "backward":
+            return ()
+
+        def factory(orig):
+            def expert_backward(config, handle, x, w, fc1, fc2, c, dy, with_bound=False):
+                rounded, bounds = orig(config, handle, x, w, fc1, fc2, c, dy, with_bound=with_bound)
+                if config.backward_operand_format is None:
+                    return rounded, bounds
+                # Exact mode with the router weight folded into a bf16-rounded dh: the
+                # weight is set to 1 and dY W2^T scaled by w must round as dh. Done per
+                # row: dh_b = R(w a); dc from dh_b, unrounded.
+                i = config.intermediate
+                dx, dfc1 = np.zeros_like(rounded[0]), np.zeros_like(rounded[2])
+                for e in range(config.num_local_experts):
+                    lo, n = int(handle.expert_offsets[e]), int(handle.tokens_per_expert[e])
+                    sl = slice(lo, lo + n)
+                    g, u = W._clamp(config, c[sl, :i], c[sl, i:])
+                    lim = config.gate_up_clamp
+                    m_g = np.ones_like(g) if lim is None else (c[sl, :i] <= lim)
+                    m_u = np.ones_like(u) if lim is None else (np.abs(c[sl, i:]) <= lim)
+                    sig = 1.0 / (1.0 + np.exp(-g))
+                    dh = round_to_bf16(w[sl, None] * (round_to_bf16(dy[sl]).astype(np.float64) @ fc2[e].T))
+                    dh = dh.astype(np.float64)
+                    dc = np.concatenate([dh * u * sig * (1.0 + g * (1.0 - sig)) * m_g, dh * g * sig * m_u], axis=1)
+                    dfc1[e] = x[sl].T @ dc
+                    dx[sl] = dc @ fc1[e].T
+                return (dx, rounded[1], dfc1, rounded[3]), bounds
+
+            return expert_backward
+
+        return [(W, "expert_backward", factory)]
+
+
 MUTANTS: Tuple[Type[ReferenceBackend], ...] = (
     GateUpSwapped,
     ClampGateBothSides,
@@ -1062,8 +1163,16 @@ GAP_MUTANTS: Tuple[Type[ReferenceBackend], ...] = ()
 
 ALL_MUTANTS = MUTANTS + GAP_MUTANTS
 
+#: The bf16-operand backward's mutants (checked against that mode's budgets directly).
+BF16_BACKWARD_MUTANTS: Tuple[Type[ReferenceBackend], ...] = (
+    Bf16BackwardNotRounded,
+    Bf16BackwardDcUnroundedInDW1,
+    Bf16BackwardWhUnrounded,
+    Bf16BackwardRoundsDh,
+)
+
 _names: Dict[str, Type[ReferenceBackend]] = {}
-for _cls in ALL_MUTANTS:
+for _cls in ALL_MUTANTS + BF16_BACKWARD_MUTANTS:
     assert _cls.name not in _names and _cls.name.startswith("mutant-"), _cls.name
     assert (_cls.__doc__ or "").strip(), f"{_cls.name} needs a docstring naming its rule"
     _names[_cls.name] = _cls

@@ -21,6 +21,7 @@ import moe_ep_spec
 import moe_ep_reference.world as W
 from moe_ep_spec.formats import BF16
 from moe_ep_spec.inputs import random_world
+from moe_ep_spec.tolerance import compare
 
 try:  # tests/ may or may not be a package
     from . import mutants
@@ -187,6 +188,87 @@ def test_former_gap_mutants_are_really_wrong():
     got = _decoded(mutants.Mxfp8ScaleFloat32Log2().combine(mx, handles, rows))
     assert not np.array_equal(got, ref)
     _assert_restored()
+
+
+# ----------------------------------------------------------------------------- the bf16-operand backward
+
+#: For every mutant of the bf16-operand backward, the gradients its wrong rounding
+#: must push beyond that mode's budgets (section 13.3) in every world below.
+BF16_CAUGHT_IN: Dict[str, Tuple[str, ...]] = {
+    # and grad_topk_weights where the cotangent is not bf16 already (the rounded dY_b)
+    "mutant-bf16-backward-not-rounded": ("grad_activation", "grad_fc1_weight", "grad_fc2_weight"),
+    "mutant-bf16-backward-dc-unrounded-in-dw1": ("grad_fc1_weight",),
+    "mutant-bf16-backward-wh-unrounded": ("grad_fc2_weight",),
+    "mutant-bf16-backward-rounds-dh": ("grad_activation", "grad_fc1_weight"),
+}
+_GRADS = ("grad_activation", "grad_fc1_weight", "grad_fc2_weight", "grad_topk_weights")
+
+
+def _bf16_worlds():
+    """Backward worlds in the bf16 mode: both router-weight placements, a clamp,
+    EP 1 and 2, float32 and bf16 cotangents."""
+    base = dict(num_experts=8, hidden=64, intermediate=32, num_topk=2, generate_c=True, backward_operand_format="bf16")
+    for ranks, fc1, clamp, cot in ((1, True, None, np.float32), (2, False, 2.0, np.float32), (2, True, 1.5, BF16)):
+        cfg = moe_ep_spec.MoeEpConfig(num_ranks=ranks, apply_topk_in_fc1=fc1, gate_up_clamp=clamp, **base)
+        world = random_world(cfg, num_tokens=[7, 4][:ranks], seed=40 + ranks)
+        rng = np.random.default_rng(ranks)
+        grad = [rng.normal(size=(w.topk_idx.shape[0], cfg.hidden)).astype(cot) for w in world]
+        yield f"ep{ranks}-{'fc1' if fc1 else 'fc2'}-{np.dtype(cot).name}", cfg, world, grad
+
+
+def _failed_grads(backend, cfg, world, grad) -> List[str]:
+    reference = moe_ep_spec.get_backend("reference")
+    stash = [f.stash for f in reference.forward(cfg, world)]
+    want, budget = reference.backward_and_budget(cfg, world, grad, stash)
+    got = backend.backward(cfg, world, grad, stash)
+    failed = []
+    for r in range(cfg.num_ranks):
+        for name in _GRADS:
+            c = compare(name, getattr(got[r], name), getattr(want[r], name), getattr(budget[r], name))
+            if not c.ok:
+                failed.append(name)
+    return sorted(set(failed))
+
+
+def test_bf16_backward_mutant_table():
+    names = [cls.name for cls in mutants.BF16_BACKWARD_MUTANTS]
+    assert set(names) == set(BF16_CAUGHT_IN) and not set(names) & {cls.name for cls in mutants.ALL_MUTANTS}
+    for cls in mutants.BF16_BACKWARD_MUTANTS:
+        assert "Section 9.2" in (cls.__doc__ or ""), cls.name
+
+
+@pytest.mark.parametrize("name", sorted(BF16_CAUGHT_IN))
+def test_bf16_backward_mutant_fails_the_budgets(name):
+    backend = {cls.name: cls for cls in mutants.BF16_BACKWARD_MUTANTS}[name]()
+    reference = moe_ep_spec.get_backend("reference")
+    for wid, cfg, world, grad in _bf16_worlds():
+        assert _failed_grads(reference, cfg, world, grad) == [], wid
+        failed = _failed_grads(backend, cfg, world, grad)
+        missing = [g for g in BF16_CAUGHT_IN[name] if g not in failed]
+        assert not missing, f"{name} in {wid}: {missing} within the bf16 mode's budgets (failed only {failed})"
+        if name == "mutant-bf16-backward-not-rounded" and wid.endswith("float32"):
+            assert "grad_topk_weights" in failed, wid
+        # The same backend is right in the exact mode: only the bf16 rounding points differ.
+        exact = cfg.replace(backward_operand_format=None)
+        assert _failed_grads(backend, exact, world, grad) == [], wid
+    _assert_restored()
+
+
+def test_exact_mode_results_fail_the_bf16_budgets_and_back():
+    """The two modes' results are each outside the other's budgets."""
+    reference = moe_ep_spec.get_backend("reference")
+    for wid, cfg, world, grad in _bf16_worlds():
+        stash = [f.stash for f in reference.forward(cfg, world)]
+        exact = cfg.replace(backward_operand_format=None)
+        for judged, produced in ((cfg, exact), (exact, cfg)):
+            want, budget = reference.backward_and_budget(judged, world, grad, stash)
+            got = reference.backward(produced, world, grad, stash)
+            ratios = [
+                compare(n, getattr(got[r], n), getattr(want[r], n), getattr(budget[r], n)).ratio
+                for r in range(cfg.num_ranks)
+                for n in ("grad_activation", "grad_fc2_weight")
+            ]
+            assert max(ratios) > 2.0, (wid, judged.backward_operand_format, ratios)
 
 
 # ----------------------------------------------------------------------------- failure reports
