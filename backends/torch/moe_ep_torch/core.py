@@ -584,6 +584,21 @@ def experts_forward(
     return torch.where(valid, y, torch.zeros_like(y)), torch.where(valid, c, torch.zeros_like(c))
 
 
+def _bf16_gemm(a: torch.Tensor, b: torch.Tensor, a_bf16: bool, b_bf16: bool) -> torch.Tensor:
+    """``a @ b`` with float32 accumulation and output, for operands that hold bf16
+    values (``a_bf16``/``b_bf16``: the tensor's values are all bf16 values, whatever
+    its dtype). On CUDA, when both are, one bf16 tensor-core GEMM with float32
+    output (``torch.mm(..., out_dtype=torch.float32)``) where this torch offers it;
+    otherwise a float32 matmul on the exact values (TF32 is never used)."""
+    if a.is_cuda and a_bf16 and b_bf16 and _GROUPED_OK["mm_out_fp32"] and a.dim() == 2:
+        try:
+            return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16), out_dtype=torch.float32)
+        except (RuntimeError, TypeError) as exc:
+            _GROUPED_OK["mm_out_fp32"] = False
+            GEMM_PATH["reason"] += f"; torch.mm(out_dtype=float32): {type(exc).__name__}: {exc}"
+    return a.float() @ b.float()
+
+
 def experts_backward(
     config: MoeEpConfig,
     plan: Plan,
@@ -595,7 +610,15 @@ def experts_backward(
     dy: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The spec backward on the buffer rows: ``(dx [R, H], dw [R], dfc1, dfc2)``
-    float32, padding rows zero. ``c`` is the decoded stash."""
+    float32, padding rows zero. ``c`` is the decoded stash.
+
+    With ``config.backward_operand_format`` bf16 (spec section 9.2) the cotangent
+    rows, ``dc`` and ``w * h`` are rounded to bf16 (nearest even) and the GEMMs
+    that take them (``dY W2^T``, ``x^T dc_b``, ``dc_b W1^T``, ``R(w h)^T dY_b``)
+    run on the rounded values with float32 accumulation; on CUDA, where the other
+    operand is bfloat16 too, as bf16 GEMMs with float32 output."""
+    if config.backward_operand_format is not None:
+        return _experts_backward_bf16(config, plan, x, w, fc1, fc2, c, dy)
     i, lim = config.intermediate, config.gate_up_clamp
     counts, offsets = plan.tokens_per_expert, plan.expert_offsets
     xf, w1, w2 = x.float(), fc1.float(), fc2.float()
@@ -633,6 +656,66 @@ def experts_backward(
         dc = torch.cat([dg, du], dim=1)
         dfc1[e] = xf[sl].T @ dc
         dx[sl] = dc @ w1[e].T
+    return dx, dw, dfc1, dfc2
+
+
+def _swiglu_backward_parts(config: MoeEpConfig, c: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """From the decoded stash: ``(g, u, sig, s, h, fg, fu)`` float32, with the
+    clamp's masks folded into ``fg = u sig (1 + g (1 - sig)) m_g`` and ``fu = s m_u``."""
+    i, lim = config.intermediate, config.gate_up_clamp
+    g, u = c[:, :i], c[:, i:]
+    if lim is None:
+        gate_mask = up_mask = None
+    else:
+        gate_mask = (g <= lim).float()
+        up_mask = ((u >= -lim) & (u <= lim)).float()
+        g, u = torch.clamp(g, max=lim), torch.clamp(u, -lim, lim)
+    sig, s = _silu_parts(g)
+    h = s * u
+    fg = u * sig * (1.0 + g * (1.0 - sig))
+    fu = s
+    if gate_mask is not None:
+        fg, fu = fg * gate_mask, fu * up_mask
+    return g, u, sig, s, h, fg, fu
+
+
+def _experts_backward_bf16(
+    config: MoeEpConfig,
+    plan: Plan,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    c: torch.Tensor,
+    dy: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`experts_backward` with ``backward_operand_format`` bf16."""
+    counts, offsets = plan.tokens_per_expert, plan.expert_offsets
+    x_bf16, w1_bf16, w2_bf16 = (t.dtype == torch.bfloat16 for t in (x, fc1, fc2))
+    xf, w1, w2 = x.float(), fc1.float(), fc2.float()
+    _, _, _, _, h, fg, fu = _swiglu_backward_parts(config, c.float())
+    dy_b = dy.to(torch.bfloat16).float()  # dY_b = R_bf16(dY), exact for a bf16 cotangent
+    wc = w.unsqueeze(1)
+    wh_b = (wc * h).to(torch.bfloat16).float()  # R_bf16(w h), both placements
+    dx = torch.zeros_like(xf)
+    dw = torch.zeros_like(w)
+    dfc1 = torch.zeros_like(w1)
+    dfc2 = torch.zeros_like(w2)
+    for e, (o, cnt) in enumerate(zip(offsets[:-1], counts)):
+        if not cnt:
+            continue
+        sl = slice(o, o + cnt)
+        dye = dy_b[sl]
+        a = _bf16_gemm(dye, w2[e].T, True, w2_bf16)  # dY_b W2^T  [n, I]
+        dfc2[e] = _bf16_gemm(wh_b[sl].T, dye, True, True)
+        if config.apply_topk_in_fc1:
+            dw[sl] = (a * h[sl]).sum(dim=1)
+        else:
+            dw[sl] = (dye * (h[sl] @ w2[e])).sum(dim=1)
+        dh = a * wc[sl]
+        dc_b = torch.cat([dh * fg[sl], dh * fu[sl]], dim=1).to(torch.bfloat16).float()  # dc_b = R_bf16(dc)
+        dfc1[e] = _bf16_gemm(xf[sl].T, dc_b, x_bf16, True)
+        dx[sl] = _bf16_gemm(dc_b, w1[e].T, True, w1_bf16)
     return dx, dw, dfc1, dfc2
 
 

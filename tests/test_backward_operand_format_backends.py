@@ -1,0 +1,86 @@
+"""The pure-Python backends (``torch``, ``jax``) in both backward modes
+(``backward_operand_format`` None and bf16, spec section 9.2), judged by the
+reference's budgets (section 13.3), and each mode's results outside the other
+mode's budgets (so a backend that ignores the field fails)."""
+
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+import pytest
+
+import moe_ep_spec
+from moe_ep_spec import MoeEpConfig
+from moe_ep_spec.formats import BF16
+from moe_ep_spec.inputs import random_world
+from moe_ep_spec.launch import call_world
+from moe_ep_spec.tolerance import compare
+
+REF = moe_ep_spec.get_backend("reference")
+GRADS = ("grad_activation", "grad_fc1_weight", "grad_fc2_weight", "grad_topk_weights")
+
+#: (id, config fields, tokens per rank, cotangent dtype, input format)
+WORLDS = [
+    ("ep1-fc1-f32", dict(num_ranks=1, num_experts=4, apply_topk_in_fc1=True), [9], np.float32, "bf16"),
+    ("ep2-fc2-clamp-bf16cot", dict(num_ranks=2, num_experts=4, apply_topk_in_fc1=False, gate_up_clamp=1.5), [6, 3],
+     BF16, "bf16"),
+    ("ep2-fc1-static-f32-fp32in", dict(num_ranks=2, num_experts=4, max_tokens_per_rank=6, recv_capacity=32,
+                                        expert_alignment=4), [6, 0], np.float32, "fp32"),
+    ("ep1-fc2-mxfp8in-f16cot", dict(num_ranks=1, num_experts=2, apply_topk_in_fc1=False, num_topk=1), [5], np.float16,
+     "mxfp8"),
+]
+
+
+def _backend(name: str):
+    if name not in [b.name for b in moe_ep_spec.list_backends()]:
+        pytest.skip(f"backend {name!r} is not installed")
+    backend = moe_ep_spec.get_backend(name)
+    if not backend.availability():
+        pytest.skip(f"backend {name!r}: {backend.availability().reason}")
+    return backend
+
+
+def _case(fields, tokens, cot, input_format, mode):
+    base = dict(hidden=64, intermediate=32, num_topk=2, generate_c=True)
+    base.update(fields)
+    config = MoeEpConfig(backward_operand_format=mode, **base)
+    world = random_world(config, num_tokens=tokens, input_format=input_format, routing="unused_mixed", seed=len(tokens))
+    rng = np.random.default_rng(sum(tokens))
+    grad = [rng.normal(size=(w.topk_idx.shape[0], config.hidden)).astype(cot) for w in world]
+    stash = [f.stash for f in REF.forward(config, world)]
+    return config, world, grad, stash
+
+
+def _ratios(config, world, grad, stash, got) -> List[float]:
+    want, budget = REF.backward_and_budget(config, world, grad, stash)
+    out = []
+    for r in range(config.num_ranks):
+        for name in GRADS:
+            c = compare(f"rank {r} {name}", getattr(got[r], name), getattr(want[r], name), getattr(budget[r], name))
+            assert c.ok or not np.isnan(c.ratio), c.describe()
+            out.append((c.ratio, c))
+    return out
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "jax"])
+@pytest.mark.parametrize("wid,fields,tokens,cot,input_format", WORLDS, ids=[w[0] for w in WORLDS])
+def test_backend_backward_in_both_modes(backend_name, wid, fields, tokens, cot, input_format):
+    backend = _backend(backend_name)
+    results = {}
+    for mode in (None, "bf16"):
+        config, world, grad, stash = _case(fields, tokens, cot, input_format, mode)
+        reason = backend.capabilities.unsupported(config, "backward")
+        if reason:
+            pytest.skip(reason)
+        got = call_world(backend, "backward", config, world, grad, stash)
+        for ratio, c in _ratios(config, world, grad, stash, got):
+            assert c.ok, f"{backend_name} {wid} mode {mode}: {c.describe()}"
+        results[mode] = (config, world, grad, stash, got)
+    # Each mode's results against the other mode's budgets: the modes must differ
+    # beyond them (the bf16 rounding points are really applied, and only in bf16).
+    for judged, produced in ((None, "bf16"), ("bf16", None)):
+        config, world, grad, stash, _ = results[judged]
+        got = results[produced][4]
+        worst = max(ratio for ratio, _ in _ratios(config, world, grad, stash, got))
+        assert worst > 1.0, f"{backend_name} {wid}: mode {produced}'s results pass mode {judged}'s budgets"
