@@ -158,6 +158,10 @@ class ExpertKernels(Protocol):
     ) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """Section 9.2 on the buffer rows (every rounding point straight-through).
 
+        With ``config.backward_operand_format`` bf16: the cotangent rows, ``dc``
+        and ``w * h`` rounded to bf16 (nearest even) before their GEMMs, which
+        accumulate in float32 (spec section 9.2).
+
         Args:
             x, w, fc1, fc2, group_sizes: as :meth:`expert_forward`.
             fc1_c: ``[C, 2I] bfloat16``: the stash (pre-clamp, unweighted).
@@ -215,6 +219,43 @@ def _gemm_t(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array
     return lax.ragged_dot_general(
         lhs, rhs, group_sizes, _CONTRACT_ROWS, precision=_HIGHEST, preferred_element_type=_F32
     )
+
+
+def _bf16_operand(t: Tensor) -> jax.Array:
+    """A GEMM operand of the bf16-operand backward: a plain bfloat16 array as it is
+    (its values are exact), anything else decoded to float32."""
+    if isinstance(t, jax.Array) and t.dtype == jnp.bfloat16:
+        return t
+    return F.decode(t)
+
+
+def _same_dtype(a: jax.Array, b: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """Both bfloat16 when both are (a bf16 GEMM), else both float32 (exact widening)."""
+    if a.dtype == b.dtype:
+        return a, b
+    return a.astype(_F32), b.astype(_F32)
+
+
+def _swiglu_parts(config: MoeEpConfig, fc1_c: jax.Array) -> Tuple[jax.Array, ...]:
+    """From the bf16 stash: ``(g, u, sig, s, h, fg, fu)`` float32 after the clamp,
+    with the clamp's masks folded into ``fg = u sig (1 + g (1 - sig)) m_g`` and
+    ``fu = s m_u``."""
+    i, lim = config.intermediate, config.gate_up_clamp
+    c = fc1_c.astype(_F32)
+    g, u = c[:, :i], c[:, i:]
+    masks = None
+    if lim is not None:
+        lim32 = jnp.float32(lim)
+        masks = ((g <= lim32).astype(_F32), ((u >= -lim32) & (u <= lim32)).astype(_F32))
+        g, u = jnp.minimum(g, lim32), jnp.clip(u, -lim32, lim32)
+    sig = jax.nn.sigmoid(g)
+    s = g * sig
+    h = s * u
+    fg = u * sig * (1.0 + g * (1.0 - sig))
+    fu = s
+    if masks is not None:
+        fg, fu = fg * masks[0], fu * masks[1]
+    return g, u, sig, s, h, fg, fu
 
 
 class XlaKernels:
@@ -280,6 +321,8 @@ class XlaKernels:
         return y, c
 
     def expert_backward(self, config, x, w, fc1, fc2, fc1_c, dy, group_sizes):  # type: ignore[override]
+        if config.backward_operand_format is not None:
+            return self._expert_backward_bf16(config, x, w, fc1, fc2, fc1_c, dy, group_sizes)
         i, lim = config.intermediate, config.gate_up_clamp
         xf, w1, w2 = F.decode(x), F.decode(fc1), F.decode(fc2)
         c = fc1_c.astype(_F32)
@@ -312,6 +355,31 @@ class XlaKernels:
         dc = jnp.concatenate([dg, du], axis=1)
         dfc1 = _gemm_t(xf, dc, group_sizes)
         dx = _gemm(dc, jnp.swapaxes(w1, 1, 2), group_sizes)
+        return dx, dw, dfc1, dfc2
+
+    def _expert_backward_bf16(self, config, x, w, fc1, fc2, fc1_c, dy, group_sizes):
+        """:meth:`expert_backward` with ``backward_operand_format`` bf16: every GEMM
+        that takes a rounded operand runs in bf16 where its other operand is a
+        plain bf16 input (float32 accumulation and output), else in float32 on the
+        exact values."""
+        bf16 = jnp.bfloat16
+        _, _, _, _, h, fg, fu = _swiglu_parts(config, fc1_c)
+        wc = w[:, None]
+        dy_b = dy.astype(bf16)  # dY_b = R_bf16(dY), exact for a bf16 cotangent
+        w1, w2 = _bf16_operand(fc1), _bf16_operand(fc2)
+        lhs, rhs = _same_dtype(dy_b, jnp.swapaxes(w2, 1, 2))
+        a = _gemm(lhs, rhs, group_sizes)  # dY_b W2^T  [C, I] float32
+        dfc2 = _gemm_t((wc * h).astype(bf16), dy_b, group_sizes)  # R_bf16(w h)^T dY_b, both placements
+        if config.apply_topk_in_fc1:
+            dw = jnp.sum(a * h, axis=1)
+        else:
+            dw = jnp.sum(dy_b.astype(_F32) * _gemm(h, F.decode(fc2), group_sizes), axis=1)
+        dh = a * wc
+        dc_b = jnp.concatenate([dh * fg, dh * fu], axis=1).astype(bf16)  # dc_b = R_bf16(dc)
+        lhs, rhs = _same_dtype(_bf16_operand(x), dc_b)
+        dfc1 = _gemm_t(lhs, rhs, group_sizes)
+        lhs, rhs = _same_dtype(dc_b, jnp.swapaxes(w1, 1, 2))
+        dx = _gemm(lhs, rhs, group_sizes)
         return dx, dw, dfc1, dfc2
 
 
