@@ -19,7 +19,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
 from . import __version__
 from .backend import Availability, MoeEpBackend
@@ -29,10 +29,127 @@ from .formats import MoeFormat
 from .inputs import INPUT_FORMATS, ROUTINGS
 from .registry import ENV_BACKEND, DEFAULT_BACKEND, get_registry
 
-__all__ = ["ADD_ON_COMMANDS", "AddOnCommand", "main", "build_parser", "run_parsed"]
+__all__ = [
+    "ADD_ON_COMMANDS",
+    "AddOnCommand",
+    "EXIT_CODES",
+    "Parser",
+    "build_parser",
+    "check_output_file",
+    "main",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+    "require_backend",
+    "run_parsed",
+]
 
 COMMANDS_GROUP = "moe_ep_spec.commands"
 _FORMATS = [f.value for f in MoeFormat]
+
+#: The exit status of every ``moe-ep`` command, by what happened. A usage mistake
+#: (an unknown option, a bad value, a missing input file, an unknown or
+#: unavailable backend, output that cannot be made, a selection of no cases) is
+#: always 2 with one ``moe-ep: error: ...`` sentence on stderr.
+EXIT_CODES: Dict[int, str] = {
+    0: "every check, case or measurement passed or was skipped",
+    1: "a check, case or measurement failed (or a bench row is slower than its baseline)",
+    2: "a usage mistake: the command did no work",
+    3: "an internal error (a traceback)",
+    130: "interrupted (Ctrl-C)",
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one voice for every command line mistake: the usage of the
+    (sub)command that was typed, ``PROG: error: ...``, and where its options are
+    described; exit status 2. Subcommands (``add_subparsers``) get this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        help_command = self.prog if self.prog.startswith("moe-ep") else "moe-ep"
+        self.exit(2, f"{self.prog}: error: {message}\nsee `{help_command} --help` for its options\n")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (EP sizes, tokens, shapes, repeats)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0 (seconds, tolerances)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0; got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0; got {text}")
+    return value
+
+
+def check_output_file(option: str, path: Optional[str]) -> None:
+    """A report file must be writable before the work starts (not after it, when
+    the results would be lost). Its folder is never created: a missing folder is
+    a usage mistake (MoeEpError naming the folder, exit 2)."""
+    if not path:
+        return
+    full = os.path.abspath(path)
+    parent = os.path.dirname(full)
+    problem = ""
+    if os.path.isdir(full):
+        problem = "it is a directory"
+    elif not os.path.isdir(parent):
+        problem = f"the directory {parent} does not exist"
+    elif not os.access(parent, os.W_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)):
+        problem = "it is not writable"
+    if problem:
+        raise MoeEpError(f"{option} {path}: cannot write the report there: {problem}")
+
+
+def check_input_file(option: str, path: str) -> None:
+    """A file the command reads must exist (MoeEpError, exit 2)."""
+    if not os.path.isfile(path):
+        what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+        raise MoeEpError(f"{option} {path}: the file {what}")
+
+
+def require_backend(name: Optional[str]) -> MoeEpBackend:
+    """The registered backend ``name`` (None: the default one), refused at once when it cannot run here:
+    the quick check (what is installed, no framework import) first, so an
+    unavailable backend costs what `moe-ep backends` costs; then the full check.
+    BackendNotFoundError or BackendUnavailableError (exit 2)."""
+    from .errors import BackendUnavailableError
+
+    backend = get_registry().get_backend(name, require_available=False)
+    for check in (backend.quick_availability, backend.availability):
+        availability = _availability_of(check)
+        if not availability:
+            raise BackendUnavailableError(backend.name, availability.reason)
+    return backend
+
+
+def _availability_of(check: Any) -> Availability:
+    try:
+        return check()
+    except Exception as exc:  # noqa: BLE001 - a plugin that breaks its contract is reported, not raised
+        return Availability(False, f"its availability check raised {type(exc).__name__}: {exc}")
 
 
 @dataclass(frozen=True)
@@ -78,13 +195,15 @@ _FIELD_OPTIONS = {
 
 
 def _capability_summary(backend: MoeEpBackend) -> str:
-    """A short text of what the backend declares: launch, devices, formats (``all``
-    when bf16, mxfp8 and nvfp4), EP sizes when limited, and ``-feature`` for
+    """A short text of what the backend declares: launch, devices, output formats
+    (``fmt``) and input encodings (``in``; ``all`` when bf16, mxfp8 and nvfp4), EP sizes when limited, and ``-feature`` for
     every feature it does not have."""
     c = backend.capabilities
     formats = sorted(f.value for f in c.formats)
     parts = [f"launch={c.launch.value}", "dev=" + ",".join(c.devices)]
     parts.append("fmt=" + ("all" if len(formats) == len(_FORMATS) else ",".join(formats)))
+    inputs = sorted(f.value for f in c.input_formats)
+    parts.append("in=" + ("all" if len(inputs) == len(_FORMATS) else ",".join(inputs)))
     if c.num_ranks is not None:
         parts.append("ranks=" + ",".join(map(str, c.num_ranks)))
     for flag, label in (
@@ -103,7 +222,8 @@ def _capability_summary(backend: MoeEpBackend) -> str:
 _NOTE_WIDTH = 100  # the notes under the table wrap at this width
 
 _CAPABILITY_LEGEND = (
-    "CAPABILITIES: fmt=all is bf16, mxfp8 and nvfp4; -X marks a feature the backend lacks (backward: the "
+    "CAPABILITIES: fmt= the output formats, in= the encodings of the activations and weights it accepts "
+    "(all: bf16, mxfp8 and nvfp4); -X marks a feature the backend lacks (backward: the "
     "backward pass, stash: the training stash, layered: dispatch/combine, static/dynamic: a layout, "
     "intermediate: intermediate_format); `moe-ep backends --json` gives every field."
 )
@@ -183,22 +303,6 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------- run
 
 
-def _check_run_options(args: argparse.Namespace) -> None:
-    """The options' own rules, named as the user typed them (ConfigError)."""
-    for option, value, meaning in (
-        ("--ep-size", args.ep_size, "expert-parallel ranks"),
-        ("--tokens", args.tokens, "tokens on every rank"),
-        ("--hidden", args.hidden, "elements per token"),
-        ("--intermediate", args.intermediate, "width of an expert's hidden layer"),
-        ("--experts", args.experts, "experts in the layer"),
-        ("--topk", args.topk, "experts per token"),
-    ):
-        if value < 1:
-            raise ConfigError(f"{option} ({meaning}) must be an integer >= 1; got {value}", field=option, value=value)
-    if not args.timeout > 0:
-        raise ConfigError(f"--timeout must be a number of seconds > 0; got {args.timeout}", field="--timeout", value=args.timeout)
-
-
 def _make_config(args: argparse.Namespace) -> MoeEpConfig:
     try:
         return MoeEpConfig(
@@ -231,9 +335,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .launch import call_world
     from .tolerance import Comparison, compare
 
-    _check_run_options(args)
     registry = get_registry()
-    backend = registry.get_backend(args.backend)
+    backend = require_backend(args.backend)
     reference = registry.get_backend("reference")
     config = _make_config(args)
     inputs = random_world(
@@ -336,20 +439,20 @@ def _add_run_command(sub: Any) -> None:
         help=f"the backend to check; `moe-ep backends` lists them (default: ${ENV_BACKEND}, else {DEFAULT_BACKEND})",
     )
     p.add_argument(
-        "--ep-size", "--num-ranks", dest="ep_size", type=int, default=2, metavar="N",
+        "--ep-size", dest="ep_size", type=positive_int, default=2, metavar="N",
         help="number of expert-parallel ranks (default: 2)",
     )
-    p.add_argument("--tokens", type=int, default=16, metavar="N", help="tokens on every rank (default: 16)")
-    p.add_argument("--hidden", type=int, default=128, metavar="N", help="model width: elements per token (default: 128)")
+    p.add_argument("--tokens", type=positive_int, default=16, metavar="N", help="tokens on every rank (default: 16)")
+    p.add_argument("--hidden", type=positive_int, default=128, metavar="N", help="model width: elements per token (default: 128)")
     p.add_argument(
-        "--intermediate", type=int, default=64, metavar="N",
+        "--intermediate", type=positive_int, default=64, metavar="N",
         help="width of each expert's hidden layer; its FC1 makes twice that, gate and up (default: 64)",
     )
     p.add_argument(
-        "--experts", type=int, default=8, metavar="N",
+        "--experts", type=positive_int, default=8, metavar="N",
         help="experts in the layer, split evenly over the ranks (default: 8)",
     )
-    p.add_argument("--topk", type=int, default=2, metavar="K", help="experts each token is routed to (default: 2)")
+    p.add_argument("--topk", type=positive_int, default=2, metavar="K", help="experts each token is routed to (default: 2)")
     p.add_argument("--format", choices=_FORMATS, default="bf16", help="number format of the layer's output (default: bf16)")
     p.add_argument(
         "--combine-format", choices=_FORMATS, default=None,
@@ -382,7 +485,7 @@ def _add_run_command(sub: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed of the layer's inputs (default: 0)")
     p.add_argument(
-        "--timeout", type=float, default=300.0, metavar="SECONDS",
+        "--timeout", type=positive_float, default=300.0, metavar="SECONDS",
         help="how long each operation of a process-per-rank backend may take before its rank processes are "
         "stopped (default: 300)",
     )
@@ -401,14 +504,17 @@ def _missing_command(name: str, add_on: AddOnCommand) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="moe-ep",
         description="The MoeEp operator: list its backends, check one against the reference, and the commands "
         "of the installed add-ons (conformance suite, benchmarks).",
-        epilog="`moe-ep COMMAND --help` describes a command's options.",
+        epilog="`moe-ep COMMAND --help` describes a command's options. Exit status, every command: "
+        + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items())
+        + ".",
     )
     parser.add_argument("--version", action="version", version=f"moe-ep-spec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = sub  # type: ignore[attr-defined]  # _main finds a subcommand's parser here
 
     p = sub.add_parser(
         "backends",
@@ -465,7 +571,11 @@ def _main(argv: List[str]) -> int:
             return 0
         args, extra = parser.parse_known_args(argv)
         if extra and not getattr(args, "missing_command", False):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            # the subcommand's own usage and help pointer, not the top level's
+            command = getattr(args, "command", None)
+            sub = getattr(parser, "commands", None)
+            target = sub.choices.get(command, parser) if sub is not None and command else parser
+            target.error(f"unrecognized arguments: {' '.join(extra)}")
         if getattr(args, "func", None) is None:  # options but no command
             parser.print_help(sys.stderr)
             return 2

@@ -77,7 +77,7 @@ def quick_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     out = tmp_path_factory.mktemp(f"bench-ep{ep}")
     backends = ["--backend", "reference"] + (["--backend", "torch"] if HAVE_TORCH else [])
     argv = ["--quick", "--ep-size", str(ep), "--json", str(out / "bench.json"), "--plot-dir", str(out / "plots"),
-            "--timeout", "120"] + backends
+            "--timeout", "120", "--wide", "--progress", "lines"] + backends
     proc = subprocess.run(
         [sys.executable, "-c", _MAIN, *argv],
         capture_output=True, text=True, timeout=300, env=_env(),
@@ -173,6 +173,20 @@ def test_quick_run_prints_a_table_and_progress(quick_run) -> None:
     assert "parent imported torch: False" in stdout
 
 
+def test_quick_run_times_training_through_the_module(quick_run) -> None:
+    """forward+backward of bf16 layers through MoeEpLayer as a user calls it: an extra row of the
+    torch-based backends (variant MoeEpLayer); every forward_backward row of a backend says its mode."""
+    _, report, _, _, _ = quick_run
+    if not HAVE_TORCH:
+        pytest.skip("the torch backend is not available")
+    module = [r for r in report["rows"] if r["variant"] == "MoeEpLayer"]
+    assert {(r["backend"], r["op"], r["format"]) for r in module} == {("torch", "forward_backward", "bf16")}
+    assert all(r["status"] == "ok" and "MoeEpLayer(config, backend='torch')" in r["label"] for r in module), module
+    fb = [r for r in report["rows"] if r["op"] == "forward_backward" and r["kind"] == "backend"]
+    assert fb and all(r["backward_operand_format"] == "none" for r in fb)
+    assert all(r["backward_operand_format"] == "" for r in report["rows"] if r["op"] != "forward_backward")
+
+
 @pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed")
 def test_quick_run_writes_png_plots(quick_run) -> None:
     ep, report, out, _, _ = quick_run
@@ -199,22 +213,169 @@ class _NoDriver(moe_ep_spec.MoeEpBackend):
     capabilities = Capabilities(launch=Launch.PROCESS_PER_RANK)
 
 
-def test_backend_without_a_driver_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+_SMALL = ["--quick", "--ep-size", "1", "--op", "dispatch", "--format", "bf16", "--tokens", "8", "--no-baselines",
+          "--repeats", "1", "--warmup", "0", "--input-sets", "1"]
+
+
+def test_backend_without_a_driver_is_refused_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     registry = moe_ep_spec.get_registry()
     registry.register(_NoDriver())
     try:
-        code = bench_cli.main([
-            "--quick", "--ep-size", "1", "--backend", "reference", "--backend", _NoDriver.name, "--op", "dispatch",
-            "--format", "bf16", "--tokens", "8", "--no-baselines", "--no-progress", "--json", str(tmp_path / "b.json"),
-        ])
+        code = bench_cli.main(_SMALL + ["--backend", "reference", "--backend", _NoDriver.name,
+                                        "--json", str(tmp_path / "b.json")])
+        err = capsys.readouterr().err
+        # the default run leaves it out and says so
+        left = bench_cli.main(_SMALL + ["--no-progress"])
+        out = capsys.readouterr().out
     finally:
         registry.unregister(_NoDriver.name)
+    assert code == 2 and not (tmp_path / "b.json").exists()
+    assert err.startswith(f"moe-ep: error: --backend {_NoDriver.name}: the bench has no driver for this backend")
+    assert "moe_ep_bench.drivers" in err
+    assert left == 0
+    assert "left out of this run" in out and f"{_NoDriver.name} (no bench driver)" in " ".join(out.split())
+
+
+def test_plots_without_matplotlib_are_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    code = bench_cli.main(_SMALL + ["--backend", "reference", "--plot-dir", str(tmp_path / "plots")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--plot-dir" in err and "need matplotlib" in err and err.startswith("moe-ep: error:")
+
+
+def test_a_report_in_a_missing_folder_is_refused_as_conformance_refuses_it(capsys: pytest.CaptureFixture,
+                                                                           tmp_path: Path) -> None:
+    path = tmp_path / "missing" / "b.json"
+    assert bench_cli.main(_SMALL + ["--backend", "reference", "--json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"moe-ep: error: --json {path}: cannot write the report there: the directory {path.parent} does not exist\n"
+    from moe_ep_conformance.usage import check_report_path
+
+    with pytest.raises(moe_ep_spec.MoeEpError) as exc:
+        check_report_path("--json", str(path))
+    assert f"moe-ep: error: {exc.value}\n" == err  # one wording for both commands
+
+
+def test_default_table_fits_100_columns_and_progress_is_quiet_off_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    code = bench_cli.main(["--quick", "--ep-size", "1", "--backend", "reference", "--tokens", "8", "--repeats", "1",
+                           "--warmup", "0", "--input-sets", "1", "--no-baselines", "--json", str(tmp_path / "b.json")])
+    captured = capsys.readouterr()
     assert code == 0
-    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
-    mine = [r for r in rows if r["backend"] == _NoDriver.name]
-    assert len(mine) == 1 and mine[0]["status"] == "no bench driver" and mine[0]["median_ms"] is None
-    assert [r["status"] for r in rows if r["backend"] == "reference"] == ["ok"]
-    assert f"{_NoDriver.name}: no bench driver" in capsys.readouterr().out
+    lines = captured.out.splitlines()
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    for op in ("dispatch", "combine", "forward", "forward_backward (backward_operand_format none)"):
+        assert op in lines
+    # not a terminal: one line at the start, then at most one every 30 s (and the last), never one per measurement
+    total = len(json.loads((tmp_path / "b.json").read_text())["rows"])
+    progress = [line for line in captured.err.splitlines() if line.startswith("[")]
+    assert "progress every 30 s" in captured.err and 1 <= len(progress) < total, captured.err
+
+
+def test_wide_table_has_every_column(capsys: pytest.CaptureFixture) -> None:
+    assert bench_cli.main(_SMALL + ["--backend", "reference", "--wide", "--no-progress"]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("backend "))
+    assert re.split(r"\s{2,}", header)[:8] == ["backend", "op", "format", "tokens", "median ms", "min-max ms", "GB/s",
+                                               "TFLOP/s"]
+
+
+def test_backward_operand_format_reaches_the_config_and_the_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["--quick", "--ep-size", "1", "--backend", "reference", "--tokens", "8", "--format", "bf16", "--op",
+            "forward_backward", "--repeats", "1", "--warmup", "0", "--input-sets", "1", "--no-baselines",
+            "--no-progress", "--backward-operand-format", "bf16", "--json", str(tmp_path / "b.json")]
+    assert bench_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "forward_backward (backward_operand_format bf16)" in out
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["settings"]["backward_operand_format"] == "bf16"
+    assert "--backward-operand-format bf16" in report["command"]
+    (row,) = report["rows"]
+    assert row["backward_operand_format"] == "bf16" and row["status"] == "ok"
+    s = BenchSettings(device="cpu", ep_size=1, hidden=64, intermediate=32, experts=8, topk=2, tokens=(8,),
+                      formats=("bf16",), backward_operand_format="bf16")
+    assert s.config("bf16").backward_operand_format is not None
+
+
+# ----------------------------------------------------------------------------- --compare
+
+
+def _report(rows, device="cuda", gpu="NVIDIA H200", **settings):
+    base = {"device": device, "ep_size": 1, "hidden": 7168, "intermediate": 2048, "experts": 32, "topk": 8,
+            "intermediate_format": "bf16", "cuda_nccl_mode": "device", "exchange_mode": "throughput"}
+    base.update(settings)
+    return {"schema": SCHEMA, "settings": base, "environment": {"gpus": [{"index": 0, "name": gpu}]},
+            "rows": [{"backend": b, "kind": k, "variant": "", "op": op, "format": f, "tokens": t, "status": "ok",
+                      "median_ms": ms, "ep_size": 1, "device": device} for b, k, op, f, t, ms in rows]}
+
+
+def _write(path: Path, doc) -> str:
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_compare_fails_a_slower_row_and_reports_unmatched_ones(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from moe_ep_bench import compare as C
+
+    base = _write(tmp_path / "base.json", _report([
+        ("cuda-nccl", "backend", "forward", "bf16", 128, 1.0), ("cuda-nccl", "backend", "forward", "bf16", 4096, 5.0),
+        ("grouped_gemm", "baseline", "forward", "bf16", 4096, 4.0), ("cuda-nccl", "backend", "dispatch", "bf16", 128, 0.02)]))
+    slow = _write(tmp_path / "slow.json", _report([
+        ("cuda-nccl", "backend", "forward", "bf16", 128, 1.05), ("cuda-nccl", "backend", "forward", "bf16", 4096, 5.6),
+        ("grouped_gemm", "baseline", "forward", "bf16", 4096, 5.0), ("cuda-nccl", "backend", "forward", "mxfp8", 128, 1.0)]))
+    assert C.main([slow, base]) == 1
+    raw = capsys.readouterr().out
+    assert max(len(line) for line in raw.splitlines()) <= 100
+    out = raw.replace("\n  ", " ")  # the prose lines unwrapped
+    assert "SLOWER by 12%" in out and "compare: FAIL: 1 row(s)" in out and "cuda-nccl forward bf16 4096 (1.12)" in out
+    assert "not in the baseline: cuda-nccl forward mxfp8 128" in out
+    assert "in the baseline but not measured here: 1 rows" in out
+    assert "baselines of the run, time / baseline time (not judged): grouped_gemm forward bf16 4096 1.25" in out
+    # within the tolerance: 0; a wider tolerance lets the 12 % through
+    assert C.main([slow, base, "--tolerance", "0.15"]) == 0
+    assert "compare: ok: 3 rows matched" in " ".join(capsys.readouterr().out.split())
+    # another GPU, or another mode, is another row
+    other = _write(tmp_path / "h100.json", _report([("cuda-nccl", "backend", "forward", "bf16", 128, 9.0)], gpu="NVIDIA H100"))
+    assert C.main([other, base]) == 0
+    assert "no row matched the baseline (gpu NVIDIA H100 here, NVIDIA H200 in the baseline)" in " ".join(
+        capsys.readouterr().out.split())
+
+
+def test_compare_after_a_run_and_a_baseline_made_from_reports(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from moe_ep_bench import compare as C
+
+    run = tmp_path / "run.json"
+    argv = _SMALL + ["--backend", "reference", "--no-progress", "--json", str(run)]
+    assert bench_cli.main(argv) == 0
+    doc = json.loads(run.read_text())
+    (row,) = doc["rows"]
+    for factor, code in ((0.1, 1), (50.0, 0)):  # the baseline 10 times faster: slower; 50 times slower: fine
+        row["median_ms"] = json.loads(run.read_text())["rows"][0]["median_ms"] * factor
+        made = tmp_path / f"baseline-{code}.json"
+        assert C.main(["--make-baseline", str(made), _write(tmp_path / f"src-{code}.json", doc)]) == 0
+        capsys.readouterr()
+        assert json.loads(made.read_text())["schema"] == C.BASELINE_SCHEMA
+        assert bench_cli.main(argv + ["--compare", str(made)]) == code
+        out = capsys.readouterr().out
+        assert ("compare: FAIL" in out) == (code == 1) and "reference  dispatch  bf16" in out
+    capsys.readouterr()
+    assert bench_cli.main(argv + ["--compare", str(tmp_path / "nope.json")]) == 2
+    assert "--compare" in capsys.readouterr().err
+
+
+def test_the_h200_baseline_reads_and_matches_its_own_rows() -> None:
+    from moe_ep_bench import compare as C
+
+    rows = C.load(str(ROOT / "bench" / "baselines" / "h200.json"))
+    assert rows and all(e.ident["gpu"] == "NVIDIA H200" and e.ident["hidden"] == 7168 for e in rows)
+    keys = {(e.ident["backend"], e.ident["op"], e.ident["format"], e.ident["tokens"]) for e in rows}
+    for fmt in ("bf16", "mxfp8", "nvfp4"):
+        for t in (128, 4096):
+            assert ("cuda-nccl", "forward", fmt, t) in keys and ("cuda-nccl", "forward_backward", fmt, t) in keys
+    assert C.compare(rows, rows).ok and C.compare(rows, rows).matched == len(rows)
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="the torch backend is not available")
@@ -379,7 +540,11 @@ def test_format_table_median_spread_and_significant_digits() -> None:
     for r in rows:
         r.gbps = r.tflops = None
     add_ratios(rows)
-    text = format_table(rows)
+    compact = format_table(rows).splitlines()
+    assert compact[:2] == ["forward", "backend       format  tokens  median ms  TFLOP/s  vs_grouped_gemm"]
+    assert compact[2].split() == ["torch", "bf16", "8", "0.000588", "-", "0.170"]
+    assert "baselines: grouped_gemm per-expert matmul" in compact
+    text = format_table(rows, wide=True)
     lines = text.splitlines()
     cols = re.split(r"\s{2,}", lines[0])
     assert cols == ["backend", "op", "format", "tokens", "median ms", "min-max ms", "GB/s", "TFLOP/s",

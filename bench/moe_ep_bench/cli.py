@@ -17,29 +17,44 @@ import os
 import platform
 import shlex
 import sys
+import textwrap
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from . import __version__
 from .model import DEFAULT_FORMATS, FORMATS, OPS, BenchSettings, auto_experts, combine_bytes, defaults, dispatch_bytes, gemm_flops, make_routing
-from .progress import make_progress
-from .results import Row, add_ratios, dumps, finish, format_table, report
+from .progress import PROGRESS_MODES, make_progress
+from .results import TABLE_WIDTH, Row, add_ratios, dumps, finish, format_table, report
 
 __all__ = ["add_command", "build_parser", "main", "run", "settings_from_args"]
 
 
 def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text}")
-    return value
+    from moe_ep_spec.cli import positive_int
+
+    return positive_int(text)
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {text}")
+    from moe_ep_spec.cli import non_negative_int
+
+    return non_negative_int(text)
+
+
+def _seconds(text: str) -> float:
+    from moe_ep_spec.cli import positive_float
+
+    return positive_float(text)
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0; got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0; got {text}")
     return value
 
 
@@ -69,18 +84,35 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-sets", type=_positive, default=None,
                    help="random input sets used in turn (default 4 cuda, 2 cpu)")
     p.add_argument("--seed", type=int, default=0, help="random seed of routing and inputs (default 0)")
-    p.add_argument("--json", metavar="PATH", help="write the JSON report here")
-    p.add_argument("--plot-dir", metavar="DIR", help="write PNG plots here (needs matplotlib)")
+    p.add_argument("--backward-operand-format", choices=("none", "bf16"), default="none",
+                   help="the layers' backward_operand_format, the operands of the backward's GEMMs (default none: "
+                        "exact; bf16: the cotangent, dc and w*h rounded to bf16 as training stacks do); the "
+                        "forward_backward rows say which they ran")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the JSON report here (its directory must exist; checked before the run)")
+    p.add_argument("--plot-dir", metavar="DIR",
+                   help="write PNG plots here (created if missing; needs matplotlib, checked before the run)")
+    p.add_argument("--compare", metavar="BASELINE", help="after the run, compare every row's time with this baseline "
+                   "(a bench JSON report, or a file of bench/baselines/); exit 1 when a backend row is slower by "
+                   "more than --tolerance")
+    p.add_argument("--tolerance", type=_tolerance, default=0.10, metavar="FRACTION",
+                   help="with --compare: how much slower than its baseline a row may be (default 0.10: 10 %%)")
+    p.add_argument("--wide", action="store_true",
+                   help="one wide table: the min-max range, both rates, every ratio, notes (default: one table per "
+                        "op, within 100 columns)")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes for smoke tests: H=64 I=32 E=8 K=2, tokens 8 and 32, 3 repeats")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=_seconds, default=300.0, metavar="SECONDS",
                    help="seconds one measurement may take before every rank is stopped (default 300)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the baselines (all_to_all, copy, grouped_gemm, weight_read)")
     p.add_argument("--include-slow", action="store_true", help="time world backends (numpy) at any size")
-    p.add_argument("--memory-budget-gb", type=float, default=80.0, metavar="GB",
+    p.add_argument("--memory-budget-gb", type=_seconds, default=80.0, metavar="GB",
                    help="per-GPU memory the default expert count may use (default 80)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
+                   help="progress on stderr: auto (a bar when stdout and stderr are terminals, else quiet; default), "
+                        "bar, lines (one per measurement), quiet (a line every 30 s), none")
+    p.add_argument("--no-progress", action="store_const", const="none", dest="progress", help="--progress none")
     p.add_argument("--cuda-nccl-mode", choices=("synced", "static", "device"), default=None,
                    help="how the cuda-nccl layer runs: synced (host_sync=True, one host synchronisation per call), "
                         "static (host_sync=False over NCCL) or device (host_sync=False over the native layer's device "
@@ -102,8 +134,12 @@ def add_command(subparsers: Any) -> None:
             "copy (the copy ceiling of those bytes), grouped_gemm (the expert GEMMs alone on the same rows: the "
             "compute roofline) and weight_read (the local experts' weights read once at the device copy "
             "bandwidth: the memory roofline at decode sizes). Prints a table (median and min-max over the "
-            "repeats); --json and --plot-dir write the report and PNG plots. See docs/benchmarks.md."
+            "repeats); --json and --plot-dir write the report and PNG plots; --compare checks the times against "
+            "a baseline. See docs/benchmarks.md."
         ),
+        epilog="Exit status: 0 every measurement ran (or was skipped, with the reason printed), 1 a measurement "
+        "failed or (--compare) a row is slower than its baseline, 2 a usage mistake (a bad option, a backend that "
+        "cannot run here or has no bench driver, output that cannot be made), 3 an internal error.",
     )
     _add_arguments(p)
     p.set_defaults(func=run)
@@ -111,7 +147,9 @@ def add_command(subparsers: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """``python -m moe_ep_bench``: the bench command alone."""
-    p = argparse.ArgumentParser(prog="moe-ep bench", description="Benchmark MoeEp backends (see docs/benchmarks.md).")
+    from moe_ep_spec.cli import Parser
+
+    p = Parser(prog="moe-ep bench", description="Benchmark MoeEp backends (see docs/benchmarks.md).")
     _add_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -152,6 +190,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         baselines=not args.no_baselines,
         include_slow=args.include_slow,
         intermediate_format=None if args.intermediate_format == "none" else args.intermediate_format,
+        backward_operand_format=None if args.backward_operand_format == "none" else args.backward_operand_format,
         cuda_nccl_mode=args.cuda_nccl_mode or ("device" if device == "cuda" else "synced"),
         exchange_mode=args.exchange_mode,
     )
@@ -173,6 +212,8 @@ def _command(settings: BenchSettings, backends: Sequence[str]) -> str:
         parts += ["--format", f]
     if settings.intermediate_format is not None:
         parts += ["--intermediate-format", settings.intermediate_format]
+    if settings.backward_operand_format is not None:
+        parts += ["--backward-operand-format", settings.backward_operand_format]
     if "cuda-nccl" in backends:
         parts += ["--cuda-nccl-mode", settings.cuda_nccl_mode]
         if settings.cuda_nccl_mode == "device":
@@ -235,7 +276,8 @@ def _unavailable(backend: Any) -> Optional[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_ep_spec.errors import BackendUnavailableError
+    from moe_ep_spec.cli import check_input_file, check_output_file
+    from moe_ep_spec.errors import BackendUnavailableError, MoeEpError
     from moe_ep_spec.registry import get_registry
 
     from .drivers import driver_for
@@ -251,17 +293,49 @@ def run(args: argparse.Namespace) -> int:
         # the jax backends ask XLA for this many CPU devices (default 8) when they first import jax
         os.environ.setdefault("MOE_EP_JAX_CPU_DEVICES", str(settings.ep_size))
     registry = get_registry()
+    left_out: List[str] = []
     if args.backend:
         backends = [registry.get_backend(name, require_available=False) for name in dict.fromkeys(args.backend)]
-        for b in backends:  # unknown: BackendNotFoundError above; unavailable: here; both exit 2
+        for b in backends:  # unknown: BackendNotFoundError above; unavailable or no driver: here; all exit 2
             reason = _unavailable(b)
             if reason is not None:
                 raise BackendUnavailableError(b.name, reason)
+            if driver_for(b.name) is None:
+                raise MoeEpError(
+                    f"--backend {b.name}: the bench has no driver for this backend (launch model "
+                    f"{b.capabilities.launch.value}); a plugin adds one through the entry-point group "
+                    f"moe_ep_bench.drivers (docs/backends.md, Benchmarks)"
+                )
     else:
-        backends = [b for b in registry.list_backends() if _unavailable(b) is None]
+        backends = []
+        for b in registry.list_backends():
+            reason = _unavailable(b)
+            if reason is not None:
+                left_out.append(f"{b.name} (not available here: {reason})")
+            elif driver_for(b.name) is None:
+                left_out.append(f"{b.name} (no bench driver)")
+            else:
+                backends.append(b)
+    # Output asked for that cannot be made: refused now, not after the run.
+    if args.plot_dir and importlib.util.find_spec("matplotlib") is None:
+        raise MoeEpError(f"--plot-dir {args.plot_dir}: the plots need matplotlib, which is not installed "
+                         "(pip install matplotlib, or moe-ep-bench[plot])")
+    check_output_file("--json", args.json)
+    baseline_entries = None
+    if args.compare:
+        from .compare import load
+
+        check_input_file("--compare", args.compare)
+        try:
+            baseline_entries = load(args.compare)
+        except (ValueError, KeyError) as exc:
+            raise MoeEpError(f"--compare {args.compare}: cannot read it as a bench report or baseline: {exc}") from None
     drivers = {b.name: driver_for(b.name) for b in backends}
     rows: List[Row] = []
     skipped_notes: List[str] = []
+    if left_out:
+        skipped_notes.append("left out of this run (every available backend with a bench driver runs by default): "
+                             + "; ".join(left_out))
 
     torch_installed = importlib.util.find_spec("torch") is not None
     in_ranks = [b.name for b in backends if drivers[b.name] == "torch"]
@@ -289,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
         f"repeats={settings.repeats} warmup={settings.warmup} input_sets={settings.input_sets}"
     )
     env = _environment(backends)
-    progress = make_progress(total, enabled=not args.no_progress)
+    progress = make_progress(total, args.progress)
     try:
         if jobs:
             results, torch_env = run_jobs(settings, routings, jobs, progress)
@@ -318,14 +392,6 @@ def run(args: argparse.Namespace) -> int:
                 rows += jax_rows[b.name]
             elif callable(kind):
                 rows += list(kind(b, settings, routings, progress))
-            elif kind is None:
-                for fmt in settings.formats:
-                    for t in settings.tokens:
-                        for op in settings.ops:
-                            rows.append(Row(backend=b.name, kind="backend", op=op, tokens=t, format=fmt,
-                                            ep_size=settings.ep_size, device=settings.device, status="no bench driver",
-                                            reason=f"no bench driver for backend {b.name!r} (launch model "
-                                            f"{b.capabilities.launch.value}); see docs/benchmarks.md, Drivers"))
     finally:
         progress.close()
 
@@ -338,13 +404,19 @@ def run(args: argparse.Namespace) -> int:
             if fmt != "bf16":
                 copy.label = (copy.label + "; " if copy.label else "") + "bf16 GEMM rate"
             rows.append(copy)
+    mode = settings.backward_operand_format or "none"
+    for r in rows:
+        if r.op == "forward_backward" and r.kind == "backend":
+            r.backward_operand_format = mode
     _attach_counts(rows, settings, routings)
     add_ratios(rows)
 
     names = [b.name for b in backends] if args.backend else []
-    print(format_table(rows, header))
+    if not args.wide:
+        header = textwrap.fill(header, width=TABLE_WIDTH, subsequent_indent="  ")
+    print(format_table(rows, header, wide=args.wide))
     for note in skipped_notes:
-        print(note)
+        print(note if args.wide else textwrap.fill(note, width=TABLE_WIDTH, subsequent_indent="  "))
     if "gpus" in env:
         gpus = env["gpus"]
         print(f"torch {env.get('torch')} cuda {env.get('cuda')} nccl {env.get('nccl')}; "
@@ -353,22 +425,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"torch {env['torch']} on {env.get('cpu', 'cpu')}, {env.get('torch_threads')} threads per rank")
     plots: List[str] = []
     if args.plot_dir:
-        try:
-            plots = write_plots_safe(rows, settings, args.plot_dir)
-        except ImportError:
-            print("plots skipped: matplotlib is not installed (pip install matplotlib, or moe-ep-bench[plot])",
-                  file=sys.stderr)
+        plots = write_plots_safe(rows, settings, args.plot_dir)
         for p in plots:
             print(f"wrote {p}")
+    doc = report(settings.as_dict(), env, rows, _command(settings, names), plots)
     if args.json:
-        doc = report(settings.as_dict(), env, rows, _command(settings, names), plots)
-        folder = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(folder, exist_ok=True)
         with open(args.json, "w") as fh:
             fh.write(dumps(doc) + "\n")
         print(f"wrote {args.json}")
     errors = [r for r in rows if r.status == "error"]
-    return 1 if errors else 0
+    slower = False
+    if baseline_entries is not None:
+        from .compare import compare, entries
+
+        result = compare(entries(doc, "this run"), baseline_entries, args.tolerance, args.compare)
+        print()
+        print("\n".join(result.lines))
+        slower = not result.ok
+    return 1 if errors or slower else 0
 
 
 def write_plots_safe(rows: Sequence[Row], settings: BenchSettings, plot_dir: str) -> List[str]:

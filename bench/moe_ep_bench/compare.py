@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -243,7 +244,10 @@ def compare(run: Sequence[_Entry], baseline: Sequence[_Entry], tolerance: float 
     else:
         lines.append(f"compare: ok: {result.matched} rows matched, none slower than the baseline by more than "
                      f"{100 * tolerance:g}%")
-    result.lines = lines
+    # prose wrapped to 100 columns, the table as it is
+    result.lines = [line if i in range(1, len(table) + 1) and len(table) > 1 else
+                    textwrap.fill(line, width=100, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False)
+                    for i, line in enumerate(lines)]
     return result
 
 

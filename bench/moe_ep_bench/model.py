@@ -151,6 +151,8 @@ class BenchSettings:
     #: How the device exchange's stages run on CUDA (``cuda_nccl_mode`` device): ``throughput``
     #: (five kernels chained with programmatic dependent launch) or ``low_latency`` (one kernel).
     exchange_mode: str = "throughput"
+    #: The spec's backward_operand_format of every layer (None: the exact backward; ``"bf16"``).
+    backward_operand_format: Optional[str] = None
 
     @property
     def num_local_experts(self) -> int:
@@ -167,6 +169,7 @@ class BenchSettings:
             output_format=fmt,
             combine_format=fmt,
             intermediate_format=self.intermediate_format,
+            backward_operand_format=self.backward_operand_format,
             generate_c=generate_c,
             max_tokens_per_rank=tokens,
         )
@@ -183,6 +186,7 @@ class BenchSettings:
             "tokens": list(self.tokens),
             "formats": list(self.formats),
             "intermediate_format": self.intermediate_format,
+            "backward_operand_format": self.backward_operand_format,
             "cuda_nccl_mode": self.cuda_nccl_mode,
             "exchange_mode": self.exchange_mode,
             "ops": list(self.ops),

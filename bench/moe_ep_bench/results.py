@@ -12,7 +12,8 @@ import numpy as np
 
 from .model import OPS
 
-__all__ = ["Row", "SCHEMA", "finish", "add_ratios", "format_table", "report", "STATUSES", "BASELINES", "RATIO_KEYS", "sig"]
+__all__ = ["Row", "SCHEMA", "finish", "add_ratios", "format_table", "report", "STATUSES", "BASELINES", "RATIO_KEYS", "sig",
+           "TABLE_WIDTH", "identity"]
 
 #: The JSON report's schema name; bumped when a field changes meaning.
 #: 2: one name per baseline (``all_to_all``, ``copy``, ``grouped_gemm``,
@@ -69,6 +70,9 @@ class Row:
             measured: baseline time over this row's time (1 = as fast as the
             baseline, below 1 slower).
         derived: the time is computed from other measurements (see label).
+        backward_operand_format: forward_backward rows of backends: the
+            backward's operand format they ran with, ``none`` (exact) or
+            ``bf16`` (``MoeEpConfig.backward_operand_format``); empty otherwise.
     """
 
     backend: str
@@ -96,6 +100,7 @@ class Row:
     tflops: Optional[float] = None
     ratios: Dict[str, float] = field(default_factory=dict)
     derived: bool = False
+    backward_operand_format: str = ""
 
     @property
     def ok(self) -> bool:
@@ -219,6 +224,8 @@ def sig(v: Optional[float], digits: int = SIG_DIGITS) -> str:
 
 def _note(r: Row) -> str:
     notes = [r.variant] if r.variant else []
+    if r.backward_operand_format:
+        notes.append(f"backward_operand_format {r.backward_operand_format}")
     if r.derived:
         notes.append("derived")
     if r.backend == "copy" and r.variant == "peer" and r.bytes_remote and r.median_ms:
@@ -230,19 +237,102 @@ def _note(r: Row) -> str:
 COLUMNS = ("backend", "op", "format", "tokens", "median ms", "min-max ms", "GB/s", "TFLOP/s") + RATIO_KEYS + ("note",)
 
 
-def format_table(rows: Sequence[Row], header: str = "") -> str:
-    """The terminal table: measured rows (the median and the min-max range over
-    the repeats, the rates at the median, the ratios to the baselines), then one
-    line per group of rows that were not measured for the same reason. Ratio
-    columns no row has are left out."""
-    measured = [r for r in sorted(rows, key=_order) if r.status == "ok"]
-    keys = [k for k in RATIO_KEYS if any(k in r.ratios for r in measured)]
-    cols = [c for c in COLUMNS if c not in RATIO_KEYS or c in keys]
-    table = [cols]
+#: The default table's width limit: it fits this many columns (``--wide``: every column in one table).
+TABLE_WIDTH = 100
+
+#: The default table's columns per op: the rate and the ratios that mean something for it.
+_COMPACT = {
+    "dispatch": ("GB/s", ("vs_all_to_all", "vs_copy")),
+    "combine": ("GB/s", ("vs_all_to_all", "vs_copy")),
+    "forward": ("TFLOP/s", ("vs_all_to_all", "vs_grouped_gemm", "vs_weight_read")),
+    "forward_backward": ("TFLOP/s", ("vs_all_to_all", "vs_grouped_gemm", "vs_weight_read")),
+}
+
+
+def _columns(table: List[List[str]], right_from: int, right_to: int) -> List[str]:
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = []
+    for row in table:
+        cells = [c.rjust(w) if right_from <= i < right_to else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _not_measured(rows: Sequence[Row]) -> List[str]:
     notes: Dict[tuple, List[Row]] = {}
     for r in sorted(rows, key=_order):
         if r.status != "ok":
             notes.setdefault((r.backend, r.status, r.reason), []).append(r)
+    lines = []
+    for (backend, status, reason), group in notes.items():
+        what = sorted({f"{g.op}/{g.format}/{g.tokens}" for g in group})
+        shown = ", ".join(what[:6]) + (f", ... ({len(what)} cases)" if len(what) > 6 else "")
+        text = reason if reason.startswith(status) else f"{status}: {reason}" if reason else status
+        lines.append(f"{backend}: {text} [{shown}]")
+    return lines
+
+
+def _compact_table(rows: Sequence[Row], header: str) -> str:
+    """One table per op, each with the rate and the ratios of that op only; a
+    backend row measured another way (its ``variant``: a pipelined twin, the
+    module) gets a marker ``name#n`` explained under the tables, as do the
+    baselines' variants."""
+    measured = [r for r in sorted(rows, key=_order) if r.status == "ok"]
+    lines = [header] if header else []
+    marks: Dict[tuple, str] = {}
+    for r in measured:
+        if r.kind == "backend" and r.variant and (r.backend, r.variant) not in marks:
+            marks[(r.backend, r.variant)] = f"{r.backend}#{sum(1 for k in marks if k[0] == r.backend) + 1}"
+    for op in list(OPS) + sorted({r.op for r in measured} - set(OPS)):
+        group = [r for r in measured if r.op == op]
+        if not group:
+            continue
+        rate, keys = _COMPACT.get(op, ("GB/s", tuple(RATIO_KEYS)))
+        keys = tuple(k for k in keys if any(k in r.ratios for r in group))
+        title = op
+        modes = sorted({r.backward_operand_format for r in group if r.backward_operand_format})
+        if modes:
+            title += f" (backward_operand_format {', '.join(modes)})"
+        if lines:
+            lines.append("")
+        lines.append(title)
+        table = [["backend", "format", "tokens", "median ms", rate, *keys]]
+        for r in group:
+            name = marks.get((r.backend, r.variant), r.backend)
+            if r.kind == "backend" and r.backward_operand_format and len(modes) > 1:
+                name += f" ({r.backward_operand_format})"
+            value = r.gbps if rate == "GB/s" else r.tflops
+            table.append([name, r.format, str(r.tokens), sig(r.median_ms), sig(value)] + [sig(r.ratios.get(k)) for k in keys])
+        lines += _columns(table, 2, len(table[0]))
+    notes = [f"{mark}: {backend} {variant}" for (backend, variant), mark in marks.items()]
+    variants = {}
+    for r in measured:
+        if r.kind == "baseline" and r.variant:
+            variants.setdefault(r.backend, r.variant)
+    if variants:
+        notes.append("baselines: " + ", ".join(f"{name} {variant}" for name, variant in variants.items()))
+    if measured:
+        notes.append("--wide: one table with the min-max range, both rates and every ratio")
+    if notes:
+        lines.append("")
+        lines += notes
+    lines += _not_measured(rows)
+    return "\n".join(lines)
+
+
+def format_table(rows: Sequence[Row], header: str = "", wide: bool = False) -> str:
+    """The terminal table. Default: one table per op with the median, the op's
+    rate and its ratios to the baselines, within :data:`TABLE_WIDTH` columns
+    (for the project's backend names). ``wide``: one table of every measured
+    row (the median and the min-max range over the repeats, both rates, every
+    ratio, a note). Then one line per group of rows that were not measured for
+    the same reason. Ratio columns no row has are left out."""
+    if not wide:
+        return _compact_table(rows, header)
+    measured = [r for r in sorted(rows, key=_order) if r.status == "ok"]
+    keys = [k for k in RATIO_KEYS if any(k in r.ratios for r in measured)]
+    cols = [c for c in COLUMNS if c not in RATIO_KEYS or c in keys]
+    table = [cols]
     for r in measured:
         spread = "-" if r.min_ms is None or r.max_ms is None else f"{sig(r.min_ms)}-{sig(r.max_ms)}"
         table.append(
@@ -256,11 +346,7 @@ def format_table(rows: Sequence[Row], header: str = "") -> str:
     for row in table:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
-    for (backend, status, reason), group in notes.items():
-        what = sorted({f"{g.op}/{g.format}/{g.tokens}" for g in group})
-        shown = ", ".join(what[:6]) + (f", ... ({len(what)} cases)" if len(what) > 6 else "")
-        text = reason if reason.startswith(status) else f"{status}: {reason}" if reason else status
-        lines.append(f"{backend}: {text} [{shown}]")
+    lines += _not_measured(rows)
     return "\n".join(lines)
 
 

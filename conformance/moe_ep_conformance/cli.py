@@ -6,6 +6,8 @@ import argparse
 import os
 from typing import Any, List
 
+from moe_ep_spec.cli import positive_float, positive_int
+
 __all__ = ["add_command", "pytest_args", "run"]
 
 
@@ -15,16 +17,23 @@ def add_command(subparsers: Any) -> None:
         "conformance",
         help="run the conformance suite on backends against the reference",
         description="Run the MoeEp conformance suite. With no --backend, every available backend.",
+        epilog="Exit status: 0 every case passed (or was skipped or expected to fail), 1 a case failed, 2 a usage "
+        "mistake (a bad option, a backend that cannot run here, a missing file, a -k that selects no case), "
+        "3 an internal error, 130 interrupted.",
     )
     p.add_argument("--backend", action="append", metavar="NAME", help="backend to test (repeatable)")
-    p.add_argument("--ep-size", action="append", type=int, metavar="N", help="only this EP size (repeatable)")
-    p.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression over the test ids")
+    p.add_argument("--ep-size", action="append", type=positive_int, metavar="N",
+                   help="only this EP size (repeatable; the quick and the full table have EP sizes 1 to 4)")
+    p.add_argument("-k", dest="keyword", metavar="EXPR",
+                   help="pytest -k expression over the test ids; one that selects no case is a usage error (exit 2)")
     p.add_argument("--quick", action="store_true", help="the representative subset only")
     p.add_argument("--report-json", metavar="PATH", help="write the JSON report (every case)")
     p.add_argument("--report-md", metavar="PATH", help="write the markdown report (one table per backend)")
     p.add_argument("--xfail-file", action="append", metavar="PATH", help="expected failures file (repeatable)")
     p.add_argument("--tolerance-file", action="append", metavar="PATH", help="tolerance overrides file (repeatable)")
-    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="per-case time limit")
+    p.add_argument("--timeout", type=positive_float, default=120.0, metavar="SECONDS",
+                   help="seconds one call of a process-per-rank backend may take before its rank processes are "
+                        "stopped; with --isolate, also each case's limit (default 120)")
     p.add_argument("--device", choices=("cpu", "cuda", "cuda-shared"), default="cpu",
                    help="where process-per-rank backends run their ranks (cuda: rank r on cuda:r; cuda-shared: every "
                         "rank on cuda:0, for backends whose ranks can share one GPU)")
@@ -79,30 +88,71 @@ def pytest_args(args: argparse.Namespace) -> List[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import pytest
-
     import moe_ep_spec
+    from moe_ep_spec.cli import check_input_file, require_backend
 
+    from .expectations import ExpectationError, Expectations
     from .usage import check_ep_sizes, check_report_path, lookup_backend
 
     registry = moe_ep_spec.get_registry()
     for name in args.backend or []:
-        lookup_backend(registry, name)  # unknown, unavailable or failed to load: `moe-ep: error: ...`, exit 2
+        # Unknown, unavailable or failed to load: `moe-ep: error: ...`, exit 2, before any import of
+        # the suite or the backend's framework when what is installed already says no.
+        try:
+            require_backend(name)
+        except moe_ep_spec.BackendNotFoundError:
+            lookup_backend(registry, name)  # names a plugin that failed to load, else raises the same error
+            raise
+    # Usage errors before the run, not after it: a file that is not there, an EP size the table lacks,
+    # a report path that cannot be written.
+    for option, paths in (("--xfail-file", args.xfail_file), ("--tolerance-file", args.tolerance_file)):
+        for path in paths or []:
+            check_input_file(option, path)
+    try:
+        Expectations.load(args.xfail_file or (), args.tolerance_file or ())
+    except ExpectationError as exc:
+        raise moe_ep_spec.MoeEpError(str(exc)) from None
     if getattr(args, "fuzz", None) is not None or getattr(args, "fuzz_case", None):
         return _run_fuzz(args)
-    # Usage errors before the run, not after it: an EP size the table lacks, a report path that cannot be written.
     check_ep_sizes(args.ep_size, args.quick)
     for option, path in (("--report-json", args.report_json), ("--report-md", args.report_md), ("--junitxml", args.junitxml)):
         check_report_path(option, path)
+    import pytest
+
     argv = pytest_args(args)  # every path made absolute here
     # pytest prints test paths relative to the current directory: from the suite's
     # own directory they read `suite.py::...`, never a site-packages path.
     cwd = os.getcwd()
     os.chdir(os.path.dirname(os.path.abspath(__file__)))
     try:
-        return int(pytest.main(argv))
+        code = int(pytest.main(argv))
     finally:
         os.chdir(cwd)
+    return _exit_status(code, args)
+
+
+def _exit_status(code: int, args: argparse.Namespace) -> int:
+    """pytest's exit status in moe-ep's terms (``moe_ep_spec.cli.EXIT_CODES``):
+    0 and 1 as pytest's; a run of no case (pytest's 5) and a pytest usage error (4)
+    are usage mistakes, 2 with a sentence; pytest's "interrupted" (2) is 130."""
+    import sys
+
+    if code == 5:
+        what = f"-k {args.keyword!r} selects" if args.keyword else "the options select"
+        table = "quick" if args.quick else "full"
+        print(
+            f"moe-ep: error: {what} no case of the {table} table "
+            f"(backends: {', '.join(args.backend) if args.backend else 'every available one'}); "
+            "-k matches words of the test ids, e.g. `-k mxfp8`, `-k 'forward and ep2'`, `-k torch`; "
+            "`-v` lists the ids a run selects",
+            file=sys.stderr,
+        )
+        return 2
+    if code == 4:
+        return 2  # pytest printed the reason
+    if code == 2:
+        return 130
+    return code
 
 
 def _run_fuzz(args: argparse.Namespace) -> int:

@@ -11,8 +11,9 @@ the baselines). ``jax``: ``jax`` and ``jax-ffi``, the jitted layer inside
 Other distributions may add a driver for their backend through the entry-point
 group ``moe_ep_bench.drivers``: the entry point's name is the backend's name,
 its object a callable ``drive(backend, settings, routings, progress) -> list of
-moe_ep_bench.results.Row``. A backend with no driver is reported as
-``no bench driver``.
+moe_ep_bench.results.Row``. ``--backend NAME`` of a backend with no driver is
+refused before the run (exit 2); the default run leaves such a backend out and
+prints a line naming it.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ in :data:`~moe_ep_bench.results.BASELINES`):
     ``torch``'s own functions (dispatch, combine, the fused forward,
     forward+backward); ``cuda-nccl``'s layer (:mod:`moe_ep_cuda_nccl.api`,
     the same call as :mod:`moe_ep_torch.api`: forward and forward+backward);
+    and, for both, forward+backward of bf16 layers through the module a user
+    calls, ``moe_ep_torch.module.MoeEpLayer(config, backend=NAME)`` with its
+    defaults (rows of variant :data:`MODULE_VARIANT`);
 ``all_to_all``
     ``torch.distributed.all_to_all_single`` of the same bytes per peer as the
     dispatch (or combine) moves (variant ``nccl`` on CUDA, ``gloo`` on CPU);
@@ -44,7 +47,11 @@ from moe_ep_spec.launch import free_loopback_port
 from ..model import OPS, BenchSettings, Routing, weight_bytes
 from ..results import Row, sig
 
-__all__ = ["Job", "make_jobs", "run_jobs", "variant", "TARGETS", "BACKENDS", "weight_read_rows", "unsupported"]
+__all__ = ["Job", "make_jobs", "run_jobs", "variant", "TARGETS", "BACKENDS", "MODULE_VARIANT", "weight_read_rows",
+           "unsupported"]
+
+#: The variant of the rows timed through ``MoeEpLayer`` (the torch.nn.Module).
+MODULE_VARIANT = "MoeEpLayer"
 
 #: Backends timed in the torch driver's rank processes, and what each times.
 BACKENDS: Dict[str, Tuple[str, ...]] = {"torch": OPS, "cuda-nccl": ("forward", "forward_backward")}
@@ -60,6 +67,8 @@ class Job:
     op: str
     tokens: int
     format: str
+    #: timed through moe_ep_torch.module.MoeEpLayer (forward_backward of a backend)
+    module: bool = False
 
     @property
     def phase(self) -> str:
@@ -69,7 +78,8 @@ class Job:
     def describe(self) -> str:
         if self.target == "weight_read":
             return "weight_read (device copy of the local bf16 weights)"
-        return f"{self.target} {self.op} {self.format} T={self.tokens}"
+        via = f" ({MODULE_VARIANT})" if self.module else ""
+        return f"{self.target}{via} {self.op} {self.format} T={self.tokens}"
 
 
 def variant(target: str, settings: BenchSettings) -> str:
@@ -114,28 +124,30 @@ def make_jobs(settings: BenchSettings, backends: Sequence[str], baselines: bool)
     """The jobs of a run, in the order the ranks run them: weights phase (bf16
     first), then tokens, then target, then op. ``backends``: those of
     :data:`BACKENDS` to time."""
-    specs: List[Tuple[str, str, int, str]] = []
+    specs: List[Tuple[str, str, int, str, bool]] = []
     for fmt in settings.formats:
         for t in settings.tokens:
             for op in settings.ops:
                 for b in backends:
                     if unsupported(b, op, fmt, settings) is None:
-                        specs.append((b, op, t, fmt))
+                        specs.append((b, op, t, fmt, False))
+                        if op == "forward_backward" and fmt == "bf16":
+                            specs.append((b, op, t, fmt, True))
                 if baselines and op in ("dispatch", "combine"):
-                    specs.append(("all_to_all", op, t, fmt))
-                    specs.append(("copy", op, t, fmt))
+                    specs.append(("all_to_all", op, t, fmt, False))
+                    specs.append(("copy", op, t, fmt, False))
     if baselines:
         fused = [op for op in settings.ops if op in ("forward", "forward_backward")]
         for t in settings.tokens:
             for op in fused:
-                specs.append(("grouped_gemm", op, t, "bf16"))
+                specs.append(("grouped_gemm", op, t, "bf16", False))
         if "forward" in settings.ops:
-            specs.append(("weight_read", "forward", 0, "bf16"))
+            specs.append(("weight_read", "forward", 0, "bf16", False))
     phases = ["bf16"] + [f for f in settings.formats if f != "bf16"]
 
-    def key(s: Tuple[str, str, int, str]) -> tuple:
+    def key(s: Tuple[str, str, int, str, bool]) -> tuple:
         phase = "bf16" if s[0] in ("grouped_gemm", "weight_read") else s[3]
-        return (phases.index(phase), s[2], TARGETS.index(s[0]), OPS.index(s[1]), s[3])
+        return (phases.index(phase), s[2], TARGETS.index(s[0]), OPS.index(s[1]), s[3], s[4])
 
     specs.sort(key=key)
     return [Job(i, *s) for i, s in enumerate(specs)]
@@ -255,7 +267,8 @@ def rows_from_results(
         per_rank = results[j.id]
         if j.target in BACKENDS:
             row = Row(backend=j.target, kind="backend", op=j.op, tokens=j.tokens, format=j.format,
-                      ep_size=settings.ep_size, device=settings.device, label=labels.get(j.target, ""))
+                      ep_size=settings.ep_size, device=settings.device, label=labels.get(j.target, ""),
+                      variant=MODULE_VARIANT if j.module else "")
         else:
             row = Row(backend=j.target, kind="baseline", op=j.op, tokens=j.tokens, format=j.format,
                       ep_size=settings.ep_size, device=settings.device, variant=variant(j.target, settings))

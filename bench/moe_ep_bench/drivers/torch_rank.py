@@ -206,6 +206,8 @@ class Runner:
     # ------------------------------------------------------------------ jobs
 
     def run(self, job: Job) -> Dict[str, Any]:
+        if job.module:
+            return self.job_module(job)
         if job.target in BACKENDS:
             return self.job_backend(job)
         fn = getattr(self, f"job_{job.target}")
@@ -323,6 +325,45 @@ class Runner:
             label = f"{name} then .backward() (bf16 leaves, requires_grad); {timer}"
         else:
             raise ValueError(job.op)
+        return {"status": "ok", "times_ms": times, "label": label}
+
+    def job_module(self, job: Job) -> Dict[str, Any]:
+        """Forward+backward through ``MoeEpLayer(config, backend=NAME)`` as a user
+        calls it: the module's defaults, its bf16 parameters (the run's weights
+        copied in), the activations and router weights as autograd leaves, then
+        ``.backward()``; the gradients cleared before each call, untimed."""
+        from moe_ep_torch.module import MoeEpLayer
+
+        s, fmt, t = self.s, job.format, job.tokens
+        config = s.config(fmt)
+        layer = MoeEpLayer(config, group=self.group, backend=job.target, device=self.dev)
+        w = self.weights(fmt)
+        with torch.no_grad():
+            layer.fc1_weight.copy_(w["fc1"])
+            layer.fc2_weight.copy_(w["fc2"])
+        inp = self.inputs(fmt, t)
+        nsets = len(inp["idx"])
+        acts = [a.detach().clone().requires_grad_(True) for a in inp["tokens"]]
+        tws = [x.detach().clone().requires_grad_(True) for x in inp["weights"]]
+        gys = self.grad_outputs(t, nsets)
+        leaves = list(layer.parameters()) + acts + tws
+        timer = "CUDA events" if self.cuda else "perf_counter"
+
+        def clear(_: int) -> None:
+            for leaf in leaves:
+                leaf.grad = None
+
+        def fwd_bwd(i: int) -> Any:
+            layer(acts[i], inp["idx"][i], tws[i]).backward(gys[i])
+            return None
+
+        try:
+            times = self.measure(fwd_bwd, nsets, pre=clear)
+        finally:
+            clear(0)
+            del layer, acts, tws, leaves
+        label = (f"moe_ep_torch.module.MoeEpLayer(config, backend={job.target!r}) with its defaults, forward then "
+                 f".backward() (bf16 parameters, activations and router weights requiring grad); {timer}")
         return {"status": "ok", "times_ms": times, "label": label}
 
     def job_device_exchange(self, job: Job, config: Any, inp: Dict[str, Any], timer: str) -> Dict[str, Any]:
