@@ -52,8 +52,8 @@ extern "C" {
 #endif
 
 /** Bumped on any incompatible change of a signature or a struct below, and when an entry
- *  point is added (ABI 3, 4, 5, 6, 7): a binding built for N calls the entry points of N. */
-#define MOE_EP_NATIVE_ABI_VERSION 7
+ *  point or a field is added (ABI 3, 4, 5, 6, 7, 8): a binding built for N calls the entry points of N. */
+#define MOE_EP_NATIVE_ABI_VERSION 8
 
 typedef enum {
   MOE_EP_OK = 0,
@@ -404,7 +404,8 @@ MOE_EP_API moe_ep_status moe_ep_expert_backward(moe_ep_device device, void* stre
  * them as the sum of three bf16 values (hi + mid + lo, each the bf16 rounding of
  * what the previous ones left), whose products the float32 accumulator sums:
  * the float32 operand to within 2^-24 of its magnitude, inside the spec's
- * budgets (docs/native.md).
+ * budgets (docs/native.md). With backward_operand_format BF16 the backward's
+ * operands are bf16 values by the spec's own rounding: one piece each.
  *
  * Versioning: the configuration starts with its size. A caller sets
  * struct_size = sizeof(moe_ep_layer_config) as its header defines it
@@ -448,6 +449,13 @@ typedef struct {
                                    values exactly: half the bytes for the same numbers; mxfp8's are not always;
                                    nvfp4 also needs hidden % 16 == 0) */
   int32_t ex_mode;              /* moe_ep_exchange_mode of the device exchange (0: throughput); was reserved0 (0) */
+  /* Appended in ABI 8. */
+  int32_t backward_operand_format; /* moe_ep_format of the backward's GEMM operands (docs/spec.md 9.2, the spec's
+                                      backward_operand_format): MOE_EP_FORMAT_NONE (0, default): exact float32
+                                      operands; MOE_EP_FORMAT_BF16: the cotangent, dc and w*h rounded to bf16
+                                      (nearest even) before their GEMMs, dw = <a, h> in both placements. On tensor
+                                      cores the backward is then four bf16 grouped GEMMs and one fused SwiGLU pass */
+  int32_t reserved1;            /* must be 0 */
 } moe_ep_layer_config;
 
 #define MOE_EP_LAYER_CONFIG_INIT {sizeof(moe_ep_layer_config)}
@@ -528,7 +536,9 @@ MOE_EP_API moe_ep_status moe_ep_layer_experts_forward_mxfp8(moe_ep_layer* layer,
 
 /**
  * The experts' backward (docs/spec.md section 9.2: recomputed from the stash,
- * every rounding point straight-through). Needs config.with_backward = 1.
+ * every rounding point straight-through), with the layer's backward_operand_format
+ * (NONE: exact float32 operands; BF16: R_bf16 of the cotangent, of dc and of w*h
+ * before their GEMMs). Needs config.with_backward = 1.
  *   num_rows, x, w, fc1, fc2, group_sizes: as moe_ep_layer_experts_forward.
  *   fc1_c: [C, 2I] uint16 bf16: the stash.
  *   dy:    [C, H] dy_dtype: the cotangent of every row; dy_dtype MOE_EP_DTYPE_F32, or
@@ -542,6 +552,26 @@ MOE_EP_API moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void
                                                        const void* fc2, const uint16_t* fc1_c, const void* dy,
                                                        int32_t dy_dtype, const int32_t* group_sizes, float* dx,
                                                        float* dw, float* dfc1, float* dfc2);
+
+/* flags of moe_ep_layer_experts_backward_ex. */
+#define MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS 1 /* dfc1 and dfc2 hold float32 gradients (e.g. a training loop's
+                                                     main_grad) and get this step's added: dfc += gradient (on
+                                                     tensor cores in the weight-gradient GEMMs' epilogue: one
+                                                     float32 addition per element, no extra pass); an expert
+                                                     with no rows leaves them as they are */
+
+/**
+ * moe_ep_layer_experts_backward with flags (0: the same call). With
+ * MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS, dfc1 and dfc2 are read and the step's weight
+ * gradients added to them (the gradient is the one moe_ep_layer_experts_backward writes,
+ * rounded once more by the addition); after a failed dispatch they are NaN, as every output.
+ * Added in ABI 8 (with the configuration's backward_operand_format).
+ */
+MOE_EP_API moe_ep_status moe_ep_layer_experts_backward_ex(moe_ep_layer* layer, void* stream, int64_t num_rows,
+                                                          const void* x, const float* w, const void* fc1,
+                                                          const void* fc2, const uint16_t* fc1_c, const void* dy,
+                                                          int32_t dy_dtype, const int32_t* group_sizes, float* dx,
+                                                          float* dw, float* dfc1, float* dfc2, int32_t flags);
 
 /* ----------------------------------------------------------------- exchange */
 

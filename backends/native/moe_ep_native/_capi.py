@@ -15,7 +15,7 @@ __all__ = ["ABI_VERSION", "Format", "Status", "DType", "ExpertDesc", "LayerConfi
            "abi_version", "has_cuda", "has_nccl", "build_info"]
 
 #: The ABI this binding was written for (MOE_EP_NATIVE_ABI_VERSION).
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 #: Set to a file path to load that library instead of the installed one.
 LIBRARY_ENV = "MOE_EP_NATIVE_LIBRARY"
@@ -93,6 +93,9 @@ class LayerConfig(ctypes.Structure):
         # ABI 3: the dtype of the expert-output rows (DType; BF16 needs combine_format bf16).
         ("expert_out_dtype", ctypes.c_int32),
         ("ex_mode", ctypes.c_int32),
+        # ABI 8: the backward's operand format (Format.NONE: exact; Format.BF16).
+        ("backward_operand_format", ctypes.c_int32),
+        ("reserved1", ctypes.c_int32),
     ]
 
     @classmethod
@@ -186,6 +189,7 @@ _PROTOTYPES = {
     "moe_ep_layer_experts_forward": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P]),
     "moe_ep_layer_experts_forward_mxfp8": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "moe_ep_layer_experts_backward": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _I32, _P, _P, _P, _P, _P]),
+    "moe_ep_layer_experts_backward_ex": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _I32, _P, _P, _P, _P, _P, _I32]),
     "moe_ep_has_nccl": (ctypes.c_int, []),
     "moe_ep_comm_unique_id": (_I32, [_P, ctypes.c_size_t]),
     "moe_ep_comm_init": (_I32, [_P, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, _I64, ctypes.POINTER(_P)]),

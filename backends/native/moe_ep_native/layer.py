@@ -82,6 +82,7 @@ def layer_config(
         combine_format=int(_FORMAT[config.combine_format]),
         with_backward=int(bool(with_backward)),
         expert_out_dtype=int(DType.BF16 if bf16_expert_out else DType.F32),
+        backward_operand_format=int(_FORMAT[config.backward_operand_format]),
     )
 
 
@@ -99,6 +100,7 @@ class Layer:
         self.with_backward = bool(config.with_backward)
         self.bf16_operands = config.operand_dtype == DType.BF16
         self.bf16_expert_out = config.expert_out_dtype == DType.BF16
+        self.bf16_backward = config.backward_operand_format == Format.BF16
         self.cuda_device: Optional[int] = int(config.cuda_device) if config.device == 1 else None
         call("moe_ep_layer_create", ctypes.byref(config), ctypes.byref(self._handle))
         raw = _RawLayerInfo()
@@ -185,12 +187,15 @@ class Layer:
         dfc1: Optional[int],
         dfc2: Optional[int],
         dy_bf16: bool = False,
+        accumulate: bool = False,
     ) -> None:
-        """``moe_ep_layer_experts_backward``: as :meth:`experts_forward` plus fc1_c
+        """``moe_ep_layer_experts_backward_ex``: as :meth:`experts_forward` plus fc1_c
         ``[C, 2I] bf16`` and dy ``[C, H]`` (float32, or bf16 with ``dy_bf16``) in;
         dx ``[C, H]``, dw ``[C]``, dfc1 ``[E_local, H, 2I]``, dfc2 ``[E_local, I, H]``
-        float32 out."""
+        float32 out, with the layer's ``backward_operand_format``. ``accumulate``: dfc1
+        and dfc2 hold float32 gradients (a ``main_grad``) and get this step's added
+        (``MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS``)."""
         call(
-            "moe_ep_layer_experts_backward", self._handle, stream, num_rows, x, w, fc1, fc2, fc1_c, dy,
-            int(DType.BF16 if dy_bf16 else DType.F32), group_sizes, dx, dw, dfc1, dfc2,
+            "moe_ep_layer_experts_backward_ex", self._handle, stream, num_rows, x, w, fc1, fc2, fc1_c, dy,
+            int(DType.BF16 if dy_bf16 else DType.F32), group_sizes, dx, dw, dfc1, dfc2, 1 if accumulate else 0,
         )

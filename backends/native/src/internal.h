@@ -110,6 +110,14 @@ inline size_t backward_workspace_layout(const moe_ep_expert_desc& d, void* base,
 inline size_t forward_workspace_bytes(const moe_ep_expert_desc& d) { return forward_workspace_layout(d, nullptr, nullptr); }
 inline size_t backward_workspace_bytes(const moe_ep_expert_desc& d) { return backward_workspace_layout(d, nullptr, nullptr); }
 
+// How a backward runs (the layer's configuration and the call's flags): bf16_operands: the
+// spec's backward_operand_format bf16 (R_bf16 of dY, dc and w*h before their GEMMs, dw = <a, h>
+// in both placements); accumulate: dfc1 and dfc2 get the weight gradients added to what they hold.
+struct BackwardOptions {
+  bool bf16_operands = false;
+  bool accumulate = false;
+};
+
 #define MOE_EP_IMPL_DECLS                                                                                          \
   moe_ep_status quantize(void* stream, moe_ep_format fmt, const float* x, int64_t outer, int64_t n, int64_t inner,   \
                          void* data, void* scale);                                                                 \
@@ -153,7 +161,7 @@ inline size_t backward_workspace_bytes(const moe_ep_expert_desc& d) { return bac
   moe_ep_status expert_backward(void* stream, const moe_ep_expert_desc& d, const float* x, const float* w,         \
                                 const float* fc1, const float* fc2, const uint16_t* fc1_c, const float* dy,         \
                                 const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,         \
-                                void* workspace);
+                                void* workspace, const BackwardOptions& opt = BackwardOptions{});
 
 namespace cpu {
 MOE_EP_IMPL_DECLS
@@ -190,8 +198,9 @@ struct TcWorkspace {
   int sm_count;
 };
 // Bytes of the tensor-core workspace (0 when the build or the shape has no tensor-core path).
+// bf16_backward: the backward's operands are bf16 (one plane each, no a, h, z or dy32).
 size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backward, bool bf16_out,
-                           int32_t combine_format, void* base, TcWorkspace* ws);
+                           int32_t combine_format, void* base, TcWorkspace* ws, bool bf16_backward = false);
 // bf16 FC2 operand planes the forward needs for this intermediate format (1: exactly bf16, else 3).
 int tc_operand_planes(int32_t intermediate_format);
 // The expert weights of the tensor-core forward: bf16 fc1 [E, H, 2I] and fc2 [E, I, H]; or mxfp8 as
@@ -219,7 +228,7 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
 moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint16_t* x, const float* w,
                           const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const void* dy,
                           int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,
-                          const TcWorkspace& ws);
+                          const TcWorkspace& ws, const BackwardOptions& opt = BackwardOptions{});
 // Device memory for a layer on cuda_device (cudaMalloc after cudaSetDevice), and its release.
 moe_ep_status device_alloc(int cuda_device, size_t bytes, void** out);
 moe_ep_status device_free(void* p);

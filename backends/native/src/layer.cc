@@ -159,6 +159,11 @@ moe_ep_status check_config(const Check& ck, const moe_ep_layer_config& c) {
     return ck.bad("config->hidden must be a multiple of 16 (whole nvfp4 blocks in a row) when "
                   "config->expert_out_dtype is MOE_EP_DTYPE_BF16 with combine_format MOE_EP_FORMAT_NVFP4",
                   std::to_string(c.hidden));
+  if (c.backward_operand_format != MOE_EP_FORMAT_NONE && c.backward_operand_format != MOE_EP_FORMAT_BF16)
+    return ck.bad("config->backward_operand_format must be MOE_EP_FORMAT_NONE (0: exact float32 operands) or "
+                  "MOE_EP_FORMAT_BF16 (1)",
+                  std::to_string(c.backward_operand_format));
+  if (c.reserved1 != 0) return ck.bad("config->reserved1 must be 0", std::to_string(c.reserved1));
   moe_ep_expert_desc d{c.max_rows, c.hidden, c.intermediate, c.num_local_experts, c.apply_topk_in_fc1,
                        c.has_clamp, c.gate_up_clamp, c.intermediate_format};
   MOE_EP_TRY(check_desc(ck, &d));
@@ -262,7 +267,8 @@ moe_ep_status round_trip_y(moe_ep_layer* l, void* stream, moe_ep_format f, float
 
 moe_ep_status staged_backward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w, const void* fc1,
                               const void* fc2, const uint16_t* fc1_c, const void* dy, int32_t dy_dtype,
-                              const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2) {
+                              const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,
+                              const BackwardOptions& opt) {
   moe_ep_expert_desc d = l->desc;
   d.num_rows = C;
   const float *x32, *fc1_32, *fc2_32;
@@ -274,7 +280,7 @@ moe_ep_status staged_backward(moe_ep_layer* l, void* stream, int64_t C, const vo
     dyf = l->dy32;
   }
   return MOE_EP_LAYER_IMPL(l, expert_backward(stream, d, x32, w, fc1_32, fc2_32, fc1_c, dyf, group_sizes, dx, dw,
-                                              dfc1, dfc2, l->expert_ws));
+                                              dfc1, dfc2, l->expert_ws, opt));
 }
 
 // Runs body() with the CPU floating-point environment the kernels need, turning exceptions into statuses.
@@ -341,17 +347,20 @@ moe_ep_status experts_forward_mxfp8(moe_ep_layer* l, void* stream, int64_t C, co
 moe_ep_status experts_backward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w,
                                const void* fc1, const void* fc2, const uint16_t* fc1_c, const void* dy,
                                int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, float* dfc1,
-                               float* dfc2) {
+                               float* dfc2, int32_t flags) {
+  BackwardOptions opt;
+  opt.bf16_operands = l->cfg.backward_operand_format == MOE_EP_FORMAT_BF16;
+  opt.accumulate = (flags & MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS) != 0;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (l->tensor_cores) {
     moe_ep_expert_desc d = l->desc;
     d.num_rows = C;
     return cuda::tc_backward(stream, d, static_cast<const uint16_t*>(x), w, static_cast<const uint16_t*>(fc1),
                              static_cast<const uint16_t*>(fc2), fc1_c, dy, dy_dtype, group_sizes, dx, dw, dfc1, dfc2,
-                             l->tc);
+                             l->tc, opt);
   }
 #endif
-  return staged_backward(l, stream, C, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes, dx, dw, dfc1, dfc2);
+  return staged_backward(l, stream, C, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes, dx, dw, dfc1, dfc2, opt);
 }
 
 // With an exchange: when its last step reported an error (its dispatch's: a bad id or an
@@ -465,7 +474,7 @@ moe_ep_status moe_ep_layer_create(const moe_ep_layer_config* config, moe_ep_laye
     if (sm90)
       bytes = moe_ep::cuda::tc_workspace_layout(l->desc, sm_count, cfg.with_backward != 0,
                                                 cfg.expert_out_dtype == MOE_EP_DTYPE_BF16, cfg.combine_format, nullptr,
-                                                nullptr);
+                                                nullptr, cfg.backward_operand_format == MOE_EP_FORMAT_BF16);
     if (bytes > 0) {
       l->tensor_cores = true;
       l->planes = moe_ep::cuda::tc_operand_planes(cfg.intermediate_format);
@@ -481,7 +490,8 @@ moe_ep_status moe_ep_layer_create(const moe_ep_layer_config* config, moe_ep_laye
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (l->tensor_cores)
     moe_ep::cuda::tc_workspace_layout(l->desc, sm_count, cfg.with_backward != 0,
-                                      cfg.expert_out_dtype == MOE_EP_DTYPE_BF16, cfg.combine_format, l->buffer, &l->tc);
+                                      cfg.expert_out_dtype == MOE_EP_DTYPE_BF16, cfg.combine_format, l->buffer, &l->tc,
+                                      cfg.backward_operand_format == MOE_EP_FORMAT_BF16);
 #endif
   if (!l->tensor_cores) moe_ep::staged_layout(l, static_cast<char*>(l->buffer));
   (void)sm_count;
@@ -587,7 +597,18 @@ moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void* stream, i
                                             const float* w, const void* fc1, const void* fc2, const uint16_t* fc1_c,
                                             const void* dy, int32_t dy_dtype, const int32_t* group_sizes, float* dx,
                                             float* dw, float* dfc1, float* dfc2) {
+  return moe_ep_layer_experts_backward_ex(layer, stream, num_rows, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes, dx,
+                                          dw, dfc1, dfc2, 0);
+}
+
+moe_ep_status moe_ep_layer_experts_backward_ex(moe_ep_layer* layer, void* stream, int64_t num_rows, const void* x,
+                                               const float* w, const void* fc1, const void* fc2,
+                                               const uint16_t* fc1_c, const void* dy, int32_t dy_dtype,
+                                               const int32_t* group_sizes, float* dx, float* dw, float* dfc1,
+                                               float* dfc2, int32_t flags) {
   const Check ck{"moe_ep_layer_experts_backward"};
+  if ((flags & ~MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS) != 0)
+    return ck.bad("flags must be 0 or MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS (1)", std::to_string(flags));
   MOE_EP_TRY(moe_ep::check_layer(ck, layer, stream, num_rows));
   if (!layer->cfg.with_backward)
     return ck.bad("the layer must be made with config->with_backward = 1 for the backward", "0");
@@ -603,7 +624,7 @@ moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void* stream, i
   MOE_EP_TRY(ck.ptr("dfc2", dfc2, E * I * H, 4));
   return moe_ep::guarded(layer, [&]() -> moe_ep_status {
     MOE_EP_TRY(moe_ep::experts_backward(layer, stream, num_rows, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes, dx,
-                                        dw, dfc1, dfc2));
+                                        dw, dfc1, dfc2, flags));
     constexpr int32_t f32 = MOE_EP_DTYPE_F32;
     return moe_ep::nan_on_dispatch_error(layer, stream,
                                          {{dx, num_rows * H, f32}, {dw, num_rows, f32}, {dfc1, E * H * 2 * I, f32},

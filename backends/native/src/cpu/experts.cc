@@ -65,6 +65,9 @@ void slab_outer(const float* a, const float* b, int64_t r0, int64_t r1, int64_t 
 
 inline float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
 
+// R_bf16: the bf16 rounding (nearest, ties to even) as a float32 value.
+inline float round_bf16(float v) { return bf16_to_float(bf16_from_float(v)); }
+
 }  // namespace
 
 moe_ep_status expert_forward(void*, const moe_ep_expert_desc& d, const float* x, const float* w, const float* fc1,
@@ -110,9 +113,13 @@ moe_ep_status expert_forward(void*, const moe_ep_expert_desc& d, const float* x,
   return MOE_EP_OK;
 }
 
+// backward_operand_format bf16 (opt.bf16_operands): dY enters as R_bf16(dY), dc as R_bf16(dc) (the
+// operand of dW1 and dx), dW2 += R_bf16(w h)^T R_bf16(dY) and dw = <a, h> in both placements.
+// opt.accumulate: each expert's weight gradients are computed as without it, then added to dfc1/dfc2.
 moe_ep_status expert_backward(void*, const moe_ep_expert_desc& d, const float* x, const float* w, const float* fc1,
                               const float* fc2, const uint16_t* fc1_c, const float* dy, const int32_t* group_sizes,
-                              float* dx, float* dw, float* dfc1, float* dfc2, void* workspace) {
+                              float* dx, float* dw, float* dfc1, float* dfc2, void* workspace,
+                              const BackwardOptions& opt) {
   std::vector<int64_t> off;
   moe_ep_status st = slab_offsets("moe_ep_expert_backward", d, group_sizes, &off);
   if (st != MOE_EP_OK) return st;
@@ -124,14 +131,25 @@ moe_ep_status expert_backward(void*, const moe_ep_expert_desc& d, const float* x
   float* p_lhs = ws.h;   // [C, I]
   float* p_rhs = ws.z;   // [C, H]
   float* dc = ws.dc;     // [C, 2I]
+  const bool b16 = opt.bf16_operands;
   std::vector<float> a(static_cast<size_t>(I)), h(static_cast<size_t>(I)), z(static_cast<size_t>(H));
-  std::fill(dfc1, dfc1 + E * H * 2 * I, 0.0f);
-  std::fill(dfc2, dfc2 + E * I * H, 0.0f);
+  std::vector<float> dyb(b16 ? static_cast<size_t>(H) : 0);
+  // With accumulate: one expert's gradients, then added to dfc1 / dfc2.
+  std::vector<float> g1(opt.accumulate ? static_cast<size_t>(H * 2 * I) : 0),
+      g2(opt.accumulate ? static_cast<size_t>(I * H) : 0);
+  if (!opt.accumulate) {
+    std::fill(dfc1, dfc1 + E * H * 2 * I, 0.0f);
+    std::fill(dfc2, dfc2 + E * I * H, 0.0f);
+  }
   for (int64_t e = 0; e < E; ++e) {
     const float* w1 = fc1 + e * H * 2 * I;
     const float* w2 = fc2 + e * I * H;
     for (int64_t r = off[e]; r < off[e + 1]; ++r) {
       const float* dyr = dy + r * H;
+      if (b16) {  // R_bf16(dY)
+        for (int64_t j = 0; j < H; ++j) dyb[j] = round_bf16(dyr[j]);
+        dyr = dyb.data();
+      }
       const float wr = w[r];
       row_gemm_t(dyr, w2, I, H, a.data());  // a = dY W2^T  [I]
       float* dcr = dc + r * 2 * I;
@@ -155,13 +173,17 @@ moe_ep_status expert_backward(void*, const moe_ep_expert_desc& d, const float* x
           dg = dg * gate_mask;
           du = du * up_mask;
         }
-        dcr[i] = dg;
-        dcr[I + i] = du;
+        dcr[i] = b16 ? round_bf16(dg) : dg;
+        dcr[I + i] = b16 ? round_bf16(du) : du;
       }
       float* lhs = p_lhs + r * I;
       float* rhs = p_rhs + r * H;
       float dwr = 0.0f;
-      if (d.apply_topk_in_fc1) {  // dfc2 += (w h)^T dY;  dw = sum(a * h)
+      if (b16) {  // dfc2 += R_bf16(w h)^T R_bf16(dY);  dw = sum(a * h), both placements
+        for (int64_t i = 0; i < I; ++i) lhs[i] = round_bf16(wr * h[i]);
+        std::copy(dyr, dyr + H, rhs);
+        for (int64_t i = 0; i < I; ++i) dwr = dwr + a[i] * h[i];
+      } else if (d.apply_topk_in_fc1) {  // dfc2 += (w h)^T dY;  dw = sum(a * h)
         for (int64_t i = 0; i < I; ++i) lhs[i] = wr * h[i];
         std::copy(dyr, dyr + H, rhs);
         for (int64_t i = 0; i < I; ++i) dwr = dwr + a[i] * h[i];
@@ -174,8 +196,19 @@ moe_ep_status expert_backward(void*, const moe_ep_expert_desc& d, const float* x
       dw[r] = dwr;
       row_gemm_t(dcr, w1, H, 2 * I, dx + r * H);  // dx = dc W1^T
     }
-    slab_outer(x, dc, off[e], off[e + 1], H, 2 * I, dfc1 + e * H * 2 * I);
-    slab_outer(p_lhs, p_rhs, off[e], off[e + 1], I, H, dfc2 + e * I * H);
+    if (!opt.accumulate) {
+      slab_outer(x, dc, off[e], off[e + 1], H, 2 * I, dfc1 + e * H * 2 * I);
+      slab_outer(p_lhs, p_rhs, off[e], off[e + 1], I, H, dfc2 + e * I * H);
+    } else if (off[e + 1] > off[e]) {
+      std::fill(g1.begin(), g1.end(), 0.0f);
+      std::fill(g2.begin(), g2.end(), 0.0f);
+      slab_outer(x, dc, off[e], off[e + 1], H, 2 * I, g1.data());
+      slab_outer(p_lhs, p_rhs, off[e], off[e + 1], I, H, g2.data());
+      float* o1 = dfc1 + e * H * 2 * I;
+      float* o2 = dfc2 + e * I * H;
+      for (int64_t j = 0; j < H * 2 * I; ++j) o1[j] = o1[j] + g1[j];
+      for (int64_t j = 0; j < I * H; ++j) o2[j] = o2[j] + g2[j];
+    }
   }
   for (int64_t r = off.back(); r < C; ++r) {  // rows of no expert: zero
     std::fill(dx + r * H, dx + (r + 1) * H, 0.0f);

@@ -152,14 +152,17 @@ __global__ void __launch_bounds__(kGemmThreads)
 
 // Grouped weight gradient, a reduction over each slab's rows:
 //   out[e, m, n] = sum_{r in slab e} A'[r, m] * B'[r, n]   (rows ascending),
-// A'[r, m] = a_scale[r] * A[r * lda + m] when a_scale is set (w * h), else A;
-// B' likewise (w * dY). Zero for an expert with no rows.
+// A'[r, m] = a_scale[r] * A[r * lda + m] when a_scale is set (w * h), else A, then
+// rounded to bf16 when kRoundA (R_bf16(w h) of the bf16-operand backward);
+// B' likewise (w * dY), never rounded. Zero for an expert with no rows; with
+// accumulate, out += that sum instead (one float32 addition an element).
 // Block (x = column tile, y = row tile, z = expert; y and z strided).
+template <bool kRoundA>
 __global__ void __launch_bounds__(kGemmThreads)
     grouped_wgrad_kernel(const float* __restrict__ A, int64_t lda, const float* __restrict__ a_scale,
                          const float* __restrict__ B, int64_t ldb, const float* __restrict__ b_scale,
                          const int64_t* __restrict__ off, int num_experts, int64_t M, int64_t N,
-                         float* __restrict__ out) {
+                         float* __restrict__ out, bool accumulate) {
   __shared__ float As[kBK][kBM + 1];
   __shared__ float Bs[kBK][kBN + 1];
   const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
@@ -187,6 +190,7 @@ __global__ void __launch_bounds__(kGemmThreads)
           if (r < s_hi && m < M) {
             v = A[r * lda + m];
             if (a_scale != nullptr) v = fmul(a_scale[r], v);
+            if (kRoundA) v = bf16_round_trip(v);
           }
           As[kk][mm] = v;
         }
@@ -215,7 +219,7 @@ __global__ void __launch_bounds__(kGemmThreads)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int64_t n = n0 + tx + 16 * j;
-          if (n < N) oe[m * N + n] = acc[i][j];
+          if (n < N) oe[m * N + n] = accumulate ? fadd(oe[m * N + n], acc[i][j]) : acc[i][j];
         }
       }
     }
@@ -258,9 +262,10 @@ __global__ void swiglu_operand_kernel(const float* __restrict__ c, const float* 
 //   sig = sigmoid(g), s = g sig, h = s u            -> h[r, i]
 //   dh = a w, dg = dh u sig (1 + g (1 - sig)) m_g, du = dh s m_u -> dc[r, i], dc[r, I + i]
 // evaluated left to right as in the reference (masks multiply: NaN stays NaN).
+// round_dc (the bf16-operand backward): dc is stored as R_bf16(dc).
 __global__ void swiglu_backward_kernel(const uint16_t* __restrict__ fc1_c, const float* __restrict__ a,
                                        const float* __restrict__ w, float* __restrict__ h, float* __restrict__ dc,
-                                       SwigluParams p) {
+                                       SwigluParams p, bool round_dc) {
   const int64_t I = p.I;
   const int64_t total = p.C * I;
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
@@ -269,9 +274,15 @@ __global__ void swiglu_backward_kernel(const uint16_t* __restrict__ fc1_c, const
     const float u_raw = bf16_to_float(fc1_c[r * 2 * I + I + i]);
     const SwigluGrad gr = swiglu_grad(g_raw, u_raw, fmul(a[t], w[r]), p);
     h[t] = gr.h;
-    dc[r * 2 * I + i] = gr.dg;
-    dc[r * 2 * I + I + i] = gr.du;
+    dc[r * 2 * I + i] = round_dc ? bf16_round_trip(gr.dg) : gr.dg;
+    dc[r * 2 * I + I + i] = round_dc ? bf16_round_trip(gr.du) : gr.du;
   }
+}
+
+// out[t] = R_bf16(in[t]) (the bf16-operand backward's cotangent).
+__global__ void round_bf16_kernel(const float* __restrict__ in, int64_t n, float* __restrict__ out) {
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < n; t += int64_t{gridDim.x} * blockDim.x)
+    out[t] = bf16_round_trip(in[t]);
 }
 
 // dw[r] = sum_j P[r, j] * Q[r, j] (j ascending, from +0) for r < off[E]; 0 for
@@ -333,11 +344,16 @@ moe_ep_status launch_gemm(cudaStream_t s, bool trans_b, const float* A, int64_t 
 // out [E, M, N] = per-slab A^T B; see grouped_wgrad_kernel.
 moe_ep_status launch_wgrad(cudaStream_t s, const float* A, int64_t lda, const float* a_scale, const float* B,
                            int64_t ldb, const float* b_scale, const int64_t* off, int E, int64_t M, int64_t N,
-                           float* out, const char* what) {
+                           float* out, const char* what, bool round_a = false, bool accumulate = false) {
   if (M == 0 || N == 0 || E == 0) return MOE_EP_OK;
   const dim3 grid(static_cast<unsigned>(div_up(N, kBN)), static_cast<unsigned>(std::min<int64_t>(div_up(M, kBM), kMaxGridY)),
                   static_cast<unsigned>(std::min<int64_t>(E, kMaxGridY)));
-  grouped_wgrad_kernel<<<grid, kGemmThreads, 0, s>>>(A, lda, a_scale, B, ldb, b_scale, off, E, M, N, out);
+  if (round_a)
+    grouped_wgrad_kernel<true><<<grid, kGemmThreads, 0, s>>>(A, lda, a_scale, B, ldb, b_scale, off, E, M, N, out,
+                                                              accumulate);
+  else
+    grouped_wgrad_kernel<false><<<grid, kGemmThreads, 0, s>>>(A, lda, a_scale, B, ldb, b_scale, off, E, M, N, out,
+                                                               accumulate);
   MOE_EP_CUDA_CHECK_LAUNCH(what);
   return MOE_EP_OK;
 }
@@ -415,7 +431,7 @@ moe_ep_status expert_forward(void* stream, const moe_ep_expert_desc& d, const fl
 moe_ep_status expert_backward(void* stream, const moe_ep_expert_desc& d, const float* x, const float* w,
                               const float* fc1, const float* fc2, const uint16_t* fc1_c, const float* dy,
                               const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,
-                              void* workspace) {
+                              void* workspace, const BackwardOptions& opt) {
   MOE_EP_TRY_CUDA(check_desc_ranges(d, "cuda::expert_backward"));
   const cudaStream_t s = as_stream(stream);
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
@@ -424,15 +440,22 @@ moe_ep_status expert_backward(void* stream, const moe_ep_expert_desc& d, const f
   const BackwardWorkspace ws = backward_workspace(d, workspace);
   MOE_EP_TRY_CUDA(launch_offsets(s, group_sizes, E, C, ws.offsets));
 
+  // The bf16-operand backward: dY enters as R_bf16(dY) (into z, which it does not use: dw = <a, h>).
+  const bool b16 = opt.bf16_operands;
+  if (b16 && C > 0) {
+    round_bf16_kernel<<<blocks_for(C * H), kThreads, 0, s>>>(dy, C * H, ws.z);
+    MOE_EP_CUDA_CHECK_LAUNCH("round_bf16_kernel (R_bf16(dY))");
+    dy = ws.z;
+  }
   if (C > 0) {
     // a = dY W2[e]^T   [C, I]   (B_e[k = h, n = i] = W2[e][i, h])
     MOE_EP_TRY_CUDA(launch_gemm(s, true, dy, H, fc2, H, I * H, nullptr, ws.offsets, E, C, I, H, ws.a, I,
                                 "grouped_gemm_kernel (a = dY W2^T)"));
     // h and dc from the stash
     const SwigluParams p = swiglu_params(d);
-    swiglu_backward_kernel<<<blocks_for(C * I), kThreads, 0, s>>>(fc1_c, ws.a, w, ws.h, ws.dc, p);
+    swiglu_backward_kernel<<<blocks_for(C * I), kThreads, 0, s>>>(fc1_c, ws.a, w, ws.h, ws.dc, p, b16);
     MOE_EP_CUDA_CHECK_LAUNCH("swiglu_backward_kernel");
-    if (apply) {
+    if (apply || b16) {
       // dw = sum_i a * h
       row_dot_kernel<<<blocks_for(C, kDotRows), kThreads, 0, s>>>(ws.a, ws.h, C, I, ws.offsets, E, dw);
       MOE_EP_CUDA_CHECK_LAUNCH("row_dot_kernel (dw = <a, h>)");
@@ -448,11 +471,12 @@ moe_ep_status expert_backward(void* stream, const moe_ep_expert_desc& d, const f
                                 H, "grouped_gemm_kernel (dx = dc W1^T)"));
   }
   // Weight gradients (zero for an expert with no rows, C = 0 included):
-  // dfc1[e] = x^T dc;  dfc2[e] = (w h)^T dY  or  h^T (w dY).
+  // dfc1[e] = x^T dc;  dfc2[e] = (w h)^T dY  or  h^T (w dY);  bf16 operands: R_bf16(w h)^T R_bf16(dY).
   MOE_EP_TRY_CUDA(launch_wgrad(s, x, H, nullptr, ws.dc, 2 * I, nullptr, ws.offsets, E, H, 2 * I, dfc1,
-                               "grouped_wgrad_kernel (dfc1)"));
-  MOE_EP_TRY_CUDA(launch_wgrad(s, ws.h, I, apply ? w : nullptr, dy, H, apply ? nullptr : w, ws.offsets, E, I, H, dfc2,
-                               "grouped_wgrad_kernel (dfc2)"));
+                               "grouped_wgrad_kernel (dfc1)", false, opt.accumulate));
+  const bool w_left = apply || b16;
+  MOE_EP_TRY_CUDA(launch_wgrad(s, ws.h, I, w_left ? w : nullptr, dy, H, w_left ? nullptr : w, ws.offsets, E, I, H,
+                               dfc2, "grouped_wgrad_kernel (dfc2)", b16, opt.accumulate));
   return MOE_EP_OK;
 }
 

@@ -10,6 +10,11 @@
 // Backward:  the cotangent as bf16 planes -> a = (dY or w dY) W2^T -> one kernel:
 //            recompute from the stash, dh, dc (as planes), the FC2 left operand
 //            (w h or h) as planes -> dW2, dW1, dx grouped GEMMs -> dw row sums.
+// Backward with bf16 operands (backward_operand_format bf16): R_bf16(dY) (the bf16
+//            cotangent itself, or one encode pass) -> a = R_bf16(dY) W2^T -> one fused
+//            kernel a row: recompute from the stash, the masks, dc and R_bf16(dc),
+//            R_bf16(w h), dw = <a, h>, zero dx rows of no expert -> dW2, dW1, dx:
+//            four bf16 grouped GEMMs in all.
 //
 // Splitting a float32 value into planes: hi = v with its low 16 bits cleared
 // (bf16 truncation), mid = the same of v - hi, lo = bf16(v - hi - mid). Each
@@ -381,6 +386,92 @@ __global__ void __launch_bounds__(kDotThreads)
   }
 }
 
+// The bf16-operand backward's SwiGLU pass, one block a row (grid-stride over rows):
+//   from the stash c~ and a = R_bf16(dY) W2^T: h, dh = a w, dg and du (swiglu_grad, the masks
+//   included); dc = [R_bf16(dg), R_bf16(du)] -> dc [C, 2I] bf16 (the operand of dW1 and dx);
+//   R_bf16(w h) -> left [C, I] bf16 (the operand of dW2); dw[r] = <a, h> in float32 (a fixed
+//   tree over the block's threads: deterministic). Rows of no expert: dw 0 and their dx rows
+//   zero (the dx GEMM writes only the experts' rows); their dc and left rows are never read.
+// kVec: four columns a thread (I a multiple of 4, the stash 8-byte aligned, a, dc and left
+// 16-byte aligned): 16-byte loads of a, 8-byte loads of the stash and stores of dc and left.
+constexpr int kFusedThreads = 256;
+template <bool kVec>
+__global__ void __launch_bounds__(kFusedThreads)
+    swiglu_backward_bf16_kernel(const uint16_t* __restrict__ fc1_c, const float* __restrict__ a,
+                                const float* __restrict__ w, const int32_t* __restrict__ off, int num_experts,
+                                uint16_t* __restrict__ dc, uint16_t* __restrict__ left, float* __restrict__ dw,
+                                float* __restrict__ dx, int64_t H, bool dx_vec, SwigluParams p) {
+  __shared__ float part[kFusedThreads / 32];
+  const int64_t I = p.I;
+  const int64_t end = off[num_experts];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int64_t r = blockIdx.x; r < p.C; r += gridDim.x) {
+    if (r >= end) {  // a row of no expert (the same branch for the whole block)
+      if (tid == 0) dw[r] = 0.0f;
+      if (dx_vec) {
+        float4* d4 = reinterpret_cast<float4*>(dx + r * H);
+        for (int64_t j = tid; j < H / 4; j += kFusedThreads) d4[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      } else {
+        for (int64_t j = tid; j < H; j += kFusedThreads) dx[r * H + j] = 0.0f;
+      }
+      continue;
+    }
+    const float wr = w[r];
+    const uint16_t* cg = fc1_c + r * 2 * I;
+    const uint16_t* cu = cg + I;
+    const float* ar = a + r * I;
+    uint16_t* dg_out = dc + r * 2 * I;
+    uint16_t* du_out = dg_out + I;
+    uint16_t* l_out = left + r * I;
+    float acc = 0.0f;
+    if constexpr (kVec) {
+      for (int64_t q = tid; q < I / 4; q += kFusedThreads) {
+        const int64_t i0 = q * 4;
+        const uint2 g2 = *reinterpret_cast<const uint2*>(cg + i0);
+        const uint2 u2 = *reinterpret_cast<const uint2*>(cu + i0);
+        const float4 a4 = *reinterpret_cast<const float4*>(ar + i0);
+        const uint16_t gb[4] = {static_cast<uint16_t>(g2.x), static_cast<uint16_t>(g2.x >> 16),
+                                static_cast<uint16_t>(g2.y), static_cast<uint16_t>(g2.y >> 16)};
+        const uint16_t ub[4] = {static_cast<uint16_t>(u2.x), static_cast<uint16_t>(u2.x >> 16),
+                                static_cast<uint16_t>(u2.y), static_cast<uint16_t>(u2.y >> 16)};
+        const float av[4] = {a4.x, a4.y, a4.z, a4.w};
+        uint32_t dgp[2] = {0u, 0u}, dup[2] = {0u, 0u}, lp[2] = {0u, 0u};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const SwigluGrad gr = swiglu_grad(bf16_to_float(gb[j]), bf16_to_float(ub[j]), fmul(av[j], wr), p);
+          acc = fadd(acc, fmul(av[j], gr.h));
+          const int sh = (j & 1) * 16;
+          dgp[j >> 1] |= uint32_t{bf16_from_float(gr.dg)} << sh;
+          dup[j >> 1] |= uint32_t{bf16_from_float(gr.du)} << sh;
+          lp[j >> 1] |= uint32_t{bf16_from_float(fmul(wr, gr.h))} << sh;
+        }
+        *reinterpret_cast<uint2*>(dg_out + i0) = make_uint2(dgp[0], dgp[1]);
+        *reinterpret_cast<uint2*>(du_out + i0) = make_uint2(dup[0], dup[1]);
+        *reinterpret_cast<uint2*>(l_out + i0) = make_uint2(lp[0], lp[1]);
+      }
+    } else {
+      for (int64_t i = tid; i < I; i += kFusedThreads) {
+        const SwigluGrad gr = swiglu_grad(bf16_to_float(cg[i]), bf16_to_float(cu[i]), fmul(ar[i], wr), p);
+        acc = fadd(acc, fmul(ar[i], gr.h));
+        dg_out[i] = bf16_from_float(gr.dg);
+        du_out[i] = bf16_from_float(gr.du);
+        l_out[i] = bf16_from_float(fmul(wr, gr.h));
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc = fadd(acc, __shfl_down_sync(0xffffffffu, acc, o));
+    if (lane == 0) part[warp] = acc;
+    __syncthreads();
+    if (tid == 0) {
+      float t = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kFusedThreads / 32; ++k) t = fadd(t, part[k]);
+      dw[r] = t;
+    }
+    __syncthreads();
+  }
+}
+
 // out[i] = the float32 value of bf16 bits in[i].
 __global__ void bf16_to_float_kernel(const uint16_t* __restrict__ in, int64_t n, float* __restrict__ out) {
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < n; t += int64_t{gridDim.x} * blockDim.x)
@@ -574,7 +665,7 @@ int tc_operand_planes(int32_t intermediate_format) {
 }
 
 size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backward, bool bf16_out,
-                           int32_t combine_format, void* base, TcWorkspace* ws) {
+                           int32_t combine_format, void* base, TcWorkspace* ws, bool bf16_backward) {
   if (!grouped_gemm_built()) return 0;
   bool ok = d.num_local_experts <= 1024;
   size_t gemm_bytes = 0;
@@ -606,7 +697,11 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
   w.c = reinterpret_cast<float*>(take(C * 2 * I * sizeof(float)));
   w.left = reinterpret_cast<uint16_t*>(take(kPlanes * C * I * sizeof(uint16_t)));
   if (bf16_out && !fc2_writes_bf16(d, combine_format)) w.y32 = reinterpret_cast<float*>(take(C * H * sizeof(float)));
-  if (backward) {
+  if (backward && bf16_backward) {  // one bf16 plane each; dw comes out of the fused pass (no h, z)
+    w.right = reinterpret_cast<uint16_t*>(take(C * H * sizeof(uint16_t)));
+    w.dc = reinterpret_cast<uint16_t*>(take(C * 2 * I * sizeof(uint16_t)));
+    w.a = reinterpret_cast<float*>(take(C * I * sizeof(float)));
+  } else if (backward) {
     w.right = reinterpret_cast<uint16_t*>(take(kPlanes * C * H * sizeof(uint16_t)));
     w.dc = reinterpret_cast<uint16_t*>(take(kPlanes * C * 2 * I * sizeof(uint16_t)));
     w.a = reinterpret_cast<float*>(take(C * I * sizeof(float)));
@@ -702,15 +797,53 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   return MOE_EP_OK;
 }
 
+namespace {
+
+// The bf16-operand backward (backward_operand_format bf16): four bf16 grouped GEMMs and
+// one fused SwiGLU pass (C > 0, the slab offsets computed).
+moe_ep_status tc_backward_bf16(cudaStream_t s, const moe_ep_expert_desc& d, const uint16_t* x, const float* w,
+                               const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const void* dy,
+                               int32_t dy_dtype, float* dx, float* dw, float* dfc1, float* dfc2,
+                               const TcWorkspace& ws, const BackwardOptions& opt) {
+  const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
+  const int E = static_cast<int>(d.num_local_experts);
+  const Gemm gemm{d, ws, s};
+  // R_bf16(dY): a bf16 cotangent is its own rounding; a float32 one is encoded once.
+  const uint16_t* right = static_cast<const uint16_t*>(dy);
+  if (dy_dtype != MOE_EP_DTYPE_BF16) {
+    MOE_EP_TRY(quantize(s, MOE_EP_FORMAT_BF16, static_cast<const float*>(dy), C, H, 1, ws.right, nullptr));
+    right = ws.right;
+  }
+  MOE_EP_TRY(gemm.run(GemmLayout::kNT, 0, I, H, right, fc2, ws.a, false, "R(dY) W2^T"));
+  const SwigluParams p{C, I, d.apply_topk_in_fc1, d.has_clamp, d.gate_up_clamp};
+  const bool vec = I % 4 == 0 && reinterpret_cast<uintptr_t>(fc1_c) % 8 == 0 && aligned16(ws.a) &&
+                   aligned16(ws.dc) && aligned16(ws.left);
+  const bool dx_vec = H % 4 == 0 && aligned16(dx);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(C, int64_t{std::max(ws.sm_count, 1)} * 16));
+  if (vec)
+    swiglu_backward_bf16_kernel<true><<<grid, kFusedThreads, 0, s>>>(fc1_c, ws.a, w, ws.offsets, E, ws.dc, ws.left,
+                                                                      dw, dx, H, dx_vec, p);
+  else
+    swiglu_backward_bf16_kernel<false><<<grid, kFusedThreads, 0, s>>>(fc1_c, ws.a, w, ws.offsets, E, ws.dc, ws.left,
+                                                                       dw, dx, H, dx_vec, p);
+  MOE_EP_CUDA_CHECK_LAUNCH("swiglu_backward_bf16_kernel");
+  MOE_EP_TRY(gemm.run(GemmLayout::kTN, I, H, 0, ws.left, right, dfc2, opt.accumulate, "R(w h)^T R(dY)"));
+  MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc, dfc1, opt.accumulate, "x^T R(dc)"));
+  return gemm.run(GemmLayout::kNT, 0, H, 2 * I, ws.dc, fc1, dx, false, "R(dc) W1^T");
+}
+
+}  // namespace
+
 moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint16_t* x, const float* w,
                           const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const void* dy,
                           int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,
-                          const TcWorkspace& ws) {
+                          const TcWorkspace& ws, const BackwardOptions& opt) {
   const cudaStream_t s = as_stream(stream);
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E64 = d.num_local_experts;
   const int E = static_cast<int>(E64);
   if (C == 0) {
-    // No rows: the weight gradients are zero.
+    // No rows: the weight gradients are zero (nothing added when accumulating).
+    if (opt.accumulate) return MOE_EP_OK;
     cudaError_t err = cudaMemsetAsync(dfc1, 0, static_cast<size_t>(E64 * H * 2 * I) * sizeof(float), s);
     if (err == cudaSuccess) err = cudaMemsetAsync(dfc2, 0, static_cast<size_t>(E64 * I * H) * sizeof(float), s);
     return gemm_status(err, "zero weight gradients");
@@ -718,6 +851,8 @@ moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint1
   const Gemm gemm{d, ws, s};
   slab_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
   MOE_EP_CUDA_CHECK_LAUNCH("slab_offsets_kernel");
+  if (opt.bf16_operands)
+    return tc_backward_bf16(s, d, x, w, fc1, fc2, fc1_c, dy, dy_dtype, dx, dw, dfc1, dfc2, ws, opt);
   const bool in_fc1 = d.apply_topk_in_fc1 != 0;
   // right = dY (weight in FC1) or w dY (weight in FC2), as planes: one plane when it is
   // a bf16 cotangent itself (weight in FC1), whose rows of no expert are never read.
@@ -751,11 +886,11 @@ moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint1
   for (int q = 0; q < 8; ++q) {
     if (kPairs[q][1] >= right_planes) continue;
     MOE_EP_TRY(gemm.run(GemmLayout::kTN, I, H, 0, ws.left + kPairs[q][0] * lp, right + kPairs[q][1] * rp, dfc2,
-                        q_done++ > 0, "dW2"));
+                        q_done++ > 0 || opt.accumulate, "dW2"));
   }
   // dW1 = x^T dc; dx = dc W1^T.
   for (int pl = 0; pl < kPlanes; ++pl)
-    MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc + pl * dp, dfc1, pl > 0, "dW1"));
+    MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc + pl * dp, dfc1, pl > 0 || opt.accumulate, "dW1"));
   for (int pl = 0; pl < kPlanes; ++pl)
     MOE_EP_TRY(gemm.run(GemmLayout::kNT, 0, H, 2 * I, ws.dc + pl * dp, fc1, dx, pl > 0, "dc W1^T"));
   zero_tail_rows_kernel<<<tail_blocks(C * H, ws), kThreads, 0, s>>>(dx, ws.offsets, E, C, H);
