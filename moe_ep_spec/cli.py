@@ -569,13 +569,10 @@ def _main(argv: List[str]) -> int:
         if not argv:
             parser.print_help()
             return 0
-        args, extra = parser.parse_known_args(argv)
-        if extra and not getattr(args, "missing_command", False):
-            # the subcommand's own usage and help pointer, not the top level's
-            command = getattr(args, "command", None)
-            sub = getattr(parser, "commands", None)
-            target = sub.choices.get(command, parser) if sub is not None and command else parser
-            target.error(f"unrecognized arguments: {' '.join(extra)}")
+        try:
+            args, extra = _parse(parser, argv)
+        except SystemExit as exc:  # --help, --version (0) or a command line mistake (2, printed)
+            return exc.code if isinstance(exc.code, int) else 2
         if getattr(args, "func", None) is None:  # options but no command
             parser.print_help(sys.stderr)
             return 2
@@ -584,6 +581,18 @@ def _main(argv: List[str]) -> int:
         return code
     except BrokenPipeError:
         return _closed_pipe()
+
+
+def _parse(parser: argparse.ArgumentParser, argv: List[str]) -> Any:
+    """``(args, extra)``; an unknown option gets the usage of the subcommand it was
+    given to, not the top level's (SystemExit 2)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "missing_command", False):
+        command = getattr(args, "command", None)
+        sub = getattr(parser, "commands", None)
+        target = sub.choices.get(command, parser) if sub is not None and command else parser
+        target.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args, extra
 
 
 def _closed_pipe() -> int:

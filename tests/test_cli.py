@@ -157,7 +157,137 @@ def test_run_help_describes_every_option_with_its_default() -> None:
 def test_tokens_zero_names_the_option(capsys: pytest.CaptureFixture) -> None:
     assert main(["run", "--tokens", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("moe-ep: error: --tokens") and "got 0" in err and "max_tokens_per_rank" not in err
+    assert "moe-ep run: error: argument --tokens: must be an integer >= 1; got 0" in err
+    assert "max_tokens_per_rank" not in err
+
+
+# ----------------------------------------------------------------- one voice for every command's mistakes
+
+
+def _usage_error(argv: List[str], capsys: pytest.CaptureFixture) -> List[str]:
+    """The stderr lines of a command line mistake, after checking its exit status (2) and that stdout is empty."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return captured.err.splitlines()
+
+
+@pytest.mark.parametrize("command", ["run", "backends", "conformance", "bench"])
+def test_an_unknown_option_shows_the_subcommands_usage_and_help(command: str, capsys: pytest.CaptureFixture) -> None:
+    lines = _usage_error([command, "--format-of-nothing", "x"], capsys)
+    assert lines[0].startswith(f"usage: moe-ep {command} ")
+    assert f"moe-ep {command}: error: unrecognized arguments: --format-of-nothing x" in lines
+    assert lines[-1] == f"see `moe-ep {command} --help` for its options"
+
+
+@pytest.mark.parametrize("command", ["run", "conformance", "bench"])
+def test_ep_size_zero_is_worded_the_same_by_every_command(command: str, capsys: pytest.CaptureFixture) -> None:
+    lines = _usage_error([command, "--ep-size", "0"], capsys)
+    assert f"moe-ep {command}: error: argument --ep-size: must be an integer >= 1; got 0" in lines
+    assert lines[-1] == f"see `moe-ep {command} --help` for its options"
+
+
+def test_conformance_usage_mistakes_exit_2_with_one_sentence(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    missing = tmp_path / "nope.txt"
+    assert _usage_error(["conformance", "--xfail-file", str(missing)], capsys) == [
+        f"moe-ep: error: --xfail-file {missing}: the file does not exist"]
+    assert _usage_error(["conformance", "--tolerance-file", str(tmp_path)], capsys) == [
+        f"moe-ep: error: --tolerance-file {tmp_path}: the file is a directory, not a file"]
+    bad = tmp_path / "xf.txt"
+    bad.write_text("two patterns here\n")
+    (line,) = _usage_error(["conformance", "--xfail-file", str(bad)], capsys)
+    assert line.startswith("moe-ep: error: ") and "an expected-failure entry is one test-id pattern" in line
+    report = tmp_path / "missing" / "r.json"
+    assert _usage_error(["conformance", "--report-json", str(report)], capsys) == [
+        f"moe-ep: error: --report-json {report}: cannot write the report there: the directory {report.parent} "
+        "does not exist"]
+    assert _usage_error(["conformance", "--ep-size", "7"], capsys)[0].startswith(
+        "moe-ep: error: --ep-size 7: the full table has no case with that EP size")
+
+
+def test_conformance_k_that_selects_nothing_says_so(capsys: pytest.CaptureFixture) -> None:
+    assert main(["conformance", "--backend", "reference", "--quick", "-k", "no_such_words_anywhere"]) == 2
+    lines = capsys.readouterr().err.splitlines()  # stdout: pytest's header
+    assert lines[-1].startswith("moe-ep: error: -k 'no_such_words_anywhere' selects no case of the quick table "
+                                "(backends: reference)")
+
+
+def test_an_unavailable_backend_is_refused_before_any_work(capsys: pytest.CaptureFixture) -> None:
+    """As fast as `moe-ep backends`: the quick availability check first, no framework import, no suite."""
+
+    class _Absent(moe_ep_spec.MoeEpBackend):
+        name = "test-absent"
+        capabilities = moe_ep_spec.Capabilities()
+
+        def quick_availability(self) -> moe_ep_spec.Availability:
+            return moe_ep_spec.Availability(False, "its library is not installed")
+
+        def availability(self) -> moe_ep_spec.Availability:  # the slow check: never reached
+            raise AssertionError("the full availability check ran")
+
+    registry = moe_ep_spec.get_registry()
+    registry.register(_Absent())
+    try:
+        for argv in (["conformance", "--backend", "test-absent"], ["run", "--backend", "test-absent"]):
+            assert _usage_error(argv, capsys) == [
+                "moe-ep: error: MoeEp backend 'test-absent' is not available: its library is not installed"]
+    finally:
+        registry.unregister("test-absent")
+
+
+def test_the_help_states_every_exit_status(capsys: pytest.CaptureFixture) -> None:
+    from moe_ep_spec.cli import EXIT_CODES
+
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for code in EXIT_CODES:
+        assert f"{code} " in text
+    for command in ("conformance", "bench"):
+        assert main([command, "--help"]) == 0
+        assert "Exit status: 0 " in " ".join(capsys.readouterr().out.split())
+
+
+def test_backends_shows_input_formats(capsys: pytest.CaptureFixture) -> None:
+    class _Bf16Only(moe_ep_spec.MoeEpBackend):
+        name = "test-bf16-only"
+        capabilities = moe_ep_spec.Capabilities(formats=frozenset({moe_ep_spec.MoeFormat.BF16}),
+                                                input_formats=frozenset({moe_ep_spec.MoeFormat.BF16}))
+
+    registry = moe_ep_spec.get_registry()
+    registry.register(_Bf16Only())
+    try:
+        assert main(["backends"]) == 0
+    finally:
+        registry.unregister("test-bf16-only")
+    out = capsys.readouterr().out
+    assert "fmt=bf16 in=bf16" in next(line for line in out.splitlines() if line.startswith("test-bf16-only"))
+    assert "fmt=all in=all" in next(line for line in out.splitlines() if line.startswith("reference"))
+
+
+def test_conformance_summary_calls_an_error_of_one_budget_a_code_step() -> None:
+    from moe_ep_conformance.cases import Case
+    from moe_ep_conformance.report import Record, Report
+    from moe_ep_conformance.runner import CaseResult, Check
+
+    def record(case: Case, *ratios: float) -> Record:
+        checks = [Check(f"rank {i} output", True, r) for i, r in enumerate(ratios)]
+        return Record(CaseResult(case.test_id("demo"), "demo", case, "passed", ratio=max(ratios), checks=checks),
+                      "passed")
+
+    step, other = Case("forward", 2, 2, 8), Case("forward", 2, 2, 16)
+    report = Report(backends={"demo": {"version": "1"}},
+                    records=[record(step, 1.0, 0.25), record(other, 0.42), record(Case("forward", 2, 1, 8), 0.0)])
+    line = report.summary_line("demo")
+    assert "worst passing error/budget 1 (" + step.test_id("demo") in line
+    assert (f": 1 step: an allowed neighbouring code; worst other error/budget 0.42 ({other.test_id('demo')}, "
+            "check 'rank 0 output')") in line
+    details = report.to_json()["details"]["demo"]
+    assert details["worst_passing"]["code_step"] is True
+    assert details["worst_below_a_step"] == {"id": other.test_id("demo"), "check": "rank 0 output",
+                                             "error_over_budget": 0.42}
+    assert "Worst error/budget of a passing case: 1 step: an allowed neighbouring code; worst other" in report.to_markdown()
+    below = Report(backends={"demo": {}}, records=[record(other, 0.42)])
+    assert "worst passing error/budget 0.42 (" in below.summary_line("demo") and "step" not in below.summary_line("demo")
 
 
 def test_config_errors_name_the_options(capsys: pytest.CaptureFixture) -> None:

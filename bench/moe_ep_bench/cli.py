@@ -456,4 +456,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     skipped, 1 when some failed, 2 on a usage or configuration error."""
     from moe_ep_spec.cli import run_parsed
 
-    return run_parsed(build_parser().parse_args(argv))
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a command line mistake (2, printed with the usage)
+        return exc.code if isinstance(exc.code, int) else 2
+    return run_parsed(args)
