@@ -76,3 +76,41 @@ def test_readme_python_example_prints_what_it_says(capsys) -> None:
     printed = re.search(r"It prints:\n\n```text\n(.*?)```", text, flags=re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out == printed
+
+
+def test_backends_bench_driver_times_the_tutorial_backend() -> None:
+    """docs/backends.md's bench driver, as written, on the tutorial's backend; its entry-point group is the bench's."""
+    text = (ROOT / "docs" / "backends.md").read_text()
+    (driver,) = re.findall(r"```python bench-driver\n(.*?)```", text, flags=re.S)
+    blocks = re.findall(r"```python tutorial\n(.*?)```", text, flags=re.S)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from moe_ep_bench.drivers import ENTRY_POINT_GROUP
+        from moe_ep_bench.model import BenchSettings
+        from moe_ep_bench.progress import make_progress
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert f'[project.entry-points."{ENTRY_POINT_GROUP}"]' in text
+    plugin: dict = {}
+    exec(compile(blocks[0], "docs/backends.md", "exec"), plugin)
+    module: dict = {}
+    exec(compile(driver, "docs/backends.md", "exec"), module)
+    settings = BenchSettings(device="cpu", ep_size=2, hidden=32, intermediate=16, experts=4, topk=2, tokens=(4, 8),
+                             formats=("bf16", "mxfp8"), ops=("dispatch", "forward"), repeats=2, warmup=1)
+    rows = module["drive"](plugin["EchoBackend"](), settings, {}, make_progress(0, "none"))
+    status = {(r.op, r.format, r.tokens): r.status for r in rows}
+    assert len(status) == len(rows) == 8
+    assert {k for k, v in status.items() if v == "ok"} == {("forward", "bf16", 4), ("forward", "bf16", 8)}
+    assert all(len(r.samples_ms) == 2 and r.median_ms > 0 for r in rows if r.ok)
+
+
+def test_backends_tutorial_declares_bf16_inputs_only() -> None:
+    """The tutorial's bf16 backend declares bf16 inputs, so the suite never feeds it block-scaled ones."""
+    from moe_ep_spec import MoeFormat
+
+    text = (ROOT / "docs" / "backends.md").read_text()
+    blocks = re.findall(r"```python tutorial\n(.*?)```", text, flags=re.S)
+    plugin: dict = {}
+    exec(compile(blocks[0], "docs/backends.md", "exec"), plugin)
+    caps = plugin["EchoBackend"].capabilities
+    assert caps.formats == caps.input_formats == frozenset({MoeFormat.BF16})
