@@ -114,3 +114,25 @@ def test_backends_tutorial_declares_bf16_inputs_only() -> None:
     exec(compile(blocks[0], "docs/backends.md", "exec"), plugin)
     caps = plugin["EchoBackend"].capabilities
     assert caps.formats == caps.input_formats == frozenset({MoeFormat.BF16})
+
+
+def test_torch_module_snippet_runs_in_one_process(tmp_path: Path) -> None:
+    """docs/torch.md's MoeEpLayer snippet, group set-up included, runs as written in a fresh process."""
+    import importlib.util
+    import subprocess
+
+    import pytest
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("moe_ep_torch") is None:
+        pytest.skip("torch or moe-ep-torch is not installed")
+    from moe_ep_spec.launch import free_loopback_port
+
+    text = (ROOT / "docs" / "torch.md").read_text()
+    section = text.split("## A module: `moe_ep_torch.module.MoeEpLayer`", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    assert "init_process_group" in code
+    script = tmp_path / "snippet.py"
+    script.write_text(code + "\nassert y.shape == (16, 64) and layer.fc1_weight.grad is not None\nprint('ok')\n")
+    env = dict(__import__("os").environ, MASTER_PORT=str(free_loopback_port()))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
