@@ -12,11 +12,11 @@ Steps (default: all of them, always run in this order whatever order they are na
                machine with nvcc; JAX_FFI_CORE=1 adds the core for jax-ffi) is reused
                instead of compiling the core here.
   test         the GPU tests CI skips: the native core's CUDA kernels, the layer object,
-               the device exchange and its NCCL provider, cuda-nccl, jax-ffi, torch on CUDA.
+               the device exchange and its NCCL provider, cuda-nccl, jax-ffi, jax, torch on CUDA.
   conformance  the conformance table on the GPU: cuda-nccl at EP 1 (host-synchronised and
                over the device exchange's NCCL provider), cuda-nccl at EP 2 and 4 with every
                rank on the one GPU (--device cuda-shared, the device exchange over CUDA IPC),
-               jax-ffi and torch at EP 1.
+               jax-ffi, torch and jax at EP 1; cuda-nccl, torch and jax at EP 2 on two GPUs.
   sanitize     compute-sanitizer memcheck and racecheck on the grouped-GEMM check program
                and on the device exchange's and the kernels' CUDA tests.
   bench        moe-ep bench at the DeepSeek-V3 per-rank shape (EP 1, 32 local experts),
@@ -377,6 +377,7 @@ def test_commands(ctx: Context) -> List[Command]:
         Command("cuda-nccl", _pytest(ctx, "-m", "not slow", "tests/test_cuda_nccl.py",
                                      "tests/test_cuda_nccl_block_scaled.py", "tests/test_cuda_nccl_device_conformance.py")),
         Command("jax-ffi", _pytest(ctx, "tests/test_jax_ffi.py", "tests/test_jax_one_rank.py")),
+        Command("jax", _pytest(ctx, "tests/test_jax_backend.py")),
         Command("torch", _pytest(ctx, "tests/test_torch_backend.py", "-k", "cuda")),
     ]
 
@@ -409,13 +410,16 @@ def conformance_commands(ctx: Context) -> List[Command]:
     cmds += [
         Command("jax-ffi-ep1", _cli(ctx, "conformance", "--backend", "jax-ffi", "--device", "cuda", "--ep-size", "1",
                                     "--timeout", "300", "--report-md", str(out / "conformance-jax-ffi-ep1.md"))),
-        Command("torch-ep1", _cli(ctx, "conformance", "--backend", "torch", "--device", "cuda", "--ep-size", "1",
-                                  "--timeout", "300", "--report-md", str(out / "conformance-torch-ep1.md"))),
     ]
-    if ctx.gpus >= 2:
-        cmds.append(Command("cuda-nccl-ep2", _cli(ctx, "conformance", "--backend", "cuda-nccl", "--device", "cuda",
-                                                  "--ep-size", "2", "--timeout", "300",
-                                                  "--report-md", str(out / "conformance-cuda-nccl-ep2.md"))))
+    for backend in ("torch", "jax"):
+        cmds.append(Command(f"{backend}-ep1", _cli(ctx, "conformance", "--backend", backend, "--device", "cuda",
+                                                   "--ep-size", "1", "--timeout", "300",
+                                                   "--report-md", str(out / f"conformance-{backend}-ep1.md"))))
+    if ctx.gpus >= 2:  # every rank on its own GPU: NCCL over NVLink
+        for backend in ("cuda-nccl", "torch", "jax"):
+            cmds.append(Command(f"{backend}-ep2", _cli(ctx, "conformance", "--backend", backend, "--device", "cuda",
+                                                       "--ep-size", "2", "--timeout", "300",
+                                                       "--report-md", str(out / f"conformance-{backend}-ep2.md"))))
     return cmds
 
 
