@@ -136,3 +136,26 @@ def test_torch_module_snippet_runs_in_one_process(tmp_path: Path) -> None:
     env = dict(__import__("os").environ, MASTER_PORT=str(free_loopback_port()))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_conformance_doc_matches_the_cli() -> None:
+    """docs/conformance.md's plain-pytest command collects the operations `moe-ep conformance` passes
+    (so both run the same quick cases), its EP sizes are the tables', and --timeout means the same in both."""
+    from moe_ep_conformance.cases import OPERATIONS, all_cases
+    from moe_ep_conformance.cli import pytest_args
+
+    from moe_ep_spec.cli import build_parser
+
+    text = (ROOT / "docs" / "conformance.md").read_text()
+    listed = re.search(r'-o python_functions="([^"]+)"', text).group(1).split()
+    args = build_parser().parse_args(["conformance", "--quick"])
+    passed = next(a for a in pytest_args(args) if a.startswith("python_functions="))
+    assert listed == list(OPERATIONS) == passed.split("=", 1)[1].split()
+    for quick in (False, True):
+        assert sorted({c.num_ranks for c in all_cases(quick=quick)}) == [1, 2, 3, 4]
+    assert "The table has 1, 2, 3 and 4, the quick subset too" in text
+    row = next(line for line in text.splitlines() if line.startswith("| `--timeout SECONDS` |"))
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["conformance"]
+    helptext = next(a.help for a in sub._actions if "--timeout" in a.option_strings)
+    for words in ("process-per-rank", "--isolate", "120"):
+        assert words in row and words in helptext, words
