@@ -159,3 +159,27 @@ def test_conformance_doc_matches_the_cli() -> None:
     helptext = next(a.help for a in sub._actions if "--timeout" in a.option_strings)
     for words in ("process-per-rank", "--isolate", "120"):
         assert words in row and words in helptext, words
+
+
+def _anchors(path: Path) -> set:
+    """The GitHub anchors of a markdown file's headings."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    heads = re.findall(r"^#+\s+(.*?)\s*$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
+def test_links_in_the_readme_and_docs_point_at_existing_files_and_headings() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", link):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such file)")
+            elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such heading)")
+    assert not broken, "\n".join(broken)
