@@ -229,18 +229,26 @@ def run_command(argv: Sequence[str], log: Path, timeout: float, env: Mapping[str
             rc = proc.wait(timeout=max(timeout, 0.01))
             return rc, False, time.monotonic() - t0
         except subprocess.TimeoutExpired:
-            for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 30.0)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            _stop(proc)
             fh.write(f"\n[gpu.py] timed out after {timeout:.0f} s\n")
             return proc.returncode, True, time.monotonic() - t0
+        except BaseException:  # Ctrl-C: the command's own session does not get it
+            _stop(proc)
+            raise
+
+
+def _stop(proc: "subprocess.Popen[bytes]") -> None:
+    """SIGTERM to the command's process group, SIGKILL 5 s later if it is still there."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 30.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def last_line(log: Path) -> str:
