@@ -238,17 +238,21 @@ def run_command(argv: Sequence[str], log: Path, timeout: float, env: Mapping[str
 
 
 def _stop(proc: "subprocess.Popen[bytes]") -> None:
-    """SIGTERM to the command's process group, SIGKILL 5 s later if it is still there."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 30.0)):
+    """SIGTERM to the command's process group, 5 s for it to end, then SIGKILL to whatever
+    of the group is left (a rank process that outlived its parent included)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
-            proc.wait(timeout=wait)
-            return
+            proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
-            continue
+            pass
+    try:
+        proc.wait(timeout=30.0)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def last_line(log: Path) -> str:
