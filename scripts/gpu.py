@@ -172,15 +172,18 @@ def gemm_check(ctx: Context) -> Optional[Path]:
 
 
 def child_env(ctx: Context, extra: Mapping[str, str] = ()) -> Dict[str, str]:
-    """The environment of every command: this process's, with the wheels' folder, the
-    native binding's source and tests/ on PYTHONPATH, a carried native library, NCCL on
-    loopback, unbuffered output, jax not taking all GPU memory, then ``ctx.env``, ``extra``."""
+    """The environment of every command: this process's, with the wheels' folder and tests/
+    on PYTHONPATH, a carried native library (and then the binding's source on PYTHONPATH),
+    NCCL on loopback, unbuffered output, jax not taking all GPU memory, then ``ctx.env``
+    and ``extra``."""
     env = dict(os.environ)
-    paths = [p for p in (ctx.env.get("_SITE", ""), str(ctx.path("backends", "native")), str(ctx.path("tests"))) if p]
+    lib = carried(ctx, "libmoe_ep_native.so")
+    # with a carried library the binding comes from the tree (no build of it here)
+    native = str(ctx.path("backends", "native")) if lib is not None else ""
+    paths = [p for p in (ctx.env.get("_SITE", ""), native, str(ctx.path("tests"))) if p]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    lib = carried(ctx, "libmoe_ep_native.so")
     if lib is not None:
         env.setdefault("MOE_EP_NATIVE_LIBRARY", str(lib))
     env.setdefault("NCCL_SOCKET_IFNAME", "lo")

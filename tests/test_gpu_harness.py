@@ -26,8 +26,9 @@ ONE_H200 = (1, ("NVIDIA H200",), "")
 
 
 def _ctx(tmp_path: Path, gpus: int = 1, **kw) -> "gpu.Context":
+    kw.setdefault("env", {"_SITE": ""})  # no wheels to install
     return gpu.Context(root=ROOT, out=tmp_path, python=sys.executable, gpus=gpus, gpu_names=("NVIDIA H200",) * gpus,
-                       gpu_problem="" if gpus else NO_GPU[2], env={"_SITE": ""}, **kw)
+                       gpu_problem="" if gpus else NO_GPU[2], **kw)
 
 
 def _step(*commands: "gpu.Command", needs_gpu: bool = False) -> "gpu.Step":
@@ -147,6 +148,21 @@ def test_bench_compares_with_the_cards_baseline_or_says_there_is_none(tmp_path) 
     assert cmds[1].argv[1:8] == ("-m", "moe_ep_spec.cli", "bench", "--device", "cuda", "--backend", "jax-ffi")
     (quick,) = gpu.bench_commands(_ctx(tmp_path, baseline=baseline, quick=True))
     assert "--compare" in quick.argv and quick.argv[quick.argv.index("--tokens") + 1] == "128"
+
+
+def test_commands_get_the_wheels_tests_and_a_carried_library_on_their_paths(tmp_path, monkeypatch) -> None:
+    ctx = _ctx(tmp_path, env={"_SITE": "/site", "EXTRA": "1"})
+    monkeypatch.delenv("MOE_EP_NATIVE_LIBRARY", raising=False)
+    monkeypatch.setattr(gpu, "carried", lambda ctx, name: None)
+    env = gpu.child_env(ctx, {"MOE_EP_CUDA_NCCL_EXCHANGE": "device"})
+    paths = env["PYTHONPATH"].split(":")
+    assert paths[:2] == ["/site", str(ROOT / "tests")] and "MOE_EP_NATIVE_LIBRARY" not in env
+    assert env["EXTRA"] == "1" and env["MOE_EP_CUDA_NCCL_EXCHANGE"] == "device" and "_SITE" not in env
+    lib = tmp_path / "libmoe_ep_native.so"
+    monkeypatch.setattr(gpu, "carried", lambda ctx, name: lib if name == lib.name else None)
+    env = gpu.child_env(ctx)
+    assert env["PYTHONPATH"].split(":")[:3] == ["/site", str(ROOT / "backends" / "native"), str(ROOT / "tests")]
+    assert env["MOE_EP_NATIVE_LIBRARY"] == str(lib) and env["NCCL_SOCKET_IFNAME"]
 
 
 def test_main_without_a_gpu_writes_verdicts_and_a_summary(tmp_path, capsys) -> None:
