@@ -8,6 +8,7 @@
 #   .devbuild/libmoe_ep_native_core.a (JAX_FFI_CORE=1: the core without NCCL, for the jax-ffi module)
 #
 #   bash scripts/build_cuda.sh                 # JOBS=2 for two nvcc at once (3.4 GB each)
+# On the GPU machine, python scripts/gpu.py reuses what it copied (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
