@@ -58,6 +58,40 @@ SLOW: Dict[str, Tuple[str, ...]] = {
 }
 
 
+# How many tests -m / -k left out: counted where the tests are collected (each xdist worker
+# collects them all), reported by the process that prints the summary.
+_DESELECTED = pytest.StashKey[int]()
+_WORKER_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_deselected(items: List[pytest.Item]) -> None:
+    if not items:
+        return
+    config = items[0].config
+    config.stash[_DESELECTED] = config.stash.get(_DESELECTED, 0) + len(items)
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: tell the controller
+        workeroutput["moe_ep_deselected"] = config.stash[_DESELECTED]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """xdist's controller: every worker deselects the same tests; keep one worker's count."""
+    count = getattr(node, "workeroutput", {}).get("moe_ep_deselected")
+    config = getattr(node, "config", None)
+    if count is not None and config is not None:
+        config.stash[_WORKER_DESELECTED] = max(config.stash.get(_WORKER_DESELECTED, 0), count)
+
+
+def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: pytest.Config) -> None:
+    """Under xdist the summary line has no "deselected" count (the workers deselect): say it here."""
+    count = config.stash.get(_WORKER_DESELECTED, 0)
+    if count:
+        why = " and ".join(f"{opt} {value!r}" for opt, value in (("-m", config.option.markexpr),
+                                                                   ("-k", config.option.keyword)) if value)
+        terminalreporter.write_line(f"{count} deselected by {why or '-m/-k'}")  # type: ignore[attr-defined]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     for item in items:
         names = SLOW.get(item.path.name)

@@ -270,6 +270,9 @@ def test_default_table_fits_100_columns_and_progress_is_quiet_off_a_terminal(
     assert max(len(line) for line in lines) <= 100, max(lines, key=len)
     for op in ("dispatch", "combine", "forward", "forward_backward (backward_operand_format none)"):
         assert op in lines
+    long = Row(backend="jax", kind="backend", op="dispatch", tokens=8, format="bf16", ep_size=1, device="cpu",
+               status="skipped", reason="skipped: " + "a long reason " * 20)
+    assert max(len(line) for line in format_table([long]).splitlines()) <= 100
     # not a terminal: one line at the start, then at most one every 30 s (and the last), never one per measurement
     total = len(json.loads((tmp_path / "b.json").read_text())["rows"])
     progress = [line for line in captured.err.splitlines() if line.startswith("[")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -316,7 +317,8 @@ def _compact_table(rows: Sequence[Row], header: str) -> str:
     if notes:
         lines.append("")
         lines += notes
-    lines += _not_measured(rows)
+    lines += [textwrap.fill(line, width=TABLE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+              for line in _not_measured(rows)]
     return "\n".join(lines)
 
 
