@@ -13,115 +13,34 @@ framework or a backend.
 
 from __future__ import annotations
 
-from .api import (
-    ROUTE_METADATA_COLUMNS,
-    BackwardResult,
-    DispatchGrads,
-    DispatchHandle,
-    DispatchInputs,
-    DispatchResult,
-    ForwardResult,
-    RankContext,
-    RankInputs,
-    Stash,
-    Tensor,
-)
+from .api import (ROUTE_METADATA_COLUMNS, BackwardResult, DispatchGrads, DispatchHandle, DispatchInputs, DispatchResult,
+                  ForwardResult, RankContext, RankInputs, Stash, Tensor)
 from .backend import Availability, Capabilities, Launch, MoeEpBackend
 from .config import MoeEpConfig
-from .errors import (
-    BackendError,
-    BackendNotFoundError,
-    BackendUnavailableError,
-    CapabilityError,
-    CapacityError,
-    ConfigError,
-    DeviceError,
-    DTypeError,
-    FormatError,
-    MoeEpError,
-    MoeEpWarning,
-    NativeArgumentError,
-    TransportError,
-    NativeError,
-    RoutingIndexError,
-    ShapeError,
-    StashError,
-)
+from .errors import (BackendError, BackendNotFoundError, BackendUnavailableError, CapabilityError, CapacityError,
+                     ConfigError, DeviceError, DTypeError, FormatError, MoeEpError, MoeEpWarning, NativeArgumentError,
+                     TransportError, NativeError, RoutingIndexError, ShapeError, StashError)
 from .formats import BlockScaledTensor, MoeFormat, dequantize, parse_format, quantize, round_to_bf16, round_trip
 from .hookspecs import ENTRY_POINT_GROUP, hookimpl, hookspec
-from . import inputs, tolerance, validation
-from .registry import (
-    InstalledPlugin,
-    PluginFailure,
-    Registry,
-    get_backend,
-    get_registry,
-    list_backends,
-    plugin_failures,
-    register_backend,
-)
+from . import api, errors, inputs, tolerance, validation
+from .registry import (InstalledPlugin, PluginFailure, Registry, get_backend, get_registry, list_backends,
+                       plugin_failures, register_backend)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
     # submodules
-    "inputs",
-    "tolerance",
-    "validation",
+    "inputs", "tolerance", "validation",
     # config and formats
-    "MoeEpConfig",
-    "MoeFormat",
-    "BlockScaledTensor",
-    "parse_format",
-    "quantize",
-    "dequantize",
-    "round_to_bf16",
+    "MoeEpConfig", "MoeFormat", "BlockScaledTensor", "parse_format", "quantize", "dequantize", "round_to_bf16",
     "round_trip",
     # operation inputs and results
-    "Tensor",
-    "RankInputs",
-    "ForwardResult",
-    "Stash",
-    "BackwardResult",
-    "DispatchInputs",
-    "DispatchHandle",
-    "DispatchResult",
-    "DispatchGrads",
-    "RankContext",
-    "ROUTE_METADATA_COLUMNS",
+    *api.__all__,
     # backends and registry
-    "MoeEpBackend",
-    "Capabilities",
-    "Availability",
-    "Launch",
-    "ENTRY_POINT_GROUP",
-    "hookimpl",
-    "hookspec",
-    "Registry",
-    "PluginFailure",
-    "InstalledPlugin",
-    "get_registry",
-    "get_backend",
-    "list_backends",
-    "plugin_failures",
+    "MoeEpBackend", "Capabilities", "Availability", "Launch", "ENTRY_POINT_GROUP", "hookimpl", "hookspec", "Registry",
+    "PluginFailure", "InstalledPlugin", "get_registry", "get_backend", "list_backends", "plugin_failures",
     "register_backend",
     # errors
-    "MoeEpError",
-    "MoeEpWarning",
-    "ConfigError",
-    "ShapeError",
-    "DTypeError",
-    "FormatError",
-    "RoutingIndexError",
-    "CapacityError",
-    "StashError",
-    "DeviceError",
-    "CapabilityError",
-    "BackendError",
-    "BackendNotFoundError",
-    "BackendUnavailableError",
-    "NativeError",
-    "NativeArgumentError",
-    "TransportError",
+    *errors.__all__,
 ]

@@ -20,19 +20,8 @@ import numpy as np
 
 from .formats import BlockScaledTensor
 
-__all__ = [
-    "Tensor",
-    "RankInputs",
-    "ForwardResult",
-    "Stash",
-    "BackwardResult",
-    "DispatchInputs",
-    "DispatchHandle",
-    "DispatchResult",
-    "DispatchGrads",
-    "RankContext",
-    "ROUTE_METADATA_COLUMNS",
-]
+__all__ = ["Tensor", "RankInputs", "ForwardResult", "Stash", "BackwardResult", "DispatchInputs", "DispatchHandle",
+           "DispatchResult", "DispatchGrads", "RankContext", "ROUTE_METADATA_COLUMNS"]
 
 #: A plain float array or a block-scaled tensor.
 Tensor = Union[np.ndarray, BlockScaledTensor]

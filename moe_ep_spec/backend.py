@@ -22,28 +22,36 @@ process-per-rank backend the suite's harness starts the processes and calls the
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
+from importlib import metadata
 from typing import FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .api import (
-    BackwardResult,
-    DispatchGrads,
-    DispatchHandle,
-    DispatchInputs,
-    DispatchResult,
-    ForwardResult,
-    RankContext,
-    RankInputs,
-    Stash,
-    Tensor,
-)
+from .api import (BackwardResult, DispatchGrads, DispatchHandle, DispatchInputs, DispatchResult, ForwardResult,
+                  RankContext, RankInputs, Stash, Tensor)
 from .config import MoeEpConfig
 from .errors import CapabilityError
 from .formats import MoeFormat
 
-__all__ = ["Launch", "Capabilities", "Availability", "MoeEpBackend"]
+__all__ = ["Launch", "Capabilities", "Availability", "MoeEpBackend", "installed_version", "release"]
+
+
+def installed_version(distribution: str) -> Optional[str]:
+    """The installed version of ``distribution`` (e.g. ``2.5.1+cpu``), read from
+    its metadata without importing it; None when not installed (for a backend's
+    quick availability check)."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def release(version: str) -> Tuple[int, ...]:
+    """The leading numbers of a version string: ``"2.5.1+cpu"`` -> ``(2, 5, 1)``."""
+    m = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
 
 class Launch(str, enum.Enum):
@@ -208,13 +216,8 @@ class MoeEpBackend:
         """
         raise self._wrong_launch("forward")
 
-    def backward(
-        self,
-        config: MoeEpConfig,
-        inputs: Sequence[RankInputs],
-        grad_output: Sequence[np.ndarray],
-        stash: Sequence[Stash],
-    ) -> List[BackwardResult]:
+    def backward(self, config: MoeEpConfig, inputs: Sequence[RankInputs], grad_output: Sequence[np.ndarray],
+                 stash: Sequence[Stash]) -> List[BackwardResult]:
         """The spec backward over a whole world.
 
         Args:
@@ -246,13 +249,9 @@ class MoeEpBackend:
         """
         raise self._wrong_launch("combine")
 
-    def dispatch_backward(
-        self,
-        config: MoeEpConfig,
-        handles: Sequence[DispatchHandle],
-        grad_tokens: Sequence[np.ndarray],
-        grad_topk_weights: Sequence[np.ndarray],
-    ) -> List[DispatchGrads]:
+    def dispatch_backward(self, config: MoeEpConfig, handles: Sequence[DispatchHandle],
+                          grad_tokens: Sequence[np.ndarray],
+                          grad_topk_weights: Sequence[np.ndarray]) -> List[DispatchGrads]:
         """Backward of dispatch (a combine of the cotangents): ``[R, H]`` and
         ``[R]`` float cotangents per rank in, :class:`DispatchGrads` per rank out."""
         raise self._wrong_launch("dispatch_backward")
@@ -286,14 +285,8 @@ class MoeEpBackend:
         """Layered combine for one rank; collective."""
         raise self._wrong_launch("combine_rank")
 
-    def dispatch_backward_rank(
-        self,
-        config: MoeEpConfig,
-        ctx: RankContext,
-        handle: DispatchHandle,
-        grad_tokens: np.ndarray,
-        grad_topk_weights: np.ndarray,
-    ) -> DispatchGrads:
+    def dispatch_backward_rank(self, config: MoeEpConfig, ctx: RankContext, handle: DispatchHandle,
+                               grad_tokens: np.ndarray, grad_topk_weights: np.ndarray) -> DispatchGrads:
         """Backward of dispatch for one rank; collective."""
         raise self._wrong_launch("dispatch_backward_rank")
 

@@ -14,25 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = [
-    "MoeEpError",
-    "ConfigError",
-    "ShapeError",
-    "DTypeError",
-    "FormatError",
-    "RoutingIndexError",
-    "CapacityError",
-    "StashError",
-    "DeviceError",
-    "CapabilityError",
-    "BackendError",
-    "BackendNotFoundError",
-    "BackendUnavailableError",
-    "NativeError",
-    "NativeArgumentError",
-    "TransportError",
-    "MoeEpWarning",
-]
+__all__ = ["MoeEpError", "ConfigError", "ShapeError", "DTypeError", "FormatError", "RoutingIndexError", "CapacityError",
+           "StashError", "DeviceError", "CapabilityError", "BackendError", "BackendNotFoundError",
+           "BackendUnavailableError", "NativeError", "NativeArgumentError", "TransportError", "MoeEpWarning"]
 
 
 class MoeEpError(Exception):
@@ -51,44 +35,29 @@ class ConfigError(MoeEpError, ValueError):
         self.value = value
 
 
-class ShapeError(MoeEpError, ValueError):
+class _NotAsExpected(MoeEpError):
+    """An argument that is not what the spec expects (the base of ShapeError and
+    DTypeError): ``name`` (the argument), ``expected`` and ``got``."""
+
+    def __init__(self, message: str, *, name: str | None = None, expected: Any = None, got: Any = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.expected = expected
+        self.got = got
+
+
+class ShapeError(_NotAsExpected, ValueError):
     """An array has the wrong number of dimensions or the wrong extent.
 
     Attributes: ``name`` (the argument), ``expected`` and ``got`` (shapes).
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        name: str | None = None,
-        expected: Any = None,
-        got: Any = None,
-    ) -> None:
-        super().__init__(message)
-        self.name = name
-        self.expected = expected
-        self.got = got
 
-
-class DTypeError(MoeEpError, TypeError):
+class DTypeError(_NotAsExpected, TypeError):
     """An array has a dtype the spec does not allow for that argument.
 
     Attributes: ``name``, ``expected`` (the allowed dtypes, as text) and ``got``.
     """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        name: str | None = None,
-        expected: Any = None,
-        got: Any = None,
-    ) -> None:
-        super().__init__(message)
-        self.name = name
-        self.expected = expected
-        self.got = got
 
 
 class FormatError(MoeEpError, ValueError):

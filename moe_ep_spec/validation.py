@@ -28,6 +28,7 @@ __all__ = [
     "check_num_tokens",
     "validate_rank_inputs",
     "validate_world",
+    "check_handle",
     "validate_dispatch_inputs",
     "validate_grad",
     "validate_stash",
@@ -209,6 +210,22 @@ def validate_world(config: MoeEpConfig, per_rank: Sequence[Any], name: str) -> N
             expected=config.num_ranks,
             got=len(per_rank),
         )
+
+
+def check_handle(config: MoeEpConfig, handle: Any, rank: int) -> DispatchHandle:
+    """Entry ``rank`` of a world-level ``handles`` argument must be rank ``rank``'s
+    :class:`~moe_ep_spec.DispatchHandle` of a dispatch with ``config``'s
+    ``num_ranks`` and ``num_topk``."""
+    if not isinstance(handle, DispatchHandle):
+        raise DTypeError(f"handles[{rank}] must be a DispatchHandle; got {type(handle).__name__}", name="handles")
+    h = handle
+    if h.rank != rank or h.num_ranks != config.num_ranks or h.num_topk != config.num_topk:
+        raise ShapeError(
+            f"handles[{rank}] must be rank {rank}'s handle of a dispatch with num_ranks = {config.num_ranks} and "
+            f"num_topk = {config.num_topk}; got rank {h.rank}, num_ranks {h.num_ranks}, num_topk {h.num_topk}",
+            name="handles",
+        )
+    return handle
 
 
 def validate_grad(

@@ -7,20 +7,11 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from moe_ep_spec import validation as v
-from moe_ep_spec.api import (
-    BackwardResult,
-    DispatchGrads,
-    DispatchHandle,
-    DispatchInputs,
-    DispatchResult,
-    ForwardResult,
-    RankInputs,
-    Stash,
-    Tensor,
-)
+from moe_ep_spec.api import (BackwardResult, DispatchGrads, DispatchHandle, DispatchInputs, DispatchResult,
+                             ForwardResult, RankInputs, Stash, Tensor)
 from moe_ep_spec.backend import Capabilities, Launch, MoeEpBackend
 from moe_ep_spec.config import MoeEpConfig
-from moe_ep_spec.errors import DTypeError, ShapeError, StashError
+from moe_ep_spec.errors import DTypeError, StashError
 from moe_ep_spec.formats import round_to_bf16, round_trip
 from moe_ep_spec.tolerance import (
     ForwardBudget,
@@ -69,14 +60,7 @@ class ReferenceBackend(MoeEpBackend):
     def _check_handles(self, config: MoeEpConfig, handles: Sequence[DispatchHandle]) -> None:
         v.validate_world(config, handles, "handles")
         for r, h in enumerate(handles):
-            if not isinstance(h, DispatchHandle):
-                raise DTypeError(f"handles[{r}] must be a DispatchHandle; got {type(h).__name__}", name="handles")
-            if h.rank != r or h.num_ranks != config.num_ranks or h.num_topk != config.num_topk:
-                raise ShapeError(
-                    f"handles[{r}] must be rank {r}'s handle of a dispatch with num_ranks = {config.num_ranks} and "
-                    f"num_topk = {config.num_topk}; got rank {h.rank}, num_ranks {h.num_ranks}, num_topk {h.num_topk}",
-                    name="handles",
-                )
+            v.check_handle(config, h, r)
 
     # ----------------------------------------------------------------- fused
 
@@ -129,43 +113,22 @@ class ReferenceBackend(MoeEpBackend):
                 )
         return results, budgets
 
-    def backward(
-        self,
-        config: MoeEpConfig,
-        inputs: Sequence[RankInputs],
-        grad_output: Sequence[np.ndarray],
-        stash: Sequence[Stash],
-    ) -> List[BackwardResult]:
+    def backward(self, config: MoeEpConfig, inputs: Sequence[RankInputs], grad_output: Sequence[np.ndarray],
+                 stash: Sequence[Stash]) -> List[BackwardResult]:
         return self._backward(config, inputs, grad_output, stash, with_bound=False)[0]
 
-    def backward_and_budget(
-        self,
-        config: MoeEpConfig,
-        inputs: Sequence[RankInputs],
-        grad_output: Sequence[np.ndarray],
-        stash: Sequence[Stash],
-    ) -> Tuple[List[BackwardResult], List[BackwardResult]]:
+    def backward_and_budget(self, config: MoeEpConfig, inputs: Sequence[RankInputs], grad_output: Sequence[np.ndarray],
+                            stash: Sequence[Stash]) -> Tuple[List[BackwardResult], List[BackwardResult]]:
         """:meth:`backward` and :meth:`backward_budget` from one computation."""
         return self._backward(config, inputs, grad_output, stash, with_bound=True)
 
-    def backward_budget(
-        self,
-        config: MoeEpConfig,
-        inputs: Sequence[RankInputs],
-        grad_output: Sequence[np.ndarray],
-        stash: Sequence[Stash],
-    ) -> List[BackwardResult]:
+    def backward_budget(self, config: MoeEpConfig, inputs: Sequence[RankInputs], grad_output: Sequence[np.ndarray],
+                        stash: Sequence[Stash]) -> List[BackwardResult]:
         """Per rank, float64 budgets shaped like the four gradients of :meth:`backward`."""
         return self._backward(config, inputs, grad_output, stash, with_bound=True)[1]
 
-    def _backward(
-        self,
-        config: MoeEpConfig,
-        inputs: Sequence[RankInputs],
-        grad_output: Sequence[np.ndarray],
-        stash: Sequence[Stash],
-        with_bound: bool,
-    ) -> Tuple[List[BackwardResult], List[BackwardResult]]:
+    def _backward(self, config: MoeEpConfig, inputs: Sequence[RankInputs], grad_output: Sequence[np.ndarray],
+                  stash: Sequence[Stash], with_bound: bool) -> Tuple[List[BackwardResult], List[BackwardResult]]:
         self.require(config, "backward")
         self._check_world_inputs(config, inputs)
         v.validate_world(config, grad_output, "grad_output")

@@ -61,18 +61,9 @@ def _ops(host_sync: bool, exchange: Optional[str]) -> LayerOps:
     return DEVICE_OPS if device else STATIC_OPS
 
 
-def moe_ep(
-    activation: Any,
-    fc1_weight: Any,
-    fc2_weight: Any,
-    topk_idx: Tensor,
-    topk_weights: Tensor,
-    *,
-    config: MoeEpConfig,
-    group: Optional[Any] = None,
-    host_sync: bool = True,
-    exchange: Optional[str] = None,
-) -> Any:
+def moe_ep(activation: Any, fc1_weight: Any, fc2_weight: Any, topk_idx: Tensor, topk_weights: Tensor, *,
+           config: MoeEpConfig, group: Optional[Any] = None, host_sync: bool = True,
+           exchange: Optional[str] = None) -> Any:
     """The MoeEp layer on this rank (collective over ``group``); arguments and
     result as :func:`moe_ep_torch.api.moe_ep`.
 
@@ -93,18 +84,9 @@ def moe_ep(
     return ops.moe_ep(activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config=config, group=group)
 
 
-def moe_ep_forward_with_stash(
-    activation: Any,
-    fc1_weight: Any,
-    fc2_weight: Any,
-    topk_idx: Tensor,
-    topk_weights: Tensor,
-    *,
-    config: MoeEpConfig,
-    group: Optional[Any] = None,
-    host_sync: bool = True,
-    exchange: Optional[str] = None,
-) -> ForwardWithStash:
+def moe_ep_forward_with_stash(activation: Any, fc1_weight: Any, fc2_weight: Any, topk_idx: Tensor, topk_weights: Tensor,
+                              *, config: MoeEpConfig, group: Optional[Any] = None, host_sync: bool = True,
+                              exchange: Optional[str] = None) -> ForwardWithStash:
     """The forward of a training step whose backward is :func:`moe_ep_backward`, for any
     input format (block-scaled ones included): a
     :class:`~moe_ep_torch.api.ForwardWithStash` (output, ``fc1_c``, ``route_metadata``);
@@ -114,20 +96,9 @@ def moe_ep_forward_with_stash(
                                          group=group)
 
 
-def moe_ep_backward(
-    grad_output: Tensor,
-    activation: Any,
-    fc1_weight: Any,
-    fc2_weight: Any,
-    topk_idx: Tensor,
-    topk_weights: Tensor,
-    fc1_c: Tensor,
-    *,
-    config: MoeEpConfig,
-    group: Optional[Any] = None,
-    host_sync: bool = True,
-    exchange: Optional[str] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def moe_ep_backward(grad_output: Tensor, activation: Any, fc1_weight: Any, fc2_weight: Any, topk_idx: Tensor,
+                    topk_weights: Tensor, fc1_c: Tensor, *, config: MoeEpConfig, group: Optional[Any] = None,
+                    host_sync: bool = True, exchange: Optional[str] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The spec's explicit backward (collective): float32 ``(grad_activation,
     grad_fc1_weight, grad_fc2_weight, grad_topk_weights)`` for plain or block-scaled
     forward inputs (:meth:`moe_ep_torch.api.LayerOps.moe_ep_backward`); ``host_sync`` as

@@ -212,7 +212,7 @@ def move(config: MoeEpConfig, group: Any, activation: Any, idx: torch.Tensor, we
     no copy). Otherwise the parts are packed into one byte row per token."""
     t = int(idx.shape[0])
     dev = idx.device
-    cap, el, k = int(config.recv_capacity), config.num_local_experts, config.num_topk
+    cap, k = int(config.recv_capacity), config.num_topk
     plain = isinstance(activation, torch.Tensor) and not extra
     if plain:
         blob = activation.contiguous()
@@ -230,20 +230,32 @@ def move(config: MoeEpConfig, group: Any, activation: Any, idx: torch.Tensor, we
     layer = _layer(config, group, dev, bf16, token_bytes)
     idx32 = idx.to(torch.int32).contiguous()
     w32 = weights.float().reshape(t, k).contiguous()
-    w_buf = torch.empty(cap, dtype=torch.float32, device=dev)
-    meta = torch.empty((cap, 4), dtype=torch.int32, device=dev)
-    gs = torch.empty(el, dtype=torch.int32, device=dev)
-    tpe = torch.empty(el, dtype=torch.int32, device=dev)
-    err = torch.empty(1, dtype=torch.int32, device=dev)
-    _, stream = where(idx32)
-    layer.dispatch(stream, t, rb, ptr(blob), ptr(idx32), ptr(w32), ptr(x_rows), ptr(w_buf), ptr(meta), ptr(gs),
-                   ptr(tpe), ptr(err))
+    w_buf, meta, gs, tpe, err = dispatch_stage(layer, config, blob, rb, idx32, w32, x_rows)
     if plain:
         x_buf, recv_extra = x_rows, []
     else:
         recv = _received_parts(x_rows, layout)
         x_buf, recv_extra = core.rebuild(activation, recv[:token_part_count]), recv[token_part_count:]
     return layer, x_buf, recv_extra, w_buf, meta, gs, tpe, err
+
+
+def dispatch_stage(layer: X.ExchangeLayer, config: MoeEpConfig, rows: torch.Tensor, row_bytes: int,
+                   idx32: torch.Tensor, w32: torch.Tensor, x_rows: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """``layer``'s dispatch stage (collective): ``rows`` (``[T, ...]``, ``row_bytes`` bytes a
+    row) routed by ``idx32`` (``[T, K]`` int32) with the router weights ``w32`` (``[T, K]``
+    float32) into ``x_rows`` (``[C, ...]``). Returns ``(w_buf [C] float32, meta [C, 4] int32,
+    group_sizes [E_local] int32, tokens_per_expert [E_local] int32, error [1] int32)``."""
+    dev = idx32.device
+    cap, el = int(config.recv_capacity), config.num_local_experts  # type: ignore[arg-type]
+    w_buf = torch.empty(cap, dtype=torch.float32, device=dev)
+    meta = torch.empty((cap, 4), dtype=torch.int32, device=dev)
+    gs = torch.empty(el, dtype=torch.int32, device=dev)
+    tpe = torch.empty(el, dtype=torch.int32, device=dev)
+    err = torch.empty(1, dtype=torch.int32, device=dev)
+    _, stream = where(idx32)
+    layer.dispatch(stream, int(idx32.shape[0]), row_bytes, ptr(rows), ptr(idx32), ptr(w32), ptr(x_rows), ptr(w_buf),
+                   ptr(meta), ptr(gs), ptr(tpe), ptr(err))
+    return w_buf, meta, gs, tpe, err
 
 
 def _received_parts(rows: torch.Tensor, layout: List[Tuple[torch.dtype, Tuple[int, ...], int]]) -> List[torch.Tensor]:

@@ -65,17 +65,8 @@ import torch
 import torch.distributed as dist
 
 from moe_ep_spec import validation as v
-from moe_ep_spec.api import (
-    BackwardResult,
-    DispatchGrads,
-    DispatchHandle,
-    DispatchInputs,
-    DispatchResult,
-    ForwardResult,
-    RankContext,
-    RankInputs,
-    Stash,
-)
+from moe_ep_spec.api import (BackwardResult, DispatchGrads, DispatchHandle, DispatchInputs, DispatchResult,
+                             ForwardResult, RankContext, RankInputs, Stash)
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import MoeEpError, StashError
 from moe_ep_spec.formats import MoeFormat
@@ -210,21 +201,14 @@ def _state(handle: DispatchHandle) -> Dict[str, Any]:
 def _routing(xconfig: MoeEpConfig, group: Any, device: torch.device, topk_idx: np.ndarray) -> Tuple[Any, torch.Tensor]:
     """The dispatch stage of the handle's routing alone (4-byte rows): the layer's
     routing for the combine stage that follows. Returns ``(layer, error [1])``."""
-    cap, el = int(xconfig.recv_capacity), xconfig.num_local_experts  # type: ignore[arg-type]
+    cap = int(xconfig.recv_capacity)  # type: ignore[arg-type]
     idx = torch.from_numpy(np.ascontiguousarray(topk_idx, dtype=np.int32)).to(device)
     t, k = int(idx.shape[0]), xconfig.num_topk
     layer = DX._layer(xconfig, group, device, False, 4 * xconfig.hidden)
     rows = torch.zeros((t, _ROUTING_ROW_BYTES), dtype=torch.uint8, device=device)
     w = torch.zeros((t, k), dtype=torch.float32, device=device)
     x_rows = torch.empty((cap, _ROUTING_ROW_BYTES), dtype=torch.uint8, device=device)
-    w_buf = torch.empty(cap, dtype=torch.float32, device=device)
-    meta = torch.empty((cap, 4), dtype=torch.int32, device=device)
-    gs = torch.empty(el, dtype=torch.int32, device=device)
-    tpe = torch.empty(el, dtype=torch.int32, device=device)
-    err = torch.empty(1, dtype=torch.int32, device=device)
-    _, stream = where(idx)
-    layer.dispatch(stream, t, _ROUTING_ROW_BYTES, ptr(rows), ptr(idx), ptr(w), ptr(x_rows), ptr(w_buf), ptr(meta),
-                   ptr(gs), ptr(tpe), ptr(err))
+    _, _, _, tpe, err = DX.dispatch_stage(layer, xconfig, rows, _ROUTING_ROW_BYTES, idx, w, x_rows)
     DX._record(xconfig, group, err, tpe)
     return layer, err
 

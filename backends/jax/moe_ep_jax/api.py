@@ -68,19 +68,8 @@ from . import core
 from . import formats as F
 from .kernels import DEFAULT_KERNELS
 
-__all__ = [
-    "moe_ep",
-    "moe_ep_backward",
-    "ep_dispatch",
-    "ep_combine",
-    "dispatch_backward",
-    "combine_backward",
-    "EpHandle",
-    "shard_moe_ep",
-    "check_routing",
-    "default_exchange",
-    "BlockScaled",
-]
+__all__ = ["moe_ep", "moe_ep_backward", "ep_dispatch", "ep_combine", "dispatch_backward", "combine_backward",
+           "EpHandle", "shard_moe_ep", "check_routing", "default_exchange", "BlockScaled"]
 
 BlockScaled = F.BlockScaled
 Tensor = Union[jax.Array, F.BlockScaled]
@@ -341,18 +330,8 @@ def _check_layer(config: MoeEpConfig, x: Any, fc1: Any, fc2: Any, idx: Any, tw: 
     return num_tokens
 
 
-def moe_ep(
-    activation: Tensor,
-    fc1_weight: Tensor,
-    fc2_weight: Tensor,
-    topk_idx: jax.Array,
-    topk_weights: jax.Array,
-    *,
-    config: MoeEpConfig,
-    axis_name: str = "ep",
-    exchange: Optional[str] = None,
-    kernels: Any = None,
-) -> Any:
+def moe_ep(activation: Tensor, fc1_weight: Tensor, fc2_weight: Tensor, topk_idx: jax.Array, topk_weights: jax.Array, *,
+           config: MoeEpConfig, axis_name: str = "ep", exchange: Optional[str] = None, kernels: Any = None) -> Any:
     """The MoeEp layer on this rank (collective over ``axis_name``; call inside
     ``jax.shard_map``). Differentiable (``jax.custom_vjp``) for bf16 output.
 
@@ -479,16 +458,9 @@ def _dispatch_backward(spec: core.LayerSpec, plan: core.Plan, ct_tokens: jax.Arr
     return grad_tokens, core.poison(lay.error, gw.reshape(spec.num_tokens, spec.num_topk))
 
 
-def ep_dispatch(
-    tokens: Tensor,
-    topk_idx: jax.Array,
-    topk_weights: jax.Array,
-    *,
-    config: MoeEpConfig,
-    axis_name: str = "ep",
-    exchange: Optional[str] = None,
-    kernels: Any = None,
-) -> Tuple[Tensor, jax.Array, EpHandle]:
+def ep_dispatch(tokens: Tensor, topk_idx: jax.Array, topk_weights: jax.Array, *, config: MoeEpConfig,
+                axis_name: str = "ep", exchange: Optional[str] = None,
+                kernels: Any = None) -> Tuple[Tensor, jax.Array, EpHandle]:
     """Layered dispatch on this rank (collective; spec section 10.1).
 
     Args:

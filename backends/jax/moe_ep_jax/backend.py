@@ -22,7 +22,6 @@ XLA expose ``MOE_EP_JAX_CPU_DEVICES`` (default 8) devices by setting
 from __future__ import annotations
 
 import importlib.util
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -32,18 +31,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from moe_ep_spec import validation as v
-from moe_ep_spec.api import (
-    BackwardResult,
-    DispatchGrads,
-    DispatchHandle,
-    DispatchInputs,
-    DispatchResult,
-    ForwardResult,
-    RankInputs,
-    Stash,
-    Tensor,
-)
-from moe_ep_spec.backend import Availability, Capabilities, Launch, MoeEpBackend
+from moe_ep_spec.api import (BackwardResult, DispatchGrads, DispatchHandle, DispatchInputs, DispatchResult,
+                             ForwardResult, RankInputs, Stash, Tensor)
+from moe_ep_spec.backend import Availability, Capabilities, Launch, MoeEpBackend, installed_version, release
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import DTypeError, ShapeError, StashError
 from moe_ep_spec.formats import BlockScaledTensor, MoeFormat, dequantize
@@ -52,22 +42,6 @@ from . import __version__
 from . import devices as D
 
 __all__ = ["JaxBackend", "XLA_CPU_FAST_COMPILE"]
-
-
-def _installed_version(distribution: str) -> Optional[str]:
-    """The installed version of ``distribution``, from its metadata (nothing imported); None if absent."""
-    from importlib import metadata
-
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _release(version: str) -> Tuple[int, ...]:
-    """The leading numbers of a version string: ``"0.7.2"`` -> ``(0, 7, 2)``."""
-    m = re.match(r"\d+(?:\.\d+)*", version)
-    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
 #: Compiler options for the backend's own executables on CPU: the legacy loop
 #: emitters and no LLVM optimisation. Same arithmetic, a quarter of the compile time.
@@ -286,8 +260,8 @@ class JaxBackend(MoeEpBackend):
         jax found, version 0.7 or newer."""
         if importlib.util.find_spec("jax") is None:
             return Availability(False, "jax is not installed (pip install jax)")
-        version = _installed_version("jax")
-        if version is not None and _release(version) < (0, 7):
+        version = installed_version("jax")
+        if version is not None and release(version) < (0, 7):
             return Availability(
                 False, f"jax {version} lacks jax.shard_map, jax.lax.ragged_dot or jax.lax.ragged_all_to_all (need jax >= 0.7)"
             )
@@ -424,13 +398,8 @@ class JaxBackend(MoeEpBackend):
             results.append(ForwardResult(outputs[r], np.ascontiguousarray(c), np.ascontiguousarray(m[:keep], dtype=np.int32)))
         return results
 
-    def backward(
-        self,
-        config: MoeEpConfig,
-        inputs: Sequence[RankInputs],
-        grad_output: Sequence[np.ndarray],
-        stash: Sequence[Stash],
-    ) -> List[BackwardResult]:
+    def backward(self, config: MoeEpConfig, inputs: Sequence[RankInputs], grad_output: Sequence[np.ndarray],
+                 stash: Sequence[Stash]) -> List[BackwardResult]:
         from .core import buffer_rows
 
         self.require(config, "backward")
@@ -522,14 +491,7 @@ class JaxBackend(MoeEpBackend):
         v.validate_world(config, handles, "handles")
         states = []
         for r, h in enumerate(handles):
-            if not isinstance(h, DispatchHandle):
-                raise DTypeError(f"handles[{r}] must be a DispatchHandle; got {type(h).__name__}", name="handles")
-            if h.rank != r or h.num_ranks != config.num_ranks or h.num_topk != config.num_topk:
-                raise ShapeError(
-                    f"handles[{r}] must be rank {r}'s handle of a dispatch with num_ranks = {config.num_ranks} and "
-                    f"num_topk = {config.num_topk}; got rank {h.rank}, num_ranks {h.num_ranks}, num_topk {h.num_topk}",
-                    name="handles",
-                )
+            v.check_handle(config, h, r)
             if not isinstance(h.backend_state, JaxHandleState):
                 raise ShapeError(
                     f"handles[{r}] must come from the jax backend's dispatch; got a handle with backend_state "

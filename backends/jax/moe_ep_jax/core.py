@@ -61,19 +61,8 @@ from moe_ep_spec.formats import MoeFormat
 from . import formats as F
 from .kernels import DEFAULT_KERNELS
 
-__all__ = [
-    "EXCHANGES",
-    "LayerSpec",
-    "Plan",
-    "Layout",
-    "make_plan",
-    "layout",
-    "to_experts",
-    "to_sources",
-    "forward",
-    "backward_from_buffers",
-    "slot_sum",
-]
+__all__ = ["EXCHANGES", "LayerSpec", "Plan", "Layout", "make_plan", "layout", "to_experts", "to_sources", "forward",
+           "backward_from_buffers", "slot_sum"]
 
 #: The exchange implementations.
 EXCHANGES = ("ragged", "capacity")

@@ -46,18 +46,8 @@ from jax import lax
 from moe_ep_spec.errors import DTypeError, FormatError, ShapeError
 from moe_ep_spec.formats import E2M1_VALUES, E4M3_VALUES, BlockScaledTensor, MoeFormat, parse_format
 
-__all__ = [
-    "BlockScaled",
-    "quantize",
-    "dequantize",
-    "decode",
-    "round_trip",
-    "round_to_bf16",
-    "bf16_round_trip",
-    "from_numpy",
-    "to_numpy",
-    "PLAIN_DTYPES",
-]
+__all__ = ["BlockScaled", "quantize", "dequantize", "decode", "round_trip", "round_to_bf16", "bf16_round_trip",
+           "from_numpy", "to_numpy", "PLAIN_DTYPES"]
 
 #: Plain float dtypes the layer accepts for activations, weights and cotangents.
 PLAIN_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))

@@ -116,15 +116,8 @@ class ExpertKernels(Protocol):
     #: A short name for reports (``xla``, ``ffi-...``).
     name: str
 
-    def expert_forward(
-        self,
-        config: MoeEpConfig,
-        x: Tensor,
-        w: jax.Array,
-        fc1: Tensor,
-        fc2: Tensor,
-        group_sizes: jax.Array,
-    ) -> Tuple[jax.Array, jax.Array]:
+    def expert_forward(self, config: MoeEpConfig, x: Tensor, w: jax.Array, fc1: Tensor, fc2: Tensor,
+                       group_sizes: jax.Array) -> Tuple[jax.Array, jax.Array]:
         """Section 5 on the buffer rows.
 
         Args:
@@ -145,17 +138,8 @@ class ExpertKernels(Protocol):
         """
         ...
 
-    def expert_backward(
-        self,
-        config: MoeEpConfig,
-        x: Tensor,
-        w: jax.Array,
-        fc1: Tensor,
-        fc2: Tensor,
-        fc1_c: jax.Array,
-        dy: jax.Array,
-        group_sizes: jax.Array,
-    ) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    def expert_backward(self, config: MoeEpConfig, x: Tensor, w: jax.Array, fc1: Tensor, fc2: Tensor, fc1_c: jax.Array,
+                        dy: jax.Array, group_sizes: jax.Array) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """Section 9.2 on the buffer rows (every rounding point straight-through).
 
         With ``config.backward_operand_format`` bf16: the cotangent rows, ``dc``

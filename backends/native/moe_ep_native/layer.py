@@ -124,18 +124,9 @@ class Layer:
         except Exception:
             pass
 
-    def experts_forward(
-        self,
-        stream: Optional[int],
-        num_rows: int,
-        x: Optional[int],
-        w: Optional[int],
-        fc1: Optional[int],
-        fc2: Optional[int],
-        group_sizes: Optional[int],
-        y: Optional[int],
-        fc1_c: Optional[int],
-    ) -> None:
+    def experts_forward(self, stream: Optional[int], num_rows: int, x: Optional[int], w: Optional[int],
+                        fc1: Optional[int], fc2: Optional[int], group_sizes: Optional[int], y: Optional[int],
+                        fc1_c: Optional[int]) -> None:
         """``moe_ep_layer_experts_forward``: x ``[C, H]``, w ``[C] float32``, fc1
         ``[E_local, H, 2I]``, fc2 ``[E_local, I, H]`` (the layer's operand dtype),
         group_sizes ``[E_local] int32`` in; y ``[C, H]`` (after the combine round trip;
@@ -171,24 +162,10 @@ class Layer:
             fc2_codes, fc2_scales, group_sizes, y, fc1_c, inexact,
         )
 
-    def experts_backward(
-        self,
-        stream: Optional[int],
-        num_rows: int,
-        x: Optional[int],
-        w: Optional[int],
-        fc1: Optional[int],
-        fc2: Optional[int],
-        fc1_c: Optional[int],
-        dy: Optional[int],
-        group_sizes: Optional[int],
-        dx: Optional[int],
-        dw: Optional[int],
-        dfc1: Optional[int],
-        dfc2: Optional[int],
-        dy_bf16: bool = False,
-        accumulate: bool = False,
-    ) -> None:
+    def experts_backward(self, stream: Optional[int], num_rows: int, x: Optional[int], w: Optional[int],
+                         fc1: Optional[int], fc2: Optional[int], fc1_c: Optional[int], dy: Optional[int],
+                         group_sizes: Optional[int], dx: Optional[int], dw: Optional[int], dfc1: Optional[int],
+                         dfc2: Optional[int], dy_bf16: bool = False, accumulate: bool = False) -> None:
         """``moe_ep_layer_experts_backward_ex``: as :meth:`experts_forward` plus fc1_c
         ``[C, 2I] bf16`` and dy ``[C, H]`` (float32, or bf16 with ``dy_bf16``) in;
         dx ``[C, H]``, dw ``[C]``, dfc1 ``[E_local, H, 2I]``, dfc2 ``[E_local, I, H]``

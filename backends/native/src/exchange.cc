@@ -561,7 +561,7 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
   if (out_error != nullptr) MOE_EP_TRY(ck.ptr("out_error", out_error, 1, 4));
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (x->cuda) {
-    if (y_rt && (reinterpret_cast<uintptr_t>(y_rows) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0))
+    if (y_rt && (!moe_ep::aligned16(y_rows) || !moe_ep::aligned16(out)))
       return ck.bad("y and out must be 16-byte aligned with y_dtype MOE_EP_Y_F32_MXFP8_ROUND_TRIP on CUDA",
                     "y at " + std::to_string(reinterpret_cast<uintptr_t>(y_rows) % 16) + ", out at " +
                         std::to_string(reinterpret_cast<uintptr_t>(out) % 16) + " bytes past a multiple of 16");

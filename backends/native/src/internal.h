@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "align.h"
 #include "moe_ep_native.h"
 
 namespace moe_ep {

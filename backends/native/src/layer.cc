@@ -415,7 +415,7 @@ moe_ep_status check_forward_outputs(const Check& ck, const moe_ep_layer* l, int6
   const bool bf16_out = l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
   MOE_EP_TRY(ck.ptr("y", y, C * l->desc.hidden, bf16_out ? 2 : 4));
   if (fc1_c != nullptr) MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, C * 2 * l->desc.intermediate, 2));
-  if (l->tensor_cores && reinterpret_cast<uintptr_t>(y) % 16 != 0)
+  if (l->tensor_cores && !aligned16(y))
     return ck.bad("y must be 16-byte aligned on the tensor-core path", std::to_string(reinterpret_cast<uintptr_t>(y)));
   return MOE_EP_OK;
 }
@@ -581,7 +581,7 @@ moe_ep_status moe_ep_layer_experts_forward_mxfp8(moe_ep_layer* layer, void* stre
     for (const auto& [name, p, align] : {std::tuple<const char*, const void*, uintptr_t>{"x", x, 16},
                                          {"fc1_codes", fc1_codes, 16}, {"fc2_codes", fc2_codes, 16},
                                          {"fc1_scales", fc1_scales, 4}, {"fc2_scales", fc2_scales, 4}})
-      if (reinterpret_cast<uintptr_t>(p) % align != 0)
+      if (!moe_ep::aligned_to(p, align))
         return ck.bad(std::string(name) + " must be " + std::to_string(align) + "-byte aligned on the tensor-core path",
                       std::to_string(reinterpret_cast<uintptr_t>(p)));
   }

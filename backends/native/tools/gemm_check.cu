@@ -51,12 +51,7 @@ const char* layout_name(GemmLayout l) {
   return "?";
 }
 
-__host__ __device__ inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
+using moe_ep::cuda::detail::bf16_to_float;  // the device decode (the host's: moe_ep::cpu::bf16_to_float)
 
 // Pseudo-random bf16 in about [-2, 2] with a few exponents, from a hash of (seed, i).
 __host__ __device__ inline uint16_t random_bf16(uint64_t seed, uint64_t i) {
@@ -619,8 +614,7 @@ void check_mxfp8_weights(const char* name, int64_t n, int64_t k, const std::vect
     std::vector<uint16_t> h(b.y_elems);
     CHECK_CUDA(cudaMemcpy(h.data(), y16, h.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost));
     for (int64_t i = 0; i < b.y_elems; ++i) {
-      const uint32_t u = static_cast<uint32_t>(h[i]) << 16;
-      std::memcpy(&y[i], &u, sizeof u);
+      y[i] = moe_ep::cpu::bf16_to_float(h[i]);
       // Rows past the last expert: untouched, so still the zeros written before the run.
       if (i / n >= off.back()) y[i] = h[i] == 0 ? static_cast<float>(r[i]) : std::nanf("");
     }

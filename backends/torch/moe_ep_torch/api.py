@@ -318,17 +318,8 @@ class LayerOps:
         self._run_forward = run_forward
         self._run_backward = run_backward
 
-    def moe_ep(
-        self,
-        activation: Any,
-        fc1_weight: Any,
-        fc2_weight: Any,
-        topk_idx: Tensor,
-        topk_weights: Tensor,
-        *,
-        config: MoeEpConfig,
-        group: Optional[Any] = None,
-    ) -> Any:
+    def moe_ep(self, activation: Any, fc1_weight: Any, fc2_weight: Any, topk_idx: Tensor, topk_weights: Tensor, *,
+               config: MoeEpConfig, group: Optional[Any] = None) -> Any:
         """The MoeEp layer on this rank (collective over ``group``).
 
         Args:
@@ -370,17 +361,9 @@ class LayerOps:
         with torch.no_grad():
             return self._run_forward(config, group, activation, fc1_weight, fc2_weight, topk_idx, topk_weights)["output"]
 
-    def moe_ep_forward_with_stash(
-        self,
-        activation: Any,
-        fc1_weight: Any,
-        fc2_weight: Any,
-        topk_idx: Tensor,
-        topk_weights: Tensor,
-        *,
-        config: MoeEpConfig,
-        group: Optional[Any] = None,
-    ) -> ForwardWithStash:
+    def moe_ep_forward_with_stash(self, activation: Any, fc1_weight: Any, fc2_weight: Any, topk_idx: Tensor,
+                                  topk_weights: Tensor, *, config: MoeEpConfig,
+                                  group: Optional[Any] = None) -> ForwardWithStash:
         """The forward of a training step whose backward is the explicit
         :meth:`moe_ep_backward` (spec section 3, ``generate_c``): for any input
         format, block-scaled ones included, which autograd does not take.
@@ -394,19 +377,9 @@ class LayerOps:
             out = self._run_forward(config, group, activation, fc1_weight, fc2_weight, topk_idx, topk_weights)
         return ForwardWithStash(output=out["output"], fc1_c=out["fc1_c"], route_metadata=out["route_metadata"])
 
-    def moe_ep_backward(
-        self,
-        grad_output: Tensor,
-        activation: Any,
-        fc1_weight: Any,
-        fc2_weight: Any,
-        topk_idx: Tensor,
-        topk_weights: Tensor,
-        fc1_c: Tensor,
-        *,
-        config: MoeEpConfig,
-        group: Optional[Any] = None,
-    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    def moe_ep_backward(self, grad_output: Tensor, activation: Any, fc1_weight: Any, fc2_weight: Any, topk_idx: Tensor,
+                        topk_weights: Tensor, fc1_c: Tensor, *, config: MoeEpConfig,
+                        group: Optional[Any] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """The spec's explicit backward (collective): float32 ``(grad_activation
         [T, H], grad_fc1_weight [E_local, H, 2I], grad_fc2_weight [E_local, I, H],
         grad_topk_weights [T, K])`` from the forward's inputs (plain or

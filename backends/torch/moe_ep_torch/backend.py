@@ -10,26 +10,15 @@ numpy results. Torch users call :mod:`moe_ep_torch.api` instead.
 from __future__ import annotations
 
 import importlib.util
-import re
 from datetime import timedelta
-from importlib import metadata
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
 from moe_ep_spec import validation as v
-from moe_ep_spec.api import (
-    BackwardResult,
-    DispatchGrads,
-    DispatchHandle,
-    DispatchInputs,
-    DispatchResult,
-    ForwardResult,
-    RankContext,
-    RankInputs,
-    Stash,
-)
-from moe_ep_spec.backend import Availability, Capabilities, Launch, MoeEpBackend
+from moe_ep_spec.api import (BackwardResult, DispatchGrads, DispatchHandle, DispatchInputs, DispatchResult,
+                             ForwardResult, RankContext, RankInputs, Stash)
+from moe_ep_spec.backend import Availability, Capabilities, Launch, MoeEpBackend, installed_version, release
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import ConfigError, MoeEpError, StashError
 from moe_ep_spec.formats import BF16, BlockScaledTensor
@@ -39,21 +28,6 @@ __all__ = ["TorchBackend"]
 __version__ = "0.1.0"
 
 _GROUPS: Dict[str, Any] = {}
-
-
-def installed_version(distribution: str) -> Optional[str]:
-    """The installed version of ``distribution`` (e.g. ``2.5.1+cpu``), read from
-    its metadata without importing it; None when not installed."""
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def release(version: str) -> Tuple[int, ...]:
-    """The leading numbers of a version string: ``"2.5.1+cpu"`` -> ``(2, 5, 1)``."""
-    m = re.match(r"\d+(?:\.\d+)*", version)
-    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
 
 def process_group(ctx: RankContext, backend: Optional[str] = None) -> Any:
@@ -408,14 +382,8 @@ class TorchBackend(MoeEpBackend):
         (recv,) = core.exchange(plan, [g[token_index]], group, self.prims)
         return core.to_buffer(plan, recv).cpu().numpy()
 
-    def dispatch_backward_rank(
-        self,
-        config: MoeEpConfig,
-        ctx: RankContext,
-        handle: DispatchHandle,
-        grad_tokens: np.ndarray,
-        grad_topk_weights: np.ndarray,
-    ) -> DispatchGrads:
+    def dispatch_backward_rank(self, config: MoeEpConfig, ctx: RankContext, handle: DispatchHandle,
+                               grad_tokens: np.ndarray, grad_topk_weights: np.ndarray) -> DispatchGrads:
         from . import core
 
         self.require(config, "dispatch_backward")

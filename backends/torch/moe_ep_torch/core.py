@@ -599,16 +599,9 @@ def _bf16_gemm(a: torch.Tensor, b: torch.Tensor, a_bf16: bool, b_bf16: bool) -> 
     return a.float() @ b.float()
 
 
-def experts_backward(
-    config: MoeEpConfig,
-    plan: Plan,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    fc1: torch.Tensor,
-    fc2: torch.Tensor,
-    c: torch.Tensor,
-    dy: torch.Tensor,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def experts_backward(config: MoeEpConfig, plan: Plan, x: torch.Tensor, w: torch.Tensor, fc1: torch.Tensor,
+                     fc2: torch.Tensor, c: torch.Tensor,
+                     dy: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The spec backward on the buffer rows: ``(dx [R, H], dw [R], dfc1, dfc2)``
     float32, padding rows zero. ``c`` is the decoded stash.
 
@@ -679,16 +672,9 @@ def _swiglu_backward_parts(config: MoeEpConfig, c: torch.Tensor) -> Tuple[torch.
     return g, u, sig, s, h, fg, fu
 
 
-def _experts_backward_bf16(
-    config: MoeEpConfig,
-    plan: Plan,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    fc1: torch.Tensor,
-    fc2: torch.Tensor,
-    c: torch.Tensor,
-    dy: torch.Tensor,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _experts_backward_bf16(config: MoeEpConfig, plan: Plan, x: torch.Tensor, w: torch.Tensor, fc1: torch.Tensor,
+                           fc2: torch.Tensor, c: torch.Tensor,
+                           dy: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`experts_backward` with ``backward_operand_format`` bf16."""
     counts, offsets = plan.tokens_per_expert, plan.expert_offsets
     x_bf16, w1_bf16, w2_bf16 = (t.dtype == torch.bfloat16 for t in (x, fc1, fc2))

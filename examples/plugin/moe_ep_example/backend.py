@@ -232,14 +232,8 @@ class ExampleLoopbackBackend(MoeEpBackend):
         """
         return self._run("combine", config, ctx, handle, expert_out)
 
-    def dispatch_backward_rank(
-        self,
-        config: MoeEpConfig,
-        ctx: RankContext,
-        handle: DispatchHandle,
-        grad_tokens: np.ndarray,
-        grad_topk_weights: np.ndarray,
-    ) -> DispatchGrads:
+    def dispatch_backward_rank(self, config: MoeEpConfig, ctx: RankContext, handle: DispatchHandle,
+                               grad_tokens: np.ndarray, grad_topk_weights: np.ndarray) -> DispatchGrads:
         """Backward of dispatch for rank ``ctx.rank``; collective.
 
         Args:

@@ -201,15 +201,8 @@ def _greet(conn: Any, key: bytes, deadline: float, ctx: RankContext, arrivals: "
     arrivals.put((conn, hello, None))
 
 
-def _serve(
-    ctx: RankContext,
-    address: Tuple[str, int],
-    key: bytes,
-    operation: str,
-    config: MoeEpConfig,
-    args: tuple,
-    deadline: float,
-) -> Any:
+def _serve(ctx: RankContext, address: Tuple[str, int], key: bytes, operation: str, config: MoeEpConfig, args: tuple,
+           deadline: float) -> Any:
     """Rank 0: gather every rank's arguments, run the reference, answer every rank.
 
     Connections are authenticated in their own threads, so a peer that connects
@@ -358,15 +351,8 @@ def _connect(ctx: RankContext, address: Tuple[str, int], key: bytes, deadline: f
         return conn
 
 
-def _join(
-    ctx: RankContext,
-    address: Tuple[str, int],
-    key: bytes,
-    operation: str,
-    config: MoeEpConfig,
-    args: tuple,
-    deadline: float,
-) -> Any:
+def _join(ctx: RankContext, address: Tuple[str, int], key: bytes, operation: str, config: MoeEpConfig, args: tuple,
+          deadline: float) -> Any:
     """Ranks other than 0: send the arguments, wait for this rank's result."""
     conn = _connect(ctx, address, key, deadline)
     with conn:

@@ -18,9 +18,6 @@ namespace moe_ep {
 namespace cuda {
 namespace detail {
 
-// Whether a pointer is 16-byte aligned (the vectorised kernels' condition).
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // ------------------------------------------------------------------ launches
 
 // Elementwise kernels use grid-stride loops; the grid is capped so that any

@@ -581,9 +581,7 @@ __device__ __forceinline__ void store(uint16_t* p, const float (&v)[V]) {
   } else {
 #pragma unroll
     for (int i = 0; i < V; i += 4)
-      *reinterpret_cast<uint2*>(p + i) =
-          make_uint2(detail::bf16_from_float(v[i]) | (uint32_t{detail::bf16_from_float(v[i + 1])} << 16),
-                     detail::bf16_from_float(v[i + 2]) | (uint32_t{detail::bf16_from_float(v[i + 3])} << 16));
+      *reinterpret_cast<uint2*>(p + i) = detail::bf16x4_from_float(v[i], v[i + 1], v[i + 2], v[i + 3]);
   }
 }
 
@@ -978,8 +976,6 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   grid.sync();  // every source row in this region read before the acknowledgement
   if (blockIdx.x == 0 && threadIdx.x < 32) publish(d, d.L.comb_ack, d.l.seq[1]);
 }
-
-using detail::aligned16;
 
 // One kernel of a stage, launched with programmatic stream serialization (pdl_begin).
 template <typename... KArgs, typename... Args>

@@ -55,6 +55,16 @@ __device__ __forceinline__ uint16_t bf16_from_float(float f) {
 __device__ __forceinline__ float bf16_to_float(uint16_t b) { return bitsf(static_cast<uint32_t>(b) << 16); }
 __device__ __forceinline__ float bf16_round_trip(float f) { return bf16_to_float(bf16_from_float(f)); }
 
+// bf16 bit patterns packed in memory order: a pair as one word (a in the low half), four
+// as the 8 bytes of a uint2 (a first); bf16x4_from_float rounds four float32 first.
+__device__ __forceinline__ uint32_t bf16_pair(uint16_t a, uint16_t b) { return uint32_t{a} | (uint32_t{b} << 16); }
+__device__ __forceinline__ uint2 bf16x4(uint16_t a, uint16_t b, uint16_t c, uint16_t d) {
+  return make_uint2(bf16_pair(a, b), bf16_pair(c, d));
+}
+__device__ __forceinline__ uint2 bf16x4_from_float(float a, float b, float c, float d) {
+  return bf16x4(bf16_from_float(a), bf16_from_float(b), bf16_from_float(c), bf16_from_float(d));
+}
+
 // A 16-byte load as float32 values: four float32, or eight bf16 (element 0 in the low
 // half of r.x; exact, bf16's bits are the high half of the float's).
 __device__ __forceinline__ void unpack(uint4 r, float (&v)[4]) {

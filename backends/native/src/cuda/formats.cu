@@ -32,8 +32,7 @@ __global__ void bf16_dequantize_kernel(const uint16_t* __restrict__ in, int64_t 
 __global__ void bf16_quantize_vec4_kernel(const float4* __restrict__ x, int64_t total4, uint2* __restrict__ out) {
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total4; t += int64_t{gridDim.x} * blockDim.x) {
     const float4 v = x[t];
-    out[t] = make_uint2(uint32_t{bf16_from_float(v.x)} | (uint32_t{bf16_from_float(v.y)} << 16),
-                        uint32_t{bf16_from_float(v.z)} | (uint32_t{bf16_from_float(v.w)} << 16));
+    out[t] = bf16x4_from_float(v.x, v.y, v.z, v.w);
   }
 }
 
@@ -258,7 +257,7 @@ __device__ __forceinline__ uint4 mxfp8_bf16x8(uint32_t w0, uint32_t w1, const Ch
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float2 v = mxfp8_values2((w[j / 2] >> ((j & 1) * 16)) & 0xFFFFu, s.v0, s.nan0, s.v0, s.nan0);
-    out[j] = bf16_exact_bits(v.x, inexact) | (uint32_t{bf16_exact_bits(v.y, inexact)} << 16);
+    out[j] = bf16_pair(bf16_exact_bits(v.x, inexact), bf16_exact_bits(v.y, inexact));
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
@@ -487,8 +486,8 @@ __global__ void __launch_bounds__(kThreads)
         a[u] = bf16_exact_bits(nvfp4_decode(code & 0xFu, sc), inexact);
         b[u] = bf16_exact_bits(nvfp4_decode(code >> 4, sc), inexact);
       }
-      lo[e / 2] = a[0] | (uint32_t{a[1]} << 16);
-      hi[e / 2] = b[0] | (uint32_t{b[1]} << 16);
+      lo[e / 2] = bf16_pair(a[0], a[1]);
+      hi[e / 2] = bf16_pair(b[0], b[1]);
     }
     uint4* o0 = reinterpret_cast<uint4*>(out + (o * n + k) * inner + i0);
     o0[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
@@ -510,7 +509,7 @@ __device__ __forceinline__ uint32_t mxfp8_inner_pair(const uint32_t cw[4], const
   const uint32_t sa = (sw[e / 4] >> sh) & 0xFFu, sb = (sw[e / 4] >> (sh + 8)) & 0xFFu;
   const float2 v = mxfp8_values2((cw[e / 4] >> sh) & 0xFFFFu, exp2_exact(static_cast<int>(sa) - 127), sa == 0xFFu,
                                  exp2_exact(static_cast<int>(sb) - 127), sb == 0xFFu);
-  return bf16_exact_bits(v.x, inexact) | (uint32_t{bf16_exact_bits(v.y, inexact)} << 16);
+  return bf16_pair(bf16_exact_bits(v.x, inexact), bf16_exact_bits(v.y, inexact));
 }
 
 // Scale codes whose every mxfp8 value is exact in bf16 with room: for 10 <= c <= 254 the
@@ -689,7 +688,7 @@ moe_ep_status launch_dequantize_bf16_rows(cudaStream_t s, const uint8_t* data, i
                                           const uint8_t* scale, int64_t scale_row_bytes, int64_t outer, int64_t n,
                                           uint16_t* out, int32_t* flag, RowGather g = RowGather{nullptr, 1, 0}) {
   constexpr int64_t V = kMx ? 16 : 32;
-  if (n % V == 0 && data_row_bytes % 16 == 0 && detail::aligned16(data) && detail::aligned16(out)) {
+  if (n % V == 0 && data_row_bytes % 16 == 0 && aligned16(data) && aligned16(out)) {
     if constexpr (kMx) {
       bf16_rows_mx_kernel<<<blocks_for(div_up(outer * (n / 16), int64_t{kRows16Unroll})), kThreads, 0, s>>>(
           data, data_row_bytes, scale, scale_row_bytes, outer, n, reinterpret_cast<uint4*>(out), flag, g);
@@ -714,7 +713,7 @@ moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const 
   if (inner == 1 && R == 0)  // contiguous rows: the rows' decode with the rows' own strides
     return launch_dequantize_bf16_rows<kMx>(s, data, kMx ? n : div_up(n, 2), scale,
                                             div_up(n, kMx ? kMxfp8Block : kNvfp4Block), outer, n, out, flag);
-  const bool aligned = detail::aligned16(data) && detail::aligned16(out);
+  const bool aligned = aligned16(data) && aligned16(out);
   if (inner == 1 && n % V == 0 && aligned) {
     if (R % 8 == 0) {
       const int64_t tiles = (outer / R) * div_up(R, kTileRows) * div_up(n, 4 * V);
@@ -724,7 +723,7 @@ moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const 
       return MOE_EP_OK;
     }
   }
-  if (R == 0 && inner > 1 && inner % 16 == 0 && aligned && detail::aligned16(scale)) {
+  if (R == 0 && inner > 1 && inner % 16 == 0 && aligned && aligned16(scale)) {
     if constexpr (kMx) {
       bf16_inner_mx_kernel<<<blocks_for(outer * n * (inner / 16)), kThreads, 0, s>>>(data, scale, outer, n, inner,
                                                                                     out, flag);
@@ -742,9 +741,6 @@ moe_ep_status launch_dequantize_bf16(cudaStream_t s, const uint8_t* data, const 
   return MOE_EP_OK;
 }
 
-
-// Whether p suits a vector access of `bytes` bytes.
-bool aligned_to(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 }  // namespace
 

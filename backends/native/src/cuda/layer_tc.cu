@@ -170,18 +170,27 @@ __global__ void fc2_epilogue_kernel(float* __restrict__ y, const float* __restri
   }
 }
 
-// The same for the element-wise formats (none, bf16) four values at a time
-// (H a multiple of 8, so a float4 never crosses a row).
-template <bool kRoundBf16, bool kWeight>
+// Where fc2_epilogue_vec4_kernel puts its values: back into y as they are (kF32) or
+// rounded through bf16 (kRoundBf16), or their bf16 bits into bf16_out (kBf16Rows: the
+// expert output as bf16 rows, combine_format bf16, whose encoding is the round trip; y is
+// only read).
+enum class Vec4Store { kF32, kRoundBf16, kBf16Rows };
+
+// The same for the element-wise formats (none, bf16) four values at a time (H a
+// multiple of 4, so a float4 never crosses a row): w * y or y, stored as kStore says;
+// rows of no expert zero.
+template <Vec4Store kStore, bool kWeight>
 __global__ void fc2_epilogue_vec4_kernel(float4* __restrict__ y, const float* __restrict__ w,
-                                         const int32_t* __restrict__ off, int num_experts, int64_t C, int64_t H) {
+                                         const int32_t* __restrict__ off, int num_experts, int64_t C, int64_t H,
+                                         uint2* __restrict__ bf16_out = nullptr) {
   const int64_t q = H / 4;  // float4 per row
   const int64_t total = C * q;
   const int64_t end = off == nullptr ? C : off[num_experts];
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
     const int64_t r = div_nonneg(t, q);
     if (r >= end) {
-      y[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if constexpr (kStore == Vec4Store::kBf16Rows) bf16_out[t] = make_uint2(0u, 0u);
+      else y[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       continue;
     }
     float4 v = y[t];
@@ -189,9 +198,13 @@ __global__ void fc2_epilogue_vec4_kernel(float4* __restrict__ y, const float* __
       const float wr = w[r];
       v = make_float4(fmul(wr, v.x), fmul(wr, v.y), fmul(wr, v.z), fmul(wr, v.w));
     }
-    if (kRoundBf16)
-      v = make_float4(bf16_round_trip(v.x), bf16_round_trip(v.y), bf16_round_trip(v.z), bf16_round_trip(v.w));
-    y[t] = v;
+    if constexpr (kStore == Vec4Store::kBf16Rows) {
+      bf16_out[t] = bf16x4_from_float(v.x, v.y, v.z, v.w);
+    } else {
+      if constexpr (kStore == Vec4Store::kRoundBf16)
+        v = make_float4(bf16_round_trip(v.x), bf16_round_trip(v.y), bf16_round_trip(v.z), bf16_round_trip(v.w));
+      y[t] = v;
+    }
   }
 }
 
@@ -238,38 +251,10 @@ __global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const flo
     if constexpr (kFmt == MOE_EP_FORMAT_MXFP8) mxfp8_round_trip_cvt4(bm, v);  // the hardware's E4M3 converts
     else nvfp4_round_trip_with(bm, v, 4);
     if constexpr (kBf16Out) {  // exact: the upper halves (NaN stays NaN)
-      bf16_out[t] = make_uint2(static_cast<uint32_t>(bf16_from_float(v[0])) | (uint32_t{bf16_from_float(v[1])} << 16),
-                               static_cast<uint32_t>(bf16_from_float(v[2])) | (uint32_t{bf16_from_float(v[3])} << 16));
+      bf16_out[t] = bf16x4_from_float(v[0], v[1], v[2], v[3]);
     } else {
       y[t] = make_float4(v[0], v[1], v[2], v[3]);
     }
-  }
-}
-
-// The expert output as bf16 rows (combine_format bf16: the encoding is the round
-// trip): y = bf16(w * z) or bf16(z), four values at a time (H a multiple of 4);
-// rows of no expert zero.
-template <bool kWeight>
-__global__ void fc2_epilogue_bf16_out_kernel(const float4* __restrict__ z, const float* __restrict__ w,
-                                             const int32_t* __restrict__ off, int num_experts, int64_t C, int64_t H,
-                                             uint2* __restrict__ y) {
-  const int64_t q = H / 4;
-  const int64_t total = C * q;
-  const int64_t end = off[num_experts];
-  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = div_nonneg(t, q);
-    if (r >= end) {
-      y[t] = make_uint2(0u, 0u);
-      continue;
-    }
-    float4 v = z[t];
-    if (kWeight) {
-      const float wr = w[r];
-      v = make_float4(fmul(wr, v.x), fmul(wr, v.y), fmul(wr, v.z), fmul(wr, v.w));
-    }
-    const uint32_t lo = static_cast<uint32_t>(bf16_from_float(v.x)) | (static_cast<uint32_t>(bf16_from_float(v.y)) << 16);
-    const uint32_t hi = static_cast<uint32_t>(bf16_from_float(v.z)) | (static_cast<uint32_t>(bf16_from_float(v.w)) << 16);
-    y[t] = make_uint2(lo, hi);
   }
 }
 
@@ -301,17 +286,16 @@ __global__ void fc1_epilogue_vec4_kernel(const float* __restrict__ c, const floa
         o[j] = swiglu_operand(g[j], u[j], wr, p);
         if (kRoundBf16) o[j] = bf16_round_trip(o[j]);
       }
-      sg = make_uint2(bg[0] | (uint32_t{bg[1]} << 16), bg[2] | (uint32_t{bg[3]} << 16));
-      su = make_uint2(bu[0] | (uint32_t{bu[1]} << 16), bu[2] | (uint32_t{bu[3]} << 16));
+      sg = bf16x4(bg[0], bg[1], bg[2], bg[3]);
+      su = bf16x4(bu[0], bu[1], bu[2], bu[3]);
     }
     if (stash != nullptr) {
       *reinterpret_cast<uint2*>(stash + r * 2 * I + k0) = sg;
       *reinterpret_cast<uint2*>(stash + r * 2 * I + I + k0) = su;
     }
     if (planes == 1) {
-      uint16_t b[4];
-      for (int j = 0; j < 4; ++j) b[j] = bf16_from_float(o[j]);  // o is a bf16 value (one plane)
-      *reinterpret_cast<uint2*>(op + r * I + k0) = make_uint2(b[0] | (uint32_t{b[1]} << 16), b[2] | (uint32_t{b[3]} << 16));
+      // o is a bf16 value (one plane)
+      *reinterpret_cast<uint2*>(op + r * I + k0) = bf16x4_from_float(o[0], o[1], o[2], o[3]);
     } else {
       for (int j = 0; j < 4; ++j) put_planes(op, plane_stride, r * I + k0 + j, planes, o[j]);
     }
@@ -570,13 +554,13 @@ void launch_fc2_epilogue_as(unsigned blocks, cudaStream_t s, float* y, const flo
                          int64_t C, int64_t H, bool weight) {
   if constexpr (kFmt == MOE_EP_FORMAT_NONE || kFmt == MOE_EP_FORMAT_BF16) {
     if (H % 4 == 0 && aligned16(y)) {
-      constexpr bool kBf16 = kFmt == MOE_EP_FORMAT_BF16;
+      constexpr Vec4Store kStore = kFmt == MOE_EP_FORMAT_BF16 ? Vec4Store::kRoundBf16 : Vec4Store::kF32;
       const unsigned b = blocks_for(C * (H / 4));
       float4* y4 = reinterpret_cast<float4*>(y);
       if (weight)
-        fc2_epilogue_vec4_kernel<kBf16, true><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
+        fc2_epilogue_vec4_kernel<kStore, true><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
       else
-        fc2_epilogue_vec4_kernel<kBf16, false><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
+        fc2_epilogue_vec4_kernel<kStore, false><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
       return;
     }
   }
@@ -775,13 +759,13 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   }
   if (bf16_out) {  // combine_format bf16 (the layer checked it); H is a multiple of 8 (the GEMMs need it)
     const unsigned b = blocks_for(C * (H / 4));
-    const float4* z4 = reinterpret_cast<const float4*>(y);
+    float4* z4 = reinterpret_cast<float4*>(y);
     uint2* y2 = static_cast<uint2*>(y_out);
     if (weight)
-      fc2_epilogue_bf16_out_kernel<true><<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C, H, y2);
+      fc2_epilogue_vec4_kernel<Vec4Store::kBf16Rows, true><<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C, H, y2);
     else
-      fc2_epilogue_bf16_out_kernel<false><<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C, H, y2);
-    MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_bf16_out_kernel");
+      fc2_epilogue_vec4_kernel<Vec4Store::kBf16Rows, false><<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C, H, y2);
+    MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_vec4_kernel (bf16 rows)");
     return MOE_EP_OK;
   }
   if (!bf16_out && combine_format == MOE_EP_FORMAT_NONE && !weight) {

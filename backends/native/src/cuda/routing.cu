@@ -580,7 +580,7 @@ __device__ __forceinline__ void store_encoded(const float (&v)[kN], int64_t e0, 
     uint32_t w[kN / 2];
 #pragma unroll
     for (int j = 0; j < kN / 2; ++j)
-      w[j] = uint32_t{bf16_from_float(v[2 * j])} | (uint32_t{bf16_from_float(v[2 * j + 1])} << 16);
+      w[j] = bf16_pair(bf16_from_float(v[2 * j]), bf16_from_float(v[2 * j + 1]));
     uint16_t* d = static_cast<uint16_t*>(data) + e0;
     if constexpr (kN == 4) *reinterpret_cast<uint2*>(d) = make_uint2(w[0], w[1]);
     else *reinterpret_cast<uint4*>(d) = make_uint4(w[0], w[1], w[2], w[3]);
@@ -778,8 +778,7 @@ moe_ep_status launch_permute(cudaStream_t s, const void* tokens, int64_t num_rou
 
 // The widest unit that divides row_bytes and to which both base pointers are aligned.
 bool fits_unit(int64_t row_bytes, const void* a, const void* b, size_t unit) {
-  return row_bytes % static_cast<int64_t>(unit) == 0 && reinterpret_cast<uintptr_t>(a) % unit == 0 &&
-         reinterpret_cast<uintptr_t>(b) % unit == 0;
+  return row_bytes % static_cast<int64_t>(unit) == 0 && aligned_to(a, unit) && aligned_to(b, unit);
 }
 
 // Multi-block or one block. MOE_EP_PLAN_ROUTES=single|multi overrides the

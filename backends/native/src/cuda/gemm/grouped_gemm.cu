@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 
+#include "align.h"
 #include "cuda/gemm/grouped_gemm_impl.h"
 
 namespace moe_ep {
@@ -19,7 +20,6 @@ namespace {
 constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();  // CUTLASS problem shapes are int
 
 bool row_len_ok(int64_t len) { return len > 0 && len % 8 == 0 && len < kMaxDim; }
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 cudaError_t resolve_sm_count(int* sm_count) {
   if (*sm_count > 0) return cudaSuccess;
