@@ -186,3 +186,60 @@ def static_block_scaled(rank: int, config, world_inputs, device: str) -> Dict[st
         b = api.moe_ep(act, fc1, fc2, idx, tw, config=config, host_sync=False)
     (da, sa), (db, sb) = TF.raw(a), TF.raw(b)
     return {"data_equal": bool(torch.equal(da, db)), "scale_equal": bool(torch.equal(sa, sb))}
+
+
+def module_paths(rank: int, config, world_inputs, grad_outputs, device: str, dtype: str) -> Dict[str, Any]:
+    """``MoeEpLayer(backend="cuda-nccl")`` with its default path, with ``host_sync=True`` and
+    with ``host_sync=False``, on the same weights and tokens: forward output and gradients
+    (``.grad``) of each; then the default path again with float32 ``main_grad`` tensors on the
+    weights: their values after the backward, and whether ``.grad`` was left alone."""
+    import torch
+
+    from moe_ep_cuda_nccl import exchange_layers
+    from moe_ep_cuda_nccl.api import check_errors, default_static_config
+    from moe_ep_torch.module import MoeEpLayer
+
+    dev = _dev(rank, device)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    w = world_inputs[rank]
+    g = torch.from_numpy(grad_outputs[rank].astype(np.float32)).to(dev)
+    out: Dict[str, Any] = {}
+
+    def step(host_sync, main_grads=None):
+        # The static mode needs recv_capacity: the one the default path sizes.
+        cfg = default_static_config(config) if host_sync is False else config
+        layer = MoeEpLayer(cfg, backend="cuda-nccl", dtype=dt, device=dev, host_sync=host_sync)
+        with torch.no_grad():
+            layer.fc1_weight.copy_(torch.from_numpy(np.asarray(w.fc1_weight, np.float32)))
+            layer.fc2_weight.copy_(torch.from_numpy(np.asarray(w.fc2_weight, np.float32)))
+        if main_grads is not None:
+            layer.fc1_weight.main_grad = main_grads[0].clone()
+            layer.fc2_weight.main_grad = main_grads[1].clone()
+        x = torch.from_numpy(np.asarray(w.activation, np.float32)).to(dev).to(dt).requires_grad_(True)
+        tw = torch.from_numpy(np.asarray(w.topk_weights, np.float32)).to(dev).requires_grad_(True)
+        idx = torch.from_numpy(w.topk_idx.astype(np.int64)).to(dev)
+        y = layer(x, idx, tw)
+        (y.float() * g).sum().backward()
+        res = {"output": _bits(y), "grad_activation": _bits(x.grad), "grad_topk_weights": _bits(tw.grad)}
+        if main_grads is None:
+            res["grad_fc1_weight"], res["grad_fc2_weight"] = _bits(layer.fc1_weight.grad), _bits(layer.fc2_weight.grad)
+        else:
+            res["main_fc1"], res["main_fc2"] = _bits(layer.fc1_weight.main_grad), _bits(layer.fc2_weight.main_grad)
+            res["grad_left_alone"] = layer.fc1_weight.grad is None and layer.fc2_weight.grad is None
+        return res
+
+    before = len(exchange_layers._LAYERS)
+    out["default"] = step(None)
+    out["default_took_the_device_exchange"] = len(exchange_layers._LAYERS) > before
+    out["synced"] = step(True)
+    out["static"] = step(False)
+    rng = np.random.default_rng(100 + rank)
+    init = [torch.from_numpy(rng.standard_normal(tuple(t.shape)).astype(np.float32)).to(dev)
+            for t in (torch.empty(np.asarray(w.fc1_weight).shape), torch.empty(np.asarray(w.fc2_weight).shape))]
+    out["init"] = [t.cpu().numpy() for t in init]
+    out["default_main_grad"] = step(None, init)
+    out["synced_main_grad"] = step(True, init)
+    out["static_main_grad"] = step(False, init)
+    check_errors(default_static_config(config))
+    check_errors(config)
+    return out

@@ -248,3 +248,69 @@ def test_cuda_static_errors_raise_on_every_rank() -> None:
     results = _ok(run_ranks(W.static_errors, 2, CONFIG, world, "overflow", "cuda", backend="nccl"))
     for rank, res in enumerate(results):
         assert res["all_nan"] and "CapacityError" in res["error"] and res["good_is_finite"], res
+
+
+# ----------------------------------------------------------------------------- MoeEpLayer's paths (CPU)
+
+#: No recv_capacity: MoeEpLayer's default path sizes the static layout from max_tokens_per_rank.
+MODULE_CONFIG = MoeEpConfig(num_experts=8, hidden=64, intermediate=32, num_topk=2, num_ranks=2, max_tokens_per_rank=12)
+
+
+@pytest.mark.parametrize("mode", [None, "bf16"], ids=["exact", "bf16_operands"])
+def test_module_default_path_is_the_device_exchange_and_main_grad_takes_the_weight_gradients(monkeypatch, mode) -> None:
+    """MoeEpLayer(backend="cuda-nccl") with its defaults runs the device exchange in the static
+    layout sized from max_tokens_per_rank: with the slot-order combine bit for bit the
+    host-synchronised and static modes. Weights carrying a float32 main_grad get their gradient
+    added there (in the native GEMMs, or one addition in the host-synchronised mode): init +
+    the gradient the same path writes into .grad, bit for bit, and .grad stays None."""
+    monkeypatch.setenv("MOE_EP_CUDA_NCCL_COMBINE", "slot")
+    config = MODULE_CONFIG.replace(backward_operand_format=mode)
+    world, grads = _world(config, seed=8)
+    grads = [g.astype(np.float32).astype(np.float32) for g in grads]
+    results = _ok(run_ranks(W.module_paths, 2, config, world, grads, "cpu", "float32"))
+    for rank, res in enumerate(results):
+        assert res["default_took_the_device_exchange"], f"rank {rank}: the default path did not make a device exchange"
+        for path in ("synced", "static"):
+            for key, want in res[path].items():
+                assert np.array_equal(res["default"][key], want), f"rank {rank}: default {key} differs from {path}"
+        for path in ("default", "synced", "static"):
+            got = res[f"{path}_main_grad"]
+            assert got["grad_left_alone"], f"rank {rank}: {path}: .grad was written although main_grad exists"
+            for i, name in ((0, "fc1"), (1, "fc2")):
+                want = res["init"][i] + res[path][f"grad_{name}_weight"]
+                assert np.array_equal(got[f"main_{name}"], want), f"rank {rank}: {path}: main_grad of {name} != init + grad"
+            assert np.array_equal(got["grad_activation"], res[path]["grad_activation"]), f"rank {rank}: {path}"
+
+
+def test_main_grad_must_be_float32_of_the_weights_shape() -> None:
+    from moe_ep_cuda_nccl.prims import main_grad_of
+    from moe_ep_spec import DTypeError, ShapeError
+
+    w = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert main_grad_of(w) is None
+    w.main_grad = torch.zeros(2, 3)
+    assert main_grad_of(w) is w.main_grad
+    w.main_grad = torch.zeros(2, 3, dtype=torch.bfloat16)
+    with pytest.raises(DTypeError, match="main_grad must be a contiguous float32 tensor"):
+        main_grad_of(w)
+    w.main_grad = torch.zeros(3, 2)
+    with pytest.raises(ShapeError, match=r"main_grad must have the weight's shape \(2, 3\)"):
+        main_grad_of(w)
+
+
+def test_bf16_operand_backward_passes_the_conformance_cases_in_cpu_mode(tmp_path) -> None:
+    """The quick table's backward cases in the bf16-operand mode (``bop_bf16``) through the
+    front-end on CPU, the static ones over the device exchange."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MOE_EP_CUDA_NCCL_ON_CPU="1", MOE_EP_LOAD_PLUGINS="reference,cuda-nccl",
+               MOE_EP_CUDA_NCCL_EXCHANGE="device")
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_ep_spec.cli", "conformance", "--backend", "cuda-nccl", "--quick", "-k", "bop_bf16"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = re.search(r"cuda-nccl \S+: (\d+) passed, (\d+) failed", proc.stdout)
+    assert summary and int(summary.group(1)) >= 8 and summary.group(2) == "0", proc.stdout[-2000:]

@@ -128,14 +128,18 @@ class CudaNcclBackend(TorchBackend):
         out["exchange"] = "device (loopback provider, gloo group)" if _device_exchange() else "nccl"
         return out
 
-    def torch_layer(self, host_sync: bool = True) -> Callable[..., Any]:
+    def torch_layer(self, host_sync: Optional[bool] = None) -> Callable[..., Any]:
         """The functional layer :class:`moe_ep_torch.module.MoeEpLayer` runs on
-        this backend: :func:`moe_ep_cuda_nccl.api.moe_ep` with ``host_sync``
-        (False: the static-shape mode; its exchange as that function chooses).
-        Imports the torch layer now, so a missing piece fails here, not in the
-        first forward."""
-        from .api import moe_ep
+        this backend: None (the default): the fastest conforming path,
+        :func:`moe_ep_cuda_nccl.api.moe_ep_default` (the device exchange in the static
+        layout sized from ``max_tokens_per_rank``); True or False:
+        :func:`moe_ep_cuda_nccl.api.moe_ep` with that ``host_sync`` (False: the
+        static-shape mode; its exchange as that function chooses). Imports the torch
+        layer now, so a missing piece fails here, not in the first forward."""
+        from .api import moe_ep, moe_ep_default
 
+        if host_sync is None:
+            return moe_ep_default
         return partial(moe_ep, host_sync=host_sync)
 
     # ------------------------------------------------- the device exchange (MOE_EP_CUDA_NCCL_EXCHANGE=device)

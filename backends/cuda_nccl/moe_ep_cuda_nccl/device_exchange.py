@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,8 @@ from moe_ep_torch.api import _check, _check_group
 
 from . import static
 from .exchange_layers import _GENERATION, _LAYERS, _LOCK, close
-from .prims import TIMEOUT_ENV, NativePrimitives, mxfp8_weights_forward, mxfp8_weights_path, operands, ptr, where
+from .prims import (TIMEOUT_ENV, MainGrads, NativePrimitives, mxfp8_weights_forward, mxfp8_weights_path, operands, ptr,
+                    weight_grad_buffers, where)
 
 __all__ = ["EXCHANGE_ENV", "COMBINE_ENV", "MODE_ENV", "ROUND_TRIP_ENV", "enabled", "forward", "backward", "backward_and_metadata", "move", "close"]
 
@@ -325,17 +326,20 @@ def forward(
 
 def backward(
     prims: NativePrimitives, config: MoeEpConfig, group: Any, grad_output: torch.Tensor, activation: Any, fc1: Any,
-    fc2: Any, idx: torch.Tensor, weights: torch.Tensor, fc1_c: torch.Tensor,
+    fc2: Any, idx: torch.Tensor, weights: torch.Tensor, fc1_c: torch.Tensor, main_grads: Optional[MainGrads] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The spec backward over the device exchange (a dispatch of the tokens with
     the output cotangent, the experts backward, a combine of the row cotangents
-    with the router-weight cotangents as per-route values)."""
-    return backward_and_metadata(prims, config, group, grad_output, activation, fc1, fc2, idx, weights, fc1_c)[0]
+    with the router-weight cotangents as per-route values). With ``main_grads`` the
+    weight gradients are added to those accumulators in the layer's GEMMs and the two
+    weight results are the accumulators."""
+    return backward_and_metadata(prims, config, group, grad_output, activation, fc1, fc2, idx, weights, fc1_c,
+                                 main_grads)[0]
 
 
 def backward_and_metadata(
     prims: NativePrimitives, config: MoeEpConfig, group: Any, grad_output: torch.Tensor, activation: Any, fc1: Any,
-    fc2: Any, idx: torch.Tensor, weights: torch.Tensor, fc1_c: torch.Tensor,
+    fc2: Any, idx: torch.Tensor, weights: torch.Tensor, fc1_c: torch.Tensor, main_grads: Optional[MainGrads] = None,
 ) -> Tuple[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """:func:`backward`, and the ``[C, 4] int32`` route metadata of its dispatch (what
     the forward's stash holds for the same routing: a caller may compare them)."""
@@ -357,12 +361,12 @@ def backward_and_metadata(
     stash = fc1_c.to(torch.bfloat16).contiguous()
     dx = torch.empty((rows, h), dtype=torch.float32, device=x.device)
     dw = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    dfc1 = torch.empty(f1.shape, dtype=torch.float32, device=x.device)
-    dfc2 = torch.empty(f2.shape, dtype=torch.float32, device=x.device)
+    dfc1, dfc2, accumulate = weight_grad_buffers(f1.shape, f2.shape, x.device, main_grads)
     _, stream = where(x)
     # On an error of any rank the layer makes dx, dw, dfc1 and dfc2 NaN, the combine gx and gw.
     layer.experts_backward(stream, rows, ptr(x), ptr(w_buf), ptr(f1), ptr(f2), ptr(stash), ptr(dy), ptr(gs),
-                           ptr(dx), ptr(dw), ptr(dfc1), ptr(dfc2), dy_bf16=dy.dtype == torch.bfloat16)
+                           ptr(dx), ptr(dw), ptr(dfc1), ptr(dfc2), dy_bf16=dy.dtype == torch.bfloat16,
+                           accumulate=accumulate)
     t, k = int(idx.shape[0]), config.num_topk
     gx = torch.empty((t, h), dtype=torch.float32, device=x.device)
     gw = torch.empty((t, k), dtype=torch.float32, device=x.device)

@@ -40,7 +40,7 @@ from moe_ep_spec.formats import MoeFormat
 from moe_ep_torch import core
 from moe_ep_torch import formats as TF
 
-__all__ = ["NativePrimitives", "NATIVE", "CPU_ENV", "TIMEOUT_ENV", "close_communicators", "BlockScaledOperand",
+__all__ = ["MainGrads", "main_grad_of", "weight_grad_buffers", "NativePrimitives", "NATIVE", "CPU_ENV", "TIMEOUT_ENV", "close_communicators", "BlockScaledOperand",
            "dequantize_bf16", "operands", "inexact_decodes", "decoded_weight", "forget_decoded_weights",
            "WEIGHT_CACHE_ENV", "MXFP8_WEIGHTS_ENV", "MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT", "mxfp8_weights_path",
            "mxfp8_weights_forward"]
@@ -803,6 +803,63 @@ def expert_forward(
     return y, c
 
 
+@dataclass(frozen=True)
+class MainGrads:
+    """Float32 weight-gradient accumulators (Megatron's ``main_grad`` convention) the
+    backward adds its weight gradients into, in the native weight-gradient GEMMs
+    (``MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS``): no separate cast or add.
+
+    Attributes:
+        fc1: ``[E_local, H, 2I]`` float32, or None: the FC1 weight's ``main_grad``.
+        fc2: ``[E_local, I, H]`` float32, or None: the FC2 weight's ``main_grad``.
+    """
+
+    fc1: Optional[torch.Tensor]
+    fc2: Optional[torch.Tensor]
+
+
+def main_grad_of(weight: Any) -> Optional[torch.Tensor]:
+    """``weight.main_grad`` when the weight carries one (a float32, contiguous tensor of
+    the weight's shape on its device), else None.
+
+    Raises:
+        DTypeError / ShapeError: a ``main_grad`` that is not float32, contiguous, of the
+            weight's shape and device (the rule, and what it is).
+    """
+    grad = getattr(weight, "main_grad", None) if isinstance(weight, torch.Tensor) else None
+    if grad is None:
+        return None
+    if not isinstance(grad, torch.Tensor) or grad.dtype != torch.float32 or not grad.is_contiguous():
+        got = type(grad).__name__ if not isinstance(grad, torch.Tensor) else f"{grad.dtype}, contiguous {grad.is_contiguous()}"
+        raise E.DTypeError(
+            f"a weight's main_grad must be a contiguous float32 tensor (the gradient is accumulated there in float32); "
+            f"got {got}",
+            name="main_grad", expected="float32", got=got,
+        )
+    if tuple(grad.shape) != tuple(weight.shape) or grad.device != weight.device:
+        raise E.ShapeError(
+            f"a weight's main_grad must have the weight's shape {tuple(weight.shape)} on its device {weight.device}; "
+            f"got {tuple(grad.shape)} on {grad.device}",
+            name="main_grad", expected=tuple(weight.shape), got=tuple(grad.shape),
+        )
+    return grad
+
+
+def weight_grad_buffers(fc1_shape: Any, fc2_shape: Any, device: torch.device,
+                        main_grads: Optional[MainGrads]) -> Tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(dfc1, dfc2, accumulate)``: where the native backward writes the weight gradients.
+    Without ``main_grads``: two new float32 tensors, written. With: the accumulators
+    themselves (a zero-filled tensor for a weight without one), added to."""
+    if main_grads is None:
+        return (torch.empty(tuple(fc1_shape), dtype=torch.float32, device=device),
+                torch.empty(tuple(fc2_shape), dtype=torch.float32, device=device), False)
+    d1 = main_grads.fc1 if main_grads.fc1 is not None else torch.zeros(tuple(fc1_shape), dtype=torch.float32,
+                                                                       device=device)
+    d2 = main_grads.fc2 if main_grads.fc2 is not None else torch.zeros(tuple(fc2_shape), dtype=torch.float32,
+                                                                       device=device)
+    return d1, d2, True
+
+
 def expert_backward(
     config: MoeEpConfig,
     x: torch.Tensor,
@@ -812,11 +869,14 @@ def expert_backward(
     fc1_c: torch.Tensor,
     dy: torch.Tensor,
     group_sizes: torch.Tensor,
+    main_grads: Optional[MainGrads] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The native layer's experts backward on tensors: float32 ``(dx [C, H], dw [C],
     dfc1 [E_local, H, 2I], dfc2 [E_local, I, H])`` from the bf16 stash ``fc1_c`` and
     the cotangent rows ``dy`` ``[C, H]`` (bfloat16 passes as is, others as float32);
-    operands as :func:`expert_forward`."""
+    operands as :func:`expert_forward`; the backward's GEMM operands as
+    ``config.backward_operand_format`` says. With ``main_grads``, dfc1 and dfc2 are the
+    accumulators, this step's gradients added to them (:func:`weight_grad_buffers`)."""
     bf16, x, fc1, fc2 = operands(x, fc1, fc2, host_check=False)
     w = _f32(w)
     dy_bf16 = dy.dtype == torch.bfloat16
@@ -827,12 +887,11 @@ def expert_backward(
     layer = layer_for(config, rows, x.device, bf16, backward=True)
     dx = torch.empty((rows, h), dtype=torch.float32, device=x.device)
     dw = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    dfc1 = torch.empty(fc1.shape, dtype=torch.float32, device=x.device)
-    dfc2 = torch.empty(fc2.shape, dtype=torch.float32, device=x.device)
+    dfc1, dfc2, accumulate = weight_grad_buffers(fc1.shape, fc2.shape, x.device, main_grads)
     _, stream = where(x)
     layer.experts_backward(
         stream, rows, ptr(x), ptr(w), ptr(fc1), ptr(fc2), ptr(stash), ptr(dy), ptr(gs), ptr(dx), ptr(dw), ptr(dfc1),
-        ptr(dfc2), dy_bf16=dy_bf16,
+        ptr(dfc2), dy_bf16=dy_bf16, accumulate=accumulate,
     )
     return dx, dw, dfc1, dfc2
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,8 @@ from moe_ep_torch import core
 from moe_ep_torch.api import _check, _check_group
 
 from .exchange_layers import close as close_exchange
-from .prims import NativePrimitives, combine_reduce, expert_backward, expert_forward, inexact_decodes_anywhere, ptr, where
+from .prims import (MainGrads, NativePrimitives, combine_reduce, expert_backward, expert_forward, inexact_decodes_anywhere,
+                    ptr, where)
 
 __all__ = ["StaticPlan", "peer_capacity", "dispatch", "forward", "backward", "check_errors", "error_flags"]
 
@@ -358,10 +359,13 @@ def backward(
     idx: torch.Tensor,
     weights: torch.Tensor,
     fc1_c: torch.Tensor,
+    main_grads: Optional[MainGrads] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The spec backward in the static mode: float32 ``(grad_activation,
     grad_fc1_weight, grad_fc2_weight, grad_topk_weights)``, NaN on every rank
-    when any rank's routing is bad."""
+    when any rank's routing is bad. With ``main_grads`` the weight gradients are
+    added to those accumulators in the native GEMMs (NaN there too on an error) and
+    the two weight results are the accumulators."""
     k = config.num_topk
 
     def check_stash() -> None:
@@ -375,16 +379,22 @@ def backward(
     plan, x_buf, (w_buf, dy_buf), fc1_d, fc2_d = _dispatched(
         prims, config, group, activation, fc1, fc2, idx, weights, [core.cotangent(grad_output)], check_stash
     )
-    dx, dw, dfc1, dfc2 = expert_backward(config, x_buf, w_buf, fc1_d, fc2_d, fc1_c, dy_buf, plan.group_sizes)
+    dx, dw, dfc1, dfc2 = expert_backward(config, x_buf, w_buf, fc1_d, fc2_d, fc1_c, dy_buf, plan.group_sizes,
+                                         main_grads)
     back_dx, back_dw = return_rows(prims, plan, [dx, dw], group)
     gx = combine_reduce(back_dx, plan.route_pos, plan.num_tokens, k)
     pos = plan.route_pos.to(torch.int64)
     gw = torch.cat([back_dw, back_dw.new_zeros(1)])[torch.where(pos >= 0, pos, torch.full_like(pos, back_dw.shape[0]))]
     bad = plan.error != 0
     _record(plan, group)
+    if main_grads is not None:  # the accumulators themselves, in place
+        dfc1.masked_fill_(bad, float("nan"))
+        dfc2.masked_fill_(bad, float("nan"))
+    else:
+        dfc1, dfc2 = dfc1.masked_fill(bad, float("nan")), dfc2.masked_fill(bad, float("nan"))
     return (
         gx.masked_fill(bad, float("nan")),
-        dfc1.masked_fill(bad, float("nan")),
-        dfc2.masked_fill(bad, float("nan")),
+        dfc1,
+        dfc2,
         gw.reshape(plan.num_tokens, k).masked_fill(bad, float("nan")),
     )

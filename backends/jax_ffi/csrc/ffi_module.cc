@@ -578,10 +578,11 @@ struct LayerKey {
   uint32_t clamp_bits;  // the float's bits (so the key is ordered and exact)
   int32_t intermediate_format;
   int32_t combine_format;  // the round trip the forward applies to y (0: none, the jax layer's own)
+  int32_t backward_operand_format;  // the backward's operands: 0 exact, 1 bf16 (the forward passes it too: one layer)
 
   auto Tie() const {
     return std::tie(device, ordinal, dtype, hidden, intermediate, experts, apply_topk_in_fc1, has_clamp, clamp_bits,
-                    intermediate_format, combine_format);
+                    intermediate_format, combine_format, backward_operand_format);
   }
   bool operator<(const LayerKey& o) const { return Tie() < o.Tie(); }
 };
@@ -676,6 +677,7 @@ class LayerCache {
     // bytes; the tensor-core FC2 GEMM writes it itself where nothing else happens to it).
     cfg.expert_out_dtype = key.combine_format == MOE_EP_FORMAT_BF16 ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32;
     cfg.with_backward = with_backward ? 1 : 0;
+    cfg.backward_operand_format = key.backward_operand_format;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
     int current = -1;  // moe_ep_layer_create selects the layer's device; XLA's thread keeps its own
     if (key.device == MOE_EP_DEVICE_CUDA) cudaGetDevice(&current);
@@ -720,7 +722,8 @@ ffi::Error ExpectOperandDtypes(const char* kT, ffi::DataType x, ffi::DataType fc
 }
 
 LayerKey KeyOf(const Where& at, ffi::DataType dtype, int64_t h, int64_t i, int64_t el, bool apply_topk_in_fc1,
-               bool has_clamp, float gate_up_clamp, int32_t intermediate_format, int32_t combine_format) {
+               bool has_clamp, float gate_up_clamp, int32_t intermediate_format, int32_t combine_format,
+               int32_t backward_operand_format) {
   LayerKey k{};
   k.device = at.dev.device;
   k.ordinal = at.ordinal;
@@ -734,6 +737,7 @@ LayerKey KeyOf(const Where& at, ffi::DataType dtype, int64_t h, int64_t i, int64
   std::memcpy(&k.clamp_bits, &clamp, sizeof clamp);
   k.intermediate_format = intermediate_format;
   k.combine_format = combine_format;
+  k.backward_operand_format = backward_operand_format;
   return k;
 }
 
@@ -742,7 +746,8 @@ LayerKey KeyOf(const Where& at, ffi::DataType dtype, int64_t h, int64_t i, int64
 ffi::Error ExpertForward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer fc1,
                          ffi::AnyBuffer fc2, ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::Buffer<ffi::BF16>> fc1_c, bool apply_topk_in_fc1, bool has_clamp,
-                         float gate_up_clamp, int32_t intermediate_format, int32_t combine_format) {
+                         float gate_up_clamp, int32_t intermediate_format, int32_t combine_format,
+                         int32_t backward_operand_format) {
   constexpr const char* kT = "moe_ep_expert_forward";
   int64_t c, h, i, el;
   MOE_EP_FFI_TRY(ExpertShapes(kT, x.dimensions(), w.dimensions(), fc1.dimensions(), fc2.dimensions(),
@@ -755,13 +760,15 @@ ffi::Error ExpertForward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<f
                              {no_stash ? 0 : c, 2 * i}));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, intermediate_format));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, combine_format, "combine_format"));
+  if (backward_operand_format != MOE_EP_FORMAT_NONE && backward_operand_format != MOE_EP_FORMAT_BF16)
+    return Invalid(kT, "backward_operand_format must be 0 (exact) or 1 (bf16)", std::to_string(backward_operand_format));
   const bool bf16_y = combine_format == MOE_EP_FORMAT_BF16;
   if (y->element_type() != (bf16_y ? ffi::DataType::BF16 : ffi::DataType::F32))
     return Invalid(kT, bf16_y ? "y must have dtype bfloat16 when combine_format is 1 (bf16: its rows are bf16 values)"
                               : "y must have dtype float32 unless combine_format is 1 (bf16)",
                    DtypeName(y->element_type()));
   const LayerKey key = KeyOf(at, x.element_type(), h, i, el, apply_topk_in_fc1, has_clamp, gate_up_clamp,
-                             intermediate_format, combine_format);
+                             intermediate_format, combine_format, backward_operand_format);
   LayerSlot* slot = nullptr;
   std::unique_lock<std::mutex> lock;
   MOE_EP_FFI_TRY(Cache().Acquire(kT, key, c, /*backward=*/false, at.may_create, &slot, &lock));
@@ -788,7 +795,8 @@ auto BindExpertForward(B b) {
       .template Attr<bool>("has_clamp")           // the SwiGLU clamp
       .template Attr<float>("gate_up_clamp")      // its limit L > 0, finite (ignored without has_clamp)
       .template Attr<int32_t>("intermediate_format")  // R_int along I: 0 none, 1 bf16, 2 mxfp8, 3 nvfp4
-      .template Attr<int32_t>("combine_format");  // the round trip of y along H: 0 none (the jax layer's), 1..3
+      .template Attr<int32_t>("combine_format")   // the round trip of y along H: 0 none (the jax layer's), 1..3
+      .template Attr<int32_t>("backward_operand_format");  // the backward's (0 exact, 1 bf16): one layer for both
 }
 
 ffi::Error ExpertBackward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer fc1,
@@ -796,7 +804,8 @@ ffi::Error ExpertBackward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<
                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::Buffer<ffi::F32>> dx,
                           ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::Result<ffi::Buffer<ffi::F32>> dfc1,
                           ffi::Result<ffi::Buffer<ffi::F32>> dfc2, bool apply_topk_in_fc1, bool has_clamp,
-                          float gate_up_clamp, int32_t intermediate_format, int32_t combine_format) {
+                          float gate_up_clamp, int32_t intermediate_format, int32_t combine_format,
+                          int32_t backward_operand_format) {
   constexpr const char* kT = "moe_ep_expert_backward";
   int64_t c, h, i, el;
   MOE_EP_FFI_TRY(ExpertShapes(kT, x.dimensions(), w.dimensions(), fc1.dimensions(), fc2.dimensions(),
@@ -812,8 +821,10 @@ ffi::Error ExpertBackward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<
   MOE_EP_FFI_TRY(ExpectShape(kT, "dfc2", "[E_local, I, H]", dfc2->dimensions(), {el, i, h}));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, intermediate_format));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, combine_format, "combine_format"));
+  if (backward_operand_format != MOE_EP_FORMAT_NONE && backward_operand_format != MOE_EP_FORMAT_BF16)
+    return Invalid(kT, "backward_operand_format must be 0 (exact) or 1 (bf16)", std::to_string(backward_operand_format));
   const LayerKey key = KeyOf(at, x.element_type(), h, i, el, apply_topk_in_fc1, has_clamp, gate_up_clamp,
-                             intermediate_format, combine_format);
+                             intermediate_format, combine_format, backward_operand_format);
   LayerSlot* slot = nullptr;
   std::unique_lock<std::mutex> lock;
   MOE_EP_FFI_TRY(Cache().Acquire(kT, key, c, /*backward=*/true, at.may_create, &slot, &lock));
@@ -844,7 +855,8 @@ auto BindExpertBackward(B b) {
       .template Attr<bool>("has_clamp")           // as the forward's
       .template Attr<float>("gate_up_clamp")      // as the forward's
       .template Attr<int32_t>("intermediate_format")  // as the forward's (straight-through: not applied backward)
-      .template Attr<int32_t>("combine_format");  // as the forward's (one layer object for both stages)
+      .template Attr<int32_t>("combine_format")   // as the forward's (one layer object for both stages)
+      .template Attr<int32_t>("backward_operand_format");  // the operands: 0 exact float32, 1 R_bf16 of dY, dc, w*h
 }
 
 // The expert stages' handlers: the CPU one (host buffers; the ordinal keeps
@@ -1003,6 +1015,7 @@ nb::list LayerCacheInfo() {
     d["num_local_experts"] = r.key.experts;
     d["intermediate_format"] = r.key.intermediate_format;
     d["combine_format"] = r.key.combine_format;
+    d["backward_operand_format"] = r.key.backward_operand_format;
     d["max_rows"] = r.max_rows;
     d["with_backward"] = r.with_backward;
     d["live"] = r.live;
@@ -1071,7 +1084,7 @@ NB_MODULE(_ffi, m) {
   m.def("layer_cache_info", &LayerCacheInfo,
         "One dict per layer object (moe_ep_layer) the expert handlers made in this process, in the order made: "
         "device, ordinal, operand_dtype, hidden, intermediate, num_local_experts, intermediate_format, "
-        "combine_format, max_rows, "
+        "combine_format, backward_operand_format, max_rows, "
         "with_backward, live (False once a larger layer replaced it), tensor_cores, fc2_operand_planes, "
         "workspace_bytes.");
 }

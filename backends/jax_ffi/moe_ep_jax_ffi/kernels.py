@@ -324,6 +324,7 @@ class FfiKernels:
             "gate_up_clamp": np.float32(0.0 if clamp is None else clamp),
             "intermediate_format": _code(config.intermediate_format),
             "combine_format": _code(config.combine_format if combined else None),
+            "backward_operand_format": _code(config.backward_operand_format),
         }
 
     def dequantize_bf16(self, x: F.BlockScaled) -> Tuple[jax.Array, jax.Array]:

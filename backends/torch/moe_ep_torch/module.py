@@ -51,12 +51,13 @@ PARAMETER_DTYPES = (torch.bfloat16, torch.float32)
 _BLOCK = {MoeFormat.MXFP8: 32, MoeFormat.NVFP4: 16}
 
 
-def _torch_layer(backend: str, host_sync: bool) -> Any:
+def _torch_layer(backend: str, host_sync: Optional[bool]) -> Any:
     """The functional layer of the torch-based backend ``backend``: this
     package's own for ``torch``, else what the backend registered under that
-    name in :mod:`moe_ep_spec.registry` returns from its ``torch_layer``."""
+    name in :mod:`moe_ep_spec.registry` returns from its ``torch_layer``
+    (``host_sync`` None: the backend's default path)."""
     if backend == "torch":
-        return TorchBackend().torch_layer(host_sync)
+        return TorchBackend().torch_layer(True if host_sync is None else host_sync)
     impl = get_backend(backend, require_available=False)
     if not callable(getattr(impl, "torch_layer", None)):
         raise ConfigError(
@@ -96,9 +97,22 @@ class MoeEpLayer(torch.nn.Module):
             are used with a straight-through gradient (the parameters stay in
             ``dtype`` and are trained); without (``torch.no_grad()``), the
             block-scaled weights themselves go to the backend.
-        host_sync: ``cuda-nccl`` only: False selects its static-shape mode
-            (needs ``config.recv_capacity`` and ``config.max_tokens_per_rank``;
-            CUDA-graph capturable). Default True.
+        host_sync: None (default): the backend's fastest conforming path; on
+            ``cuda-nccl`` the native layer's device exchange in the static layout
+            (``recv_capacity`` sized from ``config.max_tokens_per_rank`` when not
+            given: no host synchronisation; a bad expert id then makes the output
+            NaN and ``moe_ep_cuda_nccl.api.check_errors`` raises it), or its
+            host-synchronised mode without ``max_tokens_per_rank``. True: one host
+            synchronisation per call, every input error raised at once. False
+            (``cuda-nccl`` only): its static-shape mode (needs
+            ``config.recv_capacity`` and ``config.max_tokens_per_rank``; CUDA-graph
+            capturable).
+
+    Training: ``config.backward_operand_format="bf16"`` rounds the backward's GEMM
+    operands to bf16 as training stacks do (four bf16 GEMMs on tensor cores instead
+    of ten); a parameter that carries a float32 ``main_grad`` tensor (Megatron's
+    convention) gets its gradient added there on ``cuda-nccl``, ``.grad`` left alone
+    (docs/torch.md, "Training").
 
     Attributes:
         fc1_weight: ``[num_local_experts, hidden, 2 * intermediate]`` ``dtype``
@@ -124,7 +138,7 @@ class MoeEpLayer(torch.nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device: Any = None,
         weight_format: Optional[str] = None,
-        host_sync: bool = True,
+        host_sync: Optional[bool] = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, MoeEpConfig):
@@ -142,9 +156,10 @@ class MoeEpLayer(torch.nn.Module):
                 expected="bfloat16, float32",
                 got=dtype,
             )
-        if not isinstance(host_sync, bool):
-            raise ConfigError(f"host_sync must be a bool; got {type(host_sync).__name__}", field="host_sync", value=host_sync)
-        if not host_sync and backend != "cuda-nccl":
+        if host_sync is not None and not isinstance(host_sync, bool):
+            raise ConfigError(f"host_sync must be None or a bool; got {type(host_sync).__name__}", field="host_sync",
+                              value=host_sync)
+        if host_sync is False and backend != "cuda-nccl":
             raise ConfigError(
                 f"host_sync=False (the static-shape mode) needs backend 'cuda-nccl'; got backend {backend!r}",
                 field="host_sync",
