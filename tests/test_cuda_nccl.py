@@ -250,6 +250,39 @@ def test_cuda_static_errors_raise_on_every_rank() -> None:
         assert res["all_nan"] and "CapacityError" in res["error"] and res["good_is_finite"], res
 
 
+@needs_gpus
+@pytest.mark.parametrize("mode", [None, "bf16"], ids=["exact", "bf16_operands"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_cuda_module_paths_and_main_grad(monkeypatch, world_size: int, mode) -> None:
+    """On CUDA, bf16 weights (the tensor-core path): MoeEpLayer's default path (the device
+    exchange) agrees with the host-synchronised and static modes, and a float32 main_grad gets
+    the weight gradient added in the weight-gradient GEMMs (init + the gradient the path
+    writes into .grad, to that .grad's bf16 rounding), .grad left alone."""
+    if _gpus() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    monkeypatch.setenv("MOE_EP_CUDA_NCCL_COMBINE", "slot")
+    config = MODULE_CONFIG.replace(num_ranks=world_size, num_experts=4 * world_size, backward_operand_format=mode)
+    world, grads = _world(config, seed=9)
+    results = _ok(run_ranks(W.module_paths, world_size, config, world, grads, "cuda", "bfloat16", backend="nccl"))
+    bf = lambda a: np.asarray(a).view(np.uint16).astype(np.uint32) << 16  # noqa: E731
+    f32 = lambda a: bf(a).view(np.float32) if np.asarray(a).dtype == np.int16 else np.asarray(a, np.float32)  # noqa: E731
+    for rank, res in enumerate(results):
+        assert res["default_took_the_device_exchange"], f"rank {rank}: the default path did not make a device exchange"
+        for path in ("synced", "static"):
+            for key, want in res[path].items():
+                got, want = f32(res["default"][key]), f32(want)
+                scale = float(np.max(np.abs(want))) + 1e-30
+                assert np.allclose(got, want, rtol=2.0**-7, atol=2.0**-8 * scale), f"rank {rank}: default {key} vs {path}"
+        for path in ("default", "synced", "static"):
+            got = res[f"{path}_main_grad"]
+            assert got["grad_left_alone"], f"rank {rank}: {path}: .grad was written although main_grad exists"
+            for i, name in ((0, "fc1"), (1, "fc2")):
+                g = f32(res[path][f"grad_{name}_weight"])  # the bf16 .grad of the same path
+                added = f32(got[f"main_{name}"]) - res["init"][i]
+                tol = 2.0**-7 * np.abs(g) + 2.0**-20 * (np.abs(res["init"][i]) + np.max(np.abs(g)))
+                assert np.all(np.abs(added - g) <= tol), f"rank {rank}: {path}: main_grad of {name} - init != grad"
+
+
 # ----------------------------------------------------------------------------- MoeEpLayer's paths (CPU)
 
 #: No recv_capacity: MoeEpLayer's default path sizes the static layout from max_tokens_per_rank.

@@ -215,13 +215,15 @@ CUDA_CONFIGS = {
 
 
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device and a native build with CUDA")
+@pytest.mark.parametrize("operands", ["bf16", "f32"])
 @pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
 @pytest.mark.parametrize("dy_bf16", [False, True], ids=["dy_f32", "dy_bf16"])
 @pytest.mark.parametrize("name", sorted(CUDA_CONFIGS))
-def test_cuda_bf16_backward_matches_the_cpu_layer(name, dy_bf16, accumulate) -> None:
-    """The CUDA layer (tensor cores on sm_90 with CUTLASS: four bf16 grouped GEMMs and the fused
-    SwiGLU pass; the float32 kernels elsewhere) against the CPU layer in the same mode, within the
-    bounds of float32 summation order and of dc values near a bf16 tie."""
+def test_cuda_bf16_backward_follows_the_formulas(name, dy_bf16, accumulate, operands) -> None:
+    """The CUDA layer in the bf16-operand mode against the formulas: bf16 operands on sm_90 with
+    CUTLASS run on tensor cores (four bf16 grouped GEMMs and the fused SwiGLU pass), float32
+    operands (and other devices) the float32 kernels; within the bounds of float32 summation
+    order and of dc values near a bf16 tie."""
     import torch
 
     config = MoeEpConfig(**CUDA_CONFIGS[name], backward_operand_format="bf16")
@@ -231,11 +233,13 @@ def test_cuda_bf16_backward_matches_the_cpu_layer(name, dy_bf16, accumulate) -> 
         dy = dy.astype(BF16).astype(np.float32)
     rows = x.shape[0]
     dev = torch.device("cuda", torch.cuda.current_device())
-    layer = Layer(layer_config(config, max_rows=rows, cuda_device=dev.index, bf16_operands=True, with_backward=True))
-    if torch.cuda.get_device_capability(dev) == (9, 0):
+    b16 = operands == "bf16"
+    layer = Layer(layer_config(config, max_rows=rows, cuda_device=dev.index, bf16_operands=b16, with_backward=True))
+    if b16 and torch.cuda.get_device_capability(dev) == (9, 0):
         assert layer.info.tensor_cores, "an sm_90 device with the CUTLASS build must take the tensor-core path"
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
-    xt, f1t, f2t, ct = t(_bits(x)), t(_bits(fc1)), t(_bits(fc2)), t(_bits(c))
+    op = _bits if b16 else (lambda a: np.asarray(a, np.float32))  # noqa: E731
+    xt, f1t, f2t, ct = t(op(x)), t(op(fc1)), t(op(fc2)), t(_bits(c))
     wt, gst = t(w), t(gs)
     dyt = t(np.ascontiguousarray(dy.astype(BF16)).view(np.uint16)) if dy_bf16 else t(dy)
     rng = np.random.default_rng(11)
