@@ -152,13 +152,13 @@ def test_full_table_covers_every_operation_and_ep_size() -> None:
         assert any(c.intermediate_format == fmt for c in FULL)
     for axis, values in (
         ("input_format", {"fp32", "bf16", "fp16", "mxfp8", "nvfp4"}),
-        ("routing", {"uniform", "skewed", "one_rank", "unused_mixed", "all_unused", "repeated"}),
+        ("routing", {"uniform", "skewed", "one_rank", "unused_mixed", "all_unused", "repeated", "id_edges"}),
         ("tokens", {"even", "uneven", "zero_rank", "full", "zero_full"}),
         ("weights_in", {"fc1", "fc2"}),
         ("clamp", {False, True}),
         ("layout", {"dynamic", "static"}),
         ("router_format", {"fp32", "bf16", "fp16"}),
-        ("values", {"random", "edges", "large"}),
+        ("values", {"random", "edges", "large", "clamp_edges"}),
         ("cotangent", {"fp32", "bf16", "fp16"}),
         ("index_format", {"int32", "int64"}),
         ("strided", {False, True}),
@@ -186,7 +186,7 @@ def test_full_table_reaches_the_sizes_and_shapes_of_issue_17() -> None:
     skewed = [c for c in table if c.routing == "skewed" and c.tokens == "full"]
     assert max(c.max_tokens * c.num_ranks for c in skewed) >= 256  # expert 0 gets hundreds of rows
     big = [c for c in table if c.hidden * c.intermediate >= 128 * 1024 or c.max_tokens >= 1024]
-    assert big and not any(c.quick for c in big), "realistic sizes are for the full table only"
+    assert big and any(c.quick for c in big), "--quick sees realistic sizes too"
     # a rank with no token, and ranks receiving no route, in every operation and every format
     empty = [c for c in table if c.tokens == "zero_rank" and c.routing == "one_rank"]
     assert {c.op for c in empty} == {"forward", "forward_stash", "backward", *LAYERED}
@@ -282,8 +282,8 @@ def test_quick_subset() -> None:
     assert {c.output_format for c in table} == {"bf16", "mxfp8", "nvfp4"}
     assert {c.layout for c in table} == {"dynamic", "static"}
     assert {c.bad for c in table if c.op == "bad_input"} == set(BAD_INPUTS)
-    # the new axes of issue 17 are in the quick subset too (not the realistic sizes)
-    assert {c.num_ranks for c in table} == {2, 3, 4}
+    # the new axes of issue 17 are in the quick subset too
+    assert {c.num_ranks for c in table} == {1, 2, 3, 4}
     for axis, value in (("routing", "repeated"), ("tokens", "full"), ("input_format", "fp16"), ("router_format", "fp16"),
                         ("index_format", "int64"), ("cotangent", "bf16"), ("strided", True), ("values", "large")):
         assert any(getattr(c, axis) == value for c in table), (axis, value)

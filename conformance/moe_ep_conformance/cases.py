@@ -20,6 +20,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from moe_ep_spec import MoeEpConfig, MoeFormat
 
+from .axes import fill, grid_rows, tokens_per_rank
 from .format_cases import format_cases
 
 __all__ = [
@@ -68,6 +69,39 @@ BAD_INPUTS: Dict[str, Tuple[str, str]] = {
     "world_size": ("forward", "ShapeError"),
     "forward_recv_capacity_overflow": ("forward", "CapacityError"),
     "hidden_not_divisible": ("config", "ConfigError"),
+    # the validation of every array argument of every operation (wrong shape, wrong dtype)
+    "fc2_weight_dtype": ("forward", "DTypeError"),
+    "topk_weights_shape": ("forward", "ShapeError"),
+    "weight_block_scale_mismatch": ("forward", "ShapeError"),
+    "weight_wrong_axis": ("forward", "FormatError"),
+    "dispatch_tokens_shape": ("dispatch", "ShapeError"),
+    "dispatch_topk_idx_shape": ("dispatch", "ShapeError"),
+    "dispatch_topk_idx_dtype": ("dispatch", "DTypeError"),
+    "dispatch_topk_weights_shape": ("dispatch", "ShapeError"),
+    "dispatch_topk_weights_dtype": ("dispatch", "DTypeError"),
+    "backward_activation_shape": ("backward", "ShapeError"),
+    "backward_weight_shape": ("backward", "ShapeError"),
+    "backward_weight_dtype": ("backward", "DTypeError"),
+    "backward_fc2_weight_dtype": ("backward", "DTypeError"),
+    "backward_topk_idx_shape": ("backward", "ShapeError"),
+    "backward_topk_idx_dtype": ("backward", "DTypeError"),
+    "backward_topk_weights_shape": ("backward", "ShapeError"),
+    "backward_topk_weights_dtype": ("backward", "DTypeError"),
+    "backward_route_metadata_dtype": ("backward", "DTypeError"),
+    "backward_route_metadata_shape": ("backward", "ShapeError"),
+    "backward_stash_width": ("backward", "ShapeError"),
+    "dispatch_backward_grad_tokens_dtype": ("dispatch_backward", "DTypeError"),
+    "dispatch_backward_grad_weights_shape": ("dispatch_backward", "ShapeError"),
+    # boundaries, one step past the limit (the limit itself is a passing case)
+    "recv_capacity_short": ("dispatch", "CapacityError"),
+    "forward_recv_capacity_short": ("forward", "CapacityError"),
+    "backward_recv_capacity_short": ("backward", "CapacityError"),
+    "dispatch_expert_id_below_minus_one": ("dispatch", "RoutingIndexError"),
+    "backward_expert_id_below_minus_one": ("backward", "RoutingIndexError"),
+    "hidden_not_mxfp8_multiple": ("config", "ConfigError"),
+    "combine_hidden_not_nvfp4_multiple": ("config", "ConfigError"),
+    "intermediate_not_mxfp8_multiple": ("config", "ConfigError"),
+    "intermediate_not_nvfp4_multiple": ("config", "ConfigError"),
     "dispatch_expert_id_too_high": ("dispatch", "RoutingIndexError"),
     "dispatch_expert_id_wraps_int32": ("dispatch", "RoutingIndexError"),
     "dispatch_too_many_tokens": ("dispatch", "CapacityError"),
@@ -187,6 +221,8 @@ class Case:
     cotangent: str = "fp32"
     index_format: str = "int32"
     strided: bool = False
+    backward_operand_format: Optional[str] = None
+    capacity: Optional[str] = None
     quick: bool = field(default=False, compare=False)
 
     # ------------------------------------------------------------------ naming
@@ -227,6 +263,10 @@ class Case:
             parts.append(f"ct_{self.cotangent}")
         if self.strided:
             parts.append("strided")
+        if self.backward_operand_format is not None:
+            parts.append(f"bop_{self.backward_operand_format}")
+        if self.capacity is not None:
+            parts.append(f"cap_{self.capacity}")
         if self.values != "random":
             parts.append(self.values)
         if self.bad is not None:
@@ -270,6 +310,8 @@ class Case:
             "cotangent": self.cotangent,
             "index_format": self.index_format,
             "strided": self.strided,
+            "backward_operand_format": self.backward_operand_format,
+            "capacity": self.capacity,
         }
 
     # ------------------------------------------------------------- realising
@@ -304,6 +346,8 @@ class Case:
             gate_up_clamp=self.clamp_limit if self.clamp else None,
             generate_c=self.op in ("forward_stash", "backward"),
         )
+        if self.backward_operand_format is not None:
+            base = base.replace(backward_operand_format=self.backward_operand_format)
         if self.layout == "static":
             worst = base.replace(expert_alignment=STATIC_ALIGNMENT, recv_capacity=1).worst_case_recv_rows()
             base = base.replace(recv_capacity=worst, expert_alignment=STATIC_ALIGNMENT)
@@ -462,17 +506,34 @@ _BAD_EP12 = (
 )
 
 
+#: Config-level bad inputs: kind -> the MoeEpConfig fields that break one rule
+#: (the rest is the case's configuration); hidden_not_divisible keeps its first form.
+CONFIG_BAD: Dict[str, Dict[str, object]] = {
+    "hidden_not_divisible": dict(hidden=40, output_format="mxfp8"),
+    "hidden_not_mxfp8_multiple": dict(hidden=48, output_format="mxfp8"),  # 48: a multiple of 16, not of 32
+    "combine_hidden_not_nvfp4_multiple": dict(hidden=40, combine_format="nvfp4"),
+    "intermediate_not_mxfp8_multiple": dict(intermediate=48, intermediate_format="mxfp8"),
+    "intermediate_not_nvfp4_multiple": dict(intermediate=40, intermediate_format="nvfp4"),
+}
+
+
 def _bad_input_cases() -> Iterable[Case]:
     for bad, (op, _) in BAD_INPUTS.items():
-        layout = "static" if bad.endswith("recv_capacity_overflow") else "dynamic"
-        act = "mxfp8" if "block_scale" in bad or "wrong_axis" in bad else "bf16"
+        layout = "static" if bad.endswith(("recv_capacity_overflow", "recv_capacity_short")) else "dynamic"
+        act = "mxfp8" if ("block_scale" in bad or "wrong_axis" in bad) and "weight" not in bad else "bf16"
+        wt = "mxfp8" if bad in ("weight_block_scale_mismatch", "weight_wrong_axis") else "bf16"
         out = "mxfp8" if bad == "hidden_not_divisible" else "bf16"
         idx = "int64" if "wraps_int32" in bad else "int32"
         for n in (1, 2) if bad in _BAD_EP12 else (2,):
             yield _k2(
-                "bad_input", n, bad=bad, layout=layout, input_format=act, output_format=out, index_format=idx,
-                quick=(n == 2),
+                "bad_input", n, bad=bad, layout=layout, input_format=act, weight_format=wt, output_format=out,
+                index_format=idx, quick=(n == 2),
             )
+    # T one past max_tokens_per_rank in the static layout too; one aligned row short on three ranks
+    for bad in ("too_many_tokens", "dispatch_too_many_tokens", "backward_too_many_tokens"):
+        yield _k2("bad_input", 2, bad=bad, layout="static")
+    for bad in ("recv_capacity_short", "forward_recv_capacity_short", "backward_recv_capacity_short"):
+        yield Case("bad_input", 3, 3, 9, bad=bad, layout="static", routing="repeated", tokens="uneven")
     # the backward's stash check with three ranks, the last rank's stash from another routing
     yield Case("bad_input", 3, 3, 9, bad="backward_stash_mismatch", routing="repeated", quick=True)
     yield Case("bad_input", 3, 3, 9, bad="forward_recv_capacity_overflow", layout="static")
@@ -587,6 +648,45 @@ def _wide_cases() -> Iterable[Case]:
     yield _k2("nan_isolation", 4, routing="repeated", output_format="mxfp8", combine_format="mxfp8")
 
 
+#: The operations that run on good inputs (not bad_input, nan_isolation, formats).
+RUN_OPS = ("forward", "forward_stash", "backward", "dispatch", "combine", "dispatch_backward", "combine_backward")
+
+
+def _boundary_cases() -> Iterable[Case]:
+    """Every limit of the spec met exactly, in every operation (one step past it is a
+    bad input): ``recv_capacity`` equal to the aligned rows of the plan (id
+    ``cap_exact``); T = ``max_tokens_per_rank`` on every rank in both layouts; the
+    largest and smallest expert ids (routing ``id_edges``: slot 0 of every token is
+    expert num_experts - 1, slot 1 expert 0, about a third of the other slots -1);
+    extents that are exactly a block multiple (hidden 48 and intermediate 48 with
+    nvfp4, 32 with mxfp8); FC1 outputs on the clamp edges (values ``clamp_edges``:
+    one-hot activations make FC1 exact, and the gate and up values sit at +-L, at
+    their float32 and bf16 neighbours, and beyond)."""
+    for op in RUN_OPS:
+        yield _k2(op, 2, layout="static", capacity="exact", routing="skewed", quick=(op in ("forward", "backward")))
+        yield Case(op, 3, 3, 9, layout="static", capacity="exact", routing="repeated", tokens="uneven")
+        for layout in ("dynamic", "static"):
+            yield _k2(op, 2, layout=layout, tokens="full")
+        yield _k2(op, 2, routing="id_edges", quick=(op == "dispatch"))
+        yield Case(op, 4, 3, 12, routing="id_edges", tokens="uneven", layout="static", index_format="int64")
+    for op in ("forward", "forward_stash"):
+        yield _k2(op, 2, hidden=48, intermediate=48, output_format="nvfp4", combine_format="nvfp4",
+                  intermediate_format="nvfp4", input_format="nvfp4", weight_format="nvfp4")
+        yield _k2(op, 2, hidden=32, intermediate=32, output_format="mxfp8", combine_format="mxfp8",
+                  intermediate_format="mxfp8", input_format="mxfp8", weight_format="mxfp8")
+    yield _k2("combine", 2, hidden=48, output_format="nvfp4", combine_format="nvfp4")
+    yield _k2("backward", 2, hidden=48, intermediate=48, intermediate_format="nvfp4", input_format="nvfp4",
+              weight_format="nvfp4", clamp=True)
+    for op in ("forward", "forward_stash", "backward"):
+        for limit in (0.75, 0.7):
+            for weights_in in ("fc1", "fc2"):
+                yield _k2(op, 2, values="clamp_edges", clamp=True, clamp_limit=limit, weights_in=weights_in,
+                          input_format="fp32", weight_format="fp32",
+                          quick=(op == "backward" and limit == 0.75 and weights_in == "fc1"))
+    yield _k2("nan_isolation", 2, values="clamp_edges", clamp=True, input_format="fp32", weight_format="fp32",
+              routing="unused_mixed")
+
+
 def _empty_cases() -> Iterable[Case]:
     """A rank with no token (rank 0) and ranks receiving no route (every route goes
     to rank 0), in every operation and every format at that point."""
@@ -651,6 +751,44 @@ def _realistic_cases() -> Iterable[Case]:
                routing="skewed")
 
 
+def _grid_case(op: str, values: Dict[str, object], quick: bool) -> Case:
+    """The case of one row of the pairwise covering array (axes.py)."""
+    v = fill(values)
+    mt = tokens_per_rank(v["rows"], v["local_experts"], v["num_topk"])  # type: ignore[arg-type]
+    extra: Dict[str, object] = dict(tokens="even") if mt is None else dict(tokens="full", max_tokens=mt)
+    if v["clamp"] is not None:
+        extra.update(clamp=True, clamp_limit=v["clamp"])
+    return Case(
+        op, v["num_ranks"], v["num_topk"], v["num_ranks"] * v["local_experts"],  # type: ignore[operator]
+        hidden=v["hidden"], intermediate=v["intermediate"], output_format=v["output_format"],
+        combine_format=v["combine_format"], intermediate_format=v["intermediate_format"],
+        input_format=v["input_format"], weight_format=v["weight_format"], routing=v["routing"],
+        weights_in=v["weights_in"], layout=v["layout"], router_format=v["router_format"], values=v["values"],
+        cotangent=v["cotangent"], index_format=v["index_format"], strided=v["strided"],
+        backward_operand_format=v["backward_operand_format"], quick=quick, **extra,  # type: ignore[arg-type]
+    )
+
+
+def _grid_cases() -> Iterable[Case]:
+    """The pairwise covering array of every operation's axes (axes.py), and the
+    smaller one over the most kernel-relevant axes that ``--quick`` runs."""
+    for quick in (False, True):
+        for op, values in grid_rows(quick):
+            yield _grid_case(op, values, quick)
+
+
+def _both_backward_modes(cases: List[Case]) -> List[Case]:
+    """Every backward case of the hand-written table also in the bf16-operand
+    mode (``backward_operand_format='bf16'``, id ``bop_bf16``); the covering
+    array has the mode as an axis."""
+    out = []
+    for c in cases:
+        out.append(c)
+        if c.op == "backward" and c.backward_operand_format is None:
+            out.append(replace(c, backward_operand_format="bf16"))
+    return out
+
+
 def _dedupe(cases: Iterable[Case]) -> List[Case]:
     seen: Dict[Tuple[str, str], Case] = {}
     for c in cases:
@@ -667,15 +805,21 @@ def full_cases() -> List[Case]:
     """Every case of the table, in report order (operation, then generation order)."""
     cases = _dedupe(
         [
-            *_forward_cases(),
-            *_stash_cases(),
-            *_backward_cases(),
-            *_layered_cases(),
-            *_bad_input_cases(),
-            *_nan_cases(),
-            *_wide_cases(),
-            *_empty_cases(),
-            *_realistic_cases(),
+            *_both_backward_modes(
+                [
+                    *_forward_cases(),
+                    *_stash_cases(),
+                    *_backward_cases(),
+                    *_layered_cases(),
+                    *_bad_input_cases(),
+                    *_nan_cases(),
+                    *_wide_cases(),
+                    *_empty_cases(),
+                    *_realistic_cases(),
+                    *_boundary_cases(),
+                ]
+            ),
+            *_grid_cases(),
         ]
     )
     cases += format_cases()  # the code-for-code format cases (format_cases.py, operation "formats")

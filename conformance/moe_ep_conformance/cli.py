@@ -27,6 +27,9 @@ def add_command(subparsers: Any) -> None:
     p.add_argument("-k", dest="keyword", metavar="EXPR",
                    help="pytest -k expression over the test ids; one that selects no case is a usage error (exit 2)")
     p.add_argument("--quick", action="store_true", help="the representative subset only")
+    p.add_argument("--coverage", action="store_true",
+                   help="print which pairs of axis values the selected table (--quick, --ep-size) covers, which "
+                        "cannot be built and why, and which are missing; run nothing")
     p.add_argument("--report-json", metavar="PATH", help="write the JSON report (every case)")
     p.add_argument("--report-md", metavar="PATH", help="write the markdown report (one table per backend)")
     p.add_argument("--xfail-file", action="append", metavar="PATH", help="expected failures file (repeatable)")
@@ -115,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "fuzz", None) is not None or getattr(args, "fuzz_case", None):
         return _run_fuzz(args)
     check_ep_sizes(args.ep_size, args.quick)
+    if getattr(args, "coverage", False):
+        return _print_coverage(args)
     for option, path in (("--report-json", args.report_json), ("--report-md", args.report_md), ("--junitxml", args.junitxml)):
         check_report_path(option, path)
     import pytest
@@ -153,6 +158,21 @@ def _exit_status(code: int, args: argparse.Namespace) -> int:
     if code == 2:
         return 130
     return code
+
+
+def _print_coverage(args: argparse.Namespace) -> int:
+    """``--coverage``: the pairs of axis values of the selected table (axes.py); 0."""
+    from .axes import coverage, format_coverage
+    from .cases import all_cases
+
+    cases = all_cases(quick=args.quick, num_ranks=args.ep_size or None)
+    table = "the --quick table" if args.quick else "the full table"
+    sizes = f", EP sizes {sorted(set(args.ep_size))}" if args.ep_size else ""
+    print(f"coverage of {table}{sizes}: {len(cases)} cases; per operation, every pair of values of two of its axes")
+    whole = all_cases(quick=args.quick) if args.ep_size else None
+    report = coverage(cases, quick=args.quick, num_ranks=args.ep_size or None, whole=whole)
+    print(format_coverage(report, verbose=args.verbose > 0))
+    return 0
 
 
 def _run_fuzz(args: argparse.Namespace) -> int:

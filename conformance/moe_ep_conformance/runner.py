@@ -38,7 +38,7 @@ from moe_ep_spec.inputs import random_world
 from moe_ep_spec.launch import call_world
 from moe_ep_spec.tolerance import ForwardBudget
 
-from .cases import BAD_INPUTS, Case
+from .cases import BAD_INPUTS, CONFIG_BAD, Case
 from .checks import Check, _close, _exact_ints, _exact_tensor, _expect_array, _kind
 from .format_cases import check_format_case
 
@@ -180,6 +180,44 @@ def _plain(case: Case, a: np.ndarray) -> np.ndarray:
     return _strided(a) if case.strided else a
 
 
+def _strided_any(x: Any) -> Any:
+    """A plain array, or a block-scaled tensor's codes and scales, as non-contiguous views."""
+    if isinstance(x, BlockScaledTensor):
+        return BlockScaledTensor(_strided(x.data), _strided(x.scale), x.format, x.shape, axis=x.axis)
+    return _strided(x)
+
+
+def _stash_arg(case: Case, stash: Sequence[Stash]) -> List[Stash]:
+    """The stash as the backward gets it: non-contiguous arrays when the case is strided."""
+    if not case.strided:
+        return list(stash)
+    return [Stash(_strided(s.fc1_c), _strided(s.route_metadata)) for s in stash]
+
+
+def _clamp_edge_values(limit: float) -> np.ndarray:
+    """float32 values on and around the clamp edges +-L: L and -L, their float32
+    and bf16 neighbours, half and twice L, and 0."""
+    f = np.float32(limit)
+    up, down = np.nextafter(f, np.float32(np.inf)), np.nextafter(f, np.float32(0))
+    b = f.astype(BF16).astype(np.float32)  # L in bf16 (L itself when L is a bf16 number)
+    b_up = (b.astype(np.float64) * (1 + 2.0**-7)).astype(np.float32)
+    b_down = (b.astype(np.float64) * (1 - 2.0**-8)).astype(np.float32)
+    edges = np.array([f, up, down, b, b_up, b_down, 0.5 * f, 2 * f, np.float32(0)], np.float32)
+    return np.concatenate([edges, -edges])
+
+
+def _clamp_edge_world(config: MoeEpConfig, act: Any, fc1: Any, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+    """One-hot activations (token t is e_(t mod H)) and float32 FC1 weights made of
+    clamp-edge values: FC1 is exact, so every gate and up value sits where the case
+    put it."""
+    t, h = act.shape
+    one_hot = np.zeros((t, h), np.float32)
+    one_hot[np.arange(t), np.arange(t) % h] = 1.0
+    vals = _clamp_edge_values(config.gate_up_clamp or 1.0)
+    w1 = vals[rng.integers(0, len(vals), size=fc1.shape)].astype(np.float32)
+    return one_hot.astype(act.dtype), w1.astype(fc1.dtype)
+
+
 def _scaled(t: Any, factor: float) -> Any:
     """``t`` times a power of two, in its own encoding (exact)."""
     if isinstance(t, BlockScaledTensor):
@@ -197,7 +235,7 @@ def _world(case: Case, config: MoeEpConfig, tokens: Optional[List[int]] = None) 
     world = random_world(
         config,
         num_tokens=tokens if tokens is not None else case.tokens_per_rank(),
-        routing="uniform" if case.routing == "repeated" else case.routing,
+        routing="uniform" if case.routing in ("repeated", "id_edges") else case.routing,
         input_format=gen(case.input_format),
         weight_format=gen(case.weight_format),
         seed=case.seed,
@@ -208,6 +246,8 @@ def _world(case: Case, config: MoeEpConfig, tokens: Optional[List[int]] = None) 
         act, fc1, fc2, idx, tw = w.activation, w.fc1_weight, w.fc2_weight, w.topk_idx, w.topk_weights
         if case.values == "large":
             act = _scaled(act, _LARGE)
+        if case.values == "clamp_edges":
+            act, fc1 = _clamp_edge_world(config, act, fc1, np.random.default_rng(case.seed + 2))
         if case.input_format == "fp16":
             act = act.astype(np.float16)
         if case.weight_format == "fp16":
@@ -217,9 +257,15 @@ def _world(case: Case, config: MoeEpConfig, tokens: Optional[List[int]] = None) 
         if case.routing == "repeated" and config.num_topk > 1:
             idx = idx.copy()
             idx[:, -1] = idx[:, 0]  # the last slot repeats slot 0's expert: two routes, one expert
+        if case.routing == "id_edges" and idx.shape[0]:
+            idx = idx.copy()
+            idx[:, 0] = config.num_experts - 1  # the largest id
+            if config.num_topk > 1:
+                idx[:, 1] = 0  # the smallest
+            idx[::3, -1] = -1  # and the unused slot
         idx = idx.astype(np.int64 if case.index_format == "int64" else np.int32)
-        if case.strided:
-            act, fc1, fc2 = (x if isinstance(x, BlockScaledTensor) else _strided(x) for x in (act, fc1, fc2))
+        if case.strided:  # every array, the codes and scales of block-scaled tensors included
+            act, fc1, fc2 = (_strided_any(x) for x in (act, fc1, fc2))
             idx, tw = _strided(idx), _strided(tw)
         out.append(RankInputs(act, fc1, fc2, idx, tw))
     return out
@@ -311,9 +357,21 @@ class _Runner:
         self.reference = reference
         self.case = case
         self.config = case.config()
+        if case.capacity == "exact":
+            self.config = self.config.replace(recv_capacity=self.exact_capacity(self.config))
         self.timeout_s = timeout_s
         self.factor = factor
         self.rng = np.random.default_rng(case.seed + 1)
+
+    def exact_capacity(self, config: MoeEpConfig) -> int:
+        """The smallest ``recv_capacity`` the case's plan fits: on the fullest rank,
+        the sum over its local experts of the routes rounded up to the alignment."""
+        world = _world(self.case, config)
+        dynamic = config.replace(recv_capacity=None, expert_alignment=1)
+        a = config.expert_alignment
+        rows = [int(sum(-(-int(n) // a) * a for n in d.tokens_per_expert))
+                for d in self.reference.dispatch(dynamic, _dispatch_world(world))]
+        return max(max(rows), 1)
 
     def cot(self, shape: tuple, poison_rows: Optional[np.ndarray] = None) -> np.ndarray:
         """A cotangent in the case's dtype (NaN in ``poison_rows``), non-contiguous when the case is."""
@@ -365,7 +423,7 @@ class _Runner:
     def backward(self) -> List[Check]:
         cfg, ref_b = self.config, self.reference
         world = _world(self.case, cfg)
-        stash = [f.stash for f in ref_b.forward(cfg, world)]
+        stash = _stash_arg(self.case, [f.stash for f in ref_b.forward(cfg, world)])
         grads = [self.cot((w.topk_idx.shape[0], cfg.hidden)) for w in world]
         got = self.call_unchanged("backward", world, grads, stash)
         ref, budgets = ref_b.backward_and_budget(cfg, world, grads, stash)  # type: ignore[attr-defined]
@@ -413,7 +471,7 @@ class _Runner:
             cfg_c = cfg.replace(generate_c=True)
             clean_world = [RankInputs(w.activation, w.fc1_weight, w.fc2_weight, w.topk_idx, nw.topk_weights)
                            for w, nw in zip(world, new_world)]
-            stash = [f.stash for f in self.reference.forward(cfg_c, clean_world)]
+            stash = _stash_arg(self.case, [f.stash for f in self.reference.forward(cfg_c, clean_world)])
             grads = []
             for r, w in enumerate(clean_world):
                 g = _cotangent(self.rng, (w.topk_idx.shape[0], cfg.hidden))
@@ -547,14 +605,14 @@ class _Runner:
         expected = getattr(moe_ep_spec, error_name)
         cfg = self.config
         if op == "config":
+            fields = dict(CONFIG_BAD[bad])
             try:
-                MoeEpConfig(
-                    num_experts=cfg.num_experts, hidden=40, intermediate=cfg.intermediate, num_topk=cfg.num_topk,
-                    num_ranks=cfg.num_ranks, output_format=cfg.output_format,
-                )
+                MoeEpConfig(**{**dict(num_experts=cfg.num_experts, hidden=cfg.hidden, intermediate=cfg.intermediate,
+                                      num_topk=cfg.num_topk, num_ranks=cfg.num_ranks), **fields})
             except expected as exc:
                 return [Check("config rejected", True, message=str(exc))]
-            return [Check("config rejected", False, float("inf"), 0.0, "MoeEpConfig(hidden=40, output mxfp8) was accepted")]
+            shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+            return [Check("config rejected", False, float("inf"), 0.0, f"MoeEpConfig({shown}) was accepted")]
         config, args = self._bad_call(bad, op)
         last = cfg.num_ranks - 1
         before = _snapshot(args)
@@ -603,20 +661,26 @@ class _Runner:
         config = cfg
         if kind.endswith("recv_capacity_overflow"):
             config = cfg.replace(recv_capacity=cfg.expert_alignment)
+        elif kind.endswith("recv_capacity_short"):  # one aligned row fewer than the plan needs
+            exact = self.exact_capacity(cfg)
+            if exact <= cfg.expert_alignment:
+                raise _Fail(f"case construction: the plan needs {exact} rows, no room for a capacity one aligned "
+                            f"row short (a conformance-suite bug, not the backend's)")
+            config = cfg.replace(recv_capacity=exact - cfg.expert_alignment)
         if op in ("combine", "dispatch_backward", "combine_backward"):
             return config, self._bad_layered(kind, op, world)
         stash: List[Any] = []
         if op == "backward":
             if kind == "too_many_tokens":  # the stash of the over-long world, from a config without the bound
                 stash = [f.stash for f in self.reference.forward(cfg.replace(max_tokens_per_rank=None), world)]
-            elif kind.endswith("recv_capacity_overflow"):  # stash rows as the small capacity has them
+            elif kind.endswith(("recv_capacity_overflow", "recv_capacity_short")):  # rows as the small capacity has them
                 stash = [Stash(np.zeros((config.recv_capacity, 2 * cfg.intermediate), BF16),
                                np.full((config.recv_capacity, 4), -1, np.int32)) for _ in world]
             else:
                 stash = [f.stash for f in self.reference.forward(cfg, world)]
         w = world[last]
         act, fc1, fc2, idx, weights = w.activation, w.fc1_weight, w.fc2_weight, np.array(w.topk_idx), w.topk_weights
-        if kind == "activation_shape":
+        if kind in ("activation_shape", "tokens_shape"):
             act = np.zeros((act.shape[0], cfg.hidden + 1), dtype=act.dtype)
         elif kind in ("activation_dtype", "tokens_dtype"):
             act = np.asarray(act, dtype=np.float64)
@@ -630,11 +694,20 @@ class _Runner:
             fc2 = np.zeros((cfg.num_local_experts, cfg.intermediate + 1, cfg.hidden), dtype=np.float32)
         elif kind == "weight_dtype":
             fc1 = np.asarray(fc1, dtype=np.float64)
+        elif kind == "fc2_weight_dtype":
+            fc2 = np.asarray(fc2, dtype=np.int32)
+        elif kind == "weight_block_scale_mismatch":
+            fc1 = copy.deepcopy(fc1)
+            object.__setattr__(fc1, "scale", fc1.scale[:, :-1])
+        elif kind == "weight_wrong_axis":  # fc1 blocked along 2I instead of H
+            fc1 = moe_ep_spec.quantize(moe_ep_spec.dequantize(fc1, np.float64), fc1.format, axis=2)
+        elif kind == "topk_weights_shape":
+            weights = np.ones((weights.shape[0], cfg.num_topk + 1), dtype=np.float32)
         elif kind == "topk_idx_shape":
             idx = np.zeros((idx.shape[0], cfg.num_topk + 1), dtype=idx.dtype)
         elif kind == "topk_idx_dtype":
             idx = idx.astype(np.float32)
-        elif kind == "topk_weights_dtype":
+        elif kind in ("topk_weights_dtype",):
             weights = np.ones(weights.shape, dtype=np.int32)
         elif kind == "topk_weights_float64":
             weights = np.asarray(weights, dtype=np.float64)
@@ -651,7 +724,7 @@ class _Runner:
         world[last] = RankInputs(act, fc1, fc2, idx, weights)
         if kind == "world_size" and op != "backward":
             world = world[:-1]
-        if kind.endswith("recv_capacity_overflow"):
+        if kind.endswith(("recv_capacity_overflow", "recv_capacity_short")):
             world = _world(self.case, cfg)
         if op == "dispatch":
             return config, [_dispatch_world(world)]
@@ -672,6 +745,13 @@ class _Runner:
                            np.concatenate([s.route_metadata, np.full((1, 4), -1, np.int32)])) for s in stash]
         elif kind == "stash_dtype":
             stash = [Stash(s.fc1_c.astype(np.float32), s.route_metadata) for s in stash]
+        elif kind == "route_metadata_dtype":
+            stash = [Stash(s.fc1_c, s.route_metadata.astype(np.int64)) for s in stash]
+        elif kind == "route_metadata_shape":  # on every rank, as stash_rows
+            stash = [Stash(s.fc1_c, np.ascontiguousarray(s.route_metadata[:, :3])) for s in stash]
+        elif kind == "stash_width":
+            stash = [Stash(np.concatenate([s.fc1_c, np.zeros((s.fc1_c.shape[0], 1), BF16)], axis=1), s.route_metadata)
+                     for s in stash]
         elif kind == "grad_shape":
             grads[last] = np.zeros((grads[last].shape[0], cfg.hidden + 1), np.float32)
         elif kind == "grad_dtype":
@@ -712,6 +792,10 @@ class _Runner:
             rows = [np.zeros((y.shape[0], cfg.hidden + 1), np.float32) for y in rows]
         elif kind == "grad_dtype":
             g_w = [np.asarray(g, np.float64) for g in g_w]
+        elif kind == "grad_tokens_dtype":
+            rows = [np.asarray(y, np.float64) for y in rows]
+        elif kind == "grad_weights_shape":
+            g_w = [np.zeros((g.shape[0] + 1,), np.float32) for g in g_w]
         return [handles, rows, g_w]
 
 
