@@ -47,8 +47,11 @@ SLOW: Dict[str, Tuple[str, ...]] = {
     "test_bench.py": ("test_other_drivers_time_the_layer_on_cpu",),
     # CMake configures of the CUDA build (about 30 s together; CI compiles it in full)
     "test_native_build.py": ("*",),
-    # the full conformance table on the reference (about 85 s; CI's main job runs it too)
-    "test_mutants.py": ("test_reference_passes[full]",),
+    # the full conformance table on the reference (about 85 s; CI's main job runs it too); every
+    # mutant against the quick table (10 to 15 s each, about 30 of them); the reference judged
+    # again after every mutant ran in its process (under xdist it runs them all again: about
+    # 290 s); the mutant table's own checks and the failure-report tests stay in the loop
+    "test_mutants.py": ("test_reference_passes[full]", "test_mutant_is_caught", "test_reference_unaffected_after_mutants"),
     # a fresh virtual environment, an install and the conformance suite (about 30 s)
     "test_example_plugin.py": ("*",),
     # the quick conformance table through the native XLA FFI targets (about 30 s)

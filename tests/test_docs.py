@@ -183,3 +183,16 @@ def test_links_in_the_readme_and_docs_point_at_existing_files_and_headings() -> 
             elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
                 broken.append(f"{page.relative_to(ROOT)}: {link} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_readme_xdist_summary_counts_the_deselected_tests(tmp_path: Path) -> None:
+    """README, Tests: under pytest-xdist the summary says how many tests `-m "not slow"` left out."""
+    import subprocess
+
+    assert "deselected by -m 'not slow'" in (ROOT / "README.md").read_text()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-m", "not slow", "-p", "no:cacheprovider",
+         str(ROOT / "tests" / "test_native_build.py")],  # every test of it is slow
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert re.search(r"^\d+ deselected by -m 'not slow'$", proc.stdout, flags=re.M), proc.stdout + proc.stderr
