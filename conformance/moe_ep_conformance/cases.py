@@ -685,6 +685,9 @@ def _boundary_cases() -> Iterable[Case]:
                           quick=(op == "backward" and limit == 0.75 and weights_in == "fc1"))
     yield _k2("nan_isolation", 2, values="clamp_edges", clamp=True, input_format="fp32", weight_format="fp32",
               routing="unused_mixed")
+    # grad_activation sums a token's K route gradients in an unspecified order (spec section 9.2): eight
+    # routes of large, cancelling terms, two of them to one expert, where slot order and any other differ
+    yield Case("backward", 2, 8, 16, routing="repeated", values="large", tokens="full", clamp=True, clamp_limit=7.3)
 
 
 def _empty_cases() -> Iterable[Case]:

@@ -673,7 +673,10 @@ class _Runner:
         if op == "backward":
             if kind == "too_many_tokens":  # the stash of the over-long world, from a config without the bound
                 stash = [f.stash for f in self.reference.forward(cfg.replace(max_tokens_per_rank=None), world)]
-            elif kind.endswith(("recv_capacity_overflow", "recv_capacity_short")):  # rows as the small capacity has them
+            elif kind.endswith("recv_capacity_short"):  # the stash of the exact capacity: the plan's rows, not C
+                exact = cfg.replace(recv_capacity=config.recv_capacity + cfg.expert_alignment)
+                stash = [f.stash for f in self.reference.forward(exact, _world(self.case, cfg))]
+            elif kind.endswith("recv_capacity_overflow"):  # rows as the small capacity has them
                 stash = [Stash(np.zeros((config.recv_capacity, 2 * cfg.intermediate), BF16),
                                np.full((config.recv_capacity, 4), -1, np.int32)) for _ in world]
             else:
