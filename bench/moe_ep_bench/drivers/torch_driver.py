@@ -46,41 +46,10 @@ from moe_ep_spec.launch import free_loopback_port
 
 from ..model import OPS, BenchSettings, Routing, weight_bytes
 from ..results import Row, sig
+from .jobs import BACKENDS, MODULE_VARIANT, TARGETS, Job
 
 __all__ = ["Job", "make_jobs", "run_jobs", "variant", "TARGETS", "BACKENDS", "MODULE_VARIANT", "weight_read_rows",
            "unsupported"]
-
-#: The variant of the rows timed through ``MoeEpLayer`` (the torch.nn.Module).
-MODULE_VARIANT = "MoeEpLayer"
-
-#: Backends timed in the torch driver's rank processes, and what each times.
-BACKENDS: Dict[str, Tuple[str, ...]] = {"torch": OPS, "cuda-nccl": ("forward", "forward_backward")}
-TARGETS = tuple(BACKENDS) + ("all_to_all", "copy", "grouped_gemm", "weight_read")
-
-
-@dataclass(frozen=True)
-class Job:
-    """One measurement in the rank processes."""
-
-    id: int
-    target: str
-    op: str
-    tokens: int
-    format: str
-    #: timed through moe_ep_torch.module.MoeEpLayer (forward_backward of a backend)
-    module: bool = False
-
-    @property
-    def phase(self) -> str:
-        """The weights the job needs in memory: GEMM baselines run on bf16 weights."""
-        return "bf16" if self.target in ("grouped_gemm", "weight_read") else self.format
-
-    def describe(self) -> str:
-        if self.target == "weight_read":
-            return "weight_read (device copy of the local bf16 weights)"
-        via = f" ({MODULE_VARIANT})" if self.module else ""
-        return f"{self.target}{via} {self.op} {self.format} T={self.tokens}"
-
 
 def variant(target: str, settings: BenchSettings) -> str:
     """How a baseline is measured on this device and EP size (the rows' ``variant``)."""

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from moe_ep_spec.formats import MoeFormat
 
 from ..model import BenchSettings, Routing, row_bytes
-from .torch_driver import BACKENDS, Job
+from .jobs import BACKENDS, Job
 
 _MAX_REASON = 600
 #: A GPU spin (cycles) before each timed call; about 1 ms at H200 clocks.
