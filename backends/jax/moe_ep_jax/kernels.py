@@ -41,8 +41,9 @@ token ``token_route[i] // K``): a provider may read the rows from there instead 
 not return the stash); the provider may skip it and return None.
 
 :class:`XlaKernels` (the default, name ``xla``) does this with XLA-native ops:
-``jax.lax.ragged_dot`` / ``ragged_dot_general`` over the expert slabs with
-float32 accumulation (``Precision.HIGHEST``: no TF32/bf16 passes), and the
+grouped GEMMs over the expert slabs (``jax.lax.ragged_dot``, or, where its dense
+lowering, every row against every expert, would be large, a scan of one GEMM per
+(row tile, expert) pair), with float32 accumulation (``Precision.HIGHEST``: no TF32/bf16 passes), and the
 bit-exact formats of :mod:`moe_ep_jax.formats`, and ``argsort``/``bincount``
 for the plan. A second provider (the native core reached through XLA FFI,
 ``moe_ep_jax_ffi.kernels.FfiKernels``) implements the same six methods and is
@@ -188,36 +189,169 @@ _F32 = jnp.float32
 _I32 = jnp.int32
 
 
-def _gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """``lhs[slab_e] @ rhs[e]`` for every expert: ``[C, K] x [G, K, N] -> [C, N]`` float32."""
-    return lax.ragged_dot(lhs, rhs, group_sizes, precision=_HIGHEST, preferred_element_type=_F32)
+#: Rows per tile of the tiled grouped GEMMs; the same for every buffer size, so
+#: that a row's result and a weight gradient's summation order do not depend on
+#: how many rows the buffer has.
+GEMM_TILE_ROWS = 256
 
+
+def _tile_rows(num_rows: int) -> int:
+    del num_rows
+    return GEMM_TILE_ROWS
+
+
+def _tile_pairs(group_sizes: jax.Array, num_rows: int, tile: int) -> Tuple[jax.Array, ...]:
+    """The (tile, group) pairs of a grouped GEMM over contiguous slabs: every
+    tile of ``tile`` rows once for each group with rows in it, groups in order.
+
+    Returns ``(group [P], tile [P], valid [P], starts [G], ends [G])`` int32/bool
+    with ``P = num_tiles + G - 1``, the most pairs there can be (each slab
+    boundary inside a tile adds one); pairs past the last real one are not valid.
+    """
+    g = group_sizes.shape[0]
+    num_tiles = -(-num_rows // tile)
+    sizes = group_sizes.astype(_I32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // tile
+    count = jnp.where(sizes > 0, (ends - 1) // tile - first + 1, 0)
+    pair_end = jnp.cumsum(count)
+    p = jnp.arange(num_tiles + g - 1, dtype=_I32)
+    group = jnp.searchsorted(pair_end, p, side="right").astype(_I32)
+    valid = group < g
+    group = jnp.minimum(group, g - 1)
+    tiles = jnp.clip(first[group] + p - (pair_end - count)[group], 0, num_tiles - 1)
+    return group, jnp.where(valid, tiles, 0), valid, starts, ends
+
+
+def _zeros(shape: Tuple[int, ...], *like: jax.Array) -> jax.Array:
+    """float32 zeros typed as varying over every mesh axis that one of ``like``
+    varies over (inside ``shard_map`` a fresh ``zeros`` is invariant, and a scan's
+    carry must keep its type)."""
+    z = jnp.zeros(shape, _F32)
+    axes: set = set()
+    for a in like:
+        aval = jax.typeof(a)
+        varying = getattr(aval, "vma", None)  # jax <= 0.8; later: manual_axis_type.varying
+        if varying is None:
+            varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+        axes |= set(varying or ())
+    if not axes:
+        return z
+    pcast = getattr(lax, "pcast", None)
+    if pcast is not None:
+        return pcast(z, tuple(sorted(axes)), to="varying")
+    return lax.pvary(z, tuple(sorted(axes)))
+
+
+def _common(a: jax.Array, b: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    return a.astype(dtype), b.astype(dtype)
+
+
+#: Above this many bytes of ``jax.lax.ragged_dot``'s dense intermediate (every
+#: row against every expert, ``[C, G, N]`` float32) the grouped GEMMs run tiled
+#: (:func:`_gemm_tiled`, :func:`_gemm_t_tiled`); below it, ``ragged_dot`` on float32.
+DENSE_GEMM_MAX_BYTES = 64 << 20
 
 _CONTRACT_ROWS = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
 )
 
 
+def _gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_transposed: bool = False) -> jax.Array:
+    """``lhs[slab_e] @ rhs[e]`` for every expert: ``[C, K] x [G, K, N] -> [C, N]``
+    float32 (``rhs_transposed``: ``rhs`` is ``[G, N, K]`` and ``rhs[e]^T`` is used);
+    rows after the last slab are 0. Float32 accumulation (``Precision.HIGHEST``)."""
+    c = lhs.shape[0]
+    g, n = rhs.shape[0], rhs.shape[1] if rhs_transposed else rhs.shape[2]
+    if c * g * n * 4 > DENSE_GEMM_MAX_BYTES:
+        return _gemm_tiled(lhs, rhs, group_sizes, rhs_transposed)
+    if rhs_transposed:
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    return lax.ragged_dot(lhs.astype(_F32), rhs.astype(_F32), group_sizes, precision=_HIGHEST,
+                          preferred_element_type=_F32)
+
+
 def _gemm_t(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """``lhs[slab_e]^T @ rhs[slab_e]`` for every expert: ``[C, K], [C, N] -> [G, K, N]`` float32."""
+    """``lhs[slab_e]^T @ rhs[slab_e]`` for every expert: ``[C, K], [C, N] -> [G, K, N]``
+    float32 (``Precision.HIGHEST``)."""
+    c, k = lhs.shape
+    if c * group_sizes.shape[0] * max(k, rhs.shape[1]) * 4 > DENSE_GEMM_MAX_BYTES:
+        return _gemm_t_tiled(lhs, rhs, group_sizes)
     return lax.ragged_dot_general(
-        lhs, rhs, group_sizes, _CONTRACT_ROWS, precision=_HIGHEST, preferred_element_type=_F32
+        lhs.astype(_F32), rhs.astype(_F32), group_sizes, _CONTRACT_ROWS, precision=_HIGHEST, preferred_element_type=_F32
     )
 
 
-def _bf16_operand(t: Tensor) -> jax.Array:
-    """A GEMM operand of the bf16-operand backward: a plain bfloat16 array as it is
-    (its values are exact), anything else decoded to float32."""
-    if isinstance(t, jax.Array) and t.dtype == jnp.bfloat16:
-        return t
-    return F.decode(t)
+def _gemm_tiled(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_transposed: bool = False) -> jax.Array:
+    """:func:`_gemm` as one ``[tile, K] x [K, N]`` GEMM per (tile, expert) pair of :func:`_tile_pairs`,
+    float32 accumulation (``Precision.HIGHEST``), each row's result selected from
+    its own expert's product: the work and the memory of the expert-major rows
+    themselves, where ``jax.lax.ragged_dot``'s dense lowering on CPU and GPU
+    computes every row against every expert (``[C, G, N]``). Mixed operand dtypes
+    meet at their promoted type one expert at a time (bf16 x bf16 stays a bf16 GEMM).
+    """
+    c, k = lhs.shape
+    n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
+    if c == 0:
+        return jnp.zeros((0, n), _F32)
+    tile = _tile_rows(c)
+    num_tiles = -(-c // tile)
+    x = jnp.pad(lhs, ((0, num_tiles * tile - c), (0, 0))).reshape(num_tiles, tile, k)
+    group, tiles, valid, starts, ends = _tile_pairs(group_sizes, c, tile)
+    rows = jnp.arange(tile, dtype=_I32)
+    dims = (((1,), (1,)), ((), ())) if rhs_transposed else (((1,), (0,)), ((), ()))
+
+    def step(out, pair):
+        gi, ti, vi = pair
+        a, b = _common(lax.dynamic_index_in_dim(x, ti, keepdims=False), lax.dynamic_index_in_dim(rhs, gi, keepdims=False))
+        y = lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=_F32)
+        r = ti * tile + rows
+        mine = vi & (r >= starts[gi]) & (r < ends[gi])
+        cur = lax.dynamic_index_in_dim(out, ti, keepdims=False)
+        return lax.dynamic_update_index_in_dim(out, cur + jnp.where(mine[:, None], y, 0.0), ti, 0), None
+
+    out, _ = lax.scan(step, _zeros((num_tiles, tile, n), lhs, rhs, group_sizes), (group, tiles, valid))
+    return out.reshape(num_tiles * tile, n)[:c]
 
 
-def _same_dtype(a: jax.Array, b: jax.Array) -> Tuple[jax.Array, jax.Array]:
-    """Both bfloat16 when both are (a bf16 GEMM), else both float32 (exact widening)."""
-    if a.dtype == b.dtype:
-        return a, b
-    return a.astype(_F32), b.astype(_F32)
+def _gemm_t_tiled(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """:func:`_gemm_t` as one ``[tile, K]^T x [tile, N]`` GEMM per (tile, expert) pair (see
+    :func:`_gemm_tiled`), rows of other experts zeroed in both operands (a NaN row of one
+    expert never reaches another's gradient)."""
+    c, k = lhs.shape
+    n = rhs.shape[1]
+    g = group_sizes.shape[0]
+    if c == 0:
+        return jnp.zeros((g, k, n), _F32)
+    tile = _tile_rows(c)
+    num_tiles = -(-c // tile)
+    pad = ((0, num_tiles * tile - c), (0, 0))
+    a_all = jnp.pad(lhs, pad).reshape(num_tiles, tile, k)
+    b_all = jnp.pad(rhs, pad).reshape(num_tiles, tile, n)
+    group, tiles, valid, starts, ends = _tile_pairs(group_sizes, c, tile)
+    rows = jnp.arange(tile, dtype=_I32)
+
+    def step(out, pair):
+        gi, ti, vi = pair
+        r = ti * tile + rows
+        mine = (vi & (r >= starts[gi]) & (r < ends[gi]))[:, None]
+        a = lax.dynamic_index_in_dim(a_all, ti, keepdims=False)
+        b = lax.dynamic_index_in_dim(b_all, ti, keepdims=False)
+        a, b = _common(jnp.where(mine, a, jnp.zeros((), a.dtype)), jnp.where(mine, b, jnp.zeros((), b.dtype)))
+        y = lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=_F32)
+        cur = lax.dynamic_index_in_dim(out, gi, keepdims=False)
+        return lax.dynamic_update_index_in_dim(out, cur + y, gi, 0), None
+
+    out, _ = lax.scan(step, _zeros((g, k, n), lhs, rhs, group_sizes), (group, tiles, valid))
+    return out
+
+
+def _plain_or_decoded(t: Tensor) -> jax.Array:
+    """A GEMM operand: a plain array as it is (the grouped GEMMs widen it one
+    expert at a time), a block-scaled one decoded to float32 (exact)."""
+    return t if isinstance(t, jax.Array) else F.decode(t)
 
 
 def _swiglu_parts(config: MoeEpConfig, fc1_c: jax.Array) -> Tuple[jax.Array, ...]:
@@ -243,9 +377,9 @@ def _swiglu_parts(config: MoeEpConfig, fc1_c: jax.Array) -> Tuple[jax.Array, ...
 
 
 class XlaKernels:
-    """The XLA-native provider: grouped GEMMs with ``jax.lax.ragged_dot`` in
-    float32 on the exactly decoded operands, elementwise SwiGLU in float32, and
-    the bit-exact formats of :mod:`moe_ep_jax.formats`."""
+    """The XLA-native provider: tiled grouped GEMMs (:func:`_gemm`, :func:`_gemm_t`)
+    with float32 accumulation on the exact operand values, elementwise SwiGLU in
+    float32, and the bit-exact formats of :mod:`moe_ep_jax.formats`."""
 
     name = "xla"
 
@@ -289,8 +423,7 @@ class XlaKernels:
 
     def expert_forward(self, config, x, w, fc1, fc2, group_sizes):  # type: ignore[override]
         i = config.intermediate
-        xf = F.decode(x)
-        c = _gemm(xf, F.decode(fc1), group_sizes)
+        c = _gemm(_plain_or_decoded(x), _plain_or_decoded(fc1), group_sizes)
         g, u = c[:, :i], c[:, i:]
         if config.gate_up_clamp is not None:
             lim = jnp.float32(config.gate_up_clamp)
@@ -300,7 +433,7 @@ class XlaKernels:
         wc = w[:, None]
         op = wc * h if config.apply_topk_in_fc1 else h
         op = F.round_trip(op, config.intermediate_format)
-        z = _gemm(op, F.decode(fc2), group_sizes)
+        z = _gemm(op, _plain_or_decoded(fc2), group_sizes)
         y = z if config.apply_topk_in_fc1 else wc * z
         return y, c
 
@@ -308,7 +441,7 @@ class XlaKernels:
         if config.backward_operand_format is not None:
             return self._expert_backward_bf16(config, x, w, fc1, fc2, fc1_c, dy, group_sizes)
         i, lim = config.intermediate, config.gate_up_clamp
-        xf, w1, w2 = F.decode(x), F.decode(fc1), F.decode(fc2)
+        xf, w1, w2 = _plain_or_decoded(x), _plain_or_decoded(fc1), _plain_or_decoded(fc2)
         c = fc1_c.astype(_F32)
         g_raw, u_raw = c[:, :i], c[:, i:]
         if lim is None:
@@ -324,7 +457,7 @@ class XlaKernels:
         h = s * u
         wc = w[:, None]
         dyf = dy.astype(_F32)
-        a = _gemm(dyf, jnp.swapaxes(w2, 1, 2), group_sizes)  # dY W2^T  [C, I]
+        a = _gemm(dyf, w2, group_sizes, rhs_transposed=True)  # dY W2^T  [C, I]
         if config.apply_topk_in_fc1:
             dfc2 = _gemm_t(wc * h, dyf, group_sizes)
             dw = jnp.sum(a * h, axis=1)
@@ -338,7 +471,7 @@ class XlaKernels:
             dg, du = dg * gate_mask, du * up_mask
         dc = jnp.concatenate([dg, du], axis=1)
         dfc1 = _gemm_t(xf, dc, group_sizes)
-        dx = _gemm(dc, jnp.swapaxes(w1, 1, 2), group_sizes)
+        dx = _gemm(dc, w1, group_sizes, rhs_transposed=True)
         return dx, dw, dfc1, dfc2
 
     def _expert_backward_bf16(self, config, x, w, fc1, fc2, fc1_c, dy, group_sizes):
@@ -350,20 +483,17 @@ class XlaKernels:
         _, _, _, _, h, fg, fu = _swiglu_parts(config, fc1_c)
         wc = w[:, None]
         dy_b = dy.astype(bf16)  # dY_b = R_bf16(dY), exact for a bf16 cotangent
-        w1, w2 = _bf16_operand(fc1), _bf16_operand(fc2)
-        lhs, rhs = _same_dtype(dy_b, jnp.swapaxes(w2, 1, 2))
-        a = _gemm(lhs, rhs, group_sizes)  # dY_b W2^T  [C, I] float32
+        w1, w2 = _plain_or_decoded(fc1), _plain_or_decoded(fc2)
+        a = _gemm(dy_b, w2, group_sizes, rhs_transposed=True)  # dY_b W2^T  [C, I] float32
         dfc2 = _gemm_t((wc * h).astype(bf16), dy_b, group_sizes)  # R_bf16(w h)^T dY_b, both placements
         if config.apply_topk_in_fc1:
             dw = jnp.sum(a * h, axis=1)
         else:
-            dw = jnp.sum(dy_b.astype(_F32) * _gemm(h, F.decode(fc2), group_sizes), axis=1)
+            dw = jnp.sum(dy_b.astype(_F32) * _gemm(h, w2, group_sizes), axis=1)
         dh = a * wc
         dc_b = jnp.concatenate([dh * fg, dh * fu], axis=1).astype(bf16)  # dc_b = R_bf16(dc)
-        lhs, rhs = _same_dtype(_bf16_operand(x), dc_b)
-        dfc1 = _gemm_t(lhs, rhs, group_sizes)
-        lhs, rhs = _same_dtype(dc_b, jnp.swapaxes(w1, 1, 2))
-        dx = _gemm(lhs, rhs, group_sizes)
+        dfc1 = _gemm_t(_plain_or_decoded(x), dc_b, group_sizes)
+        dx = _gemm(dc_b, w1, group_sizes, rhs_transposed=True)
         return dx, dw, dfc1, dfc2
 
 
