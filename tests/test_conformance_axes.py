@@ -280,3 +280,30 @@ def test_no_import_circle_among_the_tables_and_the_runner() -> None:
         assert "from .runner" not in (PACKAGE / f"{name}.py").read_text(), name
     for name in ("format_cases", "axes", "checks"):
         assert "from .cases" not in (PACKAGE / f"{name}.py").read_text(), name
+
+
+def test_tie_cases_put_w_h_and_dc_on_bf16_ties() -> None:
+    from moe_ep_conformance.runner import _world
+
+    case = Case("backward", 2, 2, 8, values="bf16_ties", input_format="fp32", weight_format="fp32",
+                backward_operand_format="bf16")
+    assert case in FULL and {c.backward_operand_format for c in FULL if c.values == "bf16_ties"} == {None, "bf16"}
+    cfg = case.config()
+    w = _world(case, cfg)[0]
+    x, w1, w2 = (np.asarray(a, np.float32) for a in (w.activation, w.fc1_weight, w.fc2_weight))
+    i = cfg.intermediate
+
+    def ties(v: np.ndarray) -> float:  # float32 values halfway between two bf16 numbers
+        return float(((np.asarray(v, np.float32).view(np.uint32) & 0xFFFF) == 0x8000).mean())
+
+    for t in range(3):
+        e = int(w.topk_idx[t, 0]) % cfg.num_local_experts
+        c = x[t] @ w1[e]
+        g, u = c[:i], c[i:]
+        sig = np.float32(1) / (np.float32(1) + np.exp(-g))
+        h = g * sig * u
+        wh = np.float32(1.5) * h
+        dh = w2[e][:, t] * np.float32(1.5)  # one-hot cotangent row t
+        assert ties(wh) > 0.5 and ties(dh * g * sig) > 0.5, t
+    for c in (case, Case("backward", 2, 2, 8, values="bf16_ties", input_format="fp32", weight_format="fp32")):
+        assert run_case(REFERENCE, c).outcome == "passed"

@@ -690,6 +690,19 @@ def _boundary_cases() -> Iterable[Case]:
     yield Case("backward", 2, 8, 16, routing="repeated", values="large", tokens="full", clamp=True, clamp_limit=7.3)
 
 
+def _tie_cases() -> Iterable[Case]:
+    """Backward cases whose ``w * h`` and ``dc`` lie on bf16 rounding ties (values
+    ``bf16_ties``, runner.py): the bf16-operand mode rounds there, and both
+    neighbours of a tie must pass (the exact mode's twin is made by
+    :func:`_both_backward_modes`)."""
+    for n, k, e in ((1, 1, 2), (2, 2, 8), (3, 3, 9)):
+        for weights_in in ("fc1", "fc2"):
+            yield Case("backward", n, k, e, values="bf16_ties", weights_in=weights_in, input_format="fp32",
+                       weight_format="fp32", backward_operand_format="bf16", quick=(n == 2 and weights_in == "fc1"))
+    yield Case("backward", 2, 2, 8, values="bf16_ties", input_format="fp32", weight_format="fp32",
+               backward_operand_format="bf16", cotangent="bf16", layout="static", tokens="full")
+
+
 def _empty_cases() -> Iterable[Case]:
     """A rank with no token (rank 0) and ranks receiving no route (every route goes
     to rank 0), in every operation and every format at that point."""
@@ -787,8 +800,8 @@ def _both_backward_modes(cases: List[Case]) -> List[Case]:
     out = []
     for c in cases:
         out.append(c)
-        if c.op == "backward" and c.backward_operand_format is None:
-            out.append(replace(c, backward_operand_format="bf16"))
+        if c.op == "backward":
+            out.append(replace(c, backward_operand_format="bf16" if c.backward_operand_format is None else None))
     return out
 
 
@@ -820,6 +833,7 @@ def full_cases() -> List[Case]:
                     *_empty_cases(),
                     *_realistic_cases(),
                     *_boundary_cases(),
+                    *_tie_cases(),
                 ]
             ),
             *_grid_cases(),

@@ -194,6 +194,42 @@ def _stash_arg(case: Case, stash: Sequence[Stash]) -> List[Stash]:
     return [Stash(_strided(s.fc1_c), _strided(s.route_metadata)) for s in stash]
 
 
+#: Router weight of the ``bf16_ties`` values: with g = 32 (SiLU(32) = 32 in float32) and
+#: bf16 numbers u = (1 + k 2^-7) 2^p (k odd), w * h = 48 u lies on a bf16 rounding tie.
+_TIE_WEIGHT = 1.5
+
+
+def _tie_values(rng: np.random.Generator, shape: Tuple[int, ...]) -> np.ndarray:
+    """bf16 numbers (1 + k 2^-7) 2^p, k odd and below 42 (so that 1.5 (1 + k 2^-7)
+    stays in [1, 2) with a ninth significant bit: a bf16 tie), p in [-3, 3], random
+    signs; a quarter of them powers of two."""
+    k = 2 * rng.integers(0, 21, size=shape) + 1
+    p = rng.integers(-3, 4, size=shape)
+    v = (1.0 + k * 2.0**-7) * np.exp2(p)
+    v = np.where(rng.random(shape) < 0.25, np.exp2(p), v)
+    return (v * np.where(rng.random(shape) < 0.5, -1.0, 1.0)).astype(np.float32)
+
+
+def _tie_world(config: MoeEpConfig, act: Any, fc1: Any, fc2: Any, tw: Any,
+               rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Inputs whose backward puts ``w * h`` and ``dc`` on bf16 rounding ties (values
+    ``bf16_ties``): one-hot activations (FC1 exact), gate 32, up from
+    :func:`_tie_values`, FC2 from :func:`_tie_values`, router weights 1.5; with the
+    one-hot cotangent rows of :meth:`_Runner.cot_for` the up half of ``dc`` is
+    48 * FC2 entry (a tie) and the gate half 1.5 * FC2 entry * u (a tie where u is
+    a power of two)."""
+    t, h = act.shape
+    one_hot = np.zeros((t, h), np.float32)
+    one_hot[np.arange(t), np.arange(t) % h] = 1.0
+    i = config.intermediate
+    w1 = np.empty(fc1.shape, np.float32)
+    w1[..., :i] = 32.0
+    w1[..., i:] = _tie_values(rng, fc1.shape[:-1] + (i,))
+    w2 = _tie_values(rng, fc2.shape)
+    weights = np.full(tw.shape, _TIE_WEIGHT, np.float32)
+    return one_hot.astype(act.dtype), w1.astype(fc1.dtype), w2.astype(fc2.dtype), weights.astype(tw.dtype)
+
+
 def _clamp_edge_values(limit: float) -> np.ndarray:
     """float32 values on and around the clamp edges +-L: L and -L, their float32
     and bf16 neighbours, half and twice L, and 0."""
@@ -248,6 +284,8 @@ def _world(case: Case, config: MoeEpConfig, tokens: Optional[List[int]] = None) 
             act = _scaled(act, _LARGE)
         if case.values == "clamp_edges":
             act, fc1 = _clamp_edge_world(config, act, fc1, np.random.default_rng(case.seed + 2))
+        if case.values == "bf16_ties":
+            act, fc1, fc2, tw = _tie_world(config, act, fc1, fc2, tw, np.random.default_rng(case.seed + 3))
         if case.input_format == "fp16":
             act = act.astype(np.float16)
         if case.weight_format == "fp16":
@@ -378,6 +416,12 @@ class _Runner:
         g = _cotangent(self.rng, shape, poison_rows).astype(_PLAIN_DTYPES[self.case.cotangent])
         return _plain(self.case, g)
 
+    def one_hot_cot(self, num_tokens: int, hidden: int) -> np.ndarray:
+        """Cotangent rows e_(t mod H) in the case's dtype (values ``bf16_ties``)."""
+        g = np.zeros((num_tokens, hidden), np.float32)
+        g[np.arange(num_tokens), np.arange(num_tokens) % hidden] = 1.0
+        return _plain(self.case, g.astype(_PLAIN_DTYPES[self.case.cotangent]))
+
     def rows(self, dispatched: Sequence[Any]) -> List[np.ndarray]:
         """The expert outputs (or token cotangents) of the dispatched rows: the
         expert-specific transform of :func:`_expert_rows`, in the case's dtype."""
@@ -425,6 +469,8 @@ class _Runner:
         world = _world(self.case, cfg)
         stash = _stash_arg(self.case, [f.stash for f in ref_b.forward(cfg, world)])
         grads = [self.cot((w.topk_idx.shape[0], cfg.hidden)) for w in world]
+        if self.case.values == "bf16_ties":  # one-hot rows: dY W2^T is a column of FC2
+            grads = [self.one_hot_cot(w.topk_idx.shape[0], cfg.hidden) for w in world]
         got = self.call_unchanged("backward", world, grads, stash)
         ref, budgets = ref_b.backward_and_budget(cfg, world, grads, stash)  # type: ignore[attr-defined]
         checks = []
