@@ -181,3 +181,21 @@ def test_static_and_dynamic_layouts_agree_in_the_bf16_mode():
     for a, b in zip(*out):
         for n in G.GRADS:
             assert np.array_equal(getattr(a, n), getattr(b, n)), n
+
+
+def test_product_bound():
+    """``P(A, B; dA, dB)`` of spec section 13.1: 0 for an exact float32 product of
+    error-free operands, the float32 accumulation bound otherwise, plus the
+    operands' errors propagated through the other operand's magnitudes."""
+    from moe_ep_spec.tolerance import gamma, product_bound, underflow
+
+    a = np.array([[1.0, 2.0**-8], [3.0, 0.1]])
+    b = np.array([[1.0, -1.0], [1.0, 0.5]])
+    p = product_bound(a, b)
+    assert p[0, 0] == 0 and p[0, 1] == 0  # 1 + 2^-8 and -1 + 2^-9: exact in float32
+    assert p[1, 0] == pytest.approx(gamma(2) * (3.0 + 0.1) + underflow(2))  # 0.1 is no multiple of a common quantum
+    e = product_bound(a, b, lhs_error=np.array([[0.0, 0.0], [2.0**-10, 0.0]]))
+    assert e[0, 0] == 0 and e[0, 1] == 0  # row 0 of A is error-free
+    assert e[1, 0] == pytest.approx(2.0**-10 * 1.0 + p[1, 0])
+    f = product_bound(a, b, rhs_error=np.array([[0.0, 0.0], [0.0, 2.0**-12]]))
+    assert f[0, 0] == 0 and f[0, 1] > 0 and f[0, 1] == pytest.approx(2.0**-8 * 2.0**-12 + gamma(2) * (1 + 2.0**-9) + underflow(2))
