@@ -217,9 +217,12 @@ _SMALL = ["--quick", "--ep-size", "1", "--op", "dispatch", "--format", "bf16", "
           "--repeats", "1", "--warmup", "0", "--input-sets", "1"]
 
 
-def test_backend_without_a_driver_is_refused_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_backend_without_a_driver_is_refused_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     registry = moe_ep_spec.get_registry()
-    registry.register(_NoDriver())
+    nodriver = _NoDriver()
+    registry.register(nodriver)
+    _only_reference_and(nodriver, monkeypatch)
     try:
         code = bench_cli.main(_SMALL + ["--backend", "reference", "--backend", _NoDriver.name,
                                         "--json", str(tmp_path / "b.json")])
@@ -234,6 +237,42 @@ def test_backend_without_a_driver_is_refused_before_the_run(tmp_path: Path, caps
     assert "moe_ep_bench.drivers" in err
     assert left == 0
     assert "left out of this run" in out and f"{_NoDriver.name} (no bench driver)" in " ".join(out.split())
+
+
+class _Absent(moe_ep_spec.MoeEpBackend):
+    name = "test-bench-absent"
+    capabilities = Capabilities()
+
+    def quick_availability(self) -> moe_ep_spec.Availability:
+        return moe_ep_spec.Availability(False, "its library is not installed")
+
+    def availability(self) -> moe_ep_spec.Availability:  # the slow check: never reached
+        raise AssertionError("the full availability check ran")
+
+
+def _only_reference_and(backend: moe_ep_spec.MoeEpBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default run's backends: the reference and ``backend`` (not every installed one: quick)."""
+    registry = moe_ep_spec.get_registry()
+    reference = registry.get_backend("reference")
+    monkeypatch.setattr(registry, "list_backends", lambda: [reference, backend])
+
+
+def test_an_unavailable_backend_is_refused_by_its_quick_check(capsys: pytest.CaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = moe_ep_spec.get_registry()
+    absent = _Absent()
+    registry.register(absent)
+    _only_reference_and(absent, monkeypatch)
+    try:
+        code = bench_cli.main(_SMALL + ["--backend", _Absent.name])
+        err = capsys.readouterr().err
+        assert bench_cli.main(_SMALL + ["--no-progress"]) == 0  # the default run leaves it out, saying why
+        out = " ".join(capsys.readouterr().out.split())
+    finally:
+        registry.unregister(_Absent.name)
+    assert code == 2
+    assert err == f"moe-ep: error: MoeEp backend '{_Absent.name}' is not available: its library is not installed\n"
+    assert f"{_Absent.name} (not available here: its library is not installed)" in out
 
 
 def test_plots_without_matplotlib_are_refused_before_the_run(

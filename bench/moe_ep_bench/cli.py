@@ -268,11 +268,18 @@ def _environment(backends: Sequence[Any]) -> Dict[str, Any]:
 def _unavailable(backend: Any) -> Optional[str]:
     """Why ``backend`` cannot run here, or None. The torch backend is checked
     without importing torch here (its rank processes call the backend's own
-    availability check before any job); every other backend is asked."""
+    availability check before any job); every other backend is asked, its quick
+    check (what is installed) first."""
     if backend.name == "torch":
         return None if importlib.util.find_spec("torch") is not None else "torch is not installed (pip install torch)"
-    availability = backend.availability()
-    return None if availability else availability.reason
+    for check in (backend.quick_availability, backend.availability):  # what is installed first: a quick no
+        try:
+            availability = check()
+        except Exception as exc:  # noqa: BLE001 - a plugin that breaks its contract is left out, with the reason
+            return f"its availability check raised {type(exc).__name__}: {exc}"
+        if not availability:
+            return availability.reason
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -416,7 +423,8 @@ def run(args: argparse.Namespace) -> int:
         header = textwrap.fill(header, width=TABLE_WIDTH, subsequent_indent="  ")
     print(format_table(rows, header, wide=args.wide))
     for note in skipped_notes:
-        print(note if args.wide else textwrap.fill(note, width=TABLE_WIDTH, subsequent_indent="  "))
+        print(note if args.wide else textwrap.fill(note, width=TABLE_WIDTH, subsequent_indent="  ",
+                                                   break_on_hyphens=False))
     if "gpus" in env:
         gpus = env["gpus"]
         print(f"torch {env.get('torch')} cuda {env.get('cuda')} nccl {env.get('nccl')}; "
