@@ -67,8 +67,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        help_command = self.prog if self.prog.startswith("moe-ep") else "moe-ep"
-        self.exit(2, f"{self.prog}: error: {message}\nsee `{help_command} --help` for its options\n")
+        self.exit(2, f"{self.prog}: error: {message}\nsee `{self.prog} --help` for its options\n")
 
 
 def positive_int(text: str) -> int:
