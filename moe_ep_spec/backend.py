@@ -35,7 +35,8 @@ from .config import MoeEpConfig
 from .errors import CapabilityError
 from .formats import MoeFormat
 
-__all__ = ["Launch", "Capabilities", "Availability", "MoeEpBackend", "installed_version", "release"]
+__all__ = ["Launch", "Capabilities", "Availability", "MoeEpBackend", "installed_version", "release",
+           "installed_availability"]
 
 
 def installed_version(distribution: str) -> Optional[str]:
@@ -52,6 +53,21 @@ def release(version: str) -> Tuple[int, ...]:
     """The leading numbers of a version string: ``"2.5.1+cpu"`` -> ``(2, 5, 1)``."""
     m = re.match(r"\d+(?:\.\d+)*", version)
     return tuple(int(x) for x in m.group(0).split(".")) if m else ()
+
+
+def installed_availability(module: str, minimum: Tuple[int, ...], lacks: str) -> "Availability":
+    """A backend's quick check of its framework from what is installed, importing
+    nothing: ``module`` found and, when its distribution's version is known, at
+    least ``minimum``; else why not (``lacks``: what an older version misses)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        return Availability(False, f"{module} is not installed (pip install {module})")
+    version = installed_version(module)
+    if version is not None and release(version) < minimum:
+        need = ".".join(str(x) for x in minimum)
+        return Availability(False, f"{module} {version} {lacks} (need {module} >= {need})")
+    return Availability(True)
 
 
 class Launch(str, enum.Enum):

@@ -192,24 +192,18 @@ class BlockScaledTensor:
                     expected=dtype.name,
                     got=arr.dtype.name,
                 )
-        expected_data = self.data_shape_for(fmt, shape, axis)
-        if tuple(self.data.shape) != expected_data:
-            raise ShapeError(
-                f"{fmt.value} data for logical shape {shape} blocked along axis {axis} must have shape "
-                f"{expected_data}; got {tuple(self.data.shape)}",
-                name="data",
-                expected=expected_data,
-                got=tuple(self.data.shape),
-            )
-        expected_scale = self.scale_shape_for(fmt, shape, axis)
-        if tuple(self.scale.shape) != expected_scale:
-            raise ShapeError(
-                f"{fmt.value} scale for logical shape {shape} blocked along axis {axis} must have shape "
-                f"{expected_scale} (one per {fmt.block_size} elements); got {tuple(self.scale.shape)}",
-                name="scale",
-                expected=expected_scale,
-                got=tuple(self.scale.shape),
-            )
+        parts = (("data", self.data, self.data_shape_for, ""),
+                 ("scale", self.scale, self.scale_shape_for, f" (one per {fmt.block_size} elements)"))
+        for label, arr, shape_for, note in parts:
+            expected = shape_for(fmt, shape, axis)
+            if tuple(arr.shape) != expected:
+                raise ShapeError(
+                    f"{fmt.value} {label} for logical shape {shape} blocked along axis {axis} must have shape "
+                    f"{expected}{note}; got {tuple(arr.shape)}",
+                    name=label,
+                    expected=expected,
+                    got=tuple(arr.shape),
+                )
 
     @staticmethod
     def data_shape_for(fmt: FormatLike, shape: tuple[int, ...], axis: int) -> tuple[int, ...]:

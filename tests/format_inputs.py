@@ -11,6 +11,12 @@ import numpy as np
 GOLDEN = Path(__file__).parent / "data" / "golden_formats.npz"
 
 
+def load_golden() -> Dict[str, np.ndarray]:
+    """The golden vectors of tests/data/golden_formats.npz, by key."""
+    with np.load(GOLDEN) as z:
+        return {k: z[k] for k in z.files}
+
+
 def format_inputs() -> Tuple[Dict[str, np.ndarray], List[np.ndarray]]:
     """``(golden, [rows, odd, special])``: the golden vectors (by key), their
     input rows stacked ``[R, 64] float32``; ``[16, 45]`` values over 12
@@ -18,8 +24,7 @@ def format_inputs() -> Tuple[Dict[str, np.ndarray], List[np.ndarray]]:
     zeros, subnormals (XLA:CPU threads flush these unless the code keeps them),
     values near float32's top, the smallest subnormal, and subnormal blocks
     that still encode to nonzero codes (scale 2^-127)."""
-    with np.load(GOLDEN) as z:
-        golden = {k: z[k] for k in z.files}
+    golden = load_golden()
     rng = np.random.default_rng(0)
     rows = np.concatenate([golden[k] for k in golden if k.endswith("/input")])
     odd = (rng.standard_normal((16, 45)) * 10.0 ** rng.integers(-6, 6, (16, 1))).astype(np.float32)

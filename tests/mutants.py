@@ -607,6 +607,21 @@ def _truncate_to_bf16(values: np.ndarray) -> np.ndarray:
     return out.astype(np.float32).astype(BF16)  # exact: out is on the bf16 grid
 
 
+def _bf16_output_encode(with_: Callable[[np.ndarray], np.ndarray]) -> Sequence[Patch]:
+    """Patches that encode a bf16 output with ``with_(values)`` instead of the
+    spec's rounding (the other output formats as before)."""
+
+    def factory(orig):
+        def encode_output(config, values):
+            if config.output_format is MoeFormat.BF16:
+                return with_(values)
+            return orig(config, values)
+
+        return encode_output
+
+    return [(W, "encode_output", factory)]
+
+
 class Bf16OutputTruncated(Mutant):
     """Section 8.2: bf16 rounds to nearest, ties to even. This backend's bf16
     output encode truncates toward zero."""
@@ -614,15 +629,7 @@ class Bf16OutputTruncated(Mutant):
     name = "mutant-bf16-output-truncated"
 
     def patches(self, op: str) -> Sequence[Patch]:
-        def factory(orig):
-            def encode_output(config, values):
-                if config.output_format is MoeFormat.BF16:
-                    return _truncate_to_bf16(values)
-                return orig(config, values)
-
-            return encode_output
-
-        return [(W, "encode_output", factory)]
+        return _bf16_output_encode(with_=_truncate_to_bf16)
 
 
 def _sum_slots_bf16(per_slot: np.ndarray) -> np.ndarray:
@@ -795,15 +802,7 @@ class Bf16TiesAwayFromZero(Mutant):
     name = "mutant-bf16-ties-away"
 
     def patches(self, op: str) -> Sequence[Patch]:
-        def factory(orig):
-            def encode_output(config, values):
-                if config.output_format is MoeFormat.BF16:
-                    return _round_bf16_ties_away(values)
-                return orig(config, values)
-
-            return encode_output
-
-        return [(W, "encode_output", factory)]
+        return _bf16_output_encode(with_=_round_bf16_ties_away)
 
 
 def _ties_up_where(select: Callable[[Any, Any], bool]):

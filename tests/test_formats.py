@@ -8,29 +8,19 @@ patterns, or from hand-derived tables.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from moe_ep_spec import (
-    BlockScaledTensor,
-    DTypeError,
-    FormatError,
-    MoeFormat,
-    ShapeError,
-    dequantize,
-    quantize,
-    round_to_bf16,
-    round_trip,
-)
+from format_inputs import load_golden
+from moe_ep_spec import (BlockScaledTensor, DTypeError, FormatError, MoeFormat, ShapeError, dequantize, quantize,
+                         round_to_bf16, round_trip)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 
-GOLDEN = Path(__file__).parent / "data" / "golden_formats.npz"
 GOLDEN_CATEGORIES = ["heavy_tail", "mxfp8_binade_edge", "nvfp4_ties", "random", "saturation", "tiny", "zeros"]
 
 # E4M3 (fn) value of every code 0x00..0x7E, decoded from the bit pattern by hand
@@ -63,8 +53,7 @@ def _unpack(packed: np.ndarray, n: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def golden():
-    with np.load(GOLDEN) as z:
-        return {k: z[k] for k in z.files}
+    return load_golden()
 
 
 def test_golden_file_has_every_documented_category(golden):

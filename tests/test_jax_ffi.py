@@ -133,21 +133,8 @@ def _codes(a) -> np.ndarray:
 _PLAN_FIELDS = ("send_route", "route_pos", "route_expert", "counts")
 
 
-def _format_helpers():
-    try:  # tests/ may or may not be a package
-        from . import format_inputs
-    except ImportError:
-        import format_inputs
-    return format_inputs
-
-
-def _format_inputs():
-    """The shared corner-case inputs of tests/format_inputs.py."""
-    return _format_helpers().format_inputs()
-
-
-def _golden_codes(golden, fmt):
-    return _format_helpers().golden_codes(golden, fmt)
+from format_inputs import format_inputs as _format_inputs  # noqa: E402 - the shared corner-case inputs
+from format_inputs import golden_codes as _golden_codes  # noqa: E402
 
 
 def _mesh(n: int) -> Mesh:

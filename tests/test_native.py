@@ -9,24 +9,21 @@ from __future__ import annotations
 
 import ctypes
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-moe_ep_native = pytest.importorskip("moe_ep_native", reason="moe-ep-native is not installed")
-try:
-    moe_ep_native.load()
-except FileNotFoundError as exc:  # pragma: no cover - depends on the install
-    pytest.skip(f"native library not built: {exc}", allow_module_level=True)
+from native_core import native_or_skip
 
+moe_ep_native = native_or_skip()
+
+from format_inputs import load_golden  # noqa: E402
 from moe_ep_native import host  # noqa: E402
 from moe_ep_spec import MoeEpConfig, NativeArgumentError, NativeError  # noqa: E402
 from moe_ep_spec.errors import FormatError  # noqa: E402
 from moe_ep_spec import formats as F  # noqa: E402
 from moe_ep_spec.errors import ShapeError  # noqa: E402
 
-GOLDEN = Path(__file__).parent / "data" / "golden_formats.npz"
 FORMATS = ["bf16", "mxfp8", "nvfp4"]
 
 
@@ -109,8 +106,7 @@ def test_transport_status_maps_to_transport_error():
 
 @pytest.fixture(scope="module")
 def golden():
-    with np.load(GOLDEN) as z:
-        return {k: z[k] for k in z.files}
+    return load_golden()
 
 
 def test_golden_vectors(golden):

@@ -259,18 +259,26 @@ def test_combine_reduce_of_float32_and_bf16_rows_on_every_path(h):
         np.testing.assert_array_equal(host_of(out, np.float32, want.shape), want, err_msg=f"{name}, hidden {h}")
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
-@pytest.mark.parametrize("h", [7168, 64, 48, 40])  # four values a lane; 48: nvfp4's lanes, mxfp8 by blocks; 40: by blocks
-def test_combine_reduce_round_trip_on_every_path(fmt, h):
-    """moe_ep_combine_reduce_round_trip on CUDA: bit for bit the CPU entry (the spec's round
-    trip of every row read, then the slot-order sum), with rows spanning 2^-140..2^100 (scale
-    codes at both ends), a NaN in one row, unused slots and a NaN row no route reads."""
+def _wide_rows(h):
+    """``(t, k, n, rows, pos)`` for the combine tests: 23 tokens of 8 slots over 150 float32
+    rows of ``h`` values spanning 2^-140..2^100 (one NaN in row 7, row n - 1 all NaN and read
+    by no route), and random route positions, -1 (unused) included."""
     rng = np.random.default_rng(h)
     t, k, n = 23, 8, 150
     rows = (rng.standard_normal((n, h)) * np.exp2(rng.integers(-140, 100, (n, 1)))).astype(np.float32)
     rows[7, 5] = np.nan
     rows[n - 1] = np.nan
     pos = rng.integers(-1, n - 1, t * k).astype(np.int32)
+    return t, k, n, rows, pos
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("h", [7168, 64, 48, 40])  # four values a lane; 48: nvfp4's lanes, mxfp8 by blocks; 40: by blocks
+def test_combine_reduce_round_trip_on_every_path(fmt, h):
+    """moe_ep_combine_reduce_round_trip on CUDA: bit for bit the CPU entry (the spec's round
+    trip of every row read, then the slot-order sum), with rows spanning 2^-140..2^100 (scale
+    codes at both ends), a NaN in one row, unused slots and a NaN row no route reads."""
+    t, k, n, rows, pos = _wide_rows(h)
     code = {"mxfp8": 2, "nvfp4": 3}[fmt]
     want = host.combine_reduce(rows, pos, t, k, round_trip=fmt)
     out = empty(want.nbytes)
@@ -293,12 +301,7 @@ def test_combine_reduce_encode_on_every_path(out_format, rows_kind, h):
     trip of every row read, the encode), with rows spanning 2^-140..2^100 (scale codes at both
     ends), a NaN in one row, unused slots, a NaN row no route reads, a route position past the
     rows (adds nothing on CUDA), and the error flag (all NaN)."""
-    rng = np.random.default_rng(h)
-    t, k, n = 23, 8, 150
-    rows = (rng.standard_normal((n, h)) * np.exp2(rng.integers(-140, 100, (n, 1)))).astype(np.float32)
-    rows[7, 5] = np.nan
-    rows[n - 1] = np.nan
-    pos = rng.integers(-1, n - 1, t * k).astype(np.int32)
+    t, k, n, rows, pos = _wide_rows(h)
     rt = rows_kind if rows_kind in ("mxfp8", "nvfp4") else None
     rt_code = {None: 0, "mxfp8": 2, "nvfp4": 3}[rt]
     out_code = {"bf16": 1, "mxfp8": 2, "nvfp4": 3}[out_format]

@@ -13,24 +13,21 @@ against the CPU entry.
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-moe_ep_native = pytest.importorskip("moe_ep_native", reason="moe-ep-native is not installed")
-try:
-    moe_ep_native.load()
-except FileNotFoundError as exc:  # pragma: no cover - depends on the install
-    pytest.skip(f"native library not built: {exc}", allow_module_level=True)
+from native_core import native_or_skip
 
+moe_ep_native = native_or_skip()
+
+from format_inputs import load_golden  # noqa: E402
 from moe_ep_native import host  # noqa: E402
 from moe_ep_native._capi import Format, call  # noqa: E402
 from moe_ep_spec import NativeArgumentError, NativeError  # noqa: E402
 from moe_ep_spec import formats as F  # noqa: E402
 
-GOLDEN = Path(__file__).parent / "data" / "golden_formats.npz"
 NAN_BITS = 0x7FC0
 
 
@@ -162,7 +159,7 @@ def test_tiny_values_are_nan_and_flagged_in_the_transposed_layout_too():
 
 
 def test_golden_vectors():
-    golden = np.load(GOLDEN)
+    golden = load_golden()
     cats = sorted({k.split("/")[0] for k in golden})
     for cat in cats:
         m = _mxfp8(golden[f"{cat}/mxfp8_data_bits"], golden[f"{cat}/mxfp8_scale_bits"], golden[f"{cat}/input"].shape)

@@ -217,26 +217,18 @@ class ReferenceBackend(MoeEpBackend):
             v.validate_grad("grad_output", g, (h.num_tokens, config.hidden), "(num_tokens, hidden)", r)
         return [_f32(g) for g in W.gather(handles, [np.asarray(g, dtype=np.float64) for g in grad_output])]
 
-    def dispatch_backward(
-        self,
-        config: MoeEpConfig,
-        handles: Sequence[DispatchHandle],
-        grad_tokens: Sequence[np.ndarray],
-        grad_topk_weights: Sequence[np.ndarray],
-    ) -> List[DispatchGrads]:
+    def dispatch_backward(self, config: MoeEpConfig, handles: Sequence[DispatchHandle],
+                          grad_tokens: Sequence[np.ndarray],
+                          grad_topk_weights: Sequence[np.ndarray]) -> List[DispatchGrads]:
         tok_slots, w_slots = self._dispatch_backward_slots(config, handles, grad_tokens, grad_topk_weights)
         return [
             DispatchGrads(grad_tokens=_f32(W.sum_slots(tok_slots[r])), grad_topk_weights=_f32(w_slots[r]))
             for r in range(config.num_ranks)
         ]
 
-    def dispatch_backward_budget(
-        self,
-        config: MoeEpConfig,
-        handles: Sequence[DispatchHandle],
-        grad_tokens: Sequence[np.ndarray],
-        grad_topk_weights: Sequence[np.ndarray],
-    ) -> List[DispatchGrads]:
+    def dispatch_backward_budget(self, config: MoeEpConfig, handles: Sequence[DispatchHandle],
+                                 grad_tokens: Sequence[np.ndarray],
+                                 grad_topk_weights: Sequence[np.ndarray]) -> List[DispatchGrads]:
         """Per rank, float64 budgets shaped like :meth:`dispatch_backward`'s results:
         the float32 slot sum for ``grad_tokens`` (0 where that sum is exact in
         float32); ``grad_topk_weights`` is exact (0)."""
@@ -249,13 +241,9 @@ class ReferenceBackend(MoeEpBackend):
             for r in range(config.num_ranks)
         ]
 
-    def _dispatch_backward_slots(
-        self,
-        config: MoeEpConfig,
-        handles: Sequence[DispatchHandle],
-        grad_tokens: Sequence[np.ndarray],
-        grad_topk_weights: Sequence[np.ndarray],
-    ) -> Tuple[List[np.ndarray], List[np.ndarray]]:
+    def _dispatch_backward_slots(self, config: MoeEpConfig, handles: Sequence[DispatchHandle],
+                                 grad_tokens: Sequence[np.ndarray],
+                                 grad_topk_weights: Sequence[np.ndarray]) -> Tuple[List[np.ndarray], List[np.ndarray]]:
         self.require(config, "dispatch_backward")
         self._check_handles(config, handles)
         v.validate_world(config, grad_tokens, "grad_tokens")

@@ -14,8 +14,8 @@ import os
 from functools import partial
 from typing import Any, Callable, Optional
 
-from moe_ep_spec.backend import Availability, Capabilities, Launch
-from moe_ep_torch.backend import TorchBackend, installed_version
+from moe_ep_spec.backend import Availability, Capabilities, Launch, installed_version
+from moe_ep_torch.backend import TorchBackend
 
 __all__ = ["CudaNcclBackend", "CPU_ENV"]
 

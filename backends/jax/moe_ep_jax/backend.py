@@ -33,7 +33,7 @@ import numpy as np
 from moe_ep_spec import validation as v
 from moe_ep_spec.api import (BackwardResult, DispatchGrads, DispatchHandle, DispatchInputs, DispatchResult,
                              ForwardResult, RankInputs, Stash, Tensor)
-from moe_ep_spec.backend import Availability, Capabilities, Launch, MoeEpBackend, installed_version, release
+from moe_ep_spec.backend import Availability, Capabilities, Launch, MoeEpBackend, installed_availability
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import DTypeError, ShapeError, StashError
 from moe_ep_spec.formats import BlockScaledTensor, MoeFormat, dequantize
@@ -258,14 +258,7 @@ class JaxBackend(MoeEpBackend):
     def quick_availability(self) -> Availability:
         """From what is installed, without importing jax (``moe-ep backends``):
         jax found, version 0.7 or newer."""
-        if importlib.util.find_spec("jax") is None:
-            return Availability(False, "jax is not installed (pip install jax)")
-        version = installed_version("jax")
-        if version is not None and release(version) < (0, 7):
-            return Availability(
-                False, f"jax {version} lacks jax.shard_map, jax.lax.ragged_dot or jax.lax.ragged_all_to_all (need jax >= 0.7)"
-            )
-        return Availability(True)
+        return installed_availability("jax", (0, 7), "lacks jax.shard_map, jax.lax.ragged_dot or jax.lax.ragged_all_to_all")
 
     def framework_versions(self) -> dict:
         import jax
@@ -534,13 +527,9 @@ class JaxBackend(MoeEpBackend):
         out = self._run(("combine", cfg), config.num_ranks, fn, [y, self._handle(cfg, handles)])
         return _split_tensor(out, config.num_ranks, rows, [h.num_tokens for h in handles])
 
-    def dispatch_backward(
-        self,
-        config: MoeEpConfig,
-        handles: Sequence[DispatchHandle],
-        grad_tokens: Sequence[np.ndarray],
-        grad_topk_weights: Sequence[np.ndarray],
-    ) -> List[DispatchGrads]:
+    def dispatch_backward(self, config: MoeEpConfig, handles: Sequence[DispatchHandle],
+                          grad_tokens: Sequence[np.ndarray],
+                          grad_topk_weights: Sequence[np.ndarray]) -> List[DispatchGrads]:
         self.require(config, "dispatch_backward")
         rows, cap = self._check_handles(config, handles)
         v.validate_world(config, grad_tokens, "grad_tokens")

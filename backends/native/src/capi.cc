@@ -63,6 +63,18 @@ moe_ep_status check_format(const Check& ck, moe_ep_format fmt, const void* data,
   return ck.ptr("scale", scale, count);
 }
 
+// What moe_ep_quantize and moe_ep_dequantize check: the device, the view, the encoded
+// buffers and the float32 array `name`; *count = its elements.
+moe_ep_status check_codec(const Check& ck, moe_ep_device device, void* stream, moe_ep_format fmt, const void* data,
+                          const void* scale, int64_t outer, int64_t n, int64_t inner, const char* name,
+                          const float* values, int64_t* count) {
+  MOE_EP_TRY(check_device(ck, device, stream));
+  MOE_EP_TRY(check_view(ck, outer, n, inner));
+  *count = outer * n * inner;
+  MOE_EP_TRY(check_format(ck, fmt, data, scale, *count));
+  return ck.ptr(name, values, *count, 4);
+}
+
 moe_ep_status check_desc_impl(const Check& ck, const moe_ep_expert_desc* d) {
   if (d == nullptr) return ck.bad("desc must not be NULL", "NULL");
   MOE_EP_TRY(ck.nonneg("desc.num_rows", d->num_rows));
@@ -122,6 +134,7 @@ moe_ep_status fail(moe_ep_status status, const std::string& message) {
 }  // namespace moe_ep
 
 using moe_ep::Check;
+using moe_ep::check_codec;
 using moe_ep::check_desc_impl;
 using moe_ep::check_device;
 using moe_ep::check_expert_operands;
@@ -261,11 +274,8 @@ const char* moe_ep_status_name(moe_ep_status status) {
 moe_ep_status moe_ep_quantize(moe_ep_device device, void* stream, moe_ep_format fmt, const float* x, int64_t outer,
                               int64_t n, int64_t inner, void* data, void* scale) {
   const Check ck{"moe_ep_quantize"};
-  MOE_EP_TRY(check_device(ck, device, stream));
-  MOE_EP_TRY(check_view(ck, outer, n, inner));
-  const int64_t count = outer * n * inner;
-  MOE_EP_TRY(check_format(ck, fmt, data, scale, count));
-  MOE_EP_TRY(ck.ptr("x", x, count, 4));
+  int64_t count = 0;
+  MOE_EP_TRY(check_codec(ck, device, stream, fmt, data, scale, outer, n, inner, "x", x, &count));
   if (count == 0) return MOE_EP_OK;
   MOE_EP_DISPATCH(device, quantize(stream, fmt, x, outer, n, inner, data, scale))
 }
@@ -273,11 +283,8 @@ moe_ep_status moe_ep_quantize(moe_ep_device device, void* stream, moe_ep_format 
 moe_ep_status moe_ep_dequantize(moe_ep_device device, void* stream, moe_ep_format fmt, const void* data,
                                 const void* scale, int64_t outer, int64_t n, int64_t inner, float* out) {
   const Check ck{"moe_ep_dequantize"};
-  MOE_EP_TRY(check_device(ck, device, stream));
-  MOE_EP_TRY(check_view(ck, outer, n, inner));
-  const int64_t count = outer * n * inner;
-  MOE_EP_TRY(check_format(ck, fmt, data, scale, count));
-  MOE_EP_TRY(ck.ptr("out", out, count, 4));
+  int64_t count = 0;
+  MOE_EP_TRY(check_codec(ck, device, stream, fmt, data, scale, outer, n, inner, "out", out, &count));
   if (count == 0) return MOE_EP_OK;
   MOE_EP_DISPATCH(device, dequantize(stream, fmt, data, scale, outer, n, inner, out))
 }

@@ -18,7 +18,7 @@ import numpy as np
 from moe_ep_spec import validation as v
 from moe_ep_spec.api import (BackwardResult, DispatchGrads, DispatchHandle, DispatchInputs, DispatchResult,
                              ForwardResult, RankContext, RankInputs, Stash)
-from moe_ep_spec.backend import Availability, Capabilities, Launch, MoeEpBackend, installed_version, release
+from moe_ep_spec.backend import Availability, Capabilities, Launch, MoeEpBackend, installed_availability
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import ConfigError, MoeEpError, StashError
 from moe_ep_spec.formats import BF16, BlockScaledTensor
@@ -196,12 +196,7 @@ class TorchBackend(MoeEpBackend):
     def quick_availability(self) -> Availability:
         """From what is installed, without importing torch (``moe-ep backends``):
         torch found, version 2.1 or newer."""
-        if importlib.util.find_spec("torch") is None:
-            return Availability(False, "torch is not installed (pip install torch)")
-        version = installed_version("torch")
-        if version is not None and release(version) < (2, 1):
-            return Availability(False, f"torch {version} has no float8_e4m3fn (need torch >= 2.1)")
-        return Availability(True)
+        return installed_availability("torch", (2, 1), "has no float8_e4m3fn")
 
     def torch_layer(self, host_sync: bool = True) -> Callable[..., Any]:
         """The functional layer :class:`moe_ep_torch.module.MoeEpLayer` runs on

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "internal.h"
 
@@ -40,6 +41,14 @@ __device__ __forceinline__ int64_t div_nonneg(int64_t a, int64_t b) {
 __host__ __device__ __forceinline__ int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// f(std::true_type{}) or f(std::false_type{}) as `flag` says: a run-time flag as a kernel's
+// template argument (decltype(k)::value), one launch site for both instances.
+template <typename F>
+void with_flag(bool flag, F&& f) {
+  if (flag) f(std::true_type{});
+  else f(std::false_type{});
+}
 
 // After each launch: a launch failure (bad configuration, no device, a sticky
 // error of an earlier kernel) becomes MOE_EP_ERR_CUDA naming the kernel.

@@ -977,12 +977,10 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   if (blockIdx.x == 0 && threadIdx.x < 32) publish(d, d.L.comb_ack, d.l.seq[1]);
 }
 
-// One kernel of a stage, launched with programmatic stream serialization (pdl_begin).
+// One kernel launched with one launch attribute.
 template <typename... KArgs, typename... Args>
-cudaError_t launch(void (*kernel)(KArgs...), unsigned grid, unsigned block, cudaStream_t st, Args... args) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+cudaError_t launch_with(cudaLaunchAttribute attr, void (*kernel)(KArgs...), unsigned grid, unsigned block,
+                        cudaStream_t st, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(block);
@@ -993,6 +991,15 @@ cudaError_t launch(void (*kernel)(KArgs...), unsigned grid, unsigned block, cuda
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
 }
 
+// One kernel of a stage, launched with programmatic stream serialization (pdl_begin).
+template <typename... KArgs, typename... Args>
+cudaError_t launch(void (*kernel)(KArgs...), unsigned grid, unsigned block, cudaStream_t st, Args... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  return launch_with(attr, kernel, grid, block, st, args...);
+}
+
 // A low-latency stage's one kernel: a cooperative launch (every block resident, so the
 // grid-wide barriers cannot deadlock) of `blocks` blocks (Exchange::ll_blocks: the
 // setting, cut to what every low-latency kernel can have resident; ex_ll_blocks).
@@ -1001,14 +1008,7 @@ cudaError_t launch_cooperative(void (*kernel)(KArgs...), int blocks, cudaStream_
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeCooperative;
   attr.val.cooperative = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kCopyThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = st;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+  return launch_with(attr, kernel, static_cast<unsigned>(blocks), kCopyThreads, st, args...);
 }
 
 moe_ep_status launch_failed(const char* kernel, cudaError_t err) {

@@ -557,10 +557,9 @@ void launch_fc2_epilogue_as(unsigned blocks, cudaStream_t s, float* y, const flo
       constexpr Vec4Store kStore = kFmt == MOE_EP_FORMAT_BF16 ? Vec4Store::kRoundBf16 : Vec4Store::kF32;
       const unsigned b = blocks_for(C * (H / 4));
       float4* y4 = reinterpret_cast<float4*>(y);
-      if (weight)
-        fc2_epilogue_vec4_kernel<kStore, true><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
-      else
-        fc2_epilogue_vec4_kernel<kStore, false><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
+      with_flag(weight, [&](auto kW) {
+        fc2_epilogue_vec4_kernel<kStore, decltype(kW)::value><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
+      });
       return;
     }
   }
@@ -568,17 +567,15 @@ void launch_fc2_epilogue_as(unsigned blocks, cudaStream_t s, float* y, const flo
     if (H % block_of<kFmt>() == 0 && aligned16(y)) {
       const unsigned b = blocks_for(C * (H / 4));
       float4* y4 = reinterpret_cast<float4*>(y);
-      if (weight)
-        fc2_epilogue_block_vec4_kernel<kFmt, true><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
-      else
-        fc2_epilogue_block_vec4_kernel<kFmt, false><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
+      with_flag(weight, [&](auto kW) {
+        fc2_epilogue_block_vec4_kernel<kFmt, decltype(kW)::value><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
+      });
       return;
     }
   }
-  if (weight)
-    fc2_epilogue_kernel<kFmt, true><<<blocks, kThreads, 0, s>>>(y, w, off, E, C, H);
-  else
-    fc2_epilogue_kernel<kFmt, false><<<blocks, kThreads, 0, s>>>(y, w, off, E, C, H);
+  with_flag(weight, [&](auto kW) {
+    fc2_epilogue_kernel<kFmt, decltype(kW)::value><<<blocks, kThreads, 0, s>>>(y, w, off, E, C, H);
+  });
 }
 
 // The epilogues for a format known at run time (MOE_EP_FORMAT_NONE: no rounding).
@@ -748,12 +745,10 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
     const unsigned b = blocks_for(C * (H / 4));
     float4* z4 = reinterpret_cast<float4*>(y);
     uint2* y2 = static_cast<uint2*>(y_out);
-    if (weight)
-      fc2_epilogue_block_vec4_kernel<MOE_EP_FORMAT_NVFP4, true, true><<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C,
-                                                                                              H, y2);
-    else
-      fc2_epilogue_block_vec4_kernel<MOE_EP_FORMAT_NVFP4, false, true><<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E,
-                                                                                               C, H, y2);
+    with_flag(weight, [&](auto kW) {
+      fc2_epilogue_block_vec4_kernel<MOE_EP_FORMAT_NVFP4, decltype(kW)::value, true>
+          <<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C, H, y2);
+    });
     MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_block_vec4_kernel (bf16 rows)");
     return MOE_EP_OK;
   }
@@ -761,10 +756,10 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
     const unsigned b = blocks_for(C * (H / 4));
     float4* z4 = reinterpret_cast<float4*>(y);
     uint2* y2 = static_cast<uint2*>(y_out);
-    if (weight)
-      fc2_epilogue_vec4_kernel<Vec4Store::kBf16Rows, true><<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C, H, y2);
-    else
-      fc2_epilogue_vec4_kernel<Vec4Store::kBf16Rows, false><<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C, H, y2);
+    with_flag(weight, [&](auto kW) {
+      fc2_epilogue_vec4_kernel<Vec4Store::kBf16Rows, decltype(kW)::value>
+          <<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C, H, y2);
+    });
     MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_vec4_kernel (bf16 rows)");
     return MOE_EP_OK;
   }
