@@ -317,9 +317,11 @@ def _gemm_tiled(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_tran
 
 
 def _gemm_t_tiled(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """:func:`_gemm_t` as one ``[tile, K]^T x [tile, N]`` GEMM per (tile, expert) pair (see
-    :func:`_gemm_tiled`), rows of other experts zeroed in both operands (a NaN row of one
-    expert never reaches another's gradient)."""
+    """:func:`_gemm_t` expert by expert: for each, one ``[tile, K]^T x [tile, N]`` GEMM
+    per row tile of its slab (see :func:`_gemm_tiled`) summed in tile order into one
+    ``[K, N]`` float32 accumulator, written out once. Rows of other experts are
+    zeroed in both operands (a NaN row of one expert never reaches another's
+    gradient); an expert without rows gets 0."""
     c, k = lhs.shape
     n = rhs.shape[1]
     g = group_sizes.shape[0]
@@ -330,22 +332,28 @@ def _gemm_t_tiled(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax
     pad = ((0, num_tiles * tile - c), (0, 0))
     a_all = jnp.pad(lhs, pad).reshape(num_tiles, tile, k)
     b_all = jnp.pad(rhs, pad).reshape(num_tiles, tile, n)
-    group, tiles, valid, starts, ends = _tile_pairs(group_sizes, c, tile)
+    sizes = group_sizes.astype(_I32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
     rows = jnp.arange(tile, dtype=_I32)
+    acc0 = _zeros((k, n), lhs, rhs, group_sizes)
 
-    def step(out, pair):
-        gi, ti, vi = pair
-        r = ti * tile + rows
-        mine = (vi & (r >= starts[gi]) & (r < ends[gi]))[:, None]
-        a = lax.dynamic_index_in_dim(a_all, ti, keepdims=False)
-        b = lax.dynamic_index_in_dim(b_all, ti, keepdims=False)
-        a, b = _common(jnp.where(mine, a, jnp.zeros((), a.dtype)), jnp.where(mine, b, jnp.zeros((), b.dtype)))
-        y = lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=_F32)
-        cur = lax.dynamic_index_in_dim(out, gi, keepdims=False)
-        return lax.dynamic_update_index_in_dim(out, cur + y, gi, 0), None
+    def expert(e, out):
+        first = starts[e] // tile
+        count = jnp.where(sizes[e] > 0, (ends[e] - 1) // tile - first + 1, 0)
 
-    out, _ = lax.scan(step, _zeros((g, k, n), lhs, rhs, group_sizes), (group, tiles, valid))
-    return out
+        def one_tile(j, acc):
+            ti = first + j
+            r = ti * tile + rows
+            mine = ((r >= starts[e]) & (r < ends[e]))[:, None]
+            a = lax.dynamic_index_in_dim(a_all, ti, keepdims=False)
+            b = lax.dynamic_index_in_dim(b_all, ti, keepdims=False)
+            a, b = _common(jnp.where(mine, a, jnp.zeros((), a.dtype)), jnp.where(mine, b, jnp.zeros((), b.dtype)))
+            return acc + lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=_F32)
+
+        return lax.dynamic_update_index_in_dim(out, lax.fori_loop(0, count, one_tile, acc0), e, 0)
+
+    return lax.fori_loop(0, g, expert, _zeros((g, k, n), lhs, rhs, group_sizes))
 
 
 def _plain_or_decoded(t: Tensor) -> jax.Array:
