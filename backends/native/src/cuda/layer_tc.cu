@@ -787,10 +787,16 @@ moe_ep_status tc_backward_bf16(cudaStream_t s, const moe_ep_expert_desc& d, cons
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
   const int E = static_cast<int>(d.num_local_experts);
   const Gemm gemm{d, ws, s};
-  // R_bf16(dY): a bf16 cotangent is its own rounding; a float32 one is encoded once.
+  // R_bf16(dY): a bf16 cotangent is its own rounding (copied only when the GEMMs' 16-byte
+  // loads cannot read it where it lies); a float32 one is encoded once.
   const uint16_t* right = static_cast<const uint16_t*>(dy);
   if (dy_dtype != MOE_EP_DTYPE_BF16) {
     MOE_EP_TRY(quantize(s, MOE_EP_FORMAT_BF16, static_cast<const float*>(dy), C, H, 1, ws.right, nullptr));
+    right = ws.right;
+  } else if (!aligned16(dy)) {
+    MOE_EP_TRY(gemm_status(cudaMemcpyAsync(ws.right, dy, static_cast<size_t>(C * H) * sizeof(uint16_t),
+                                           cudaMemcpyDeviceToDevice, s),
+                           "copy of the bf16 cotangent"));
     right = ws.right;
   }
   MOE_EP_TRY(gemm.run(GemmLayout::kNT, 0, I, H, right, fc2, ws.a, false, "R(dY) W2^T"));
