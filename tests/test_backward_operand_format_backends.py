@@ -63,9 +63,23 @@ def _ratios(config, world, grad, stash, got) -> List[float]:
     return out
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "jax"])
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(
+    "backend_name,device",
+    [("torch", "cpu"), ("jax", None),
+     pytest.param("torch", "cuda", marks=pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device"))],
+    ids=["torch", "jax", "torch-cuda"],
+)
 @pytest.mark.parametrize("wid,fields,tokens,cot,input_format", WORLDS, ids=[w[0] for w in WORLDS])
-def test_backend_backward_in_both_modes(backend_name, wid, fields, tokens, cot, input_format):
+def test_backend_backward_in_both_modes(backend_name, device, wid, fields, tokens, cot, input_format):
+    """torch on CUDA runs its bf16 GEMMs with float32 output for bf16 inputs."""
     backend = _backend(backend_name)
     results = {}
     for mode in (None, "bf16"):
@@ -73,7 +87,8 @@ def test_backend_backward_in_both_modes(backend_name, wid, fields, tokens, cot, 
         reason = backend.capabilities.unsupported(config, "backward")
         if reason:
             pytest.skip(reason)
-        got = call_world(backend, "backward", config, world, grad, stash)
+        devices = None if device is None else [device] * config.num_ranks
+        got = call_world(backend, "backward", config, world, grad, stash, devices=devices)
         for ratio, c in _ratios(config, world, grad, stash, got):
             assert c.ok, f"{backend_name} {wid} mode {mode}: {c.describe()}"
         results[mode] = (config, world, grad, stash, got)
