@@ -150,12 +150,14 @@ def check_topk(
         )
 
 
-def check_num_tokens(config: MoeEpConfig, num_tokens: int, rank: Optional[int] = None) -> None:
-    """``num_tokens`` must not exceed ``config.max_tokens_per_rank`` (when set)."""
+def check_num_tokens(config: MoeEpConfig, num_tokens: int, rank: Optional[int] = None,
+                     what: str = "num_tokens") -> None:
+    """``num_tokens`` must not exceed ``config.max_tokens_per_rank`` (when set);
+    ``what`` names it in the message."""
     limit = config.max_tokens_per_rank
     if limit is not None and num_tokens > limit:
         raise CapacityError(
-            f"{_prefix(rank)}num_tokens must be <= max_tokens_per_rank = {limit}; got {num_tokens}",
+            f"{_prefix(rank)}{what} must be <= max_tokens_per_rank = {limit}; got {num_tokens}",
             limit=limit,
             got=num_tokens,
         )

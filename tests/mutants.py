@@ -536,9 +536,7 @@ class PaddingNanLeak(Mutant):
         return [(W, "gather", gather), (W, "expert_forward", fwd), (W, "scatter_slots", _dense_scatter)]
 
     def _combine_slots(self, config, handles, expert_out):
-        self.require(config, "combine")
-        self._check_handles(config, handles)
-        V.validate_world(config, expert_out, "expert_out")
+        self._check_layered(config, "combine", handles, expert_out=expert_out)
         rows = []
         for h, y in zip(handles, expert_out):
             V.validate_expert_out(config, y, h)
@@ -546,10 +544,8 @@ class PaddingNanLeak(Mutant):
         return W.scatter_slots(config, handles, rows)
 
     def _dispatch_backward_slots(self, config, handles, grad_tokens, grad_topk_weights):
-        self.require(config, "dispatch_backward")
-        self._check_handles(config, handles)
-        V.validate_world(config, grad_tokens, "grad_tokens")
-        V.validate_world(config, grad_topk_weights, "grad_topk_weights")
+        self._check_layered(config, "dispatch_backward", handles, grad_tokens=grad_tokens,
+                            grad_topk_weights=grad_topk_weights)
         for r, (h, gt, gw) in enumerate(zip(handles, grad_tokens, grad_topk_weights)):
             V.validate_grad("grad_tokens", gt, (h.num_recv_rows, config.hidden), "(received rows, hidden)", r)
             V.validate_grad("grad_topk_weights", gw, (h.num_recv_rows,), "(received rows,)", r)

@@ -57,6 +57,16 @@ class ReferenceBackend(MoeEpBackend):
         for r, inp in enumerate(inputs):
             v.validate_rank_inputs(config, inp, r)
 
+    def _check_layered(self, config: MoeEpConfig, op: str, handles: Sequence[DispatchHandle],
+                       **per_rank: Sequence[Any]) -> None:
+        """What a layered call after the dispatch checks first: ``op`` supported,
+        ``handles`` (:meth:`_check_handles`), then each world-level argument
+        (``name=value``, in order) one entry a rank."""
+        self.require(config, op)
+        self._check_handles(config, handles)
+        for name, value in per_rank.items():
+            v.validate_world(config, value, name)
+
     def _check_handles(self, config: MoeEpConfig, handles: Sequence[DispatchHandle]) -> None:
         v.validate_world(config, handles, "handles")
         for r, h in enumerate(handles):
@@ -197,9 +207,7 @@ class ReferenceBackend(MoeEpBackend):
     def _combine_slots(
         self, config: MoeEpConfig, handles: Sequence[DispatchHandle], expert_out: Sequence[np.ndarray]
     ) -> List[np.ndarray]:
-        self.require(config, "combine")
-        self._check_handles(config, handles)
-        v.validate_world(config, expert_out, "expert_out")
+        self._check_layered(config, "combine", handles, expert_out=expert_out)
         rows = []
         for h, y in zip(handles, expert_out):
             v.validate_expert_out(config, y, h)
@@ -210,9 +218,7 @@ class ReferenceBackend(MoeEpBackend):
     def combine_backward(
         self, config: MoeEpConfig, handles: Sequence[DispatchHandle], grad_output: Sequence[np.ndarray]
     ) -> List[np.ndarray]:
-        self.require(config, "combine_backward")
-        self._check_handles(config, handles)
-        v.validate_world(config, grad_output, "grad_output")
+        self._check_layered(config, "combine_backward", handles, grad_output=grad_output)
         for r, (h, g) in enumerate(zip(handles, grad_output)):
             v.validate_grad("grad_output", g, (h.num_tokens, config.hidden), "(num_tokens, hidden)", r)
         return [_f32(g) for g in W.gather(handles, [np.asarray(g, dtype=np.float64) for g in grad_output])]
@@ -244,10 +250,8 @@ class ReferenceBackend(MoeEpBackend):
     def _dispatch_backward_slots(self, config: MoeEpConfig, handles: Sequence[DispatchHandle],
                                  grad_tokens: Sequence[np.ndarray],
                                  grad_topk_weights: Sequence[np.ndarray]) -> Tuple[List[np.ndarray], List[np.ndarray]]:
-        self.require(config, "dispatch_backward")
-        self._check_handles(config, handles)
-        v.validate_world(config, grad_tokens, "grad_tokens")
-        v.validate_world(config, grad_topk_weights, "grad_topk_weights")
+        self._check_layered(config, "dispatch_backward", handles, grad_tokens=grad_tokens,
+                            grad_topk_weights=grad_topk_weights)
         gts, gws = [], []
         for r, (h, gt, gw) in enumerate(zip(handles, grad_tokens, grad_topk_weights)):
             v.validate_grad("grad_tokens", gt, (h.num_recv_rows, config.hidden), "(received rows, hidden)", r)

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from moe_ep_spec.validation import check_shape
+from moe_ep_spec.validation import check_num_tokens, check_shape
 from moe_ep_spec.config import MoeEpConfig
 from moe_ep_spec.errors import CapabilityError, CapacityError, ConfigError, DTypeError, FormatError, RoutingIndexError
 from moe_ep_spec.formats import MoeFormat
@@ -170,13 +170,7 @@ def _check_topk(config: MoeEpConfig, idx: Any, tw: Any, num_tokens: int) -> None
 
 
 def _check_tokens(config: MoeEpConfig, num_tokens: int) -> None:
-    limit = config.max_tokens_per_rank
-    if limit is not None and num_tokens > limit:
-        raise CapacityError(
-            f"num_tokens (rows of one rank's shard) must be <= max_tokens_per_rank = {limit}; got {num_tokens}",
-            limit=limit,
-            got=num_tokens,
-        )
+    check_num_tokens(config, num_tokens, what="num_tokens (rows of one rank's shard)")
 
 
 def _check_not_batched(*args: Any) -> None:

@@ -407,10 +407,9 @@ auto BindPermuteRows(B b) {
       .template Attr<int64_t>("num_topk");     // K >= 1
 }
 
-ffi::Error CombineReduce(Dev dev, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> route_pos,
-                         ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t num_topk, int32_t round_trip) {
-  constexpr const char* kT = "moe_ep_combine_reduce";
-  MOE_EP_FFI_TRY(ExpectAtLeast(kT, "num_topk", num_topk, 1));
+// What the combine targets check of their rows: float32 or bfloat16, a round_trip of none,
+// mxfp8 or nvfp4 (float32 rows only: the unrounded expert outputs), [R, H].
+ffi::Error ExpectCombineRows(const char* kT, const ffi::AnyBuffer& rows, int32_t round_trip) {
   const ffi::DataType rt = rows.element_type();
   if (rt != ffi::DataType::F32 && rt != ffi::DataType::BF16)
     return Invalid(kT, "rows must have dtype float32 or bfloat16", DtypeName(rt));
@@ -419,7 +418,15 @@ ffi::Error CombineReduce(Dev dev, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> rou
   if (round_trip != MOE_EP_FORMAT_NONE && rt != ffi::DataType::F32)
     return Invalid(kT, "rows must have dtype float32 when round_trip is set (the unrounded expert outputs)",
                    DtypeName(rt));
-  MOE_EP_FFI_TRY(ExpectRank(kT, "rows", "[R, H]", rows.dimensions(), 2));
+  return ExpectRank(kT, "rows", "[R, H]", rows.dimensions(), 2);
+}
+
+ffi::Error CombineReduce(Dev dev, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> route_pos,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t num_topk, int32_t round_trip) {
+  constexpr const char* kT = "moe_ep_combine_reduce";
+  MOE_EP_FFI_TRY(ExpectAtLeast(kT, "num_topk", num_topk, 1));
+  MOE_EP_FFI_TRY(ExpectCombineRows(kT, rows, round_trip));
+  const ffi::DataType rt = rows.element_type();
   MOE_EP_FFI_TRY(ExpectRank(kT, "out", "[T, H]", out->dimensions(), 2));
   const int64_t r = rows.dimensions()[0], h = rows.dimensions()[1], t = out->dimensions()[0];
   MOE_EP_FFI_TRY(ExpectShape(kT, "out", "[T, H] (H: rows' width)", out->dimensions(), {t, h}));
@@ -457,15 +464,8 @@ ffi::Error CombineReduceEncode(Dev dev, ffi::AnyBuffer rows, ffi::Buffer<ffi::S3
   constexpr const char* kT = "moe_ep_combine_reduce_encode";
   MOE_EP_FFI_TRY(ExpectAtLeast(kT, "num_topk", num_topk, 1));
   MOE_EP_FFI_TRY(ExpectEncodeFormat(kT, out_format, "out_format"));
+  MOE_EP_FFI_TRY(ExpectCombineRows(kT, rows, round_trip));
   const ffi::DataType rt = rows.element_type();
-  if (rt != ffi::DataType::F32 && rt != ffi::DataType::BF16)
-    return Invalid(kT, "rows must have dtype float32 or bfloat16", DtypeName(rt));
-  if (round_trip != MOE_EP_FORMAT_NONE && round_trip != MOE_EP_FORMAT_MXFP8 && round_trip != MOE_EP_FORMAT_NVFP4)
-    return Invalid(kT, "attribute round_trip must be 0 (none), 2 (mxfp8) or 3 (nvfp4)", std::to_string(round_trip));
-  if (round_trip != MOE_EP_FORMAT_NONE && rt != ffi::DataType::F32)
-    return Invalid(kT, "rows must have dtype float32 when round_trip is set (the unrounded expert outputs)",
-                   DtypeName(rt));
-  MOE_EP_FFI_TRY(ExpectRank(kT, "rows", "[R, H]", rows.dimensions(), 2));
   MOE_EP_FFI_TRY(ExpectRank(kT, "data", "[T, H']", data->dimensions(), 2));
   const int64_t r = rows.dimensions()[0], h = rows.dimensions()[1], t = data->dimensions()[0];
   MOE_EP_FFI_TRY(ExpectDtype(kT, "data", data->element_type(), DataDtype(out_format),

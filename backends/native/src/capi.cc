@@ -147,20 +147,14 @@ using moe_ep::kMaxExperts;
 
 // Runs `call` on the chosen implementation, turning exceptions into statuses.
 #ifdef MOE_EP_NATIVE_WITH_CUDA
-#define MOE_EP_DISPATCH(device, call)                                                       \
-  try {                                                                                    \
-    if ((device) == MOE_EP_DEVICE_CUDA) return moe_ep::cuda::call;                         \
-    moe_ep::cpu::IeeeFpEnv fp_env;                                                          \
-    return moe_ep::cpu::call;                                                              \
-  } catch (const std::bad_alloc&) {                                                        \
-    return moe_ep::fail(MOE_EP_ERR_INTERNAL, "out of host memory");                         \
-  } catch (const std::exception& ex) {                                                     \
-    return moe_ep::fail(MOE_EP_ERR_INTERNAL, ex.what());                                    \
-  }
+#define MOE_EP_CUDA_CALL(device, call) \
+  if ((device) == MOE_EP_DEVICE_CUDA) return moe_ep::cuda::call;
 #else
+#define MOE_EP_CUDA_CALL(device, call) (void)(device);
+#endif
 #define MOE_EP_DISPATCH(device, call)                                                       \
   try {                                                                                    \
-    (void)(device);                                                                        \
+    MOE_EP_CUDA_CALL(device, call)                                                         \
     moe_ep::cpu::IeeeFpEnv fp_env;                                                          \
     return moe_ep::cpu::call;                                                              \
   } catch (const std::bad_alloc&) {                                                        \
@@ -168,7 +162,6 @@ using moe_ep::kMaxExperts;
   } catch (const std::exception& ex) {                                                     \
     return moe_ep::fail(MOE_EP_ERR_INTERNAL, ex.what());                                    \
   }
-#endif
 
 namespace {
 

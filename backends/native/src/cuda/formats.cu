@@ -369,6 +369,28 @@ __device__ __forceinline__ int64_t gather_source(const RowGather& g, int64_t o) 
   return r >= 0 && r < g.num_sources * g.num_topk ? div_nonneg(r, g.num_topk) : -1;
 }
 
+// Loads the pieces t = base + u * blockDim.x (u < kU, t < total) of a row-wise decode with
+// per_row pieces a row: raw[u], the piece's codes (piece p of source row gather_source(g, row)),
+// and sc[u], the scale code of its block (two pieces a block); zero[u] where the out row has
+// no source.
+template <int kU, typename Word>
+__device__ __forceinline__ void load_row_pieces(const uint8_t* __restrict__ data, int64_t data_row_bytes,
+                                                const uint8_t* __restrict__ scale, int64_t scale_row_bytes,
+                                                int64_t base, int64_t total, int64_t per_row, const RowGather& g,
+                                                Word (&raw)[kU], uint32_t (&sc)[kU], bool (&zero)[kU]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int64_t t = base + int64_t{u} * blockDim.x;
+    if (t >= total) break;
+    const int64_t row = div_nonneg(t, per_row), p = t - row * per_row;
+    const int64_t src = gather_source(g, row);
+    zero[u] = src < 0;
+    if (zero[u]) continue;
+    raw[u] = __ldg(reinterpret_cast<const Word*>(data + src * data_row_bytes) + p);
+    sc[u] = __ldg(scale + src * scale_row_bytes + p / 2);
+  }
+}
+
 // nvfp4 rows (n a multiple of 32, 16-byte aligned): 8 codes a thread (one uint32, one
 // scale), kUnroll pieces a block's width apart loaded before any is decoded.
 __global__ void __launch_bounds__(kThreads)
@@ -380,17 +402,7 @@ __global__ void __launch_bounds__(kThreads)
     uint32_t raw[kUnroll];
     uint32_t sc[kUnroll];
     bool zero[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t t = base + int64_t{u} * blockDim.x;
-      if (t >= total) break;
-      const int64_t row = div_nonneg(t, per_row), p = t - row * per_row;
-      const int64_t src = gather_source(g, row);
-      zero[u] = src < 0;
-      if (zero[u]) continue;
-      raw[u] = __ldg(reinterpret_cast<const uint32_t*>(data + src * data_row_bytes) + p);
-      sc[u] = __ldg(scale + src * scale_row_bytes + p / 2);
-    }
+    load_row_pieces(data, data_row_bytes, scale, scale_row_bytes, base, total, per_row, g, raw, sc, zero);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t t = base + int64_t{u} * blockDim.x;
@@ -418,17 +430,7 @@ __global__ void __launch_bounds__(kThreads)
     uint4 raw[kRows16Unroll];
     uint32_t sc[kRows16Unroll];
     bool zero[kRows16Unroll];
-#pragma unroll
-    for (int u = 0; u < kRows16Unroll; ++u) {
-      const int64_t t = base + int64_t{u} * blockDim.x;
-      if (t >= total) break;
-      const int64_t row = div_nonneg(t, per_row), p = t - row * per_row;
-      const int64_t src = gather_source(g, row);
-      zero[u] = src < 0;
-      if (zero[u]) continue;
-      raw[u] = __ldg(reinterpret_cast<const uint4*>(data + src * data_row_bytes) + p);
-      sc[u] = __ldg(scale + src * scale_row_bytes + p / 2);
-    }
+    load_row_pieces(data, data_row_bytes, scale, scale_row_bytes, base, total, per_row, g, raw, sc, zero);
 #pragma unroll
     for (int u = 0; u < kRows16Unroll; ++u) {
       const int64_t t = base + int64_t{u} * blockDim.x;

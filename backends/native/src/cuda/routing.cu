@@ -512,6 +512,26 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// acc[0 .. len): the slot-order sum over token t's routes of a piece of len <= B columns of
+// their rows (route r = t * num_topk + k at row route_pos[r], or r when route_pos is NULL;
+// a row outside [0, num_rows) adds nothing), each piece read by load(p, v) and passed
+// through round_trip(v) first. The per-thread sum of the scalar combine kernels below.
+template <int B, typename Load, typename RoundTrip>
+__device__ __forceinline__ void sum_routes(float (&acc)[B], int len, int64_t t, int64_t num_topk,
+                                           const int32_t* __restrict__ route_pos, int64_t num_rows, Load load,
+                                           RoundTrip round_trip) {
+  for (int j = 0; j < B; ++j) acc[j] = 0.0f;
+  for (int64_t k = 0; k < num_topk; ++k) {
+    const int64_t r = t * num_topk + k;
+    const int64_t p = route_pos != nullptr ? static_cast<int64_t>(route_pos[r]) : r;
+    if (p < 0 || p >= num_rows) continue;
+    float v[B];
+    load(p, v);
+    round_trip(v);
+    for (int j = 0; j < len; ++j) acc[j] = fadd(acc[j], v[j]);
+  }
+}
+
 // The same, one (token, block) a thread (any hidden, any alignment; the last block may be
 // partial): the block's values of each route copied, round tripped, added into out.
 template <bool kMx>
@@ -525,17 +545,15 @@ __global__ void combine_reduce_round_trip_kernel(const float* __restrict__ rows,
     const int64_t t = idx / nb, h0 = (idx - t * nb) * B;
     const int len = static_cast<int>(hidden - h0 < B ? hidden - h0 : B);
     float acc[B];
-    for (int j = 0; j < B; ++j) acc[j] = 0.0f;
-    for (int64_t k = 0; k < num_topk; ++k) {
-      const int64_t r = t * num_topk + k;
-      const int64_t p = route_pos != nullptr ? static_cast<int64_t>(route_pos[r]) : r;
-      if (p < 0 || p >= num_rows) continue;
-      float v[B];
-      for (int j = 0; j < len; ++j) v[j] = rows[p * hidden + h0 + j];
-      if constexpr (kMx) mxfp8_round_trip_block(v, len);
-      else nvfp4_round_trip_block(v, len);
-      for (int j = 0; j < len; ++j) acc[j] = fadd(acc[j], v[j]);
-    }
+    sum_routes(
+        acc, len, t, num_topk, route_pos, num_rows,
+        [&](int64_t p, float (&v)[B]) {
+          for (int j = 0; j < len; ++j) v[j] = rows[p * hidden + h0 + j];
+        },
+        [&](float (&v)[B]) {
+          if constexpr (kMx) mxfp8_round_trip_block(v, len);
+          else nvfp4_round_trip_block(v, len);
+        });
     for (int j = 0; j < len; ++j) out[t * hidden + h0 + j] = acc[j];
   }
 }
@@ -690,23 +708,21 @@ __global__ void combine_reduce_encode_kernel(const void* __restrict__ rows, bool
     const int64_t t = idx / nc, h0 = (idx - t * nc) * kEncodeChunk;
     const int len = static_cast<int>(hidden - h0 < kEncodeChunk ? hidden - h0 : kEncodeChunk);
     float acc[kEncodeChunk];
-    for (int j = 0; j < kEncodeChunk; ++j) acc[j] = 0.0f;
-    for (int64_t k = 0; k < num_topk; ++k) {
-      const int64_t r = t * num_topk + k;
-      const int64_t p = route_pos != nullptr ? static_cast<int64_t>(route_pos[r]) : r;
-      if (p < 0 || p >= num_rows) continue;
-      float v[kEncodeChunk];
-      for (int j = 0; j < len; ++j)
-        v[j] = bf16_rows ? bf16_to_float(static_cast<const uint16_t*>(rows)[p * hidden + h0 + j])
-                         : static_cast<const float*>(rows)[p * hidden + h0 + j];
-      if (rt == MOE_EP_FORMAT_MXFP8) {
-        mxfp8_round_trip_block(v, len);
-      } else if (rt == MOE_EP_FORMAT_NVFP4) {
-        for (int b = 0; b < len; b += static_cast<int>(kNvfp4Block))
-          nvfp4_round_trip_block(v + b, len - b < kNvfp4Block ? len - b : static_cast<int>(kNvfp4Block));
-      }
-      for (int j = 0; j < len; ++j) acc[j] = fadd(acc[j], v[j]);
-    }
+    sum_routes(
+        acc, len, t, num_topk, route_pos, num_rows,
+        [&](int64_t p, float (&v)[kEncodeChunk]) {
+          for (int j = 0; j < len; ++j)
+            v[j] = bf16_rows ? bf16_to_float(static_cast<const uint16_t*>(rows)[p * hidden + h0 + j])
+                             : static_cast<const float*>(rows)[p * hidden + h0 + j];
+        },
+        [&](float (&v)[kEncodeChunk]) {
+          if (rt == MOE_EP_FORMAT_MXFP8) {
+            mxfp8_round_trip_block(v, len);
+          } else if (rt == MOE_EP_FORMAT_NVFP4) {
+            for (int b = 0; b < len; b += static_cast<int>(kNvfp4Block))
+              nvfp4_round_trip_block(v + b, len - b < kNvfp4Block ? len - b : static_cast<int>(kNvfp4Block));
+          }
+        });
     if (poisoned)
       for (int j = 0; j < len; ++j) acc[j] = bitsf(kQuietNaN);
     if constexpr (kOut == MOE_EP_FORMAT_BF16) {
