@@ -200,6 +200,13 @@ def test_full_conformance_table_passes_in_cpu_mode(tmp_path) -> None:
 needs_gpus = pytest.mark.skipif(not (_gpus() and _nccl_ready()), reason="needs CUDA GPUs and a native build with NCCL")
 
 
+def _gpu_config(world_size: int):
+    """CONFIG over ``world_size`` ranks (4 experts each); skips when fewer GPUs are visible."""
+    if _gpus() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    return CONFIG.replace(num_ranks=world_size, num_experts=4 * world_size)
+
+
 @needs_gpus
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_nccl_transport_exchanges_rows(world_size: int) -> None:
@@ -214,9 +221,7 @@ def test_nccl_transport_exchanges_rows(world_size: int) -> None:
 @needs_gpus
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_cuda_static_mode_matches_the_synced_mode(world_size: int) -> None:
-    if _gpus() < world_size:
-        pytest.skip(f"needs {world_size} GPUs")
-    config = CONFIG.replace(num_ranks=world_size, num_experts=4 * world_size)
+    config = _gpu_config(world_size)
     world, grads = _world(config, seed=11)
     results = _ok(run_ranks(W.static_matches_synced, world_size, config, world, grads, "cuda", backend="nccl"))
     for rank, res in enumerate(results):
@@ -229,9 +234,7 @@ def test_cuda_static_mode_matches_the_synced_mode(world_size: int) -> None:
 @needs_gpus
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_cuda_graph_captures_one_layer_and_replays_it_on_new_inputs(world_size: int) -> None:
-    if _gpus() < world_size:
-        pytest.skip(f"needs {world_size} GPUs")
-    config = CONFIG.replace(num_ranks=world_size, num_experts=4 * world_size)
+    config = _gpu_config(world_size)
     worlds = [_world(config, seed=s, tokens=(12, 12)) for s in (21, 22, 23)]
     results = _ok(run_ranks(W.graph_replay, world_size, config, worlds, "cuda", backend="nccl"))
     for rank, res in enumerate(results):

@@ -88,6 +88,16 @@ def _world_args(mesh: Mesh, world, rows: int):
     ]
 
 
+def _sharded_world(n: int, rows: int, num_experts: int, hidden: int, intermediate: int, seed: int):
+    """``(config, world, mesh, args)``: a top-2 layer over ``n`` devices with ``rows``
+    tokens a rank, random float32 inputs, and those inputs sharded over the mesh."""
+    config = MoeEpConfig(num_experts=num_experts, hidden=hidden, intermediate=intermediate, num_topk=2, num_ranks=n,
+                         max_tokens_per_rank=rows)
+    world = random_world(config, num_tokens=rows, input_format="fp32", seed=seed)
+    mesh = _mesh(n)
+    return config, world, mesh, _world_args(mesh, world, rows)
+
+
 def _bf16_exact(rng, shape):
     """float32 values that are bf16 numbers: a bf16 output's cotangent is then exactly this."""
     return rng.standard_normal(shape).astype(np.float32).astype(BF16).astype(np.float32)
@@ -326,10 +336,7 @@ def test_layered_dispatch_and_combine_differentiate_like_the_spec() -> None:
 @needs4
 def test_compiled_hlo_has_exactly_the_designed_collectives() -> None:
     n, rows = 4, 4
-    config = MoeEpConfig(num_experts=8, hidden=32, intermediate=16, num_topk=2, num_ranks=n, max_tokens_per_rank=rows)
-    world = random_world(config, num_tokens=rows, input_format="fp32", seed=11)
-    mesh = _mesh(n)
-    args = _world_args(mesh, world, rows)
+    config, world, mesh, args = _sharded_world(n, rows, 8, 32, 16, seed=11)
 
     fwd = jax.shard_map(partial(A.moe_ep, config=config), mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
 
@@ -395,10 +402,7 @@ def test_ragged_and_capacity_exchanges_agree_bit_for_bit(layout: str) -> None:
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda", "tpu"), reason="ragged_all_to_all needs a GPU or TPU")
 def test_ragged_exchange_compiles_to_exactly_the_designed_collectives() -> None:
     n, rows = 2, 8
-    config = MoeEpConfig(num_experts=8, hidden=64, intermediate=32, num_topk=2, num_ranks=n, max_tokens_per_rank=rows)
-    world = random_world(config, num_tokens=rows, input_format="fp32", seed=14)
-    mesh = _mesh(n)
-    args = _world_args(mesh, world, rows)
+    config, world, mesh, args = _sharded_world(n, rows, 8, 64, 32, seed=14)
     fwd = jax.shard_map(partial(A.moe_ep, config=config, exchange="ragged"), mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     train = jax.shard_map(partial(_train_ragged, config=config), mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     assert _collectives(_compile(fwd, *args).as_text()) == Counter({"all-gather": 1, "ragged-all-to-all": 2})
@@ -410,10 +414,7 @@ def test_ragged_exchange_compiles_to_exactly_the_designed_collectives() -> None:
 
 def test_vmap_raises_a_capability_error() -> None:
     n, rows = 2, 4
-    config = MoeEpConfig(num_experts=4, hidden=32, intermediate=16, num_topk=2, num_ranks=n, max_tokens_per_rank=rows)
-    world = random_world(config, num_tokens=rows, input_format="fp32", seed=13)
-    mesh = _mesh(n)
-    x, w1, w2, idx, tw = _world_args(mesh, world, rows)
+    config, world, mesh, (x, w1, w2, idx, tw) = _sharded_world(n, rows, 4, 32, 16, seed=13)
     batched = jax.vmap(lambda x, w1, w2, i, t: A.moe_ep(x, w1, w2, i, t, config=config), in_axes=(0, None, None, 0, 0))
     fn = jax.shard_map(batched, mesh=mesh, in_specs=(P(None, "ep"), P("ep"), P("ep"), P(None, "ep"), P(None, "ep")),
                        out_specs=P(None, "ep"))

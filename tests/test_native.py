@@ -258,13 +258,21 @@ def test_record_step_rejects_a_bad_alignment_and_writes_nothing():
     assert record.tolist() == [3, 5]
 
 
-def test_combine_reduce_sums_in_slot_order_and_skips_unused_slots():
-    rng = np.random.default_rng(4)
-    t, k, h = 9, 3, 16
-    rows = rng.standard_normal((t * k + 2, h)).astype(np.float32)
-    rows[-1] = np.nan  # a row no route points at
+def _routed_rows(seed, t, k, h, extra, unused, dtype):
+    """``(rows, pos)``: ``t * k + extra`` random rows of ``h`` values in ``dtype``, the last
+    all NaN (no route points at it), and a permutation of the routes' rows with the routes
+    ``unused`` set to -1."""
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((t * k + extra, h)).astype(dtype)
+    rows[-1] = np.nan
     pos = rng.permutation(t * k).astype(np.int32)
-    pos[[2, 7, 8]] = -1
+    pos[unused] = -1
+    return rows, pos
+
+
+def test_combine_reduce_sums_in_slot_order_and_skips_unused_slots():
+    t, k, h = 9, 3, 16
+    rows, pos = _routed_rows(4, t, k, h, 2, [2, 7, 8], np.float32)
     got = host.combine_reduce(rows, pos, t, k)
     want = np.zeros((t, h), np.float32)
     for kk in range(k):  # the spec's order, in float32
@@ -281,12 +289,8 @@ def test_combine_reduce_of_bf16_rows_gives_the_float32_rows_sums():
     the same values in float32 (slot order from +0, unused slots add nothing)."""
     import ml_dtypes
 
-    rng = np.random.default_rng(14)
     t, k, h = 11, 4, 24
-    rows = rng.standard_normal((t * k + 3, h)).astype(ml_dtypes.bfloat16)
-    rows[-1] = np.nan  # a row no route points at
-    pos = rng.permutation(t * k).astype(np.int32)
-    pos[[0, 5, 6]] = -1
+    rows, pos = _routed_rows(14, t, k, h, 3, [0, 5, 6], ml_dtypes.bfloat16)
     got = host.combine_reduce(rows, pos, t, k)
     np.testing.assert_array_equal(got, host.combine_reduce(rows.astype(np.float32), pos, t, k))
     with pytest.raises(NativeArgumentError, match=r"moe_ep_combine_reduce_bf16: route_pos\[3\] must be -1 or in "):

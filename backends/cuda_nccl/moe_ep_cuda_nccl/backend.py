@@ -78,6 +78,14 @@ def _native_availability() -> Optional[Availability]:
     return None
 
 
+def _unless_unavailable(base: Availability) -> Optional[Availability]:
+    """The torch backend's answer ``base`` when it says unavailable, else the native
+    core's part (:func:`_native_availability`): an Availability that decides, or None."""
+    if not base.available:
+        return base
+    return _native_availability()
+
+
 class CudaNcclBackend(TorchBackend):
     """MoeEp on CUDA: the native core's kernels (codecs, grouped SwiGLU MLP
     forward and backward, Form-A reduction) and its NCCL transport (count
@@ -107,12 +115,9 @@ class CudaNcclBackend(TorchBackend):
         return NATIVE
 
     def availability(self) -> Availability:
-        base = super().availability()
-        if not base.available:
-            return base
-        native = _native_availability()
-        if native is not None:
-            return native
+        decided = _unless_unavailable(super().availability())
+        if decided is not None:
+            return decided
         import torch
 
         if not torch.cuda.is_available():
@@ -185,12 +190,9 @@ class CudaNcclBackend(TorchBackend):
         """From what is installed, without importing torch (``moe-ep backends``):
         the torch backend's check, the native core loaded and built with CUDA
         and NCCL, a torch build with CUDA, and a CUDA device the driver shows."""
-        base = super().quick_availability()
-        if not base.available:
-            return base
-        native = _native_availability()
-        if native is not None:
-            return native
+        decided = _unless_unavailable(super().quick_availability())
+        if decided is not None:
+            return decided
         version = installed_version("torch") or ""
         if version.endswith("+cpu"):
             return Availability(False, f"torch {version} is a CPU-only build (install a CUDA build of torch)")

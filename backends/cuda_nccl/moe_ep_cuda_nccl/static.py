@@ -196,23 +196,11 @@ def dispatch(
     route_metadata = torch.full((cap + 1, 4), -1, dtype=torch.int32, device=dev)
     route_metadata[buf_row] = torch.where(valid.unsqueeze(1), meta4, torch.full_like(meta4, -1))
     cut = offsets.clamp(max=cap)
-    plan = StaticPlan(
-        num_tokens=t,
-        num_topk=k,
-        num_ranks=n,
-        peer_capacity=p,
-        capacity=cap,
-        send_slot=send_slot,
-        send_route=send_route,
-        route_pos=route_pos,
-        buf_row=buf_row,
-        group_sizes=(cut[1:] - cut[:-1]).to(torch.int32),
-        tokens_per_expert=from_src.sum(0),
-        expert_offsets=offsets,
-        route_metadata=route_metadata[:cap],
-        error=error,
-        aligned_rows=aligned_total.max(),
-    )
+    plan = StaticPlan(num_tokens=t, num_topk=k, num_ranks=n, peer_capacity=p, capacity=cap, send_slot=send_slot,
+                      send_route=send_route, route_pos=route_pos, buf_row=buf_row,
+                      group_sizes=(cut[1:] - cut[:-1]).to(torch.int32), tokens_per_expert=from_src.sum(0),
+                      expert_offsets=offsets, route_metadata=route_metadata[:cap], error=error,
+                      aligned_rows=aligned_total.max())
     return plan, [plan.to_buffer(r) for r in received[1:]]
 
 

@@ -7,7 +7,7 @@ import enum
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from moe_ep_spec.errors import NativeArgumentError, NativeError, TransportError
 
@@ -202,22 +202,29 @@ _PROTOTYPES = {
 _LIB: Optional[ctypes.CDLL] = None
 
 
+def set_prototypes(lib: ctypes.CDLL, prototypes: Dict[str, Tuple[Any, List[Any]]], library: str, part: str) -> None:
+    """Give ``lib``'s functions their ``(restype, argtypes)``; a function the
+    library does not export raises NativeError naming ``library`` and the
+    binding's ``part`` (ctypes caches the function objects: calls find these)."""
+    for name, (res, args) in prototypes.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            raise NativeError(
+                f"{library} must export {name} (this binding's {part}); it does not: the library is older than "
+                f"the package, rebuild it (pip install --no-build-isolation -e backends/native)",
+                op=name,
+            ) from None
+        fn.restype, fn.argtypes = res, args
+
+
 def load() -> ctypes.CDLL:
     """Load the library once (prototypes set) and check its ABI version."""
     global _LIB
     if _LIB is None:
         path = library_path()
         lib = ctypes.CDLL(str(path))
-        for name, (res, args) in _PROTOTYPES.items():
-            try:
-                fn = getattr(lib, name)
-            except AttributeError:
-                raise NativeError(
-                    f"{path} must export {name} (this binding's C ABI); it does not: the library is older than "
-                    f"the package, rebuild it (pip install --no-build-isolation -e backends/native)",
-                    op=name,
-                ) from None
-            fn.restype, fn.argtypes = res, args
+        set_prototypes(lib, _PROTOTYPES, str(path), "C ABI")
         got = lib.moe_ep_abi_version()
         if got != ABI_VERSION:
             raise NativeError(

@@ -37,7 +37,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from moe_ep_spec.errors import ConfigError, DTypeError, NativeError
 
-from ._capi import DType, LayerConfig, Status, call, has_nccl, load
+from ._capi import DType, LayerConfig, Status, call, has_nccl, load, set_prototypes
 from .comm import Communicator, unique_id
 from .layer import Layer
 
@@ -86,17 +86,7 @@ _READY = False
 def _load() -> None:
     global _READY
     if not _READY:
-        lib = load()
-        for name, (res, args) in _PROTOTYPES.items():
-            try:
-                fn = getattr(lib, name)  # ctypes caches the function object: call() finds these prototypes
-            except AttributeError:
-                raise NativeError(
-                    f"the native library must export {name} (this binding's exchange); it does not: the library is "
-                    f"older than the package, rebuild it (pip install --no-build-isolation -e backends/native)",
-                    op=name,
-                ) from None
-            fn.restype, fn.argtypes = res, args
+        set_prototypes(load(), _PROTOTYPES, "the native library", "exchange")
         _READY = True
 
 

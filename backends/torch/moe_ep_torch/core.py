@@ -394,24 +394,10 @@ def make_plan(
         rows = torch.arange(rv, device=device, dtype=torch.int64)
     route_metadata = torch.full((num_rows, 4), -1, dtype=torch.int32, device=device)
     route_metadata[rows] = recv_meta[order]
-    plan = Plan(
-        rank=rank,
-        num_ranks=n,
-        num_tokens=num_tokens,
-        num_topk=k,
-        num_local_experts=el,
-        send_route=send_route,
-        send_counts=send_counts,
-        recv_counts=recv_counts,
-        recv_meta=recv_meta,
-        order=order,
-        rows=rows,
-        num_rows=num_rows,
-        tokens_per_expert=per_expert,
-        expert_offsets=offsets,
-        route_metadata=route_metadata,
-        dense=not config.static_layout,
-    )
+    plan = Plan(rank=rank, num_ranks=n, num_tokens=num_tokens, num_topk=k, num_local_experts=el, send_route=send_route,
+                send_counts=send_counts, recv_counts=recv_counts, recv_meta=recv_meta, order=order, rows=rows,
+                num_rows=num_rows, tokens_per_expert=per_expert, expert_offsets=offsets, route_metadata=route_metadata,
+                dense=not config.static_layout)
     return plan, received[1:]
 
 
