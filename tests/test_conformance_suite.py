@@ -158,7 +158,7 @@ def test_full_table_covers_every_operation_and_ep_size() -> None:
         ("clamp", {False, True}),
         ("layout", {"dynamic", "static"}),
         ("router_format", {"fp32", "bf16", "fp16"}),
-        ("values", {"random", "edges", "large", "clamp_edges"}),
+        ("values", {"random", "edges", "large", "clamp_edges", "bf16_ties"}),
         ("cotangent", {"fp32", "bf16", "fp16"}),
         ("index_format", {"int32", "int64"}),
         ("strided", {False, True}),
