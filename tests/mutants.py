@@ -25,6 +25,7 @@ checks that the reference's budgets of that mode reject each of them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, Type
 
@@ -517,15 +518,8 @@ class PaddingNanLeak(Mutant):
             return gather_rows
 
         def slabs(handle: DispatchHandle) -> DispatchHandle:
-            return DispatchHandle(
-                rank=handle.rank,
-                num_ranks=handle.num_ranks,
-                num_tokens=handle.num_tokens,
-                num_topk=handle.num_topk,
-                route_metadata=handle.route_metadata,
-                tokens_per_expert=np.diff(handle.expert_offsets),  # the aligned slab, padding included
-                expert_offsets=handle.expert_offsets,
-            )
+            # the aligned slabs, padding included
+            return dataclasses.replace(handle, tokens_per_expert=np.diff(handle.expert_offsets), backend_state=None)
 
         def fwd(orig):
             def expert_forward(config, handle, x, w, fc1, fc2, with_bound=False):

@@ -446,6 +446,14 @@ def _expert_reference(config, x, w, fc1, fc2, group_sizes):
     return y, c
 
 
+def _expert_inputs(config, seed, sizes, pad):
+    """``(rng, group_sizes, (x, w, fc1, fc2))``: :func:`_buffer` for the slab ``sizes``,
+    drawn from a generator seeded ``seed`` (returned for the test's further draws)."""
+    rng = np.random.default_rng(seed)
+    gs = np.array(sizes, np.int32)
+    return rng, gs, _buffer(rng, config, gs, pad)
+
+
 def _buffer(rng, config, group_sizes, pad):
     c_rows = int(sum(group_sizes)) + pad
     e = len(group_sizes)
@@ -473,9 +481,7 @@ def _config(**kw):
 @pytest.mark.parametrize("kw", EXPERT_CASES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_expert_forward_matches_float64_within_float32_rounding(kw):
     config = _config(**kw)
-    rng = np.random.default_rng(7)
-    gs = np.array([5, 0, 9], np.int32)
-    x, w, fc1, fc2 = _buffer(rng, config, gs, pad=3)
+    _, gs, (x, w, fc1, fc2) = _expert_inputs(config, 7, [5, 0, 9], pad=3)
     out = host.expert_forward(config, x, w, fc1, fc2, gs)
     y_ref, c_ref = _expert_reference(config, x, w, fc1, fc2, gs)
     np.testing.assert_allclose(out.c, c_ref, rtol=0, atol=1e-5, err_msg="FC1 output c")
@@ -533,9 +539,7 @@ def _expert_backward_reference(config, x, w, fc1, fc2, stash, dy, group_sizes):
 @pytest.mark.parametrize("kw", EXPERT_CASES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_expert_backward_matches_float64_within_float32_rounding(kw):
     config = _config(**kw)
-    rng = np.random.default_rng(9)
-    gs = np.array([6, 0, 7], np.int32)
-    x, w, fc1, fc2 = _buffer(rng, config, gs, pad=2)
+    rng, gs, (x, w, fc1, fc2) = _expert_inputs(config, 9, [6, 0, 7], pad=2)
     stash = F.round_to_bf16(host.expert_forward(config, x, w, fc1, fc2, gs).c)
     dy = rng.standard_normal(x.shape).astype(np.float32)
     dy[13:] = 0.0

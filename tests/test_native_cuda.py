@@ -65,6 +65,20 @@ def host_of(t: "torch.Tensor", dtype, shape) -> np.ndarray:
     return t[:n].cpu().numpy().view(dtype).reshape(shape)
 
 
+def _captured(launches) -> "torch.cuda.CUDAGraph":
+    """``launches()`` run once on a side stream (the warm-up, outside the capture),
+    then captured into a CUDA graph, which is returned (not replayed)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launches()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launches()
+    return graph
+
+
 def stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
@@ -467,14 +481,7 @@ def test_kernels_capture_in_a_cuda_graph_and_replay_on_new_inputs():
              w1.data_ptr(), w2.data_ptr(), stash.data_ptr(), buf["dy"].data_ptr(), gsd.data_ptr(),
              *[g.data_ptr() for g in grads], ws_b.data_ptr(), bwd_ws)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        sequence()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sequence()
+    graph = _captured(sequence)
     assert c_view.numel() == c_rows * 2 * i
 
     for seed in (2, 3):
@@ -552,19 +559,12 @@ def test_plan_routes_multi_block_replays_in_a_cuda_graph():
     n = t * k
     idx_d = dev(np.zeros((t, k), np.int32))
     outs = [empty(4 * n) for _ in range(3)] + [empty(4 * (e + 1))]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
 
     def plan():
         call("moe_ep_plan_routes", CUDA, torch.cuda.current_stream().cuda_stream, idx_d.data_ptr(), t, k, e,
              *[o.data_ptr() for o in outs])
 
-    with torch.cuda.stream(s):
-        plan()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan()
+    graph = _captured(plan)
     for seed in (1, 2):
         ids = _plan_ids(np.random.default_rng(seed), t, k, e, "mixed")
         idx_d.copy_(torch.from_numpy(ids.view(np.uint8).reshape(-1)))
