@@ -715,7 +715,14 @@ def test_other_drivers_time_the_layer_on_cpu(others_run, name: str) -> None:
     mx = [r for r in report["rows"] if r["backend"] == name and r["format"] == "mxfp8" and r["op"] == "forward_backward"]
     assert mx and all(r["status"] == "ok" for r in mx), mx
     assert all("moe_ep_backward" in r["label"] for r in mx if not r["variant"]), [r["label"] for r in mx]
-    twins = {r["op"]: r for r in report["rows"] if r["backend"] == name and r["variant"] and r["format"] == "bf16"}
+    module = [r for r in report["rows"] if r["backend"] == name and r["variant"] == "MoeEpLayer"]
+    if name == "cuda-nccl":  # the torch module a user calls, forward+backward of bf16 layers
+        assert [(r["op"], r["format"], r["status"]) for r in module] == [("forward_backward", "bf16", "ok")], module
+        assert "MoeEpLayer(config, backend='cuda-nccl')" in module[0]["label"]
+    else:
+        assert not module
+    twins = {r["op"]: r for r in report["rows"] if r["backend"] == name and r["variant"] not in ("", "MoeEpLayer")
+             and r["format"] == "bf16"}
     if name.startswith("jax"):  # each jax row has a pipelined twin: 8 calls back to back, one wait
         assert set(twins) == set(rows)
         for op, r in twins.items():
