@@ -119,6 +119,16 @@ inline float decode_one(moe_ep_format fmt, const uint8_t* d, const uint8_t* sc, 
   return static_cast<float>(e2m1_value(nib) * sv);
 }
 
+// f(index, value) for every element (o, i, k) of a block-scaled [outer, n, inner] view in
+// index order: its dense index and its decode_one value.
+template <typename F>
+void for_each_decoded(moe_ep_format fmt, const uint8_t* d, const uint8_t* sc, int64_t outer, int64_t n, int64_t inner,
+                      F f) {
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t k = 0; k < inner; ++k) f(at(o, i, k, n, inner), decode_one(fmt, d, sc, o, i, k, n, inner));
+}
+
 }  // namespace
 
 moe_ep_status dequantize(void*, moe_ep_format fmt, const void* data, const void* scale, int64_t outer, int64_t n,
@@ -129,11 +139,8 @@ moe_ep_status dequantize(void*, moe_ep_format fmt, const void* data, const void*
     for (int64_t i = 0; i < total; ++i) out[i] = bf16_to_float(in[i]);
     return MOE_EP_OK;
   }
-  const uint8_t* d = static_cast<const uint8_t*>(data);
-  const uint8_t* sc = static_cast<const uint8_t*>(scale);
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t k = 0; k < inner; ++k) out[at(o, i, k, n, inner)] = decode_one(fmt, d, sc, o, i, k, n, inner);
+  for_each_decoded(fmt, static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(scale), outer, n, inner,
+                   [out](int64_t a, float v) { out[a] = v; });
   return MOE_EP_OK;
 }
 
@@ -151,10 +158,8 @@ void decode_bf16_into(moe_ep_format fmt, const void* data, const void* scale, in
   const uint8_t* d = static_cast<const uint8_t*>(data);
   const uint8_t* sc = static_cast<const uint8_t*>(scale);
   if (transpose_rows == 0) {
-    for (int64_t o = 0; o < outer; ++o)
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t k = 0; k < inner; ++k)
-          put_bf16(out, at(o, i, k, n, inner), bf16_exact_bits(decode_one(fmt, d, sc, o, i, k, n, inner), any));
+    for_each_decoded(fmt, d, sc, outer, n, inner,
+                     [out, any](int64_t a, float v) { put_bf16(out, a, bf16_exact_bits(v, any)); });
   } else {
     // inner == 1: row o = b * R + r of the view lands in column r of matrix b: out[b, i, r].
     const int64_t R = transpose_rows;
