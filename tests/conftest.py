@@ -54,8 +54,20 @@ SLOW: Dict[str, Tuple[str, ...]] = {
     # cuda-nccl's world-level backend over the device exchange in its CPU test mode: the full
     # conformance table at EP 2 and 4 (about 35 s); the quick tables stay in the loop.
     "test_cuda_nccl_device_conformance.py": ("test_full_table_at_ep_2_and_4_over_the_device_exchange_on_cpu",),
-    # the bench's cuda-nccl, jax and jax-ffi drivers in spawned rank processes (13 s of setup)
-    "test_bench.py": ("test_other_drivers_time_the_layer_on_cpu",),
+    # the bench's cuda-nccl, jax and jax-ffi drivers in spawned rank processes (13 s of setup), and
+    # the quick run's tests at EP 2 (a second bench run in spawned ranks, about 40 s; EP 1 stays)
+    "test_bench.py": (
+        "test_other_drivers_time_the_layer_on_cpu",
+        "test_quick_run_report_schema[ep2]",
+        "test_quick_run_measures_every_backend_and_baseline[ep2]",
+        "test_quick_run_counts_the_bytes_of_the_token_rows[ep2]",
+        "test_quick_run_prints_a_table_and_progress[ep2]",
+        "test_quick_run_times_training_through_the_module[ep2]",
+        "test_quick_run_writes_png_plots[ep2]",
+        "test_quick_run_uses_one_name_per_baseline[ep2]",
+        "test_quick_run_table_has_one_number_style[ep2]",
+        "test_weight_read_is_the_weights_at_the_runs_copy_bandwidth[ep2]",
+    ),
     # CMake configures of the CUDA build (about 30 s together; CI compiles it in full)
     "test_native_build.py": ("*",),
     # the full conformance table on the reference (about 85 s; CI's main job runs it too); every
