@@ -193,15 +193,9 @@ def _clamp(config: MoeEpConfig, g: np.ndarray, u: np.ndarray) -> Tuple[np.ndarra
     return np.minimum(g, limit), np.clip(u, -limit, limit)
 
 
-def expert_forward(
-    config: MoeEpConfig,
-    handle: DispatchHandle,
-    x: np.ndarray,
-    w: np.ndarray,
-    fc1: np.ndarray,
-    fc2: np.ndarray,
-    with_bound: bool = False,
-) -> Tuple[np.ndarray, np.ndarray, Optional[Tuple[np.ndarray, np.ndarray]]]:
+def expert_forward(config: MoeEpConfig, handle: DispatchHandle, x: np.ndarray, w: np.ndarray, fc1: np.ndarray,
+                   fc2: np.ndarray,
+                   with_bound: bool = False) -> Tuple[np.ndarray, np.ndarray, Optional[Tuple[np.ndarray, np.ndarray]]]:
     """The SwiGLU experts of one rank on its received rows.
 
     Args:
@@ -279,17 +273,9 @@ def bf16_operand(values: np.ndarray) -> np.ndarray:
     return round_to_bf16(values).astype(np.float64)
 
 
-def expert_backward(
-    config: MoeEpConfig,
-    handle: DispatchHandle,
-    x: np.ndarray,
-    w: np.ndarray,
-    fc1: np.ndarray,
-    fc2: np.ndarray,
-    c: np.ndarray,
-    dy: np.ndarray,
-    with_bound: bool = False,
-) -> Tuple[Tuple[np.ndarray, ...], Optional[Tuple[np.ndarray, ...]]]:
+def expert_backward(config: MoeEpConfig, handle: DispatchHandle, x: np.ndarray, w: np.ndarray, fc1: np.ndarray,
+                    fc2: np.ndarray, c: np.ndarray, dy: np.ndarray,
+                    with_bound: bool = False) -> Tuple[Tuple[np.ndarray, ...], Optional[Tuple[np.ndarray, ...]]]:
     """The spec backward of one rank's experts (straight-through roundings).
 
     With ``config.backward_operand_format`` bf16 the cotangent rows, ``dc``
