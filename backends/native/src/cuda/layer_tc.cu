@@ -419,19 +419,18 @@ __global__ void __launch_bounds__(kFusedThreads)
         const uint16_t ub[4] = {static_cast<uint16_t>(u2.x), static_cast<uint16_t>(u2.x >> 16),
                                 static_cast<uint16_t>(u2.y), static_cast<uint16_t>(u2.y >> 16)};
         const float av[4] = {a4.x, a4.y, a4.z, a4.w};
-        uint32_t dgp[2] = {0u, 0u}, dup[2] = {0u, 0u}, lp[2] = {0u, 0u};
+        float dg[4], du[4], lv[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const SwigluGrad gr = swiglu_grad(bf16_to_float(gb[j]), bf16_to_float(ub[j]), fmul(av[j], wr), p);
           acc = fadd(acc, fmul(av[j], gr.h));
-          const int sh = (j & 1) * 16;
-          dgp[j >> 1] |= uint32_t{bf16_from_float(gr.dg)} << sh;
-          dup[j >> 1] |= uint32_t{bf16_from_float(gr.du)} << sh;
-          lp[j >> 1] |= uint32_t{bf16_from_float(fmul(wr, gr.h))} << sh;
+          dg[j] = gr.dg;
+          du[j] = gr.du;
+          lv[j] = fmul(wr, gr.h);
         }
-        *reinterpret_cast<uint2*>(dg_out + i0) = make_uint2(dgp[0], dgp[1]);
-        *reinterpret_cast<uint2*>(du_out + i0) = make_uint2(dup[0], dup[1]);
-        *reinterpret_cast<uint2*>(l_out + i0) = make_uint2(lp[0], lp[1]);
+        *reinterpret_cast<uint2*>(dg_out + i0) = bf16x4_from_float(dg[0], dg[1], dg[2], dg[3]);
+        *reinterpret_cast<uint2*>(du_out + i0) = bf16x4_from_float(du[0], du[1], du[2], du[3]);
+        *reinterpret_cast<uint2*>(l_out + i0) = bf16x4_from_float(lv[0], lv[1], lv[2], lv[3]);
       }
     } else {
       for (int64_t i = tid; i < I; i += kFusedThreads) {
