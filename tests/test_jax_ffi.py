@@ -953,10 +953,14 @@ def test_cuda_handlers_formats_plan_and_sum_match_the_spec_and_the_xla_provider(
 
 
 @CUDA
+@pytest.mark.parametrize("mode", [None, "bf16"], ids=["exact", "bf16_operands"])
 @pytest.mark.parametrize("fmt,apply,clamp,inter", [c for c in _EXPERT_CASES if c[0] in ("fp32", "nvfp4")])
-def test_cuda_expert_handlers_match_the_cpu_handlers(fmt, apply, clamp, inter) -> None:
+def test_cuda_expert_handlers_match_the_cpu_handlers(fmt, apply, clamp, inter, mode) -> None:
+    """fp32 inputs run the CUDA float32 kernels, nvfp4 ones (bf16 operands) the tensor cores;
+    in the bf16-operand mode the latter is four bf16 GEMMs and the fused SwiGLU pass."""
     cfg = MoeEpConfig(num_experts=_EL, hidden=_H, intermediate=_I, num_topk=2, num_ranks=1,
-                      apply_topk_in_fc1=apply, gate_up_clamp=clamp, intermediate_format=inter)
+                      apply_topk_in_fc1=apply, gate_up_clamp=clamp, intermediate_format=inter,
+                      backward_operand_format=mode)
     x, w, w1, w2 = _expert_inputs(17, fmt)
     dy = np.random.default_rng(18).standard_normal((_C, _H)).astype(np.float32)
 
@@ -970,6 +974,8 @@ def test_cuda_expert_handlers_match_the_cpu_handlers(fmt, apply, clamp, inter) -
     for name, a, b in zip(("y", "c", "dx", "dw", "dfc1", "dfc2"), jax.tree_util.tree_leaves(gpu), jax.tree_util.tree_leaves(want)):
         if name == "c":  # the bf16 stash: one bf16 rounding of nearly equal values
             _close(f"cuda vs cpu {name}", np.asarray(a, np.float32), np.asarray(b, np.float32), rel=2.0**-8)
+        elif mode is not None and name != "y":
+            _close_bf16_operands(f"cuda vs cpu {name}", a, b)
         else:
             _close(f"cuda vs cpu {name}", a, b)
 
