@@ -376,15 +376,18 @@ def build_commands(ctx: Context) -> List[Command]:
 
 QUICK_TESTS = ("(test_native_cuda and (formats_cuda_equal_cpu or permute_and_combine or nan_token)) "
                "or (test_cuda_loopback_device_exchange and ep1 and throughput) "
-               "or test_cuda_static_mode_matches_the_synced_mode[1]")
+               "or test_cuda_static_mode_matches_the_synced_mode[1] "
+               "or test_cuda_bf16_backward_follows_the_formulas or test_cuda_module_paths_and_main_grad")
 
 
 def test_commands(ctx: Context) -> List[Command]:
     if ctx.quick:
         return [Command("pytest-quick", _pytest(ctx, "tests/test_native_cuda.py", "tests/test_native_exchange.py",
-                                                "tests/test_cuda_nccl.py", "-k", QUICK_TESTS))]
+                                                "tests/test_cuda_nccl.py", "tests/test_native_bf16_backward.py",
+                                                "-k", QUICK_TESTS))]
     return [
         Command("native", _pytest(ctx, "tests/test_native_cuda.py", "tests/test_native_decode_bf16.py",
+                                  "tests/test_native_bf16_backward.py",
                                   "tests/test_native_mxfp8_weights.py", "tests/test_native_layer.py", "tests/test_native.py")),
         # -m "not slow": the slow tests of these files are CPU stand-ins for what runs here on the GPU
         Command("exchange", _pytest(ctx, "-m", "not slow", "tests/test_native_exchange.py",
