@@ -83,16 +83,28 @@ def test_golden_bf16(golden, cat):
     np.testing.assert_array_equal(round_to_bf16(x.astype(np.float64)).view(np.uint16), want)
 
 
-@pytest.mark.parametrize("cat", GOLDEN_CATEGORIES)
-def test_golden_mxfp8(golden, cat):
+#: format -> (golden key of its data codes, of its scale codes, data dtype, scale dtype)
+_GOLDEN_CODES = {"mxfp8": ("mxfp8_data_bits", "mxfp8_scale_bits", E4M3, E8M0),
+                 "nvfp4": ("nvfp4_data_packed", "nvfp4_scale_bits", np.dtype(np.uint8), E4M3)}
+
+
+def _golden_quantized(golden, cat, fmt):
+    """``(x, q, want_data, want_scale)``: category ``cat``'s golden input quantized to
+    ``fmt``, its codes checked against the golden ones (format, dtypes, data, scales)."""
+    data_key, scale_key, data_dtype, scale_dtype = _GOLDEN_CODES[fmt]
     x = golden[f"{cat}/input"]
-    want_data = golden[f"{cat}/mxfp8_data_bits"]
-    want_scale = golden[f"{cat}/mxfp8_scale_bits"]
-    q = quantize(x, "mxfp8")
-    assert isinstance(q, BlockScaledTensor) and q.format is MoeFormat.MXFP8
-    assert q.data.dtype == E4M3 and q.scale.dtype == E8M0
+    want_data, want_scale = golden[f"{cat}/{data_key}"], golden[f"{cat}/{scale_key}"]
+    q = quantize(x, fmt)
+    assert isinstance(q, BlockScaledTensor) and q.format is MoeFormat(fmt)
+    assert q.data.dtype == data_dtype and q.scale.dtype == scale_dtype
     np.testing.assert_array_equal(q.data_codes(), want_data)
     np.testing.assert_array_equal(q.scale_codes(), want_scale)
+    return x, q, want_data, want_scale
+
+
+@pytest.mark.parametrize("cat", GOLDEN_CATEGORIES)
+def test_golden_mxfp8(golden, cat):
+    x, q, want_data, want_scale = _golden_quantized(golden, cat, "mxfp8")
     gold = BlockScaledTensor(
         data=want_data.view(E4M3), scale=want_scale.view(E8M0), format="mxfp8", shape=x.shape, axis=1
     )
@@ -102,14 +114,7 @@ def test_golden_mxfp8(golden, cat):
 
 @pytest.mark.parametrize("cat", GOLDEN_CATEGORIES)
 def test_golden_nvfp4(golden, cat):
-    x = golden[f"{cat}/input"]
-    want_data = golden[f"{cat}/nvfp4_data_packed"]
-    want_scale = golden[f"{cat}/nvfp4_scale_bits"]
-    q = quantize(x, "nvfp4")
-    assert isinstance(q, BlockScaledTensor) and q.format is MoeFormat.NVFP4
-    assert q.data.dtype == np.uint8 and q.scale.dtype == E4M3
-    np.testing.assert_array_equal(q.data_codes(), want_data)
-    np.testing.assert_array_equal(q.scale_codes(), want_scale)
+    x, q, want_data, want_scale = _golden_quantized(golden, cat, "nvfp4")
     gold = BlockScaledTensor(data=want_data, scale=want_scale.view(E4M3), format="nvfp4", shape=x.shape, axis=-1)
     np.testing.assert_array_equal(dequantize(gold, np.float64), dequantize(q, np.float64))
 
