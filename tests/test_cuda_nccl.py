@@ -5,8 +5,8 @@ the static-shape mode against the host-synchronised one, bit for bit, its
 error record, and the backend's availability report. The full conformance
 table runs on CPU through ``MOE_EP_CUDA_NCCL_ON_CPU=1`` in
 tests/test_conformance_suite.py. The CUDA tests (NCCL transport, CUDA-graph
-capture and replay) need GPUs and run on the device machine
-(scripts/gpu_cuda_nccl_check.sh).
+capture and replay) need GPUs and run on a GPU machine
+(``python scripts/gpu.py test``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ for the layer's tensor-core path where bf16 holds them exactly:
   run the float32 kernels), the synchronised mode also with values bf16 cannot
   hold (it falls back to float32), the static mode turns exactly the results
   that depend on them into NaN and records it.
-On CUDA the same worker runs on the device machine (scripts/gpu_block_scaled_check.py).
+On CUDA the same tests run on a GPU machine (``python scripts/gpu.py test``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ host synchronisation), every operation, the errors shared across ranks.
 On CPU (CI) the ranks' CPU layers run the exchange's CPU twin through the
 ``/dev/shm`` loopback provider (``MOE_EP_CUDA_NCCL_ON_CPU=1``). On a GPU
 (skipped here) ``--device cuda-shared`` puts every rank on cuda:0, their
-regions joined by CUDA IPC: what NCCL refuses. scripts/gpu_exchange_check.sh,
-step ``conformance``, runs the whole table that way.
+regions joined by CUDA IPC: what NCCL refuses. ``python scripts/gpu.py
+conformance`` runs the whole table that way.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 kernel by kernel, through the C ABI (device memory and the stream come from
 torch, used here only as a CUDA allocator). Formats, plan, permutation and the
 combine reduction must agree bit for bit; the expert GEMMs within float32
-rounding. Skipped without a GPU or a CUDA build (CI); run on the device
-machine by scripts/gpu_native_check.sh, also under compute-sanitizer."""
+rounding. Skipped without a GPU or a CUDA build (CI); run on a GPU
+machine by ``python scripts/gpu.py test``, and under compute-sanitizer by its ``sanitize`` step."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 // accumulation). The weights are read once per pass of up to 48 or 64 rows of an expert
 // (the variant mxfp8_weights_gemm picks), at one byte an element plus a scale byte per 32,
 // instead of the two bytes of a kept bf16 decode: the decode forward's weight read
-// (docs/cuda-nccl.md, "What issue 15's decode target needs"). The layer's mxfp8-weights
+// (docs/cuda-nccl.md, "The mxfp8-weights forward"). The layer's mxfp8-weights
 // forward (moe_ep_layer_experts_forward_mxfp8) runs its FC1 and FC2 through it.
 //
 // Layouts: x [C, K] bf16 row-major (the expert-major rows), or three such planes summed
