@@ -365,3 +365,13 @@ def test_load_plugins_entry_matching_nothing_fails_the_listing(monkeypatch: pyte
     assert proc.returncode == 2
     assert "moe-ep: error: MOE_EP_LOAD_PLUGINS names 'nosuch'" in proc.stderr and "reference (moe-ep-spec)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_ratio_format_never_rounds_a_value_below_one_up_to_one() -> None:
+    from moe_ep_conformance.report import format_ratio
+
+    assert format_ratio(0.456) == "0.456"
+    assert format_ratio(0.9999769931350734) == "0.99998"
+    assert format_ratio(0.9995) == "0.9995"
+    assert format_ratio(1.0) == "1"
+    assert format_ratio(0.0) == "0"

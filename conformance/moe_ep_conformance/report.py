@@ -13,7 +13,7 @@ from .cases import OPERATIONS
 from .expectations import Entry
 from .runner import CaseResult, Check
 
-__all__ = ["Record", "Report", "is_code_step"]
+__all__ = ["Record", "Report", "format_ratio", "is_code_step"]
 
 FINAL_OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed")
 
@@ -25,6 +25,17 @@ def is_code_step(ratio: float) -> bool:
     exactly 1 is the result landing on that neighbouring code: one step, which
     the spec allows there, not a result close to failing."""
     return ratio == 1.0
+
+
+def format_ratio(ratio: float) -> str:
+    """An error/budget in as few significant digits as show it (3 at least), never
+    rounded up to ``1`` when it is below 1: ``0.456``, ``0.99998``, ``1``."""
+    text = f"{ratio:.3g}"
+    digits = 3
+    while ratio < 1.0 and float(text) >= 1.0 and digits < 17:
+        digits += 1
+        text = f"{ratio:.{digits}g}"
+    return text
 
 
 @dataclass
@@ -115,11 +126,11 @@ class Report:
         of the other errors."""
         worst = self.worst_passing(backend)
         if not is_code_step(worst):
-            return f"{worst:.3g}"
+            return format_ratio(worst)
         text = "1 step: an allowed neighbouring code"
         other = self.worst_below_a_step(backend)
         if other is not None:
-            text += f"; worst other error/budget {other[1].ratio:.3g} ({other[0].result.test_id}, check '{other[1].name}')"
+            text += f"; worst other error/budget {format_ratio(other[1].ratio)} ({other[0].result.test_id}, check '{other[1].name}')"
         else:
             text += "; every other error is 0"
         return text
@@ -146,7 +157,7 @@ class Report:
         text = (
             f"{backend}{' ' + version if version else ''}: {c['passed']} passed, {c['failed']} failed, "
             f"{c['skipped']} skipped, {c['xfailed']} xfailed, {c['xpassed']} xpassed in {self.total_time(backend):.1f} s; "
-            f"worst passing error/budget {self.worst_passing(backend):.3g}"
+            f"worst passing error/budget {format_ratio(self.worst_passing(backend))}"
         )
         worst = self.worst_passing_case(backend)
         if worst is not None:
@@ -231,7 +242,7 @@ class Report:
             if worst is not None:
                 details.append(
                     f"Worst passing case: `{worst[0].result.test_id}`, check '{worst[1].name}' "
-                    f"({worst[1].ratio:.3g} of its budget, {worst[0].result.duration_s:.2f} s)."
+                    f"({format_ratio(worst[1].ratio)} of its budget, {worst[0].result.duration_s:.2f} s)."
                 )
             if slow is not None:
                 details.append(f"Slowest case: `{slow.result.test_id}` ({slow.result.duration_s:.2f} s).")
