@@ -4,10 +4,10 @@ says what to change (not after the whole run, and not as a run of no tests)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, List, Optional
 
 import moe_ep_spec
+from moe_ep_spec.cli import check_output_file
 
 from .cases import all_cases
 
@@ -53,17 +53,5 @@ def check_ep_sizes(sizes: Optional[List[int]], quick: bool) -> None:
 
 def check_report_path(option: str, path: Optional[str]) -> None:
     """A report path must be writable before the run starts (not after it, when
-    the results would be lost)."""
-    if not path:
-        return
-    full = os.path.abspath(path)
-    parent = os.path.dirname(full)
-    problem = ""
-    if os.path.isdir(full):
-        problem = "it is a directory"
-    elif not os.path.isdir(parent):
-        problem = f"the directory {parent} does not exist"
-    elif not os.access(parent, os.W_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)):
-        problem = "it is not writable"
-    if problem:
-        raise moe_ep_spec.MoeEpError(f"{option} {path}: cannot write the report there: {problem}")
+    the results would be lost): ``moe-ep``'s one rule for every report file."""
+    check_output_file(option, path)
