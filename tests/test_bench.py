@@ -773,3 +773,15 @@ def test_device_times_split_a_trace_into_calls() -> None:
         device_times([(0, ms), (7 * ms, 8 * ms)], 1, pause)
     with pytest.raises(RuntimeError, match="no GPU stream events"):
         device_times([], 1, pause)
+
+
+def test_compare_refuses_a_malformed_baseline_with_a_sentence(tmp_path) -> None:
+    from moe_ep_bench.compare import BASELINE_SCHEMA, entries
+
+    with pytest.raises(ValueError, match="expected a JSON object; got list"):
+        entries([1, 2], "base.json")
+    bad = {"schema": BASELINE_SCHEMA, "rows": [{"identity": {"backend": "x"}, "median_ms": 0}]}
+    with pytest.raises(ValueError, match=r"base.json: baseline row 0 needs a median_ms > 0 \(milliseconds\); got 0"):
+        entries(bad, "base.json")
+    good = {"schema": BASELINE_SCHEMA, "rows": [{"identity": {"backend": "x"}, "median_ms": 1.5}]}
+    assert [e.ident for e in entries(good, "base.json")] == [{"backend": "x"}]

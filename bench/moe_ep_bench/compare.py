@@ -106,11 +106,18 @@ def load(path: str) -> List[_Entry]:
 
 
 def entries(doc: Dict[str, Any], source: str) -> List[_Entry]:
-    """The measured rows of a loaded report or baseline document."""
+    """The measured rows of a loaded report or baseline document. A document that
+    is not a bench report or baseline, or a baseline row without a positive
+    ``median_ms``, raises ValueError naming the file."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"{source}: not a bench report or baseline (expected a JSON object; got {type(doc).__name__})")
     schema = str(doc.get("schema", ""))
     out: List[_Entry] = []
     if schema == BASELINE_SCHEMA:
-        for row in doc["rows"]:
+        for i, row in enumerate(doc["rows"]):
+            median = row.get("median_ms") if isinstance(row, dict) else None
+            if isinstance(median, bool) or not isinstance(median, (int, float)) or not median > 0:
+                raise ValueError(f"{source}: baseline row {i} needs a median_ms > 0 (milliseconds); got {median!r}")
             out.append(_Entry(dict(row["identity"]), row, row.get("source", source)))
         return out
     if not schema.startswith("moe-ep-bench/"):

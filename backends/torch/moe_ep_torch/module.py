@@ -112,7 +112,8 @@ class MoeEpLayer(torch.nn.Module):
     operands to bf16 as training stacks do (four bf16 GEMMs on tensor cores instead
     of ten); a parameter that carries a float32 ``main_grad`` tensor (Megatron's
     convention) gets its gradient added there on ``cuda-nccl``, ``.grad`` left alone
-    (docs/torch.md, "Training").
+    (docs/torch.md, "Training"); not with ``weight_format`` set, whose quantized copies
+    carry no ``main_grad`` (the gradient then goes to ``.grad``).
 
     Attributes:
         fc1_weight: ``[num_local_experts, hidden, 2 * intermediate]`` ``dtype``
@@ -252,7 +253,10 @@ class MoeEpLayer(torch.nn.Module):
             ``config.output_format`` is bf16; otherwise a
             :class:`~moe_ep_torch.formats.TorchBlockScaled` of that shape (no
             autograd). Bad input raises the spec's errors
-            (:mod:`moe_ep_spec.errors`) on every rank.
+            (:mod:`moe_ep_spec.errors`) on every rank, except on ``cuda-nccl``'s
+            default path (``host_sync=None`` with ``max_tokens_per_rank``: the
+            device exchange, no host synchronisation), where a bad expert id makes
+            the output NaN and ``moe_ep_cuda_nccl.api.check_errors`` raises it.
         """
         fc1, fc2 = self._weights()
         return self._layer_op(activation, fc1, fc2, topk_idx, topk_weights, config=self.config, group=self.group)
