@@ -37,6 +37,7 @@ __all__ = [
     "build_parser",
     "check_output_file",
     "main",
+    "non_negative_float",
     "non_negative_int",
     "positive_float",
     "positive_int",
@@ -89,6 +90,17 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0 (a tolerance)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0; got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0; got {text}")
     return value
 
 

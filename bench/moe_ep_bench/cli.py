@@ -42,20 +42,16 @@ def _non_negative(text: str) -> int:
     return non_negative_int(text)
 
 
-def _seconds(text: str) -> float:
+def _positive_number(text: str) -> float:
     from moe_ep_spec.cli import positive_float
 
     return positive_float(text)
 
 
 def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0; got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0; got {text}")
-    return value
+    from moe_ep_spec.cli import non_negative_float
+
+    return non_negative_float(text)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,12 +98,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "op, within 100 columns)")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes for smoke tests: H=64 I=32 E=8 K=2, tokens 8 and 32, 3 repeats")
-    p.add_argument("--timeout", type=_seconds, default=300.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=_positive_number, default=300.0, metavar="SECONDS",
                    help="seconds one measurement may take before every rank is stopped (default 300)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the baselines (all_to_all, copy, grouped_gemm, weight_read)")
     p.add_argument("--include-slow", action="store_true", help="time world backends (numpy) at any size")
-    p.add_argument("--memory-budget-gb", type=_seconds, default=80.0, metavar="GB",
+    p.add_argument("--memory-budget-gb", type=_positive_number, default=80.0, metavar="GB",
                    help="per-GPU memory the default expert count may use (default 80)")
     p.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
                    help="progress on stderr: auto (a bar when stdout and stderr are terminals, else quiet; default), "

@@ -262,13 +262,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m moe_ep_bench.compare RUN.json BASELINE.json [--tolerance T]``
     (exit 0, 1 when a row is slower, 2 on a usage mistake) or ``--make-baseline
     OUT.json RUN.json...``."""
-    from moe_ep_spec.cli import Parser, check_input_file, check_output_file, positive_float, run_parsed
+    from moe_ep_spec.cli import Parser, check_input_file, check_output_file, non_negative_float, run_parsed
 
     p = Parser(prog="python -m moe_ep_bench.compare",
                description="Compare a bench JSON report with a baseline, or make a baseline from reports.")
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="RUN.json BASELINE.json; with --make-baseline: the reports, oldest first")
-    p.add_argument("--tolerance", type=positive_float, default=DEFAULT_TOLERANCE,
+    p.add_argument("--tolerance", type=non_negative_float, default=DEFAULT_TOLERANCE,
                    help=f"a row more than this fraction slower fails (default {DEFAULT_TOLERANCE})")
     p.add_argument("--make-baseline", metavar="OUT", help="write a baseline made from FILE... here")
     args = p.parse_args(argv)
