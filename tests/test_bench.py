@@ -379,6 +379,9 @@ def test_compare_fails_a_slower_row_and_reports_unmatched_ones(tmp_path: Path, c
     # within the tolerance: 0; a wider tolerance lets the 12 % through
     assert C.main([slow, base, "--tolerance", "0.15"]) == 0
     assert "compare: ok: 3 rows matched" in " ".join(capsys.readouterr().out.split())
+    # --tolerance 0 is allowed (any slower row fails), as in moe-ep bench
+    assert C.main([slow, base, "--tolerance", "0"]) == 1
+    capsys.readouterr()
     # another GPU, or another mode, is another row
     other = _write(tmp_path / "h100.json", _report([("cuda-nccl", "backend", "forward", "bf16", 128, 9.0)], gpu="NVIDIA H100"))
     assert C.main([other, base]) == 0
