@@ -471,6 +471,10 @@ def sanitize_commands(ctx: Context) -> List[Command]:
         Command("memcheck-kernels", sanitizer("memcheck", *_pytest(
             ctx, "tests/test_native_cuda.py", "-k", "plan_routes or permute or combine_reduce or experts")),
             needs=needs_sanitizer),
+        # the bf16-operand backward's GEMMs and fused SwiGLU pass (one forward+backward of each case)
+        *(Command(f"{tool}-bf16-backward", sanitizer(tool, *_pytest(
+            ctx, "tests/test_native_bf16_backward.py", "-k", "test_cuda_bf16_backward_follows_the_formulas and bf16]")),
+            needs=needs_sanitizer) for tool in ("memcheck", "racecheck")),
     ]
 
 
@@ -501,6 +505,15 @@ def bench_commands(ctx: Context) -> List[Command]:
                                       *SHAPE, *args, *compare, "--json", str(out / "bench-cuda-nccl.json"), "--no-progress"))]
     if ctx.quick:
         return cmds
+    # training as the fast stacks run it: the bf16-operand backward (issue 42's targets), on the
+    # native backends and the pure jax one, the MoeEpLayer row included (the torch driver adds it)
+    training = ("--tokens", "128", "--tokens", "4096", "--format", "bf16", "--intermediate-format", "bf16",
+                "--op", "forward_backward", "--backward-operand-format", "bf16")
+    for backend in ("cuda-nccl", "jax-ffi", "jax"):
+        cmds.append(Command(f"{backend}-bf16-backward", _cli(ctx, "bench", "--device", "cuda", "--ep-size", "1",
+                                                             "--backend", backend, *SHAPE, *training, "--json",
+                                                             str(out / f"bench-{backend}-bf16-backward.json"),
+                                                             "--no-progress")))
     if missing:
         where = str(baseline or ctx.path("bench", "baselines", "CARD.json"))
         cmds.append(Command("compare", ("moe-ep", "bench", "--compare", where), needs=lambda: missing))

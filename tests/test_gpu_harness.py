@@ -134,8 +134,11 @@ def test_bench_compares_with_the_cards_baseline_or_says_there_is_none(tmp_path) 
     assert gpu.default_baseline(ROOT, ("NVIDIA H200",)) == ROOT / "bench" / "baselines" / "h200.json"
     assert gpu.default_baseline(ROOT, ("NVIDIA H100 80GB HBM3",)) == ROOT / "bench" / "baselines" / "h100.json"
     assert gpu.default_baseline(ROOT, ("NVIDIA A100",)) is None
-    bench, compare = gpu.bench_commands(_ctx(tmp_path, baseline=None))
+    bench, *training, compare = gpu.bench_commands(_ctx(tmp_path, baseline=None))
     assert "--hidden" in bench.argv and "7168" in bench.argv and "--compare" not in bench.argv
+    # the training rows: the bf16-operand backward of the native backends and the pure jax one
+    assert [c.name for c in training] == ["cuda-nccl-bf16-backward", "jax-ffi-bf16-backward", "jax-bf16-backward"]
+    assert all(c.argv[c.argv.index("--backward-operand-format") + 1] == "bf16" for c in training)
     assert compare.needs().startswith("no baseline for this card (NVIDIA H200)")
     # a baseline made of two runs: the DeepSeek-V3 run compared with it, then each run's command again
     baseline = tmp_path / "h200.json"
@@ -143,9 +146,11 @@ def test_bench_compares_with_the_cards_baseline_or_says_there_is_none(tmp_path) 
         {"file": "a.json", "command": "moe-ep bench --device cuda --backend jax-ffi --tokens 4096 --op forward"},
         {"file": "b.json", "command": "moe-ep bench --device cuda --backend cuda-nccl --op dispatch"}]}))
     cmds = gpu.bench_commands(_ctx(tmp_path, baseline=baseline))
-    assert [c.name for c in cmds] == ["cuda-nccl", "compare-1", "compare-2"]
-    assert all(c.argv[c.argv.index("--compare") + 1] == str(baseline) for c in cmds)
-    assert cmds[1].argv[1:8] == ("-m", "moe_ep_spec.cli", "bench", "--device", "cuda", "--backend", "jax-ffi")
+    assert [c.name for c in cmds] == ["cuda-nccl", "cuda-nccl-bf16-backward", "jax-ffi-bf16-backward",
+                                      "jax-bf16-backward", "compare-1", "compare-2"]
+    compared = [c for c in cmds if "bf16-backward" not in c.name]
+    assert all(c.argv[c.argv.index("--compare") + 1] == str(baseline) for c in compared)
+    assert cmds[4].argv[1:8] == ("-m", "moe_ep_spec.cli", "bench", "--device", "cuda", "--backend", "jax-ffi")
     (quick,) = gpu.bench_commands(_ctx(tmp_path, baseline=baseline, quick=True))
     assert "--compare" in quick.argv and quick.argv[quick.argv.index("--tokens") + 1] == "128"
 
