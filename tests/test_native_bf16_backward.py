@@ -101,17 +101,22 @@ def _model(config, x, w, fc1, fc2, sizes, c, dy, magnitudes=False):
     return dx, dw, dfc1, dfc2
 
 
-def _backward(layer, config, x, w, fc1, fc2, gs, c, dy, *, dy_bf16=False, init=None, accumulate=False):
-    rows = x.shape[0]
+def _backward(layer, config, x, w, fc1, fc2, gs, c, dy, *, dy_bf16=False, init=None, accumulate=False,
+              weight_grads_bf16=False, rows=None):
+    """dx, dw, dfc1, dfc2 as numpy arrays (dfc1 and dfc2 as uint16 bf16 bit patterns with
+    weight_grads_bf16); rows: the rows passed (x's by default)."""
+    rows = x.shape[0] if rows is None else rows
     shapes = [(rows, config.hidden), (rows,), fc1.shape, fc2.shape]
     outs = [np.full(s, np.nan, np.float32) for s in shapes]
+    if weight_grads_bf16:  # NaN bits until written
+        outs[2], outs[3] = np.full(fc1.shape, 0x7FC0, np.uint16), np.full(fc2.shape, 0x7FC0, np.uint16)
     if init is not None:
         outs[2][...] = init[0]
         outs[3][...] = init[1]
     d = np.ascontiguousarray(dy.astype(BF16)).view(np.uint16) if dy_bf16 else dy
     layer.experts_backward(None, rows, _ptr(_bits(x)), _ptr(w), _ptr(_bits(fc1)), _ptr(_bits(fc2)),
                            _ptr(_bits(c)), _ptr(d), _ptr(gs), *[_ptr(o) for o in outs], dy_bf16=dy_bf16,
-                           accumulate=accumulate)
+                           accumulate=accumulate, weight_grads_bf16=weight_grads_bf16)
     return outs
 
 
@@ -185,7 +190,8 @@ def test_the_field_is_checked_and_old_callers_get_the_exact_backward() -> None:
     with pytest.raises(NativeArgumentError, match=r"reserved1 must be 0; got 3"):
         Layer(cfg)
     layer = Layer(layer_config(config, max_rows=0, cuda_device=None, bf16_operands=True, with_backward=True))
-    with pytest.raises(NativeArgumentError, match=r"flags must be 0 or MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS"):
+    with pytest.raises(NativeArgumentError, match=r"flags must be 0, MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS \(1\) or "
+                                                  r"MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 \(2\); got 4"):
         call("moe_ep_layer_experts_backward_ex", layer._handle, None, 0, None, None, None, None, None, None, 0,
              None, None, None, None, None, 4)
 
@@ -198,6 +204,54 @@ def test_the_field_is_checked_and_old_callers_get_the_exact_backward() -> None:
                                with_backward=True))
     for a, b in zip(_backward(old, config, x, w, fc1, fc2, gs, c, dy), _backward(exact, config, x, w, fc1, fc2, gs, c, dy)):
         np.testing.assert_array_equal(a, b, err_msg="fields past an old caller's struct_size read as 0 (exact)")
+
+
+def _bf16_bits(a):
+    """The float32 array rounded to bf16 (nearest even), as uint16 bit patterns: what a cast gives."""
+    return np.ascontiguousarray(np.asarray(a, np.float32).astype(BF16)).view(np.uint16)
+
+
+@pytest.mark.parametrize("mode", [None, "bf16"])
+@pytest.mark.parametrize("name", ["fc1-clamp", "fc2"])
+def test_bf16_weight_grads_are_the_rounding_of_the_float32_ones(name, mode) -> None:
+    """MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 on the CPU layer: dfc1 and dfc2 written as the bf16
+    bits of the float32 gradients (an expert with no rows: zeros), dx and dw as without it;
+    the layer's staged weights it computes in are staged again at the next call."""
+    config = _config(name, mode)
+    x, w, fc1, fc2, gs, c, dy = _case(config, [4, 0, 5][: config.num_local_experts], seed=12)
+    layer = Layer(layer_config(config, max_rows=x.shape[0], cuda_device=None, bf16_operands=True, with_backward=True))
+    plain = _backward(layer, config, x, w, fc1, fc2, gs, c, dy)
+    for dy_bf16 in (False, True):
+        want = _backward(layer, config, x, w, fc1, fc2, gs, c, dy, dy_bf16=dy_bf16)
+        got = _backward(layer, config, x, w, fc1, fc2, gs, c, dy, dy_bf16=dy_bf16, weight_grads_bf16=True)
+        np.testing.assert_array_equal(got[0], want[0], err_msg="dx as without the flag")
+        np.testing.assert_array_equal(got[1], want[1], err_msg="dw as without the flag")
+        np.testing.assert_array_equal(got[2], _bf16_bits(want[2]), err_msg="dfc1: the bf16 rounding of the float32 one")
+        np.testing.assert_array_equal(got[3], _bf16_bits(want[3]), err_msg="dfc2: the bf16 rounding of the float32 one")
+        assert not np.any(got[2][1]) and not np.any(got[3][1]), "an expert with no rows: bf16 zeros"
+    again = _backward(layer, config, x, w, fc1, fc2, gs, c, dy)
+    for a, b, label in zip(again, plain, ["dx", "dw", "dfc1", "dfc2"]):
+        np.testing.assert_array_equal(a, b, err_msg=f"{label}: a later call stages the weights again")
+    none = _backward(layer, config, x, w, fc1, fc2, np.zeros_like(gs), c, dy, weight_grads_bf16=True, rows=0)
+    assert not np.any(none[2]) and not np.any(none[3]), "no rows: every weight gradient bf16 zero"
+
+
+def test_bf16_weight_grads_are_refused_with_accumulate_and_float32_weights() -> None:
+    config = _config("fc1-clamp", None)
+    x, w, fc1, fc2, gs, c, dy = _case(config, [3, 2, 2], seed=13)
+    layer = Layer(layer_config(config, max_rows=x.shape[0], cuda_device=None, bf16_operands=True, with_backward=True))
+    with pytest.raises(NativeArgumentError, match=r"MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 \(2\) cannot be combined with "
+                                                  r"MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS \(1\).*; got 3"):
+        _backward(layer, config, x, w, fc1, fc2, gs, c, dy, accumulate=True, weight_grads_bf16=True)
+    f32 = Layer(layer_config(config, max_rows=x.shape[0], cuda_device=None, bf16_operands=False, with_backward=True))
+    with pytest.raises(NativeArgumentError, match=r"MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 needs a layer of operand_dtype "
+                                                  r"MOE_EP_DTYPE_BF16 \(1\).*; got 0"):
+        rows = x.shape[0]
+        f32.experts_backward(None, rows, _ptr(np.asarray(x, np.float32)), _ptr(w), _ptr(np.asarray(fc1, np.float32)),
+                             _ptr(np.asarray(fc2, np.float32)), _ptr(_bits(c)), _ptr(dy), _ptr(gs),
+                             _ptr(np.zeros((rows, config.hidden), np.float32)), _ptr(np.zeros(rows, np.float32)),
+                             _ptr(np.zeros(fc1.shape, np.uint16)), _ptr(np.zeros(fc2.shape, np.uint16)),
+                             weight_grads_bf16=True)
 
 
 def _cuda_available() -> bool:
@@ -270,4 +324,62 @@ def test_cuda_bf16_backward_follows_the_formulas(name, dy_bf16, accumulate, oper
         assert np.all(err <= tight + 2.0 ** -8 * mag), f"{label}: off the bf16-operand formulas beyond a bf16 step"
         assert np.mean(err > tight) <= 1e-3, f"{label}: more than 0.1% of the elements off float32 accumulation"
     assert not np.any(got[0][sum(sizes):]) and not np.any(got[1][sum(sizes):]), "rows of no expert: dx and dw zero"
+    layer.close()
+
+
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device and a native build with CUDA")
+@pytest.mark.parametrize("dy_bf16", [False, True], ids=["dy_f32", "dy_bf16"])
+@pytest.mark.parametrize("mode", [None, "bf16"], ids=["exact", "bf16"])
+@pytest.mark.parametrize("name", sorted(CUDA_CONFIGS))
+def test_cuda_bf16_weight_grads_are_the_rounding_of_the_float32_ones(name, mode, dy_bf16) -> None:
+    """MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 on the CUDA layer: dfc1 and dfc2 bit for bit the bf16
+    rounding (nearest even) of the float32 gradients the same layer writes without the flag,
+    dx and dw unchanged. On tensor cores the bf16 mode's weight-gradient GEMMs round in their
+    epilogue (the same CUTLASS kernel as the float32 one, the same summation order, one
+    rounding of the float32 accumulator); the exact mode sums its bf16 planes one expert at a
+    time in a float32 buffer ("wide-fc1": rows < hidden, a buffer of its own; the others reuse
+    the forward's FC1 output) and rounds it once. An expert with no rows: bf16 zeros."""
+    import torch
+
+    config = MoeEpConfig(**CUDA_CONFIGS[name], backward_operand_format=mode)
+    sizes = [130, 0, 257][: config.num_local_experts]
+    x, w, fc1, fc2, gs, c, dy = _case(config, sizes, seed=5)
+    rows = x.shape[0]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layer = Layer(layer_config(config, max_rows=rows, cuda_device=dev.index, bf16_operands=True, with_backward=True))
+    if torch.cuda.get_device_capability(dev) == (9, 0):
+        assert layer.info.tensor_cores, "an sm_90 device with the CUTLASS build must take the tensor-core path"
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
+    xt, f1t, f2t, ct, wt, gst = t(_bits(x)), t(_bits(fc1)), t(_bits(fc2)), t(_bits(c)), t(w), t(gs)
+    dyt = t(np.ascontiguousarray(dy.astype(BF16)).view(np.uint16)) if dy_bf16 else t(dy)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    p = lambda a: a.data_ptr() if a.numel() else None  # noqa: E731
+
+    def run(bf16_grads, num_rows=rows, group_sizes=gst):
+        g = torch.bfloat16 if bf16_grads else torch.float32
+        outs = [torch.full((num_rows, config.hidden), float("nan"), device=dev),
+                torch.full((num_rows,), float("nan"), device=dev),
+                torch.full(fc1.shape, float("nan"), device=dev, dtype=g),
+                torch.full(fc2.shape, float("nan"), device=dev, dtype=g)]
+        layer.experts_backward(stream, num_rows, p(xt), p(wt), p(f1t), p(f2t), p(ct), p(dyt), p(group_sizes),
+                               *[p(o) for o in outs], dy_bf16=dy_bf16, weight_grads_bf16=bf16_grads)
+        torch.cuda.synchronize()
+        return outs
+
+    want, got = run(False), run(True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "dx and dw as without the flag"
+    for g, f, label in zip(got[2:], want[2:], ["dfc1", "dfc2"]):
+        assert g.dtype == torch.bfloat16
+        assert torch.equal(g.view(torch.int16), f.to(torch.bfloat16).view(torch.int16)), (
+            f"{label}: the bf16 rounding of the float32 gradient, bit for bit "
+            f"({int((g.view(torch.int16) != f.to(torch.bfloat16).view(torch.int16)).sum())} elements differ)")
+        assert not torch.any(g[1].float()), f"{label}: an expert with no rows gets bf16 zeros"
+    none = run(True, num_rows=0, group_sizes=torch.zeros_like(gst))
+    assert not torch.any(none[2].float()) and not torch.any(none[3].float()), "no rows: bf16 zeros everywhere"
+    if torch.cuda.get_device_capability(dev) == (9, 0):
+        misaligned = torch.zeros(fc1.numel() + 8, dtype=torch.bfloat16, device=dev)[1:1 + fc1.numel()]
+        with pytest.raises(NativeArgumentError, match=r"dfc1 must be 16-byte aligned on the tensor-core path"):
+            layer.experts_backward(stream, rows, p(xt), p(wt), p(f1t), p(f2t), p(ct), p(dyt), p(gst),
+                                   p(want[0]), p(want[1]), p(misaligned), p(got[3]), dy_bf16=dy_bf16,
+                                   weight_grads_bf16=True)
     layer.close()

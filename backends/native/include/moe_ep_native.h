@@ -52,8 +52,8 @@ extern "C" {
 #endif
 
 /** Bumped on any incompatible change of a signature or a struct below, and when an entry
- *  point or a field is added (ABI 3, 4, 5, 6, 7, 8): a binding built for N calls the entry points of N. */
-#define MOE_EP_NATIVE_ABI_VERSION 8
+ *  point, a field or a flag is added (ABI 3, 4, 5, 6, 7, 8, 9): a binding built for N calls the entry points of N. */
+#define MOE_EP_NATIVE_ABI_VERSION 9
 
 typedef enum {
   MOE_EP_OK = 0,
@@ -559,19 +559,31 @@ MOE_EP_API moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void
                                                      tensor cores in the weight-gradient GEMMs' epilogue: one
                                                      float32 addition per element, no extra pass); an expert
                                                      with no rows leaves them as they are */
+#define MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 2 /* dfc1 and dfc2 are bf16: [E_local, H, 2I] and [E_local, I, H]
+                                               uint16 bf16 bit patterns, the float32 gradients rounded to
+                                               nearest even (the values a cast of the float32 result gives;
+                                               zeros for an expert with no rows). Needs operand_dtype bf16;
+                                               not with MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS.
+                                               Added in ABI 9 */
 
 /**
  * moe_ep_layer_experts_backward with flags (0: the same call). With
  * MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS, dfc1 and dfc2 are read and the step's weight
  * gradients added to them (the gradient is the one moe_ep_layer_experts_backward writes,
  * rounded once more by the addition); after a failed dispatch they are NaN, as every output.
- * Added in ABI 8 (with the configuration's backward_operand_format).
+ * With MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 (ABI 9), dfc1 and dfc2 point to bf16 arrays and get
+ * the bf16 rounding of the gradient moe_ep_layer_experts_backward writes (16-byte aligned
+ * on the tensor-core path): the bf16 backward's weight-gradient GEMMs round in their
+ * epilogue; the exact backward and the staged path compute each expert's float32 gradient
+ * in the layer's buffers (sized at creation) and round it once.
+ * Added in ABI 8 (with the configuration's backward_operand_format); dfc1 and dfc2 are
+ * void* since ABI 9 (float* before: the same pointers).
  */
 MOE_EP_API moe_ep_status moe_ep_layer_experts_backward_ex(moe_ep_layer* layer, void* stream, int64_t num_rows,
                                                           const void* x, const float* w, const void* fc1,
                                                           const void* fc2, const uint16_t* fc1_c, const void* dy,
                                                           int32_t dy_dtype, const int32_t* group_sizes, float* dx,
-                                                          float* dw, float* dfc1, float* dfc2, int32_t flags);
+                                                          float* dw, void* dfc1, void* dfc2, int32_t flags);
 
 /* ----------------------------------------------------------------- exchange */
 

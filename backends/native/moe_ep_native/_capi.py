@@ -15,7 +15,7 @@ __all__ = ["ABI_VERSION", "Format", "Status", "DType", "ExpertDesc", "LayerConfi
            "abi_version", "has_cuda", "has_nccl", "build_info"]
 
 #: The ABI this binding was written for (MOE_EP_NATIVE_ABI_VERSION).
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 #: Set to a file path to load that library instead of the installed one.
 LIBRARY_ENV = "MOE_EP_NATIVE_LIBRARY"

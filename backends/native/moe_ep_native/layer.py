@@ -23,6 +23,10 @@ from ._capi import LayerInfo as _RawLayerInfo
 
 __all__ = ["Layer", "LayerInfo", "layer_config"]
 
+#: flags of ``moe_ep_layer_experts_backward_ex`` (moe_ep_native.h).
+BACKWARD_ACCUMULATE_WEIGHT_GRADS = 1
+BACKWARD_WEIGHT_GRADS_BF16 = 2
+
 _FORMAT = {None: Format.NONE, MoeFormat.BF16: Format.BF16, MoeFormat.MXFP8: Format.MXFP8, MoeFormat.NVFP4: Format.NVFP4}
 
 
@@ -165,14 +169,20 @@ class Layer:
     def experts_backward(self, stream: Optional[int], num_rows: int, x: Optional[int], w: Optional[int],
                          fc1: Optional[int], fc2: Optional[int], fc1_c: Optional[int], dy: Optional[int],
                          group_sizes: Optional[int], dx: Optional[int], dw: Optional[int], dfc1: Optional[int],
-                         dfc2: Optional[int], dy_bf16: bool = False, accumulate: bool = False) -> None:
+                         dfc2: Optional[int], dy_bf16: bool = False, accumulate: bool = False,
+                         weight_grads_bf16: bool = False) -> None:
         """``moe_ep_layer_experts_backward_ex``: as :meth:`experts_forward` plus fc1_c
         ``[C, 2I] bf16`` and dy ``[C, H]`` (float32, or bf16 with ``dy_bf16``) in;
         dx ``[C, H]``, dw ``[C]``, dfc1 ``[E_local, H, 2I]``, dfc2 ``[E_local, I, H]``
         float32 out, with the layer's ``backward_operand_format``. ``accumulate``: dfc1
         and dfc2 hold float32 gradients (a ``main_grad``) and get this step's added
-        (``MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS``)."""
+        (``MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS``). ``weight_grads_bf16``: dfc1 and
+        dfc2 are bf16 (uint16 bit patterns) and get the float32 gradients rounded to
+        nearest even (``MOE_EP_BACKWARD_WEIGHT_GRADS_BF16``; a bf16 layer; not with
+        ``accumulate``: the native call refuses both)."""
+        flags = (BACKWARD_ACCUMULATE_WEIGHT_GRADS if accumulate else 0) | (
+            BACKWARD_WEIGHT_GRADS_BF16 if weight_grads_bf16 else 0)
         call(
             "moe_ep_layer_experts_backward_ex", self._handle, stream, num_rows, x, w, fc1, fc2, fc1_c, dy,
-            int(DType.BF16 if dy_bf16 else DType.F32), group_sizes, dx, dw, dfc1, dfc2, 1 if accumulate else 0,
+            int(DType.BF16 if dy_bf16 else DType.F32), group_sizes, dx, dw, dfc1, dfc2, flags,
         )

@@ -113,10 +113,13 @@ inline size_t backward_workspace_bytes(const moe_ep_expert_desc& d) { return bac
 
 // How a backward runs (the layer's configuration and the call's flags): bf16_operands: the
 // spec's backward_operand_format bf16 (R_bf16 of dY, dc and w*h before their GEMMs, dw = <a, h>
-// in both placements); accumulate: dfc1 and dfc2 get the weight gradients added to what they hold.
+// in both placements); accumulate: dfc1 and dfc2 get the weight gradients added to what they hold;
+// bf16_weight_grads (tensor-core path only: the staged kernels always write float32, layer.cc
+// rounds): dfc1 and dfc2 are bf16, the float32 gradients rounded to nearest even.
 struct BackwardOptions {
   bool bf16_operands = false;
   bool accumulate = false;
+  bool bf16_weight_grads = false;
 };
 
 #define MOE_EP_IMPL_DECLS                                                                                          \
@@ -196,6 +199,8 @@ struct TcWorkspace {
   float* z;            // [C, H] z = h W2 (backward, apply_topk_in_fc1 = 0)
   float* dy32;         // [C, H] a bf16 cotangent in float32 (backward, apply_topk_in_fc1 = 0)
   float* y32;          // [C, H] the FC2 output in float32 (forward, bf16 expert-output rows only)
+  float* wgrad32;      // [H, 2I] one expert's float32 weight gradient (exact backward, bf16 weight
+                       // gradients); c itself when that is large enough (C >= H)
   int sm_count;
 };
 // Bytes of the tensor-core workspace (0 when the build or the shape has no tensor-core path).
@@ -228,7 +233,7 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
                          void* y, uint16_t* fc1_c, const TcWorkspace& ws);
 moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint16_t* x, const float* w,
                           const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const void* dy,
-                          int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,
+                          int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, void* dfc1, void* dfc2,
                           const TcWorkspace& ws, const BackwardOptions& opt = BackwardOptions{});
 // Device memory for a layer on cuda_device (cudaMalloc after cudaSetDevice), and its release.
 moe_ep_status device_alloc(int cuda_device, size_t bytes, void** out);

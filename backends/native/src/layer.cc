@@ -346,11 +346,12 @@ moe_ep_status experts_forward_mxfp8(moe_ep_layer* l, void* stream, int64_t C, co
 
 moe_ep_status experts_backward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w,
                                const void* fc1, const void* fc2, const uint16_t* fc1_c, const void* dy,
-                               int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, float* dfc1,
-                               float* dfc2, int32_t flags) {
+                               int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, void* dfc1,
+                               void* dfc2, int32_t flags) {
   BackwardOptions opt;
   opt.bf16_operands = l->cfg.backward_operand_format == MOE_EP_FORMAT_BF16;
   opt.accumulate = (flags & MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS) != 0;
+  opt.bf16_weight_grads = (flags & MOE_EP_BACKWARD_WEIGHT_GRADS_BF16) != 0;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (l->tensor_cores) {
     moe_ep_expert_desc d = l->desc;
@@ -360,7 +361,19 @@ moe_ep_status experts_backward(moe_ep_layer* l, void* stream, int64_t C, const v
                              l->tc, opt);
   }
 #endif
-  return staged_backward(l, stream, C, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes, dx, dw, dfc1, dfc2, opt);
+  if (!opt.bf16_weight_grads)
+    return staged_backward(l, stream, C, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes, dx, dw,
+                           static_cast<float*>(dfc1), static_cast<float*>(dfc2), opt);
+  // bf16 weight gradients on the staged path (operand_dtype bf16, checked): the float32
+  // gradients go into the layer's float32 copies of the weights, fc1_32 and fc2_32 (staged
+  // again at every call, of exactly the gradients' sizes; the kernels write an expert's
+  // gradients only after their last read of its weights), then are rounded once into dfc1
+  // and dfc2: nothing allocated per step.
+  MOE_EP_TRY(staged_backward(l, stream, C, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes, dx, dw, l->fc1_32,
+                             l->fc2_32, opt));
+  const int64_t H = l->desc.hidden, I = l->desc.intermediate, E = l->desc.num_local_experts;
+  MOE_EP_TRY(MOE_EP_LAYER_IMPL(l, quantize(stream, MOE_EP_FORMAT_BF16, l->fc1_32, E, H * 2 * I, 1, dfc1, nullptr)));
+  return MOE_EP_LAYER_IMPL(l, quantize(stream, MOE_EP_FORMAT_BF16, l->fc2_32, E, I * H, 1, dfc2, nullptr));
 }
 
 // With an exchange: when its last step reported an error (its dispatch's: a bad id or an
@@ -604,14 +617,24 @@ moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void* stream, i
 moe_ep_status moe_ep_layer_experts_backward_ex(moe_ep_layer* layer, void* stream, int64_t num_rows, const void* x,
                                                const float* w, const void* fc1, const void* fc2,
                                                const uint16_t* fc1_c, const void* dy, int32_t dy_dtype,
-                                               const int32_t* group_sizes, float* dx, float* dw, float* dfc1,
-                                               float* dfc2, int32_t flags) {
+                                               const int32_t* group_sizes, float* dx, float* dw, void* dfc1,
+                                               void* dfc2, int32_t flags) {
   const Check ck{"moe_ep_layer_experts_backward"};
-  if ((flags & ~MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS) != 0)
-    return ck.bad("flags must be 0 or MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS (1)", std::to_string(flags));
+  if ((flags & ~(MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS | MOE_EP_BACKWARD_WEIGHT_GRADS_BF16)) != 0)
+    return ck.bad("flags must be 0, MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS (1) or MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 (2)",
+                  std::to_string(flags));
+  const bool bf16_grads = (flags & MOE_EP_BACKWARD_WEIGHT_GRADS_BF16) != 0;
+  if (bf16_grads && (flags & MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS) != 0)
+    return ck.bad("MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 (2) cannot be combined with MOE_EP_BACKWARD_ACCUMULATE_WEIGHT_GRADS "
+                  "(1): accumulation is into float32 gradients; pass one of them",
+                  std::to_string(flags));
   MOE_EP_TRY(moe_ep::check_layer(ck, layer, stream, num_rows));
   if (!layer->cfg.with_backward)
     return ck.bad("the layer must be made with config->with_backward = 1 for the backward", "0");
+  if (bf16_grads && layer->cfg.operand_dtype != MOE_EP_DTYPE_BF16)
+    return ck.bad("MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 needs a layer of operand_dtype MOE_EP_DTYPE_BF16 (1): bf16 "
+                  "gradients are for bf16 weights",
+                  std::to_string(layer->cfg.operand_dtype));
   MOE_EP_TRY(moe_ep::check_operands(ck, layer, num_rows, x, w, fc1, fc2, group_sizes));
   const int64_t H = layer->desc.hidden, I = layer->desc.intermediate, E = layer->desc.num_local_experts;
   MOE_EP_TRY(ck.ptr("fc1_c", fc1_c, num_rows * 2 * I, 2));
@@ -620,15 +643,23 @@ moe_ep_status moe_ep_layer_experts_backward_ex(moe_ep_layer* layer, void* stream
   MOE_EP_TRY(ck.ptr("dy", dy, num_rows * H, dy_dtype == MOE_EP_DTYPE_BF16 ? 2 : 4));
   MOE_EP_TRY(ck.ptr("dx", dx, num_rows * H, 4));
   MOE_EP_TRY(ck.ptr("dw", dw, num_rows, 4));
-  MOE_EP_TRY(ck.ptr("dfc1", dfc1, E * H * 2 * I, 4));
-  MOE_EP_TRY(ck.ptr("dfc2", dfc2, E * I * H, 4));
+  MOE_EP_TRY(ck.ptr("dfc1", dfc1, E * H * 2 * I, bf16_grads ? 2 : 4));
+  MOE_EP_TRY(ck.ptr("dfc2", dfc2, E * I * H, bf16_grads ? 2 : 4));
+  if (bf16_grads && layer->tensor_cores) {  // the weight-gradient GEMMs' bf16 epilogue stores whole vectors
+    for (const auto& [name, p] : {std::pair<const char*, const void*>{"dfc1", dfc1}, {"dfc2", dfc2}})
+      if (!moe_ep::aligned16(p))
+        return ck.bad(std::string(name) + " must be 16-byte aligned on the tensor-core path with "
+                      "MOE_EP_BACKWARD_WEIGHT_GRADS_BF16",
+                      std::to_string(reinterpret_cast<uintptr_t>(p)));
+  }
   return moe_ep::guarded(layer, [&]() -> moe_ep_status {
     MOE_EP_TRY(moe_ep::experts_backward(layer, stream, num_rows, x, w, fc1, fc2, fc1_c, dy, dy_dtype, group_sizes, dx,
                                         dw, dfc1, dfc2, flags));
     constexpr int32_t f32 = MOE_EP_DTYPE_F32;
+    const int32_t g = bf16_grads ? MOE_EP_DTYPE_BF16 : f32;
     return moe_ep::nan_on_dispatch_error(layer, stream,
-                                         {{dx, num_rows * H, f32}, {dw, num_rows, f32}, {dfc1, E * H * 2 * I, f32},
-                                          {dfc2, E * I * H, f32}});
+                                         {{dx, num_rows * H, f32}, {dw, num_rows, f32}, {dfc1, E * H * 2 * I, g},
+                                          {dfc2, E * I * H, g}});
   });
 }
 

@@ -309,23 +309,25 @@ void check(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k,
   buf.release();
 }
 
-// kNN with a bf16 D: the same kernel's float32 D rounded to nearest even, bit for bit (the
-// two instantiations share tile, schedule and mainloop, so their accumulators are equal),
-// rows past the last offset untouched.
-void check_bf16_out(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int64_t extra_rows,
-                    GemmKernel kernel_choice, int sm_count, uint64_t seed) {
+// kNN or kTN with a bf16 D: the same kernel's float32 D rounded to nearest even, bit for bit
+// (the two instantiations share tile, schedule and mainloop, so their accumulators are
+// equal), kNN rows past the last offset untouched, kTN groups with no rows bf16 zeros.
+void check_bf16_out(const char* name, GemmLayout layout, int64_t m, int64_t n, int64_t k, const std::vector<int>& rows,
+                    int64_t extra_rows, GemmKernel kernel_choice, int sm_count, uint64_t seed) {
   GroupedGemmProblem p;
-  p.layout = GemmLayout::kNN;
+  p.layout = layout;
   p.num_groups = static_cast<int32_t>(rows.size());
   const std::vector<int32_t> off = offsets_of(rows);
   p.total_rows = off.back() + extra_rows;
+  p.m = m;
   p.n = n;
   p.k = k;
   p.kernel = kernel_choice;
   char label[256];
-  std::snprintf(label, sizeof(label), "check %-26s NN %-15s bf16 D groups=%d n=%lld k=%lld rows=%lld", name,
-                moe_ep::cuda::grouped_gemm_kernel_name(p), p.num_groups, static_cast<long long>(n),
-                static_cast<long long>(k), static_cast<long long>(p.total_rows));
+  std::snprintf(label, sizeof(label), "check %-26s %s %-15s bf16 D groups=%d m=%lld n=%lld k=%lld rows=%lld", name,
+                layout_name(layout), moe_ep::cuda::grouped_gemm_kernel_name(p), p.num_groups,
+                static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
+                static_cast<long long>(p.total_rows));
   Buffers buf = make_buffers(p, off, sm_count, seed);
   uint16_t* d16 = device_alloc<uint16_t>(buf.d_elems);
   CHECK_CUDA(cudaMemset(d16, 0x5A, buf.d_elems * sizeof(uint16_t)));  // a sentinel everywhere
@@ -347,7 +349,7 @@ void check_bf16_out(const char* name, int64_t n, int64_t k, const std::vector<in
     std::vector<uint16_t> h_16(buf.d_elems);
     CHECK_CUDA(cudaMemcpy(h_d.data(), buf.d, buf.d_elems * sizeof(float), cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(h_16.data(), d16, buf.d_elems * sizeof(uint16_t), cudaMemcpyDeviceToHost));
-    const int64_t owned = static_cast<int64_t>(off.back()) * n;
+    const int64_t owned = layout == GemmLayout::kTN ? static_cast<int64_t>(buf.d_elems) : static_cast<int64_t>(off.back()) * n;
     int64_t bad = 0, first = -1;
     for (int64_t i = 0; i < buf.d_elems; ++i) {
       uint16_t want = 0x5A5A;
@@ -358,7 +360,8 @@ void check_bf16_out(const char* name, int64_t n, int64_t k, const std::vector<in
       }
     }
     if (bad == 0) {
-      std::printf("%s: ok (bit for bit the float32 D rounded to bf16; rows past the slabs untouched)\n", label);
+      std::printf("%s: ok (bit for bit the float32 D rounded to bf16; %s)\n", label,
+                  layout == GemmLayout::kTN ? "empty groups zero" : "rows past the slabs untouched");
     } else {
       std::printf("%s: MISMATCH %lld of %lld elements, first at %lld: bf16 %04x, float32 D %.9g\n", label,
                   static_cast<long long>(bad), static_cast<long long>(buf.d_elems), static_cast<long long>(first),
@@ -924,9 +927,13 @@ int main(int argc, char** argv) {
   }
   check("ragged K, graph", GemmLayout::kTN, 264, 136, 0, ragged, 11, false, true, GemmKernel::kAuto, sms, 9);
   for (GemmKernel kernel : {GemmKernel::kCooperative, GemmKernel::kPingpong, GemmKernel::kCooperativeN2}) {
-    check_bf16_out("ragged, n,k off the tile", 264, 200, ragged, 13, kernel, sms, 12);
-    check_bf16_out("ragged, big n,k", 1024, 1536, ragged, 0, kernel, sms, 13);
+    check_bf16_out("ragged, n,k off the tile", GemmLayout::kNN, 0, 264, 200, ragged, 13, kernel, sms, 12);
+    check_bf16_out("ragged, big n,k", GemmLayout::kNN, 0, 1024, 1536, ragged, 0, kernel, sms, 13);
   }
+  check_bf16_out("ragged K, m,n off the tile", GemmLayout::kTN, 264, 136, 0, ragged, 11, GemmKernel::kAuto, sms, 14);
+  check_bf16_out("ragged K, big m,n", GemmLayout::kTN, 1024, 1536, 0, {0, 3, 77, 0, 512, 64, 1, 250}, 0,
+                 GemmKernel::kAuto, sms, 15);
+  check_bf16_out("all groups empty", GemmLayout::kTN, 256, 128, 0, all_empty, 5, GemmKernel::kAuto, sms, 16);
   mxfp8_weights_checks(false, sms);
   std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
 
@@ -971,6 +978,8 @@ int main(int argc, char** argv) {
     time_shape("FC2 data grad", GemmLayout::kNT, 0, 2048, 7168, 32, 1024, sms);
     time_shape("FC1 weight grad", GemmLayout::kTN, 7168, 4096, 0, 32, 1024, sms);
     time_shape("FC2 weight grad", GemmLayout::kTN, 2048, 7168, 0, 32, 1024, sms);
+    time_shape("FC1 weight grad, bf16 D", GemmLayout::kTN, 7168, 4096, 0, 32, 1024, sms, GemmKernel::kAuto, true);
+    time_shape("FC2 weight grad, bf16 D", GemmLayout::kTN, 2048, 7168, 0, 32, 1024, sms, GemmKernel::kAuto, true);
   }
   return g_failures == 0 ? 0 : 1;
 }

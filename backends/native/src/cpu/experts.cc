@@ -116,6 +116,8 @@ moe_ep_status expert_forward(void*, const moe_ep_expert_desc& d, const float* x,
 // backward_operand_format bf16 (opt.bf16_operands): dY enters as R_bf16(dY), dc as R_bf16(dc) (the
 // operand of dW1 and dx), dW2 += R_bf16(w h)^T R_bf16(dY) and dw = <a, h> in both placements.
 // opt.accumulate: each expert's weight gradients are computed as without it, then added to dfc1/dfc2.
+// An expert's gradients are written after the last read of its weights, so dfc1 / dfc2 may be
+// fc1 / fc2 themselves (layer.cc's bf16 weight gradients: the staged weights as float32 scratch).
 moe_ep_status expert_backward(void*, const moe_ep_expert_desc& d, const float* x, const float* w, const float* fc1,
                               const float* fc2, const uint16_t* fc1_c, const float* dy, const int32_t* group_sizes,
                               float* dx, float* dw, float* dfc1, float* dfc2, void* workspace,
@@ -137,10 +139,6 @@ moe_ep_status expert_backward(void*, const moe_ep_expert_desc& d, const float* x
   // With accumulate: one expert's gradients, then added to dfc1 / dfc2.
   std::vector<float> g1(opt.accumulate ? static_cast<size_t>(H * 2 * I) : 0),
       g2(opt.accumulate ? static_cast<size_t>(I * H) : 0);
-  if (!opt.accumulate) {
-    std::fill(dfc1, dfc1 + E * H * 2 * I, 0.0f);
-    std::fill(dfc2, dfc2 + E * I * H, 0.0f);
-  }
   for (int64_t e = 0; e < E; ++e) {
     const float* w1 = fc1 + e * H * 2 * I;
     const float* w2 = fc2 + e * I * H;
@@ -197,6 +195,8 @@ moe_ep_status expert_backward(void*, const moe_ep_expert_desc& d, const float* x
       row_gemm_t(dcr, w1, H, 2 * I, dx + r * H);  // dx = dc W1^T
     }
     if (!opt.accumulate) {
+      std::fill(dfc1 + e * H * 2 * I, dfc1 + (e + 1) * H * 2 * I, 0.0f);
+      std::fill(dfc2 + e * I * H, dfc2 + (e + 1) * I * H, 0.0f);
       slab_outer(x, dc, off[e], off[e + 1], H, 2 * I, dfc1 + e * H * 2 * I);
       slab_outer(p_lhs, p_rhs, off[e], off[e + 1], I, H, dfc2 + e * I * H);
     } else if (off[e + 1] > off[e]) {

@@ -470,7 +470,8 @@ moe_ep_status expert_backward(void* stream, const moe_ep_expert_desc& d, const f
     MOE_EP_TRY_CUDA(launch_gemm(s, true, ws.dc, 2 * I, fc1, 2 * I, H * 2 * I, nullptr, ws.offsets, E, C, H, 2 * I, dx,
                                 H, "grouped_gemm_kernel (dx = dc W1^T)"));
   }
-  // Weight gradients (zero for an expert with no rows, C = 0 included):
+  // Weight gradients (zero for an expert with no rows, C = 0 included), after the last read of
+  // fc1 and fc2 (dfc1 / dfc2 may be them: layer.cc's bf16 weight gradients use the staged weights):
   // dfc1[e] = x^T dc;  dfc2[e] = (w h)^T dY  or  h^T (w dY);  bf16 operands: R_bf16(w h)^T R_bf16(dY).
   MOE_EP_TRY_CUDA(launch_wgrad(s, x, H, nullptr, ws.dc, 2 * I, nullptr, ws.offsets, E, H, 2 * I, dfc1,
                                "grouped_wgrad_kernel (dfc1)", false, opt.accumulate));

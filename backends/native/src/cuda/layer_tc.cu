@@ -489,12 +489,14 @@ struct Gemm {
   const moe_ep_expert_desc& d;
   const TcWorkspace& ws;
   cudaStream_t stream;
+  // first_group, num_groups: the experts [first_group, first_group + num_groups) only (-1: all).
   moe_ep_status run(GemmLayout layout, int64_t m, int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, float* out,
-                    bool accumulate, const char* what, uint16_t* out_bf16 = nullptr) const {
+                    bool accumulate, const char* what, uint16_t* out_bf16 = nullptr, int32_t first_group = 0,
+                    int32_t num_groups = -1) const {
     GroupedGemmProblem p;
     p.layout = layout;
-    p.num_groups = static_cast<int32_t>(d.num_local_experts);
-    p.offsets = ws.offsets;
+    p.num_groups = num_groups < 0 ? static_cast<int32_t>(d.num_local_experts) : num_groups;
+    p.offsets = ws.offsets + first_group;
     p.total_rows = d.num_rows;
     p.m = m;
     p.n = n;
@@ -632,6 +634,8 @@ void for_each_problem(const moe_ep_expert_desc& d, bool backward, bool bf16_out,
     make(GemmLayout::kNT, 0, H, 2 * I);  // dx = dc W1^T
     make(GemmLayout::kTN, I, H, 0);      // dW2
     make(GemmLayout::kTN, H, 2 * I, 0);  // dW1
+    make(GemmLayout::kTN, I, H, 0, true);      // dW2 as bf16 (MOE_EP_BACKWARD_WEIGHT_GRADS_BF16)
+    make(GemmLayout::kTN, H, 2 * I, 0, true);  // dW1 as bf16
   }
 }
 
@@ -658,6 +662,10 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
     q.offsets = reinterpret_cast<const int32_t*>(uintptr_t{256});
     if (!grouped_gemm_supported(q)) ok = false;
     gemm_bytes = std::max(gemm_bytes, grouped_gemm_workspace_bytes(q, sm_count));
+    if (q.layout == GemmLayout::kTN) {  // one expert at a time (exact backward, bf16 weight gradients)
+      q.num_groups = 1;
+      gemm_bytes = std::max(gemm_bytes, grouped_gemm_workspace_bytes(q, sm_count));
+    }
   });
   if (!ok) return 0;
   const size_t C = static_cast<size_t>(d.num_rows), H = static_cast<size_t>(d.hidden),
@@ -690,6 +698,9 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
       w.z = reinterpret_cast<float*>(take(C * H * sizeof(float)));
       w.dy32 = reinterpret_cast<float*>(take(C * H * sizeof(float)));
     }
+    // One expert's float32 weight gradient (bf16 weight gradients): the forward's c when it
+    // is large enough (the backward does not use it).
+    w.wgrad32 = C >= H ? w.c : reinterpret_cast<float*>(take(H * 2 * I * sizeof(float)));
   }
   if (ws != nullptr) *ws = w;
   return at;
@@ -781,7 +792,7 @@ namespace {
 // one fused SwiGLU pass (C > 0, the slab offsets computed).
 moe_ep_status tc_backward_bf16(cudaStream_t s, const moe_ep_expert_desc& d, const uint16_t* x, const float* w,
                                const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const void* dy,
-                               int32_t dy_dtype, float* dx, float* dw, float* dfc1, float* dfc2,
+                               int32_t dy_dtype, float* dx, float* dw, void* dfc1, void* dfc2,
                                const TcWorkspace& ws, const BackwardOptions& opt) {
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
   const int E = static_cast<int>(d.num_local_experts);
@@ -811,8 +822,12 @@ moe_ep_status tc_backward_bf16(cudaStream_t s, const moe_ep_expert_desc& d, cons
     swiglu_backward_bf16_kernel<false><<<grid, kFusedThreads, 0, s>>>(fc1_c, ws.a, w, ws.offsets, E, ws.dc, ws.left,
                                                                        dw, dx, H, dx_vec, p);
   MOE_EP_CUDA_CHECK_LAUNCH("swiglu_backward_bf16_kernel");
-  MOE_EP_TRY(gemm.run(GemmLayout::kTN, I, H, 0, ws.left, right, dfc2, opt.accumulate, "R(w h)^T R(dY)"));
-  MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc, dfc1, opt.accumulate, "x^T R(dc)"));
+  // The weight gradients: float32 (added to dfc with accumulate), or bf16 rounded in the GEMMs' epilogue.
+  const bool b = opt.bf16_weight_grads;
+  MOE_EP_TRY(gemm.run(GemmLayout::kTN, I, H, 0, ws.left, right, b ? nullptr : static_cast<float*>(dfc2),
+                      opt.accumulate, "R(w h)^T R(dY)", b ? static_cast<uint16_t*>(dfc2) : nullptr));
+  MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc, b ? nullptr : static_cast<float*>(dfc1), opt.accumulate,
+                      "x^T R(dc)", b ? static_cast<uint16_t*>(dfc1) : nullptr));
   return gemm.run(GemmLayout::kNT, 0, H, 2 * I, ws.dc, fc1, dx, false, "R(dc) W1^T");
 }
 
@@ -820,16 +835,17 @@ moe_ep_status tc_backward_bf16(cudaStream_t s, const moe_ep_expert_desc& d, cons
 
 moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint16_t* x, const float* w,
                           const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const void* dy,
-                          int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, float* dfc1, float* dfc2,
+                          int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, void* dfc1, void* dfc2,
                           const TcWorkspace& ws, const BackwardOptions& opt) {
   const cudaStream_t s = as_stream(stream);
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate, E64 = d.num_local_experts;
   const int E = static_cast<int>(E64);
   if (C == 0) {
-    // No rows: the weight gradients are zero (nothing added when accumulating).
+    // No rows: the weight gradients are zero (nothing added when accumulating; bf16 zeros are zero bits).
     if (opt.accumulate) return MOE_EP_OK;
-    cudaError_t err = cudaMemsetAsync(dfc1, 0, static_cast<size_t>(E64 * H * 2 * I) * sizeof(float), s);
-    if (err == cudaSuccess) err = cudaMemsetAsync(dfc2, 0, static_cast<size_t>(E64 * I * H) * sizeof(float), s);
+    const size_t elem = opt.bf16_weight_grads ? sizeof(uint16_t) : sizeof(float);
+    cudaError_t err = cudaMemsetAsync(dfc1, 0, static_cast<size_t>(E64 * H * 2 * I) * elem, s);
+    if (err == cudaSuccess) err = cudaMemsetAsync(dfc2, 0, static_cast<size_t>(E64 * I * H) * elem, s);
     return gemm_status(err, "zero weight gradients");
   }
   const Gemm gemm{d, ws, s};
@@ -864,17 +880,38 @@ moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint1
   swiglu_backward_tc_kernel<<<blocks_for(C * I), kThreads, 0, s>>>(fc1_c, ws.a, w, ws.offsets, E, ws.h, ws.dc,
                                                                     ws.left, p);
   MOE_EP_CUDA_CHECK_LAUNCH("swiglu_backward_tc_kernel");
-  // dW2 = left^T right over the eight largest plane pairs (all but lo x lo), largest first.
-  static const int kPairs[8][2] = {{0, 0}, {0, 1}, {1, 0}, {1, 1}, {0, 2}, {2, 0}, {1, 2}, {2, 1}};
-  int q_done = 0;
-  for (int q = 0; q < 8; ++q) {
-    if (kPairs[q][1] >= right_planes) continue;
-    MOE_EP_TRY(gemm.run(GemmLayout::kTN, I, H, 0, ws.left + kPairs[q][0] * lp, right + kPairs[q][1] * rp, dfc2,
-                        q_done++ > 0 || opt.accumulate, "dW2"));
+  // dW2 = left^T right over the eight largest plane pairs (all but lo x lo), largest first, of the
+  // experts [g0, g0 + groups) into out2 ([groups, I, H] float32); dW1 = x^T dc into out1.
+  auto weight_grads = [&](int32_t g0, int32_t groups, float* out2, float* out1, bool acc) -> moe_ep_status {
+    static const int kPairs[8][2] = {{0, 0}, {0, 1}, {1, 0}, {1, 1}, {0, 2}, {2, 0}, {1, 2}, {2, 1}};
+    int q_done = 0;
+    for (int q = 0; q < 8; ++q) {
+      if (kPairs[q][1] >= right_planes) continue;
+      MOE_EP_TRY(gemm.run(GemmLayout::kTN, I, H, 0, ws.left + kPairs[q][0] * lp, right + kPairs[q][1] * rp, out2,
+                          q_done++ > 0 || acc, "dW2", nullptr, g0, groups));
+    }
+    if (out1 == nullptr) return MOE_EP_OK;
+    for (int pl = 0; pl < kPlanes; ++pl)
+      MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc + pl * dp, out1, pl > 0 || acc, "dW1", nullptr, g0,
+                          groups));
+    return MOE_EP_OK;
+  };
+  if (!opt.bf16_weight_grads) {
+    MOE_EP_TRY(weight_grads(0, E, static_cast<float*>(dfc2), static_cast<float*>(dfc1), opt.accumulate));
+  } else {
+    // bf16 weight gradients: the plane sums need a float32 accumulator, so one expert at a
+    // time into ws.wgrad32 ([H, 2I], sized at creation), each rounded once into dfc1 / dfc2.
+    uint16_t* o2 = static_cast<uint16_t*>(dfc2);
+    uint16_t* o1 = static_cast<uint16_t*>(dfc1);
+    for (int32_t e = 0; e < E; ++e) {
+      MOE_EP_TRY(weight_grads(e, 1, ws.wgrad32, nullptr, false));
+      MOE_EP_TRY(quantize(s, MOE_EP_FORMAT_BF16, ws.wgrad32, I, H, 1, o2 + e * I * H, nullptr));
+      for (int pl = 0; pl < kPlanes; ++pl)
+        MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc + pl * dp, ws.wgrad32, pl > 0, "dW1", nullptr, e, 1));
+      MOE_EP_TRY(quantize(s, MOE_EP_FORMAT_BF16, ws.wgrad32, H, 2 * I, 1, o1 + e * H * 2 * I, nullptr));
+    }
   }
-  // dW1 = x^T dc; dx = dc W1^T.
-  for (int pl = 0; pl < kPlanes; ++pl)
-    MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc + pl * dp, dfc1, pl > 0 || opt.accumulate, "dW1"));
+  // dx = dc W1^T.
   for (int pl = 0; pl < kPlanes; ++pl)
     MOE_EP_TRY(gemm.run(GemmLayout::kNT, 0, H, 2 * I, ws.dc + pl * dp, fc1, dx, pl > 0, "dc W1^T"));
   zero_tail_rows_kernel<<<tail_blocks(C * H, ws), kThreads, 0, s>>>(dx, ws.offsets, E, C, H);

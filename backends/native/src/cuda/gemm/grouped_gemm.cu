@@ -94,7 +94,7 @@ bool grouped_gemm_supported(const GroupedGemmProblem& p) {
   if (p.num_groups < 1 || p.num_groups > 1024) return false;
   if (p.total_rows < 0 || p.total_rows >= kMaxDim) return false;
   if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || !aligned16(p.d_bf16)) return false;
-  if (p.d_bf16 != nullptr && (p.layout != GemmLayout::kNN || p.accumulate)) return false;
+  if (p.d_bf16 != nullptr && (p.layout == GemmLayout::kNT || p.accumulate)) return false;
   if (!kernel_fits_layout(p.kernel, p.layout)) return false;
   switch (p.layout) {
     case GemmLayout::kNN:
@@ -123,7 +123,9 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmProblem& p, int sm_count) {
     case GemmLayout::kNT:
       return std::max(gemm_detail::grouped_gemm_nt_coop_workspace_bytes(p, sm_count),
                       gemm_detail::grouped_gemm_nt_pingpong_workspace_bytes(p, sm_count));
-    case GemmLayout::kTN: return gemm_detail::grouped_gemm_tn_coop_workspace_bytes(p, sm_count);
+    case GemmLayout::kTN:
+      return p.d_bf16 != nullptr ? gemm_detail::grouped_gemm_tn_coop_bf16_workspace_bytes(p, sm_count)
+                                 : gemm_detail::grouped_gemm_tn_coop_workspace_bytes(p, sm_count);
   }
 #endif
   return 0;
@@ -156,7 +158,10 @@ cudaError_t grouped_gemm_bf16(const GroupedGemmProblem& p, void* workspace, size
       return kernel == GemmKernel::kPingpong
                  ? gemm_detail::grouped_gemm_nt_pingpong_launch(p, workspace, workspace_bytes, stream, sm_count)
                  : gemm_detail::grouped_gemm_nt_coop_launch(p, workspace, workspace_bytes, stream, sm_count);
-    case GemmLayout::kTN: return gemm_detail::grouped_gemm_tn_coop_launch(p, workspace, workspace_bytes, stream, sm_count);
+    case GemmLayout::kTN:
+      if (p.d_bf16 != nullptr)
+        return gemm_detail::grouped_gemm_tn_coop_bf16_launch(p, workspace, workspace_bytes, stream, sm_count);
+      return gemm_detail::grouped_gemm_tn_coop_launch(p, workspace, workspace_bytes, stream, sm_count);
   }
 #else
   (void)workspace;

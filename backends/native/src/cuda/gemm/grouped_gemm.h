@@ -12,7 +12,7 @@
 //     only on layout, num_groups, the fixed dims and sm_count, never on the offsets' values;
 //   * operands are bf16 (given as their uint16_t bit patterns), dense row-major, 16-byte
 //     aligned base pointers; products are exact, sums are float32 in tensor-core order
-//     (not the sequential order of the CPU kernels); D is float32.
+//     (not the sequential order of the CPU kernels); D is float32, or bf16 (d_bf16).
 #ifndef MOE_EP_NATIVE_CUDA_GEMM_GROUPED_GEMM_H_
 #define MOE_EP_NATIVE_CUDA_GEMM_GROUPED_GEMM_H_
 
@@ -67,8 +67,9 @@ struct GroupedGemmProblem {
   const uint16_t* a = nullptr;  // bf16 bit patterns, device, 16-byte aligned
   const uint16_t* b = nullptr;  // bf16 bit patterns, device, 16-byte aligned
   float* d = nullptr;           // float32, device, 16-byte aligned
-  // kNN without accumulate only: D as bf16 instead (d then unused): the float32 accumulator
-  // rounded to nearest even, [total_rows, n] bf16 bit patterns, device, 16-byte aligned.
+  // kNN or kTN without accumulate only: D as bf16 instead (d then unused): the float32
+  // accumulator rounded to nearest even, bf16 bit patterns of D's shape ([total_rows, n] for
+  // kNN, [num_groups, m, n] for kTN: a group with no rows gets bf16 zeros), device, 16-byte aligned.
   uint16_t* d_bf16 = nullptr;
   bool accumulate = false;      // D_g += A_g * B_g instead of D_g = A_g * B_g
   // The kernel; kAuto (the default) lets grouped_gemm_kernel choose. Set for tests and
@@ -96,7 +97,7 @@ const char* grouped_gemm_kernel_name(const GroupedGemmProblem& p);
 // True when this build has the CUTLASS kernels (MOE_EP_NATIVE_WITH_CUTLASS) and the
 // problem is supported: num_groups in [1, 1024]; every row length (k and n for
 // kNN/kNT, m and n for kTN) a positive multiple of 8 elements and below 2^31; total_rows
-// in [0, 2^31); non-null operands 16-byte aligned; d_bf16 only with kNN and no accumulate;
+// in [0, 2^31); non-null operands 16-byte aligned; d_bf16 only with kNN or kTN and no accumulate;
 // p.kernel one the layout has.
 // Does not look at the offsets. The
 // device must be sm_90 (the kernels are sm_90a only): callers check the device once.

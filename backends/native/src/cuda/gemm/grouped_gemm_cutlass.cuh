@@ -56,12 +56,14 @@ struct PingpongSchedule {
 //   kNT: A row-major (K-major), B column-major (K-major), D row-major;
 //   kTN: A column-major (M-major), B row-major (N-major), D row-major.
 // Out: the element of D (float, or cutlass::bfloat16_t: the float32 accumulator rounded to
-// nearest even in the epilogue; then D is GroupedGemmProblem::d_bf16, kNN without accumulate).
+// nearest even in the epilogue; then D is GroupedGemmProblem::d_bf16, kNN or kTN without
+// accumulate).
 template <GemmLayout kLayout, class TileShape_, class ClusterShape_, class Schedule, class Out = float>
 struct GroupedGemm {
   static constexpr GemmLayout layout = kLayout;
   static constexpr bool kBf16Out = std::is_same<Out, cutlass::bfloat16_t>::value;
-  static_assert(!kBf16Out || kLayout == GemmLayout::kNN, "a bf16 D is for the forward (kNN) only");
+  static_assert(!kBf16Out || kLayout == GemmLayout::kNN || kLayout == GemmLayout::kTN,
+                "a bf16 D is for the forward (kNN) and the weight gradients (kTN) only");
   using ElementA = cutlass::bfloat16_t;
   using ElementB = cutlass::bfloat16_t;
   using ElementC = Out;
@@ -211,19 +213,22 @@ __global__ void build_group_args(GroupedGemmProblem p, typename G::Shape* shapes
 }
 
 // kTN without accumulate: D_g = 0 for the groups with no rows (CUTLASS runs no tile for
-// them). grid (x, num_groups); blocks of non-empty groups return at once. static: each
-// TU that includes this header has its own copy (only grouped_gemm_tn.cu launches it).
-static __global__ void zero_empty_groups(const int32_t* offsets, int64_t total_rows, int64_t group_elems, float* d) {
+// them), of the D element T (float, or cutlass::bfloat16_t: zero bits either way). grid
+// (x, num_groups); blocks of non-empty groups return at once. static: each TU that includes
+// this header has its own copy (only the kTN TUs launch it).
+template <class T>
+static __global__ void zero_empty_groups(const int32_t* offsets, int64_t total_rows, int64_t group_elems, T* d) {
   const int g = blockIdx.y;
   int64_t start = offsets[g], end = offsets[g + 1];
   start = start < 0 ? 0 : (start > total_rows ? total_rows : start);
   end = end < start ? start : (end > total_rows ? total_rows : end);
   if (end > start) return;
-  float4* out = reinterpret_cast<float4*>(d + static_cast<int64_t>(g) * group_elems);  // group_elems % 4 == 0
-  const int64_t n4 = group_elems / 4;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
+  // group_elems is a multiple of 64 (m and n multiples of 8): whole 16-byte vectors.
+  uint4* out = reinterpret_cast<uint4*>(d + static_cast<int64_t>(g) * group_elems);
+  const int64_t n16 = group_elems * static_cast<int64_t>(sizeof(T)) / 16;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n16;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    out[i] = make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
@@ -266,9 +271,9 @@ cudaError_t launch(const GroupedGemmProblem& p, void* workspace, size_t workspac
   if constexpr (G::layout == GemmLayout::kTN) {
     if (!p.accumulate) {
       const int64_t elems = p.m * p.n;
-      const int64_t blocks = (elems / 4 + 255) / 256;
+      const int64_t blocks = (elems * static_cast<int64_t>(sizeof(typename G::ElementD)) / 16 + 255) / 256;
       dim3 grid(static_cast<unsigned>(blocks < 128 ? blocks : 128), static_cast<unsigned>(p.num_groups));
-      zero_empty_groups<<<grid, 256, 0, stream>>>(p.offsets, p.total_rows, elems, p.d);
+      zero_empty_groups<typename G::ElementD><<<grid, 256, 0, stream>>>(p.offsets, p.total_rows, elems, G::d_of(p));
       e = cudaGetLastError();
       if (e != cudaSuccess) return e;
     }

@@ -24,6 +24,7 @@ namespace gemm_detail {
 MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nn_coop)  // kNN, cooperative 128x256x64, cluster 2x1
 MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nt_coop)  // kNT, cooperative 128x256x64, cluster 2x1
 MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_tn_coop)  // kTN, cooperative 128x256x64, cluster 2x1
+MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_tn_coop_bf16)  // kTN, cooperative 128x256x64, cluster 2x1, bf16 D
 MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nn_pingpong)  // kNN, pingpong 64x128x128, cluster 2x1
 MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nt_pingpong)  // kNT, pingpong 64x128x128, cluster 2x1
 MOE_EP_GROUPED_GEMM_DECLARE(grouped_gemm_nn_coop_bf16)      // kNN, cooperative, bf16 D
