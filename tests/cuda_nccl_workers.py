@@ -243,3 +243,47 @@ def module_paths(rank: int, config, world_inputs, grad_outputs, device: str, dty
     check_errors(default_static_config(config))
     check_errors(config)
     return out
+
+
+def module_bf16_weight_grads(rank: int, config, world_inputs, grad_outputs, device: str) -> Dict[str, Any]:
+    """``MoeEpLayer(backend="cuda-nccl", dtype=torch.bfloat16)`` on each path (default, host-
+    synchronised, static): the weights' ``.grad`` (bits and dtype), and the
+    ``weight_grads_bf16`` keyword of every native experts backward the path made."""
+    import torch
+
+    from moe_ep_cuda_nccl.api import default_static_config
+    from moe_ep_native.layer import Layer
+    from moe_ep_torch.module import MoeEpLayer
+
+    dev = _dev(rank, device)
+    w = world_inputs[rank]
+    g = torch.from_numpy(grad_outputs[rank].astype(np.float32)).to(dev)
+    seen: list = []
+    original = Layer.experts_backward
+
+    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(bool(kwargs.get("weight_grads_bf16", False)))
+        return original(self, *args, **kwargs)
+
+    Layer.experts_backward = spy
+    out: Dict[str, Any] = {}
+    try:
+        for name, host_sync in (("default", None), ("synced", True), ("static", False)):
+            cfg = default_static_config(config) if host_sync is False else config
+            layer = MoeEpLayer(cfg, backend="cuda-nccl", dtype=torch.bfloat16, device=dev, host_sync=host_sync)
+            with torch.no_grad():
+                layer.fc1_weight.copy_(torch.from_numpy(np.asarray(w.fc1_weight, np.float32)))
+                layer.fc2_weight.copy_(torch.from_numpy(np.asarray(w.fc2_weight, np.float32)))
+            x = torch.from_numpy(np.asarray(w.activation, np.float32)).to(dev).to(torch.bfloat16).requires_grad_(True)
+            tw = torch.from_numpy(np.asarray(w.topk_weights, np.float32)).to(dev).requires_grad_(True)
+            idx = torch.from_numpy(w.topk_idx.astype(np.int64)).to(dev)
+            seen.clear()
+            (layer(x, idx, tw).float() * g).sum().backward()
+            out[name] = {
+                "grad_fc1_weight": _bits(layer.fc1_weight.grad), "grad_fc2_weight": _bits(layer.fc2_weight.grad),
+                "dtypes": [str(layer.fc1_weight.grad.dtype), str(layer.fc2_weight.grad.dtype)],
+                "grad_activation": _bits(x.grad), "bf16_flags": list(seen),
+            }
+    finally:
+        Layer.experts_backward = original
+    return out

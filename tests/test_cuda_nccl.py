@@ -318,6 +318,26 @@ def test_module_default_path_is_the_device_exchange_and_main_grad_takes_the_weig
             assert np.array_equal(got["grad_activation"], res[path]["grad_activation"]), f"rank {rank}: {path}"
 
 
+@pytest.mark.parametrize("mode", [None, "bf16"], ids=["exact", "bf16_operands"])
+def test_module_bf16_weights_get_bf16_gradients_from_the_native_gemms(monkeypatch, mode) -> None:
+    """bf16 weights without main_grad: the static and device-exchange paths ask the native
+    backward for bf16 weight gradients (MOE_EP_BACKWARD_WEIGHT_GRADS_BF16: no cast pass) and
+    .grad is, bit for bit, what the host-synchronised path's float32 gradient cast by autograd
+    gives (the same float32 gradient rounded once to nearest even)."""
+    monkeypatch.setenv("MOE_EP_CUDA_NCCL_COMBINE", "slot")
+    config = MODULE_CONFIG.replace(backward_operand_format=mode)
+    world, grads = _world(config, seed=9)
+    results = _ok(run_ranks(W.module_bf16_weight_grads, 2, config, world, grads, "cpu"))
+    for rank, res in enumerate(results):
+        assert res["synced"]["bf16_flags"] and not any(res["synced"]["bf16_flags"]), f"rank {rank}: synced: float32"
+        for path in ("default", "static"):
+            assert res[path]["bf16_flags"] and all(res[path]["bf16_flags"]), (
+                f"rank {rank}: {path}: the native backward was not asked for bf16 weight gradients")
+            assert res[path]["dtypes"] == ["torch.bfloat16", "torch.bfloat16"], f"rank {rank}: {path}"
+            for key in ("grad_fc1_weight", "grad_fc2_weight", "grad_activation"):
+                assert np.array_equal(res[path][key], res["synced"][key]), f"rank {rank}: {path}: {key} != synced's"
+
+
 def test_main_grad_must_be_float32_of_the_weights_shape() -> None:
     from moe_ep_cuda_nccl.prims import main_grad_of
     from moe_ep_spec import DTypeError, ShapeError

@@ -850,6 +850,58 @@ def test_jax_grad_with_the_native_kernels_equals_the_spec_backward(weights_in: s
         assert not np.asarray(gx[r * rows + t : (r + 1) * rows]).any()
 
 
+class _CastingFfiKernels(FfiKernels if not _PROBLEM else object):  # type: ignore[misc]
+    """FfiKernels without ``with_bf16_weight_grads``: the layer's VJP casts float32 weight
+    gradients to the weights' dtype (what every provider without it gets)."""
+
+    with_bf16_weight_grads = None
+
+
+@needs2
+@pytest.mark.parametrize("mode", [None, "bf16"], ids=["exact", "bf16_operands"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_weight_cotangents_come_out_of_the_native_layer_in_the_primal_dtype(dtype: str, mode) -> None:
+    """jax.grad through moe_ep with FfiKernels: bf16 weights get bf16 cotangents that the native
+    backward writes itself (its custom call's dfc1 and dfc2 results are bf16:
+    MOE_EP_BACKWARD_WEIGHT_GRADS_BF16, no float32 gradient and no cast pass), bit for bit the
+    cast of the float32 ones a provider without it returns; float32 weights keep float32."""
+    n, rows, counts = 2, 6, [5, 2]
+    config = MoeEpConfig(num_experts=4, hidden=32, intermediate=16, num_topk=2, num_ranks=n, max_tokens_per_rank=rows,
+                         gate_up_clamp=0.75, backward_operand_format=mode)
+    world = random_world(config, num_tokens=counts, input_format="fp32", seed=21, routing="unused_mixed")
+    rng = np.random.default_rng(22)
+    gy = [rng.standard_normal((t, config.hidden)).astype(np.float32) for t in counts]
+    mesh = _mesh(n)
+    args = _world_args(mesh, world, rows) + [_put(mesh, gy, rows)]
+    dt = jnp.dtype(dtype)
+
+    def train(kernels):
+        @partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        def step(x, w1, w2, idx, tw, g):
+            def loss(w1, w2):
+                y = A.moe_ep(x.astype(dt), w1, w2, idx, tw, config=config, kernels=kernels)
+                return jnp.sum(y.astype(jnp.float32) * g)
+
+            return jax.grad(loss, argnums=(0, 1))(w1.astype(dt), w2.astype(dt))
+
+        return step
+
+    compiled = _compile(train(KF), *args)
+    calls = [ln for ln in compiled.as_text().splitlines() if 'custom_call_target="moe_ep_expert_backward"' in ln]
+    assert calls, "the backward runs the native experts backward"
+    el, h, i = config.num_local_experts, config.hidden, config.intermediate
+    t = "bf16" if dtype == "bfloat16" else "f32"
+    for ln in calls:
+        assert f"{t}[{el},{h},{2 * i}]" in ln and f"{t}[{el},{i},{h}]" in ln, f"dfc1 and dfc2 must be {t}: {ln}"
+    g1, g2 = compiled(*args)
+    c1, c2 = _run(train(_CastingFfiKernels()), *args)
+    bits = np.uint16 if dtype == "bfloat16" else np.uint32
+    for g, c_, name in ((g1, c1, "fc1"), (g2, c2, "fc2")):
+        assert g.dtype == dt and c_.dtype == dt, f"{name}: the cotangent has the primal dtype"
+        np.testing.assert_array_equal(np.asarray(g).view(bits), np.asarray(c_).view(bits),
+                                      err_msg=f"{name}: the native bf16 gradient is the cast of the float32 one")
+
+
 # ----------------------------------------------------------------------------- the backend
 
 

@@ -70,13 +70,18 @@ def _synced_backward_into(config: MoeEpConfig, group: Any, grad_output: Tensor, 
     return gx, g1, g2, gw
 
 
-def _accumulate_into_main_grad(ops: LayerOps, backward_into: Callable[..., Tuple[Tensor, ...]]) -> None:
+def _accumulate_into_main_grad(ops: LayerOps, backward_into: Callable[..., Tuple[Tensor, ...]],
+                               bf16_weight_grads: bool = False) -> None:
     """Give ``ops``' autograd formula Megatron's ``main_grad`` convention: when an expert
     weight carries a float32 ``main_grad`` (:func:`moe_ep_cuda_nccl.prims.main_grad_of`),
     its gradient is added there by ``backward_into`` (a mutating custom op,
     ``{namespace}::backward_main_grad``) and autograd gets None for it, so ``.grad`` is
-    left alone and nothing is cast; other weights get their float32 gradient (cast by
-    autograd to the leaf's dtype), as before."""
+    left alone and nothing is cast. With ``bf16_weight_grads`` (``backward_into`` writes
+    the experts itself), when neither weight has a ``main_grad`` and the activation and
+    both weights are bf16 tensors, the weight gradients come out of the native GEMMs as
+    bf16 (``MOE_EP_BACKWARD_WEIGHT_GRADS_BF16``): autograd gets the leaves' dtype, no
+    cast pass. Otherwise the weights get their float32 gradient (cast by autograd to the
+    leaf's dtype), as before."""
     ns = ops.namespace
 
     @torch.library.custom_op(f"{ns}::backward_main_grad", mutates_args=("fc1_main_grad", "fc2_main_grad"))
@@ -92,24 +97,28 @@ def _accumulate_into_main_grad(ops: LayerOps, backward_into: Callable[..., Tuple
         fc2_main_grad: Optional[Tensor],
         config_json: str,
         group_name: str,
+        weight_grads_bf16: bool = False,
     ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """The spec backward, the weight gradients added to the given main grads: float32
         ``(grad_activation, grad_fc1_weight, grad_fc2_weight, grad_topk_weights)``, a weight
-        result empty ``[0]`` where its gradient went into its main grad."""
+        result empty ``[0]`` where its gradient went into its main grad. ``weight_grads_bf16``
+        (no main grads, bf16 activation and weights): the two weight results are bfloat16."""
         config = config_from_json(config_json)
+        main = MainGrads(fc1_main_grad, fc2_main_grad, bf16=weight_grads_bf16)
         gx, g1, g2, gw = backward_into(config, _resolve(group_name), grad_output, activation, fc1_weight, fc2_weight,
-                                       topk_idx, topk_weights, fc1_c, MainGrads(fc1_main_grad, fc2_main_grad))
+                                       topk_idx, topk_weights, fc1_c, main)
         return (gx, gx.new_empty((0,)) if fc1_main_grad is not None else g1,
                 gx.new_empty((0,)) if fc2_main_grad is not None else g2, gw)
 
     @backward_main_grad.register_fake
     def _fake(grad_output, activation, fc1_weight, fc2_weight, topk_idx, topk_weights, fc1_c, fc1_main_grad,
-              fc2_main_grad, config_json, group_name):
+              fc2_main_grad, config_json, group_name, weight_grads_bf16=False):
         f32 = torch.float32
+        wdt = torch.bfloat16 if weight_grads_bf16 else f32
         return (
             activation.new_empty(activation.shape, dtype=f32),
-            fc1_weight.new_empty((0,) if fc1_main_grad is not None else fc1_weight.shape, dtype=f32),
-            fc2_weight.new_empty((0,) if fc2_main_grad is not None else fc2_weight.shape, dtype=f32),
+            fc1_weight.new_empty((0,) if fc1_main_grad is not None else fc1_weight.shape, dtype=wdt),
+            fc2_weight.new_empty((0,) if fc2_main_grad is not None else fc2_weight.shape, dtype=wdt),
             topk_weights.new_empty(topk_weights.shape, dtype=f32),
         )
 
@@ -122,6 +131,13 @@ def _accumulate_into_main_grad(ops: LayerOps, backward_into: Callable[..., Tuple
     def autograd_backward(ctx: Any, grad_out: Tensor, _grad_c: Any, _grad_meta: Any) -> Tuple[Any, ...]:
         activation, fc1, fc2, idx, weights, fc1_c = ctx.saved_tensors
         m1, m2 = main_grad_of(fc1), main_grad_of(fc2)
+        bf16 = torch.bfloat16
+        if (m1 is None and m2 is None and bf16_weight_grads and activation.dtype == bf16 and fc1.dtype == bf16
+                and fc2.dtype == bf16):
+            # bf16 leaves without main_grad: their bf16 gradients written by the native GEMMs.
+            gx, g1, g2, gw = backward_main_grad(grad_out, activation, fc1, fc2, idx, weights, fc1_c, None, None,
+                                                ctx.config_json, ctx.group_name, True)
+            return gx, g1, g2, None, gw, None, None
         if m1 is None and m2 is None:
             gx, g1, g2, gw = ops.backward_op(grad_out, activation, fc1, fc2, idx, weights, fc1_c, ctx.config_json,
                                              ctx.group_name)
@@ -135,8 +151,8 @@ def _accumulate_into_main_grad(ops: LayerOps, backward_into: Callable[..., Tuple
 
 
 _accumulate_into_main_grad(OPS, _synced_backward_into)
-_accumulate_into_main_grad(STATIC_OPS, partial(static.backward, NATIVE))
-_accumulate_into_main_grad(DEVICE_OPS, partial(device_exchange.backward, NATIVE))
+_accumulate_into_main_grad(STATIC_OPS, partial(static.backward, NATIVE), bf16_weight_grads=True)
+_accumulate_into_main_grad(DEVICE_OPS, partial(device_exchange.backward, NATIVE), bf16_weight_grads=True)
 
 
 @functools.lru_cache(maxsize=64)

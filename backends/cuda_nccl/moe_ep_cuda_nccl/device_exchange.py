@@ -309,7 +309,7 @@ def forward(
     # mxfp8 weights at few rows: their codes read by the tensor cores (prims.mxfp8_weights_path).
     if not (mxfp8_weights_path(config, x_buf, fc1_d, fc2_d, host_check=False)
             and mxfp8_weights_forward(layer, config, x_buf, w_buf, fc1_d, fc2_d, gs, y, c, host_check=False)):
-        _, x, f1, f2 = operands(x_buf, fc1_d, fc2_d, host_check=False)
+        bf16, x, f1, f2 = operands(x_buf, fc1_d, fc2_d, host_check=False)
         layer.experts_forward(stream, rows, ptr(x), ptr(w_buf), ptr(f1), ptr(f2), ptr(gs), ptr(y), ptr(c))
     # The layer zeroes the stash's padding rows itself (whatever the weights hold), and makes y
     # and the stash NaN when any rank's dispatch failed.
@@ -355,18 +355,19 @@ def backward_and_metadata(
     layer, x_buf, (dy_buf,), w_buf, meta, gs, tpe, err, fc1_d, fc2_d = _dispatch(
         prims, config, group, activation, fc1, fc2, idx, weights, [core.cotangent(grad_output)]
     )
-    _, x, f1, f2 = operands(x_buf, fc1_d, fc2_d, host_check=False)
+    bf16, x, f1, f2 = operands(x_buf, fc1_d, fc2_d, host_check=False)
     rows, h = int(x.shape[0]), config.hidden
     dy = dy_buf  # bf16 or float32 (core.cotangent), dense (unpack_rows copies)
     stash = fc1_c.to(torch.bfloat16).contiguous()
     dx = torch.empty((rows, h), dtype=torch.float32, device=x.device)
     dw = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    dfc1, dfc2, accumulate = weight_grad_buffers(f1.shape, f2.shape, x.device, main_grads)
+    g = weight_grad_buffers(f1.shape, f2.shape, x.device, main_grads, bf16_layer=bf16)
+    dfc1, dfc2 = g.fc1, g.fc2
     _, stream = where(x)
     # On an error of any rank the layer makes dx, dw, dfc1 and dfc2 NaN, the combine gx and gw.
     layer.experts_backward(stream, rows, ptr(x), ptr(w_buf), ptr(f1), ptr(f2), ptr(stash), ptr(dy), ptr(gs),
                            ptr(dx), ptr(dw), ptr(dfc1), ptr(dfc2), dy_bf16=dy.dtype == torch.bfloat16,
-                           accumulate=accumulate)
+                           accumulate=g.accumulate, weight_grads_bf16=g.bf16)
     t, k = int(idx.shape[0]), config.num_topk
     gx = torch.empty((t, h), dtype=torch.float32, device=x.device)
     gw = torch.empty((t, k), dtype=torch.float32, device=x.device)

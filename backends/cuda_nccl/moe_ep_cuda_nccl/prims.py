@@ -40,7 +40,7 @@ from moe_ep_spec.formats import MoeFormat
 from moe_ep_torch import core
 from moe_ep_torch import formats as TF
 
-__all__ = ["MainGrads", "main_grad_of", "weight_grad_buffers", "NativePrimitives", "NATIVE", "CPU_ENV", "TIMEOUT_ENV", "close_communicators", "BlockScaledOperand",
+__all__ = ["MainGrads", "WeightGradBuffers", "main_grad_of", "weight_grad_buffers", "NativePrimitives", "NATIVE", "CPU_ENV", "TIMEOUT_ENV", "close_communicators", "BlockScaledOperand",
            "dequantize_bf16", "operands", "inexact_decodes", "decoded_weight", "forget_decoded_weights",
            "WEIGHT_CACHE_ENV", "MXFP8_WEIGHTS_ENV", "MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT", "mxfp8_weights_path",
            "mxfp8_weights_forward"]
@@ -812,10 +812,32 @@ class MainGrads:
     Attributes:
         fc1: ``[E_local, H, 2I]`` float32, or None: the FC1 weight's ``main_grad``.
         fc2: ``[E_local, I, H]`` float32, or None: the FC2 weight's ``main_grad``.
+        bf16: with neither accumulator, on a bf16 layer: the weight gradients are
+            written as bf16 by the weight-gradient GEMMs' epilogue
+            (``MOE_EP_BACKWARD_WEIGHT_GRADS_BF16``: the float32 gradients rounded to
+            nearest even, what a cast gives), for bf16 weight leaves: no cast pass.
     """
 
     fc1: Optional[torch.Tensor]
     fc2: Optional[torch.Tensor]
+    bf16: bool = False
+
+
+@dataclass(frozen=True)
+class WeightGradBuffers:
+    """Where the native backward writes the weight gradients (:func:`weight_grad_buffers`).
+
+    Attributes:
+        fc1: ``[E_local, H, 2I]`` float32 or bfloat16: dfc1.
+        fc2: ``[E_local, I, H]`` float32 or bfloat16: dfc2.
+        accumulate: the buffers are accumulators, added to.
+        bf16: the buffers are bfloat16, written.
+    """
+
+    fc1: torch.Tensor
+    fc2: torch.Tensor
+    accumulate: bool
+    bf16: bool
 
 
 def main_grad_of(weight: Any) -> Optional[torch.Tensor]:
@@ -845,19 +867,24 @@ def main_grad_of(weight: Any) -> Optional[torch.Tensor]:
     return grad
 
 
-def weight_grad_buffers(fc1_shape: Any, fc2_shape: Any, device: torch.device,
-                        main_grads: Optional[MainGrads]) -> Tuple[torch.Tensor, torch.Tensor, bool]:
-    """``(dfc1, dfc2, accumulate)``: where the native backward writes the weight gradients.
-    Without ``main_grads``: two new float32 tensors, written. With: the accumulators
-    themselves (a zero-filled tensor for a weight without one), added to."""
-    if main_grads is None:
-        return (torch.empty(tuple(fc1_shape), dtype=torch.float32, device=device),
-                torch.empty(tuple(fc2_shape), dtype=torch.float32, device=device), False)
+def weight_grad_buffers(fc1_shape: Any, fc2_shape: Any, device: torch.device, main_grads: Optional[MainGrads],
+                        bf16_layer: bool = False) -> WeightGradBuffers:
+    """Where the native backward writes the weight gradients. Without ``main_grads``:
+    two new float32 tensors, written. With ``main_grads.bf16``, no accumulator and a bf16
+    layer (``bf16_layer``): two new bfloat16 tensors, written. With accumulators: them
+    (a zero-filled tensor for a weight without one), added to."""
+    def new(shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    if main_grads is None or (main_grads.fc1 is None and main_grads.fc2 is None):
+        bf16 = main_grads is not None and main_grads.bf16 and bf16_layer
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        return WeightGradBuffers(new(fc1_shape, dtype), new(fc2_shape, dtype), False, bf16)
     d1 = main_grads.fc1 if main_grads.fc1 is not None else torch.zeros(tuple(fc1_shape), dtype=torch.float32,
                                                                        device=device)
     d2 = main_grads.fc2 if main_grads.fc2 is not None else torch.zeros(tuple(fc2_shape), dtype=torch.float32,
                                                                        device=device)
-    return d1, d2, True
+    return WeightGradBuffers(d1, d2, True, False)
 
 
 def expert_backward(
@@ -876,7 +903,8 @@ def expert_backward(
     the cotangent rows ``dy`` ``[C, H]`` (bfloat16 passes as is, others as float32);
     operands as :func:`expert_forward`; the backward's GEMM operands as
     ``config.backward_operand_format`` says. With ``main_grads``, dfc1 and dfc2 are the
-    accumulators, this step's gradients added to them (:func:`weight_grad_buffers`)."""
+    accumulators, this step's gradients added to them, or bfloat16 with
+    ``main_grads.bf16`` on a bf16 layer (:func:`weight_grad_buffers`)."""
     bf16, x, fc1, fc2 = operands(x, fc1, fc2, host_check=False)
     w = _f32(w)
     dy_bf16 = dy.dtype == torch.bfloat16
@@ -887,13 +915,13 @@ def expert_backward(
     layer = layer_for(config, rows, x.device, bf16, backward=True)
     dx = torch.empty((rows, h), dtype=torch.float32, device=x.device)
     dw = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    dfc1, dfc2, accumulate = weight_grad_buffers(fc1.shape, fc2.shape, x.device, main_grads)
+    g = weight_grad_buffers(fc1.shape, fc2.shape, x.device, main_grads, bf16_layer=bf16)
     _, stream = where(x)
     layer.experts_backward(
-        stream, rows, ptr(x), ptr(w), ptr(fc1), ptr(fc2), ptr(stash), ptr(dy), ptr(gs), ptr(dx), ptr(dw), ptr(dfc1),
-        ptr(dfc2), dy_bf16=dy_bf16, accumulate=accumulate,
+        stream, rows, ptr(x), ptr(w), ptr(fc1), ptr(fc2), ptr(stash), ptr(dy), ptr(gs), ptr(dx), ptr(dw), ptr(g.fc1),
+        ptr(g.fc2), dy_bf16=dy_bf16, accumulate=g.accumulate, weight_grads_bf16=g.bf16,
     )
-    return dx, dw, dfc1, dfc2
+    return dx, dw, g.fc1, g.fc2
 
 
 def combine_reduce(rows: torch.Tensor, route_pos: torch.Tensor, num_tokens: int, num_topk: int) -> torch.Tensor:

@@ -46,7 +46,7 @@ says so); :func:`check_routing` raises the spec's error on the host.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Optional, Sequence, Tuple, Union
 
@@ -306,6 +306,13 @@ def _fused_bwd(spec, res, cts):  # type: ignore[no-untyped-def]
     ct_out = cts[0]
     lay = core.layout(spec, plan)
     (dy_buf,) = core.tokens_to_experts(spec, plan, lay, [ct_out])
+    # bf16 weights: a provider that can write bf16 weight gradients itself (jax-ffi's native
+    # layer, rounding in its GEMMs' epilogue) is asked to: no float32 weight gradient is
+    # written, and the astype below fuses with core.poison's select into its one bf16 pass.
+    to_bf16 = getattr(spec.kernels, "with_bf16_weight_grads", None)
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if to_bf16 is not None and all(not isinstance(t, F.BlockScaled) and jnp.dtype(t.dtype) == bf16 for t in (fc1, fc2)):
+        spec = replace(spec, kernels=to_bf16())
     gx, g1, g2, gw = core.backward_from_buffers(spec, plan, lay, x_buf, w_buf, fc1, fc2, fc1_c, dy_buf)
     g1 = None if isinstance(fc1, F.BlockScaled) else g1.astype(fc1.dtype)
     g2 = None if isinstance(fc2, F.BlockScaled) else g2.astype(fc2.dtype)

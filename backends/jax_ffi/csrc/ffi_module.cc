@@ -802,8 +802,8 @@ auto BindExpertForward(B b) {
 ffi::Error ExpertBackward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer fc1,
                           ffi::AnyBuffer fc2, ffi::Buffer<ffi::BF16> fc1_c, ffi::AnyBuffer dy,
                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::Buffer<ffi::F32>> dx,
-                          ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::Result<ffi::Buffer<ffi::F32>> dfc1,
-                          ffi::Result<ffi::Buffer<ffi::F32>> dfc2, bool apply_topk_in_fc1, bool has_clamp,
+                          ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::Result<ffi::AnyBuffer> dfc1,
+                          ffi::Result<ffi::AnyBuffer> dfc2, bool apply_topk_in_fc1, bool has_clamp,
                           float gate_up_clamp, int32_t intermediate_format, int32_t combine_format,
                           int32_t backward_operand_format) {
   constexpr const char* kT = "moe_ep_expert_backward";
@@ -819,6 +819,15 @@ ffi::Error ExpertBackward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<
   MOE_EP_FFI_TRY(ExpectShape(kT, "dw", "[C]", dw->dimensions(), {c}));
   MOE_EP_FFI_TRY(ExpectShape(kT, "dfc1", "[E_local, H, 2I]", dfc1->dimensions(), {el, h, 2 * i}));
   MOE_EP_FFI_TRY(ExpectShape(kT, "dfc2", "[E_local, I, H]", dfc2->dimensions(), {el, i, h}));
+  // The weight gradients: f32, or bf16 with bf16 operands (the float32 gradients rounded to
+  // nearest even by the native layer, MOE_EP_BACKWARD_WEIGHT_GRADS_BF16: no cast pass).
+  const bool bf16_grads = dfc1->element_type() == ffi::DataType::BF16;
+  const ffi::DataType grad_dtype = bf16_grads ? ffi::DataType::BF16 : ffi::DataType::F32;
+  if ((dfc1->element_type() != ffi::DataType::F32 && !bf16_grads) || dfc2->element_type() != grad_dtype)
+    return Invalid(kT, "dfc1 and dfc2 must both have dtype f32, or both bf16",
+                   std::string(DtypeName(dfc1->element_type())) + " and " + DtypeName(dfc2->element_type()));
+  if (bf16_grads && x.element_type() != ffi::DataType::BF16)
+    return Invalid(kT, "bf16 dfc1 and dfc2 need bf16 operands (x, fc1, fc2)", DtypeName(x.element_type()));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, intermediate_format));
   MOE_EP_FFI_TRY(ExpectFormatAttr(kT, combine_format, "combine_format"));
   if (backward_operand_format != MOE_EP_FORMAT_NONE && backward_operand_format != MOE_EP_FORMAT_BF16)
@@ -829,12 +838,12 @@ ffi::Error ExpertBackward(Where at, bool execute, ffi::AnyBuffer x, ffi::Buffer<
   std::unique_lock<std::mutex> lock;
   MOE_EP_FFI_TRY(Cache().Acquire(kT, key, c, /*backward=*/true, at.may_create, &slot, &lock));
   if (!execute) return ffi::Error::Success();
-  return FromStatus(kT, moe_ep_layer_experts_backward(
+  return FromStatus(kT, moe_ep_layer_experts_backward_ex(
       slot->layer, at.dev.stream, c, DataOrNull(x), static_cast<const float*>(DataOrNull(w)), DataOrNull(fc1),
       DataOrNull(fc2), static_cast<const uint16_t*>(DataOrNull(fc1_c)), DataOrNull(dy),
       OperandDtype(dy.element_type()), static_cast<const int32_t*>(DataOrNull(group_sizes)),
-      static_cast<float*>(DataOrNull(*dx)), static_cast<float*>(DataOrNull(*dw)),
-      static_cast<float*>(DataOrNull(*dfc1)), static_cast<float*>(DataOrNull(*dfc2))));
+      static_cast<float*>(DataOrNull(*dx)), static_cast<float*>(DataOrNull(*dw)), DataOrNull(*dfc1),
+      DataOrNull(*dfc2), bf16_grads ? MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 : 0));
 }
 
 template <typename B>
@@ -849,8 +858,9 @@ auto BindExpertBackward(B b) {
       .template Arg<ffi::Buffer<ffi::S32>>()      // group_sizes [E_local] s32: slab sizes
       .template Ret<ffi::Buffer<ffi::F32>>()      // dx [C, H] f32
       .template Ret<ffi::Buffer<ffi::F32>>()      // dw [C] f32
-      .template Ret<ffi::Buffer<ffi::F32>>()      // dfc1 [E_local, H, 2I] f32 (zero for an expert with no rows)
-      .template Ret<ffi::Buffer<ffi::F32>>()      // dfc2 [E_local, I, H] f32 (zero for an expert with no rows)
+      .template Ret<ffi::AnyBuffer>()             // dfc1 [E_local, H, 2I] f32, or bf16 with bf16 operands (the f32
+                                                  // gradient rounded to nearest even); zero for an expert with no rows
+      .template Ret<ffi::AnyBuffer>()             // dfc2 [E_local, I, H] as dfc1
       .template Attr<bool>("apply_topk_in_fc1")   // as the forward's
       .template Attr<bool>("has_clamp")           // as the forward's
       .template Attr<float>("gate_up_clamp")      // as the forward's

@@ -185,9 +185,22 @@ class FfiKernels:
     """
 
     name = "ffi-native"
+    #: :meth:`expert_backward` writes bf16 weight gradients for plain bf16 operands
+    #: (:meth:`with_bf16_weight_grads`).
+    bf16_weight_grads = False
 
     def __repr__(self) -> str:
         return "FfiKernels()"
+
+    def with_bf16_weight_grads(self) -> "FfiKernels":
+        """This provider with :meth:`expert_backward` returning ``dfc1`` and ``dfc2`` as
+        ``bfloat16`` when the operands are plain ``bfloat16`` arrays: the native layer
+        rounds the float32 gradients to nearest even (``MOE_EP_BACKWARD_WEIGHT_GRADS_BF16``;
+        on tensor cores in the weight-gradient GEMMs' epilogue), the values a cast of the
+        float32 result gives. The VJP of a layer with bf16 weights (:mod:`moe_ep_jax.api`)
+        uses it, so their cotangents come out in the primal dtype with no cast pass. Other
+        operands (float32, block-scaled) keep float32 weight gradients."""
+        return _FfiKernelsBf16WeightGrads()
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self)
@@ -548,7 +561,10 @@ class FfiKernels:
             dy = dy.astype(_F32)
         wf, gs = jnp.asarray(w).astype(_F32), jnp.asarray(group_sizes).astype(_I32)
         stash = jnp.asarray(fc1_c).astype(jnp.bfloat16)
-        results = [_sds((c_rows, h), _F32), _sds((c_rows,), _F32), _sds((el, h, 2 * i), _F32), _sds((el, i, h), _F32)]
+        # bf16 weight gradients (with_bf16_weight_grads) for plain bf16 operands only: the float32
+        # path of an inexact block-scaled decode (lax.cond) needs the same result types.
+        gdt = jnp.bfloat16 if self.bf16_weight_grads and inexact is None and xs.dtype == jnp.bfloat16 else _F32
+        results = [_sds((c_rows, h), _F32), _sds((c_rows,), _F32), _sds((el, h, 2 * i), gdt), _sds((el, i, h), gdt)]
 
         def run(a: jax.Array, b: jax.Array, d: jax.Array) -> Tuple[jax.Array, ...]:
             dx, dw, dfc1, dfc2 = _call("moe_ep_expert_backward", results, a, wf, b, d, stash, dy, gs,
@@ -559,3 +575,17 @@ class FfiKernels:
             inexact, lambda: run(xs, w1, w2),
             lambda: run(self.dequantize(x), self.dequantize(fc1), self.dequantize(fc2)),
         )
+
+
+class _FfiKernelsBf16WeightGrads(FfiKernels):
+    """:class:`FfiKernels` whose backward writes bf16 weight gradients for plain bf16
+    operands (:meth:`FfiKernels.with_bf16_weight_grads`); equal to every instance of
+    its own class only."""
+
+    bf16_weight_grads = True
+
+    def __repr__(self) -> str:
+        return "FfiKernels().with_bf16_weight_grads()"
+
+    def with_bf16_weight_grads(self) -> "FfiKernels":
+        return self

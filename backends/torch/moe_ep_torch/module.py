@@ -113,7 +113,9 @@ class MoeEpLayer(torch.nn.Module):
     of ten); a parameter that carries a float32 ``main_grad`` tensor (Megatron's
     convention) gets its gradient added there on ``cuda-nccl``, ``.grad`` left alone
     (docs/torch.md, "Training"); not with ``weight_format`` set, whose quantized copies
-    carry no ``main_grad`` (the gradient then goes to ``.grad``).
+    carry no ``main_grad`` (the gradient then goes to ``.grad``). Without ``main_grad``,
+    bf16 parameters on ``cuda-nccl``'s static and device paths get their bf16 ``.grad``
+    written by the native weight-gradient GEMMs (no float32 gradient, no cast pass).
 
     Attributes:
         fc1_weight: ``[num_local_experts, hidden, 2 * intermediate]`` ``dtype``
