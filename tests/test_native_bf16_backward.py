@@ -330,7 +330,7 @@ def test_cuda_bf16_backward_follows_the_formulas(name, dy_bf16, accumulate, oper
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device and a native build with CUDA")
 @pytest.mark.parametrize("dy_bf16", [False, True], ids=["dy_f32", "dy_bf16"])
 @pytest.mark.parametrize("mode", [None, "bf16"], ids=["exact", "bf16"])
-@pytest.mark.parametrize("name", sorted(CUDA_CONFIGS))
+@pytest.mark.parametrize("name", sorted(CUDA_CONFIGS) + ["staged"])
 def test_cuda_bf16_weight_grads_are_the_rounding_of_the_float32_ones(name, mode, dy_bf16) -> None:
     """MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 on the CUDA layer: dfc1 and dfc2 bit for bit the bf16
     rounding (nearest even) of the float32 gradients the same layer writes without the flag,
@@ -338,16 +338,21 @@ def test_cuda_bf16_weight_grads_are_the_rounding_of_the_float32_ones(name, mode,
     epilogue (the same CUTLASS kernel as the float32 one, the same summation order, one
     rounding of the float32 accumulator); the exact mode sums its bf16 planes one expert at a
     time in a float32 buffer ("wide-fc1": rows < hidden, a buffer of its own; the others reuse
-    the forward's FC1 output) and rounds it once. An expert with no rows: bf16 zeros."""
+    the forward's FC1 output) and rounds it once; "staged" (intermediate 20: rows of 20 and 40
+    elements, not multiples of 8, so no tensor cores) runs the float32 kernels into the
+    layer's staged weights and rounds those. An expert with no rows: bf16 zeros."""
     import torch
 
-    config = MoeEpConfig(**CUDA_CONFIGS[name], backward_operand_format=mode)
+    staged = dict(num_experts=3, hidden=48, intermediate=20, num_topk=2, num_ranks=1, gate_up_clamp=0.7)
+    config = MoeEpConfig(**(staged if name == "staged" else CUDA_CONFIGS[name]), backward_operand_format=mode)
     sizes = [130, 0, 257][: config.num_local_experts]
     x, w, fc1, fc2, gs, c, dy = _case(config, sizes, seed=5)
     rows = x.shape[0]
     dev = torch.device("cuda", torch.cuda.current_device())
     layer = Layer(layer_config(config, max_rows=rows, cuda_device=dev.index, bf16_operands=True, with_backward=True))
-    if torch.cuda.get_device_capability(dev) == (9, 0):
+    if name == "staged":
+        assert not layer.info.tensor_cores, "row lengths not multiples of 8 take the float32 kernels"
+    elif torch.cuda.get_device_capability(dev) == (9, 0):
         assert layer.info.tensor_cores, "an sm_90 device with the CUTLASS build must take the tensor-core path"
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
     xt, f1t, f2t, ct, wt, gst = t(_bits(x)), t(_bits(fc1)), t(_bits(fc2)), t(_bits(c)), t(w), t(gs)
@@ -376,7 +381,7 @@ def test_cuda_bf16_weight_grads_are_the_rounding_of_the_float32_ones(name, mode,
         assert not torch.any(g[1].float()), f"{label}: an expert with no rows gets bf16 zeros"
     none = run(True, num_rows=0, group_sizes=torch.zeros_like(gst))
     assert not torch.any(none[2].float()) and not torch.any(none[3].float()), "no rows: bf16 zeros everywhere"
-    if torch.cuda.get_device_capability(dev) == (9, 0):
+    if layer.info.tensor_cores:
         misaligned = torch.zeros(fc1.numel() + 8, dtype=torch.bfloat16, device=dev)[1:1 + fc1.numel()]
         with pytest.raises(NativeArgumentError, match=r"dfc1 must be 16-byte aligned on the tensor-core path"):
             layer.experts_backward(stream, rows, p(xt), p(wt), p(f1t), p(f2t), p(ct), p(dyt), p(gst),
