@@ -6,6 +6,7 @@
 #   .devbuild/libmoe_ep_native.so    (MOE_EP_NATIVE_LIBRARY points the binding at it)
 #   .devbuild/moe_ep_gemm_check      (the grouped-GEMM check program)
 #   .devbuild/libmoe_ep_native_core.a (JAX_FFI_CORE=1: the core without NCCL, for the jax-ffi module)
+#   .devbuild/cutlass/                 (CARRY_CUTLASS=1: CUTLASS's headers, for compiling jax-ffi there)
 #
 #   bash scripts/build_cuda.sh                 # JOBS=2 for two nvcc at once (3.4 GB each)
 # On the GPU machine, python scripts/gpu.py reuses what it copied (docs/gpu.md).
@@ -26,6 +27,15 @@ if [ "${JAX_FFI_CORE:-0}" = 1 ]; then
   cmake --build build-cuda-core -j "${JOBS:-1}" --target moe_ep_native_core
   cp build-cuda-core/libmoe_ep_native_core.a .devbuild/
   grep -q "^/build-cuda-core/" .git/info/exclude 2>/dev/null || echo "/build-cuda-core/" >> .git/info/exclude
+fi
+if [ "${CARRY_CUTLASS:-0}" = 1 ]; then
+  # CUTLASS's headers (27 MB), so that the GPU machine compiles the jax-ffi module with its
+  # core there (about two minutes on 16 cores) instead of this machine building
+  # libmoe_ep_native_core.a: gpu.py's build step sets CUTLASS_DIR to .devbuild/cutlass.
+  src="$("$py" -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); print(os.path.join(list(s.submodule_search_locations)[0], 'source'))")"
+  rm -rf .devbuild/cutlass && mkdir -p .devbuild/cutlass/tools/util
+  cp -r "$src/include" .devbuild/cutlass/include
+  cp -r "$src/tools/util/include" .devbuild/cutlass/tools/util/include
 fi
 if [ -f build-cuda/moe_ep_gemm_check ]; then cp build-cuda/moe_ep_gemm_check .devbuild/; fi
 grep -q "^/.devbuild/" .git/info/exclude 2>/dev/null || echo "/.devbuild/" >> .git/info/exclude

@@ -57,7 +57,7 @@ PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 #: the default time budget of each step, in seconds: (full, --quick)
 BUDGETS: Dict[str, Tuple[float, float]] = {
     "build": (900.0, 45.0),
-    "test": (1500.0, 45.0),
+    "test": (1500.0, 120.0),
     "conformance": (1500.0, 75.0),
     "sanitize": (900.0, 60.0),
     "bench": (1800.0, 90.0),
@@ -369,6 +369,8 @@ def build_commands(ctx: Context) -> List[Command]:
         core = carried(ctx, "libmoe_ep_native_core.a")
         if core is not None:
             env["MOE_EP_NATIVE_CORE_LIBRARY"] = str(core)
+        elif ctx.path(".devbuild", "cutlass", "include", "cutlass", "cutlass.h").is_file():
+            env["CUTLASS_DIR"] = str(ctx.path(".devbuild", "cutlass"))  # compile the core here, with carried CUTLASS
         cmds.append(Command("jax-ffi", _py(ctx, *pip, "-e", "./backends/jax", "-e", "./backends/jax_ffi"), env=env,
                             needs=_needs_nvcc))
     return cmds
@@ -574,12 +576,17 @@ def default_baseline(root: Path, names: Sequence[str]) -> Optional[Path]:
 
 
 def commit(root: Path) -> str:
+    """HEAD of the checkout at ``root``; "unknown" when root is not a checkout's top (a
+    snapshot such as ``git archive HEAD`` inside another checkout: not that one's HEAD)."""
     try:
-        proc = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
+        proc = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+    lines = proc.stdout.split()
+    if proc.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != root.resolve():
+        return "unknown"
+    return lines[1]
 
 
 def main(argv: Optional[Sequence[str]] = None, probe: Callable[[], Tuple[int, Tuple[str, ...], str]] = probe_gpus) -> int:

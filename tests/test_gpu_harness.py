@@ -49,7 +49,7 @@ def test_step_selection_keeps_the_harness_order_and_rejects_unknown_names() -> N
 def test_budgets_default_by_variant_and_are_overridden_for_all_or_one_step() -> None:
     full = gpu.parse_timeouts([], ["build", "test"], quick=False)
     quick = gpu.parse_timeouts([], ["build", "test"], quick=True)
-    assert full == {"build": 900.0, "test": 1500.0} and quick == {"build": 45.0, "test": 45.0}
+    assert full == {"build": 900.0, "test": 1500.0} and quick == {"build": 45.0, "test": 120.0}
     assert gpu.parse_timeouts(["30", "test=7"], ["build", "test"], quick=False) == {"build": 30.0, "test": 7.0}
     for bad, message in (("x", "SECONDS or STEP=SECONDS"), ("0", "positive"), ("tests=3", "unknown step 'tests'")):
         with pytest.raises(ValueError, match=message):
@@ -58,7 +58,8 @@ def test_budgets_default_by_variant_and_are_overridden_for_all_or_one_step() -> 
 
 def test_quick_variant_of_test_and_conformance_is_short_and_runs_on_the_gpu() -> None:
     budgets = gpu.parse_timeouts([], list(gpu.STEPS), quick=True)
-    assert budgets["build"] + budgets["test"] + budgets["conformance"] <= 165
+    # measured on an H100 (2026-12-06): build 21 s, test 70 s, conformance 31 s
+    assert budgets["build"] + budgets["test"] + budgets["conformance"] <= 240
     ctx = _ctx(Path("/tmp"), quick=True)
     (tests,) = gpu.test_commands(ctx)
     assert "-k" in tests.argv and "tests/test_native_cuda.py" in tests.argv
@@ -194,3 +195,13 @@ def test_the_script_runs_as_a_command_and_rejects_an_unknown_step(tmp_path) -> N
     assert proc.returncode == 2 and "unknown step nope" in proc.stderr
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu.py"), "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "build, test, conformance, sanitize, bench" in proc.stdout
+
+
+def test_the_commit_is_the_checkouts_own_not_that_of_a_checkout_around_a_snapshot(tmp_path) -> None:
+    """A snapshot (git archive HEAD) unpacked inside the checkout is not at the checkout's
+    HEAD: its summary says "unknown" rather than a commit it may not be."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    assert re.fullmatch(r"[0-9a-f]{7,40}", gpu.commit(ROOT))
+    assert gpu.commit(ROOT / "docs") == "unknown"
+    assert gpu.commit(tmp_path) == "unknown"
