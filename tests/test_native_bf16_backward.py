@@ -327,24 +327,33 @@ def test_cuda_bf16_backward_follows_the_formulas(name, dy_bf16, accumulate, oper
     layer.close()
 
 
+WEIGHT_GRAD_CONFIGS = {
+    **CUDA_CONFIGS,
+    # 390 rows, hidden 160: the exact backward sums two experts at a time, then the third.
+    "groups-of-2": dict(num_experts=3, hidden=160, intermediate=64, num_topk=2, num_ranks=1),
+    # intermediate 20: rows of 20 elements, not a multiple of 8: no tensor cores.
+    "staged": dict(num_experts=3, hidden=48, intermediate=20, num_topk=2, num_ranks=1, gate_up_clamp=0.7),
+}
+
+
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device and a native build with CUDA")
 @pytest.mark.parametrize("dy_bf16", [False, True], ids=["dy_f32", "dy_bf16"])
 @pytest.mark.parametrize("mode", [None, "bf16"], ids=["exact", "bf16"])
-@pytest.mark.parametrize("name", sorted(CUDA_CONFIGS) + ["staged"])
+@pytest.mark.parametrize("name", sorted(WEIGHT_GRAD_CONFIGS))
 def test_cuda_bf16_weight_grads_are_the_rounding_of_the_float32_ones(name, mode, dy_bf16) -> None:
     """MOE_EP_BACKWARD_WEIGHT_GRADS_BF16 on the CUDA layer: dfc1 and dfc2 bit for bit the bf16
     rounding (nearest even) of the float32 gradients the same layer writes without the flag,
     dx and dw unchanged. On tensor cores the bf16 mode's weight-gradient GEMMs round in their
     epilogue (the same CUTLASS kernel as the float32 one, the same summation order, one
-    rounding of the float32 accumulator); the exact mode sums its bf16 planes one expert at a
-    time in a float32 buffer ("wide-fc1": rows < hidden, a buffer of its own; the others reuse
-    the forward's FC1 output) and rounds it once; "staged" (intermediate 20: rows of 20 and 40
-    elements, not multiples of 8, so no tensor cores) runs the float32 kernels into the
-    layer's staged weights and rounds those. An expert with no rows: bf16 zeros."""
+    rounding of the float32 accumulator); the exact mode sums its bf16 planes rows / hidden
+    experts at a time in a float32 buffer ("wide-fc1": rows < hidden, one expert at a time in
+    a buffer of its own; the others reuse the forward's FC1 output: all experts at once, or
+    "groups-of-2") and rounds each sum once; "staged" (no tensor cores) runs the float32
+    kernels into the layer's staged weights and rounds those. An expert with no rows: bf16
+    zeros."""
     import torch
 
-    staged = dict(num_experts=3, hidden=48, intermediate=20, num_topk=2, num_ranks=1, gate_up_clamp=0.7)
-    config = MoeEpConfig(**(staged if name == "staged" else CUDA_CONFIGS[name]), backward_operand_format=mode)
+    config = MoeEpConfig(**WEIGHT_GRAD_CONFIGS[name], backward_operand_format=mode)
     sizes = [130, 0, 257][: config.num_local_experts]
     x, w, fc1, fc2, gs, c, dy = _case(config, sizes, seed=5)
     rows = x.shape[0]

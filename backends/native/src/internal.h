@@ -199,8 +199,10 @@ struct TcWorkspace {
   float* z;            // [C, H] z = h W2 (backward, apply_topk_in_fc1 = 0)
   float* dy32;         // [C, H] a bf16 cotangent in float32 (backward, apply_topk_in_fc1 = 0)
   float* y32;          // [C, H] the FC2 output in float32 (forward, bf16 expert-output rows only)
-  float* wgrad32;      // [H, 2I] one expert's float32 weight gradient (exact backward, bf16 weight
-                       // gradients); c itself when that is large enough (C >= H)
+  float* wgrad32;      // [wgrad32_experts, H, 2I] float32 weight gradients of that many experts at a
+                       // time (exact backward, bf16 weight gradients): c itself when it holds one
+                       // expert's or more (C >= H: C / H experts, at most E_local), else one expert's
+  int wgrad32_experts;
   int sm_count;
 };
 // Bytes of the tensor-core workspace (0 when the build or the shape has no tensor-core path).

@@ -653,6 +653,10 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
   if (!grouped_gemm_built()) return 0;
   bool ok = d.num_local_experts <= 1024;
   size_t gemm_bytes = 0;
+  // The exact backward's bf16 weight gradients: groups of wgrad_experts experts (the last one
+  // smaller), their float32 sums in TcWorkspace::wgrad32.
+  const int64_t wgrad_experts =
+      d.num_rows >= d.hidden ? std::max<int64_t>(1, std::min<int64_t>(d.num_local_experts, d.num_rows / d.hidden)) : 1;
   for_each_problem(d, backward, bf16_out, combine_format, [&](const GroupedGemmProblem& p) {
     GroupedGemmProblem q = p;
     // supported() also checks pointer alignment: give it aligned stand-ins.
@@ -662,9 +666,12 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
     q.offsets = reinterpret_cast<const int32_t*>(uintptr_t{256});
     if (!grouped_gemm_supported(q)) ok = false;
     gemm_bytes = std::max(gemm_bytes, grouped_gemm_workspace_bytes(q, sm_count));
-    if (q.layout == GemmLayout::kTN) {  // one expert at a time (exact backward, bf16 weight gradients)
-      q.num_groups = 1;
-      gemm_bytes = std::max(gemm_bytes, grouped_gemm_workspace_bytes(q, sm_count));
+    if (q.layout == GemmLayout::kTN && d.num_local_experts > 0) {  // in groups (exact backward, bf16 weight gradients)
+      for (int64_t groups : {wgrad_experts, d.num_local_experts % wgrad_experts}) {
+        if (groups == 0) continue;
+        q.num_groups = static_cast<int32_t>(groups);
+        gemm_bytes = std::max(gemm_bytes, grouped_gemm_workspace_bytes(q, sm_count));
+      }
     }
   });
   if (!ok) return 0;
@@ -698,9 +705,10 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
       w.z = reinterpret_cast<float*>(take(C * H * sizeof(float)));
       w.dy32 = reinterpret_cast<float*>(take(C * H * sizeof(float)));
     }
-    // One expert's float32 weight gradient (bf16 weight gradients): the forward's c when it
-    // is large enough (the backward does not use it).
+    // Float32 weight gradients of wgrad_experts experts at a time (bf16 weight gradients): the
+    // forward's c when it holds one expert's or more (the backward does not use it).
     w.wgrad32 = C >= H ? w.c : reinterpret_cast<float*>(take(H * 2 * I * sizeof(float)));
+    w.wgrad32_experts = static_cast<int>(wgrad_experts);
   }
   if (ws != nullptr) *ws = w;
   return at;
@@ -899,16 +907,19 @@ moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint1
   if (!opt.bf16_weight_grads) {
     MOE_EP_TRY(weight_grads(0, E, static_cast<float*>(dfc2), static_cast<float*>(dfc1), opt.accumulate));
   } else {
-    // bf16 weight gradients: the plane sums need a float32 accumulator, so one expert at a
-    // time into ws.wgrad32 ([H, 2I], sized at creation), each rounded once into dfc1 / dfc2.
+    // bf16 weight gradients: the plane sums need a float32 accumulator, so ws.wgrad32_experts
+    // experts at a time into ws.wgrad32 (sized at creation), each group rounded once into
+    // dfc2 / dfc1.
     uint16_t* o2 = static_cast<uint16_t*>(dfc2);
     uint16_t* o1 = static_cast<uint16_t*>(dfc1);
-    for (int32_t e = 0; e < E; ++e) {
-      MOE_EP_TRY(weight_grads(e, 1, ws.wgrad32, nullptr, false));
-      MOE_EP_TRY(quantize(s, MOE_EP_FORMAT_BF16, ws.wgrad32, I, H, 1, o2 + e * I * H, nullptr));
+    const int32_t step = std::max(ws.wgrad32_experts, 1);
+    for (int32_t e = 0; e < E; e += step) {
+      const int32_t n = std::min(step, E - e);
+      MOE_EP_TRY(weight_grads(e, n, ws.wgrad32, nullptr, false));
+      MOE_EP_TRY(quantize(s, MOE_EP_FORMAT_BF16, ws.wgrad32, n * I, H, 1, o2 + e * I * H, nullptr));
       for (int pl = 0; pl < kPlanes; ++pl)
-        MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc + pl * dp, ws.wgrad32, pl > 0, "dW1", nullptr, e, 1));
-      MOE_EP_TRY(quantize(s, MOE_EP_FORMAT_BF16, ws.wgrad32, H, 2 * I, 1, o1 + e * H * 2 * I, nullptr));
+        MOE_EP_TRY(gemm.run(GemmLayout::kTN, H, 2 * I, 0, x, ws.dc + pl * dp, ws.wgrad32, pl > 0, "dW1", nullptr, e, n));
+      MOE_EP_TRY(quantize(s, MOE_EP_FORMAT_BF16, ws.wgrad32, n * H, 2 * I, 1, o1 + e * H * 2 * I, nullptr));
     }
   }
   // dx = dc W1^T.
