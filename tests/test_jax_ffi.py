@@ -857,15 +857,16 @@ class _CastingFfiKernels(FfiKernels if not _PROBLEM else object):  # type: ignor
     with_bf16_weight_grads = None
 
 
-@needs2
 @pytest.mark.parametrize("mode", [None, "bf16"], ids=["exact", "bf16_operands"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_weight_cotangents_come_out_of_the_native_layer_in_the_primal_dtype(dtype: str, mode) -> None:
     """jax.grad through moe_ep with FfiKernels: bf16 weights get bf16 cotangents that the native
     backward writes itself (its custom call's dfc1 and dfc2 results are bf16:
     MOE_EP_BACKWARD_WEIGHT_GRADS_BF16, no float32 gradient and no cast pass), bit for bit the
-    cast of the float32 ones a provider without it returns; float32 weights keep float32."""
-    n, rows, counts = 2, 6, [5, 2]
+    cast of the float32 ones a provider without it returns; float32 weights keep float32.
+    Two ranks where jax has two devices, else one (one GPU: the tensor-core path)."""
+    n, rows = min(NDEV, 2), 6
+    counts = [5, 2][:n]
     config = MoeEpConfig(num_experts=4, hidden=32, intermediate=16, num_topk=2, num_ranks=n, max_tokens_per_rank=rows,
                          gate_up_clamp=0.75, backward_operand_format=mode)
     world = random_world(config, num_tokens=counts, input_format="fp32", seed=21, routing="unused_mixed")
