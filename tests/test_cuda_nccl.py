@@ -286,6 +286,33 @@ def test_cuda_module_paths_and_main_grad(monkeypatch, world_size: int, mode) -> 
                 assert np.all(np.abs(added - g) <= tol), f"rank {rank}: {path}: main_grad of {name} - init != grad"
 
 
+@needs_gpus
+@pytest.mark.parametrize("mode", [None, "bf16"], ids=["exact", "bf16_operands"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_cuda_module_bf16_weights_get_bf16_gradients_from_the_native_gemms(monkeypatch, world_size: int, mode) -> None:
+    """On CUDA (the tensor-core path), bf16 weights without main_grad: the static and default
+    paths ask the native backward for bf16 weight gradients and .grad is bf16; it agrees with
+    the host-synchronised path's (float32 cast by autograd) to the tolerance the paths' own
+    summation orders allow (test_cuda_module_paths_and_main_grad's)."""
+    if _gpus() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    monkeypatch.setenv("MOE_EP_CUDA_NCCL_COMBINE", "slot")
+    config = MODULE_CONFIG.replace(num_ranks=world_size, num_experts=4 * world_size, backward_operand_format=mode)
+    world, grads = _world(config, seed=10)
+    results = _ok(run_ranks(W.module_bf16_weight_grads, world_size, config, world, grads, "cuda", backend="nccl"))
+    f32 = lambda a: (np.asarray(a).view(np.uint16).astype(np.uint32) << 16).view(np.float32)  # noqa: E731
+    for rank, res in enumerate(results):
+        assert res["synced"]["bf16_flags"] and not any(res["synced"]["bf16_flags"]), f"rank {rank}: synced: float32"
+        for path in ("default", "static"):
+            assert res[path]["bf16_flags"] and all(res[path]["bf16_flags"]), (
+                f"rank {rank}: {path}: the native backward was not asked for bf16 weight gradients")
+            assert res[path]["dtypes"] == ["torch.bfloat16", "torch.bfloat16"], f"rank {rank}: {path}"
+            for key in ("grad_fc1_weight", "grad_fc2_weight"):
+                got, want = f32(res[path][key]), f32(res["synced"][key])
+                scale = float(np.max(np.abs(want))) + 1e-30
+                assert np.allclose(got, want, rtol=2.0**-7, atol=2.0**-8 * scale), f"rank {rank}: {path}: {key}"
+
+
 # ----------------------------------------------------------------------------- MoeEpLayer's paths (CPU)
 
 #: No recv_capacity: MoeEpLayer's default path sizes the static layout from max_tokens_per_rank.
