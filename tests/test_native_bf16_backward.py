@@ -391,7 +391,7 @@ def test_cuda_bf16_weight_grads_are_the_rounding_of_the_float32_ones(name, mode,
     none = run(True, num_rows=0, group_sizes=torch.zeros_like(gst))
     assert not torch.any(none[2].float()) and not torch.any(none[3].float()), "no rows: bf16 zeros everywhere"
     if layer.info.tensor_cores:
-        misaligned = torch.zeros(fc1.numel() + 8, dtype=torch.bfloat16, device=dev)[1:1 + fc1.numel()]
+        misaligned = torch.zeros(fc1.size + 8, dtype=torch.bfloat16, device=dev)[1:1 + fc1.size]
         with pytest.raises(NativeArgumentError, match=r"dfc1 must be 16-byte aligned on the tensor-core path"):
             layer.experts_backward(stream, rows, p(xt), p(wt), p(f1t), p(f2t), p(ct), p(dyt), p(gst),
                                    p(want[0]), p(want[1]), p(misaligned), p(got[3]), dy_bf16=dy_bf16,
