@@ -329,13 +329,16 @@ class Runner:
 
     def job_module(self, job: Job) -> Dict[str, Any]:
         """Forward+backward through ``MoeEpLayer(config, backend=NAME)`` as a user
-        calls it: the module's defaults, its bf16 parameters (the run's weights
+        calls it: the module's defaults with ``config.max_tokens_per_rank`` the case's
+        tokens (on cuda-nccl its static layout over the device exchange), its bf16 parameters (the run's weights
         copied in), the activations and router weights as autograd leaves, then
         ``.backward()``; the gradients cleared before each call, untimed."""
         from moe_ep_torch.module import MoeEpLayer
 
         s, fmt, t = self.s, job.format, job.tokens
-        config = s.config(fmt)
+        # max_tokens_per_rank set, as a training loop sets it: the module's default path is
+        # then the static layout over the device exchange (without it, the synced mode)
+        config = s.config(fmt, t)
         layer = MoeEpLayer(config, group=self.group, backend=job.target, device=self.dev)
         w = self.weights(fmt)
         with torch.no_grad():
@@ -362,7 +365,8 @@ class Runner:
         finally:
             clear(0)
             del layer, acts, tws, leaves
-        label = (f"moe_ep_torch.module.MoeEpLayer(config, backend={job.target!r}) with its defaults, forward then "
+        label = (f"moe_ep_torch.module.MoeEpLayer(config, backend={job.target!r}) with its defaults "
+                 f"(max_tokens_per_rank={t}), forward then "
                  f".backward() (bf16 parameters, activations and router weights requiring grad); {timer}")
         return {"status": "ok", "times_ms": times, "label": label}
 
