@@ -561,8 +561,9 @@ def encode_output(spec: LayerSpec, values: jax.Array) -> Tensor:
 
 
 def poison(error: jax.Array, x: jax.Array) -> jax.Array:
-    """NaN everywhere when ``error`` (a data-dependent input error inside jit)."""
-    return jnp.where(error, jnp.float32(jnp.nan), x)
+    """NaN everywhere when ``error`` (a data-dependent input error inside jit), in ``x``'s
+    floating dtype (a bf16 weight gradient stays bf16: no float32 copy of it)."""
+    return jnp.where(error, jnp.asarray(jnp.nan, x.dtype), x)
 
 
 def combine_rows(spec: LayerSpec, plan: Plan, lay: Layout, y: jax.Array) -> Tuple[Tensor, jax.Array]:
