@@ -363,20 +363,39 @@ def report(settings: dict, environment: dict, rows: Sequence[Row], command: str,
         "settings": settings,
         "environment": environment,
         "definitions": {
+            "R": "the rows a rank receives in dispatch: one per route whose expert lives there, its own routes "
+            "included (T * K on average)",
+            "row(fmt)": "the bytes of one token row: bf16 2*H, mxfp8 H + ceil(H/32)",
             "median_ms": "median over the repeats of the slowest rank's time of one call; min_ms, max_ms, p25_ms, "
             "p75_ms: the spread over the same repeats",
-            "bytes": "token-row bytes per rank: received in dispatch, sent in combine (mean over ranks and input "
-            "sets); fused ops: dispatch plus combine bytes; weight_read: the local experts' fc1 + fc2 bytes",
-            "gbps": "bytes / median_ms, in 1e9 bytes per second",
-            "tflops": "expert GEMM operations per rank / median_ms (forward 6*R*H*I, forward_backward 3x)",
-            "vs_all_to_all": "all_to_all_single time (same bytes per peer; variant: nccl or gloo) / time; fused "
-            "ops: (dispatch + combine all-to-all time) / time, twice that for forward_backward",
-            "vs_copy": "copy ceiling time / time: variant peer: cuda:0 -> cuda:1 copy of the rows rank 0 receives "
-            "from other ranks (its own rows counted free); device: device-to-device copy of all its rows (one "
-            "GPU); host: memcpy (CPU)",
-            "vs_grouped_gemm": "grouped-GEMM time of the same expert shapes and rows / time",
-            "vs_weight_read": "forward: (local experts' weight bytes in the row's format / the device copy "
-            "bandwidth measured in this run, read plus write bytes over the copy's time) / time",
+            "bytes": "dispatch: token-row bytes received per rank, R * row(fmt); combine: token-row bytes sent per "
+            "rank, the same rows going back in combine_format; forward and forward_backward: dispatch plus combine "
+            "bytes (mean over ranks and input sets). Router weights, routing metadata and whatever a backend "
+            "chooses to move beyond the format (the torch backend sends float32 rows back in combine) are not "
+            "counted. weight_read rows: the local experts' fc1 + fc2 bytes W(fmt) (see vs_weight_read)",
+            "bytes_remote": "the part of bytes that comes from (goes to) other ranks",
+            "gbps": "bytes / median_ms, in 1e9 bytes per second; the same bytes for every backend and baseline of a "
+            "case, so GB/s ratios equal time ratios. On a weight_read row: the run's device copy bandwidth",
+            "tflops": "flops / median_ms; flops: the expert GEMMs per rank, forward 2*R*H*2I + 2*R*I*H = 6*R*H*I, "
+            "forward_backward three times that",
+            "vs_all_to_all": "all_to_all_single time (same bytes per peer; variant: nccl or gloo) / time; forward: "
+            "(dispatch + combine all-to-all time) / time; forward_backward: twice that (the backward exchanges the "
+            "tokens and their gradients again)",
+            "vs_copy": "copy ceiling time / time: variant peer (EP >= 2): cuda:0 -> cuda:1 copy of the rows rank 0 "
+            "receives from other ranks (its own rows counted free), so the ceiling is the link; device (EP 1): "
+            "device-to-device copy of all its rows; host (CPU): memcpy. The table's note gives the peer copy's link "
+            "rate, bytes_remote / median_ms",
+            "vs_grouped_gemm": "grouped-GEMM time / time: forward: FC1 [R, H] x [H, 2I] and FC2 [R, I] x [I, H] per "
+            "local expert on this run's per-expert row counts; forward_backward: those plus the backward's four "
+            "(dc.W1^T, x^T.dc, dy.W2^T, h^T.dy). The GEMMs run in bf16 for every format (the mxfp8 rows say "
+            "'bf16 GEMM rate')",
+            "vs_weight_read": "forward only: weight_read time / time, weight_read = W(fmt) / B: W(fmt) the bytes of "
+            "one rank's local expert weights in the row's format, E_local * (2I * row(fmt, H) + H * row(fmt, I)) "
+            "(fc1 blocked along H, fc2 along I; bf16 6 * E_local * H * I, 2.82 GB for 32 experts of the DeepSeek "
+            "shape), B the bandwidth of a device copy measured in the same run (rank 0 copies its local bf16 fc1 "
+            "and fc2 into fresh buffers, B = 2 * bytes copied / time, read plus write), per repeat, so the derived "
+            "weight_read row has a spread too. At decode sizes the forward is bound by reading the weights, at "
+            "prefill by the GEMMs: read vs_weight_read at small token counts and vs_grouped_gemm at large ones",
         },
         "rows": [r.as_dict() for r in rows],
         "plots": list(plots),

@@ -20,7 +20,8 @@ time also holds its dispatch and its wait, while the device idles; the baselines
 CUDA-event times hold neither). On GPU each row has a second twin with the note
 :data:`DEVICE_TIME`: each call alone under ``jax.profiler.trace``, its time the span
 of its GPU stream events (first kernel start to last kernel end), which is what the
-baselines' CUDA events around a call measure.
+baselines' CUDA events around a call measure: the row to compare with them (calls
+back to back also run at lower clocks).
 
 Devices: ``--device cpu`` uses jax's CPU devices (the jax backend asks XLA for
 ``MOE_EP_JAX_CPU_DEVICES``, default 8, before jax is first imported; or set

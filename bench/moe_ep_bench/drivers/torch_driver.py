@@ -29,6 +29,36 @@ in :data:`~moe_ep_bench.results.BASELINES`):
     rows of every format and token count read the weights at
     (:func:`weight_read_rows`).
 
+What each op of a backend job times (``torch``; ``cuda-nccl`` the same calls
+through :mod:`moe_ep_cuda_nccl.api` unless said):
+
+``dispatch``
+    ``torch``: ``moe_ep_torch.core.make_plan(..., payload=core.route_payload(tokens,
+    topk_weights, K))``, then the received rows into the expert-major buffer
+    (``core.buffer_tokens``, ``core.to_buffer``): the spec's ``dispatch`` without
+    the numpy conversion. ``cuda-nccl``, ``--cuda-nccl-mode device`` only (the
+    default on CUDA; other modes and formats skipped): the native layer's
+    ``moe_ep_layer_dispatch`` (device exchange, bf16 rows into the expert-major
+    buffer, buffers made once);
+``combine``
+    ``torch``: the ``combine_format`` round trip of the expert output,
+    ``core.exchange_back``, the slot sum (``core.to_slots``, ``core.sum_slots``)
+    and the output encode (``core.encode_output``), on a plan made beforehand
+    (untimed). ``cuda-nccl``, device mode only: ``moe_ep_layer_combine`` of bf16
+    expert rows with the bf16 output encoded in it, after an untimed dispatch of
+    the same set;
+``forward``
+    ``moe_ep(...)`` under ``torch.no_grad()``; ``cuda-nccl`` in the mode of
+    ``--cuda-nccl-mode``: ``device`` (``host_sync=False, exchange="device"``,
+    static layout with ``recv_capacity = config.worst_case_recv_rows()`` for the
+    case's tokens), ``static`` (``host_sync=False`` over NCCL) or ``synced``
+    (``host_sync=True``, the default on CPU);
+``forward_backward``
+    bf16: ``moe_ep(...)`` then ``out.backward(grad)`` on bf16 leaves with
+    ``requires_grad``; mxfp8 and nvfp4 (block-scaled inputs are no autograd
+    leaves): the explicit API, ``moe_ep_forward_with_stash(...)`` then
+    ``moe_ep_backward(grad, ..., fc1_c)``.
+
 Every rank runs the jobs in the same order. A job's time per repeat is the
 slowest rank's; the parent stops every rank when one job exceeds the timeout
 or a rank dies, and reports the jobs not run as errors.

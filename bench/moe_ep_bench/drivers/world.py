@@ -1,7 +1,10 @@
 """The world driver: backends of the world launch model (the numpy reference).
 
 One process drives every rank, so a call's time is the whole world's, taken
-with ``time.perf_counter`` around the world-level method. Inputs are numpy
+with ``time.perf_counter`` around the world-level method: ``backend.dispatch(config,
+inputs)``, ``backend.combine(config, handles, expert_out)``, ``backend.forward(config,
+inputs)``, and for forward+backward ``forward`` with ``generate_c=True`` then
+``backward(config, inputs, grads, stash)``. Inputs are numpy
 arrays made here from the run's routing (random, never zeros). Large cases are
 skipped unless ``--include-slow`` (see :func:`~moe_ep_bench.model.too_slow_for_world`).
 """
