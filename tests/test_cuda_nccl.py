@@ -302,15 +302,22 @@ def test_cuda_module_bf16_weights_get_bf16_gradients_from_the_native_gemms(monke
     results = _ok(run_ranks(W.module_bf16_weight_grads, world_size, config, world, grads, "cuda", backend="nccl"))
     f32 = lambda a: (np.asarray(a).view(np.uint16).astype(np.uint32) << 16).view(np.float32)  # noqa: E731
     for rank, res in enumerate(results):
-        assert res["synced"]["bf16_flags"] and not any(res["synced"]["bf16_flags"]), f"rank {rank}: synced: float32"
+        _check_bf16_weight_grads_asked(res, rank)
         for path in ("default", "static"):
-            assert res[path]["bf16_flags"] and all(res[path]["bf16_flags"]), (
-                f"rank {rank}: {path}: the native backward was not asked for bf16 weight gradients")
-            assert res[path]["dtypes"] == ["torch.bfloat16", "torch.bfloat16"], f"rank {rank}: {path}"
             for key in ("grad_fc1_weight", "grad_fc2_weight"):
                 got, want = f32(res[path][key]), f32(res["synced"][key])
                 scale = float(np.max(np.abs(want))) + 1e-30
                 assert np.allclose(got, want, rtol=2.0**-7, atol=2.0**-8 * scale), f"rank {rank}: {path}: {key}"
+
+
+def _check_bf16_weight_grads_asked(res, rank: int) -> None:
+    """The synced path got float32 weight gradients (cast by autograd); the default and static
+    paths asked the native backward for bf16 ones and returned bf16 .grad."""
+    assert res["synced"]["bf16_flags"] and not any(res["synced"]["bf16_flags"]), f"rank {rank}: synced: float32"
+    for path in ("default", "static"):
+        assert res[path]["bf16_flags"] and all(res[path]["bf16_flags"]), (
+            f"rank {rank}: {path}: the native backward was not asked for bf16 weight gradients")
+        assert res[path]["dtypes"] == ["torch.bfloat16", "torch.bfloat16"], f"rank {rank}: {path}"
 
 
 # ----------------------------------------------------------------------------- MoeEpLayer's paths (CPU)
@@ -356,11 +363,8 @@ def test_module_bf16_weights_get_bf16_gradients_from_the_native_gemms(monkeypatc
     world, grads = _world(config, seed=9)
     results = _ok(run_ranks(W.module_bf16_weight_grads, 2, config, world, grads, "cpu"))
     for rank, res in enumerate(results):
-        assert res["synced"]["bf16_flags"] and not any(res["synced"]["bf16_flags"]), f"rank {rank}: synced: float32"
+        _check_bf16_weight_grads_asked(res, rank)
         for path in ("default", "static"):
-            assert res[path]["bf16_flags"] and all(res[path]["bf16_flags"]), (
-                f"rank {rank}: {path}: the native backward was not asked for bf16 weight gradients")
-            assert res[path]["dtypes"] == ["torch.bfloat16", "torch.bfloat16"], f"rank {rank}: {path}"
             for key in ("grad_fc1_weight", "grad_fc2_weight", "grad_activation"):
                 assert np.array_equal(res[path][key], res["synced"][key]), f"rank {rank}: {path}: {key} != synced's"
 
