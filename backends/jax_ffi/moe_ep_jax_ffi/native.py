@@ -2,22 +2,84 @@
 
 The extension compiles the MoeEp native core (``backends/native``, C ABI
 ``moe_ep_native.h``) together with one XLA FFI handler per entry point, for the
-CPU always and for CUDA when built with ``MOE_EP_NATIVE_CUDA=ON``. Its targets,
-registered under the same names for the platforms ``cpu`` and ``CUDA`` (XLA
-picks by the platform it compiles for):
+CPU always and for CUDA when built with ``MOE_EP_NATIVE_CUDA=ON``. Its targets
+(:data:`TARGETS`) are registered under the same names for the platforms ``cpu``
+and ``CUDA`` (XLA picks by the platform it compiles for).
 
-=========================  =================================================
-target                     C ABI call
-=========================  =================================================
-``moe_ep_quantize``        ``moe_ep_quantize`` (bf16, mxfp8, nvfp4)
-``moe_ep_dequantize``      ``moe_ep_dequantize``
-``moe_ep_plan_routes``     ``moe_ep_plan_routes``
-``moe_ep_permute_rows``    ``moe_ep_permute_rows``
-``moe_ep_combine_reduce``  ``moe_ep_combine_reduce`` (with ``route_pos``)
-``moe_ep_slot_sum``        ``moe_ep_combine_reduce`` (``route_pos`` NULL)
-``moe_ep_expert_forward``  ``moe_ep_layer_experts_forward`` (a cached layer object)
-``moe_ep_expert_backward`` ``moe_ep_layer_experts_backward`` (a cached layer object)
-=========================  =================================================
+The handlers, for callers of ``jax.ffi.ffi_call``: buffers are dense row-major;
+``[outer, n, inner]`` is the C ABI's view of a tensor blocked along ``n``.
+Attributes are keyword arguments of the ``ffi_call`` (``np.int32`` for int32,
+Python ``int`` for int64, ``np.float32`` for float, ``bool``). Formats are int32
+codes (:data:`FORMAT_CODES`): 0 none, 1 bf16, 2 mxfp8, 3 nvfp4. Each entry gives
+the C ABI call, the operands, the results and the attributes.
+
+``moe_ep_quantize``
+    ``moe_ep_quantize``. Operands: ``x [outer, n, inner] f32``. Results: ``data``:
+    bf16 ``[outer, n, inner] u16``, mxfp8 ``[outer, n, inner] u8`` (E4M3), nvfp4
+    ``[outer, ceil(n/2), inner] u8`` (two E2M1 codes a byte, low nibble first);
+    ``scale [outer, ceil(n/B), inner] u8`` (E8M0 / E4M3; ``[outer, 0, inner]``
+    for bf16). Attributes: ``format``.
+``moe_ep_dequantize``
+    ``moe_ep_dequantize``. Operands: ``data``, ``scale`` (as above). Results:
+    ``out [outer, n, inner] f32``. Attributes: ``format``, ``n`` int64.
+``moe_ep_dequantize_bf16``
+    ``moe_ep_dequantize_bf16``. Operands: ``data``, ``scale`` (mxfp8 or nvfp4), ``flag_in [1] s32`` (zero;
+    aliased to ``flag``: ``input_output_aliases={2: 1}``). Results: ``out
+    [outer, n, inner] u16`` (exact bf16 bits; NaN where bf16 cannot hold one),
+    ``flag [1] s32``. Attributes: ``format`` (2 or 3), ``n`` int64.
+``moe_ep_dequantize_bf16_gather``
+    ``moe_ep_dequantize_bf16_gather``. Operands: ``data [T, codes] u8``, ``scale [T, scales] u8``, ``route [C] s32``
+    (-1: none), ``flag_in [1] s32`` (``input_output_aliases={3: 1}``). Results:
+    ``out [C, n] u16`` (row i: token ``route[i] / num_topk``'s exact bf16 bits;
+    zero for -1), ``flag [1] s32``. Attributes: ``format`` (2 or 3), ``n`` int64,
+    ``num_topk`` int64.
+``moe_ep_plan_routes``
+    ``moe_ep_plan_routes``. Operands: ``topk_idx [T, K] s32``. Results:
+    ``send_route [T*K] s32``, ``route_pos [T*K] s32``, ``route_expert [T*K] s32``,
+    ``counts [E+1] s32`` (``counts[E]``: ids outside ``[-1, E)``). Attributes:
+    ``num_experts`` int64.
+``moe_ep_permute_rows``
+    ``moe_ep_permute_rows``. Operands: ``tokens [T, ...]`` any whole-byte dtype,
+    ``send_route [R] s32``. Results: ``dst [R, ...]`` (``dst[i] =
+    tokens[send_route[i] / K]``, zero row for -1). Attributes: ``num_topk`` int64.
+``moe_ep_combine_reduce``
+    ``moe_ep_combine_reduce`` (with ``route_pos``). Operands: ``rows [R, H] f32
+    or bf16``, ``route_pos [T*K] s32``. Results: ``out [T, H] f32`` (slot order
+    from +0; -1 adds nothing). Attributes: ``num_topk`` int64, ``round_trip``
+    int32 (0, or 2 / 3: each f32 row through that format's round trip first).
+``moe_ep_combine_reduce_encode``
+    ``moe_ep_combine_reduce_encode``. Operands: ``rows [R, H] f32 or bf16``, ``route_pos [T*K] s32``, ``error []
+    bool``. Results: ``data``, ``scale``: the ``[T, H]`` sums encoded in
+    ``out_format``, all NaN when ``error`` (bf16 ``[T, H] u16`` and ``[T, 0]``;
+    mxfp8 ``[T, H] u8`` and ``[T, ceil(H/32)] u8``; nvfp4 ``[T, ceil(H/2)] u8``
+    and ``[T, ceil(H/16)] u8``). Attributes: ``num_topk`` int64, ``round_trip``
+    int32, ``out_format`` int32.
+``moe_ep_slot_sum``
+    ``moe_ep_combine_reduce`` (``route_pos`` NULL). Operands: ``rows [T*K, H]
+    f32`` (row ``t*K+k``: token t's slot k). Results: ``out [T, H] f32``.
+    Attributes: ``num_topk`` int64.
+``moe_ep_expert_forward``
+    ``moe_ep_layer_experts_forward`` (a cached layer object). Operands: ``x [C,
+    H]``, ``w [C] f32``, ``fc1 [E_local, H, 2I]``, ``fc2 [E_local, I, H]`` (``x``,
+    ``fc1``, ``fc2``: the layer's operand dtype, f32 or bf16), ``group_sizes
+    [E_local] s32``. Results: ``y [C, H]`` after ``combine_format``'s round trip
+    (f32, or bf16 when ``combine_format`` is 1), ``fc1_c [C, 2I] bf16`` (the
+    stash; ``[0, 2I]``: none written). Attributes: ``apply_topk_in_fc1`` bool,
+    ``has_clamp`` bool, ``gate_up_clamp`` float, ``intermediate_format`` int32,
+    ``combine_format`` int32, ``backward_operand_format`` int32 (0 exact, 1 bf16:
+    the backward's operands; the forward passes it too, so both share one layer).
+``moe_ep_expert_backward``
+    ``moe_ep_layer_experts_backward`` (a cached layer object). Operands: ``x``,
+    ``w``, ``fc1``, ``fc2`` (as forward), ``fc1_c [C, 2I] bf16``, ``dy [C, H] f32
+    or bf16``, ``group_sizes``. Results: ``dx [C, H] f32``, ``dw [C] f32``, ``dfc1
+    [E_local, H, 2I]``, ``dfc2 [E_local, I, H]``: both f32, or both bf16 with bf16
+    operands (``MOE_EP_BACKWARD_WEIGHT_GRADS_BF16``: the f32 gradients rounded to
+    nearest even by the layer). Attributes: as forward (``combine_format`` only
+    picks the layer object).
+
+Besides the targets the extension exposes ``registrations(platform)``,
+``platforms()``, ``abi_version()`` / ``HEADER_ABI_VERSION``, ``has_cuda()``,
+``build_info()`` and ``layer_cache_info()``.
 
 Nothing here imports jax or the extension until asked (:func:`extension`,
 :func:`register`).
