@@ -85,3 +85,22 @@ def test_training_example_loss_decreases():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "decreased" in proc.stdout.splitlines()[-1]
+
+
+def test_a_backend_whose_torch_layer_cannot_load_is_unavailable_not_an_import_error(monkeypatch):
+    """MoeEpLayer's backend lookup turns a torch layer that fails to load (a missing module,
+    a native library of another ABI) into BackendUnavailableError naming the backend and the
+    cause, as `moe-ep` reports an unavailable backend."""
+    from moe_ep_spec import BackendUnavailableError, NativeError
+    from moe_ep_torch import module
+
+    for exc in (ImportError("No module named 'moe_ep_native'"), NativeError("libmoe_ep_native ABI version must be 9")):
+        class Broken:
+            def torch_layer(self, host_sync, exc=exc):
+                raise exc
+
+        monkeypatch.setattr(module, "get_backend", lambda name, require_available=False: Broken())
+        with pytest.raises(BackendUnavailableError) as info:
+            module._torch_layer("cuda-nccl", None)
+        assert info.value.name == "cuda-nccl" and str(exc) in info.value.reason, info.value
+        assert str(info.value).startswith("MoeEp backend 'cuda-nccl' is not available: its torch layer did not load: ")

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_ep_spec.config import MoeEpConfig
-from moe_ep_spec.errors import ConfigError, DTypeError
+from moe_ep_spec.errors import BackendUnavailableError, ConfigError, DTypeError, NativeError
 from moe_ep_spec.formats import MoeFormat, parse_format
 from moe_ep_spec.registry import get_backend
 
@@ -55,7 +55,9 @@ def _torch_layer(backend: str, host_sync: Optional[bool]) -> Any:
     """The functional layer of the torch-based backend ``backend``: this
     package's own for ``torch``, else what the backend registered under that
     name in :mod:`moe_ep_spec.registry` returns from its ``torch_layer``
-    (``host_sync`` None: the backend's default path)."""
+    (``host_sync`` None: the backend's default path). Raises BackendUnavailableError
+    when that layer cannot load here (a missing package, a native library that does not
+    load), naming the backend and the cause."""
     if backend == "torch":
         return TorchBackend().torch_layer(True if host_sync is None else host_sync)
     impl = get_backend(backend, require_available=False)
@@ -66,7 +68,10 @@ def _torch_layer(backend: str, host_sync: Optional[bool]) -> Any:
             field="backend",
             value=backend,
         )
-    return impl.torch_layer(host_sync)
+    try:
+        return impl.torch_layer(host_sync)
+    except (ImportError, OSError, NativeError) as exc:  # its framework side or native library did not load
+        raise BackendUnavailableError(backend, f"its torch layer did not load: {type(exc).__name__}: {exc}") from exc
 
 
 class MoeEpLayer(torch.nn.Module):
