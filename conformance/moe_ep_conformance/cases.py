@@ -50,6 +50,49 @@ OPERATIONS = (
 #: Every error class of spec section 12 that an input can cause is tried on every
 #: operation that takes that input (the forward's kinds are unprefixed; the others
 #: carry their operation's prefix).
+#: How each kind breaks its argument (on the last rank; "E_local + 1" etc. name the
+#: broken size; the dispatch's and the backward's kinds repeat the forward's with
+#: their prefix):
+#:
+#: - ``activation`` (dispatch: ``tokens``): ``activation_shape``,
+#:   ``dispatch_tokens_shape`` ``[T, H + 1]``; ``activation_dtype``,
+#:   ``dispatch_tokens_dtype`` float64; ``activation_wrong_axis`` mxfp8 blocked along
+#:   axis 0 (FormatError); ``block_scale_mismatch`` the scale lost its last block
+#:   column; ``dispatch_mixed_encodings`` float16 on one rank, bfloat16 on the others.
+#: - ``fc1_weight``: ``weight_shape`` ``E_local + 1`` experts; ``weight_dtype``
+#:   float64; ``weight_wrong_axis`` blocked along 2I; ``weight_block_scale_mismatch``.
+#: - ``fc2_weight``: ``fc2_weight_shape`` ``[E_local, I + 1, H]``; ``fc2_weight_dtype``
+#:   int32.
+#: - ``topk_idx``: ``topk_idx_shape`` ``[T, K + 1]``; ``topk_idx_dtype`` float32;
+#:   ``expert_id_too_high`` (``num_experts``), ``expert_id_below_minus_one`` (-2),
+#:   ``expert_id_wraps_int32`` (int64 ``2^32 + 1``, 1 after a narrowing cast).
+#: - ``topk_weights``: ``topk_weights_shape`` ``[T, K + 1]``; ``topk_weights_dtype``
+#:   int32; ``topk_weights_float64``.
+#: - backward ``grad_output``: ``backward_grad_shape`` ``[T, H + 1]``,
+#:   ``backward_grad_dtype`` float64. ``fc1_c``: ``backward_stash_rows`` one row too
+#:   many (``route_metadata`` too), ``backward_stash_width`` ``2I + 1`` columns,
+#:   ``backward_stash_dtype`` float32, ``backward_stash_mismatch`` the stash of the
+#:   last rank's tokens rotated by one (same rows, other metadata). ``route_metadata``:
+#:   ``backward_route_metadata_shape`` 3 columns, ``backward_route_metadata_dtype``
+#:   int64.
+#: - combine ``expert_out``: ``combine_expert_out_shape`` one row too many,
+#:   ``combine_expert_out_dtype`` float64.
+#: - dispatch_backward: ``dispatch_backward_grad_shape`` ``[R, H + 1]``,
+#:   ``dispatch_backward_grad_weights_shape`` ``[R + 1]``;
+#:   ``dispatch_backward_grad_tokens_dtype``, ``dispatch_backward_grad_dtype`` float64.
+#: - combine_backward ``grad_output``: ``combine_backward_grad_shape`` ``[T + 1, H]``,
+#:   ``combine_backward_grad_dtype`` float64.
+#: - every world argument: ``world_size``, ``dispatch_world_size``,
+#:   ``backward_world_size``, ``combine_world_size``: one entry fewer than ``num_ranks``.
+#: - limits: ``too_many_tokens`` ``T = max_tokens_per_rank + 1`` (both layouts; the
+#:   backward's stash from a configuration without the bound);
+#:   ``recv_capacity_overflow`` ``recv_capacity = expert_alignment``;
+#:   ``recv_capacity_short`` one aligned row below the plan (the backward's stash has
+#:   the plan's rows, so only the capacity check can answer).
+#: - ``MoeEpConfig`` itself (ConfigError, never calling the backend):
+#:   ``hidden_not_divisible`` (40, mxfp8 output), ``hidden_not_mxfp8_multiple`` (48),
+#:   ``combine_hidden_not_nvfp4_multiple`` (40), ``intermediate_not_mxfp8_multiple``
+#:   (48), ``intermediate_not_nvfp4_multiple`` (40).
 BAD_INPUTS: Dict[str, Tuple[str, str]] = {
     "activation_shape": ("forward", "ShapeError"),
     "activation_dtype": ("forward", "DTypeError"),

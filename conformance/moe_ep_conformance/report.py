@@ -173,6 +173,23 @@ class Report:
     # ------------------------------------------------------------------ JSON
 
     def to_json(self) -> Dict[str, Any]:
+        """The ``--report-json`` report, schema ``moe-ep-conformance/1``: ``schema``;
+        ``python``; ``environment`` (the variables of the header); ``backends``
+        (``{name: {version, distribution, launch, devices, capabilities,
+        framework_versions}}``, ``capabilities`` as ``Capabilities.as_dict()``);
+        ``summary`` (``{name: {passed, failed, skipped, xfailed, xpassed}}``);
+        ``details`` (``{name: {duration_s, worst_passing, worst_below_a_step, slowest,
+        skip_reasons}}``); ``plugin_failures``; ``stale_expectations`` (``[{pattern,
+        source, reason}]``); and ``cases``, one object per test that ran, in run
+        order (:meth:`Record.as_dict`): ``id`` (the test id), ``backend``, ``case``
+        (the case id), ``params`` (every axis of ``Case.params``), ``outcome``
+        (``passed``, ``failed``, ``skipped``, ``xfailed``, ``xpassed``), ``reason``
+        (the skip reason, the first failure's message, or an xfailed case's
+        expectation reason), ``error_over_budget``, ``max_abs_error``,
+        ``tolerance_factor``, ``duration_s`` and ``checks`` (``[{name, ok,
+        error_over_budget, max_abs_error}]``; the messages are in the terminal
+        output). Non-finite numbers are the strings ``"inf"`` and ``"nan"``, so the
+        file is strict JSON."""
         return {
             "schema": "moe-ep-conformance/1",
             "python": platform.python_version(),
