@@ -35,6 +35,7 @@ __all__ = [
     "EXIT_CODES",
     "Parser",
     "build_parser",
+    "check_input_file",
     "check_output_file",
     "main",
     "non_negative_float",
@@ -43,6 +44,7 @@ __all__ = [
     "positive_int",
     "require_backend",
     "run_parsed",
+    "unavailable_reason",
 ]
 
 COMMANDS_GROUP = "moe_ep_spec.commands"
@@ -149,18 +151,24 @@ def require_backend(name: Optional[str]) -> MoeEpBackend:
     from .errors import BackendUnavailableError
 
     backend = get_registry().get_backend(name, require_available=False)
-    for check in (backend.quick_availability, backend.availability):
-        availability = _availability_of(check)
-        if not availability:
-            raise BackendUnavailableError(backend.name, availability.reason)
+    reason = unavailable_reason(backend)
+    if reason is not None:
+        raise BackendUnavailableError(backend.name, reason)
     return backend
 
 
-def _availability_of(check: Any) -> Availability:
-    try:
-        return check()
-    except Exception as exc:  # noqa: BLE001 - a plugin that breaks its contract is reported, not raised
-        return Availability(False, f"its availability check raised {type(exc).__name__}: {exc}")
+def unavailable_reason(backend: MoeEpBackend) -> Optional[str]:
+    """Why ``backend`` cannot run here, or None when it can: its quick check (what is
+    installed) first, then the full one; a check that raises is a reason too (a plugin
+    that breaks its contract is reported, never raised)."""
+    for check in (backend.quick_availability, backend.availability):
+        try:
+            availability = check()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            return f"its availability check raised {type(exc).__name__}: {exc}"
+        if not availability:
+            return availability.reason
+    return None
 
 
 @dataclass(frozen=True)

@@ -266,16 +266,11 @@ def _unavailable(backend: Any) -> Optional[str]:
     without importing torch here (its rank processes call the backend's own
     availability check before any job); every other backend is asked, its quick
     check (what is installed) first."""
+    from moe_ep_spec.cli import unavailable_reason
+
     if backend.name == "torch":
         return None if importlib.util.find_spec("torch") is not None else "torch is not installed (pip install torch)"
-    for check in (backend.quick_availability, backend.availability):  # what is installed first: a quick no
-        try:
-            availability = check()
-        except Exception as exc:  # noqa: BLE001 - a plugin that breaks its contract is left out, with the reason
-            return f"its availability check raised {type(exc).__name__}: {exc}"
-        if not availability:
-            return availability.reason
-    return None
+    return unavailable_reason(backend)
 
 
 def run(args: argparse.Namespace) -> int:
