@@ -215,6 +215,8 @@ MOE_EP_API moe_ep_status moe_ep_dequantize_bf16_gather(moe_ep_device device, voi
  *                 number of expert ids outside [-1, num_experts) (input errors:
  *                 such slots are not routed; the caller raises).
  * 1 <= num_experts <= 2^30, num_topk >= 1, num_tokens * num_topk <= 2^31 - 2.
+ * CUDA: deterministic, no workspace; one block for small plans, three multi-block kernels
+ * for large ones (MOE_EP_PLAN_ROUTES=single|multi forces one, for tests and timing).
  */
 MOE_EP_API moe_ep_status moe_ep_plan_routes(moe_ep_device device, void* stream, const int32_t* topk_idx,
                                             int64_t num_tokens, int64_t num_topk, int64_t num_experts,
