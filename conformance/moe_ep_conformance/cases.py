@@ -203,41 +203,67 @@ PLAIN_FORMATS = ("fp32", "bf16", "fp16")
 class Case:
     """One conformance case.
 
+    Its :attr:`id` names the value of every axis (the id part of each below), an
+    axis at its base value left out where it says "absent"; the test id adds the
+    operation and the backend, ``{op}[{backend}-{case id}]``.
+
     Attributes:
         op: one of :data:`OPERATIONS`.
-        num_ranks, num_topk, num_experts, hidden, intermediate: the layer shape.
-        output_format, combine_format, intermediate_format: the config formats.
-        input_format: the activation's encoding (``fp32``, ``bf16``, ``mxfp8``,
-            ``nvfp4``); weight_format: both weights' encoding.
-        routing: one of ``uniform``, ``skewed``, ``one_rank``, ``unused_mixed``,
-            ``all_unused``, ``repeated`` (uniform, then the last slot of every
-            token repeats its slot 0: a forced duplicate expert).
-        tokens: ``even`` (6 per rank), ``uneven`` (5, 2, 7, 3 ...),
+        num_ranks, num_topk, num_experts: the EP size (``ep{n}``: 1 to 4), top-k
+            (``k{K}``: 1 to 8) and experts (``e{E}``: 1 to 320, int64 ids above
+            255; local experts 1, 2, 3, 8 and others that are not powers of two).
+        hidden, intermediate: ``h{H}-i{I}`` (absent for 64 and 32): hidden 32 to
+            2560 (48 and 72 for block edges and partial input blocks),
+            intermediate 16 to 512.
+        output_format, combine_format, intermediate_format: the config formats,
+            ``out_{fmt}``, ``comb_{fmt}``, ``int_{fmt}`` (absent when None):
+            ``bf16``, ``mxfp8``, ``nvfp4`` (intermediate also None).
+        input_format: the activation's encoding, weight_format: both weights'
+            (``in_{enc}``, ``wt_{enc}``): ``fp32``, ``bf16``, ``fp16`` (plain
+            arrays), ``mxfp8``, ``nvfp4``.
+        routing (as is): ``uniform`` (K distinct experts), ``skewed`` (slot 0
+            always expert 0), ``one_rank`` (every route to rank 0),
+            ``unused_mixed`` (about a third of the slots -1), ``all_unused``,
+            ``repeated`` (the last slot of every token repeats its slot 0's
+            expert: a forced duplicate), ``id_edges`` (slot 0 expert
+            ``num_experts - 1``, slot 1 expert 0, every third token's last slot -1).
+        tokens (as is): ``even`` (6 per rank), ``uneven`` (5, 2, 7, 3 ...),
             ``zero_rank`` (rank 0 has none, the others 4), ``full`` (every rank
             ``max_tokens`` = ``max_tokens_per_rank``) or ``zero_full`` (rank 0
             none, the others ``max_tokens``).
-        weights_in: ``fc1`` (apply_topk_in_fc1) or ``fc2``.
-        clamp: gate_up_clamp ``clamp_limit`` (0.75 is hit by about half the values) or none.
-        layout: ``dynamic`` or ``static`` (recv_capacity = the worst case,
-            expert_alignment = 4).
-        bad: for ``bad_input``, a key of :data:`BAD_INPUTS`.
+        weights_in: ``fc1`` (apply_topk_in_fc1) or ``fc2`` (``w_fc1``, ``w_fc2``).
+        clamp: gate_up_clamp ``clamp_limit`` (0.75 is hit by about half the
+            values) or none (``clamp``, ``clamp{L}``, ``noclamp``).
+        layout: ``dynamic`` (recv_capacity None) or ``static`` (recv_capacity =
+            ``worst_case_recv_rows()``, expert_alignment = 4).
+        capacity: ``exact`` (id ``cap_exact``): a static layout whose
+            recv_capacity is the aligned rows the plan needs, exactly.
+        bad: for ``bad_input``, a key of :data:`BAD_INPUTS` (id ``bad_{kind}``).
         router_format: ``fp32``, ``bf16`` or ``fp16``: the dtype of ``topk_weights``
-            (named in the id only when not float32: ``tw_bf16``).
-        values: ``random``; ``edges`` (combine only: expert outputs whose
-            blocks sit on mxfp8 scale boundaries and nvfp4 ties; id ``edges``);
-            ``large`` (activations times 2^6: FC1 outputs in the hundreds, so
-            SiLU sees large |g|, and outputs in the ten thousands, above the
-            largest nvfp4 block (6 * 448); id ``large``).
+            (id ``tw_{dtype}``, absent for float32).
+        values (absent for ``random``): ``edges`` (combine only: every mxfp8
+            block's maximum a few float32 ulps above ``448 * 2^k`` with elements
+            in the E4M3 subnormal range, every nvfp4 block's maximum ``6 * s``
+            with its other elements E2M1 midpoints times ``s``); ``large``
+            (activations times 2^6: FC1 outputs in the hundreds, so SiLU sees
+            large |g|, and outputs in the ten thousands, above the largest nvfp4
+            block (6 * 448)); ``clamp_edges`` (one-hot activations and float32 FC1
+            weights made of +-L, their float32 and bf16 neighbours, L/2, 2L and 0,
+            so that every gate and up value sits on a clamp edge exactly: forward
+            and backward, both placements, L = 0.75 and 0.7); ``bf16_ties``
+            (one-hot activations and cotangents, gate 32, router weights 1.5, up
+            and FC2 entries ``(1 + k * 2^-7) * 2^p``, so that most of ``w * h``
+            and of ``dc`` lie on bf16 rounding ties; the backward in both modes).
         max_tokens: ``max_tokens_per_rank`` (id ``mt{N}`` when not 8).
         clamp_limit: the clamp L when ``clamp`` (id ``clamp{L}`` when not 0.75).
         cotangent: dtype of every cotangent and of combine's ``expert_out``:
             ``fp32``, ``bf16`` or ``fp16`` (id ``ct_...`` when not float32).
         index_format: ``int32`` or ``int64`` ``topk_idx`` (id ``id_int64``).
-        strided: every plain input array (and cotangent) is a non-contiguous
-            view (id ``strided``).
+        strided: every array handed to the backend (inputs, cotangents, the
+            stash, the codes and scales of block-scaled tensors) is a
+            non-contiguous view (id ``strided``).
+        backward_operand_format: None or ``bf16`` (id ``bop_bf16``).
         quick: part of the ``--quick`` subset.
-        full_only: a realistic-size case, never part of ``--quick`` (documents
-            intent; ``quick`` is False for it).
     """
 
     op: str
