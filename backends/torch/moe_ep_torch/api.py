@@ -323,15 +323,17 @@ class LayerOps:
         """The MoeEp layer on this rank (collective over ``group``).
 
         Args:
-            activation: ``[T, H]`` float32/float16/bfloat16 (differentiable), or a
+            activation: ``[T, H]`` float32/float16/bfloat16 (differentiable): this
+                rank's tokens (T may differ per rank and may be 0), or a
                 :class:`~moe_ep_torch.formats.TorchBlockScaled` blocked along H.
-            fc1_weight: ``[E_local, H, 2I]`` float (differentiable), or a
+            fc1_weight: ``[E_local, H, 2I]`` float (differentiable): FC1 of this
+                rank's experts, gate columns first, or a
                 TorchBlockScaled of the transposed weight ``[E_local, 2I, H]``
                 blocked along H.
             fc2_weight: ``[E_local, I, H]`` float (differentiable), or a
                 TorchBlockScaled of ``[E_local, H, I]`` blocked along I.
-            topk_idx: ``[T, K]`` int32/int64 in ``[-1, E)``; -1 marks an unused slot.
-            topk_weights: ``[T, K]`` float (differentiable), read as float32.
+            topk_idx: ``[T, K]`` int32/int64 in ``[-1, E)``: global expert ids; -1 marks an unused slot.
+            topk_weights: ``[T, K]`` float (differentiable): router weights, read as float32.
             config: the layer; ``config.num_ranks`` must equal the group's size.
             group: the process group (default: the world).
 
