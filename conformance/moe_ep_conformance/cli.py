@@ -21,31 +21,48 @@ def add_command(subparsers: Any) -> None:
         "mistake (a bad option, a backend that cannot run here, a missing file, a -k that selects no case), "
         "3 an internal error, 130 interrupted.",
     )
-    p.add_argument("--backend", action="append", metavar="NAME", help="backend to test (repeatable)")
+    p.add_argument("--backend", action="append", metavar="NAME",
+                   help="backend to test (repeatable; default: every registered backend whose availability() is "
+                        "true). An unknown or unavailable name, or one whose plugin failed to import, stops before "
+                        "any test with the registered names, the reason or the import error (exit 2)")
     p.add_argument("--ep-size", action="append", type=positive_int, metavar="N",
                    help="only this EP size (repeatable; the quick and the full table have EP sizes 1 to 4)")
     p.add_argument("-k", dest="keyword", metavar="EXPR",
-                   help="pytest -k expression over the test ids; one that selects no case is a usage error (exit 2)")
-    p.add_argument("--quick", action="store_true", help="the representative subset only")
+                   help="pytest -k expression over the test ids (substrings joined with and, or, not, parentheses, "
+                        "e.g. 'dispatch and ep2', 'out_nvfp4 and not bad_input', or a whole test id); one that "
+                        "selects no case is a usage error (exit 2)")
+    p.add_argument("--quick", action="store_true",
+                   help="the representative subset only: a covering array of the kernel-relevant axes at realistic "
+                        "sizes, and every operation")
     p.add_argument("--coverage", action="store_true",
                    help="print which pairs of axis values the selected table (--quick, --ep-size) covers, which "
                         "cannot be built and why, and which are missing; run nothing")
-    p.add_argument("--report-json", metavar="PATH", help="write the JSON report (every case)")
+    p.add_argument("--report-json", metavar="PATH",
+                   help="write the JSON report (every case); relative paths are from the current directory, and a "
+                        "path that cannot be written stops before any test (exit 2), as for --report-md")
     p.add_argument("--report-md", metavar="PATH", help="write the markdown report (one table per backend)")
-    p.add_argument("--xfail-file", action="append", metavar="PATH", help="expected failures file (repeatable)")
-    p.add_argument("--tolerance-file", action="append", metavar="PATH", help="tolerance overrides file (repeatable)")
+    p.add_argument("--xfail-file", action="append", metavar="PATH",
+                   help="expected failures file, one test-id pattern a line (repeatable)")
+    p.add_argument("--tolerance-file", action="append", metavar="PATH",
+                   help="tolerance overrides file, 'PATTERN FACTOR' a line (repeatable)")
     p.add_argument("--timeout", type=positive_float, default=120.0, metavar="SECONDS",
                    help="seconds one call of a process-per-rank backend may take before its rank processes are "
                         "stopped; with --isolate, also each case's limit (default 120)")
     p.add_argument("--device", choices=("cpu", "cuda", "cuda-shared"), default="cpu",
                    help="where process-per-rank backends run their ranks (cuda: rank r on cuda:r; cuda-shared: every "
-                        "rank on cuda:0, for backends whose ranks can share one GPU)")
-    p.add_argument("--isolate", action="store_true", help="run world backends' cases in their own processes")
+                        "rank on cuda:0, for backends whose ranks can share one GPU, such as cuda-nccl with "
+                        "MOE_EP_CUDA_NCCL_EXCHANGE=device: NCCL refuses two ranks on one GPU); world backends "
+                        "ignore it")
+    p.add_argument("--isolate", action="store_true",
+                   help="run world backends' cases in their own processes, so that one that hangs or crashes "
+                        "fails its case instead of stopping the run")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="list every test")
-    p.add_argument("--junitxml", metavar="PATH", help="also write JUnit XML")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="list every test with its outcome (-vv: more)")
+    p.add_argument("--junitxml", metavar="PATH", help="also write JUnit XML (test names are the suite's test ids)")
     # Fuzz mode (fuzz.py): drawn cases instead of the table.
-    p.add_argument("--fuzz", type=int, metavar="N", help="draw N random cases (shrinks a failure, prints its command)")
+    p.add_argument("--fuzz", type=int, metavar="N",
+                   help="instead of the table, draw N random cases over the space the spec allows (a failure is "
+                        "shrunk and printed with the command that reproduces it; the same seed draws the same cases)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="the fuzz seed (default 0)")
     p.add_argument("--fuzz-case", metavar="JSON", help="run exactly this fuzz case (as a fuzz failure prints it)")
     p.set_defaults(func=run)
