@@ -52,8 +52,11 @@ a peer that never arrived raises ``TransportError``. The backward compares the
 stash's ``route_metadata`` with its own dispatch's and raises ``StashError`` on
 every rank (one more small all-gather) after the stages, so every rank has run them.
 
-Layers of an earlier configuration are closed at the first call of another one,
-after its host collective (every rank is then past its last stage of them).
+Handles hold the routing, not device state; a handle of the NCCL mode is refused
+with ``MoeEpError``. There is one exchange layer per configuration, device, operand
+dtype and token bytes; layers of an earlier configuration are closed at the first
+call of another one, after its host collective (every rank is then past its last
+stage of them).
 """
 
 from __future__ import annotations
