@@ -232,6 +232,15 @@ class Report:
     # -------------------------------------------------------------- markdown
 
     def to_markdown(self) -> str:
+        """The ``--report-md`` report: the plugins that failed to load; one section
+        per backend with its metadata, totals, time, worst passing and slowest case,
+        one table, the failures (every failed and xpassed test id with the first line
+        of its reason) and the skip reasons; then the stale expectations. The table's
+        rows are operations, its columns the (EP size, output format) pairs; a cell
+        is ``passed/failed/skipped``, then `` (N xf)`` for expected failures, then
+        `` · W``, the worst error/budget (``inf`` for a structural failure or a
+        non-zero error where the budget is 0), e.g. ``6/0/0 · 0.41``; an xpassed case
+        counts as failed, and a cell with a failure is bold (``**4/1/0 · inf**``)."""
         out: List[str] = ["# MoeEp conformance report", ""]
         if self.plugin_failures:
             out.append("## Plugins that failed to load")

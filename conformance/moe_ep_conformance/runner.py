@@ -59,6 +59,9 @@ class CaseResult:
         checks: every :class:`Check`.
         duration_s: wall time of the case, reference included.
         tolerance_factor: the budget multiplier applied (1 unless overridden).
+
+    :attr:`failures` are the checks that failed; :meth:`describe` is the report
+    a failed test prints.
     """
 
     test_id: str
