@@ -2,12 +2,17 @@
 
 Host synchronisation: exactly one per plan. Every rank all-gathers a small
 int64 vector (its routes per destination rank and local expert, an input-error
-code and a configuration fingerprint) and copies the gathered table to the host
-once. From that table every rank knows every send and receive count, every
-expert's row count, whether any rank's input was rejected, whether the ranks
-agree on the configuration and whether any rank's received rows overflow
-``recv_capacity``; all ranks therefore raise the same error together instead
-of leaving the others blocked in a collective. (An all-gather of the counts
+code and fingerprints of the configuration and of the input encodings) and
+copies the gathered table to the host once. From that table every rank knows
+every send and receive count, every expert's row count, whether any rank's input
+was rejected, whether the ranks agree on the configuration and the encodings and
+whether any rank's aligned received rows overflow ``recv_capacity``; all ranks
+therefore raise the same error together instead of leaving the others blocked
+in a collective: the offending rank's class on every rank ("rank r rejected its
+inputs" on the others), ``ConfigError`` when the configurations differ,
+``DTypeError`` when the encodings do, ``CapacityError`` for an overflow. A
+process group whose size differs from ``num_ranks`` is rejected before any
+collective. (An all-gather of the counts
 rather than an all-to-all: it costs ``num_ranks`` times a few hundred bytes and
 buys these consistent errors.) The payloads then move with one
 ``all_to_all_single`` of packed byte rows per direction; nothing else waits for
