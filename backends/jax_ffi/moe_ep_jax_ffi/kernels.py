@@ -9,10 +9,21 @@ runs on CUDA GPUs and the extension was built with ``MOE_EP_NATIVE_CUDA=ON``.
 Inputs reach the handlers as the C ABI wants them:
 
 - the expert steps run the native layer object's stages (one layer per
-  configuration, device and operand dtype, cached in the extension): when the
-  rows and both weights are plain bfloat16 they go as they are (operand dtype
-  bf16: tensor-core GEMMs on CUDA), else all three are decoded to float32;
-  the forward returns the bf16 stash itself as ``c``;
+  configuration, device and operand dtype, cached in the extension), the
+  forward returning the bf16 stash itself as ``c``. Their operands, by the
+  inputs' encodings (activation / weights):
+
+  - bf16 / bf16: bf16 as they are; on CUDA the tensor cores (the FC2 operand one
+    bf16 plane with ``intermediate_format`` bf16 or nvfp4, else three; the
+    float32 cotangent as three planes);
+  - float32, float16, or mixed: float32 (exact ``astype``), the float32 kernels;
+  - mxfp8 / nvfp4 with the rest bf16 or block-scaled: bf16 from
+    ``moe_ep_dequantize_bf16`` (exact, or NaN and a flag where bf16 cannot hold
+    a value), the tensor cores; when the flag is set (mxfp8 scale codes 0 to 2
+    only) ``lax.cond`` takes float32 operands (``moe_ep_dequantize``) and the
+    float32 kernels, so the result never depends on a rounded value;
+  - mxfp8 / nvfp4 with a float32 or float16 input: float32
+    (``moe_ep_dequantize``), the float32 kernels;
 - plain float16/bfloat16/float32 tensors are converted to float32 with
   ``astype`` (exact) where float32 is wanted;
 - :class:`moe_ep_jax.formats.BlockScaled` tensors are decoded by the native
