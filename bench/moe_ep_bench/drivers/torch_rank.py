@@ -5,7 +5,10 @@ from the parent so every backend and baseline moves the same rows), then times
 every job: warm-up calls, then ``repeats`` calls, each one after a host barrier
 of all ranks and a device synchronisation, timed with CUDA events on the
 default stream (CUDA) or ``time.perf_counter`` (CPU, where torch ops and gloo
-collectives return when done). Input sets are used in turn.
+collectives return when done). Input sets are used in turn. With several GPU
+ranks a one-element NCCL all-reduce starts them together, and a ~1 ms GPU spin
+lets the host queue the call's first kernels before the start event: the host's
+launch latency is excluded, any wait of the call on the host included.
 """
 
 from __future__ import annotations
