@@ -1,9 +1,10 @@
 """Where the time of one cuda-nccl layer goes, on one GPU (EP 1): CUDA-event
 times of forward and forward+backward, and the top kernels of each under
 torch.profiler, for the exact (float32) FC2 operand and for a bf16
-intermediate_format.
+intermediate_format, in either backward operand mode.
 
     python scripts/probes/layer_profile.py --tokens 4096      # the DeepSeek-V3 per-rank shape by default
+    python scripts/probes/layer_profile.py --mode device --intermediate-format bf16 --backward-operand-format bf16
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def main() -> None:
                         help="also one forward's kernels in launch order: start after the call's first kernel, "
                              "duration and the idle gap before each (the call queued behind a GPU sleep, as the "
                              "bench times it)")
+    parser.add_argument("--backward-operand-format", choices=("none", "bf16"), default="none",
+                        help="the layers' backward_operand_format (bf16: the training stacks' rounding, four bf16 "
+                             "grouped GEMMs and bf16 weight gradients)")
     parser.add_argument("--intermediate-format", action="append", default=None,
                         help="repeatable; 'none' for the exact float32 FC2 operand (default: none and bf16)")
     args = parser.parse_args()
@@ -94,6 +98,7 @@ def main() -> None:
         inter = None if inter_name == "none" else inter_name
         config = MoeEpConfig(num_experts=e, hidden=h, intermediate=i, num_topk=k, num_ranks=1,
                              intermediate_format=inter, generate_c=True, output_format=fmt, combine_format=fmt,
+                             backward_operand_format=None if args.backward_operand_format == "none" else "bf16",
                              **extra)
 
         def fwd():
