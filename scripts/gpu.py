@@ -26,7 +26,14 @@ Every step is bounded in time (its default budget, or --timeout), writes the log
 its commands into the output folder (--out, else $OUT, else reports/gpu) as STEP-COMMAND.log,
 and prints one verdict line, "STEP VERDICT SECONDS s: REASON" with VERDICT one of PASS, FAIL
 or SKIP; the verdicts also go to verdicts.txt and, with the machine and the commit, to
-summary.json. A step that needs a GPU reports SKIP, with the reason, when there is none.
+summary.json (the commit, the GPUs, the budgets, every verdict). The REASON names each
+command with its log's last line (pytest's or the suite's summary) or why it failed or
+did not run, e.g. "test PASS 31.0 s: pytest-quick: 25 passed, 512 deselected in 24.7s".
+A step that needs a GPU reports SKIP, with the reason, when there is none (nvidia-smi -L),
+and build when there is no nvcc and no carried build; a command skips when its tool is
+missing (compute-sanitizer, moe_ep_gemm_check, a baseline for this card). A pytest run
+in which every test skipped is a FAIL on a GPU. tests/test_gpu_harness.py checks the
+selection, budgets, verdicts and skips on CPU.
 --quick runs a short variant of every step (about two minutes for build, test and
 conformance together). Exit status: 0 when no step failed, 1 when one did, 2 on a usage error.
 
