@@ -423,6 +423,16 @@ def test_the_h200_baseline_reads_and_matches_its_own_rows() -> None:
     assert C.compare(rows, rows).ok and C.compare(rows, rows).matched == len(rows)
 
 
+def test_the_h100_baseline_reads_and_holds_the_training_rows_of_both_backward_modes() -> None:
+    from moe_ep_bench import compare as C
+
+    rows = C.load(str(ROOT / "bench" / "baselines" / "h100.json"))
+    assert rows and all(e.ident["gpu"] == "NVIDIA H100 80GB HBM3" and e.ident["hidden"] == 7168 for e in rows)
+    training = {(e.ident["backend"], e.ident["tokens"]) for e in rows if e.ident["op"] == "forward_backward"}
+    assert {("cuda-nccl", 4096), ("jax-ffi", 4096), ("jax", 128), ("jax", 4096)} <= training
+    assert C.compare(rows, rows).ok and C.compare(rows, rows).matched == len(rows)
+
+
 @pytest.mark.skipif(not HAVE_TORCH, reason="the torch backend is not available")
 def test_a_rank_past_the_timeout_stops_the_run(tmp_path: Path) -> None:
     # The rank processes cannot even import torch within 0.2 s: every measurement is reported, none hangs.
