@@ -308,7 +308,7 @@ def _fused_bwd(spec, res, cts):  # type: ignore[no-untyped-def]
     (dy_buf,) = core.tokens_to_experts(spec, plan, lay, [ct_out])
     # bf16 weights: a provider that can write bf16 weight gradients itself (jax-ffi's native
     # layer, rounding in its GEMMs' epilogue) is asked to: no float32 weight gradient is
-    # written, and the astype below fuses with core.poison's select into its one bf16 pass.
+    # written, core.poison's select stays in bf16 and the astype below is a no-op.
     to_bf16 = getattr(spec.kernels, "with_bf16_weight_grads", None)
     bf16 = jnp.dtype(jnp.bfloat16)
     if to_bf16 is not None and all(not isinstance(t, F.BlockScaled) and jnp.dtype(t.dtype) == bf16 for t in (fc1, fc2)):
