@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--detail", action="store_true",
                         help="also the ops by input shape and by the Python lines that issued them (5 frames)")
     parser.add_argument("--timeline", action="store_true",
-                        help="also one forward's kernels in launch order: start after the call's first kernel, "
+                        help="also one call's kernels in launch order (forward, and forward+backward in bf16): start after the call's first kernel, "
                              "duration and the idle gap before each (the call queued behind a GPU sleep, as the "
                              "bench times it)")
     parser.add_argument("--backward-operand-format", choices=("none", "bf16"), default="none",
@@ -116,7 +116,8 @@ def main() -> None:
               f"({flops / times['forward'] / 1e9:.0f} TFLOP/s)"
               + (f", forward+backward {times['forward+backward']:.3f} ms" if len(runs) > 1 else ""), flush=True)
         if args.timeline:
-            print_timeline(fwd, profile, ProfilerActivity, torch)
+            for name, fn in runs:
+                print_timeline(name, fn, profile, ProfilerActivity, torch)
         for name, fn in runs:
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=args.detail,
                          with_stack=args.detail) as prof:
@@ -137,7 +138,7 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def print_timeline(fn, profile, activity, torch) -> None:
+def print_timeline(name, fn, profile, activity, torch) -> None:
     """One call of ``fn`` queued behind a ~1 ms GPU sleep (so the host's launches do not
     pace the GPU, as in the bench): each GPU kernel and copy in order with its start, duration and the
     idle gap before it (microseconds), then the totals."""
@@ -161,7 +162,7 @@ def print_timeline(fn, profile, activity, torch) -> None:
         print("-- timeline: no GPU events", flush=True)
         return
     t0, end, busy, gaps = float(gpu[0]["ts"]), float(gpu[0]["ts"]), 0.0, 0.0
-    print("-- timeline of one forward (us): start, duration, idle gap before, kernel", flush=True)
+    print(f"-- timeline of one {name} (us): start, duration, idle gap before, kernel", flush=True)
     for e in gpu:
         ts, dur = float(e["ts"]), float(e["dur"])
         gap = max(0.0, ts - end)
