@@ -552,6 +552,25 @@ def test_cuda_loopback_errors(world_size, mutate, mode) -> None:
 
 
 @cuda
+@pytest.mark.parametrize("plan", ["block", "grid"])
+@pytest.mark.parametrize("mutate", [None, "expert_id"], ids=["good", "expert_id"])
+@EXCHANGE_MODES
+def test_cuda_one_rank_plans_in_one_block_or_over_the_grid(plan, mutate, mode, monkeypatch) -> None:
+    # EP 1's two dispatch plans (MOE_EP_ONE_RANK_PLAN forces one; by default the block up to
+    # 4096 routes): the same rows, metadata and results as the static mode, and a bad id's NaN.
+    monkeypatch.setenv("MOE_EP_ONE_RANK_PLAN", plan)
+    config = FRONT.replace(num_ranks=1, num_experts=4, recv_capacity=48)
+    if mutate is None:
+        world, grads = _world(config, 21, (9,))
+        _compare(_ok(run_ranks(XW.device_matches_static, 1, config, world, grads, "slot", False, "cuda", mode,
+                               timeout=300)), exact_keys={"route_metadata"})
+        return
+    world, _ = _world(config, 6, (12,))
+    for res in _ok(run_ranks(XW.device_errors, 1, config, world, mutate, "cuda", mode, timeout=300)):
+        assert res["all_nan"] and res["error"] and res["good_is_finite"], res
+
+
+@cuda
 @EXCHANGE_MODES
 def test_cuda_loopback_peer_that_never_arrives_raises_transport_error(mode) -> None:
     world, _ = _world(FRONT, 7, (6, 6))

@@ -127,9 +127,15 @@ def _accumulate_into_main_grad(ops: LayerOps, backward_into: Callable[..., Tuple
         ctx.save_for_backward(activation, fc1, fc2, idx, weights, output[1])
         ctx.config_json = config_json
         ctx.group_name = group_name
+        # The stash and the metadata have no cotangent: not materialised as zeros (a [C, 2I] fill).
+        ctx.set_materialize_grads(False)
+        ctx.out_like = (tuple(output[0].shape), output[0].dtype)
 
-    def autograd_backward(ctx: Any, grad_out: Tensor, _grad_c: Any, _grad_meta: Any) -> Tuple[Any, ...]:
+    def autograd_backward(ctx: Any, grad_out: Optional[Tensor], _grad_c: Any, _grad_meta: Any) -> Tuple[Any, ...]:
         activation, fc1, fc2, idx, weights, fc1_c = ctx.saved_tensors
+        if grad_out is None:  # the output unused: its cotangent is zero
+            shape, dtype = ctx.out_like
+            grad_out = torch.zeros(shape, dtype=dtype, device=idx.device)
         m1, m2 = main_grad_of(fc1), main_grad_of(fc2)
         bf16 = torch.bfloat16
         if (m1 is None and m2 is None and bf16_weight_grads and activation.dtype == bf16 and fc1.dtype == bf16

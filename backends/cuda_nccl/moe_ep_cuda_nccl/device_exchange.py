@@ -240,6 +240,21 @@ def move(config: MoeEpConfig, group: Any, activation: Any, idx: torch.Tensor, we
     return layer, x_buf, recv_extra, w_buf, meta, gs, tpe, err
 
 
+def dispatch_again(layer: X.ExchangeLayer, config: MoeEpConfig, idx: torch.Tensor, weights: torch.Tensor,
+                   rows: torch.Tensor) -> torch.Tensor:
+    """One more dispatch (collective) of ``layer``'s routing ``idx`` ``[T, K]``, ``weights``
+    ``[T, K]``: the plain per-token ``rows`` (``[T, ...]``, at most the layer's token bytes
+    a row) into a new ``[C, ...]`` buffer of their dtype, padding rows zero. The layer's
+    state after it is the same as after the first (same routing, same plan)."""
+    t, k = int(idx.shape[0]), config.num_topk
+    rows = rows.contiguous()
+    out = torch.empty((int(config.recv_capacity),) + tuple(rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+    row_bytes = rows.element_size() * math.prod(rows.shape[1:])
+    dispatch_stage(layer, config, rows, row_bytes, idx.to(torch.int32).contiguous(),
+                   weights.float().reshape(t, k).contiguous(), out)
+    return out
+
+
 def dispatch_stage(layer: X.ExchangeLayer, config: MoeEpConfig, rows: torch.Tensor, row_bytes: int,
                    idx32: torch.Tensor, w32: torch.Tensor, x_rows: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """``layer``'s dispatch stage (collective): ``rows`` (``[T, ...]``, ``row_bytes`` bytes a
@@ -352,12 +367,22 @@ def backward_and_metadata(
             f"rank {dist.get_rank(group)}: fc1_c must have shape (recv_capacity, 2 * intermediate) = {want} "
             f"in the static mode; got {tuple(fc1_c.shape)}"
         )
-    layer, x_buf, (dy_buf,), w_buf, meta, gs, tpe, err, fc1_d, fc2_d = _dispatch(
-        prims, config, group, activation, fc1, fc2, idx, weights, [core.cotangent(grad_output)]
-    )
+    cot = core.cotangent(grad_output)  # bf16 or float32, dense
+    if isinstance(activation, torch.Tensor):
+        # Two dispatches of the same routing, the token rows then the cotangent rows: each
+        # received buffer is a GEMM operand as it lies. (One dispatch of packed rows moves the
+        # same bytes but leaves both parts interleaved in byte rows, two copies to take apart.)
+        layer, x_buf, _, w_buf, meta, gs, tpe, err, fc1_d, fc2_d = _dispatch(
+            prims, config, group, activation, fc1, fc2, idx, weights, []
+        )
+        dy_buf = dispatch_again(layer, config, idx, weights, cot)
+    else:
+        layer, x_buf, (dy_buf,), w_buf, meta, gs, tpe, err, fc1_d, fc2_d = _dispatch(
+            prims, config, group, activation, fc1, fc2, idx, weights, [cot]
+        )
     bf16, x, f1, f2 = operands(x_buf, fc1_d, fc2_d, host_check=False)
     rows, h = int(x.shape[0]), config.hidden
-    dy = dy_buf  # bf16 or float32 (core.cotangent), dense (unpack_rows copies)
+    dy = dy_buf  # [C, H] bf16 or float32, dense
     stash = fc1_c.to(torch.bfloat16).contiguous()
     dx = torch.empty((rows, h), dtype=torch.float32, device=x.device)
     dw = torch.empty((rows,), dtype=torch.float32, device=x.device)

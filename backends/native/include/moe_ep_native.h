@@ -717,6 +717,8 @@ MOE_EP_API moe_ep_status moe_ep_layer_set_peers_nccl(moe_ep_layer* layer, moe_ep
  *   out_tokens_per_expert: [E_local] int32 out, or NULL: routes per local expert.
  *   out_error:    [1] int32 out: the step's error bits, the same on every rank
  *                 (bad ids and overflow: rows that do not fit are dropped).
+ * CUDA, one rank: no exchange; the routes are planned in one block up to 4096 routes, over
+ * the grid beyond (MOE_EP_ONE_RANK_PLAN=block|grid forces one, for tests and timing).
  */
 MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream, int64_t num_tokens,
                                                int64_t row_bytes, const void* tokens, const int32_t* topk_idx,

@@ -37,6 +37,7 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -812,23 +813,45 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
 // What dispatch_send_grid writes at N = 1 (rank 0; no row moves), spread over one block as
 // one thread per route rather than one warp per token: every token's destination ranks and
 // rank list, the count-table row and every route's record (the same values).
-__device__ void dispatch_one_records_block(const Dev& d, int64_t T, const float* __restrict__ weights) {
+// Thread i of n threads takes tokens and routes i, i + n, ...: one block (n = blockDim.x) or
+// the grid (dispatch_one_records).
+__device__ void dispatch_one_records_range(const Dev& d, int64_t T, const float* __restrict__ weights, int64_t i,
+                                           int64_t n) {
   const ex::Shape& s = d.s;
-  for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
+  for (int64_t t = i; t < T; t += n) {
     int32_t* dest = d.l.route_dest + t * s.K;
     for (int64_t k = 0; k < s.K; ++k) dest[k] = d.l.route_expert[t * s.K + k] >= 0 ? 0 : -1;
     ex::token_ranks(dest, s.K, d.l.tok_ranks + t * s.K);
   }
-  int32_t* table = reinterpret_cast<int32_t*>(d.own + d.L.table);
-  for (int64_t j = threadIdx.x; j < s.E + 2; j += blockDim.x)
-    table[j] = j <= s.E ? d.l.counts[j] : static_cast<int32_t>(T);
   RouteMeta* meta = reinterpret_cast<RouteMeta*>(d.own + d.L.dmeta);
-  for (int64_t r = threadIdx.x; r < T * s.K; r += blockDim.x) meta[r] = route_record(d, r, 0, weights);
+  for (int64_t r = i; r < T * s.K; r += n) meta[r] = route_record(d, r, 0, weights);
+}
+
+// The count-table row dispatch_send writes at N = 1 (one block).
+__device__ void dispatch_one_table_block(const Dev& d, int64_t T) {
+  int32_t* table = reinterpret_cast<int32_t*>(d.own + d.L.table);
+  for (int64_t j = threadIdx.x; j < d.s.E + 2; j += blockDim.x)
+    table[j] = j <= d.s.E ? d.l.counts[j] : static_cast<int32_t>(T);
+}
+
+// Many routes at N = 1: the records of dispatch_one_records_range over the whole grid (one
+// block would wait on their loads one after another), after dispatch_one_plan's prefix.
+__global__ void __launch_bounds__(kCopyThreads)
+    dispatch_one_records(Dev d, int64_t T, const float* __restrict__ weights) {
+  pdl_begin();
+  dispatch_one_records_range(d, T, weights, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                             static_cast<int64_t>(gridDim.x) * blockDim.x);
 }
 
 // The one-kernel plan at N = 1 keeps a counter per (warp, expert) in shared memory: up to
-// this many experts (more: plan_routes first, then dispatch_one_plan).
+// this many experts and this many routes (T * K), the decode sizes, where one block is
+// quicker than four launches. More: plan_routes first (several blocks from 2048 routes), then
+// dispatch_one_plan for the prefix and the plan, and dispatch_one_records over the grid: one
+// block alone takes the routes one chunk after another (about 180 us for 32768 routes on an
+// H100, which dispatch_place waits for). MOE_EP_ONE_RANK_PLAN=block|grid overrides the
+// choice (timing, and the tests of both ways).
 constexpr int64_t kOneRouteExperts = 256;
+constexpr int64_t kOneBlockMaxRoutes = 4096;
 constexpr int kOneWarps = kCopyThreads / 32;
 
 // plan_routes' outputs that the exchange reads (route_expert, route_pos, counts; not
@@ -880,10 +903,11 @@ __device__ void one_rank_routes_block(const Dev& d, const int32_t* __restrict__ 
 }
 
 // One block: at E <= kOneRouteExperts with topk (plan_routes not run), the routes first
-// (one_rank_routes_block); then the prefix, the route records, the count table and the plan.
+// (one_rank_routes_block); then the prefix, the route records (unless `records` is false:
+// dispatch_one_records writes them next), the count table and the plan.
 __global__ void __launch_bounds__(kCopyThreads)
     dispatch_one_plan(Dev d, int64_t T, const int32_t* __restrict__ topk, const float* __restrict__ weights,
-                      int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {  // <<<1, kCopyThreads>>>
+                      int32_t* out_gs, int32_t* out_tpe, int32_t* out_error, bool records) {  // <<<1, kCopyThreads>>>
   pdl_begin();
   if (topk != nullptr) {
     one_rank_routes_block(d, topk, T);
@@ -900,7 +924,8 @@ __global__ void __launch_bounds__(kCopyThreads)
       if (g >= 0) d.l.route_pos[r] += d.l.excl[g];
     }
   __syncthreads();
-  dispatch_one_records_block(d, T, weights);  // route records and the count table
+  if (records) dispatch_one_records_range(d, T, weights, threadIdx.x, blockDim.x);
+  dispatch_one_table_block(d, T);
   __syncthreads();  // the table and the records written (the block's own global stores)
   const int32_t* table = reinterpret_cast<const int32_t*>(d.own + d.L.table);
   const int32_t err = plan_from_table_block(d, table, false, out_gs, out_tpe);
@@ -1188,19 +1213,37 @@ moe_ep_status ex_ipc_close(void* p) {
   return err == cudaSuccess ? MOE_EP_OK : cuda_fail("moe_ep_layer_destroy: cudaIpcCloseMemHandle", err);
 }
 
+namespace {
+
+// Whether one rank plans its routes in one block (dispatch_one_plan with topk): E <= kOneRouteExperts
+// and, unless MOE_EP_ONE_RANK_PLAN says block or grid, at most kOneBlockMaxRoutes routes.
+bool one_block_plan(int64_t num_experts, int64_t num_routes) {
+  if (num_experts > kOneRouteExperts) return false;
+  const char* force = std::getenv("MOE_EP_ONE_RANK_PLAN");
+  if (force != nullptr && std::strcmp(force, "block") == 0) return true;
+  if (force != nullptr && std::strcmp(force, "grid") == 0) return false;
+  return num_routes <= kOneBlockMaxRoutes;
+}
+
+}  // namespace
+
 moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t row_bytes, const void* tokens,
                           const int32_t* topk_idx, const float* weights, void* out_tokens, float* out_w,
                           int32_t* out_meta, int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
-  // One rank with few experts: the plan of the routes inside dispatch_one_plan; otherwise plan_routes first.
-  const bool one_kernel_plan = d.s.N == 1 && d.s.E <= kOneRouteExperts;
+  // One rank with few experts and routes: the plan of the routes and their records inside
+  // dispatch_one_plan; otherwise plan_routes first (and at one rank the records over the grid).
+  const bool one_kernel_plan = d.s.N == 1 && one_block_plan(d.s.E, T * d.s.K);
   if (!one_kernel_plan)
     MOE_EP_TRY(plan_routes(stream, topk_idx, T, d.s.K, d.s.E, x.loc.send_route, x.loc.route_pos, x.loc.route_expert,
                            x.loc.counts));
   if (d.s.N == 1) {  // one rank: no exchange (either mode)
     MOE_EP_EX_LAUNCH("dispatch_one_plan", dispatch_one_plan, 1, kCopyThreads, st, d, T,
-                     one_kernel_plan ? topk_idx : nullptr, weights, out_gs, out_tpe, out_error);
+                     one_kernel_plan ? topk_idx : nullptr, weights, out_gs, out_tpe, out_error, one_kernel_plan);
+    if (!one_kernel_plan)
+      MOE_EP_EX_LAUNCH("dispatch_one_records", dispatch_one_records, static_cast<unsigned>(x.num_blocks), kCopyThreads,
+                       st, d, T, weights);
     MOE_EP_EX_LAUNCH("dispatch_place", dispatch_place, static_cast<unsigned>(x.num_blocks), kCopyThreads, st, d,
                      row_bytes, static_cast<const char*>(tokens), static_cast<char*>(out_tokens), out_w, out_meta);
     return MOE_EP_OK;
