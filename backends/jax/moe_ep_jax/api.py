@@ -313,7 +313,8 @@ def _fused_bwd(spec, res, cts):  # type: ignore[no-untyped-def]
     bf16 = jnp.dtype(jnp.bfloat16)
     if to_bf16 is not None and all(not isinstance(t, F.BlockScaled) and jnp.dtype(t.dtype) == bf16 for t in (fc1, fc2)):
         spec = replace(spec, kernels=to_bf16())
-    gx, g1, g2, gw = core.backward_from_buffers(spec, plan, lay, x_buf, w_buf, fc1, fc2, fc1_c, dy_buf)
+    gx, g1, g2, gw = core.backward_from_buffers(spec, plan, lay, x_buf, w_buf, fc1, fc2, fc1_c, dy_buf,
+                                                grad_x_dtype=None if x_proto is None else x_proto.dtype)
     g1 = None if isinstance(fc1, F.BlockScaled) else g1.astype(fc1.dtype)
     g2 = None if isinstance(fc2, F.BlockScaled) else g2.astype(fc2.dtype)
     return _cast(gx, x_proto), g1, g2, None, _cast(gw, tw_proto)

@@ -715,7 +715,13 @@ def forward(
         y, c = kern.expert_forward(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes)
         out, _ = combine_rows(spec, plan, lay, y)
     fc1_c = None
-    if stash:
+    if stash and c.dtype == jnp.bfloat16 and spec.config.expert_alignment == 1 and getattr(
+            kern, "stash_zero_past_slabs", False):
+        # Slabs without alignment padding: every slab row carries a route, so the padding rows
+        # are the rows past the last slab, which such a provider's stash holds as +0 already
+        # (the select below would copy [C, 2I] to change nothing).
+        fc1_c = c
+    elif stash:
         # The stash: c's bf16 rounding (the identity when the provider's c is the bf16 stash
         # itself), +0 in padding rows; selected on the bits (XLA:CPU selects bf16 through float32).
         keep = valid[:, None]
@@ -735,21 +741,54 @@ def backward_from_buffers(
     fc2: Tensor,
     fc1_c: jax.Array,
     dy_buf: jax.Array,
+    grad_x_dtype: Any = None,
 ) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The spec backward from dispatched buffers: ``(grad_activation [T, H],
-    grad_fc1_weight, grad_fc2_weight, grad_topk_weights [T, K])`` float32.
-    Collectives: one all-to-all (``dx`` and ``dw`` back to their tokens)."""
+    grad_fc1_weight, grad_fc2_weight, grad_topk_weights [T, K])`` float32 (the weight
+    gradients bf16 where the provider writes them so).
+
+    ``dy_buf``'s padding rows are zero (as every dispatch and
+    :func:`tokens_to_experts` leave them). ``grad_x_dtype``: the dtype the caller casts
+    ``grad_activation`` to (None: float32); at one rank a provider with
+    ``reduce_rows_encode`` then writes a bfloat16 one itself (the float32 sum rounded
+    once, as the cast would). Collectives: one all-to-all (``dx`` and ``dw`` back to
+    their tokens)."""
     valid, _, _ = valid_rows(spec, lay)
-    dy_buf = jnp.where(valid[:, None], dy_buf.astype(jnp.float32), 0.0)
-    dx, dw, dfc1, dfc2 = spec.kernels.expert_backward(
-        spec.config, x_buf, w_buf, fc1, fc2, fc1_c, dy_buf, lay.group_sizes
-    )
-    dx = jnp.where(valid[:, None], dx, 0.0)
+    kern = spec.kernels
+    if not (dy_buf.dtype == jnp.bfloat16 and getattr(kern, "bf16_cotangent_rows", False)):
+        # (a provider that takes bf16 cotangent rows as they are gets them so: their padding
+        # rows are zero bits already, and the float32 copy would be one more pass over [C, H])
+        dy_buf = jnp.where(valid[:, None], dy_buf.astype(jnp.float32), 0.0)
+    dx, dw, dfc1, dfc2 = kern.expert_backward(spec.config, x_buf, w_buf, fc1, fc2, fc1_c, dy_buf, lay.group_sizes)
     dw = jnp.where(valid, dw, 0.0)
-    dx_r, dw_r = to_sources(spec, plan, lay, [dx.astype(jnp.float32), dw.astype(jnp.float32)])
-    grad_x = poison(lay.error, slot_sum(spec, dx_r))
+    reduce_rows = getattr(kern, "reduce_rows", None)
+    if spec.num_ranks == 1 and reduce_rows is not None:
+        # One rank, a provider that sums rows by index: each token's routes summed in slot
+        # order straight from dx's buffer rows (padding rows are never read), no copy of dx
+        # into route order; the same sums as slot_sum's (+0 rows add nothing to a sum from +0).
+        grad_x = _grad_x_local(spec, plan, lay, dx, reduce_rows, grad_x_dtype)
+        (dw_r,) = to_sources(spec, plan, lay, [dw.astype(jnp.float32)])
+    else:
+        dx = jnp.where(valid[:, None], dx, 0.0)
+        dx_r, dw_r = to_sources(spec, plan, lay, [dx.astype(jnp.float32), dw.astype(jnp.float32)])
+        grad_x = poison(lay.error, slot_sum(spec, dx_r))
     grad_w = poison(lay.error, dw_r.reshape(spec.num_tokens, spec.num_topk))
-    return grad_x, poison(lay.error, dfc1), poison(lay.error, dfc2), grad_w
+    weight_poison = getattr(kern, "poison", None) or poison
+    return grad_x, weight_poison(lay.error, dfc1), weight_poison(lay.error, dfc2), grad_w
+
+
+def _grad_x_local(spec: LayerSpec, plan: Plan, lay: Layout, dx: jax.Array, reduce_rows: Any,
+                  grad_x_dtype: Any) -> jax.Array:
+    """``grad_activation [T, H]`` at one rank from dx's ``[C, H]`` buffer rows: the routes'
+    slot-order sums (``reduce_rows``), NaN on an error; for a bfloat16 ``grad_x_dtype`` with a
+    provider that has ``reduce_rows_encode``, the sums' bf16 encode written in the same pass
+    (the float32 sums never written; the cast of the float32 result gives the same bits)."""
+    rows = dx.astype(jnp.float32)
+    route_rows = _local_rows(spec, plan, lay)
+    encode = getattr(spec.kernels, "reduce_rows_encode", None)
+    if grad_x_dtype is not None and jnp.dtype(grad_x_dtype) == jnp.dtype(jnp.bfloat16) and encode is not None:
+        return encode(rows, route_rows, spec.num_tokens, spec.num_topk, MoeFormat.BF16, lay.error)
+    return poison(lay.error, reduce_rows(rows, route_rows, spec.num_tokens, spec.num_topk))
 
 
 def replace_spec(spec: LayerSpec, **changes: Any) -> LayerSpec:

@@ -39,6 +39,19 @@ the route id of every buffer row, -1 for none) are what ``x`` was gathered from 
 token ``token_route[i] // K``): a provider may read the rows from there instead of from
 ``x``. ``stash`` False: nobody reads ``c`` (a forward that is not differentiated and does
 not return the stash); the provider may skip it and return None.
+At one rank the backward sums ``dx``'s buffer rows into the tokens' gradient with
+``reduce_rows`` too (no copy of ``dx`` into route order), and, for a bfloat16 activation,
+with ``reduce_rows_encode(rows, route_rows, num_tokens, num_topk, out_format, error) ->
+[T, H]`` where the provider has it (the sums, NaN everywhere when ``error``, encoded in
+``out_format`` in one pass). Optional: ``poison(error [] bool, x) -> x.dtype``, the bits of
+:func:`~moe_ep_jax.core.poison` (NaN everywhere when ``error``, else ``x``), which the
+backward applies to the weight gradients (a provider may skip every read and write of
+``x`` when the flag is clear). Optional attribute ``bf16_cotangent_rows`` (True): the
+provider's ``expert_backward`` takes a bfloat16 ``dy`` as it is, so the layer passes the
+cotangent rows without a float32 copy. Optional attribute ``stash_zero_past_slabs``
+(True): the bfloat16 ``c`` the provider's forward returns holds +0 in every row past the
+last slab, so with ``expert_alignment`` 1 (no padding inside a slab) the layer keeps it as
+the stash without its select of the padding rows.
 
 :class:`XlaKernels` (the default, name ``xla``) does this with XLA-native ops:
 grouped GEMMs over the expert slabs (``jax.lax.ragged_dot``, or, where its dense

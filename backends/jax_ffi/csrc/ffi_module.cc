@@ -49,6 +49,10 @@
 
 #ifdef MOE_EP_NATIVE_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+// csrc/poison_cuda.cu: the moe_ep_poison target's conditional fill on XLA's stream.
+extern "C" cudaError_t moe_ep_ffi_poison_cuda(void* stream, const void* flag, void* data, int64_t bytes,
+                                              int32_t width, uint32_t pattern);
 #endif
 
 namespace nb = nanobind;
@@ -468,9 +472,11 @@ ffi::Error CombineReduceEncode(Dev dev, ffi::AnyBuffer rows, ffi::Buffer<ffi::S3
   const ffi::DataType rt = rows.element_type();
   MOE_EP_FFI_TRY(ExpectRank(kT, "data", "[T, H']", data->dimensions(), 2));
   const int64_t r = rows.dimensions()[0], h = rows.dimensions()[1], t = data->dimensions()[0];
-  MOE_EP_FFI_TRY(ExpectDtype(kT, "data", data->element_type(), DataDtype(out_format),
-                             std::string(" for out_format ") + std::to_string(out_format) + " (" +
-                                 FormatName(out_format) + ")"));
+  // (bf16 bits as uint16, or as bfloat16 itself: the caller's dtype with no bit cast after the call)
+  if (!(out_format == MOE_EP_FORMAT_BF16 && data->element_type() == ffi::DataType::BF16))
+    MOE_EP_FFI_TRY(ExpectDtype(kT, "data", data->element_type(), DataDtype(out_format),
+                               std::string(" for out_format ") + std::to_string(out_format) + " (" +
+                                   FormatName(out_format) + ")"));
   MOE_EP_FFI_TRY(ExpectShape(kT, "data", "[T, H] (bf16, mxfp8) or [T, ceil(H/2)] (nvfp4); H: rows' width",
                              data->dimensions(), {t, DataExtent(out_format, h)}));
   MOE_EP_FFI_TRY(ExpectShape(kT, "scale", "[T, ceil(H/B)] (B: the block; 0 for bf16)", scale->dimensions(),
@@ -492,7 +498,8 @@ auto BindCombineReduceEncode(B b) {
       .template Arg<ffi::AnyBuffer>()          // rows [R, H] f32 or bf16: the expert outputs
       .template Arg<ffi::Buffer<ffi::S32>>()   // route_pos [T*K] s32: row of each route, -1 = none (adds nothing)
       .template Arg<ffi::Buffer<ffi::PRED>>()  // error [] bool: the layer's error flag (every sum NaN)
-      .template Ret<ffi::AnyBuffer>()          // data [T, H] bf16 bits / mxfp8 u8 codes, [T, ceil(H/2)] nvfp4 u8
+      .template Ret<ffi::AnyBuffer>()          // data [T, H] bf16 (u16 bits or bf16) / mxfp8 u8 codes, [T, ceil(H/2)]
+                                               //   nvfp4 u8
       .template Ret<ffi::Buffer<ffi::U8>>()    // scale [T, ceil(H/B)] u8 block scales; [T, 0], unwritten, for bf16
       .template Attr<int64_t>("num_topk")      // K >= 1
       .template Attr<int32_t>("round_trip")    // 0, or 2 / 3: each row read through mxfp8 / nvfp4 (f32 rows)
@@ -519,6 +526,65 @@ auto BindSlotSum(B b) {
       .template Arg<ffi::Buffer<ffi::F32>>()   // rows [T*K, H] f32: row t*K+k is token t's slot k
       .template Ret<ffi::Buffer<ffi::F32>>()   // out [T, H] f32: ((+0 + rows[t*K]) + rows[t*K+1]) + ... in slot order
       .template Attr<int64_t>("num_topk");     // K >= 1
+}
+
+// ----------------------------------------------------------------------------- the error poison
+
+// The quiet NaN bit pattern jnp.asarray(jnp.nan, dtype) has, of the float dtypes the
+// target takes (0: another dtype).
+uint32_t NanBits(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return 0x7FC00000u;
+    case ffi::DataType::BF16: return 0x7FC0u;
+    case ffi::DataType::F16: return 0x7E00u;
+    default: return 0;
+  }
+}
+
+// out (which aliases x: input_output_aliases={0: 0}) = NaN everywhere when *error, else x
+// untouched: the jax layer's NaN on a data-dependent error (jnp.where(error, nan, x)) with no
+// read or write of x on the usual path (the flag is read on the device).
+ffi::Error Poison(Dev dev, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> error, ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* kT = "moe_ep_poison";
+  const uint32_t nan = NanBits(x.element_type());
+  if (nan == 0) return Invalid(kT, "x must have dtype float32, bfloat16 or float16", DtypeName(x.element_type()));
+  MOE_EP_FFI_TRY(ExpectDtype(kT, "out", out->element_type(), x.element_type(), " (the dtype of x)"));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "out", "(x's shape)", out->dimensions(),
+                             std::vector<int64_t>(x.dimensions().begin(), x.dimensions().end())));
+  if (error.element_count() != 1)
+    return Invalid(kT, "error must hold one element (the layer's error flag)", ShapeStr(error.dimensions()));
+  if (x.element_count() == 0) return ffi::Error::Success();
+  if (x.untyped_data() != out->untyped_data())
+    return Invalid(kT, "out must alias x (input_output_aliases={0: 0})", "separate buffers");
+  const int32_t width = static_cast<int32_t>(ffi::ByteWidth(x.element_type()));
+  const int64_t bytes = static_cast<int64_t>(x.element_count()) * width;
+  if (dev.device == MOE_EP_DEVICE_CPU) {
+    if (*static_cast<const uint8_t*>(error.untyped_data()) == 0) return ffi::Error::Success();
+    if (width == 4) {
+      uint32_t* p = static_cast<uint32_t*>(out->untyped_data());
+      std::fill(p, p + bytes / 4, nan);
+    } else {
+      uint16_t* p = static_cast<uint16_t*>(out->untyped_data());
+      std::fill(p, p + bytes / 2, static_cast<uint16_t>(nan));
+    }
+    return ffi::Error::Success();
+  }
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+  const cudaError_t st = moe_ep_ffi_poison_cuda(dev.stream, error.untyped_data(), out->untyped_data(), bytes, width, nan);
+  if (st != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string(kT) + ": the CUDA launch failed: " + cudaGetErrorString(st));
+  return ffi::Error::Success();
+#else
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string(kT) + ": this build has no CUDA");
+#endif
+}
+
+template <typename B>
+auto BindPoison(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // x [...] f32, bf16 or f16
+      .template Arg<ffi::Buffer<ffi::PRED>>()  // error [] bool: the layer's error flag
+      .template Ret<ffi::AnyBuffer>();         // out: x itself (aliased), all quiet NaN when error
 }
 
 // ----------------------------------------------------------------------------- experts
@@ -949,6 +1015,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceCpu, mf::OnCpu(mf::CombineReduce
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceEncodeCpu, mf::OnCpu(mf::CombineReduceEncode),
                               MOE_EP_CPU_BIND(BindCombineReduceEncode));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpSlotSumCpu, mf::OnCpu(mf::SlotSum), MOE_EP_CPU_BIND(BindSlotSum));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPoisonCpu, mf::OnCpu(mf::Poison), MOE_EP_CPU_BIND(BindPoison));
 #define MOE_EP_CPU_STAGE_BIND(B) mf::B(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>())
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertForwardCpu, mf::StageOnCpu(mf::ExpertForward),
                               MOE_EP_CPU_STAGE_BIND(BindExpertForward));
@@ -974,6 +1041,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceCuda, mf::OnCuda(mf::CombineRedu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceEncodeCuda, mf::OnCuda(mf::CombineReduceEncode),
                               MOE_EP_CUDA_BIND(BindCombineReduceEncode), MOE_EP_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpSlotSumCuda, mf::OnCuda(mf::SlotSum), MOE_EP_CUDA_BIND(BindSlotSum),
+                              MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPoisonCuda, mf::OnCuda(mf::Poison), MOE_EP_CUDA_BIND(BindPoison),
                               MOE_EP_CMD_BUFFER);
 // The expert stages: an initialize handler (makes the layer object before any
 // capture) and the execute handler (enqueues the stage; command-buffer
@@ -1056,6 +1125,7 @@ NB_MODULE(_ffi, m) {
           d["moe_ep_combine_reduce"] = Capsule(MoeEpCombineReduceCpu);
           d["moe_ep_combine_reduce_encode"] = Capsule(MoeEpCombineReduceEncodeCpu);
           d["moe_ep_slot_sum"] = Capsule(MoeEpSlotSumCpu);
+          d["moe_ep_poison"] = Capsule(MoeEpPoisonCpu);
           d["moe_ep_expert_forward"] = Capsule(MoeEpExpertForwardCpu);
           d["moe_ep_expert_backward"] = Capsule(MoeEpExpertBackwardCpu);
         }
@@ -1070,6 +1140,7 @@ NB_MODULE(_ffi, m) {
           d["moe_ep_combine_reduce"] = Capsule(MoeEpCombineReduceCuda);
           d["moe_ep_combine_reduce_encode"] = Capsule(MoeEpCombineReduceEncodeCuda);
           d["moe_ep_slot_sum"] = Capsule(MoeEpSlotSumCuda);
+          d["moe_ep_poison"] = Capsule(MoeEpPoisonCuda);
           d["moe_ep_expert_forward"] = Bundle(MoeEpExpertForwardCudaInit, MoeEpExpertForwardCuda);
           d["moe_ep_expert_backward"] = Bundle(MoeEpExpertBackwardCudaInit, MoeEpExpertBackwardCuda);
         }

@@ -76,6 +76,10 @@ _U8 = jnp.uint8
 _XLA = XlaKernels()
 
 _DATA_DTYPE = {MoeFormat.MXFP8: jnp.dtype(jnp.float8_e4m3fn), MoeFormat.NVFP4: jnp.dtype(jnp.uint8)}
+#: Dtypes :meth:`FfiKernels.gather_rows` hands to ``moe_ep_permute_rows`` as they are.
+_ROW_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.int32))
+#: Dtypes :meth:`FfiKernels.poison` hands to ``moe_ep_poison``.
+_POISON_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SCALE_DTYPE = {MoeFormat.MXFP8: jnp.dtype(jnp.float8_e8m0fnu), MoeFormat.NVFP4: jnp.dtype(jnp.float8_e4m3fn)}
 
 
@@ -159,7 +163,7 @@ def _encoded(fmt: MoeFormat, data: jax.Array, scale: jax.Array, n: int, axis: in
     bf16 bits as ``bfloat16``, or a :class:`~moe_ep_jax.formats.BlockScaled` with the
     format's dtypes (a bit cast)."""
     if fmt is MoeFormat.BF16:
-        return lax.bitcast_convert_type(data, jnp.bfloat16)
+        return data if data.dtype == jnp.bfloat16 else lax.bitcast_convert_type(data, jnp.bfloat16)
     if fmt is MoeFormat.MXFP8:
         data = lax.bitcast_convert_type(data, _DATA_DTYPE[fmt])
     return F.BlockScaled(data, lax.bitcast_convert_type(scale, _SCALE_DTYPE[fmt]), fmt, n, axis)
@@ -199,6 +203,13 @@ class FfiKernels:
     #: :meth:`expert_backward` writes bf16 weight gradients for plain bf16 operands
     #: (:meth:`with_bf16_weight_grads`).
     bf16_weight_grads = False
+    #: :meth:`expert_backward` takes bf16 cotangent rows as they are (the native layer reads
+    #: them exactly): the jax layer passes them without a float32 copy.
+    bf16_cotangent_rows = True
+    #: The forward's stash ``c`` holds +0 (zero bits) in every row past the last slab (the
+    #: native layer writes rows of no expert as zero): without alignment padding the jax
+    #: layer keeps it as it is, with no select over ``[C, 2I]``.
+    stash_zero_past_slabs = True
 
     def __repr__(self) -> str:
         return "FfiKernels()"
@@ -306,7 +317,10 @@ class FfiKernels:
         if x.dtype == jnp.bool_ or x.shape[0] == 0 or math.prod(shape) == 0:
             return gather_route_rows(x, route, num_topk)  # XLA's: shapes no handler sees
         width = jnp.dtype(x.dtype).itemsize
-        bits = x if jnp.issubdtype(x.dtype, jnp.unsignedinteger) else lax.bitcast_convert_type(x, f"uint{8 * width}")
+        # The handler copies bytes of any whole-byte dtype: the common float dtypes go as they
+        # are (a bit cast around the call can be a copy of its own in XLA); others as uint.
+        plain = jnp.issubdtype(x.dtype, jnp.unsignedinteger) or x.dtype in _ROW_DTYPES
+        bits = x if plain else lax.bitcast_convert_type(x, f"uint{8 * width}")
         (out,) = _call("moe_ep_permute_rows", [_sds(shape, bits.dtype)], bits, route, num_topk=int(num_topk))
         return out if out.dtype == x.dtype else lax.bitcast_convert_type(out, x.dtype)
 
@@ -331,6 +345,24 @@ class FfiKernels:
             return jnp.zeros((num_tokens, h), _F32)
         (out,) = _call("moe_ep_combine_reduce", [_sds((num_tokens, h), _F32)], rows,
                        jnp.asarray(route_rows).astype(_I32), num_topk=int(num_topk), round_trip=_code(fmt))
+        return out
+
+    def poison(self, error: jax.Array, x: jax.Array) -> jax.Array:
+        """``jnp.where(error, nan, x)`` in ``x``'s dtype (the jax layer's
+        :func:`~moe_ep_jax.core.poison`, the same bits) without a pass over ``x``: the native
+        ``moe_ep_poison`` overwrites ``x`` in place (aliased) only when the device flag
+        ``error`` is set, and leaves it unread otherwise. The layer applies it to the weight
+        gradients, the largest arrays of the backward. Other dtypes and empty arrays: the select.
+
+        Args:
+            error: ``[] bool``: the layer's data-dependent error flag.
+            x: any shape, float32, bfloat16 or float16.
+        """
+        x = jnp.asarray(x)
+        if x.size == 0 or x.dtype not in _POISON_DTYPES:
+            return jnp.where(error, jnp.asarray(jnp.nan, x.dtype), x)
+        flag = jnp.asarray(error, jnp.bool_).reshape(())
+        (out,) = _call("moe_ep_poison", [_sds(x.shape, x.dtype)], x, flag, aliases={0: 0})
         return out
 
     # experts -----------------------------------------------------------------
@@ -496,6 +528,8 @@ class FfiKernels:
             sums = jnp.where(flag, jnp.float32(jnp.nan), jnp.zeros((num_tokens, h), _F32))
             return F.round_to_bf16(sums) if fmt is MoeFormat.BF16 else self.quantize(sums, fmt)
         data_n, scale_n, data_dtype = _encoded_extents(fmt, h)
+        if fmt is MoeFormat.BF16:  # (the handler writes bfloat16 itself: no bit cast after it)
+            data_dtype = jnp.bfloat16
         data, scale = _call("moe_ep_combine_reduce_encode",
                             [_sds((num_tokens, data_n), data_dtype), _sds((num_tokens, scale_n), _U8)],
                             rows, jnp.asarray(route_rows).astype(_I32), flag, num_topk=int(num_topk),

@@ -50,7 +50,7 @@ the C ABI call, the operands, the results and the attributes.
 ``moe_ep_combine_reduce_encode``
     ``moe_ep_combine_reduce_encode``. Operands: ``rows [R, H] f32 or bf16``, ``route_pos [T*K] s32``, ``error []
     bool``. Results: ``data``, ``scale``: the ``[T, H]`` sums encoded in
-    ``out_format``, all NaN when ``error`` (bf16 ``[T, H] u16`` and ``[T, 0]``;
+    ``out_format``, all NaN when ``error`` (bf16 ``[T, H] u16`` or ``bf16`` and ``[T, 0]``;
     mxfp8 ``[T, H] u8`` and ``[T, ceil(H/32)] u8``; nvfp4 ``[T, ceil(H/2)] u8``
     and ``[T, ceil(H/16)] u8``). Attributes: ``num_topk`` int64, ``round_trip``
     int32, ``out_format`` int32.
@@ -58,6 +58,12 @@ the C ABI call, the operands, the results and the attributes.
     ``moe_ep_combine_reduce`` (``route_pos`` NULL). Operands: ``rows [T*K, H]
     f32`` (row ``t*K+k``: token t's slot k). Results: ``out [T, H] f32``.
     Attributes: ``num_topk`` int64.
+``moe_ep_poison``
+    No C ABI call: the handler's own fill (a CUDA kernel on XLA's stream). Operands: ``x [...] f32, bf16
+    or f16``, ``error [] bool``. Results: ``out``, aliasing ``x`` (``input_output_aliases={0: 0}``):
+    every element the quiet NaN of its dtype (``jnp.asarray(jnp.nan, dtype)``'s bits) when ``error``,
+    else ``x`` untouched (the flag is read on the device: nothing else is read or written).
+    Attributes: none.
 ``moe_ep_expert_forward``
     ``moe_ep_layer_experts_forward`` (a cached layer object). Operands: ``x [C,
     H]``, ``w [C] f32``, ``fc1 [E_local, H, 2I]``, ``fc2 [E_local, I, H]`` (``x``,
@@ -116,6 +122,7 @@ TARGETS: Tuple[str, ...] = (
     "moe_ep_combine_reduce",
     "moe_ep_combine_reduce_encode",
     "moe_ep_slot_sum",
+    "moe_ep_poison",
     "moe_ep_expert_forward",
     "moe_ep_expert_backward",
 )
