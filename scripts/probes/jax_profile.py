@@ -3,7 +3,9 @@ forward and forward+backward timed (median of --iters calls, perf_counter around
 and its block_until_ready: no CUDA events), then one call of each profiled under
 torch.profiler, whose CUPTI collection records every kernel of the process, XLA's and the
 FFI handlers' included: the top kernels by GPU time and, with --timeline, each kernel in
-order with its duration and the idle gap before it (as layer_profile.py's print_timeline).
+order with its duration and the idle gap before it (as layer_profile.py's print_timeline;
+no GPU sleep is queued before the call, since XLA's stream is not torch's, so a gap may be
+the host launching the next kernel).
 
 The inputs are layer_profile.py's (the DeepSeek-V3 per-rank shape by default): x, w1, w2
 and the cotangent dY normal in bf16 (weights scaled by 1/sqrt of their fan-in), top-k of
