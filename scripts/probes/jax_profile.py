@@ -222,6 +222,14 @@ def print_top(name: str, gpu: List[Dict[str, Any]], top: int) -> None:
         rest = sum(sum(d) for _, d in ranked[top:])
         print(f"{rest:10.1f} {sum(len(d) for _, d in ranked[top:]):5d} {'':>9} {100 * rest / busy:5.1f}%  "
               f"({len(ranked) - top} other kernels)", flush=True)
+    gemm = sum(sum(d) for kname, d in totals.items() if _is_gemm(kname))
+    print(f"-- {name}: GEMM kernels {gemm / 1e3:.3f} ms, everything else {(busy - gemm) / 1e3:.3f} ms", flush=True)
+
+
+def _is_gemm(kernel: str) -> bool:
+    """Whether a kernel name is a matrix multiply's (CUTLASS, cuBLAS, XLA's Triton GEMMs)."""
+    k = kernel.lower()
+    return any(word in k for word in ("gemm", "cutlass", "cublas", "sm90_xmma", "matmul", "wgmma"))
 
 
 def print_timeline(name: str, gpu: List[Dict[str, Any]]) -> None:
