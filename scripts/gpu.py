@@ -471,7 +471,7 @@ def sanitize_commands(ctx: Context) -> List[Command]:
         return [Command("memcheck-exchange-ep1", sanitizer("memcheck", *_pytest(
             ctx, exchange, "-k", "test_cuda_loopback_device_exchange and ep1 and throughput and slot")), needs=needs_sanitizer)]
     check = str(gemm_check(ctx) or "moe_ep_gemm_check")
-    loopback = "test_cuda_loopback and (ep1 or ep2)"
+    loopback = "(test_cuda_loopback and (ep1 or ep2)) or test_cuda_one_rank_plans"
     return [
         Command("memcheck-gemm", sanitizer("memcheck", check, "--no-time"), needs=needs_gemm_check),
         Command("memcheck-exchange", sanitizer("memcheck", *_pytest(ctx, exchange, "-k", loopback)), needs=needs_sanitizer),
