@@ -715,12 +715,14 @@ def forward(
         y, c = kern.expert_forward(spec.config, d.tokens, d.weights, fc1, fc2, lay.group_sizes)
         out, _ = combine_rows(spec, plan, lay, y)
     fc1_c = None
-    if stash and c.dtype == jnp.bfloat16 and spec.config.expert_alignment == 1 and getattr(
-            kern, "stash_zero_past_slabs", False):
-        # Slabs without alignment padding: every slab row carries a route, so the padding rows
-        # are the rows past the last slab, which such a provider's stash holds as +0 already
-        # (the select below would copy [C, 2I] to change nothing).
-        fc1_c = c
+    align = spec.config.expert_alignment
+    zero_rows = getattr(kern, "zero_rows", None)
+    if stash and c.dtype == jnp.bfloat16 and getattr(kern, "stash_zero_past_slabs", False) and (
+            align == 1 or zero_rows is not None):
+        # A provider whose stash holds +0 in the rows past the last slab: the other padding
+        # rows are the slabs' alignment padding (none with expert_alignment 1), at most
+        # align - 1 a slab, zeroed in place, where the select below would copy all of [C, 2I].
+        fc1_c = c if align == 1 else zero_rows(c, _slab_padding_rows(spec, lay))
     elif stash:
         # The stash: c's bf16 rounding (the identity when the provider's c is the bf16 stash
         # itself), +0 in padding rows; selected on the bits (XLA:CPU selects bf16 through float32).
@@ -729,6 +731,18 @@ def forward(
         fc1_c = lax.bitcast_convert_type(jnp.where(keep, bits, jnp.zeros((), bits.dtype)), jnp.bfloat16)
     meta = route_metadata(spec, lay, d.route)
     return out, fc1_c, meta, plan, d
+
+
+def _slab_padding_rows(spec: LayerSpec, lay: Layout) -> jax.Array:
+    """``[E_local * (align - 1)] int32``: the alignment padding rows of every slab (rows
+    ``offsets[e] + tokens_per_expert[e]`` up to the next slab's start, inside the buffer),
+    -1 for the rest. With the rows past the last slab they are the rows
+    :func:`valid_rows` marks invalid."""
+    el, align = spec.num_local_experts, spec.config.expert_alignment
+    j = jnp.arange(align - 1, dtype=_I32)
+    row = (lay.offsets[:el] + lay.tokens_per_expert)[:, None] + j[None, :]
+    pad = (row < lay.offsets[1:, None]) & (row < spec.capacity)
+    return jnp.where(pad, row, -1).reshape(-1)
 
 
 def backward_from_buffers(

@@ -51,7 +51,9 @@ provider's ``expert_backward`` takes a bfloat16 ``dy`` as it is, so the layer pa
 cotangent rows without a float32 copy. Optional attribute ``stash_zero_past_slabs``
 (True): the bfloat16 ``c`` the provider's forward returns holds +0 in every row past the
 last slab, so with ``expert_alignment`` 1 (no padding inside a slab) the layer keeps it as
-the stash without its select of the padding rows.
+the stash without its select of the padding rows, and otherwise zeroes only the slabs'
+alignment padding rows with the provider's ``zero_rows(x [R, ...], rows [N] int32) -> x``
+(the listed rows all zero bits, -1 lists none; the others untouched) where it has one.
 
 :class:`XlaKernels` (the default, name ``xla``) does this with XLA-native ops:
 grouped GEMMs over the expert slabs (``jax.lax.ragged_dot``, or, where its dense

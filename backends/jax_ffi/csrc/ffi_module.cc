@@ -53,6 +53,9 @@
 // csrc/poison_cuda.cu: the moe_ep_poison target's conditional fill on XLA's stream.
 extern "C" cudaError_t moe_ep_ffi_poison_cuda(void* stream, const void* flag, void* data, int64_t bytes,
                                               int32_t width, uint32_t pattern);
+// csrc/poison_cuda.cu: the moe_ep_zero_rows target's row zeroing on XLA's stream.
+extern "C" cudaError_t moe_ep_ffi_zero_rows_cuda(void* stream, const int32_t* rows, int64_t n, void* data,
+                                                 int64_t num_rows, int64_t row_bytes);
 #endif
 
 namespace nb = nanobind;
@@ -587,6 +590,52 @@ auto BindPoison(B b) {
       .template Ret<ffi::AnyBuffer>();         // out: x itself (aliased), all quiet NaN when error
 }
 
+// out (which aliases x: input_output_aliases={0: 0}) = x with the rows listed in `rows`
+// zeroed (all bytes 0; -1 lists none): a few rows of a large array changed in place.
+ffi::Error ZeroRows(Dev dev, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* kT = "moe_ep_zero_rows";
+  const Dims xd = x.dimensions();
+  if (xd.size() < 1) return Invalid(kT, "x must have rank >= 1 [R, ...]", "rank 0");
+  MOE_EP_FFI_TRY(ExpectRank(kT, "rows", "[N]", rows.dimensions(), 1));
+  MOE_EP_FFI_TRY(ExpectDtype(kT, "out", out->element_type(), x.element_type(), " (the dtype of x)"));
+  MOE_EP_FFI_TRY(ExpectShape(kT, "out", "(x's shape)", out->dimensions(), std::vector<int64_t>(xd.begin(), xd.end())));
+  const size_t width = ffi::ByteWidth(x.element_type());
+  if (width == 0) return Invalid(kT, "x must have a whole-byte dtype", DtypeName(x.element_type()));
+  const int64_t num_rows = xd[0], n = rows.dimensions()[0];
+  if (x.element_count() == 0 || n == 0) return ffi::Error::Success();
+  if (x.untyped_data() != out->untyped_data())
+    return Invalid(kT, "out must alias x (input_output_aliases={0: 0})", "separate buffers");
+  const int64_t row_bytes = static_cast<int64_t>(x.element_count() / static_cast<size_t>(num_rows) * width);
+  if (dev.device == MOE_EP_DEVICE_CPU) {
+    const int32_t* r = static_cast<const int32_t*>(rows.untyped_data());
+    for (int64_t i = 0; i < n; ++i)
+      if (r[i] < -1 || r[i] >= num_rows)
+        return Invalid(kT, "rows[" + std::to_string(i) + "] must be -1 or in [0, R) = [0, " + std::to_string(num_rows) +
+                               ")", std::to_string(r[i]));
+    uint8_t* base = static_cast<uint8_t*>(out->untyped_data());
+    for (int64_t i = 0; i < n; ++i)
+      if (r[i] >= 0) std::memset(base + static_cast<int64_t>(r[i]) * row_bytes, 0, static_cast<size_t>(row_bytes));
+    return ffi::Error::Success();
+  }
+#ifdef MOE_EP_NATIVE_WITH_CUDA  // (CUDA zeroes nothing for a row out of range: it cannot check the values)
+  const cudaError_t st = moe_ep_ffi_zero_rows_cuda(dev.stream, static_cast<const int32_t*>(rows.untyped_data()), n,
+                                                   out->untyped_data(), num_rows, row_bytes);
+  if (st != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string(kT) + ": the CUDA launch failed: " + cudaGetErrorString(st));
+  return ffi::Error::Success();
+#else
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string(kT) + ": this build has no CUDA");
+#endif
+}
+
+template <typename B>
+auto BindZeroRows(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // x [R, ...] any whole-byte dtype
+      .template Arg<ffi::Buffer<ffi::S32>>()   // rows [N] s32: rows to zero, -1 = none
+      .template Ret<ffi::AnyBuffer>();         // out: x itself (aliased), the listed rows all zero bytes
+}
+
 // ----------------------------------------------------------------------------- experts
 
 // Shapes shared by forward and backward: x [C, H], w [C], fc1 [El, H, 2I],
@@ -1016,6 +1065,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceEncodeCpu, mf::OnCpu(mf::Combine
                               MOE_EP_CPU_BIND(BindCombineReduceEncode));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpSlotSumCpu, mf::OnCpu(mf::SlotSum), MOE_EP_CPU_BIND(BindSlotSum));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPoisonCpu, mf::OnCpu(mf::Poison), MOE_EP_CPU_BIND(BindPoison));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpZeroRowsCpu, mf::OnCpu(mf::ZeroRows), MOE_EP_CPU_BIND(BindZeroRows));
 #define MOE_EP_CPU_STAGE_BIND(B) mf::B(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>())
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpExpertForwardCpu, mf::StageOnCpu(mf::ExpertForward),
                               MOE_EP_CPU_STAGE_BIND(BindExpertForward));
@@ -1043,6 +1093,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpCombineReduceEncodeCuda, mf::OnCuda(mf::Combi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpSlotSumCuda, mf::OnCuda(mf::SlotSum), MOE_EP_CUDA_BIND(BindSlotSum),
                               MOE_EP_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpPoisonCuda, mf::OnCuda(mf::Poison), MOE_EP_CUDA_BIND(BindPoison),
+                              MOE_EP_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeEpZeroRowsCuda, mf::OnCuda(mf::ZeroRows), MOE_EP_CUDA_BIND(BindZeroRows),
                               MOE_EP_CMD_BUFFER);
 // The expert stages: an initialize handler (makes the layer object before any
 // capture) and the execute handler (enqueues the stage; command-buffer
@@ -1126,6 +1178,7 @@ NB_MODULE(_ffi, m) {
           d["moe_ep_combine_reduce_encode"] = Capsule(MoeEpCombineReduceEncodeCpu);
           d["moe_ep_slot_sum"] = Capsule(MoeEpSlotSumCpu);
           d["moe_ep_poison"] = Capsule(MoeEpPoisonCpu);
+          d["moe_ep_zero_rows"] = Capsule(MoeEpZeroRowsCpu);
           d["moe_ep_expert_forward"] = Capsule(MoeEpExpertForwardCpu);
           d["moe_ep_expert_backward"] = Capsule(MoeEpExpertBackwardCpu);
         }
@@ -1141,6 +1194,7 @@ NB_MODULE(_ffi, m) {
           d["moe_ep_combine_reduce_encode"] = Capsule(MoeEpCombineReduceEncodeCuda);
           d["moe_ep_slot_sum"] = Capsule(MoeEpSlotSumCuda);
           d["moe_ep_poison"] = Capsule(MoeEpPoisonCuda);
+          d["moe_ep_zero_rows"] = Capsule(MoeEpZeroRowsCuda);
           d["moe_ep_expert_forward"] = Bundle(MoeEpExpertForwardCudaInit, MoeEpExpertForwardCuda);
           d["moe_ep_expert_backward"] = Bundle(MoeEpExpertBackwardCudaInit, MoeEpExpertBackwardCuda);
         }

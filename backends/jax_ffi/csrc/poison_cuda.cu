@@ -1,12 +1,17 @@
-// The CUDA side of the moe_ep_poison target (ffi_module.cc): an array overwritten in
-// place with one NaN bit pattern when a device flag is set, left untouched otherwise.
+// The CUDA side of two targets of ffi_module.cc that change a few elements of an array in
+// place (aliased), where an XLA select would read and write all of it.
 //
+// moe_ep_poison: the array overwritten with one NaN bit pattern when a device flag is set,
+// left untouched otherwise.
 // The jax layer turns every result to NaN on a data-dependent input error (the flag lives
 // on the device, decided inside the program). As an XLA select that is a full read and
 // write of the array whatever the flag says: for the weight gradients of a large layer
 // (E_local * H * 2I values) more memory traffic than any other pass of the backward. Here
 // every block reads the one flag byte and returns when it is clear; only an erroring step
 // writes, and nothing is read.
+//
+// moe_ep_zero_rows: the listed rows of an array zeroed (the stash's alignment padding rows:
+// at most align - 1 a slab, where a select over the whole [C, 2I] stash would copy it).
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
@@ -53,5 +58,36 @@ extern "C" cudaError_t moe_ep_ffi_poison_cuda(void* stream, const void* flag, vo
   if (blocks < 1) blocks = 1;
   PoisonKernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint8_t*>(flag), static_cast<uint32_t*>(data), vectors, n_words, word, tail16);
+  return cudaGetLastError();
+}
+
+// ----------------------------------------------------------------------------- zero rows
+
+namespace {
+
+// Block b zeroes row rows[b] of `data` (row_bytes bytes a row), nothing for -1 or a row
+// outside [0, num_rows). `vec`: rows and data 16-byte aligned (uint4 stores).
+__global__ void ZeroRowsKernel(const int32_t* rows, uint8_t* data, int64_t num_rows, int64_t row_bytes, bool vec) {
+  const int32_t r = rows[blockIdx.x];
+  if (r < 0 || r >= num_rows) return;
+  uint8_t* row = data + static_cast<int64_t>(r) * row_bytes;
+  if (vec) {
+    uint4* v = reinterpret_cast<uint4*>(row);
+    for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) v[i] = make_uint4(0, 0, 0, 0);
+  } else {
+    for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) row[i] = 0;
+  }
+}
+
+}  // namespace
+
+// Enqueue the zeroing of the rows listed in `rows` ([n] int32, device memory; -1 = none) of
+// `data` ([num_rows, row_bytes] bytes) on `stream`. Returns the launch's status.
+extern "C" cudaError_t moe_ep_ffi_zero_rows_cuda(void* stream, const int32_t* rows, int64_t n, void* data,
+                                                 int64_t num_rows, int64_t row_bytes) {
+  if (n <= 0 || num_rows <= 0 || row_bytes <= 0) return cudaSuccess;
+  const bool vec = reinterpret_cast<uintptr_t>(data) % 16 == 0 && row_bytes % 16 == 0;
+  ZeroRowsKernel<<<static_cast<unsigned>(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      rows, static_cast<uint8_t*>(data), num_rows, row_bytes, vec);
   return cudaGetLastError();
 }

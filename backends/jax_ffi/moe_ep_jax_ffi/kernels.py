@@ -207,8 +207,8 @@ class FfiKernels:
     #: them exactly): the jax layer passes them without a float32 copy.
     bf16_cotangent_rows = True
     #: The forward's stash ``c`` holds +0 (zero bits) in every row past the last slab (the
-    #: native layer writes rows of no expert as zero): without alignment padding the jax
-    #: layer keeps it as it is, with no select over ``[C, 2I]``.
+    #: native layer writes rows of no expert as zero): the jax layer zeroes only the slabs'
+    #: alignment padding rows in it (:meth:`zero_rows`), with no select over ``[C, 2I]``.
     stash_zero_past_slabs = True
 
     def __repr__(self) -> str:
@@ -363,6 +363,24 @@ class FfiKernels:
             return jnp.where(error, jnp.asarray(jnp.nan, x.dtype), x)
         flag = jnp.asarray(error, jnp.bool_).reshape(())
         (out,) = _call("moe_ep_poison", [_sds(x.shape, x.dtype)], x, flag, aliases={0: 0})
+        return out
+
+    def zero_rows(self, x: jax.Array, rows: jax.Array) -> jax.Array:
+        """``x`` with the listed rows all zero bits (``rows`` ``[N] int32``, -1: none), the
+        others untouched: the native ``moe_ep_zero_rows`` writes them in place (aliased), where
+        a select would read and write every row. The layer zeroes the stash's alignment
+        padding rows with it. Empty arrays and bool: XLA's scatter.
+
+        Args:
+            x: ``[R, ...]`` any whole-byte dtype.
+            rows: ``[N] int32``: -1 or a row in ``[0, R)``.
+        """
+        x = jnp.asarray(x)
+        rows = jnp.asarray(rows).astype(_I32)
+        if x.size == 0 or rows.size == 0 or x.dtype == jnp.bool_:
+            keep = jnp.ones((x.shape[0],), jnp.bool_).at[rows].set(False, mode="drop")
+            return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+        (out,) = _call("moe_ep_zero_rows", [_sds(x.shape, x.dtype)], x, rows, aliases={0: 0})
         return out
 
     # experts -----------------------------------------------------------------

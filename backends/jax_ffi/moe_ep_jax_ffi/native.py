@@ -64,6 +64,11 @@ the C ABI call, the operands, the results and the attributes.
     every element the quiet NaN of its dtype (``jnp.asarray(jnp.nan, dtype)``'s bits) when ``error``,
     else ``x`` untouched (the flag is read on the device: nothing else is read or written).
     Attributes: none.
+``moe_ep_zero_rows``
+    No C ABI call: the handler's own fill (a CUDA kernel on XLA's stream). Operands: ``x [R, ...]`` any
+    whole-byte dtype, ``rows [N] s32`` (-1: none). Results: ``out``, aliasing ``x``
+    (``input_output_aliases={0: 0}``): ``x`` with each listed row's bytes zero, the others untouched
+    (CPU rejects a row outside ``[-1, R)``; CUDA zeroes nothing for it). Attributes: none.
 ``moe_ep_expert_forward``
     ``moe_ep_layer_experts_forward`` (a cached layer object). Operands: ``x [C,
     H]``, ``w [C] f32``, ``fc1 [E_local, H, 2I]``, ``fc2 [E_local, I, H]`` (``x``,
@@ -123,6 +128,7 @@ TARGETS: Tuple[str, ...] = (
     "moe_ep_combine_reduce_encode",
     "moe_ep_slot_sum",
     "moe_ep_poison",
+    "moe_ep_zero_rows",
     "moe_ep_expert_forward",
     "moe_ep_expert_backward",
 )
