@@ -16,8 +16,9 @@ x, w1, w2 and topk_weights applied to the bf16 dY, returning the output and the 
 gradients (--grads-only: the gradients only, as the bench times it, so XLA drops the
 forward's combine).
 
-    # on the device machine, from the repository root (docs/gpu.md: the harness's PYTHONPATH)
-    python scripts/probes/jax_profile.py --timeline
+    # on the device machine, from the repository root: `gpu.py build` (not --quick) installs
+    # jax-ffi with its CUDA handlers (docs/gpu.md: a carried .devbuild makes it quick)
+    python scripts/gpu.py build --out $OUT/gpu && python scripts/probes/jax_profile.py --timeline
     python scripts/probes/jax_profile.py --backend jax --backward-operand-format none
     # here, on jax's CPU devices, tiny sizes (no CUDA kernels to list)
     python scripts/probes/jax_profile.py --device cpu --tokens 64 --hidden 256 --intermediate 128 --experts 8 --topk 2
