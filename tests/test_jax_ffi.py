@@ -1051,3 +1051,54 @@ def test_cuda_conformance_quick_table() -> None:
     results = run_cases(JaxFfiBackend(), all_cases(quick=True, num_ranks=sizes))
     failed = [r.describe() for r in results if r.outcome != "passed"]
     assert not failed, "\n".join(failed)
+
+
+# ----------------------------------------------------------------------------- in-place fills
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("error", [False, True], ids=["clear", "set"])
+def test_poison_is_the_select_in_place(dtype, error) -> None:
+    # moe_ep_poison: the bits of jnp.where(error, nan, x), x aliased (on the default device:
+    # the CUDA fill on a GPU machine, the CPU handler here).
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((5, 7, 3)).astype(np.float32)).astype(dtype)
+    x = x.at[0, 0, 0].set(jnp.inf).at[1, 2, 1].set(-0.0)
+    flag = jnp.asarray(error)
+
+    def f(e, a):
+        return KF.poison(e, a * 1)  # a temporary, as the layer's gradients are: aliasing it is free
+
+    got = _run(f, flag, x)
+    want = jnp.where(flag, jnp.asarray(jnp.nan, x.dtype), x)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert np.array_equal(_codes(got), _codes(want)), f"{dtype}, error {error}: not the select's bits"
+    assert "moe_ep_poison" in jax.jit(f).lower(flag, x).as_text(), "the fill is not the native target"
+
+
+def test_poison_of_other_dtypes_and_empty_arrays_is_the_select() -> None:
+    for x in (jnp.zeros((0, 4), jnp.float32), jnp.arange(6, dtype=jnp.float32).astype(jnp.float8_e4m3fn)):
+        f = lambda e, a: KF.poison(e, a)  # noqa: E731
+        got = _run(f, jnp.asarray(True), x)
+        assert np.array_equal(np.isnan(np.asarray(got).astype(np.float32)), np.ones(x.shape, bool)), x.dtype
+        assert "moe_ep_poison" not in jax.jit(f).lower(jnp.asarray(True), x).as_text(), x.dtype
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int8", "uint8", "int32"])
+def test_zero_rows_zeroes_exactly_the_listed_rows(dtype) -> None:
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.integers(1, 100, (9, 4, 3)).astype(np.float32)).astype(dtype)
+    rows = jnp.asarray([2, -1, 7, 2, -1], jnp.int32)  # repeats and -1 (none)
+    got = _run(lambda a, r: KF.zero_rows(a * 1, r), x, rows)
+    want = np.asarray(x).copy()
+    want[[2, 7]] = 0
+    assert got.dtype == x.dtype and np.array_equal(_codes(got), _codes(want)), f"{dtype}: wrong rows zeroed"
+    none = _run(lambda a, r: KF.zero_rows(a * 1, r), x, jnp.full((3,), -1, jnp.int32))
+    assert np.array_equal(_codes(none), _codes(x)), f"{dtype}: rows -1 changed something"
+
+
+@on_cpu
+def test_zero_rows_rejects_a_row_outside_the_array_on_cpu() -> None:
+    x = jnp.ones((4, 2), jnp.float32)
+    with pytest.raises(Exception, match=r"row"):
+        np.asarray(_run(lambda a, r: KF.zero_rows(a * 1, r), x, jnp.asarray([1, 4], jnp.int32)))
