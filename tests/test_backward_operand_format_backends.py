@@ -99,3 +99,25 @@ def test_backend_backward_in_both_modes(backend_name, device, wid, fields, token
         got = results[produced][4]
         worst = max(ratio for ratio, _ in _ratios(config, world, grad, stash, got))
         assert worst > 1.0, f"{backend_name} {wid}: mode {produced}'s results pass mode {judged}'s budgets"
+
+
+def test_jax_rounding_points_are_not_converts_xla_may_remove() -> None:
+    # XLA on GPU (xla_allow_excess_precision, on by default) removes an f32 -> bf16 -> f32
+    # convert pair, so a rounding point written as astype(bfloat16) is skipped there (the
+    # bf16-operand backward then computed the exact mode's numbers on a GPU, off the
+    # budgets). The XLA provider rounds with moe_ep_jax.formats.round_to_bf16 (integer
+    # arithmetic on the bits): its lowered bf16-operand backward converts nothing to bf16.
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from moe_ep_jax.kernels import XlaKernels
+
+    cfg = MoeEpConfig(num_experts=2, hidden=8, intermediate=4, num_topk=1, num_ranks=1,
+                      backward_operand_format="bf16", gate_up_clamp=1.0)
+    rng = np.random.default_rng(0)
+    f32 = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    args = (f32(6, 8), f32(6), f32(2, 8, 8), f32(2, 4, 8), f32(6, 8).astype(jnp.bfloat16), f32(6, 8),
+            jnp.asarray([3, 3], jnp.int32))
+    text = jax.jit(lambda x, w, w1, w2, c, dy, gs: XlaKernels().expert_backward(cfg, x, w, w1, w2, c, dy, gs)).lower(
+        *args).as_text()
+    converts = [ln for ln in text.splitlines() if "stablehlo.convert " in ln and "xbf16>" in ln.split("->")[-1]]
+    assert not converts, "rounding points as converts to bf16 (XLA on GPU may drop them):\n" + "\n".join(converts)

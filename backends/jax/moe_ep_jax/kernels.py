@@ -502,19 +502,20 @@ class XlaKernels:
         that takes a rounded operand runs in bf16 where its other operand is a
         plain bf16 input (float32 accumulation and output), else in float32 on the
         exact values."""
-        bf16 = jnp.bfloat16
         _, _, _, _, h, fg, fu = _swiglu_parts(config, fc1_c)
         wc = w[:, None]
-        dy_b = dy.astype(bf16)  # dY_b = R_bf16(dY), exact for a bf16 cotangent
+        # The rounding points by F.round_to_bf16 (integer arithmetic on the bits), not astype:
+        # XLA on GPU (xla_allow_excess_precision) removes an f32 -> bf16 -> f32 convert pair.
+        dy_b = F.round_to_bf16(dy)  # dY_b = R_bf16(dY), exact for a bf16 cotangent
         w1, w2 = _plain_or_decoded(fc1), _plain_or_decoded(fc2)
         a = _gemm(dy_b, w2, group_sizes, rhs_transposed=True)  # dY_b W2^T  [C, I] float32
-        dfc2 = _gemm_t((wc * h).astype(bf16), dy_b, group_sizes)  # R_bf16(w h)^T dY_b, both placements
+        dfc2 = _gemm_t(F.round_to_bf16(wc * h), dy_b, group_sizes)  # R_bf16(w h)^T dY_b, both placements
         if config.apply_topk_in_fc1:
             dw = jnp.sum(a * h, axis=1)
         else:
             dw = jnp.sum(dy_b.astype(_F32) * _gemm(h, w2, group_sizes), axis=1)
         dh = a * wc
-        dc_b = jnp.concatenate([dh * fg, dh * fu], axis=1).astype(bf16)  # dc_b = R_bf16(dc)
+        dc_b = F.round_to_bf16(jnp.concatenate([dh * fg, dh * fu], axis=1))  # dc_b = R_bf16(dc)
         dfc1 = _gemm_t(_plain_or_decoded(x), dc_b, group_sizes)
         dx = _gemm(dc_b, w1, group_sizes, rhs_transposed=True)
         return dx, dw, dfc1, dfc2
