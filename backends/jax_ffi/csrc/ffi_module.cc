@@ -533,6 +533,14 @@ auto BindSlotSum(B b) {
 
 // ----------------------------------------------------------------------------- the error poison
 
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+// The answer of a handler whose work is one launch of its own kernel (st: the launch's status).
+ffi::Error OwnLaunch(const char* kT, cudaError_t st) {
+  if (st == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string(kT) + ": the CUDA launch failed: " + cudaGetErrorString(st));
+}
+#endif
+
 // The quiet NaN bit pattern jnp.asarray(jnp.nan, dtype) has, of the float dtypes the
 // target takes (0: another dtype).
 uint32_t NanBits(ffi::DataType t) {
@@ -573,10 +581,7 @@ ffi::Error Poison(Dev dev, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> error, ffi::
     return ffi::Error::Success();
   }
 #ifdef MOE_EP_NATIVE_WITH_CUDA
-  const cudaError_t st = moe_ep_ffi_poison_cuda(dev.stream, error.untyped_data(), out->untyped_data(), bytes, width, nan);
-  if (st != cudaSuccess)
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string(kT) + ": the CUDA launch failed: " + cudaGetErrorString(st));
-  return ffi::Error::Success();
+  return OwnLaunch(kT, moe_ep_ffi_poison_cuda(dev.stream, error.untyped_data(), out->untyped_data(), bytes, width, nan));
 #else
   return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string(kT) + ": this build has no CUDA");
 #endif
@@ -618,11 +623,8 @@ ffi::Error ZeroRows(Dev dev, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rows, ffi::
     return ffi::Error::Success();
   }
 #ifdef MOE_EP_NATIVE_WITH_CUDA  // (CUDA zeroes nothing for a row out of range: it cannot check the values)
-  const cudaError_t st = moe_ep_ffi_zero_rows_cuda(dev.stream, static_cast<const int32_t*>(rows.untyped_data()), n,
-                                                   out->untyped_data(), num_rows, row_bytes);
-  if (st != cudaSuccess)
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string(kT) + ": the CUDA launch failed: " + cudaGetErrorString(st));
-  return ffi::Error::Success();
+  return OwnLaunch(kT, moe_ep_ffi_zero_rows_cuda(dev.stream, static_cast<const int32_t*>(rows.untyped_data()), n,
+                                                 out->untyped_data(), num_rows, row_bytes));
 #else
   return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string(kT) + ": this build has no CUDA");
 #endif
