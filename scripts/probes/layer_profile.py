@@ -161,16 +161,9 @@ def print_timeline(name, fn, profile, activity, torch) -> None:
     if not gpu:
         print("-- timeline: no GPU events", flush=True)
         return
-    t0, end, busy, gaps = float(gpu[0]["ts"]), float(gpu[0]["ts"]), 0.0, 0.0
-    print(f"-- timeline of one {name} (us): start, duration, idle gap before, kernel", flush=True)
-    for e in gpu:
-        ts, dur = float(e["ts"]), float(e["dur"])
-        gap = max(0.0, ts - end)
-        gaps += gap
-        busy += max(0.0, ts + dur - max(ts, end))
-        end = max(end, ts + dur)
-        print(f"{ts - t0:9.1f} {dur:8.1f} {gap:7.1f}  {e['name'][:110]}", flush=True)
-    print(f"-- span {end - t0:.1f} us: busy {busy:.1f}, idle gaps {gaps:.1f}, {len(gpu)} events", flush=True)
+    from jax_profile import print_timeline as print_events  # its neighbour in scripts/probes (no jax imported)
+
+    print_events(name, gpu)
 
 
 if __name__ == "__main__":
