@@ -798,3 +798,22 @@ def test_compare_refuses_a_malformed_baseline_with_a_sentence(tmp_path) -> None:
         entries(bad, "base.json")
     good = {"schema": BASELINE_SCHEMA, "rows": [{"identity": {"backend": "x"}, "median_ms": 1.5}]}
     assert [e.ident for e in entries(good, "base.json")] == [{"backend": "x"}]
+
+
+def test_a_baseline_is_refreshed_from_itself_and_a_new_report(tmp_path: Path) -> None:
+    from moe_ep_bench import compare as C
+
+    old = _report([("cuda-nccl", "backend", "forward", "bf16", 128, 1.0),
+                   ("cuda-nccl", "backend", "forward", "bf16", 4096, 5.0)])
+    old.update(created="2026-12-01T00:00:00Z", command="moe-ep bench --old")
+    first = tmp_path / "first.json"
+    assert C.main(["--make-baseline", str(first), _write(tmp_path / "old.json", old)]) == 0
+    new = _report([("cuda-nccl", "backend", "forward", "bf16", 4096, 4.0)])
+    new.update(created="2026-12-06T00:00:00Z", command="moe-ep bench --new")
+    refreshed = tmp_path / "refreshed.json"
+    assert C.main(["--make-baseline", str(refreshed), str(first), _write(tmp_path / "new.json", new)]) == 0
+    doc = json.loads(refreshed.read_text())
+    assert [s["command"] for s in doc["sources"]] == ["moe-ep bench --old", "moe-ep bench --new"]
+    by_tokens = {r["identity"]["tokens"]: r for r in doc["rows"]}
+    assert by_tokens[128]["median_ms"] == 1.0 and by_tokens[128]["source"] == "old.json"  # kept, its own source
+    assert by_tokens[4096]["median_ms"] == 4.0 and by_tokens[4096]["source"] == "new.json"  # replaced

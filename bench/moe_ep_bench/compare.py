@@ -16,8 +16,8 @@ not judged.
 A baseline file is a bench JSON report (``moe-ep bench --json``) or a file made
 from several of them (``python -m moe_ep_bench.compare --make-baseline OUT.json
 RUN1.json RUN2.json ...``: later files' rows replace earlier ones of the same
-identity; schema :data:`BASELINE_SCHEMA`, every row carrying its identity and
-its source). ``bench/baselines/`` holds one per device kind.
+identity; an older baseline may be one of the files; schema :data:`BASELINE_SCHEMA`,
+every row carrying its identity and its source). ``bench/baselines/`` holds one per device kind.
 """
 
 from __future__ import annotations
@@ -131,14 +131,20 @@ def entries(doc: Dict[str, Any], source: str) -> List[_Entry]:
 
 
 def make_baseline(paths: Sequence[str]) -> Dict[str, Any]:
-    """One baseline from bench reports: every measured row, a later file's row
-    replacing an earlier one of the same identity."""
+    """One baseline from bench reports and baselines: every measured row, a later
+    file's row replacing an earlier one of the same identity. A baseline among
+    them brings its rows with their own sources and its list of reports, so a
+    baseline is refreshed with new runs without the reports it was made from."""
     rows: Dict[Tuple[Tuple[str, Any], ...], Dict[str, Any]] = {}
-    sources = []
+    sources: List[Dict[str, Any]] = []
     for path in paths:
         with open(path) as fh:
             doc = json.load(fh)
-        sources.append({"file": os.path.basename(path), "created": doc.get("created"), "command": doc.get("command")})
+        if isinstance(doc, dict) and doc.get("schema") == BASELINE_SCHEMA:
+            sources.extend(s for s in doc.get("sources", []) if s not in sources)
+        else:
+            sources.append({"file": os.path.basename(path), "created": doc.get("created"),
+                            "command": doc.get("command")})
         for e in entries(doc, os.path.basename(path)):
             rows[_key(e.ident)] = {
                 "identity": e.ident,
@@ -267,7 +273,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = Parser(prog="python -m moe_ep_bench.compare",
                description="Compare a bench JSON report with a baseline, or make a baseline from reports.")
     p.add_argument("files", nargs="+", metavar="FILE",
-                   help="RUN.json BASELINE.json; with --make-baseline: the reports, oldest first")
+                   help="RUN.json BASELINE.json; with --make-baseline: the reports (and baselines), oldest first")
     p.add_argument("--tolerance", type=non_negative_float, default=DEFAULT_TOLERANCE,
                    help=f"a row more than this fraction slower fails (default {DEFAULT_TOLERANCE})")
     p.add_argument("--make-baseline", metavar="OUT", help="write a baseline made from FILE... here")
