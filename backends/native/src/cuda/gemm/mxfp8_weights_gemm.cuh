@@ -49,6 +49,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/format_math.cuh"
 
@@ -240,6 +241,57 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// A pass's sums into y (float32, += with accumulate) or y_bf16 (their bf16 rounding): the
+// rows [m0, min(m0 + 8 kNt, r1)) at the warp's 32 weight rows from nw. acc[u][nt] holds
+// y[x row 8 nt + 2 q (+1)] at weight rows 16 u + g (c0, c1) and 16 u + 8 + g (c2, c3).
+// P: Mxfp8WeightsGemm or Nvfp4WeightsGemm (y, y_bf16, accumulate, n).
+template <int kNt, class P>
+__device__ __forceinline__ void store_pass(const P& p, const float (&acc)[2][kNt][4], int64_t m0, int64_t r1,
+                                           int64_t nw, int g, int q) {
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int64_t r = m0 + 8 * nt + 2 * q + (c & 1);
+      if (r >= r1) continue;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int64_t at = r * p.n + nw + 16 * u + 8 * (c >> 1) + g;
+        float v = acc[u][nt][c];
+        if (p.y_bf16 != nullptr) {
+          p.y_bf16[at] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+          continue;
+        }
+        if (p.accumulate) v += p.y[at];
+        p.y[at] = v;
+      }
+    }
+}
+
+// The passes over an expert's rows [r0, r1): each takes as many n8 tiles as the remaining
+// rows need, up to kMaxNt (4, 6 or 8): run(std::integral_constant<int, tiles>, m0).
+template <int kMaxNt, class Run>
+__device__ __forceinline__ void for_each_pass(int64_t r0, int64_t r1, Run&& run) {
+  static_assert(kMaxNt == 4 || kMaxNt == 6 || kMaxNt == 8, "the passes below");
+  for (int64_t m0 = r0; m0 < r1;) {
+    const int64_t rem = r1 - m0;
+    const int tiles = rem >= 8 * kMaxNt ? kMaxNt : static_cast<int>((rem + 7) / 8);
+    if constexpr (kMaxNt >= 8) {
+      if (tiles == 8) run(std::integral_constant<int, 8>{}, m0);
+      if (tiles == 7) run(std::integral_constant<int, 7>{}, m0);
+    }
+    if constexpr (kMaxNt >= 6) {
+      if (tiles == 6) run(std::integral_constant<int, 6>{}, m0);
+      if (tiles == 5) run(std::integral_constant<int, 5>{}, m0);
+    }
+    if (tiles == 4) run(std::integral_constant<int, 4>{}, m0);
+    if (tiles == 3) run(std::integral_constant<int, 3>{}, m0);
+    if (tiles == 2) run(std::integral_constant<int, 2>{}, m0);
+    if (tiles == 1) run(std::integral_constant<int, 1>{}, m0);
+    m0 += 8 * tiles;
+  }
+}
+
 // Stage ks (k from ks * kStageK) of the block's weight rows and of the pass's kRows x
 // rows from m0 (rows at or past r1 zero-filled) into st. A thread's code chunks are rows
 // tid / 8 + 16 u at chunk tid % 8: one source pointer, stepped by 16 rows.
@@ -310,36 +362,21 @@ __device__ __forceinline__ void stage_slice(const Stage<kMaxRows, kPlanes>& st, 
   }
 }
 
-// One pass over K for the rows [m0, min(m0 + 8 kNt, r1)) of expert e and the block's
-// weight rows from nb; this warp's 32 of them from nw = nb + 32 warp. acc[u][nt] holds
-// y[x row 8 nt + 2 q (+1)] at weight rows 16 u + g (c0, c1) and 16 u + 8 + g (c2, c3).
-template <int kNt, class Cfg>
-__device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* stages, int e, int64_t nb,
-                                     int64_t m0, int64_t r1) {
-  constexpr int kStages = Cfg::kStages;
-  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
-  const int g = lane >> 2, q = lane & 3;
-  const int64_t nks = p.k / kStageK;
-  float acc[2][kNt][4];
-#pragma unroll
-  for (int u = 0; u < 2; ++u)
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[u][nt][c] = 0.0f;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nks) load_stage<8 * kNt>(p, stages[s], e, nb, m0, r1, s);
-    cp_async_commit();
+// The mxfp8 weights' side of the pipeline (run_pass, run_block): a stage's type, its loads
+// and its MMAs, and the inexact report.
+struct Mxfp8Format {
+  using Params = Mxfp8WeightsGemm;
+  static constexpr int kStageK = mxw::kStageK;
+  template <class Cfg>
+  using StageT = StageOf<Cfg>;
+  template <int kRows, class Cfg>
+  static __device__ __forceinline__ void load(const Params& p, StageT<Cfg>& st, int e, int64_t nb, int64_t m0,
+                                              int64_t r1, int64_t ks) {
+    load_stage<kRows>(p, st, e, nb, m0, r1, ks);
   }
-  bool bad = false;
-  for (int64_t ks = 0; ks < nks; ++ks) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // stage ks landed for every thread; stage ks - 1's buffer is free
-    const int64_t next = ks + kStages - 1;
-    if (next < nks) load_stage<8 * kNt>(p, stages[next % kStages], e, nb, m0, r1, next);
-    cp_async_commit();
-    const StageOf<Cfg>& st = stages[ks % kStages];
+  template <int kNt, class Cfg>
+  static __device__ __forceinline__ void compute(const StageT<Cfg>& st, int warp, int g, int q,
+                                                 float (&acc)[2][kNt][4], bool& bad) {
     uint32_t scw[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) scw[t] = st.s[warp * kRowsPerWarp + 8 * t + g];
@@ -355,28 +392,60 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* st
       for (int h = 0; h < 2; ++h) stage_slice<kNt, false>(st, scw, h, warp, g, q, acc, bad);
     }
   }
+  static __device__ __forceinline__ void report(const Params& p, bool bad) {
+    if (bad && p.inexact != nullptr) atomicOr(p.inexact, 1);
+  }
+};
+
+// One pass over K for the rows [m0, min(m0 + 8 kNt, r1)) of expert e and the block's
+// weight rows from nb (this warp's 32 of them from nb + 32 warp), Fmt's stages streamed
+// through a cp.async pipeline Cfg::kStages deep. acc[u][nt] holds y[x row 8 nt + 2 q (+1)]
+// at weight rows 16 u + g (c0, c1) and 16 u + 8 + g (c2, c3).
+template <int kNt, class Cfg, class Fmt>
+__device__ __forceinline__ void run_pass(const typename Fmt::Params& p, typename Fmt::template StageT<Cfg>* stages,
+                                         int e, int64_t nb, int64_t m0, int64_t r1) {
+  constexpr int kStages = Cfg::kStages;
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  const int64_t nks = p.k / Fmt::kStageK;
+  float acc[2][kNt][4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[u][nt][c] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nks) Fmt::template load<8 * kNt, Cfg>(p, stages[s], e, nb, m0, r1, s);
+    cp_async_commit();
+  }
+  bool bad = false;
+  for (int64_t ks = 0; ks < nks; ++ks) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage ks landed for every thread; stage ks - 1's buffer is free
+    const int64_t next = ks + kStages - 1;
+    if (next < nks) Fmt::template load<8 * kNt, Cfg>(p, stages[next % kStages], e, nb, m0, r1, next);
+    cp_async_commit();
+    Fmt::template compute<kNt, Cfg>(stages[ks % kStages], warp, g, q, acc, bad);
+  }
   cp_async_wait<0>();
   __syncthreads();  // every warp done with the buffers before the next pass refills them
-  if (bad && p.inexact != nullptr) atomicOr(p.inexact, 1);
-  const int64_t nw = nb + warp * kRowsPerWarp;
-#pragma unroll
-  for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int64_t r = m0 + 8 * nt + 2 * q + (c & 1);
-      if (r >= r1) continue;
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int64_t at = r * p.n + nw + 16 * u + 8 * (c >> 1) + g;
-        float v = acc[u][nt][c];
-        if (p.y_bf16 != nullptr) {
-          p.y_bf16[at] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-          continue;
-        }
-        if (p.accumulate) v += p.y[at];
-        p.y[at] = v;
-      }
-    }
+  Fmt::report(p, bad);
+  store_pass<kNt>(p, acc, m0, r1, nb + warp * kRowsPerWarp, g, q);
+}
+
+// A block's work: weight rows [nb, nb + kTileN) of expert e = blockIdx.y, nb = blockIdx.x
+// kTileN, over the expert's rows in passes of up to Cfg::kMaxNt n8 tiles.
+template <class Cfg, class Fmt>
+__device__ __forceinline__ void run_block(const typename Fmt::Params& p, unsigned char* smem) {
+  using StageT = typename Fmt::template StageT<Cfg>;
+  StageT* stages = reinterpret_cast<StageT*>(smem);
+  const int e = static_cast<int>(blockIdx.y);
+  const int64_t r0 = p.off[e], r1 = p.off[e + 1];
+  const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
+  for_each_pass<Cfg::kMaxNt>(
+      r0, r1, [&](auto tiles, int64_t m0) { run_pass<decltype(tiles)::value, Cfg, Fmt>(p, stages, e, nb, m0, r1); });
 }
 
 // Grid (N / kTileN, E), kThreads threads, smem_bytes<Cfg>() of dynamic shared memory.
@@ -385,30 +454,8 @@ __device__ __forceinline__ void pass(const Mxfp8WeightsGemm& p, StageOf<Cfg>* st
 // Cfg::kMaxNt.
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) mxfp8_weights_gemm_kernel(Mxfp8WeightsGemm p) {
-  constexpr int kMaxNt = Cfg::kMaxNt;
-  static_assert(kMaxNt == 4 || kMaxNt == 6 || kMaxNt == 8, "the passes below");
   extern __shared__ __align__(16) unsigned char smem[];
-  StageOf<Cfg>* stages = reinterpret_cast<StageOf<Cfg>*>(smem);
-  const int e = static_cast<int>(blockIdx.y);
-  const int64_t r0 = p.off[e], r1 = p.off[e + 1];
-  const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
-  for (int64_t m0 = r0; m0 < r1;) {
-    const int64_t rem = r1 - m0;
-    const int tiles = rem >= 8 * kMaxNt ? kMaxNt : static_cast<int>((rem + 7) / 8);
-    if constexpr (kMaxNt >= 8) {
-      if (tiles == 8) pass<8, Cfg>(p, stages, e, nb, m0, r1);
-      if (tiles == 7) pass<7, Cfg>(p, stages, e, nb, m0, r1);
-    }
-    if constexpr (kMaxNt >= 6) {
-      if (tiles == 6) pass<6, Cfg>(p, stages, e, nb, m0, r1);
-      if (tiles == 5) pass<5, Cfg>(p, stages, e, nb, m0, r1);
-    }
-    if (tiles == 4) pass<4, Cfg>(p, stages, e, nb, m0, r1);
-    if (tiles == 3) pass<3, Cfg>(p, stages, e, nb, m0, r1);
-    if (tiles == 2) pass<2, Cfg>(p, stages, e, nb, m0, r1);
-    if (tiles == 1) pass<1, Cfg>(p, stages, e, nb, m0, r1);
-    m0 += 8 * tiles;
-  }
+  run_block<Cfg, Mxfp8Format>(p, smem);
 }
 
 }  // namespace mxw
