@@ -284,36 +284,45 @@ def test_kept_decodes_die_with_their_weight_and_can_be_turned_off(monkeypatch):
         P.decoded_weight(w, None)
 
 
-def test_mxfp8_weights_switch_checks_its_value_and_never_applies_off_cuda(monkeypatch):
-    """MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS is read before any operand: a value other than '0' or
-    '1' is a ConfigError with the rule and the value. Unset (on by default) or '1', CPU
-    weights never take the mxfp8-weights forward (it is a CUDA kernel)."""
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_coded_weights_switches_check_their_values_and_never_apply_off_cuda(monkeypatch, fmt):
+    """MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS and MOE_EP_CUDA_NCCL_NVFP4_WEIGHTS are read before any
+    operand: a value other than '0' or '1' is a ConfigError with the rule and the value,
+    whatever the weights' format. Unset (on by default) or '1', CPU weights never take the
+    block-scaled-weights forward (it is a CUDA kernel)."""
     config = MoeEpConfig(num_experts=2, hidden=128, intermediate=128, num_topk=1, num_ranks=1)
-    w = P.BlockScaledOperand(_weight("mxfp8"), weight=True)
+    w = P.BlockScaledOperand(_weight(fmt), weight=True)
     x = torch.zeros((4, 128), dtype=torch.bfloat16)
-    monkeypatch.delenv(P.MXFP8_WEIGHTS_ENV, raising=False)
-    assert not P.mxfp8_weights_path(config, x, w, w, host_check=True)
-    monkeypatch.setenv(P.MXFP8_WEIGHTS_ENV, "1")
-    assert not P.mxfp8_weights_path(config, x, w, w, host_check=True)
-    monkeypatch.setenv(P.MXFP8_WEIGHTS_ENV, "on")
-    with pytest.raises(P.E.ConfigError, match=r"MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS must be '0' .* or '1' .*; got 'on'"):
-        P.mxfp8_weights_path(config, x, w, w, host_check=True)
+    for env in (P.MXFP8_WEIGHTS_ENV, P.NVFP4_WEIGHTS_ENV):
+        monkeypatch.delenv(env, raising=False)
+    assert not P.coded_weights_path(config, x, w, w, host_check=True)
+    for env in (P.MXFP8_WEIGHTS_ENV, P.NVFP4_WEIGHTS_ENV):
+        monkeypatch.setenv(env, "1")
+        assert not P.coded_weights_path(config, x, w, w, host_check=True)
+        monkeypatch.setenv(env, "on")
+        with pytest.raises(P.E.ConfigError, match=rf"{env} must be '0' .* or '1' .*; got 'on'"):
+            P.coded_weights_path(config, x, w, w, host_check=True)
+        monkeypatch.delenv(env)
 
 
-def test_mxfp8_weights_row_bound_is_the_kernels():
-    """The front-end takes the mxfp8-weights forward up to the rows an expert where the
-    kernel picks its few-rows variant (``mxw::kFewRowsPerExpert`` in the CUDA header), so the
-    decode never lands on the variant for many rows through cuda-nccl."""
+def test_coded_weights_row_bound_is_the_kernels():
+    """The front-end takes the block-scaled-weights forward up to the rows an expert where
+    the kernels pick their few-rows variant (``mxw::kFewRowsPerExpert`` in the CUDA header,
+    which the nvfp4 kernel uses too), so the decode never lands on the variant for many
+    rows through cuda-nccl."""
     import pathlib
     import re
 
-    header = (pathlib.Path(__file__).resolve().parents[1] / "backends" / "native" / "src" / "cuda" / "gemm"
-              / "mxfp8_weights_gemm.cuh")
+    gemm = pathlib.Path(__file__).resolve().parents[1] / "backends" / "native" / "src" / "cuda" / "gemm"
+    header = gemm / "mxfp8_weights_gemm.cuh"
     found = re.findall(r"constexpr int64_t kFewRowsPerExpert = (\d+);", header.read_text())
     assert len(found) == 1, f"{header} should define kFewRowsPerExpert once; found {found}"
-    assert P.MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT == int(found[0]), (
-        f"prims.MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT is {P.MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT}, the kernel's few-rows "
+    assert P.CODED_WEIGHTS_MAX_ROWS_PER_EXPERT == int(found[0]), (
+        f"prims.CODED_WEIGHTS_MAX_ROWS_PER_EXPERT is {P.CODED_WEIGHTS_MAX_ROWS_PER_EXPERT}, the kernel's few-rows "
         f"bound {found[0]}")
+    nv = (gemm / "nvfp4_weights_gemm.cuh").read_text()
+    assert "mxw::kFewRowsPerExpert" in nv and "kFewRowsPerExpert =" not in nv, (
+        "the nvfp4 kernel picks its variant by the mxfp8 header's bound")
 
 
 def test_dequantize_bf16_checks_its_flag():

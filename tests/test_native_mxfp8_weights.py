@@ -289,16 +289,16 @@ def test_cuda_nccl_front_end_reads_mxfp8_weight_codes_at_few_rows(monkeypatch) -
     wt, gst = t(w), t(gs)
     prims.forget_decoded_weights()
     monkeypatch.delenv(prims.MXFP8_WEIGHTS_ENV, raising=False)
-    assert prims.mxfp8_weights_path(config, xt, w1, w2, host_check=False), "on by default at few rows"
+    assert prims.coded_weights_path(config, xt, w1, w2, host_check=False), "on by default at few rows"
     monkeypatch.setenv(prims.MXFP8_WEIGHTS_ENV, "1")
-    assert prims.mxfp8_weights_path(config, xt, w1, w2, host_check=False)
-    many = torch.zeros((prims.MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT * config.num_local_experts + 1, config.hidden),
+    assert prims.coded_weights_path(config, xt, w1, w2, host_check=False)
+    many = torch.zeros((prims.CODED_WEIGHTS_MAX_ROWS_PER_EXPERT * config.num_local_experts + 1, config.hidden),
                        dtype=torch.bfloat16, device=dev)
-    assert not prims.mxfp8_weights_path(config, many, w1, w2, host_check=False), "many rows: the bf16 GEMMs"
+    assert not prims.coded_weights_path(config, many, w1, w2, host_check=False), "many rows: the bf16 GEMMs"
     y, c = prims.expert_forward(config, xt, wt, w1, w2, gst)
     assert not prims._DECODED, "the mxfp8-weights forward makes no kept bf16 decode"
     monkeypatch.setenv(prims.MXFP8_WEIGHTS_ENV, "0")
-    assert not prims.mxfp8_weights_path(config, xt, w1, w2, host_check=False)
+    assert not prims.coded_weights_path(config, xt, w1, w2, host_check=False)
     y_ref, c_ref = prims.expert_forward(config, xt, wt, w1, w2, gst)
     torch.cuda.synchronize()
     assert not prims.inexact_decodes(dev)

@@ -56,7 +56,7 @@ from moe_ep_torch.api import _check, _check_group
 
 from . import static
 from .exchange_layers import _GENERATION, _LAYERS, _LOCK, close
-from .prims import (TIMEOUT_ENV, MainGrads, NativePrimitives, mxfp8_weights_forward, mxfp8_weights_path, operands, ptr,
+from .prims import (TIMEOUT_ENV, MainGrads, NativePrimitives, coded_weights_forward, coded_weights_path, operands, ptr,
                     weight_grad_buffers, where)
 
 __all__ = ["EXCHANGE_ENV", "COMBINE_ENV", "MODE_ENV", "ROUND_TRIP_ENV", "enabled", "forward", "backward", "backward_and_metadata", "move", "close"]
@@ -321,9 +321,9 @@ def forward(
     y = torch.empty((rows, h), dtype=y_dtype, device=device)
     c = torch.empty((rows, 2 * i), dtype=torch.bfloat16, device=device)
     _, stream = where(w_buf)
-    # mxfp8 weights at few rows: their codes read by the tensor cores (prims.mxfp8_weights_path).
-    if not (mxfp8_weights_path(config, x_buf, fc1_d, fc2_d, host_check=False)
-            and mxfp8_weights_forward(layer, config, x_buf, w_buf, fc1_d, fc2_d, gs, y, c, host_check=False)):
+    # Block-scaled weights at few rows: their codes read by the tensor cores (prims.coded_weights_path).
+    if not (coded_weights_path(config, x_buf, fc1_d, fc2_d, host_check=False)
+            and coded_weights_forward(layer, config, x_buf, w_buf, fc1_d, fc2_d, gs, y, c, host_check=False)):
         bf16, x, f1, f2 = operands(x_buf, fc1_d, fc2_d, host_check=False)
         layer.experts_forward(stream, rows, ptr(x), ptr(w_buf), ptr(f1), ptr(f2), ptr(gs), ptr(y), ptr(c))
     # The layer zeroes the stash's padding rows itself (whatever the weights hold), and makes y

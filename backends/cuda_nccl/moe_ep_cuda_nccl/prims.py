@@ -42,8 +42,8 @@ from moe_ep_torch import formats as TF
 
 __all__ = ["MainGrads", "WeightGradBuffers", "main_grad_of", "weight_grad_buffers", "NativePrimitives", "NATIVE", "CPU_ENV", "TIMEOUT_ENV", "close_communicators", "BlockScaledOperand",
            "dequantize_bf16", "operands", "inexact_decodes", "decoded_weight", "forget_decoded_weights",
-           "WEIGHT_CACHE_ENV", "MXFP8_WEIGHTS_ENV", "MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT", "mxfp8_weights_path",
-           "mxfp8_weights_forward"]
+           "WEIGHT_CACHE_ENV", "MXFP8_WEIGHTS_ENV", "NVFP4_WEIGHTS_ENV", "CODED_WEIGHTS_MAX_ROWS_PER_EXPERT",
+           "coded_weights_path", "coded_weights_forward"]
 
 #: ``1``: the backend runs on CPU tensors too (native CPU kernels, gloo): for
 #: testing this front-end on machines without a GPU.
@@ -685,44 +685,62 @@ def _operands(x: Any, fc1: Any, fc2: Any) -> Tuple[bool, torch.Tensor, torch.Ten
 
 
 #: ``1`` (default): read mxfp8 weights' codes in the forward when the rows are few
-#: (:func:`mxfp8_weights_path`); ``0``: always their kept bf16 decode. On by default since
+#: (:func:`coded_weights_path`); ``0``: always their kept bf16 decode. On by default since
 #: 2026-12-02, run 37 (an H200, the bench's decode shape, alternated in one call): 0.429 and
 #: 0.427 of the weight read against the kept decode's 0.402 and 0.402; see
-#: docs/cuda-nccl.md, "The mxfp8-weights forward".
+#: docs/cuda-nccl.md, "The block-scaled-weights forward".
 MXFP8_WEIGHTS_ENV = "MOE_EP_CUDA_NCCL_MXFP8_WEIGHTS"
-#: The mxfp8-weights forward runs when the buffer has at most this many rows per local
-#: expert on average: the bound up to which the kernel takes its few-rows variant
-#: (``mxw::kFewRowsPerExpert`` in ``mxfp8_weights_gemm.cuh``; a test keeps the two equal),
-#: so a padded decode buffer (128 tokens, top-8, 32 experts, alignment 16: 47 rows an
-#: expert) takes it too. Run 41 (an H200, FC1 of the decode shape): 0.353 ms at 48 rows an
-#: expert against the kept decode's bf16 GEMM's 0.446 (at 64 rows 0.444 against 0.458: no
-#: longer worth the bound).
-MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT = 48
+#: The same switch for nvfp4 weights (``1`` by default).
+NVFP4_WEIGHTS_ENV = "MOE_EP_CUDA_NCCL_NVFP4_WEIGHTS"
+#: The block-scaled-weights forward runs when the buffer has at most this many rows per
+#: local expert on average: the bound up to which the kernels take their few-rows variant
+#: (``mxw::kFewRowsPerExpert`` in ``mxfp8_weights_gemm.cuh``, which the nvfp4 kernel shares;
+#: a test keeps the two equal), so a padded decode buffer (128 tokens, top-8, 32 experts,
+#: alignment 16: 47 rows an expert) takes it too. Run 41 (an H200, FC1 of the decode shape,
+#: mxfp8): 0.353 ms at 48 rows an expert against the kept decode's bf16 GEMM's 0.446 (at 64
+#: rows 0.444 against 0.458: no longer worth the bound).
+CODED_WEIGHTS_MAX_ROWS_PER_EXPERT = 48
+
+_CODED_WEIGHTS_ENVS = {MoeFormat.MXFP8: MXFP8_WEIGHTS_ENV, MoeFormat.NVFP4: NVFP4_WEIGHTS_ENV}
 
 
-def mxfp8_weights_path(config: MoeEpConfig, x: Any, fc1: Any, fc2: Any, *, host_check: bool) -> bool:
-    """Whether the experts forward reads the mxfp8 weights' codes themselves
-    (``moe_ep_layer_experts_forward_mxfp8``: a grouped GEMM that decodes them to bf16 in
-    registers) instead of their kept bf16 decode (:func:`decoded_weight`): both weights
-    mxfp8 :class:`BlockScaledOperand` s on CUDA, x bf16 or block-scaled, hidden and
-    intermediate multiples of 128, at most :data:`MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT` rows
-    per local expert (the decode regime, where the weight read is the cost), and
-    :data:`MXFP8_WEIGHTS_ENV` not ``0``. With ``host_check`` (outside a capture) both
-    weights also need a cached exact verdict (:func:`operands` makes it on the first call),
+def _coded_weights_switches() -> Dict[MoeFormat, bool]:
+    """Each block format's switch (:data:`MXFP8_WEIGHTS_ENV`, :data:`NVFP4_WEIGHTS_ENV`), checked."""
+    on = {}
+    for fmt, name in _CODED_WEIGHTS_ENVS.items():
+        value = os.environ.get(name, "1")
+        if value not in ("0", "1"):
+            raise E.ConfigError(
+                f"{name} must be '0' (always the bf16 decode) or '1' (read the codes when rows are few); "
+                f"got {value!r}",
+                field=name, value=value,
+            )
+        on[fmt] = value == "1"
+    return on
+
+
+def coded_weights_path(config: MoeEpConfig, x: Any, fc1: Any, fc2: Any, *, host_check: bool) -> bool:
+    """Whether the experts forward reads block-scaled weights' codes themselves
+    (``moe_ep_layer_experts_forward_block_scaled``: grouped GEMMs that decode them to bf16
+    in registers) instead of their kept bf16 decode (:func:`decoded_weight`): both weights
+    :class:`BlockScaledOperand` s of one format, mxfp8 or nvfp4, on CUDA, x bf16 or
+    block-scaled, hidden and intermediate multiples of 128, at most
+    :data:`CODED_WEIGHTS_MAX_ROWS_PER_EXPERT` rows per local expert (the decode regime,
+    where the weight read is the cost), and the format's switch (:data:`MXFP8_WEIGHTS_ENV`,
+    :data:`NVFP4_WEIGHTS_ENV`) not ``0``. mxfp8 with ``host_check`` (outside a capture) also
+    needs both weights' cached exact verdict (:func:`operands` makes it on the first call),
     so the weights' flags need no read: like a kept decode with a verdict, a value bf16
-    cannot hold is NaN and lands in :func:`inexact_decodes`. The values are those of the
-    bf16 path; the sums may differ in order only (float32 accumulation either way)."""
-    value = os.environ.get(MXFP8_WEIGHTS_ENV, "1")
-    if value not in ("0", "1"):
-        raise E.ConfigError(
-            f"{MXFP8_WEIGHTS_ENV} must be '0' (always the bf16 decode) or '1' (read the codes when rows are few); "
-            f"got {value!r}",
-            field=MXFP8_WEIGHTS_ENV, value=value,
-        )
-    if value == "0":
+    cannot hold is NaN and lands in :func:`inexact_decodes`; nvfp4 is always exact. The
+    values are those of the bf16 path; the sums may differ in order only (float32
+    accumulation either way)."""
+    switches = _coded_weights_switches()  # read before any operand: a bad value is an error on every call
+    if not (isinstance(fc1, BlockScaledOperand) and isinstance(fc2, BlockScaledOperand)):
+        return False
+    fmt = fc1.source.format
+    if not switches.get(fmt, False):
         return False
     for t in (fc1, fc2):
-        if not (isinstance(t, BlockScaledOperand) and t.weight and t.source.format is MoeFormat.MXFP8):
+        if not (t.weight and t.source.format is fmt):
             return False
     if fc1.device.type != "cuda" or fc2.device != fc1.device:
         return False
@@ -730,23 +748,23 @@ def mxfp8_weights_path(config: MoeEpConfig, x: Any, fc1: Any, fc2: Any, *, host_
         return False
     if config.hidden % 128 or config.intermediate % 128:
         return False
-    if int(x.shape[0]) > MXFP8_WEIGHTS_MAX_ROWS_PER_EXPERT * config.num_local_experts:
+    if int(x.shape[0]) > CODED_WEIGHTS_MAX_ROWS_PER_EXPERT * config.num_local_experts:
         return False
-    if host_check and not _capturing(fc1.source.data):
+    if fmt is MoeFormat.MXFP8 and host_check and not _capturing(fc1.source.data):
         return all(_cached_verdict(t.source) is True for t in (fc1, fc2))
     return True
 
 
-def mxfp8_weights_forward(
+def coded_weights_forward(
     layer: Layer, config: MoeEpConfig, x: Any, w: torch.Tensor, fc1: BlockScaledOperand, fc2: BlockScaledOperand,
     group_sizes: torch.Tensor, y: torch.Tensor, fc1_c: torch.Tensor, *, host_check: bool,
 ) -> bool:
-    """The layer's experts forward with the mxfp8 weights' codes read directly
-    (``moe_ep_layer_experts_forward_mxfp8``) into ``y`` and ``fc1_c``, for operands that
-    passed :func:`mxfp8_weights_path`: True when it ran; False when it does not apply
+    """The layer's experts forward with the block-scaled weights' codes read directly
+    (``moe_ep_layer_experts_forward_block_scaled``) into ``y`` and ``fc1_c``, for operands
+    that passed :func:`coded_weights_path`: True when it ran; False when it does not apply
     after all (the layer has no tensor-core path, or x's host-checked decode is inexact),
     and the caller takes the bf16 path. x (bf16 or a :class:`BlockScaledOperand`) is
-    decoded as :func:`operands` decodes it; the weights' flag goes to the device record of
+    decoded as :func:`operands` decodes it; mxfp8 weights' flag goes to the device record of
     :func:`inexact_decodes` (no read: their verdicts are cached, or no check is allowed)."""
     if not (layer.info.tensor_cores and layer.bf16_operands):
         return False
@@ -763,13 +781,15 @@ def mxfp8_weights_forward(
         else:
             x = x.bf16(_record(device))
     x = x.contiguous()
-    rec = _record(device)
+    fmt = fc1.source.format
+    rec = _record(device) if fmt is MoeFormat.MXFP8 else None
     w = _f32(w)
     gs = group_sizes.to(torch.int32).contiguous()  # every operand bound to a name: alive until the call returns
     c1, s1, c2, s2 = (t.contiguous() for t in (fc1.source.data, fc1.source.scale, fc2.source.data, fc2.source.scale))
     _, stream = where(x)
-    layer.experts_forward_mxfp8(stream, int(x.shape[0]), ptr(x), ptr(w), ptr(c1), ptr(s1), ptr(c2), ptr(s2), ptr(gs),
-                                ptr(y), ptr(fc1_c), ptr(rec))
+    layer.experts_forward_block_scaled(stream, int(_FORMAT[fmt]), int(x.shape[0]), ptr(x), ptr(w), ptr(c1), ptr(s1),
+                                       ptr(c2), ptr(s2), ptr(gs), ptr(y), ptr(fc1_c),
+                                       None if rec is None else ptr(rec))
     return True
 
 
@@ -782,14 +802,14 @@ def expert_forward(
     bf16 (the tensor-core path on CUDA), any float dtype (float32 kernels) or
     :class:`BlockScaledOperand` s (decoded by :func:`operands`, with a host check when
     ``host_check``: the host-synchronised mode; the static mode calls this directly,
-    without); mxfp8 weights at few rows are read as codes (:func:`mxfp8_weights_path`);
+    without); block-scaled weights at few rows are read as codes (:func:`coded_weights_path`);
     ``group_sizes`` ``[E_local] int32`` on the rows' device: slab sizes from row 0."""
-    if mxfp8_weights_path(config, x, fc1, fc2, host_check=host_check):
+    if coded_weights_path(config, x, fc1, fc2, host_check=host_check):
         rows = int(x.shape[0])
         layer = layer_for(config, rows, fc1.device, True, backward=False)
         y = torch.empty((rows, config.hidden), dtype=torch.float32, device=fc1.device)
         c = torch.empty((rows, 2 * config.intermediate), dtype=torch.bfloat16, device=fc1.device)
-        if mxfp8_weights_forward(layer, config, x, w, fc1, fc2, group_sizes, y, c, host_check=host_check):
+        if coded_weights_forward(layer, config, x, w, fc1, fc2, group_sizes, y, c, host_check=host_check):
             return y, c
     bf16, x, fc1, fc2 = operands(x, fc1, fc2, host_check=host_check)
     w = _f32(w)

@@ -52,8 +52,8 @@ extern "C" {
 #endif
 
 /** Bumped on any incompatible change of a signature or a struct below, and when an entry
- *  point, a field or a flag is added (ABI 3, 4, 5, 6, 7, 8, 9): a binding built for N calls the entry points of N. */
-#define MOE_EP_NATIVE_ABI_VERSION 9
+ *  point, a field or a flag is added (ABI 3, 4, 5, 6, 7, 8, 9, 10): a binding built for N calls the entry points of N. */
+#define MOE_EP_NATIVE_ABI_VERSION 10
 
 typedef enum {
   MOE_EP_OK = 0,
@@ -535,6 +535,38 @@ MOE_EP_API moe_ep_status moe_ep_layer_experts_forward_mxfp8(moe_ep_layer* layer,
                                                             const uint8_t* fc1_scales, const uint8_t* fc2_codes,
                                                             const uint8_t* fc2_scales, const int32_t* group_sizes,
                                                             void* y, uint16_t* fc1_c, int32_t* inexact);
+
+/**
+ * moe_ep_layer_experts_forward with block-scaled expert weights read as they are stored:
+ * weight_format MOE_EP_FORMAT_MXFP8 (as moe_ep_layer_experts_forward_mxfp8) or
+ * MOE_EP_FORMAT_NVFP4, the decode forward's weight read at about half (mxfp8) or 0.28
+ * (nvfp4) of the bytes of their bf16 decode (docs/cuda-nccl.md, "The block-scaled-weights
+ * forward"). The layer's operand_dtype must be MOE_EP_DTYPE_BF16, and hidden and
+ * intermediate multiples of the format's block (32 mxfp8, 16 nvfp4).
+ *   num_rows, x, w, group_sizes, y, fc1_c: as moe_ep_layer_experts_forward (x bf16).
+ *   fc1_codes:  [E_local, 2I, H] uint8 E4M3 codes (mxfp8) or [E_local, 2I, H / 2] uint8, two
+ *               E2M1 codes a byte, element 2 j in the low nibble (nvfp4);
+ *   fc1_scales: [E_local, 2I, H / 32] uint8 E8M0 (mxfp8) or [E_local, 2I, H / 16] uint8 E4M3
+ *               (nvfp4): the weight fc1 [E_local, H, 2I] stored transposed, blocked along H.
+ *   fc2_codes, fc2_scales: fc2 [E_local, I, H] stored the same way ([E_local, H, ...]),
+ *               blocked along I.
+ *   inexact:    [1] int32 (device memory on CUDA) or NULL: 1 is ORed in (never cleared here)
+ *               when a weight value is not a bf16 value (mxfp8 only: every nvfp4 value is).
+ * The values are those of moe_ep_layer_experts_forward given the weights' bf16 decode
+ * (moe_ep_dequantize_bf16 with transpose_rows, into [E, K, N]); moe_ep_layer_experts_forward_mxfp8
+ * says what mxfp8 adds (values bf16 cannot hold are NaN, and flagged). On CUDA the tensor
+ * cores run on the codes (grouped GEMMs that decode them to bf16 in registers, one pass
+ * over the weights per 48 or 64 rows of an expert; float32 accumulation, so sums may differ
+ * from the bf16 path's in order only); that needs the tensor-core path and hidden and
+ * intermediate multiples of 128 (else MOE_EP_ERR_UNSUPPORTED), x and the codes 16-byte
+ * aligned, the scales 4-byte (mxfp8) or 8-byte (nvfp4) aligned. On CPU the float32
+ * kernels run on the same decoded values.
+ * Added in ABI 10 (a new entry point; no struct changed).
+ */
+MOE_EP_API moe_ep_status moe_ep_layer_experts_forward_block_scaled(
+    moe_ep_layer* layer, void* stream, int32_t weight_format, int64_t num_rows, const void* x, const float* w,
+    const uint8_t* fc1_codes, const uint8_t* fc1_scales, const uint8_t* fc2_codes, const uint8_t* fc2_scales,
+    const int32_t* group_sizes, void* y, uint16_t* fc1_c, int32_t* inexact);
 
 /**
  * The experts' backward (docs/spec.md section 9.2: recomputed from the stash,

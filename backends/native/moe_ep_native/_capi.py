@@ -15,7 +15,7 @@ __all__ = ["ABI_VERSION", "Format", "Status", "DType", "ExpertDesc", "LayerConfi
            "abi_version", "has_cuda", "has_nccl", "build_info"]
 
 #: The ABI this binding was written for (MOE_EP_NATIVE_ABI_VERSION).
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 #: Set to a file path to load that library instead of the installed one.
 LIBRARY_ENV = "MOE_EP_NATIVE_LIBRARY"
@@ -188,6 +188,7 @@ _PROTOTYPES = {
     "moe_ep_layer_get_info": (_I32, [_P, ctypes.POINTER(LayerInfo)]),
     "moe_ep_layer_experts_forward": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P]),
     "moe_ep_layer_experts_forward_mxfp8": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "moe_ep_layer_experts_forward_block_scaled": (_I32, [_P, _P, _I32, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "moe_ep_layer_experts_backward": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _I32, _P, _P, _P, _P, _P]),
     "moe_ep_layer_experts_backward_ex": (_I32, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _I32, _P, _P, _P, _P, _P, _I32]),
     "moe_ep_has_nccl": (ctypes.c_int, []),

@@ -166,6 +166,37 @@ class Layer:
             fc2_codes, fc2_scales, group_sizes, y, fc1_c, inexact,
         )
 
+    def experts_forward_block_scaled(
+        self,
+        stream: Optional[int],
+        weight_format: int,
+        num_rows: int,
+        x: Optional[int],
+        w: Optional[int],
+        fc1_codes: Optional[int],
+        fc1_scales: Optional[int],
+        fc2_codes: Optional[int],
+        fc2_scales: Optional[int],
+        group_sizes: Optional[int],
+        y: Optional[int],
+        fc1_c: Optional[int],
+        inexact: Optional[int],
+    ) -> None:
+        """``moe_ep_layer_experts_forward_block_scaled``: :meth:`experts_forward` with
+        block-scaled weights read as stored, ``weight_format`` :attr:`Format.MXFP8
+        <moe_ep_native._capi.Format>` (as :meth:`experts_forward_mxfp8`) or ``Format.NVFP4``:
+        fc1_codes ``[E_local, 2I, H / 2] uint8`` (two E2M1 codes a byte, element ``2j`` in
+        the low nibble) and fc1_scales ``[E_local, 2I, H / 16] uint8`` (E4M3), fc2_codes
+        ``[E_local, H, I / 2] uint8`` and fc2_scales ``[E_local, H, I / 16] uint8`` (each
+        weight transposed, blocked along its contraction axis); x bf16 (the layer's operand
+        dtype must be bf16); inexact ``[1] int32`` (or None): mxfp8's flag (nvfp4 never sets
+        it). Raises :class:`~moe_ep_spec.NativeError` (unsupported) on CUDA without the
+        tensor-core path or with hidden or intermediate not a multiple of 128."""
+        call(
+            "moe_ep_layer_experts_forward_block_scaled", self._handle, stream, weight_format, num_rows, x, w,
+            fc1_codes, fc1_scales, fc2_codes, fc2_scales, group_sizes, y, fc1_c, inexact,
+        )
+
     def experts_backward(self, stream: Optional[int], num_rows: int, x: Optional[int], w: Optional[int],
                          fc1: Optional[int], fc2: Optional[int], fc1_c: Optional[int], dy: Optional[int],
                          group_sizes: Optional[int], dx: Optional[int], dw: Optional[int], dfc1: Optional[int],

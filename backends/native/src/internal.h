@@ -211,23 +211,26 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
                            int32_t combine_format, void* base, TcWorkspace* ws, bool bf16_backward = false);
 // bf16 FC2 operand planes the forward needs for this intermediate format (1: exactly bf16, else 3).
 int tc_operand_planes(int32_t intermediate_format);
-// The expert weights of the tensor-core forward: bf16 fc1 [E, H, 2I] and fc2 [E, I, H]; or mxfp8 as
-// stored (codes [E, N, K] E4M3, scales [E, N, K / 32] E8M0: fc1 N = 2I, K = H; fc2 N = H, K = I),
-// read by the mxfp8-weights GEMM (cuda/gemm/mxfp8_weights_gemm.cuh), which ORs 1 into *inexact
-// where a weight value is not a bf16 value (decoded to NaN).
+// The expert weights of the tensor-core forward: bf16 fc1 [E, H, 2I] and fc2 [E, I, H]; or
+// block-scaled as stored (codes_format MXFP8: codes [E, N, K] E4M3, scales [E, N, K / 32]
+// E8M0; NVFP4: codes [E, N, K / 2], two E2M1 a byte, scales [E, N, K / 16] E4M3; fc1 N = 2I,
+// K = H; fc2 N = H, K = I), read by the block-scaled-weights GEMMs
+// (cuda/gemm/mxfp8_weights_gemm.cuh, nvfp4_weights_gemm.cuh); the mxfp8 one ORs 1 into
+// *inexact where a weight value is not a bf16 value (decoded to NaN).
 struct TcWeights {
   const uint16_t* fc1 = nullptr;
   const uint16_t* fc2 = nullptr;
+  int32_t codes_format = MOE_EP_FORMAT_NONE;  // MOE_EP_FORMAT_MXFP8 or NVFP4 with codes
   const uint8_t* fc1_codes = nullptr;
   const uint8_t* fc1_scales = nullptr;
   const uint8_t* fc2_codes = nullptr;
   const uint8_t* fc2_scales = nullptr;
   int32_t* inexact = nullptr;
-  bool mxfp8() const { return fc1_codes != nullptr; }
+  bool coded() const { return fc1_codes != nullptr; }
 };
-// Whether the mxfp8-weights GEMM takes the layer's shapes (H and 2I, the N and K of FC1 and FC2,
-// multiples of 128).
-bool tc_mxfp8_weights_fit(const moe_ep_expert_desc& d);
+// Whether the block-scaled-weights GEMMs take the layer's shapes (H and 2I, the N and K of FC1
+// and FC2, multiples of 128).
+bool tc_coded_weights_fit(const moe_ep_expert_desc& d);
 // y: [C, H] float32, or bf16 (bf16_out: combine_format bf16 or nvfp4, whose values are bf16 values: the rows
 // are written as their bf16 bits after the round trip).
 moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, bool bf16_out,

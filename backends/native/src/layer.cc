@@ -314,19 +314,20 @@ moe_ep_status experts_forward(moe_ep_layer* l, void* stream, int64_t C, const vo
   return staged_forward(l, stream, C, x, w, fc1, fc2, group_sizes, y, fc1_c);
 }
 
-// moe_ep_layer_experts_forward_mxfp8 on the layer's path: the tensor cores read the codes
-// (CUDA); the staged path (CPU) decodes them to the values of their bf16 decode in its
+// moe_ep_layer_experts_forward_block_scaled on the layer's path: the tensor cores read the
+// codes (CUDA); the staged path (CPU) decodes them to the values of their bf16 decode in its
 // float32 buffers and runs the float32 kernels on x decoded from bf16, as experts_forward
 // does with bf16 weights.
-moe_ep_status experts_forward_mxfp8(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w,
-                                    const uint8_t* fc1_codes, const uint8_t* fc1_scales, const uint8_t* fc2_codes,
-                                    const uint8_t* fc2_scales, const int32_t* group_sizes, void* y, uint16_t* fc1_c,
-                                    int32_t* inexact) {
+moe_ep_status experts_forward_block_scaled(moe_ep_layer* l, void* stream, int32_t fmt, int64_t C, const void* x,
+                                           const float* w, const uint8_t* fc1_codes, const uint8_t* fc1_scales,
+                                           const uint8_t* fc2_codes, const uint8_t* fc2_scales,
+                                           const int32_t* group_sizes, void* y, uint16_t* fc1_c, int32_t* inexact) {
   moe_ep_expert_desc d = l->desc;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (l->tensor_cores) {
     d.num_rows = C;
     cuda::TcWeights wt;
+    wt.codes_format = fmt;
     wt.fc1_codes = fc1_codes;
     wt.fc1_scales = fc1_scales;
     wt.fc2_codes = fc2_codes;
@@ -337,9 +338,10 @@ moe_ep_status experts_forward_mxfp8(moe_ep_layer* l, void* stream, int64_t C, co
   }
 #endif
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_local_experts;
+  const auto f = static_cast<moe_ep_format>(fmt);
   // The weights' bf16 decode into [E, K, N] (transpose_rows N), as float32 values.
-  cpu::dequantize_bf16_values(MOE_EP_FORMAT_MXFP8, fc1_codes, fc1_scales, E * 2 * I, H, 1, 2 * I, l->fc1_32, inexact);
-  cpu::dequantize_bf16_values(MOE_EP_FORMAT_MXFP8, fc2_codes, fc2_scales, E * H, I, 1, H, l->fc2_32, inexact);
+  cpu::dequantize_bf16_values(f, fc1_codes, fc1_scales, E * 2 * I, H, 1, 2 * I, l->fc1_32, inexact);
+  cpu::dequantize_bf16_values(f, fc2_codes, fc2_scales, E * H, I, 1, H, l->fc2_32, inexact);
   if (C > 0) MOE_EP_TRY(cpu::dequantize(nullptr, MOE_EP_FORMAT_BF16, x, nullptr, C, H, 1, l->x32));
   return staged_forward_f32(l, stream, C, l->x32, w, l->fc1_32, l->fc2_32, group_sizes, y, fc1_c);
 }
@@ -555,55 +557,89 @@ moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, in
   });
 }
 
-moe_ep_status moe_ep_layer_experts_forward_mxfp8(moe_ep_layer* layer, void* stream, int64_t num_rows, const void* x,
-                                                 const float* w, const uint8_t* fc1_codes, const uint8_t* fc1_scales,
-                                                 const uint8_t* fc2_codes, const uint8_t* fc2_scales,
-                                                 const int32_t* group_sizes, void* y, uint16_t* fc1_c,
-                                                 int32_t* inexact) {
-  const Check ck{"moe_ep_layer_experts_forward_mxfp8"};
+namespace {
+// The block-scaled-weights forward's checks and call, errors named after the entry point ck.op.
+moe_ep_status forward_block_scaled(const Check& ck, moe_ep_layer* layer, void* stream, int32_t weight_format,
+                                   int64_t num_rows, const void* x, const float* w, const uint8_t* fc1_codes,
+                                   const uint8_t* fc1_scales, const uint8_t* fc2_codes, const uint8_t* fc2_scales,
+                                   const int32_t* group_sizes, void* y, uint16_t* fc1_c, int32_t* inexact) {
   MOE_EP_TRY(moe_ep::check_layer(ck, layer, stream, num_rows));
+  if (weight_format != MOE_EP_FORMAT_MXFP8 && weight_format != MOE_EP_FORMAT_NVFP4)
+    return ck.bad("weight_format must be MOE_EP_FORMAT_MXFP8 (" + std::to_string(MOE_EP_FORMAT_MXFP8) +
+                      ") or MOE_EP_FORMAT_NVFP4 (" + std::to_string(MOE_EP_FORMAT_NVFP4) + ")",
+                  std::to_string(weight_format));
+  const bool nv = weight_format == MOE_EP_FORMAT_NVFP4;
+  const char* fmt_name = nv ? "nvfp4" : "mxfp8";
   if (layer->cfg.operand_dtype != MOE_EP_DTYPE_BF16)
     return ck.bad("the layer's operand_dtype must be MOE_EP_DTYPE_BF16 (1): x is bf16",
                   std::to_string(layer->cfg.operand_dtype));
   const moe_ep_expert_desc& d = layer->desc;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_local_experts;
-  if (H % 32 != 0 || I % 32 != 0)
-    return ck.bad("hidden and intermediate must be multiples of 32 (the mxfp8 block along K)",
+  const int64_t block = nv ? 16 : 32;
+  if (H % block != 0 || I % block != 0)
+    return ck.bad("hidden and intermediate must be multiples of " + std::to_string(block) + " (the " + fmt_name +
+                      " block along K)",
                   "hidden " + std::to_string(H) + ", intermediate " + std::to_string(I));
   if (moe_ep::is_cuda(layer)) {
 #ifdef MOE_EP_NATIVE_WITH_CUDA
-    if (!layer->tensor_cores || !moe_ep::cuda::tc_mxfp8_weights_fit(d))
+    if (!layer->tensor_cores || !moe_ep::cuda::tc_coded_weights_fit(d))
       return moe_ep::fail(MOE_EP_ERR_UNSUPPORTED,
-                          "moe_ep_layer_experts_forward_mxfp8: on CUDA it needs the tensor-core path "
+                          std::string(ck.op) + ": on CUDA it needs the tensor-core path "
                           "(moe_ep_layer_get_info's tensor_cores = 1) and hidden and intermediate multiples of 128; "
                           "got tensor_cores " + std::to_string(layer->tensor_cores ? 1 : 0) + ", hidden " +
                               std::to_string(H) + ", intermediate " + std::to_string(I) +
                               " (decode the weights to bf16 and call moe_ep_layer_experts_forward instead)");
 #endif
   }
+  const int64_t per_code = nv ? 2 : 1;  // codes a byte
   MOE_EP_TRY(ck.ptr("x", x, num_rows * H, 2));
   MOE_EP_TRY(ck.ptr("w", w, num_rows, 4));
-  MOE_EP_TRY(ck.ptr("fc1_codes", fc1_codes, E * 2 * I * H, 1));
-  MOE_EP_TRY(ck.ptr("fc1_scales", fc1_scales, E * 2 * I * (H / 32), 1));
-  MOE_EP_TRY(ck.ptr("fc2_codes", fc2_codes, E * H * I, 1));
-  MOE_EP_TRY(ck.ptr("fc2_scales", fc2_scales, E * H * (I / 32), 1));
+  MOE_EP_TRY(ck.ptr("fc1_codes", fc1_codes, E * 2 * I * (H / per_code), 1));
+  MOE_EP_TRY(ck.ptr("fc1_scales", fc1_scales, E * 2 * I * (H / block), 1));
+  MOE_EP_TRY(ck.ptr("fc2_codes", fc2_codes, E * H * (I / per_code), 1));
+  MOE_EP_TRY(ck.ptr("fc2_scales", fc2_scales, E * H * (I / block), 1));
   MOE_EP_TRY(ck.ptr("group_sizes", group_sizes, E, 4));
   MOE_EP_TRY(ck.ptr("inexact", inexact, 0, 4));
   if (layer->tensor_cores) {
-    // The mxfp8-weights GEMM's vector loads.
+    // The block-scaled-weights GEMMs' vector loads.
+    const uintptr_t scale_align = nv ? 8 : 4;
     for (const auto& [name, p, align] : {std::tuple<const char*, const void*, uintptr_t>{"x", x, 16},
                                          {"fc1_codes", fc1_codes, 16}, {"fc2_codes", fc2_codes, 16},
-                                         {"fc1_scales", fc1_scales, 4}, {"fc2_scales", fc2_scales, 4}})
+                                         {"fc1_scales", fc1_scales, scale_align},
+                                         {"fc2_scales", fc2_scales, scale_align}})
       if (!moe_ep::aligned_to(p, align))
         return ck.bad(std::string(name) + " must be " + std::to_string(align) + "-byte aligned on the tensor-core path",
                       std::to_string(reinterpret_cast<uintptr_t>(p)));
   }
   MOE_EP_TRY(moe_ep::check_forward_outputs(ck, layer, num_rows, y, fc1_c));
   return moe_ep::guarded(layer, [&]() -> moe_ep_status {
-    MOE_EP_TRY(moe_ep::experts_forward_mxfp8(layer, stream, num_rows, x, w, fc1_codes, fc1_scales, fc2_codes,
-                                             fc2_scales, group_sizes, y, fc1_c, inexact));
+    MOE_EP_TRY(moe_ep::experts_forward_block_scaled(layer, stream, weight_format, num_rows, x, w, fc1_codes,
+                                                    fc1_scales, fc2_codes, fc2_scales, group_sizes, y, fc1_c,
+                                                    inexact));
     return moe_ep::finish_forward(layer, stream, num_rows, y, fc1_c);
   });
+}
+}  // namespace
+
+moe_ep_status moe_ep_layer_experts_forward_block_scaled(moe_ep_layer* layer, void* stream, int32_t weight_format,
+                                                        int64_t num_rows, const void* x, const float* w,
+                                                        const uint8_t* fc1_codes, const uint8_t* fc1_scales,
+                                                        const uint8_t* fc2_codes, const uint8_t* fc2_scales,
+                                                        const int32_t* group_sizes, void* y, uint16_t* fc1_c,
+                                                        int32_t* inexact) {
+  return forward_block_scaled(Check{"moe_ep_layer_experts_forward_block_scaled"}, layer, stream, weight_format,
+                              num_rows, x, w, fc1_codes, fc1_scales, fc2_codes, fc2_scales, group_sizes, y, fc1_c,
+                              inexact);
+}
+
+moe_ep_status moe_ep_layer_experts_forward_mxfp8(moe_ep_layer* layer, void* stream, int64_t num_rows, const void* x,
+                                                 const float* w, const uint8_t* fc1_codes, const uint8_t* fc1_scales,
+                                                 const uint8_t* fc2_codes, const uint8_t* fc2_scales,
+                                                 const int32_t* group_sizes, void* y, uint16_t* fc1_c,
+                                                 int32_t* inexact) {
+  return forward_block_scaled(Check{"moe_ep_layer_experts_forward_mxfp8"}, layer, stream, MOE_EP_FORMAT_MXFP8,
+                              num_rows, x, w, fc1_codes, fc1_scales, fc2_codes, fc2_scales, group_sizes, y, fc1_c,
+                              inexact);
 }
 
 moe_ep_status moe_ep_layer_experts_backward(moe_ep_layer* layer, void* stream, int64_t num_rows, const void* x,

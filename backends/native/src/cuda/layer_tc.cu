@@ -37,6 +37,7 @@
 #include "cuda/format_math.cuh"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/mxfp8_weights_gemm.cuh"
+#include "cuda/gemm/nvfp4_weights_gemm.cuh"
 #include "cuda/swiglu.cuh"
 #include "internal.h"
 
@@ -509,13 +510,31 @@ struct Gemm {
     return gemm_status(grouped_gemm_bf16(p, ws.gemm, ws.gemm_bytes, stream, ws.sm_count), what);
   }
   // out[r] (+)= a[r] W_e for the forward's NN GEMMs [C, k] x [E, k, n]: the bf16 weight b, or the
-  // mxfp8 codes and scales ([E, n, k], [E, n, k / 32]) through the mxfp8-weights GEMM.
+  // block-scaled codes and scales of wt.codes_format ([E, n, k] mxfp8, [E, n, k / 2] nvfp4;
+  // scales [E, n, k / 32] or [E, n, k / 16]) through the block-scaled-weights GEMMs.
   // a_planes > 1 (codes only): a holds that many bf16 planes, a_plane_stride elements apart,
-  // summed (the mxfp8-weights GEMM multiplies them with the weights decoded once).
-  moe_ep_status forward(int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, const uint8_t* codes,
-                        const uint8_t* scales, int32_t* inexact, float* out, bool accumulate, const char* what,
+  // summed (the GEMM multiplies them with the weights decoded once).
+  moe_ep_status forward(int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, const TcWeights& wt,
+                        const uint8_t* codes, const uint8_t* scales, float* out, bool accumulate, const char* what,
                         uint16_t* out_bf16 = nullptr, int a_planes = 1, int64_t a_plane_stride = 0) const {
     if (codes == nullptr) return run(GemmLayout::kNN, 0, n, k, a, b, out, accumulate, what, out_bf16);
+    if (wt.codes_format == MOE_EP_FORMAT_NVFP4) {
+      Nvfp4WeightsGemm p{};
+      p.x = a;
+      p.off = ws.offsets;
+      p.codes = codes;
+      p.scales = scales;
+      p.num_experts = static_cast<int>(d.num_local_experts);
+      p.n = n;
+      p.k = k;
+      p.y = out;
+      p.y_bf16 = out_bf16;
+      p.accumulate = accumulate;
+      p.total_rows = d.num_rows;
+      p.x_planes = a_planes;
+      p.x_plane_stride = a_plane_stride;
+      return gemm_status(nvfp4_weights_gemm(p, stream), what);
+    }
     Mxfp8WeightsGemm p{};
     p.x = a;
     p.off = ws.offsets;
@@ -527,7 +546,7 @@ struct Gemm {
     p.y = out;
     p.y_bf16 = out_bf16;
     p.accumulate = accumulate;
-    p.inexact = inexact;
+    p.inexact = wt.inexact;
     p.total_rows = d.num_rows;
     p.x_planes = a_planes;
     p.x_plane_stride = a_plane_stride;
@@ -714,7 +733,8 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
   return at;
 }
 
-bool tc_mxfp8_weights_fit(const moe_ep_expert_desc& d) {
+bool tc_coded_weights_fit(const moe_ep_expert_desc& d) {
+  static_assert(nvw::kStageK == mxw::kStageK && nvw::kTileN == mxw::kTileN, "one shape rule for both formats");
   return mxfp8_weights_shape_fits(2 * d.intermediate, d.hidden) && mxfp8_weights_shape_fits(d.hidden, d.intermediate) &&
          d.num_local_experts <= 65535;
 }
@@ -729,7 +749,7 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   const Gemm gemm{d, ws, s};
   slab_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
   MOE_EP_CUDA_CHECK_LAUNCH("slab_offsets_kernel");
-  MOE_EP_TRY(gemm.forward(2 * I, H, x, wt.fc1, wt.fc1_codes, wt.fc1_scales, wt.inexact, ws.c, false, "FC1"));
+  MOE_EP_TRY(gemm.forward(2 * I, H, x, wt.fc1, wt, wt.fc1_codes, wt.fc1_scales, ws.c, false, "FC1"));
 
   const SwigluParams p{C, I, d.apply_topk_in_fc1, d.has_clamp, d.gate_up_clamp};
   const int planes = tc_operand_planes(d.intermediate_format);
@@ -741,7 +761,7 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   if (bf16_out && fc2_writes_bf16(d, combine_format)) {
     // Nothing happens to the FC2 output but its bf16 rounding (the combine round trip):
     // the GEMM writes the bf16 rows itself; rows of no expert are zeroed (as float pairs).
-    MOE_EP_TRY(gemm.forward(H, I, ws.left, wt.fc2, wt.fc2_codes, wt.fc2_scales, wt.inexact, nullptr, false, "FC2",
+    MOE_EP_TRY(gemm.forward(H, I, ws.left, wt.fc2, wt, wt.fc2_codes, wt.fc2_scales, nullptr, false, "FC2",
                             static_cast<uint16_t*>(y_out)));
     zero_tail_rows_kernel<<<tail_blocks(C * H / 2, ws), kThreads, 0, s>>>(static_cast<float*>(y_out), ws.offsets, E,
                                                                            C, H / 2);
@@ -750,12 +770,12 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   }
   float* y = bf16_out ? ws.y32 : static_cast<float*>(y_out);
   if (wt.fc2_codes != nullptr) {  // every plane in one call: the weights decoded once at few rows
-    MOE_EP_TRY(gemm.forward(H, I, ws.left, wt.fc2, wt.fc2_codes, wt.fc2_scales, wt.inexact, y, false, "FC2", nullptr,
+    MOE_EP_TRY(gemm.forward(H, I, ws.left, wt.fc2, wt, wt.fc2_codes, wt.fc2_scales, y, false, "FC2", nullptr,
                             planes, C * I));
   } else {
     for (int pl = 0; pl < planes; ++pl)
-      MOE_EP_TRY(gemm.forward(H, I, ws.left + static_cast<int64_t>(pl) * C * I, wt.fc2, wt.fc2_codes,
-                              wt.fc2_scales, wt.inexact, y, pl > 0, "FC2"));
+      MOE_EP_TRY(gemm.forward(H, I, ws.left + static_cast<int64_t>(pl) * C * I, wt.fc2, wt, wt.fc2_codes,
+                              wt.fc2_scales, y, pl > 0, "FC2"));
   }
 
   if (bf16_out && combine_format == MOE_EP_FORMAT_NVFP4) {  // nvfp4's values are bf16 values (exact)
