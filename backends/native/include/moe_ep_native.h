@@ -510,7 +510,7 @@ MOE_EP_API moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void*
 /**
  * moe_ep_layer_experts_forward with mxfp8 expert weights read as they are stored, the
  * decode forward's weight read at about half the bytes of their bf16 decode
- * (docs/cuda-nccl.md, "The mxfp8-weights forward"). The layer's operand_dtype must be
+ * (docs/cuda-nccl.md, "The block-scaled-weights forward"). The layer's operand_dtype must be
  * MOE_EP_DTYPE_BF16, and hidden and intermediate multiples of 32.
  *   num_rows, x, w, group_sizes, y, fc1_c: as moe_ep_layer_experts_forward (x bf16).
  *   fc1_codes:  [E_local, 2I, H] uint8 E4M3 codes;  fc1_scales: [E_local, 2I, H / 32] uint8 E8M0:

@@ -5,7 +5,7 @@
 // accumulation). The weights are read once per pass of up to 48 or 64 rows of an expert
 // (the variant mxfp8_weights_gemm picks), at one byte an element plus a scale byte per 32,
 // instead of the two bytes of a kept bf16 decode: the decode forward's weight read
-// (docs/cuda-nccl.md, "The mxfp8-weights forward"). The layer's mxfp8-weights
+// (docs/cuda-nccl.md, "The block-scaled-weights forward"). The layer's mxfp8-weights
 // forward (moe_ep_layer_experts_forward_mxfp8) runs its FC1 and FC2 through it.
 //
 // Layouts: x [C, K] bf16 row-major (the expert-major rows), or three such planes summed
@@ -115,7 +115,7 @@ struct Config {
 constexpr int64_t kFewRowsPerExpert = 48;
 // The variants mxfp8_weights_gemm picks (2026-12-02, runs 39 to 45 on an H200, the
 // routing's spread of 20..42 rows an expert at 128 tokens, against a device copy of the
-// codes in the same run; docs/cuda-nccl.md, "The mxfp8-weights forward"):
+// codes in the same run; docs/cuda-nccl.md, "The block-scaled-weights forward"):
 // - at most 48 rows an expert on average: passes of up to 48 rows, 2 stages, 3 blocks an SM
 //   (168 registers, 60 KB of shared memory a block);
 using FewRowsConfig = Config<6, 2, 3>;
