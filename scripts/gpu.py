@@ -397,7 +397,8 @@ def test_commands(ctx: Context) -> List[Command]:
     return [
         Command("native", _pytest(ctx, "tests/test_native_cuda.py", "tests/test_native_decode_bf16.py",
                                   "tests/test_native_bf16_backward.py",
-                                  "tests/test_native_mxfp8_weights.py", "tests/test_native_layer.py", "tests/test_native.py")),
+                                  "tests/test_native_mxfp8_weights.py", "tests/test_native_nvfp4_weights.py",
+                                  "tests/test_native_layer.py", "tests/test_native.py")),
         # -m "not slow": the slow tests of these files are CPU stand-ins for what runs here on the GPU
         Command("exchange", _pytest(ctx, "-m", "not slow", "tests/test_native_exchange.py",
                                     "tests/test_native_exchange_nccl.py")),
