@@ -5,8 +5,23 @@
 //   moe_ep_gemm_check --no-time        checks only
 //   moe_ep_gemm_check --mxfp8-weights  the mxfp8-weights GEMM alone (cuda/gemm/mxfp8_weights_gemm.cuh):
 //                                      its checks, then its timings at the decode shape
+//   moe_ep_gemm_check --nvfp4-weights  the nvfp4-weights GEMM alone (cuda/gemm/nvfp4_weights_gemm.cuh):
+//                                      its checks (the default choice, then each variant), then its
+//                                      timings at the decode shapes against a device copy of its
+//                                      weight bytes and against the mxfp8-weights GEMM
+//                                      (with --mxfp8-weights too: both kernels' checks and timings)
+//   moe_ep_gemm_check --mxfp8-weights-profile, --nvfp4-weights-profile
+//                                      one launch of each variant at the decode shape, nothing
+//                                      else (for ncu -k regex:mxfp8_weights_gemm / nvfp4_weights_gemm)
+//   moe_ep_gemm_check --initcheck-probe  (under compute-sanitizer --tool initcheck) whether the tool
+//                                      sees the grouped GEMM's stores
 //
-// Every check prints one line ("ok" or "MISMATCH ..."); the exit status is non-zero on
+// The run without flags includes both block-scaled-weights GEMMs' checks (the nvfp4 one's
+// variant checks too; the mxfp8 one's come with --mxfp8-weights) and their default choice's
+// timings at the decode shapes (32 experts x 32 rows).
+//
+// Every check prints one line ("ok" or "MISMATCH ..."; an nvfp4 mismatch then up to three
+// indented lines, one an output: where, what its weight row holds, got, want, bound); the exit status is non-zero on
 // any mismatch or CUDA error. The reference multiplies the bf16 inputs exactly (the
 // products of two bf16 are exact in float32) and sums in float64; a result passes when
 // |d - ref| <= 1e-5 * sum_k |a_k| |b_k| (+ 1e-30) for every element. Rows (kNN, kNT) past
@@ -26,6 +41,7 @@
 #include "cpu/formats.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/mxfp8_weights_gemm.cuh"
+#include "cuda/gemm/nvfp4_weights_gemm.cuh"
 
 using moe_ep::cuda::GemmLayout;
 using moe_ep::cuda::GemmKernel;
@@ -813,6 +829,623 @@ void mxfp8_weights_checks(bool timing, int sm_count) {
   }
 }
 
+// ------------------------------------------------------------------ nvfp4 weights (--nvfp4-weights)
+
+using moe_ep::cuda::Nvfp4WeightsGemm;
+
+// A 64-bit hash of (seed, i) (random_bf16's mix, all 64 bits kept).
+__host__ __device__ inline uint64_t hash64(uint64_t seed, uint64_t i) {
+  uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ (seed * 0xD1B54A32D192ED03ull);
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 32;
+  return x;
+}
+
+// Random nvfp4 weights: code bytes (two E2M1 codes each) uniform over all 256; scale codes
+// uniform over 0x20..0x3F (E4M3 0.125 .. 1.875: positive and below 2, the kernel's fast
+// decode; the range amax / 6 scales mostly take). The checks plant the other scale codes
+// (plant_nvfp4_specials).
+__global__ void fill_nvfp4(uint8_t* codes, int64_t n_codes, uint8_t* scales, int64_t n_scales, uint64_t seed) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n_codes; i += stride)
+    codes[i] = static_cast<uint8_t>(hash64(seed, static_cast<uint64_t>(i)) >> 24);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n_scales; i += stride)
+    scales[i] = static_cast<uint8_t>(0x20 + (hash64(seed + 99, static_cast<uint64_t>(i)) >> 40) % 32);
+}
+
+// The exact value of element k of an nvfp4 weight row (codes: k / 2 bytes, element 2 j in the
+// low nibble of byte j; scales: one E4M3 code a 16-block): E2M1 * E4M3, NaN for a scale code
+// 0x7F / 0xFF. Table and field decode, independent of the kernel's bit moves.
+__device__ double nvfp4_exact(const uint8_t* codes, const uint8_t* scales, int64_t k) {
+  const uint8_t sc = scales[k / 16];
+  if ((sc & 0x7F) == 0x7F) return nan("");
+  const int ex = (sc >> 3) & 0xF, man = sc & 7;
+  const double sm = ex == 0 ? ldexp(static_cast<double>(man), -9) : ldexp(8.0 + man, ex - 10);
+  const double s = (sc & 0x80) ? -sm : sm;
+  const uint8_t byte = codes[k / 2];
+  const int nib = (k & 1) ? (byte >> 4) : (byte & 0xF);
+  const double e2m1[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
+  const double v = (nib & 8) ? -e2m1[nib & 7] : e2m1[nib & 7];
+  return v * s;
+}
+
+// y[r, n] = sum_k x[r, k] W_e[n, k] (summed over the x planes) in float64, and the sum of
+// |products|; NaN where weight row n of the row's expert has a NaN scale block; rows past
+// the last offset: ref = the old y (untouched), bound 0.
+__global__ void nvfp4_reference(Nvfp4WeightsGemm p, int64_t rows, const float* y0, double* ref, double* bound) {
+  const int64_t total = rows * p.n;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / p.n, n = idx % p.n;
+    if (r >= p.off[p.num_experts]) {
+      ref[idx] = y0[idx];
+      bound[idx] = 0.0;
+      continue;
+    }
+    const int e = group_of_row(p.off, p.num_experts, r);
+    const uint8_t* c = p.codes + (static_cast<int64_t>(e) * p.n + n) * (p.k / 2);
+    const uint8_t* sc = p.scales + (static_cast<int64_t>(e) * p.n + n) * (p.k / 16);
+    double s = 0.0, b = 0.0;
+    bool nan_weight = false;
+    const int planes = p.x_planes > 1 ? p.x_planes : 1;
+    for (int64_t k = 0; k < p.k; ++k) {
+      const double w = nvfp4_exact(c, sc, k);
+      if (isnan(w)) {
+        nan_weight = true;
+        continue;
+      }
+      for (int pl = 0; pl < planes; ++pl) {
+        const double prod = static_cast<double>(bf16_to_float(p.x[pl * p.x_plane_stride + r * p.k + k])) * w;
+        s += prod;
+        b += fabs(prod);
+      }
+    }
+    ref[idx] = nan_weight ? nan("") : (p.accumulate ? static_cast<double>(y0[idx]) : 0.0) + s;
+    bound[idx] = b;
+  }
+}
+
+// The x rows, the weights (codes, then the scales, in one allocation: the timings copy both
+// with one device copy), the offsets and y of an nvfp4 run.
+struct NvBuffers {
+  uint16_t* x = nullptr;
+  uint8_t* weights = nullptr;  // codes [E, N, K / 2], then scales [E, N, K / 16]
+  int32_t* off = nullptr;
+  float* y = nullptr;
+  int64_t x_elems = 0, code_bytes = 0, scale_bytes = 0, y_elems = 0;
+  uint8_t* codes() const { return weights; }
+  uint8_t* scales() const { return weights + code_bytes; }
+  void release() {
+    cudaFree(x); cudaFree(weights); cudaFree(off); cudaFree(y);
+    *this = NvBuffers{};
+  }
+};
+
+// planes: x as that many bf16 planes of [rows, k] (p.x_planes, p.x_plane_stride). y: random.
+NvBuffers make_nv(Nvfp4WeightsGemm& p, const std::vector<int32_t>& off, int64_t rows, uint64_t seed, int planes = 1) {
+  NvBuffers b;
+  const int64_t E = static_cast<int64_t>(off.size()) - 1;
+  b.x_elems = planes * rows * p.k;
+  p.x_planes = planes;
+  p.x_plane_stride = rows * p.k;
+  b.code_bytes = E * p.n * (p.k / 2);  // a multiple of 64 (n % 128 == 0): the scales stay 8-byte aligned
+  b.scale_bytes = E * p.n * (p.k / 16);
+  b.y_elems = rows * p.n;
+  p.total_rows = rows;
+  b.x = device_alloc<uint16_t>(b.x_elems);
+  b.weights = device_alloc<uint8_t>(b.code_bytes + b.scale_bytes);
+  b.off = device_alloc<int32_t>(off.size());
+  b.y = device_alloc<float>(b.y_elems);
+  CHECK_CUDA(cudaMemcpy(b.off, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  fill_bf16<<<grid_for(b.x_elems), 256>>>(b.x, b.x_elems, seed * 3 + 1);
+  fill_nvfp4<<<grid_for(b.code_bytes), 256>>>(b.codes(), b.code_bytes, b.scales(), b.scale_bytes, seed * 3 + 2);
+  fill_float<<<grid_for(b.y_elems), 256>>>(b.y, b.y_elems, seed * 3 + 3, 0.0f, true);
+  CHECK_CUDA(cudaGetLastError());
+  p.x = b.x;
+  p.codes = b.codes();
+  p.scales = b.scales();
+  p.off = b.off;
+  p.y = b.y;
+  p.num_experts = static_cast<int>(E);
+  return b;
+}
+
+// A launch of the nvfp4-weights GEMM: the default choice, or one kernel variant.
+using NvLaunch = cudaError_t (*)(const Nvfp4WeightsGemm&, cudaStream_t);
+
+// p's x planes as a launch a plane through nvfp4_weights_gemm (x_planes 1, the later ones
+// accumulating): what the timings compare the one-pass three-plane kernel with at few rows.
+cudaError_t nvfp4_plane_by_plane(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
+  Nvfp4WeightsGemm one = p;
+  one.x_planes = 1;
+  for (int pl = 0; pl < (p.x_planes > 1 ? p.x_planes : 1); ++pl) {
+    one.x = p.x + pl * p.x_plane_stride;
+    one.accumulate = p.accumulate || pl > 0;
+    const cudaError_t err = moe_ep::cuda::nvfp4_weights_gemm(one, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+// "<kMaxNt,kStages,kMinBlocks>" (",3" more for three planes) of a kernel variant.
+template <class Cfg>
+std::string config_name() {
+  char s[32];
+  std::snprintf(s, sizeof(s), "<%d,%d,%d%s>", Cfg::kMaxNt, Cfg::kStages, Cfg::kMinBlocks, Cfg::kPlanes == 3 ? ",3" : "");
+  return s;
+}
+
+// What nvfp4_weights_gemm runs for p (its choice, restated for the labels): the variant for
+// the rows an expert on average (Nvfp4WeightsGemm::total_rows), or a launch a plane.
+std::string nvfp4_auto_pick(const Nvfp4WeightsGemm& p) {
+  namespace nvw = moe_ep::cuda::nvw;
+  const bool few =
+      p.total_rows > 0 && p.total_rows <= moe_ep::cuda::mxw::kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
+  if (p.x_planes == 3) return few ? "auto: " + config_name<nvw::Planes3Config>() : "auto: 3 x " + config_name<nvw::DefaultConfig>();
+  return "auto: " + (few ? config_name<nvw::FewRowsConfig>() : config_name<nvw::DefaultConfig>());
+}
+
+// The kernel variants (nvfp4_weights_gemm_launch<Cfg>), each with the mxfp8-weights kernel's
+// variant of the same role (the timings' comparison) and the x planes it takes.
+struct NvVariant {
+  std::string name;
+  NvLaunch launch;
+  int planes;
+  std::string mx_name;
+  MxLaunch mx_launch;
+};
+std::vector<NvVariant> nv_variants() {
+  namespace cu = moe_ep::cuda;
+  return {
+      {config_name<cu::nvw::FewRowsConfig>() + " few rows", &cu::nvfp4_weights_gemm_launch<cu::nvw::FewRowsConfig>, 1,
+       config_name<cu::mxw::FewRowsConfig>() + " few rows", &cu::mxfp8_weights_gemm_launch<cu::mxw::FewRowsConfig>},
+      {config_name<cu::nvw::DefaultConfig>() + " default", &cu::nvfp4_weights_gemm_launch<cu::nvw::DefaultConfig>, 1,
+       config_name<cu::mxw::DefaultConfig>() + " default", &cu::mxfp8_weights_gemm_launch<cu::mxw::DefaultConfig>},
+      {config_name<cu::nvw::Planes3Config>() + " 3 planes", &cu::nvfp4_weights_gemm_launch<cu::nvw::Planes3Config>, 3,
+       config_name<cu::mxw::Planes3Config>() + " 3 planes", &cu::mxfp8_weights_gemm_launch<cu::mxw::Planes3Config>},
+  };
+}
+
+// What a check plants in the weights (plant_nvfp4_specials), in every expert and every
+// block of 128 weight rows, at these rows of the block (rr = weight row % 128):
+constexpr int kNvRowHalvesMixed = 2;      // code bytes 0x91: +0.5, -0.5 (E2M1 1 and 9: the bf16-subnormal step)
+constexpr int kNvRowHalvesPlus = 3;       // code bytes 0x11: +0.5 everywhere
+constexpr int kNvRowHalvesMinus = 4;      // code bytes 0x99: -0.5 everywhere
+constexpr int kNvRowNegScales = 10;       // scale codes 0xA0..0xBF (negative, below 2: the fast decode)
+constexpr int kNvRowZeroScales = 11;      // scale codes 0x00 and 0x80 (+0, -0): every output of the row 0
+constexpr int kNvRowSubScales = 12;       // scale codes 0x01..0x07, 0x81..0x87 (E4M3 subnormals)
+constexpr int kNvRowSweep = 13;           // from here the 128 scale codes below 2 in turn (16 rows at most)
+constexpr int kNvSlowRow0 = 32;           // rows 32..63 (warp 1): in stage nvfp4_slow_stage every other scale
+                                          // code 2 or more (0x40..0x7E, 0xC0..0xFE, each at least twice), the
+                                          // others the 128 below 2: the warp's slow decode
+constexpr int kNvRowSlowPlus = 40;        // code bytes 0x11 in the slow warp
+constexpr int kNvRowSlowMinus = 41;       // code bytes 0x99 in the slow warp
+constexpr int kNvRowNan7F = 100;          // scale code 0x7F at block 1 (warp 3: its stage 0 on the slow decode)
+constexpr int kNvRowNanFF = 101;          // scale code 0xFF at the last block (and its stage)
+
+// The stage (128 k) whose slow-warp scales are planted: the second when there is one.
+int64_t nvfp4_slow_stage(int64_t k) { return k / 128 > 1 ? 1 : 0; }
+// The i-th (mod 128) E4M3 code below 2 in magnitude (0x00..0x3F, 0x80..0xBF) and the i-th
+// (mod 126) of 2 or more, not NaN (0x40..0x7E, 0xC0..0xFE).
+uint8_t small_scale_code(int64_t i) {
+  i %= 128;
+  return static_cast<uint8_t>(i < 64 ? i : 0x80 + (i - 64));
+}
+uint8_t big_scale_code(int64_t i) {
+  i %= 126;
+  return static_cast<uint8_t>(i < 63 ? 0x40 + i : 0xC0 + (i - 63));
+}
+
+void plant_nvfp4_specials(std::vector<uint8_t>& codes, std::vector<uint8_t>& scales, int64_t experts, int64_t n,
+                          int64_t k) {
+  const int64_t kb = k / 16, kh = k / 2, slow = nvfp4_slow_stage(k);
+  const int64_t sweep_rows = (128 + kb - 1) / kb;
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t nb = 0; nb < n; nb += 128) {
+      auto code_row = [&](int rr) { return codes.data() + (e * n + nb + rr) * kh; };
+      auto scale_row = [&](int rr) { return scales.data() + (e * n + nb + rr) * kb; };
+      std::memset(code_row(kNvRowHalvesMixed), 0x91, static_cast<size_t>(kh));
+      std::memset(code_row(kNvRowHalvesPlus), 0x11, static_cast<size_t>(kh));
+      std::memset(code_row(kNvRowHalvesMinus), 0x99, static_cast<size_t>(kh));
+      std::memset(code_row(kNvRowSlowPlus), 0x11, static_cast<size_t>(kh));
+      std::memset(code_row(kNvRowSlowMinus), 0x99, static_cast<size_t>(kh));
+      for (int64_t b = 0; b < kb; ++b) {
+        scale_row(kNvRowNegScales)[b] = static_cast<uint8_t>(0xA0 + b % 32);
+        scale_row(kNvRowZeroScales)[b] = static_cast<uint8_t>(b % 2 ? 0x80 : 0x00);
+        scale_row(kNvRowSubScales)[b] = static_cast<uint8_t>((b % 2 ? 0x80 : 0x00) + 1 + (b / 2) % 7);
+      }
+      for (int64_t i = 0; i < sweep_rows * kb; ++i)
+        scale_row(kNvRowSweep + static_cast<int>(i / kb))[i % kb] = small_scale_code(i);
+      for (int rr = kNvSlowRow0; rr < kNvSlowRow0 + 32; ++rr)
+        for (int64_t j = 0; j < 8; ++j) {
+          const int64_t i = (rr - kNvSlowRow0) * 8 + j;  // 0..255
+          scale_row(rr)[8 * slow + j] = i % 2 == 0 ? big_scale_code(i / 2) : small_scale_code(i / 2);
+        }
+      scale_row(kNvRowNan7F)[1] = 0x7F;
+      scale_row(kNvRowNanFF)[kb - 1] = 0xFF;
+    }
+}
+
+// What plant_nvfp4_specials put in weight row n (for a mismatch's line).
+std::string nvfp4_row_plant(int64_t n, int64_t k, bool specials) {
+  if (!specials) return "random codes and scales";
+  const int rr = static_cast<int>(n % 128);
+  const int64_t kb = k / 16, sweep_rows = (128 + kb - 1) / kb;
+  char s[160];
+  const long long slow = static_cast<long long>(nvfp4_slow_stage(k));
+  switch (rr) {
+    case kNvRowHalvesMixed: return "code bytes 0x91 (E2M1 +0.5, -0.5), random scales";
+    case kNvRowHalvesPlus: return "code bytes 0x11 (E2M1 +0.5), random scales";
+    case kNvRowHalvesMinus: return "code bytes 0x99 (E2M1 -0.5), random scales";
+    case kNvRowNegScales: return "scale codes 0xA0..0xBF (negative)";
+    case kNvRowZeroScales: return "scale codes 0x00 / 0x80 (+-0)";
+    case kNvRowSubScales: return "scale codes 0x01..0x07 / 0x81..0x87 (E4M3 subnormals)";
+    case kNvRowNan7F: return "scale code 0x7F (NaN) at block 1";
+    case kNvRowNanFF: return "scale code 0xFF (NaN) at the last block";
+    case kNvRowSlowPlus:
+    case kNvRowSlowMinus:
+      std::snprintf(s, sizeof(s), "code bytes %s; scale codes >= 2 and < 2 alternating in stage %lld (slow decode)",
+                    rr == kNvRowSlowPlus ? "0x11 (+0.5)" : "0x99 (-0.5)", slow);
+      return s;
+    default: break;
+  }
+  if (rr >= kNvRowSweep && rr < kNvRowSweep + sweep_rows) return "the sweep of the 128 scale codes below 2";
+  if (rr >= kNvSlowRow0 && rr < kNvSlowRow0 + 32) {
+    std::snprintf(s, sizeof(s), "scale codes >= 2 and < 2 alternating in stage %lld (the warp's slow decode there)", slow);
+    return s;
+  }
+  return "random codes and scales";
+}
+
+// The nvfp4-weights kernel (`launch`; nullptr: nvfp4_weights_gemm, the default choice) against
+// the float64 reference: |y - ref| <= k planes 2^-24 sum |products| (+ 2^-21 (|ref| + sum
+// |products|) with accumulate: the added old y; + 1e-30), the bound of float32 summation
+// in another order (bf16 output: plus its rounding, 2^-8 of |ref| + that bound); NaN
+// exactly where the weight row of the output's expert has a NaN scale block, read off the
+// scale bytes on the host (and the reference must agree); rows past the last offset
+// untouched. specials: plant_nvfp4_specials's weights (every scale code, both decodes,
+// E2M1 +-0.5, NaN blocks), else fill_nvfp4's alone. planes: x as that many bf16 planes.
+void check_nvfp4_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int64_t extra_rows,
+                         bool accumulate, bool specials, uint64_t seed, bool bf16_out = false, int planes = 1,
+                         NvLaunch launch = nullptr, const char* launch_name = nullptr) {
+  Nvfp4WeightsGemm p{};
+  p.n = n;
+  p.k = k;
+  p.accumulate = accumulate;
+  const std::vector<int32_t> off = offsets_of(rows);
+  const int64_t total_rows = off.back() + extra_rows;
+  NvBuffers b = make_nv(p, off, total_rows, seed, planes);
+  const std::string which = launch == nullptr ? nvfp4_auto_pick(p) : std::string(launch_name);
+  char label[256];
+  std::snprintf(label, sizeof(label), "check nvfp4 weights %-44s [%s] experts=%d rows=%lld n=%lld k=%lld%s%s%s%s",
+                name, which.c_str(), p.num_experts, static_cast<long long>(total_rows), static_cast<long long>(n),
+                static_cast<long long>(k), planes == 3 ? " 3 planes" : "", accumulate ? " accumulate" : "",
+                bf16_out ? " bf16 out" : "", specials ? " specials" : "");
+  const int64_t E = p.num_experts;
+  std::vector<uint8_t> codes(static_cast<size_t>(b.code_bytes)), scales(static_cast<size_t>(b.scale_bytes));
+  CHECK_CUDA(cudaMemcpy(codes.data(), b.codes(), codes.size(), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(scales.data(), b.scales(), scales.size(), cudaMemcpyDeviceToHost));
+  if (specials) {
+    plant_nvfp4_specials(codes, scales, E, n, k);
+    CHECK_CUDA(cudaMemcpy(b.codes(), codes.data(), codes.size(), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(b.scales(), scales.data(), scales.size(), cudaMemcpyHostToDevice));
+  }
+  // What the weights of the experts with rows hold: the distinct scale codes and code bytes,
+  // the warp-stages (32 weight rows x 128 k) the kernel decodes slowly (a scale code of 2 or
+  // more, or NaN), and the weight rows with a NaN scale block (their outputs must be NaN).
+  const int64_t kb = k / 16, kh = k / 2;
+  bool scale_seen[256] = {}, code_seen[256] = {};
+  int64_t slow_stages = 0, all_stages = 0;
+  std::vector<char> nan_row(static_cast<size_t>(E * n), 0);
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t c = 0; c < n; ++c)
+      for (int64_t j = 0; j < kb; ++j)
+        if ((scales[static_cast<size_t>((e * n + c) * kb + j)] & 0x7F) == 0x7F) nan_row[static_cast<size_t>(e * n + c)] = 1;
+    if (rows[static_cast<size_t>(e)] == 0) continue;
+    for (int64_t i = e * n * kb; i < (e + 1) * n * kb; ++i) scale_seen[scales[static_cast<size_t>(i)]] = true;
+    for (int64_t i = e * n * kh; i < (e + 1) * n * kh; ++i) code_seen[codes[static_cast<size_t>(i)]] = true;
+    for (int64_t w0 = 0; w0 < n; w0 += 32)
+      for (int64_t s = 0; s < k / 128; ++s) {
+        bool slow = false;
+        for (int64_t c = w0; c < w0 + 32; ++c)
+          for (int64_t j = 8 * s; j < 8 * s + 8; ++j) slow |= (scales[static_cast<size_t>((e * n + c) * kb + j)] & 0x40) != 0;
+        slow_stages += slow ? 1 : 0;
+        ++all_stages;
+      }
+  }
+  const int scale_codes = static_cast<int>(std::count(scale_seen, scale_seen + 256, true));
+  const int code_bytes = static_cast<int>(std::count(code_seen, code_seen + 256, true));
+  double* ref = device_alloc<double>(b.y_elems);
+  double* bound = device_alloc<double>(b.y_elems);
+  nvfp4_reference<<<grid_for(b.y_elems), 256>>>(p, total_rows, b.y, ref, bound);
+  CHECK_CUDA(cudaGetLastError());
+  uint16_t* y16 = nullptr;
+  const uint16_t kSentinel = 0x5A5A;  // bf16 output before the run (about 1.5e16): rows past the last offset keep it
+  if (bf16_out) {
+    y16 = device_alloc<uint16_t>(b.y_elems);
+    CHECK_CUDA(cudaMemset(y16, 0x5A, b.y_elems * sizeof(uint16_t)));
+    p.y_bf16 = y16;
+  }
+  auto done = [&] {
+    cudaFree(ref);
+    cudaFree(bound);
+    cudaFree(y16);
+    b.release();
+  };
+  if (!moe_ep::cuda::nvfp4_weights_gemm_fits(p)) {
+    std::printf("%s: MISMATCH (nvfp4_weights_gemm_fits is false for these sizes)\n", label);
+    ++g_failures;
+    done();
+    return;
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());  // the fills, plants and reference done before the run
+  const cudaError_t err = launch == nullptr ? moe_ep::cuda::nvfp4_weights_gemm(p, 0) : launch(p, 0);
+  if (err != cudaSuccess) {
+    std::printf("%s: MISMATCH (launch: %s)\n", label, cudaGetErrorName(err));
+    ++g_failures;
+    done();
+    return;
+  }
+  const cudaError_t run_err = cudaDeviceSynchronize();
+  if (run_err != cudaSuccess) {
+    std::printf("%s: CUDA error %s in the run (the device is unusable: stopping)\n", label, cudaGetErrorName(run_err));
+    std::exit(2);
+  }
+  std::vector<float> y(static_cast<size_t>(b.y_elems));
+  std::vector<uint16_t> h16;
+  std::vector<double> r(static_cast<size_t>(b.y_elems)), bd(static_cast<size_t>(b.y_elems));
+  CHECK_CUDA(cudaMemcpy(r.data(), ref, r.size() * sizeof(double), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(bd.data(), bound, bd.size() * sizeof(double), cudaMemcpyDeviceToHost));
+  if (bf16_out) {
+    h16.resize(static_cast<size_t>(b.y_elems));
+    CHECK_CUDA(cudaMemcpy(h16.data(), y16, h16.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < h16.size(); ++i) y[i] = moe_ep::cpu::bf16_to_float(h16[i]);
+  } else {
+    CHECK_CUDA(cudaMemcpy(y.data(), b.y, y.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  }
+  const double rel = static_cast<double>(k * planes) * std::ldexp(1.0, -24);
+  int64_t bad = 0, nans = 0, ref_disagree = 0, first_ref_disagree = -1;
+  std::vector<int64_t> shown;  // the first mismatches
+  std::vector<double> shown_tol;
+  for (int64_t i = 0; i < b.y_elems; ++i) {
+    const int64_t row = i / n, col = i % n;
+    bool ok;
+    double tol = 0.0;
+    if (row >= off.back()) {  // past the last expert: untouched
+      ok = bf16_out ? h16[static_cast<size_t>(i)] == kSentinel
+                    : static_cast<double>(y[static_cast<size_t>(i)]) == r[static_cast<size_t>(i)];
+    } else {
+      const int e = static_cast<int>(std::upper_bound(off.begin(), off.end(), static_cast<int32_t>(row)) - off.begin()) - 1;
+      const bool want_nan = nan_row[static_cast<size_t>(e * n + col)] != 0;
+      nans += want_nan ? 1 : 0;
+      if (std::isnan(r[static_cast<size_t>(i)]) != want_nan && ref_disagree++ == 0) first_ref_disagree = i;
+      tol = rel * bd[static_cast<size_t>(i)] + 1e-30;
+      if (accumulate) tol += std::ldexp(1.0, -21) * (std::fabs(r[static_cast<size_t>(i)]) + bd[static_cast<size_t>(i)]);
+      // bf16 keeps 8 significant bits: its rounding moves a value by at most 2^-8 of it.
+      if (bf16_out) tol += std::ldexp(1.0, -8) * (std::fabs(r[static_cast<size_t>(i)]) + tol);
+      const float v = y[static_cast<size_t>(i)];
+      ok = want_nan ? std::isnan(v)
+                    : (!std::isnan(v) && std::fabs(static_cast<double>(v) - r[static_cast<size_t>(i)]) <= tol);
+    }
+    if (!ok) {
+      if (bad < 3) {
+        shown.push_back(i);
+        shown_tol.push_back(tol);
+      }
+      ++bad;
+    }
+  }
+  // The plants reached the kernel: every scale code, every code byte and a slow warp-stage in
+  // the experts with rows (a fault of this program where not).
+  const bool covered = !specials || off.back() == 0 || (scale_codes == 256 && code_bytes == 256 && slow_stages > 0);
+  if (!covered) {
+    std::printf("%s: MISMATCH (the planted weights do not cover the cases: %d/256 scale codes, %d/256 code bytes, "
+                "%lld slow warp-stages in the experts with rows)\n",
+                label, scale_codes, code_bytes, static_cast<long long>(slow_stages));
+    ++g_failures;
+  }
+  if (ref_disagree != 0) {  // the reference's NaN against the scale bytes: a fault of this program, not the kernel
+    const int64_t i = first_ref_disagree;
+    std::printf("%s: MISMATCH (the float64 reference's NaN outputs disagree with the NaN scale blocks at %lld "
+                "outputs, first [row %lld, col %lld]: ref %.9g)\n",
+                label, static_cast<long long>(ref_disagree), static_cast<long long>(i / n),
+                static_cast<long long>(i % n), r[static_cast<size_t>(i)]);
+    ++g_failures;
+  }
+  if (bad) {
+    std::printf("%s: MISMATCH at %lld of %lld outputs\n", label, static_cast<long long>(bad),
+                static_cast<long long>(b.y_elems));
+    for (size_t s = 0; s < shown.size(); ++s) {
+      const int64_t i = shown[s], row = i / n, col = i % n;
+      if (row >= off.back()) {
+        std::printf("    [row %lld, col %lld] past the last expert's rows (%d): changed, got %.9g (bits %08x / bf16 %04x), "
+                    "want it untouched: %.9g\n",
+                    static_cast<long long>(row), static_cast<long long>(col), off.back(), y[static_cast<size_t>(i)],
+                    moe_ep::cpu::float_bits(y[static_cast<size_t>(i)]), bf16_out ? h16[static_cast<size_t>(i)] : 0,
+                    bf16_out ? moe_ep::cpu::bf16_to_float(kSentinel) : r[static_cast<size_t>(i)]);
+        continue;
+      }
+      const int e = static_cast<int>(std::upper_bound(off.begin(), off.end(), static_cast<int32_t>(row)) - off.begin()) - 1;
+      std::printf("    [row %lld, col %lld] expert %d (its row %lld of %d), weight row %lld (%s): got %.9g, want %.9g%s, "
+                  "|diff| %.3g, bound %.3g (sum |products| %.3g)\n",
+                  static_cast<long long>(row), static_cast<long long>(col), e, static_cast<long long>(row - off[e]),
+                  rows[static_cast<size_t>(e)], static_cast<long long>(col), nvfp4_row_plant(col, k, specials).c_str(),
+                  y[static_cast<size_t>(i)], r[static_cast<size_t>(i)],
+                  nan_row[static_cast<size_t>(e * n + col)] ? " (NaN: a NaN scale block)" : "",
+                  std::fabs(static_cast<double>(y[static_cast<size_t>(i)]) - r[static_cast<size_t>(i)]), shown_tol[s],
+                  bd[static_cast<size_t>(i)]);
+    }
+    ++g_failures;
+  } else if (ref_disagree == 0 && covered) {
+    std::printf("%s: ok (%lld outputs, %lld NaN where expected; the experts with rows hold %d/256 scale codes, "
+                "%d/256 code bytes, %lld of %lld warp-stages on the slow decode)\n",
+                label, static_cast<long long>(b.y_elems), static_cast<long long>(nans), scale_codes, code_bytes,
+                static_cast<long long>(slow_stages), static_cast<long long>(all_stages));
+  }
+  done();
+}
+
+// The mean time of one call of fn over 20 calls between CUDA events, after 3 warm-up calls.
+template <class Fn>
+double mean_ms(Fn&& fn) {
+  const int warmup = 3, iters = 20;
+  cudaEvent_t t0, t1;
+  CHECK_CUDA(cudaEventCreate(&t0));
+  CHECK_CUDA(cudaEventCreate(&t1));
+  for (int i = 0; i < warmup; ++i) fn();
+  CHECK_CUDA(cudaEventRecord(t0));
+  for (int i = 0; i < iters; ++i) fn();
+  CHECK_CUDA(cudaEventRecord(t1));
+  CHECK_CUDA(cudaEventSynchronize(t1));
+  float ms = 0.f;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
+  CHECK_CUDA(cudaEventDestroy(t0));
+  CHECK_CUDA(cudaEventDestroy(t1));
+  return static_cast<double>(ms) / iters;
+}
+
+// The nvfp4-weights kernel at one shape (`launch`, named launch_name; nullptr: nvfp4_weights_gemm,
+// the default choice) against a device copy of its weight bytes in the same run (codes and
+// scales, one copy: the read rate as a fraction of the copy's read + write bandwidth, the
+// weight read's roofline), and against the mxfp8-weights kernel on the same shape and rows
+// (`mx_launch`, named mx_name; nullptr: mxfp8_weights_gemm), whose weights are about twice
+// the bytes. planes: x as that many bf16 planes.
+void time_nvfp4_weights(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, NvLaunch launch,
+                        const std::string& launch_name, MxLaunch mx_launch, const std::string& mx_name, int planes = 1) {
+  const int experts = static_cast<int>(rows.size());
+  const std::vector<int32_t> off = offsets_of(rows);
+  Nvfp4WeightsGemm p{};
+  p.n = n;
+  p.k = k;
+  NvBuffers b = make_nv(p, off, off.back(), 11, planes);
+  const std::string which = launch == nullptr ? nvfp4_auto_pick(p) : launch_name;
+  const NvLaunch run = launch == nullptr ? &moe_ep::cuda::nvfp4_weights_gemm : launch;
+  const cudaError_t err = run(p, 0);
+  if (err != cudaSuccess) {
+    std::printf("time  nvfp4 weights %-30s [%s]: FAILED (launch: %s)\n", name, which.c_str(), cudaGetErrorName(err));
+    ++g_failures;
+    b.release();
+    return;
+  }
+  const double ms = mean_ms([&] { CHECK_CUDA(run(p, 0)); });
+  const int64_t bytes = b.code_bytes + b.scale_bytes;
+  uint8_t* copy = device_alloc<uint8_t>(bytes);
+  const double copy_ms =
+      mean_ms([&] { CHECK_CUDA(cudaMemcpyAsync(copy, b.weights, bytes, cudaMemcpyDeviceToDevice, 0)); });
+  cudaFree(copy);
+  b.release();
+  const double copy_bw = 2.0 * static_cast<double>(bytes) / (copy_ms * 1e-3);  // read + write
+  const double read_ms = static_cast<double>(bytes) / copy_bw * 1e3;
+  moe_ep::cuda::Mxfp8WeightsGemm q{};
+  q.n = n;
+  q.k = k;
+  MxBuffers mb = make_mx(q, off, off.back(), 11, planes);
+  const MxLaunch mx_run = mx_launch == nullptr ? &moe_ep::cuda::mxfp8_weights_gemm : mx_launch;
+  CHECK_CUDA(mx_run(q, 0));
+  const double mx_ms = mean_ms([&] { CHECK_CUDA(mx_run(q, 0)); });
+  mb.release();
+  int lo = rows[0], hi = rows[0];
+  for (int v : rows) lo = std::min(lo, v), hi = std::max(hi, v);
+  std::printf("time  nvfp4 weights %-30s [%s] experts=%d rows=%d (%d..%d an expert) n=%lld k=%lld%s: %.4f ms; weight "
+              "read (codes + scales at the copy's %.2f TB/s) %.4f ms: %.3f of the weight-read roofline; mxfp8 weights "
+              "[%s] %.4f ms: nvfp4 takes %.3f of its time\n",
+              name, which.c_str(), experts, off.back(), lo, hi, static_cast<long long>(n), static_cast<long long>(k),
+              planes == 3 ? " 3 planes" : "", ms, copy_bw / 1e12, read_ms, read_ms / ms, mx_name.c_str(), mx_ms,
+              ms / mx_ms);
+}
+
+// --nvfp4-weights-profile: one launch of each variant at FC1's decode shape with the
+// routing's spread (the three-plane variant at FC2's, with three x planes), nothing else
+// (for a profiler: ncu -k regex:nvfp4_weights_gemm).
+void nvfp4_weights_profile_launches() {
+  const std::vector<int> rows = spread_rows(1024);
+  const std::vector<int32_t> off = offsets_of(rows);
+  int i = 0;
+  for (const NvVariant& v : nv_variants()) {
+    Nvfp4WeightsGemm p{};
+    p.n = v.planes == 3 ? 7168 : 4096;
+    p.k = v.planes == 3 ? 2048 : 7168;
+    NvBuffers b = make_nv(p, off, off.back(), 11, v.planes);
+    CHECK_CUDA(v.launch(p, 0));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::printf("profiled launch %d: nvfp4 weights %s, n=%lld k=%lld, %d x planes\n", i++, v.name.c_str(),
+                static_cast<long long>(p.n), static_cast<long long>(p.k), v.planes);
+    b.release();
+  }
+}
+
+// The nvfp4-weights GEMM's checks (the default choice, then each variant), then (timing)
+// its timings at the decode shapes.
+void nvfp4_weights_checks(bool timing) {
+  // Empty experts (first, middle, last), one of 1 row, ones past 48 and 64 rows (several
+  // passes): 317 rows, few an expert on average (the default choice: the few-rows variant).
+  const std::vector<int> ragged = {0, 1, 33, 0, 70, 7, 32, 45, 0, 129};
+  // 265 rows over 5 experts: more than 48 an expert on average (the default variant).
+  const std::vector<int> many = {70, 0, 129, 1, 65};
+  check_nvfp4_weights("ragged, random weights", 256, 512, ragged, 5, false, false, 61);
+  for (bool acc : {false, true}) check_nvfp4_weights("ragged", 256, 512, ragged, 5, acc, true, 62);
+  check_nvfp4_weights("ragged, bf16 output", 256, 512, ragged, 5, false, true, 63, true);
+  for (bool acc : {false, true}) check_nvfp4_weights("many rows", 256, 512, many, 3, acc, true, 64);
+  check_nvfp4_weights("many rows, bf16 output", 256, 512, many, 3, false, true, 65, true);
+  // K = 384: three 128-k stages (a multiple of 128, not of 256); K = 128: one stage, fewer
+  // than the pipeline's depth.
+  check_nvfp4_weights("k 384", 128, 384, {9, 50, 0, 17}, 1, true, true, 66);
+  check_nvfp4_weights("k 128 (one stage)", 128, 128, {5, 0, 60}, 2, false, true, 67);
+  check_nvfp4_weights("decode FC2 shape, 4 experts", 7168, 2048, {32, 31, 1, 64}, 0, false, true, 68);
+  check_nvfp4_weights("decode FC1 shape, 2 experts", 4096, 7168, {32, 17}, 0, false, true, 69);
+  check_nvfp4_weights("all experts empty", 128, 128, {0, 0, 0}, 3, false, true, 70);
+  // Three x planes: one pass at few rows (the three-plane variant), a launch a plane at more.
+  check_nvfp4_weights("3 planes, few rows", 256, 512, {20, 0, 42, 1, 33}, 3, false, true, 71, false, 3);
+  check_nvfp4_weights("3 planes, few rows, accumulate", 256, 512, {20, 0, 42, 1, 33}, 3, true, true, 72, false, 3);
+  check_nvfp4_weights("3 planes, many rows", 256, 512, {70, 9, 129}, 2, false, true, 73, false, 3);
+  check_nvfp4_weights("3 planes, many rows, accumulate", 256, 512, {70, 9, 129}, 2, true, true, 74, false, 3);
+  check_nvfp4_weights("3 planes, decode FC2 shape", 7168, 2048, {32, 31, 1, 40}, 0, false, true, 75, false, 3);
+  // Each variant launched itself, whatever the rows (the three-plane one with three planes).
+  for (const NvVariant& v : nv_variants()) {
+    const char* vn = v.name.c_str();
+    const int pl = v.planes;
+    check_nvfp4_weights("variant: ragged", 256, 512, ragged, 5, true, true, 81, false, pl, v.launch, vn);
+    check_nvfp4_weights("variant: ragged, random weights", 256, 512, ragged, 5, false, false, 82, false, pl, v.launch, vn);
+    if (pl == 1)
+      check_nvfp4_weights("variant: ragged, bf16 output", 256, 512, ragged, 5, false, true, 83, true, pl, v.launch, vn);
+    check_nvfp4_weights("variant: many rows", 256, 512, many, 3, false, true, 84, false, pl, v.launch, vn);
+    check_nvfp4_weights("variant: k 384", 128, 384, {9, 50, 0, 17}, 1, true, true, 85, false, pl, v.launch, vn);
+    check_nvfp4_weights("variant: k 128 (one stage)", 128, 128, {5, 0, 60}, 2, false, true, 86, false, pl, v.launch, vn);
+    check_nvfp4_weights("variant: decode FC2 shape", 7168, 2048, {32, 31, 1, 64}, 0, false, true, 87, false, pl,
+                        v.launch, vn);
+    check_nvfp4_weights("variant: all experts empty", 128, 128, {0, 0, 0}, 3, false, true, 88, false, pl, v.launch, vn);
+  }
+  if (!timing) return;
+  // DeepSeek-V3 per rank at 128 tokens, top-8: 32 local experts, 1024 rows (32 an expert, or
+  // the routing's spread of 20..42); FC1 n 4096 (2 x intermediate 2048), k 7168 (hidden);
+  // FC2 n 7168, k 2048. The default choice first, then each variant (the three-plane one at
+  // FC2, the operand it takes: the exact bf16 pieces of a float32 intermediate).
+  const std::vector<int> even(32, 32), spread = spread_rows(1024);
+  time_nvfp4_weights("FC1 (decode)", 4096, 7168, even, nullptr, "", nullptr, "auto");
+  time_nvfp4_weights("FC2 (decode)", 7168, 2048, even, nullptr, "", nullptr, "auto");
+  time_nvfp4_weights("FC1 (decode, spread)", 4096, 7168, spread, nullptr, "", nullptr, "auto");
+  time_nvfp4_weights("FC2 (decode, spread)", 7168, 2048, spread, nullptr, "", nullptr, "auto");
+  for (const NvVariant& v : nv_variants()) {
+    for (const bool fc1 : {true, false}) {
+      if (fc1 && v.planes == 3) continue;
+      for (const bool spread_rows_ : {false, true}) {
+        const std::string label = std::string(fc1 ? "FC1" : "FC2") + (spread_rows_ ? " (decode, spread)" : " (decode)");
+        time_nvfp4_weights(label.c_str(), fc1 ? 4096 : 7168, fc1 ? 7168 : 2048, spread_rows_ ? spread : even, v.launch,
+                           v.name, v.mx_launch, v.mx_name, v.planes);
+      }
+    }
+  }
+  // FC2 of three x planes at the spread: a launch a plane against the one pass, twice, alternated.
+  for (int i = 0; i < 2; ++i) {
+    time_nvfp4_weights("FC2 (spread), 3 planes apart", 7168, 2048, spread, &nvfp4_plane_by_plane, "3 x auto",
+                       &moe_ep::cuda::mxfp8_weights_gemm_plane_by_plane, "3 x auto", 3);
+    time_nvfp4_weights("FC2 (spread), 3 planes", 7168, 2048, spread, nullptr, "", nullptr, "auto", 3);
+  }
+}
+
 // --initcheck-probe (run under compute-sanitizer --tool initcheck): does initcheck see the
 // grouped GEMM's stores into D as initialising writes? D comes fresh from cudaMalloc (never
 // written), the GEMM writes every row of it (no accumulate), then read_after_gemm_kernel
@@ -870,12 +1503,14 @@ int initcheck_probe(int sm_count) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool timing = true, probe = false, mxfp8_only = false, mx_profile = false;
+  bool timing = true, probe = false, mxfp8_only = false, mx_profile = false, nvfp4_only = false, nv_profile = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) timing = false;
     if (std::strcmp(argv[i], "--initcheck-probe") == 0) probe = true;
     if (std::strcmp(argv[i], "--mxfp8-weights") == 0) mxfp8_only = true;
     if (std::strcmp(argv[i], "--mxfp8-weights-profile") == 0) mx_profile = true;
+    if (std::strcmp(argv[i], "--nvfp4-weights") == 0) nvfp4_only = true;
+    if (std::strcmp(argv[i], "--nvfp4-weights-profile") == 0) nv_profile = true;
   }
   if (!moe_ep::cuda::grouped_gemm_built()) {
     std::printf("moe_ep_gemm_check: this build has no CUTLASS grouped GEMM (MOE_EP_NATIVE_CUTLASS=OFF)\n");
@@ -892,12 +1527,14 @@ int main(int argc, char** argv) {
   }
   const int sms = prop.multiProcessorCount;
   if (probe) return initcheck_probe(sms);
-  if (mx_profile) {
-    mxfp8_weights_profile_launches();
+  if (mx_profile || nv_profile) {
+    if (mx_profile) mxfp8_weights_profile_launches();
+    if (nv_profile) nvfp4_weights_profile_launches();
     return 0;
   }
-  if (mxfp8_only) {  // the mxfp8-weights kernel alone: its checks, then (unless --no-time) its timings
-    mxfp8_weights_checks(timing, sms);
+  if (mxfp8_only || nvfp4_only) {  // the block-scaled-weights kernels alone: checks, then (unless --no-time) timings
+    if (mxfp8_only) mxfp8_weights_checks(timing, sms);
+    if (nvfp4_only) nvfp4_weights_checks(timing);
     std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
     return g_failures == 0 ? 0 : 1;
   }
@@ -935,11 +1572,14 @@ int main(int argc, char** argv) {
                  GemmKernel::kAuto, sms, 15);
   check_bf16_out("all groups empty", GemmLayout::kTN, 256, 128, 0, all_empty, 5, GemmKernel::kAuto, sms, 16);
   mxfp8_weights_checks(false, sms);
+  nvfp4_weights_checks(false);
   std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
 
   if (timing) {
     time_mxfp8_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), sms);
     time_mxfp8_weights("FC2 (decode)", 7168, 2048, std::vector<int>(32, 32), sms);
+    time_nvfp4_weights("FC1 (decode)", 4096, 7168, std::vector<int>(32, 32), nullptr, "", nullptr, "auto");
+    time_nvfp4_weights("FC2 (decode)", 7168, 2048, std::vector<int>(32, 32), nullptr, "", nullptr, "auto");
     // DeepSeek-V3 per rank: hidden 7168, intermediate 2048 (FC1 out 2I = 4096), 32 local experts.
     const GemmKernel coop = GemmKernel::kCooperative, pp = GemmKernel::kPingpong, n2 = GemmKernel::kCooperativeN2;
     // The prefill's kNN kernels against each other: the routing's spread of rows (as the
