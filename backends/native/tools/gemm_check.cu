@@ -13,6 +13,9 @@
 //   moe_ep_gemm_check --mxfp8-weights-profile, --nvfp4-weights-profile
 //                                      one launch of each variant at the decode shape, nothing
 //                                      else (for ncu -k regex:mxfp8_weights_gemm / nvfp4_weights_gemm)
+//   moe_ep_gemm_check --nvfp4-weights-sweep
+//                                      configurations of the nvfp4-weights GEMM beyond its variants,
+//                                      timed at the decode shapes: which to pick
 //   moe_ep_gemm_check --initcheck-probe  (under compute-sanitizer --tool initcheck) whether the tool
 //                                      sees the grouped GEMM's stores
 //
@@ -1446,6 +1449,41 @@ void nvfp4_weights_checks(bool timing) {
   }
 }
 
+// --nvfp4-weights-sweep: configurations of the nvfp4-weights kernel beyond the ones it picks,
+// timed at the decode's FC1 and FC2 with the routing's spread of rows, as the layer gets them
+// (each expert's rows rounded up to 16: the static layout's alignment) and unrounded, against
+// the mxfp8-weights kernel's few-rows variant on the same rows: which configuration to pick.
+template <class Cfg>
+void sweep_nvfp4_config(const char* role, int64_t n, int64_t k, const std::vector<int>& rows, const char* rows_name) {
+  namespace cu = moe_ep::cuda;
+  const std::string label = std::string(role) + " (" + rows_name + ")";
+  time_nvfp4_weights(label.c_str(), n, k, rows, &cu::nvfp4_weights_gemm_launch<Cfg>, config_name<Cfg>(),
+                     &cu::mxfp8_weights_gemm_launch<cu::mxw::FewRowsConfig>,
+                     config_name<cu::mxw::FewRowsConfig>() + " few rows");
+}
+void nvfp4_weights_sweep() {
+  namespace mxw = moe_ep::cuda::mxw;
+  const std::vector<int> spread = spread_rows(1024);
+  std::vector<int> aligned = spread;
+  for (int& r : aligned) r = (r + 15) / 16 * 16;
+  for (const bool fc1 : {true, false}) {
+    const char* role = fc1 ? "FC1" : "FC2";
+    const int64_t n = fc1 ? 4096 : 7168, k = fc1 ? 7168 : 2048;
+    for (int a = 0; a < 2; ++a) {
+      const std::vector<int>& rows = a ? spread : aligned;
+      const char* name = a ? "spread" : "spread, aligned 16";
+      sweep_nvfp4_config<mxw::Config<8, 3, 2>>(role, n, k, rows, name);
+      sweep_nvfp4_config<mxw::Config<6, 3, 3>>(role, n, k, rows, name);
+      sweep_nvfp4_config<mxw::Config<6, 3, 2>>(role, n, k, rows, name);
+      sweep_nvfp4_config<mxw::Config<6, 4, 2>>(role, n, k, rows, name);
+      sweep_nvfp4_config<mxw::Config<8, 4, 2>>(role, n, k, rows, name);
+      sweep_nvfp4_config<mxw::Config<6, 2, 2>>(role, n, k, rows, name);
+      sweep_nvfp4_config<mxw::Config<4, 3, 2>>(role, n, k, rows, name);
+      sweep_nvfp4_config<mxw::Config<4, 4, 3>>(role, n, k, rows, name);
+    }
+  }
+}
+
 // --initcheck-probe (run under compute-sanitizer --tool initcheck): does initcheck see the
 // grouped GEMM's stores into D as initialising writes? D comes fresh from cudaMalloc (never
 // written), the GEMM writes every row of it (no accumulate), then read_after_gemm_kernel
@@ -1503,7 +1541,8 @@ int initcheck_probe(int sm_count) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool timing = true, probe = false, mxfp8_only = false, mx_profile = false, nvfp4_only = false, nv_profile = false;
+  bool timing = true, probe = false, mxfp8_only = false, mx_profile = false, nvfp4_only = false, nv_profile = false,
+       nv_sweep = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) timing = false;
     if (std::strcmp(argv[i], "--initcheck-probe") == 0) probe = true;
@@ -1511,6 +1550,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--mxfp8-weights-profile") == 0) mx_profile = true;
     if (std::strcmp(argv[i], "--nvfp4-weights") == 0) nvfp4_only = true;
     if (std::strcmp(argv[i], "--nvfp4-weights-profile") == 0) nv_profile = true;
+    if (std::strcmp(argv[i], "--nvfp4-weights-sweep") == 0) nv_sweep = true;
   }
   if (!moe_ep::cuda::grouped_gemm_built()) {
     std::printf("moe_ep_gemm_check: this build has no CUTLASS grouped GEMM (MOE_EP_NATIVE_CUTLASS=OFF)\n");
@@ -1527,6 +1567,10 @@ int main(int argc, char** argv) {
   }
   const int sms = prop.multiProcessorCount;
   if (probe) return initcheck_probe(sms);
+  if (nv_sweep) {
+    nvfp4_weights_sweep();
+    return g_failures == 0 ? 0 : 1;
+  }
   if (mx_profile || nv_profile) {
     if (mx_profile) mxfp8_weights_profile_launches();
     if (nv_profile) nvfp4_weights_profile_launches();
