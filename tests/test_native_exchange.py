@@ -570,6 +570,152 @@ def test_cuda_one_rank_plans_in_one_block_or_over_the_grid(plan, mutate, mode, m
         assert res["all_nan"] and res["error"] and res["good_is_finite"], res
 
 
+# EP 1's kernels for few tokens (MOE_EP_ONE_RANK_FAST: dispatch_one_fused, dispatch_one_small,
+# dispatch_place's finer pieces, combine_one_fine) and the ones they replace: T, K, E, alignment,
+# capacity, max tokens, hidden, routing, MOE_EP_ONE_RANK_PLAN.
+ONE_RANK_CASES = {
+    "decode": (128, 8, 32, 1, 1024, 128, 7168, "distinct", None),
+    "decode-in-a-layer-for-more-tokens": (128, 8, 32, 16, 1024 + 32 * 15, 512, 7168, "distinct", None),
+    "aligned-repeats-unused": (100, 6, 20, 8, 600 + 20 * 7, 100, 640, "repeat", None),
+    "most-routes-of-the-block": (512, 8, 256, 1, 4096, 512, 256, "uniform", None),
+    "beyond-the-small-plan": (513, 8, 64, 2, 4104 + 64, 513, 256, "uniform", "block"),
+    "grid-plan": (128, 8, 32, 1, 1024, 128, 512, "distinct", "grid"),
+    "few": (3, 2, 4, 4, 16, 5, 128, "repeat", None),
+    "empty": (0, 4, 8, 1, 16, 4, 128, "uniform", None),
+    "bad-id": (64, 4, 16, 1, 256, 64, 384, "bad", None),
+    "overflow": (64, 4, 8, 4, 160, 64, 384, "uniform", None),
+}
+
+
+def _one_rank_routing(rng, t, k, e, kind):
+    if kind == "distinct":
+        return np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
+    idx = rng.integers(0, e, size=(t, k)).astype(np.int32)
+    idx[rng.random((t, k)) < 0.1] = -1
+    if kind == "repeat" and t:
+        idx[:, -1] = idx[:, 0]
+    if kind == "bad" and t:
+        idx[1, 0], idx[t // 2, k - 1] = e + 3, -7
+    return idx
+
+
+def _one_rank_run(case, device):
+    """One EP 1 exchange layer of ``case`` on ``device`` ("cpu": the CPU twin, numpy buffers;
+    "cuda": cuda:0, torch buffers): a dispatch and three combines (bf16 rows into bf16, float32
+    rows with per-route values into float32, float32 rows through mxfp8's round trip into
+    bf16), every output buffer filled with a marker first. Returns the inputs and the outputs."""
+    t, k, e, align, cap, tmax, hidden, kind, _ = ONE_RANK_CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
+    idx = _one_rank_routing(rng, t, k, e, kind)
+    w = rng.standard_normal((t, k)).astype(np.float32)
+    rb = 2 * hidden  # bf16 token rows
+    tok = rng.integers(0, 256, size=(t, rb)).astype(np.uint8)
+    y_bf16 = (rng.standard_normal((cap, hidden)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # finite
+    y_f32 = rng.standard_normal((cap, hidden)).astype(np.float32)
+    values = rng.standard_normal(cap).astype(np.float32)
+    cfg = MoeEpConfig(num_experts=e, hidden=hidden, intermediate=16, num_topk=k, num_ranks=1)
+    base = layer_config(cfg, max_rows=cap, cuda_device=0 if device == "cuda" else None, bf16_operands=False,
+                        with_backward=False)
+    layer = ExchangeLayer(with_exchange(base, num_ranks=1, rank=0, num_topk=k, max_tokens=tmax, token_bytes=rb,
+                                        expert_alignment=align))
+    if device == "cuda":  # bf16 bits travel as int16 (torch's uint16 has few operations)
+        dev = torch.device("cuda:0")
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        wide = {np.dtype(np.uint16): np.int16}
+        put = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(wide.get(a.dtype, a.dtype))).to(dev)  # noqa: E731
+        ptr = lambda a: a.data_ptr() if a is not None and a.numel() else None  # noqa: E731
+        back = lambda a, dtype: a.cpu().numpy().view(dtype)  # noqa: E731
+    else:
+        stream, put, ptr = None, np.ascontiguousarray, _ptr
+        back = lambda a, dtype: np.asarray(a)  # noqa: E731
+    try:
+        layer.set_peers([layer.exchange_info()[1]])
+        ins = {name: put(a) for name, a in dict(tok=tok, idx=idx, w=w, y_bf16=y_bf16, y_f32=y_f32,
+                                                 values=values).items()}
+        marks = dict(
+            tokens=np.full((cap, rb), 0xAB, np.uint8), w=np.full(cap, 7.0, np.float32),
+            meta=np.full((cap, 4), 99, np.int32), gs=np.full(e, -5, np.int32), tpe=np.full(e, -5, np.int32),
+            err=np.full(1, -1, np.int32), bf16=np.full((t, hidden), 0x5A5A, np.uint16),
+            bf16_err=np.full(1, -1, np.int32), f32=np.full((t, hidden), 5.0, np.float32),
+            f32_values=np.full((t, k), 5.0, np.float32), f32_err=np.full(1, -1, np.int32),
+            rt=np.full((t, hidden), 0x5A5A, np.uint16), rt_err=np.full(1, -1, np.int32),
+        )
+        outs = {name: put(a) for name, a in marks.items()}
+        layer.dispatch(stream, t, rb, ptr(ins["tok"]), ptr(ins["idx"]), ptr(ins["w"]), ptr(outs["tokens"]),
+                       ptr(outs["w"]), ptr(outs["meta"]), ptr(outs["gs"]), ptr(outs["tpe"]), ptr(outs["err"]))
+        layer.combine(stream, t, ptr(ins["y_bf16"]), ptr(outs["bf16"]), out_error=ptr(outs["bf16_err"]),
+                      y_bf16=True, out_bf16=True)
+        layer.combine(stream, t, ptr(ins["y_f32"]), ptr(outs["f32"]), ptr(ins["values"]), ptr(outs["f32_values"]),
+                      ptr(outs["f32_err"]))
+        layer.combine(stream, t, ptr(ins["y_f32"]), ptr(outs["rt"]), out_error=ptr(outs["rt_err"]), out_bf16=True,
+                      y_round_trip=True)
+        if device == "cuda":
+            torch.cuda.synchronize(dev)
+        got = {name: back(a, marks[name].dtype) for name, a in outs.items()}
+    finally:
+        layer.close()
+    return dict(idx=idx, w=w, tok=tok, y_bf16=y_bf16, y_f32=y_f32, values=values), got
+
+
+def _check_one_rank(case, inputs, got):
+    """The outputs of _one_rank_run against the spec's routing order and slot-order sums from +0
+    (the round trip's bits: the other tests'), or, with a bad id or an overflow, the error
+    everywhere and NaN sums."""
+    t, k, e, align, cap = ONE_RANK_CASES[case][:5]
+    kind = ONE_RANK_CASES[case][7]
+    want = _expected([inputs["idx"]], [inputs["tok"]], [inputs["w"]], 1, e, k, align, cap)[0]
+    err = int(got["err"][0])
+    expect_err = BAD_EXPERT_ID if kind == "bad" else (OVERFLOW if want["aligned"] > cap else 0)
+    assert err == expect_err, f"{case}: dispatch error {err}, expected {expect_err}"
+    for name in ("bf16_err", "f32_err", "rt_err"):
+        assert int(got[name][0]) == err, f"{case}: {name} {int(got[name][0])} != the dispatch's {err}"
+    for name in ("tokens", "w", "meta", "gs", "tpe"):
+        if err != BAD_EXPERT_ID:  # the rows that fit are placed even on an overflow
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{case}: dispatch {name}")
+    if err:
+        assert np.isnan(got["f32"]).all() and np.isnan(got["f32_values"]).all(), case
+        for name in ("bf16", "rt"):
+            assert np.isnan(_as_f32(got[name])).all(), f"{case}: {name} not NaN"
+        return
+    rows = {(int(m[2]), int(m[3])): r for r, m in enumerate(got["meta"]) if m[0] >= 0}
+    y_bf16 = _as_f32(inputs["y_bf16"])
+    ref_bf16 = np.zeros((t, y_bf16.shape[1]), np.float32)
+    ref_f32 = np.zeros((t, y_bf16.shape[1]), np.float32)
+    ref_values = np.zeros((t, k), np.float32)
+    for (tt, kk), r in sorted(rows.items(), key=lambda item: item[0]):  # slot order within a token, from +0
+        ref_bf16[tt] = ref_bf16[tt] + y_bf16[r]
+        ref_f32[tt] = ref_f32[tt] + inputs["y_f32"][r]
+        ref_values[tt, kk] = inputs["values"][r]
+    np.testing.assert_array_equal(got["bf16"], _bf16_encode(ref_bf16), err_msg=f"{case}: bf16 sums")
+    np.testing.assert_array_equal(got["f32"].view(np.uint32), ref_f32.view(np.uint32), err_msg=f"{case}: f32 sums")
+    np.testing.assert_array_equal(got["f32_values"], ref_values, err_msg=f"{case}: values")
+
+
+@pytest.mark.parametrize("case", [c for c in ONE_RANK_CASES if ONE_RANK_CASES[c][6] <= 640])
+def test_cpu_twin_one_rank_cases_follow_the_routing_order(case) -> None:
+    # The cases of the CUDA test below on the CPU twin (the same expectations).
+    _check_one_rank(case, *_one_rank_run(case, "cpu"))
+
+
+@cuda
+@pytest.mark.parametrize("case", list(ONE_RANK_CASES))
+def test_cuda_one_rank_fast_kernels_give_the_earlier_kernels_bits(case, monkeypatch) -> None:
+    # MOE_EP_ONE_RANK_FAST: every part on (the default: the fused dispatch where it applies), none,
+    # the two-kernel dispatch, and each part alone: every output the same bits (the marker left
+    # where nothing is written included), and the spec's values.
+    plan = ONE_RANK_CASES[case][8]
+    if plan is not None:
+        monkeypatch.setenv("MOE_EP_ONE_RANK_PLAN", plan)
+    runs = {}
+    for fast in ("none", "all", "plan,place,combine", "fused", "plan", "place", "combine"):
+        monkeypatch.setenv("MOE_EP_ONE_RANK_FAST", fast)
+        inputs, runs[fast] = _one_rank_run(case, "cuda")
+    for fast, got in runs.items():
+        for name, ref in runs["none"].items():
+            assert got[name].tobytes() == ref.tobytes(), f"{case}: MOE_EP_ONE_RANK_FAST={fast}: {name} differs"
+    _check_one_rank(case, inputs, runs["all"])
+
+
 @cuda
 @EXCHANGE_MODES
 def test_cuda_loopback_peer_that_never_arrives_raises_transport_error(mode) -> None:

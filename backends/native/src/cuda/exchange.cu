@@ -24,7 +24,12 @@
 // (begin's prefix, send's route records and count table, sync's plan, in one block, no
 // flag or wait) -> place; the combine is one kernel, combine_one: send's slot-order sums
 // straight into the output (what finish would write: +0 + s is s for a sum s started at
-// +0, and the slot rows' sum from +0 is the same sum), and finish's NaN on an error.
+// +0, and the slot rows' sum from +0 is the same sum), and finish's NaN on an error. Up to
+// 4096 routes planned in one block the dispatch is one kernel, dispatch_one_fused (every
+// block plans the routes in shared memory, block 0 publishes the plan, then every block
+// places rows from its own plan), and the combine of few tokens is combine_one_fine (a warp
+// per 16-byte column of a token, all its routes' loads at once); MOE_EP_ONE_RANK_FAST
+// switches these off part by part (the same bits either way; see one_rank_fast).
 // That is the throughput mode (MOE_EP_EXCHANGE_THROUGHPUT); the low-latency mode runs the
 // same steps in one cooperative kernel per stage, grid barriers between them (dispatch_ll,
 // combine_ll).
@@ -436,6 +441,7 @@ __device__ bool padding_row(const Dev& d, int64_t r) {
 // destination. Every lane runs every pass (the shuffles need the whole warp).
 constexpr int kFanInFlight = 4;                      // 16-byte loads per lane in flight, each stored to every row
 constexpr int64_t kFanPass = 32 * kFanInFlight * 16;  // bytes of one warp pass (2 KiB)
+constexpr int64_t kFanUnit = 32 * 16;                 // bytes of one 16-byte load per lane (a pass's least piece)
 
 template <bool kFresh>
 __device__ __forceinline__ void warp_fanout(char* dst, int64_t stride, int32_t row, unsigned mask, const char* src,
@@ -467,29 +473,63 @@ __device__ __forceinline__ void warp_fanout(char* dst, int64_t stride, int32_t r
   }
 }
 
+// warp_fanout's 16-byte path alone (the caller checked the alignment), kInFlight loads per lane
+// in flight, read-only loads: dispatch_one_fused's, whose kFanUnit pieces need one load a lane,
+// so that its loop holds fewer registers (warp_fanout's loop spills in a 64-register kernel).
+template <int kInFlight>
+__device__ __forceinline__ void warp_fanout16(char* dst, int64_t stride, int32_t row, unsigned mask, const char* src,
+                                              int64_t bytes, int lane) {
+  const int4* s4 = reinterpret_cast<const int4*>(src);
+  const int64_t n = bytes / 16;
+  for (int64_t i0 = 0; i0 < n; i0 += 32 * kInFlight) {
+    const int64_t i = i0 + lane;
+    int4 v[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j)
+      if (i + 32 * j < n) v[j] = __ldg(s4 + i + 32 * j);
+    for (unsigned m = mask; m != 0; m &= m - 1) {
+      const int32_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+      int4* d4 = reinterpret_cast<int4*>(dst + static_cast<int64_t>(r) * stride);
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j)
+        if (i + 32 * j < n) __stcs(d4 + i + 32 * j, v[j]);
+    }
+  }
+}
+
+// warp_fanout out of line: dispatch_one_fused's path for rows not 16-byte aligned (rare), whose
+// registers stay out of the fused kernel's loop. The whole warp calls it.
+__device__ __noinline__ void warp_fanout_out_of_line(char* dst, int64_t stride, int32_t row, unsigned mask,
+                                                     const char* src, int64_t bytes, int lane) {
+  warp_fanout<false>(dst, stride, row, mask, src, bytes, lane);
+}
+
 // One warp per (received token, piece of its row): the routes' buffer rows from the
 // gathered offsets (lanes over slots, 32 at a time; piece 0 writes rowmap, weight and
 // metadata) and the piece read once and stored to each of those rows (this rank's own
 // rows from `tokens`, the peers' from the region). A row is cut into pieces of whole
-// warp passes only when there are more warps than received tokens (few tokens), so that
+// units of `unit` bytes (kFanPass, or at one rank kFanUnit: MOE_EP_ONE_RANK_FAST's
+// "place") only when there are more warps than received tokens (few tokens), so that
 // every warp has work. Then one warp per padding row: zeros, weight 0, metadata -1.
+// `received`: the token items, N * Tmax (item src * Tmax + t; those past a source's T are
+// skipped), or at one rank this step's T (the same items without the skipped ones, so that
+// a layer made for many tokens cuts its rows as finely for few).
 // kFresh: the peers' rows were written during this kernel (the low-latency mode).
 template <bool kFresh>
 __device__ void dispatch_place_grid(const Dev& d, int64_t row_bytes, const char* __restrict__ tokens,
                                     char* __restrict__ out_tokens, float* __restrict__ out_w,
-                                    int32_t* __restrict__ out_meta) {
+                                    int32_t* __restrict__ out_meta, int64_t unit, int64_t received) {
   const ex::Shape& s = d.s;
   const int lane = threadIdx.x & 31;
-  const int64_t received = s.N * s.Tmax;  // token item = src * Tmax + t
   const bool whole_passes = ((reinterpret_cast<uintptr_t>(out_tokens) | reinterpret_cast<uintptr_t>(tokens) |
                               reinterpret_cast<uintptr_t>(d.own + d.L.drows) | static_cast<uintptr_t>(row_bytes) |
                               static_cast<uintptr_t>(s.stride)) & 15) == 0;
   int64_t pieces = 1;
   if (whole_passes && received > 0) {
-    const int64_t most = detail::div_up(row_bytes, kFanPass), want = num_warps() / received;
+    const int64_t most = detail::div_up(row_bytes, unit), want = num_warps() / received;
     pieces = want < 1 ? 1 : (want < most ? want : most);
   }
-  const int64_t piece_bytes = pieces == 1 ? row_bytes : detail::div_up(detail::div_up(row_bytes, pieces), kFanPass) * kFanPass;
+  const int64_t piece_bytes = pieces == 1 ? row_bytes : detail::div_up(detail::div_up(row_bytes, pieces), unit) * unit;
   const RouteMeta* meta = reinterpret_cast<const RouteMeta*>(d.own + d.L.dmeta);
   for (int64_t item = warp_id(); item < received * pieces + s.C; item += num_warps()) {
     if (item < received * pieces) {
@@ -533,9 +573,9 @@ __device__ void dispatch_place_grid(const Dev& d, int64_t row_bytes, const char*
 
 __global__ void __launch_bounds__(kCopyThreads, 2)
     dispatch_place(Dev d, int64_t row_bytes, const char* __restrict__ tokens, char* __restrict__ out_tokens,
-                   float* __restrict__ out_w, int32_t* __restrict__ out_meta) {
+                   float* __restrict__ out_w, int32_t* __restrict__ out_meta, int64_t unit, int64_t received) {
   pdl_begin();
-  dispatch_place_grid<false>(d, row_bytes, tokens, out_tokens, out_w, out_meta);
+  dispatch_place_grid<false>(d, row_bytes, tokens, out_tokens, out_w, out_meta, unit, received);
 }
 
 __global__ void stage_ack(Dev d, int which, int64_t ack_off) {  // <<<1, 32>>>
@@ -601,24 +641,25 @@ __device__ __forceinline__ void round_trip_read(float (&v)[C::V]) {
 
 // acc = (((+0 + r_0) + r_1) + ...) over the rows r_j = row(j), j < n, that are not
 // NULL, in that order (float32, round to nearest), at the C::V elements from h (kRt: each
-// row's values through round_trip_read first); the loads of kSumBatch rows are in flight at once.
+// row's values through round_trip_read first); the loads of kBatch rows are in flight at once
+// (the batch changes when loads are issued, not the order of the additions).
 constexpr int kSumBatch = 4;
 
-template <typename C, bool kRt = false, typename Row>
+template <typename C, bool kRt = false, int kBatch = kSumBatch, typename Row>
 __device__ __forceinline__ void sum_rows(int64_t n, Row row, int64_t h, float (&acc)[C::V]) {
 #pragma unroll
   for (int u = 0; u < C::V; ++u) acc[u] = 0.0f;
-  for (int64_t j0 = 0; j0 < n; j0 += kSumBatch) {
-    typename C::Raw raw[kSumBatch];
-    bool ok[kSumBatch];
+  for (int64_t j0 = 0; j0 < n; j0 += kBatch) {
+    typename C::Raw raw[kBatch];
+    bool ok[kBatch];
 #pragma unroll
-    for (int j = 0; j < kSumBatch; ++j) {
+    for (int j = 0; j < kBatch; ++j) {
       const typename C::Elem* p = j0 + j < n ? row(j0 + j) : nullptr;
       ok[j] = p != nullptr;
       if (ok[j]) raw[j] = C::load(p + h);
     }
 #pragma unroll
-    for (int j = 0; j < kSumBatch; ++j) {
+    for (int j = 0; j < kBatch; ++j) {
       if (!ok[j]) continue;
       float v[C::V];
       unpack(raw[j], v);
@@ -808,7 +849,10 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
 // sums straight into the output, combine_finish's NaN and error, the routes' values). The
 // same results bit for bit as the five-kernel stages at N = 1 (those moved nothing either:
 // the rows stay in `tokens`, the sums go straight into the output), in two kernels instead
-// of five and one instead of five; no step flag changes (no peer reads them).
+// of five and one instead of five; no step flag changes (no peer reads them). Few routes
+// (the routes planned in one block, up to kOneSmallRoutes): the same values from
+// dispatch_one_fused, one kernel, or dispatch_one_small and dispatch_place; few tokens:
+// combine_one_fine for combine_one (MOE_EP_ONE_RANK_FAST, one_rank_fast).
 
 // What dispatch_send_grid writes at N = 1 (rank 0; no row moves), spread over one block as
 // one thread per route rather than one warp per token: every token's destination ranks and
@@ -936,6 +980,261 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
+// The one-rank plan of few routes (T, T * K <= kOneSmallRoutes, E <= kOneRouteExperts, the
+// routes planned in one block): every value dispatch_one_plan writes with topk and records (the
+// routes, the prefix, the send positions, the records, the count table, the plan, the step
+// number and error), the same values, from shared memory and registers. dispatch_one_plan reads
+// back from global memory what it has just written, step after step: some twenty dependent
+// round trips for 1024 routes (about 10 us on an H100, which dispatch_place waits for). Here each
+// thread loads its routes' ids (and weights) once, all in flight together (route
+// r = j * kCopyThreads + tid, j < kOneSmallPer); the routes' indices among their expert's routes
+// come as in one_rank_routes_block (chunks of the block's threads in route order,
+// __match_any_sync within a warp, the warps' starts per expert in warp order), each warp
+// clearing its own counters so that a chunk needs two barriers; one warp scans the counts
+// (excl) and the aligned counts (off, cut past C) while the others store; each value is stored
+// once. Two kernels use it: dispatch_one_small (the plan alone, then dispatch_place) and
+// dispatch_one_fused (the plan in every block, then the place from shared memory, one kernel).
+constexpr int64_t kOneSmallRoutes = kOneBlockMaxRoutes;
+constexpr int kOneSmallPer = static_cast<int>(kOneSmallRoutes / kCopyThreads);  // routes per thread
+constexpr int kOneFanInFlight = 2;  // dispatch_one_fused: 16-byte loads per lane in flight (warp_fanout16)
+
+struct OneSmallShared {
+  int32_t cnt[kOneWarps][kOneRouteExperts];  // per chunk: each warp's routes per expert, then its starts
+  int32_t cursor[kOneRouteExperts];          // routes per expert so far (at the end: the counts, nloc)
+  int32_t excl[kOneRouteExperts];            // exclusive prefix of the counts
+  int32_t off[kOneRouteExperts + 1];         // aligned slab starts (past C: C + 1)
+  int32_t row[kOneSmallRoutes];              // with_rows: every route's buffer row (-1: none)
+  unsigned char any[kOneSmallRoutes];        // per token: a route with a valid expert id
+  int32_t bad, err;
+};
+
+// One block of kCopyThreads threads: the plan into `sh` (and, with_rows, the routes' rows, every
+// thread's stores visible to the block on return); with `publish`, every value dispatch_one_plan
+// stores (only one block of a grid publishes).
+__device__ void one_small_plan(const Dev& d, int64_t T, const int32_t* __restrict__ topk,
+                               const float* __restrict__ weights, int32_t* out_gs, int32_t* out_tpe,
+                               int32_t* out_error, bool publish, bool with_rows, OneSmallShared& sh) {
+  const ex::Shape& s = d.s;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int E = static_cast<int>(s.E);
+  const int64_t K = s.K, R = T * K;
+  int v[kOneSmallPer];
+  float w[kOneSmallPer];
+#pragma unroll
+  for (int j = 0; j < kOneSmallPer; ++j) {  // every load in flight at once
+    const int64_t r = static_cast<int64_t>(j) * kCopyThreads + tid;
+    v[j] = r < R ? topk[r] : -1;
+    w[j] = publish && r < R ? weights[r] : 0.0f;
+  }
+  const uint64_t seq = publish && tid == 0 ? d.l.seq[0] + 1 : 0;
+  for (int e = tid; e < E; e += kCopyThreads) sh.cursor[e] = 0;
+  for (int64_t t = tid; t < T; t += kCopyThreads) sh.any[t] = 0;
+  if (tid == 0) sh.bad = 0;
+  for (int e = lane; e < E; e += 32) sh.cnt[warp][e] = 0;
+  __syncwarp();  // the warp's counters zero before its lanes count
+  const unsigned lanes_below = (1u << lane) - 1u;
+  int idx[kOneSmallPer];
+  int bad = 0;
+#pragma unroll
+  for (int j = 0; j < kOneSmallPer; ++j) {
+    idx[j] = -1;
+    if (static_cast<int64_t>(j) * kCopyThreads >= R) continue;  // the same for the whole block
+    const int64_t r = static_cast<int64_t>(j) * kCopyThreads + tid;
+    const bool routed = r < R && v[j] >= 0 && v[j] < E;
+    if (r < R && !routed && v[j] != -1) ++bad;
+    const unsigned peers = __match_any_sync(0xffffffffu, routed ? v[j] : E + lane);  // not routed: a group alone
+    const int rank = __popc(peers & lanes_below);
+    if (routed && rank == 0) sh.cnt[warp][v[j]] = __popc(peers);
+    __syncthreads();  // every warp's counts of this chunk (the first time: the cursors, bad and any zero too)
+    for (int e = tid; e < E; e += kCopyThreads) {  // the warps' starts per expert, in warp order
+      int run = sh.cursor[e];
+      for (int q = 0; q < kOneWarps; ++q) {
+        const int c = sh.cnt[q][e];
+        sh.cnt[q][e] = run;
+        run += c;
+      }
+      sh.cursor[e] = run;
+    }
+    __syncthreads();  // the starts
+    if (routed) {
+      idx[j] = sh.cnt[warp][v[j]] + rank;
+      sh.any[static_cast<int>(r) / static_cast<int>(K)] = 1;  // 32-bit: r < kOneSmallRoutes
+    } else {
+      v[j] = -1;  // route_expert's value of a route with no (valid) expert
+    }
+    __syncwarp();  // every lane of the warp read its start: the warp clears its counters for the next chunk
+    for (int e = lane; e < E; e += 32) sh.cnt[warp][e] = 0;
+    __syncwarp();
+  }
+  if (bad != 0) atomicAdd(&sh.bad, bad);  // after a barrier that followed bad = 0 (bad > 0: some chunk ran)
+  __syncthreads();  // the counts (cursor), bad and any complete
+  if (warp == 0) {  // exclusive prefixes of the counts and of the aligned counts: runs of experts per lane
+    const int per = (E + 31) / 32, g0 = lane * per, g1 = g0 + per < E ? g0 + per : E;
+    int64_t mine = 0, mine_al = 0;
+    for (int g = g0; g < g1; ++g) {
+      mine += sh.cursor[g];
+      mine_al += ex::align_up(sh.cursor[g], s.A);
+    }
+    int64_t incl = mine, incl_al = mine_al;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t u = __shfl_up_sync(0xffffffffu, incl, o), u_al = __shfl_up_sync(0xffffffffu, incl_al, o);
+      if (lane >= o) incl += u, incl_al += u_al;
+    }
+    int64_t run = incl - mine, at = incl_al - mine_al;
+    for (int g = g0; g < g1; ++g) {
+      sh.excl[g] = static_cast<int32_t>(run);
+      sh.off[g] = static_cast<int32_t>(at > s.C ? s.C + 1 : at);
+      run += sh.cursor[g];
+      at += ex::align_up(sh.cursor[g], s.A);
+    }
+    if (lane == 31) {  // incl_al: every expert's aligned count
+      sh.off[E] = static_cast<int32_t>(incl_al > s.C ? s.C + 1 : incl_al);
+      sh.err = (sh.bad > 0 ? ex::kBadId : 0) | (incl_al > s.C ? ex::kOverflow : 0);
+    }
+  }
+  int32_t* table = reinterpret_cast<int32_t*>(d.own + d.L.table);
+  if (publish) {  // meanwhile (warp 0 after its scan): what needs no prefix
+    RouteMeta* meta = reinterpret_cast<RouteMeta*>(d.own + d.L.dmeta);
+#pragma unroll
+    for (int j = 0; j < kOneSmallPer; ++j) {
+      const int64_t r = static_cast<int64_t>(j) * kCopyThreads + tid;
+      if (r >= R) continue;
+      d.l.route_expert[r] = v[j];
+      d.l.route_dest[r] = v[j] >= 0 ? 0 : -1;
+      const int t = static_cast<int>(r) / static_cast<int>(K);  // 32-bit: r < kOneSmallRoutes
+      d.l.tok_ranks[r] = r == t * K && sh.any[t] ? 0 : -1;  // ex::token_ranks of those destinations
+      meta[r] = v[j] >= 0 ? RouteMeta{v[j], idx[j], w[j], 0} : RouteMeta{-1, 0, 0.0f, 0};  // route_record, p = 0
+    }
+    for (int e = tid; e < E; e += kCopyThreads) {
+      const int32_t n = sh.cursor[e];
+      d.l.counts[e] = n;
+      table[e] = n;
+      d.l.nloc[e] = n;
+      d.l.pref[e] = 0;
+      if (out_tpe != nullptr) out_tpe[e] = n;
+    }
+    if (tid == 0) {
+      d.l.seq[0] = seq;
+      *d.l.t_me = static_cast<int32_t>(T);
+      d.l.counts[E] = sh.bad;
+      table[E] = sh.bad;
+      table[E + 1] = static_cast<int32_t>(T);
+      d.l.tsrc[0] = static_cast<int32_t>(T);
+    }
+  }
+  __syncthreads();  // excl, off and the error bits
+#pragma unroll
+  for (int j = 0; j < kOneSmallPer; ++j) {
+    const int64_t r = static_cast<int64_t>(j) * kCopyThreads + tid;
+    if (r >= R) continue;
+    if (publish) d.l.route_pos[r] = v[j] >= 0 ? sh.excl[v[j]] + idx[j] : -1;
+    if (with_rows) {  // ex::route_row at N = 1 (pref 0, pos idx); -1 past C
+      const int64_t row = v[j] >= 0 ? static_cast<int64_t>(sh.off[v[j]]) + idx[j] : s.C;
+      sh.row[r] = row < s.C ? static_cast<int32_t>(row) : -1;
+    }
+  }
+  if (publish) {
+    for (int e = tid; e < E; e += kCopyThreads) {
+      d.l.excl[e] = sh.excl[e];
+      d.l.off[e] = sh.off[e];
+      out_gs[e] = ex::group_size(s, sh.off, e);
+    }
+    if (tid == 0) {
+      const int32_t err = sh.err;
+      d.l.off[E] = sh.off[E];
+      *d.l.step_err = err;
+      atomicOr(d.l.sticky_err, err);
+      *out_error = err;
+    }
+  }
+  if (with_rows) __syncthreads();  // the rows
+}
+
+// The small plan alone (MOE_EP_ONE_RANK_FAST's "plan"; dispatch_place follows).
+__global__ void __launch_bounds__(kCopyThreads)
+    dispatch_one_small(Dev d, int64_t T, const int32_t* __restrict__ topk, const float* __restrict__ weights,
+                       int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {  // <<<1, kCopyThreads>>>
+  __shared__ OneSmallShared sh;
+  pdl_begin();
+  one_small_plan(d, T, topk, weights, out_gs, out_tpe, out_error, true, false, sh);
+}
+
+// The whole one-rank dispatch of few routes in one kernel (MOE_EP_ONE_RANK_FAST's "fused"):
+// every block computes the small plan (block 0 also publishes it: the records, the table and the
+// plan the later stages read), so that no block waits for another kernel or block, then does
+// dispatch_place_grid's work at N = 1 over this step's T tokens with the routes' rows from its
+// shared memory: one warp per (token, piece of kFanUnit units) storing the piece to each of the
+// token's rows (piece 0 also rowmap, weight and metadata), then one warp per padding row. The
+// same values as dispatch_one_plan and dispatch_place; the rows' only global read is the token
+// piece, where dispatch_place's warps wait on four loads in a row (T, the records, the offsets,
+// the piece).
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    dispatch_one_fused(Dev d, int64_t T, int64_t row_bytes, const char* __restrict__ tokens,
+                       const int32_t* __restrict__ topk, const float* __restrict__ weights,
+                       char* __restrict__ out_tokens, float* __restrict__ out_w, int32_t* __restrict__ out_meta,
+                       int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {
+  __shared__ OneSmallShared sh;
+  pdl_begin();
+  one_small_plan(d, T, topk, weights, out_gs, out_tpe, out_error, blockIdx.x == 0, true, sh);
+  const ex::Shape& s = d.s;
+  const int lane = threadIdx.x & 31;
+  const bool whole_passes = ((reinterpret_cast<uintptr_t>(out_tokens) | reinterpret_cast<uintptr_t>(tokens) |
+                              static_cast<uintptr_t>(row_bytes)) & 15) == 0;
+  int64_t pieces = 1;
+  if (whole_passes && T > 0) {
+    const int64_t most = detail::div_up(row_bytes, kFanUnit), want = num_warps() / T;
+    pieces = want < 1 ? 1 : (want < most ? want : most);
+  }
+  const int64_t piece_bytes =
+      pieces == 1 ? row_bytes : detail::div_up(detail::div_up(row_bytes, pieces), kFanUnit) * kFanUnit;
+  for (int64_t item = warp_id(); item < T * pieces + s.C; item += num_warps()) {
+    if (item < T * pieces) {  // T * pieces <= max(T, num_warps()): 32-bit division (no call, no spills around it)
+      const int32_t it = static_cast<int32_t>(item), np = static_cast<int32_t>(pieces);
+      const int32_t t = it / np, piece = it - t * np;
+      const int64_t h0 = piece * piece_bytes;
+      if (h0 >= row_bytes) continue;  // the last pieces of a short row
+      const int64_t len = row_bytes - h0 < piece_bytes ? row_bytes - h0 : piece_bytes;
+      for (int64_t k0 = 0; k0 < s.K; k0 += 32) {
+        const int64_t k = k0 + lane, route = t * s.K + k;
+        const int32_t row = k < s.K ? sh.row[route] : -1;
+        const unsigned mask = __ballot_sync(0xffffffffu, row >= 0);
+        if (mask != 0) {
+          char* dst = out_tokens + h0;
+          const char* src = tokens + t * row_bytes + h0;
+          if (whole_passes) warp_fanout16<kOneFanInFlight>(dst, row_bytes, row, mask, src, len, lane);
+          else warp_fanout_out_of_line(dst, row_bytes, row, mask, src, len, lane);
+        }
+        if (piece == 0 && k < s.K) {  // after the stores: these loads wait on nothing else
+          d.l.rowmap[route] = row;
+          if (row >= 0) {
+            out_w[row] = weights[route];
+            int32_t* md = out_meta + 4 * static_cast<int64_t>(row);
+            md[0] = topk[route], md[1] = 0, md[2] = static_cast<int32_t>(t), md[3] = static_cast<int32_t>(k);
+          }
+        }
+      }
+    } else {
+      const int64_t r = item - T * pieces;  // padding_row from the shared plan
+      bool pad = r >= sh.off[s.E];
+      if (!pad) {
+        int64_t lo = 0, hi = s.E;  // the last le with off[le] <= r
+        while (hi - lo > 1) {
+          const int64_t mid = (lo + hi) / 2;
+          if (sh.off[mid] <= r) lo = mid;
+          else hi = mid;
+        }
+        pad = r - sh.off[lo] >= sh.cursor[lo];
+      }
+      if (!pad) continue;
+      warp_zero(out_tokens + r * row_bytes, row_bytes, lane);
+      if (lane == 0) {
+        out_w[r] = 0.0f;
+        for (int c = 0; c < 4; ++c) out_meta[4 * r + c] = -1;
+      }
+    }
+  }
+}
+
 // Per own route: its value (row_values at its row) as combine_finish returns it at N = 1,
 // NaN on an error. A route with no row here has none: 0 (at N = 1 a routed route without a
 // row is an overflow, an error).
@@ -960,6 +1259,50 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   if (out_values != nullptr) combine_one_values(d, T, row_values, out_values);
 }
 
+// combine_send_grid's one-rank sums (`direct`) for few tokens (MOE_EP_ONE_RANK_FAST's "combine",
+// combine_one_as says when): one warp per (token, piece of one 16-byte vector per lane, 32 * V
+// columns), the piece's loads from all of the token's routes in flight at once (kOneSumBatch
+// rows), where combine_send_grid's pieces of kPieceVecs vectors a lane and four rows a batch leave
+// most warps idle at 128 tokens and the busy ones waiting on eight loads in a row. The same sums
+// in the same order (sum_rows), into the same places; nothing on an error (combine_finish_grid
+// writes the NaN). Vector rows only (kRt: H a multiple of 128, so every lane has columns in
+// every piece, as round_trip_read needs).
+constexpr int kOneSumBatch = 8;
+
+template <typename Y, typename O, bool kRt>
+__device__ void combine_one_sums_fine(const Dev& d, const Y* __restrict__ y, O* __restrict__ out) {
+  using C = Cols<Y, true>;
+  const ex::Shape& s = d.s;
+  const int32_t err = *d.l.step_err;
+  const int64_t T = d.l.tsrc[0];  // loaded with the error, not after it
+  if (err != 0) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t piece = 32 * C::V, pieces = detail::div_up(s.H, piece);
+  for (int64_t item = warp_id(); item < T * pieces; item += num_warps()) {
+    const int64_t t = item / pieces, h = (item % pieces) * piece + lane * C::V;
+    const int32_t* rm = d.l.rowmap + t * s.K;
+    const auto route_row = [&](int64_t k) -> const Y* {
+      const int32_t r = rm[k];
+      return r >= 0 ? y + static_cast<int64_t>(r) * s.H : nullptr;
+    };
+    if (h < s.H) {  // the last piece of a row may be short (never with kRt)
+      float acc[C::V];
+      sum_rows<C, kRt, kOneSumBatch>(s.K, route_row, h, acc);
+      store(out + t * s.H + h, acc);
+    }
+  }
+}
+
+template <typename Y, typename O, bool kRt = false>
+__global__ void __launch_bounds__(kCopyThreads, 2)
+    combine_one_fine(Dev d, int64_t T, const Y* __restrict__ y, const float* __restrict__ row_values,
+                     O* __restrict__ out, float* __restrict__ out_values, int32_t* out_error) {
+  pdl_begin();
+  combine_one_sums_fine<Y, O, kRt>(d, y, out);                    // the sums (nothing on an error)
+  combine_finish_grid<true, O>(d, T, out, nullptr, out_error);     // an error's NaN rows; the error
+  if (out_values != nullptr) combine_one_values(d, T, row_values, out_values);
+}
+
 // ------------------------------------------------------------------ low latency: one kernel per stage
 
 // The low-latency mode runs a stage's steps in one cooperative kernel (every block resident,
@@ -980,7 +1323,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   grid.sync();
   if (blockIdx.x == 0) dispatch_sync_block(d, out_gs, out_tpe, out_error);
   grid.sync();
-  dispatch_place_grid<true>(d, row_bytes, tokens, out_tokens, out_w, out_meta);
+  dispatch_place_grid<true>(d, row_bytes, tokens, out_tokens, out_w, out_meta, kFanPass, d.s.N * d.s.Tmax);
   grid.sync();  // every peer row in this region read before the acknowledgement
   if (blockIdx.x == 0 && threadIdx.x < 32) publish(d, d.L.disp_ack, d.l.seq[0]);
 }
@@ -1097,14 +1440,22 @@ moe_ep_status combine_ll_as(cudaStream_t st, const Exchange& x, const Dev& d, in
   return e == cudaSuccess ? MOE_EP_OK : launch_failed("combine_ll", e);
 }
 
-// The one-rank combine (combine_one) with 16-byte vectors where y and the output allow.
+// The one-rank combine (combine_one) with 16-byte vectors where y and the output allow;
+// combine_one_fine instead when those are vectors and its pieces come to at most two per warp
+// of the grid (few tokens; `fine`: MOE_EP_ONE_RANK_FAST's "combine").
 template <typename Y, typename O, bool kRt = false>
 moe_ep_status combine_one_as(cudaStream_t st, const Exchange& x, const Dev& d, int64_t T, const void* y, O* out,
-                             const float* row_values, float* out_values, int32_t* out_error) {
+                             const float* row_values, float* out_values, int32_t* out_error, bool fine) {
   const Y* rows = static_cast<const Y*>(y);
   const bool vec_out = d.s.H % 4 == 0 && aligned16(out);
   // Vector rows of y only with a vector output (combine_send writes the sums into it).
   const bool vec_y = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) && vec_out;
+  const int64_t fine_pieces = T * detail::div_up(d.s.H, 32 * (16 / static_cast<int64_t>(sizeof(Y))));
+  if (fine && (kRt || vec_y) && fine_pieces <= 2 * static_cast<int64_t>(x.num_blocks) * (kCopyThreads / 32)) {
+    MOE_EP_EX_LAUNCH("combine_one_fine", (combine_one_fine<Y, O, kRt>), static_cast<unsigned>(x.num_blocks),
+                     kCopyThreads, st, d, T, rows, row_values, out, out_values, out_error);
+    return MOE_EP_OK;
+  }
   auto* kernel = kRt ? combine_one<Y, true, true, O, kRt>  // the caller checked y, the output and H
                      : vec_y ? combine_one<Y, true, true, O>
                              : (vec_out ? combine_one<Y, false, true, O> : combine_one<Y, false, false, O>);
@@ -1225,6 +1576,27 @@ bool one_block_plan(int64_t num_experts, int64_t num_routes) {
   return num_routes <= kOneBlockMaxRoutes;
 }
 
+// Whether MOE_EP_ONE_RANK_FAST turns on `part` of the one-rank kernels for few tokens: "fused"
+// (dispatch_one_fused: the whole dispatch in one kernel where the routes are planned in one
+// block, up to kOneSmallRoutes), "plan" (without "fused" there: dispatch_one_small for
+// dispatch_one_plan), "place" (dispatch_place's rows cut in kFanUnit pieces, over this step's
+// tokens, wherever dispatch_place runs at one rank), "combine" (combine_one_fine). Unset, empty
+// or "all": every part; otherwise a comma-separated list of the parts on ("none", or any word
+// that names no part: none), the others run the kernels they replace (the same results; for
+// timing them against each other).
+bool one_rank_fast(const char* part) {
+  const char* v = std::getenv("MOE_EP_ONE_RANK_FAST");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "all") == 0) return true;
+  const size_t n = std::strlen(part);
+  for (const char* p = v;;) {
+    const char* end = std::strchr(p, ',');
+    const size_t len = end != nullptr ? static_cast<size_t>(end - p) : std::strlen(p);
+    if (len == n && std::strncmp(p, part, n) == 0) return true;
+    if (end == nullptr) return false;
+    p = end + 1;
+  }
+}
+
 }  // namespace
 
 moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t row_bytes, const void* tokens,
@@ -1239,13 +1611,27 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
     MOE_EP_TRY(plan_routes(stream, topk_idx, T, d.s.K, d.s.E, x.loc.send_route, x.loc.route_pos, x.loc.route_expert,
                            x.loc.counts));
   if (d.s.N == 1) {  // one rank: no exchange (either mode)
-    MOE_EP_EX_LAUNCH("dispatch_one_plan", dispatch_one_plan, 1, kCopyThreads, st, d, T,
-                     one_kernel_plan ? topk_idx : nullptr, weights, out_gs, out_tpe, out_error, one_kernel_plan);
-    if (!one_kernel_plan)
-      MOE_EP_EX_LAUNCH("dispatch_one_records", dispatch_one_records, static_cast<unsigned>(x.num_blocks), kCopyThreads,
-                       st, d, T, weights);
+    const bool small = one_kernel_plan && T <= kOneSmallRoutes && T * d.s.K <= kOneSmallRoutes;
+    if (small && one_rank_fast("fused")) {
+      MOE_EP_EX_LAUNCH("dispatch_one_fused", dispatch_one_fused, static_cast<unsigned>(x.num_blocks), kCopyThreads, st,
+                       d, T, row_bytes, static_cast<const char*>(tokens), topk_idx, weights,
+                       static_cast<char*>(out_tokens), out_w, out_meta, out_gs, out_tpe, out_error);
+      return MOE_EP_OK;
+    }
+    if (small && one_rank_fast("plan")) {
+      MOE_EP_EX_LAUNCH("dispatch_one_small", dispatch_one_small, 1, kCopyThreads, st, d, T, topk_idx, weights, out_gs,
+                       out_tpe, out_error);
+    } else {
+      MOE_EP_EX_LAUNCH("dispatch_one_plan", dispatch_one_plan, 1, kCopyThreads, st, d, T,
+                       one_kernel_plan ? topk_idx : nullptr, weights, out_gs, out_tpe, out_error, one_kernel_plan);
+      if (!one_kernel_plan)
+        MOE_EP_EX_LAUNCH("dispatch_one_records", dispatch_one_records, static_cast<unsigned>(x.num_blocks),
+                         kCopyThreads, st, d, T, weights);
+    }
+    const bool fine = one_rank_fast("place");
     MOE_EP_EX_LAUNCH("dispatch_place", dispatch_place, static_cast<unsigned>(x.num_blocks), kCopyThreads, st, d,
-                     row_bytes, static_cast<const char*>(tokens), static_cast<char*>(out_tokens), out_w, out_meta);
+                     row_bytes, static_cast<const char*>(tokens), static_cast<char*>(out_tokens), out_w, out_meta,
+                     fine ? kFanUnit : kFanPass, fine ? T : d.s.Tmax);
     return MOE_EP_OK;
   }
   if (x.mode == MOE_EP_EXCHANGE_LOW_LATENCY) {
@@ -1260,7 +1646,8 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
                    static_cast<const char*>(tokens), weights);
   MOE_EP_EX_LAUNCH("dispatch_sync", dispatch_sync, 1, kSyncThreads, st, d, out_gs, out_tpe, out_error);
   MOE_EP_EX_LAUNCH("dispatch_place", dispatch_place, blocks, kCopyThreads, st, d, row_bytes,
-                   static_cast<const char*>(tokens), static_cast<char*>(out_tokens), out_w, out_meta);
+                   static_cast<const char*>(tokens), static_cast<char*>(out_tokens), out_w, out_meta, kFanPass,
+                   d.s.N * d.s.Tmax);
   MOE_EP_EX_LAUNCH("dispatch_ack", stage_ack, 1, 32, st, d, 0, x.sym.disp_ack);
   return MOE_EP_OK;
 }
@@ -1272,10 +1659,12 @@ moe_ep_status ex_combine_into(cudaStream_t st, const Exchange& x, const Dev& d, 
                               int32_t y_dtype, O* out, const float* row_values, float* out_values,
                               int32_t* out_error) {
   const bool bf16 = y_dtype == MOE_EP_DTYPE_BF16, rt = y_dtype == MOE_EP_Y_F32_MXFP8_ROUND_TRIP;
-  if (d.s.N == 1)  // one rank: no exchange (either mode)
-    return bf16 ? combine_one_as<uint16_t>(st, x, d, T, y, out, row_values, out_values, out_error)
-           : rt ? combine_one_as<float, O, true>(st, x, d, T, y, out, row_values, out_values, out_error)
-                : combine_one_as<float>(st, x, d, T, y, out, row_values, out_values, out_error);
+  if (d.s.N == 1) {  // one rank: no exchange (either mode)
+    const bool fine = one_rank_fast("combine");
+    return bf16 ? combine_one_as<uint16_t>(st, x, d, T, y, out, row_values, out_values, out_error, fine)
+           : rt ? combine_one_as<float, O, true>(st, x, d, T, y, out, row_values, out_values, out_error, fine)
+                : combine_one_as<float>(st, x, d, T, y, out, row_values, out_values, out_error, fine);
+  }
   if (x.mode == MOE_EP_EXCHANGE_LOW_LATENCY)
     return bf16 ? combine_ll_as<uint16_t>(st, x, d, T, y, out, row_values, out_values, out_error)
            : rt ? combine_ll_as<float, O, true>(st, x, d, T, y, out, row_values, out_values, out_error)
