@@ -572,18 +572,20 @@ def test_cuda_one_rank_plans_in_one_block_or_over_the_grid(plan, mutate, mode, m
 
 # EP 1's kernels for few tokens (MOE_EP_ONE_RANK_FAST: dispatch_one_fused, dispatch_one_small,
 # dispatch_place's finer pieces, combine_one_fine) and the ones they replace: T, K, E, alignment,
-# capacity, max tokens, hidden, routing, MOE_EP_ONE_RANK_PLAN.
+# capacity, max tokens, hidden, routing, MOE_EP_ONE_RANK_PLAN, token row bytes past 2 * hidden
+# (not a multiple of 16: the two-kernel dispatch).
 ONE_RANK_CASES = {
-    "decode": (128, 8, 32, 1, 1024, 128, 7168, "distinct", None),
-    "decode-in-a-layer-for-more-tokens": (128, 8, 32, 16, 1024 + 32 * 15, 512, 7168, "distinct", None),
-    "aligned-repeats-unused": (100, 6, 20, 8, 600 + 20 * 7, 100, 640, "repeat", None),
-    "most-routes-of-the-block": (512, 8, 256, 1, 4096, 512, 256, "uniform", None),
-    "beyond-the-small-plan": (513, 8, 64, 2, 4104 + 64, 513, 256, "uniform", "block"),
-    "grid-plan": (128, 8, 32, 1, 1024, 128, 512, "distinct", "grid"),
-    "few": (3, 2, 4, 4, 16, 5, 128, "repeat", None),
-    "empty": (0, 4, 8, 1, 16, 4, 128, "uniform", None),
-    "bad-id": (64, 4, 16, 1, 256, 64, 384, "bad", None),
-    "overflow": (64, 4, 8, 4, 160, 64, 384, "uniform", None),
+    "decode": (128, 8, 32, 1, 1024, 128, 7168, "distinct", None, 0),
+    "decode-in-a-layer-for-more-tokens": (128, 8, 32, 16, 1024 + 32 * 15, 512, 7168, "distinct", None, 0),
+    "aligned-repeats-unused": (100, 6, 20, 8, 600 + 20 * 7, 100, 640, "repeat", None, 0),
+    "most-routes-of-the-block": (512, 8, 256, 1, 4096, 512, 256, "uniform", None, 0),
+    "beyond-the-small-plan": (513, 8, 64, 2, 4104 + 64, 513, 256, "uniform", "block", 0),
+    "grid-plan": (128, 8, 32, 1, 1024, 128, 512, "distinct", "grid", 0),
+    "unaligned-rows": (40, 4, 8, 2, 160 + 8, 40, 128, "repeat", None, 4),
+    "few": (3, 2, 4, 4, 16, 5, 128, "repeat", None, 0),
+    "empty": (0, 4, 8, 1, 16, 4, 128, "uniform", None, 0),
+    "bad-id": (64, 4, 16, 1, 256, 64, 384, "bad", None, 0),
+    "overflow": (64, 4, 8, 4, 160, 64, 384, "uniform", None, 0),
 }
 
 
@@ -604,11 +606,11 @@ def _one_rank_run(case, device):
     "cuda": cuda:0, torch buffers): a dispatch and three combines (bf16 rows into bf16, float32
     rows with per-route values into float32, float32 rows through mxfp8's round trip into
     bf16), every output buffer filled with a marker first. Returns the inputs and the outputs."""
-    t, k, e, align, cap, tmax, hidden, kind, _ = ONE_RANK_CASES[case]
+    t, k, e, align, cap, tmax, hidden, kind, _, row_pad = ONE_RANK_CASES[case]
     rng = np.random.default_rng(sum(map(ord, case)))
     idx = _one_rank_routing(rng, t, k, e, kind)
     w = rng.standard_normal((t, k)).astype(np.float32)
-    rb = 2 * hidden  # bf16 token rows
+    rb = 2 * hidden + row_pad  # bf16 token rows (+ row_pad bytes)
     tok = rng.integers(0, 256, size=(t, rb)).astype(np.uint8)
     y_bf16 = (rng.standard_normal((cap, hidden)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # finite
     y_f32 = rng.standard_normal((cap, hidden)).astype(np.float32)

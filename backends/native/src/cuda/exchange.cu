@@ -475,7 +475,8 @@ __device__ __forceinline__ void warp_fanout(char* dst, int64_t stride, int32_t r
 
 // warp_fanout's 16-byte path alone (the caller checked the alignment), kInFlight loads per lane
 // in flight, read-only loads: dispatch_one_fused's, whose kFanUnit pieces need one load a lane,
-// so that its loop holds fewer registers (warp_fanout's loop spills in a 64-register kernel).
+// so that its loop holds fewer registers (warp_fanout, with warp_copy's eight loads a lane
+// for unaligned rows, spills in a 64-register kernel).
 template <int kInFlight>
 __device__ __forceinline__ void warp_fanout16(char* dst, int64_t stride, int32_t row, unsigned mask, const char* src,
                                               int64_t bytes, int lane) {
@@ -495,13 +496,6 @@ __device__ __forceinline__ void warp_fanout16(char* dst, int64_t stride, int32_t
         if (i + 32 * j < n) __stcs(d4 + i + 32 * j, v[j]);
     }
   }
-}
-
-// warp_fanout out of line: dispatch_one_fused's path for rows not 16-byte aligned (rare), whose
-// registers stay out of the fused kernel's loop. The whole warp calls it.
-__device__ __noinline__ void warp_fanout_out_of_line(char* dst, int64_t stride, int32_t row, unsigned mask,
-                                                     const char* src, int64_t bytes, int lane) {
-  warp_fanout<false>(dst, stride, row, mask, src, bytes, lane);
 }
 
 // One warp per (received token, piece of its row): the routes' buffer rows from the
@@ -1004,7 +998,7 @@ struct OneSmallShared {
   int32_t excl[kOneRouteExperts];            // exclusive prefix of the counts
   int32_t off[kOneRouteExperts + 1];         // aligned slab starts (past C: C + 1)
   int32_t row[kOneSmallRoutes];              // with_rows: every route's buffer row (-1: none)
-  unsigned char any[kOneSmallRoutes];        // per token: a route with a valid expert id
+  uint32_t any[kOneSmallRoutes / 32];        // per token, a bit: a route with a valid expert id (atomicOr)
   int32_t bad, err;
 };
 
@@ -1028,7 +1022,7 @@ __device__ void one_small_plan(const Dev& d, int64_t T, const int32_t* __restric
   }
   const uint64_t seq = publish && tid == 0 ? d.l.seq[0] + 1 : 0;
   for (int e = tid; e < E; e += kCopyThreads) sh.cursor[e] = 0;
-  for (int64_t t = tid; t < T; t += kCopyThreads) sh.any[t] = 0;
+  for (int64_t i = tid; i < detail::div_up(T, 32); i += kCopyThreads) sh.any[i] = 0;
   if (tid == 0) sh.bad = 0;
   for (int e = lane; e < E; e += 32) sh.cnt[warp][e] = 0;
   __syncwarp();  // the warp's counters zero before its lanes count
@@ -1058,7 +1052,8 @@ __device__ void one_small_plan(const Dev& d, int64_t T, const int32_t* __restric
     __syncthreads();  // the starts
     if (routed) {
       idx[j] = sh.cnt[warp][v[j]] + rank;
-      sh.any[static_cast<int>(r) / static_cast<int>(K)] = 1;  // 32-bit: r < kOneSmallRoutes
+      const int t = static_cast<int>(r) / static_cast<int>(K);  // 32-bit: r < kOneSmallRoutes
+      atomicOr(&sh.any[t >> 5], 1u << (t & 31));
     } else {
       v[j] = -1;  // route_expert's value of a route with no (valid) expert
     }
@@ -1102,7 +1097,8 @@ __device__ void one_small_plan(const Dev& d, int64_t T, const int32_t* __restric
       d.l.route_expert[r] = v[j];
       d.l.route_dest[r] = v[j] >= 0 ? 0 : -1;
       const int t = static_cast<int>(r) / static_cast<int>(K);  // 32-bit: r < kOneSmallRoutes
-      d.l.tok_ranks[r] = r == t * K && sh.any[t] ? 0 : -1;  // ex::token_ranks of those destinations
+      const bool any = (sh.any[t >> 5] >> (t & 31) & 1u) != 0;
+      d.l.tok_ranks[r] = r == t * K && any ? 0 : -1;  // ex::token_ranks of those destinations
       meta[r] = v[j] >= 0 ? RouteMeta{v[j], idx[j], w[j], 0} : RouteMeta{-1, 0, 0.0f, 0};  // route_record, p = 0
     }
     for (int e = tid; e < E; e += kCopyThreads) {
@@ -1167,7 +1163,8 @@ __global__ void __launch_bounds__(kCopyThreads)
 // token's rows (piece 0 also rowmap, weight and metadata), then one warp per padding row. The
 // same values as dispatch_one_plan and dispatch_place; the rows' only global read is the token
 // piece, where dispatch_place's warps wait on four loads in a row (T, the records, the offsets,
-// the piece).
+// the piece). Rows 16-byte aligned only (tokens, out_tokens and row_bytes: ex_dispatch checks),
+// so that the loop holds warp_fanout16 alone.
 __global__ void __launch_bounds__(kCopyThreads, 2)
     dispatch_one_fused(Dev d, int64_t T, int64_t row_bytes, const char* __restrict__ tokens,
                        const int32_t* __restrict__ topk, const float* __restrict__ weights,
@@ -1178,10 +1175,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   one_small_plan(d, T, topk, weights, out_gs, out_tpe, out_error, blockIdx.x == 0, true, sh);
   const ex::Shape& s = d.s;
   const int lane = threadIdx.x & 31;
-  const bool whole_passes = ((reinterpret_cast<uintptr_t>(out_tokens) | reinterpret_cast<uintptr_t>(tokens) |
-                              static_cast<uintptr_t>(row_bytes)) & 15) == 0;
   int64_t pieces = 1;
-  if (whole_passes && T > 0) {
+  if (T > 0) {
     const int64_t most = detail::div_up(row_bytes, kFanUnit), want = num_warps() / T;
     pieces = want < 1 ? 1 : (want < most ? want : most);
   }
@@ -1198,12 +1193,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
         const int64_t k = k0 + lane, route = t * s.K + k;
         const int32_t row = k < s.K ? sh.row[route] : -1;
         const unsigned mask = __ballot_sync(0xffffffffu, row >= 0);
-        if (mask != 0) {
-          char* dst = out_tokens + h0;
-          const char* src = tokens + t * row_bytes + h0;
-          if (whole_passes) warp_fanout16<kOneFanInFlight>(dst, row_bytes, row, mask, src, len, lane);
-          else warp_fanout_out_of_line(dst, row_bytes, row, mask, src, len, lane);
-        }
+        if (mask != 0)
+          warp_fanout16<kOneFanInFlight>(out_tokens + h0, row_bytes, row, mask, tokens + t * row_bytes + h0, len, lane);
         if (piece == 0 && k < s.K) {  // after the stores: these loads wait on nothing else
           d.l.rowmap[route] = row;
           if (row >= 0) {
@@ -1612,7 +1603,7 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
                            x.loc.counts));
   if (d.s.N == 1) {  // one rank: no exchange (either mode)
     const bool small = one_kernel_plan && T <= kOneSmallRoutes && T * d.s.K <= kOneSmallRoutes;
-    if (small && one_rank_fast("fused")) {
+    if (small && aligned16(tokens) && aligned16(out_tokens) && row_bytes % 16 == 0 && one_rank_fast("fused")) {
       MOE_EP_EX_LAUNCH("dispatch_one_fused", dispatch_one_fused, static_cast<unsigned>(x.num_blocks), kCopyThreads, st,
                        d, T, row_bytes, static_cast<const char*>(tokens), topk_idx, weights,
                        static_cast<char*>(out_tokens), out_w, out_meta, out_gs, out_tpe, out_error);
