@@ -693,7 +693,7 @@ def _check_one_rank(case, inputs, got):
     np.testing.assert_array_equal(got["f32_values"], ref_values, err_msg=f"{case}: values")
 
 
-@pytest.mark.parametrize("case", [c for c in ONE_RANK_CASES if ONE_RANK_CASES[c][6] <= 640])
+@pytest.mark.parametrize("case", list(ONE_RANK_CASES))
 def test_cpu_twin_one_rank_cases_follow_the_routing_order(case) -> None:
     # The cases of the CUDA test below on the CPU twin (the same expectations).
     _check_one_rank(case, *_one_rank_run(case, "cpu"))
