@@ -1270,17 +1270,27 @@ __device__ void combine_one_sums_fine(const Dev& d, const Y* __restrict__ y, O* 
   const int lane = threadIdx.x & 31;
   const int64_t piece = 32 * C::V, pieces = detail::div_up(s.H, piece);
   for (int64_t item = warp_id(); item < T * pieces; item += num_warps()) {
-    const int64_t t = item / pieces, h = (item % pieces) * piece + lane * C::V;
-    const int32_t* rm = d.l.rowmap + t * s.K;
-    const auto route_row = [&](int64_t k) -> const Y* {
-      const int32_t r = rm[k];
-      return r >= 0 ? y + static_cast<int64_t>(r) * s.H : nullptr;
-    };
-    if (h < s.H) {  // the last piece of a row may be short (never with kRt)
-      float acc[C::V];
+    const int32_t it = static_cast<int32_t>(item), np = static_cast<int32_t>(pieces);  // T * pieces <= 2 *
+    const int32_t t = it / np;                       // num_warps() (combine_one_as): 32-bit division
+    const int64_t h = static_cast<int64_t>(it - t * np) * piece + lane * C::V;
+    const int32_t* rm = d.l.rowmap + static_cast<int64_t>(t) * s.K;
+    const bool in = h < s.H;  // the last piece of a row may be short (never with kRt: no lane is out)
+    float acc[C::V];
+    if (s.K <= 32) {  // the token's rows in one load, handed round by shuffles (every lane takes part)
+      const int32_t mine = lane < s.K ? rm[lane] : -1;
+      const auto route_row = [&](int64_t k) -> const Y* {
+        const int32_t r = __shfl_sync(0xffffffffu, mine, static_cast<int>(k));
+        return r >= 0 && in ? y + static_cast<int64_t>(r) * s.H : nullptr;
+      };
       sum_rows<C, kRt, kOneSumBatch>(s.K, route_row, h, acc);
-      store(out + t * s.H + h, acc);
+    } else {
+      const auto route_row = [&](int64_t k) -> const Y* {
+        const int32_t r = rm[k];
+        return r >= 0 && in ? y + static_cast<int64_t>(r) * s.H : nullptr;
+      };
+      sum_rows<C, kRt, kOneSumBatch>(s.K, route_row, h, acc);
     }
+    if (in) store(out + static_cast<int64_t>(t) * s.H + h, acc);
   }
 }
 
