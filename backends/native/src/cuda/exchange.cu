@@ -990,7 +990,7 @@ __global__ void __launch_bounds__(kCopyThreads)
 // dispatch_one_fused (the plan in every block, then the place from shared memory, one kernel).
 constexpr int64_t kOneSmallRoutes = kOneBlockMaxRoutes;
 constexpr int kOneSmallPer = static_cast<int>(kOneSmallRoutes / kCopyThreads);  // routes per thread
-constexpr int kOneFanInFlight = 2;  // dispatch_one_fused: 16-byte loads per lane in flight (warp_fanout16)
+constexpr int kOneFanInFlight = 4;  // dispatch_one_fused: 16-byte loads per lane in flight (warp_fanout16)
 
 struct OneSmallShared {
   int32_t cnt[kOneWarps][kOneRouteExperts];  // per chunk: each warp's routes per expert, then its starts
