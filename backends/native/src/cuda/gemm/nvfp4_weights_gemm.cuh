@@ -90,11 +90,12 @@ using StageOf = Stage<Cfg::kMaxRows, Cfg::kPlanes>;
 template <class Cfg>
 constexpr size_t smem_bytes() { return sizeof(StageOf<Cfg>) * Cfg::kStages; }
 
-// The variants nvfp4_weights_gemm picks, as mxfp8_weights_gemm's (the stage holds half the
-// code bytes, so three stages fit where the mxfp8 kernel holds two):
-// - at most mxw::kFewRowsPerExpert rows an expert on average: passes of up to 48 rows;
-using FewRowsConfig = mxw::Config<6, 3, 3>;
-// - more rows: passes of up to 64 rows;
+// The variants nvfp4_weights_gemm picks (moe_ep_gemm_check --nvfp4-weights-sweep, an H100,
+// the decode's FC1 and FC2 with the routing's spread of 20..42 rows an expert, rounded up to
+// 16 as the layer gets them or not): passes of up to 64 rows, 3 stages, 2 blocks an SM
+// (235 registers) at every row count: FC1 0.370 ms against 0.460 for mxfp8's few-rows
+// shape (passes of 48 rows, 3 blocks an SM, whose 168 registers spill here) and 0.374 to
+// 0.376 for passes of 48 rows at 2 blocks an SM with 2 to 4 stages;
 using DefaultConfig = mxw::Config<8, 3, 2>;
 // - three x planes at few rows, passes of up to 48 rows. More rows: a plane a launch.
 using Planes3Config = mxw::Config<6, 2, 2, 3>;
@@ -307,9 +308,9 @@ inline cudaError_t nvfp4_weights_gemm_launch(const Nvfp4WeightsGemm& p, cudaStre
   return cudaGetLastError();
 }
 
-// The launch: the variant for p's rows an expert on average (total_rows / num_experts, on
-// the host; unknown counts as many); three x planes in one pass at few rows, else a launch
-// a plane (the later ones accumulating).
+// The launch: DefaultConfig; three x planes in one pass at few rows (total_rows /
+// num_experts on the host at most mxw::kFewRowsPerExpert), else a launch a plane (the later
+// ones accumulating).
 inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
   const bool few = p.total_rows > 0 && p.total_rows <= mxw::kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
   if (p.x_planes == 3) {
@@ -325,8 +326,7 @@ inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t st
     }
     return cudaSuccess;
   }
-  return few ? nvfp4_weights_gemm_launch<nvw::FewRowsConfig>(p, stream)
-             : nvfp4_weights_gemm_launch<nvw::DefaultConfig>(p, stream);
+  return nvfp4_weights_gemm_launch<nvw::DefaultConfig>(p, stream);
 }
 
 }  // namespace cuda
