@@ -473,11 +473,18 @@ def sanitize_commands(ctx: Context) -> List[Command]:
             ctx, exchange, "-k", "test_cuda_loopback_device_exchange and ep1 and throughput and slot")), needs=needs_sanitizer)]
     check = str(gemm_check(ctx) or "moe_ep_gemm_check")
     loopback = "(test_cuda_loopback and (ep1 or ep2)) or test_cuda_one_rank_plans"
+    # EP 1's fused dispatch and few-token combine under every MOE_EP_ONE_RANK_FAST setting
+    # (the small cases: the decode one is 128 tokens of 7168 values, minutes under the tools)
+    fast = "test_cuda_one_rank_fast and (few or unaligned or aligned-repeats)"
     return [
+        # every check of the grouped GEMMs, the mxfp8- and nvfp4-weights kernels' included
         Command("memcheck-gemm", sanitizer("memcheck", check, "--no-time"), needs=needs_gemm_check),
-        Command("memcheck-exchange", sanitizer("memcheck", *_pytest(ctx, exchange, "-k", loopback)), needs=needs_sanitizer),
-        Command("racecheck-exchange", sanitizer("racecheck", *_pytest(ctx, exchange, "-k", f"({loopback}) and throughput")),
+        Command("racecheck-gemm-nvfp4", sanitizer("racecheck", check, "--nvfp4-weights", "--no-time"),
+                needs=needs_gemm_check),
+        Command("memcheck-exchange", sanitizer("memcheck", *_pytest(ctx, exchange, "-k", f"{loopback} or ({fast})")),
                 needs=needs_sanitizer),
+        Command("racecheck-exchange", sanitizer("racecheck", *_pytest(
+            ctx, exchange, "-k", f"(({loopback}) and throughput) or ({fast})")), needs=needs_sanitizer),
         Command("memcheck-kernels", sanitizer("memcheck", *_pytest(
             ctx, "tests/test_native_cuda.py", "-k", "plan_routes or permute or combine_reduce or experts")),
             needs=needs_sanitizer),
