@@ -766,3 +766,18 @@ def test_cpu_twin_runs_either_mode_with_the_same_results() -> None:
     for r in range(n):
         for key, want in got[THROUGHPUT][r].items():
             assert np.array_equal(got[LOW_LATENCY][r][key], want, equal_nan=True), f"rank {r}: {key} differs"
+
+
+@cuda
+@pytest.mark.parametrize("name, value, rule", [
+    ("MOE_EP_ONE_RANK_FAST", "fused,fast", r"MOE_EP_ONE_RANK_FAST must be unset, 'all', 'none' or a comma-separated "
+                                           r"list of fused, plan, place, combine; got 'fused,fast'"),
+    ("MOE_EP_ONE_RANK_FAST", "off", r"got 'off'"),
+    ("MOE_EP_ONE_RANK_PLAN", "blocks", r"MOE_EP_ONE_RANK_PLAN must be unset, 'block' or 'grid'; got 'blocks'"),
+])
+def test_cuda_one_rank_switches_reject_a_value_that_names_nothing(name, value, rule, monkeypatch) -> None:
+    # A timing switch with a typo is an error naming the rule and the value, raised before any
+    # kernel is enqueued, never a silent default.
+    monkeypatch.setenv(name, value)
+    with pytest.raises(NativeArgumentError, match=rf"moe_ep_layer_dispatch: {rule}"):
+        _one_rank_run("few", "cuda")

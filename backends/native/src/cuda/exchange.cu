@@ -1582,9 +1582,36 @@ bool one_block_plan(int64_t num_experts, int64_t num_routes) {
 // block, up to kOneSmallRoutes), "plan" (without "fused" there: dispatch_one_small for
 // dispatch_one_plan), "place" (dispatch_place's rows cut in kFanUnit pieces, over this step's
 // tokens, wherever dispatch_place runs at one rank), "combine" (combine_one_fine). Unset, empty
-// or "all": every part; otherwise a comma-separated list of the parts on ("none", or any word
-// that names no part: none), the others run the kernels they replace (the same results; for
-// timing them against each other).
+// or "all": every part; "none": none; otherwise a comma-separated list of the parts on
+// (check_one_rank_env rejects any other word), the others run the kernels they replace (the
+// same results; for timing them against each other).
+// The parts MOE_EP_ONE_RANK_FAST names.
+constexpr const char* kOneRankFastParts[] = {"fused", "plan", "place", "combine"};
+
+// MOE_EP_ONE_RANK_PLAN and MOE_EP_ONE_RANK_FAST checked before a one-rank stage: a value that
+// names nothing is an error with the rule and the value (not a silent default).
+moe_ep_status check_one_rank_env(const char* op) {
+  const char* plan = std::getenv("MOE_EP_ONE_RANK_PLAN");
+  if (plan != nullptr && *plan != '\0' && std::strcmp(plan, "block") != 0 && std::strcmp(plan, "grid") != 0)
+    return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(op) + ": MOE_EP_ONE_RANK_PLAN must be unset, 'block' or "
+                                                               "'grid'; got '" + plan + "'");
+  const char* fast = std::getenv("MOE_EP_ONE_RANK_FAST");
+  if (fast == nullptr || *fast == '\0' || std::strcmp(fast, "all") == 0 || std::strcmp(fast, "none") == 0)
+    return MOE_EP_OK;
+  for (const char* p = fast;;) {
+    const char* end = std::strchr(p, ',');
+    const std::string item(p, end != nullptr ? static_cast<size_t>(end - p) : std::strlen(p));
+    bool known = false;
+    for (const char* part : kOneRankFastParts) known = known || item == part;
+    if (!known)
+      return fail(MOE_EP_ERR_INVALID_ARGUMENT,
+                  std::string(op) + ": MOE_EP_ONE_RANK_FAST must be unset, 'all', 'none' or a comma-separated list of "
+                                    "fused, plan, place, combine; got '" + fast + "'");
+    if (end == nullptr) return MOE_EP_OK;
+    p = end + 1;
+  }
+}
+
 bool one_rank_fast(const char* part) {
   const char* v = std::getenv("MOE_EP_ONE_RANK_FAST");
   if (v == nullptr || *v == '\0' || std::strcmp(v, "all") == 0) return true;
@@ -1605,6 +1632,7 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
                           int32_t* out_meta, int32_t* out_gs, int32_t* out_tpe, int32_t* out_error) {
   const Dev d = make_dev(x);
   cudaStream_t st = detail::as_stream(stream);
+  if (d.s.N == 1) MOE_EP_TRY(check_one_rank_env("moe_ep_layer_dispatch"));
   // One rank with few experts and routes: the plan of the routes and their records inside
   // dispatch_one_plan; otherwise plan_routes first (and at one rank the records over the grid).
   const bool one_kernel_plan = d.s.N == 1 && one_block_plan(d.s.E, T * d.s.K);
@@ -1661,6 +1689,7 @@ moe_ep_status ex_combine_into(cudaStream_t st, const Exchange& x, const Dev& d, 
                               int32_t* out_error) {
   const bool bf16 = y_dtype == MOE_EP_DTYPE_BF16, rt = y_dtype == MOE_EP_Y_F32_MXFP8_ROUND_TRIP;
   if (d.s.N == 1) {  // one rank: no exchange (either mode)
+    MOE_EP_TRY(check_one_rank_env("moe_ep_layer_combine"));
     const bool fine = one_rank_fast("combine");
     return bf16 ? combine_one_as<uint16_t>(st, x, d, T, y, out, row_values, out_values, out_error, fine)
            : rt ? combine_one_as<float, O, true>(st, x, d, T, y, out, row_values, out_values, out_error, fine)
