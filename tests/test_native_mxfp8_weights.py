@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("moe_ep_native")
 
-from moe_ep_native._capi import has_cuda  # noqa: E402
+from coded_weights_common import forward_decoded, needs_cuda, outputs, ptr  # noqa: E402
+
 from moe_ep_native.layer import Layer, layer_config  # noqa: E402
 from moe_ep_spec import MoeEpConfig, NativeArgumentError, NativeError  # noqa: E402
 from moe_ep_spec import formats as F  # noqa: E402
@@ -28,9 +29,6 @@ CONFIGS = {
                                            combine_format="nvfp4", output_format="nvfp4"),
 }
 
-
-def _p(a):
-    return a.ctypes.data if a is not None and a.size else None
 
 
 def _weight(rng, e, k, n):
@@ -78,25 +76,13 @@ def _case(config, sizes, seed):
     return x, w, (c1, s1), (c2, s2), np.asarray(sizes, np.int32)
 
 
-def _outputs(rows, config):
-    y = np.full((rows, config.hidden), np.nan, np.float32)
-    c = np.full((rows, 2 * config.intermediate), 0xFFFF, np.uint16)
-    return y, c
-
 
 def _forward_mxfp8(layer, x, w, fc1, fc2, gs, config, flag):
-    y, c = _outputs(x.shape[0], config)
-    layer.experts_forward_mxfp8(None, x.shape[0], _p(x.view(np.uint16)), _p(w), _p(fc1[0]), _p(fc1[1]), _p(fc2[0]),
-                                _p(fc2[1]), _p(gs), _p(y), _p(c), _p(flag))
+    y, c = outputs(x.shape[0], config)
+    layer.experts_forward_mxfp8(None, x.shape[0], ptr(x.view(np.uint16)), ptr(w), ptr(fc1[0]), ptr(fc1[1]), ptr(fc2[0]),
+                                ptr(fc2[1]), ptr(gs), ptr(y), ptr(c), ptr(flag))
     return y, c
 
-
-def _forward_decoded(layer, x, w, f1, f2, gs, config):
-    """The bf16 layer's forward on decoded values (bf16 or NaN: exactly bf16 bits)."""
-    y, c = _outputs(x.shape[0], config)
-    b1, b2 = (np.ascontiguousarray(a.astype(BF16)).view(np.uint16) for a in (f1, f2))  # alive through the call
-    layer.experts_forward(None, x.shape[0], _p(x.view(np.uint16)), _p(w), _p(b1), _p(b2), _p(gs), _p(y), _p(c))
-    return y, c
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -111,7 +97,7 @@ def test_cpu_mxfp8_weights_forward_is_the_forward_on_their_bf16_decode_bit_for_b
     f1, bad1 = _decode_bf16_values(*fc1)
     f2, bad2 = _decode_bf16_values(*fc2)
     assert not (bad1 or bad2), "the random weights' scales are far from bf16's subnormal range"
-    y_ref, c_ref = _forward_decoded(layer, x, w, f1, f2, gs, config)
+    y_ref, c_ref = forward_decoded(layer, x, w, f1, f2, gs, config)
     np.testing.assert_array_equal(y, y_ref, err_msg="y: the mxfp8-weights forward vs the forward on the bf16 decode")
     np.testing.assert_array_equal(c, c_ref, err_msg="fc1_c: the mxfp8-weights forward vs the forward on the decode")
     assert flag[0] == 0, "no weight value is outside bf16: the inexact flag must stay 0"
@@ -141,7 +127,7 @@ def test_cpu_mxfp8_weight_value_outside_bf16_is_nan_and_flagged() -> None:
     assert flag[0] == 1, "a weight value bf16 cannot hold must set the inexact flag"
     f1, bad = _decode_bf16_values(*fc1)
     assert bad
-    y_ref, c_ref = _forward_decoded(layer, x, w, f1, _decode_bf16_values(*fc2)[0], gs, config)
+    y_ref, c_ref = forward_decoded(layer, x, w, f1, _decode_bf16_values(*fc2)[0], gs, config)
     np.testing.assert_array_equal(y, y_ref, err_msg="y with a NaN-decoded weight value")
     np.testing.assert_array_equal(c, c_ref, err_msg="fc1_c with a NaN-decoded weight value")
     stash = c.view(BF16).astype(np.float32)
@@ -156,17 +142,17 @@ def test_mxfp8_weights_forward_checks_leave_the_outputs_untouched() -> None:
     x, w, fc1, fc2, gs = _case(config, [3, 1, 2], seed=3)
     rows = x.shape[0]
     f32_layer = Layer(layer_config(config, max_rows=rows, cuda_device=None, bf16_operands=False, with_backward=False))
-    y, c = _outputs(rows, config)
+    y, c = outputs(rows, config)
     with pytest.raises(NativeArgumentError, match="operand_dtype must be MOE_EP_DTYPE_BF16"):
-        f32_layer.experts_forward_mxfp8(None, rows, _p(x.view(np.uint16)), _p(w), _p(fc1[0]), _p(fc1[1]), _p(fc2[0]),
-                                        _p(fc2[1]), _p(gs), _p(y), _p(c), None)
+        f32_layer.experts_forward_mxfp8(None, rows, ptr(x.view(np.uint16)), ptr(w), ptr(fc1[0]), ptr(fc1[1]), ptr(fc2[0]),
+                                        ptr(fc2[1]), ptr(gs), ptr(y), ptr(c), None)
     layer = Layer(layer_config(config, max_rows=rows, cuda_device=None, bf16_operands=True, with_backward=False))
     with pytest.raises(NativeArgumentError, match="fc2_scales must not be NULL"):
-        layer.experts_forward_mxfp8(None, rows, _p(x.view(np.uint16)), _p(w), _p(fc1[0]), _p(fc1[1]), _p(fc2[0]),
-                                    None, _p(gs), _p(y), _p(c), None)
+        layer.experts_forward_mxfp8(None, rows, ptr(x.view(np.uint16)), ptr(w), ptr(fc1[0]), ptr(fc1[1]), ptr(fc2[0]),
+                                    None, ptr(gs), ptr(y), ptr(c), None)
     with pytest.raises(NativeArgumentError, match="num_rows must be <= the layer's max_rows"):
-        layer.experts_forward_mxfp8(None, rows + 1, _p(x.view(np.uint16)), _p(w), _p(fc1[0]), _p(fc1[1]),
-                                    _p(fc2[0]), _p(fc2[1]), _p(gs), _p(y), _p(c), None)
+        layer.experts_forward_mxfp8(None, rows + 1, ptr(x.view(np.uint16)), ptr(w), ptr(fc1[0]), ptr(fc1[1]),
+                                    ptr(fc2[0]), ptr(fc2[1]), ptr(gs), ptr(y), ptr(c), None)
     assert np.all(np.isnan(y)) and np.all(c == 0xFFFF), "a rejected call writes nothing"
     odd = MoeEpConfig(num_experts=2, hidden=48, intermediate=32, num_topk=1, num_ranks=1)
     odd_layer = Layer(layer_config(odd, max_rows=4, cuda_device=None, bf16_operands=True, with_backward=False))
@@ -177,15 +163,6 @@ def test_mxfp8_weights_forward_checks_leave_the_outputs_untouched() -> None:
 # ----------------------------------------------------------------------------- CUDA
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return has_cuda() and torch.cuda.is_available()
-
-
-needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device and a native build with CUDA")
 
 CUDA_CONFIGS = {
     "fc1-int_bf16-comb_bf16": MoeEpConfig(num_experts=3, hidden=256, intermediate=128, num_topk=2, num_ranks=1,

@@ -14,7 +14,9 @@ import pytest
 
 pytest.importorskip("moe_ep_native")
 
-from moe_ep_native._capi import Format, has_cuda  # noqa: E402
+from coded_weights_common import forward_decoded, needs_cuda, outputs, ptr  # noqa: E402
+
+from moe_ep_native._capi import Format  # noqa: E402
 from moe_ep_native.layer import Layer, layer_config  # noqa: E402
 from moe_ep_spec import MoeEpConfig, NativeArgumentError, NativeError  # noqa: E402
 from moe_ep_spec import formats as F  # noqa: E402
@@ -32,9 +34,6 @@ CONFIGS = {
                                            combine_format="mxfp8", output_format="mxfp8"),
 }
 
-
-def _p(a):
-    return a.ctypes.data if a is not None and a.size else None
 
 
 def _weight(rng, e, k, n):
@@ -69,25 +68,13 @@ def _case(config, sizes, seed):
     return x, w, _weight(rng, e, h, 2 * i), _weight(rng, e, i, h), np.asarray(sizes, np.int32)
 
 
-def _outputs(rows, config):
-    y = np.full((rows, config.hidden), np.nan, np.float32)
-    c = np.full((rows, 2 * config.intermediate), 0xFFFF, np.uint16)
-    return y, c
-
 
 def _forward_nvfp4(layer, x, w, fc1, fc2, gs, config, flag=None):
-    y, c = _outputs(x.shape[0], config)
-    layer.experts_forward_block_scaled(None, NVFP4, x.shape[0], _p(x.view(np.uint16)), _p(w), _p(fc1[0]),
-                                       _p(fc1[1]), _p(fc2[0]), _p(fc2[1]), _p(gs), _p(y), _p(c), _p(flag))
+    y, c = outputs(x.shape[0], config)
+    layer.experts_forward_block_scaled(None, NVFP4, x.shape[0], ptr(x.view(np.uint16)), ptr(w), ptr(fc1[0]),
+                                       ptr(fc1[1]), ptr(fc2[0]), ptr(fc2[1]), ptr(gs), ptr(y), ptr(c), ptr(flag))
     return y, c
 
-
-def _forward_decoded(layer, x, w, f1, f2, gs, config):
-    """The bf16 layer's forward on decoded values (bf16 or NaN: exactly bf16 bits)."""
-    y, c = _outputs(x.shape[0], config)
-    b1, b2 = (np.ascontiguousarray(a.astype(BF16)).view(np.uint16) for a in (f1, f2))  # alive through the call
-    layer.experts_forward(None, x.shape[0], _p(x.view(np.uint16)), _p(w), _p(b1), _p(b2), _p(gs), _p(y), _p(c))
-    return y, c
 
 
 def _plant_scales(fc, expert):
@@ -112,7 +99,7 @@ def test_cpu_nvfp4_weights_forward_is_the_forward_on_their_bf16_decode_bit_for_b
                                with_backward=False))
     flag = np.zeros(1, np.int32)
     y, c = _forward_nvfp4(layer, x, w, fc1, fc2, gs, config, flag)
-    y_ref, c_ref = _forward_decoded(layer, x, w, _decoded(*fc1), _decoded(*fc2), gs, config)
+    y_ref, c_ref = forward_decoded(layer, x, w, _decoded(*fc1), _decoded(*fc2), gs, config)
     np.testing.assert_array_equal(y, y_ref, err_msg="y: the nvfp4-weights forward vs the forward on the bf16 decode")
     nan = np.isnan(c_ref.view(BF16).astype(np.float32))
     np.testing.assert_array_equal(np.isnan(c.view(BF16).astype(np.float32)), nan, err_msg="fc1_c: NaN in the same places")
@@ -131,9 +118,9 @@ def test_block_scaled_forward_checks_leave_the_outputs_untouched() -> None:
     config = CONFIGS["fc1-clamp-int_bf16-comb_bf16"]
     x, w, fc1, fc2, gs = _case(config, [3, 1, 2], seed=3)
     rows = x.shape[0]
-    y, c = _outputs(rows, config)
-    args = lambda n: (n, _p(x.view(np.uint16)), _p(w), _p(fc1[0]), _p(fc1[1]), _p(fc2[0]), _p(fc2[1]),  # noqa: E731
-                      _p(gs), _p(y), _p(c), None)
+    y, c = outputs(rows, config)
+    args = lambda n: (n, ptr(x.view(np.uint16)), ptr(w), ptr(fc1[0]), ptr(fc1[1]), ptr(fc2[0]), ptr(fc2[1]),  # noqa: E731
+                      ptr(gs), ptr(y), ptr(c), None)
     f32_layer = Layer(layer_config(config, max_rows=rows, cuda_device=None, bf16_operands=False, with_backward=False))
     with pytest.raises(NativeArgumentError, match="operand_dtype must be MOE_EP_DTYPE_BF16"):
         f32_layer.experts_forward_block_scaled(None, NVFP4, *args(rows))
@@ -144,8 +131,8 @@ def test_block_scaled_forward_checks_leave_the_outputs_untouched() -> None:
                                  rf"got {bad}"):
             layer.experts_forward_block_scaled(None, bad, *args(rows))
     with pytest.raises(NativeArgumentError, match="fc2_scales must not be NULL"):
-        layer.experts_forward_block_scaled(None, NVFP4, rows, _p(x.view(np.uint16)), _p(w), _p(fc1[0]), _p(fc1[1]),
-                                           _p(fc2[0]), None, _p(gs), _p(y), _p(c), None)
+        layer.experts_forward_block_scaled(None, NVFP4, rows, ptr(x.view(np.uint16)), ptr(w), ptr(fc1[0]), ptr(fc1[1]),
+                                           ptr(fc2[0]), None, ptr(gs), ptr(y), ptr(c), None)
     with pytest.raises(NativeArgumentError, match="num_rows must be <= the layer's max_rows"):
         layer.experts_forward_block_scaled(None, NVFP4, *args(rows + 1))
     assert np.all(np.isnan(y)) and np.all(c == 0xFFFF), "a rejected call writes nothing"
@@ -164,15 +151,6 @@ def test_block_scaled_forward_checks_leave_the_outputs_untouched() -> None:
 # ----------------------------------------------------------------------------- CUDA
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return has_cuda() and torch.cuda.is_available()
-
-
-needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device and a native build with CUDA")
 
 CUDA_CONFIGS = {
     "fc1-int_bf16-comb_bf16": MoeEpConfig(num_experts=3, hidden=256, intermediate=128, num_topk=2, num_ranks=1,

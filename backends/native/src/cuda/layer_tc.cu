@@ -518,8 +518,8 @@ struct Gemm {
                         const uint8_t* codes, const uint8_t* scales, float* out, bool accumulate, const char* what,
                         uint16_t* out_bf16 = nullptr, int a_planes = 1, int64_t a_plane_stride = 0) const {
     if (codes == nullptr) return run(GemmLayout::kNN, 0, n, k, a, b, out, accumulate, what, out_bf16);
-    if (wt.codes_format == MOE_EP_FORMAT_NVFP4) {
-      Nvfp4WeightsGemm p{};
+    // The fields both formats' parameters share.
+    auto fill = [&](auto& p) {
       p.x = a;
       p.off = ws.offsets;
       p.codes = codes;
@@ -533,23 +533,15 @@ struct Gemm {
       p.total_rows = d.num_rows;
       p.x_planes = a_planes;
       p.x_plane_stride = a_plane_stride;
+    };
+    if (wt.codes_format == MOE_EP_FORMAT_NVFP4) {
+      Nvfp4WeightsGemm p{};
+      fill(p);
       return gemm_status(nvfp4_weights_gemm(p, stream), what);
     }
     Mxfp8WeightsGemm p{};
-    p.x = a;
-    p.off = ws.offsets;
-    p.codes = codes;
-    p.scales = scales;
-    p.num_experts = static_cast<int>(d.num_local_experts);
-    p.n = n;
-    p.k = k;
-    p.y = out;
-    p.y_bf16 = out_bf16;
-    p.accumulate = accumulate;
+    fill(p);
     p.inexact = wt.inexact;
-    p.total_rows = d.num_rows;
-    p.x_planes = a_planes;
-    p.x_plane_stride = a_plane_stride;
     return gemm_status(mxfp8_weights_gemm(p, stream), what);
   }
 };

@@ -128,8 +128,6 @@ using Passes32Config = Config<4, 3, 2>;
 using Planes3Config = Config<6, 2, 2, 3>;
 template <class Cfg>
 using StageOf = Stage<Cfg::kMaxRows, Cfg::kPlanes>;
-template <class Cfg>
-constexpr size_t smem_bytes() { return sizeof(StageOf<Cfg>) * Cfg::kStages; }
 static_assert(kThreads == kTileN, "one thread loads the scales of one weight row");
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {
@@ -367,6 +365,7 @@ __device__ __forceinline__ void stage_slice(const Stage<kMaxRows, kPlanes>& st, 
 struct Mxfp8Format {
   using Params = Mxfp8WeightsGemm;
   static constexpr int kStageK = mxw::kStageK;
+  static constexpr uintptr_t kScaleAlign = 4;  // the scales' cp.async of 4 bytes
   template <class Cfg>
   using StageT = StageOf<Cfg>;
   template <int kRows, class Cfg>
@@ -448,7 +447,8 @@ __device__ __forceinline__ void run_block(const typename Fmt::Params& p, unsigne
       r0, r1, [&](auto tiles, int64_t m0) { run_pass<decltype(tiles)::value, Cfg, Fmt>(p, stages, e, nb, m0, r1); });
 }
 
-// Grid (N / kTileN, E), kThreads threads, smem_bytes<Cfg>() of dynamic shared memory.
+// Grid (N / kTileN, E), kThreads threads, Cfg::kStages stages of dynamic shared memory
+// (mxw::coded_gemm_launch).
 // Lane = 4 g + q: g picks the row of an n8 tile (or of an m16 tile's halves), q the quad of
 // k. Each pass takes as many n8 tiles as the expert's remaining rows need, up to
 // Cfg::kMaxNt.
@@ -460,37 +460,53 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) mxfp8_weights_gemm_
 
 }  // namespace mxw
 
-// Whether the kernel takes an [E, n, k] weight: k a multiple of the stage's 128, n of the
-// block's 128 rows.
+// Whether the block-scaled-weights kernels take an [E, n, k] weight: k a multiple of the
+// stage's 128, n of the block's 128 rows.
 inline bool mxfp8_weights_shape_fits(int64_t n, int64_t k) {
   return k > 0 && k % mxw::kStageK == 0 && n > 0 && n % mxw::kTileN == 0;
 }
 
-// Whether the kernel takes p: its shape (mxfp8_weights_shape_fits); codes and x 16-byte
-// aligned, scales 4-byte aligned, y 8-byte (y_bf16 4-byte) aligned; no accumulation
-// into bf16 output.
-inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) {
+namespace mxw {
+
+// Whether a kernel of format Fmt takes p: its shape (mxfp8_weights_shape_fits); codes and x
+// 16-byte aligned, scales Fmt::kScaleAlign-byte aligned, y 8-byte (y_bf16 4-byte) aligned;
+// no accumulation into bf16 output; three x planes only into float32 y.
+template <class Fmt>
+inline bool coded_gemm_fits(const typename Fmt::Params& p) {
   const uintptr_t a16 = reinterpret_cast<uintptr_t>(p.codes) | reinterpret_cast<uintptr_t>(p.x);
   const bool out_ok = p.y_bf16 != nullptr ? (reinterpret_cast<uintptr_t>(p.y_bf16) % 4 == 0 && !p.accumulate)
                                           : reinterpret_cast<uintptr_t>(p.y) % 8 == 0;
   const bool planes_ok = p.x_planes == 0 || p.x_planes == 1 ||
                          (p.x_planes == 3 && p.y_bf16 == nullptr && p.x_plane_stride % 8 == 0);
   return mxfp8_weights_shape_fits(p.n, p.k) && a16 % 16 == 0 && planes_ok &&
-         reinterpret_cast<uintptr_t>(p.scales) % 4 == 0 && out_ok && p.num_experts > 0 && p.num_experts <= 65535;
+         reinterpret_cast<uintptr_t>(p.scales) % Fmt::kScaleAlign == 0 && out_ok && p.num_experts > 0 &&
+         p.num_experts <= 65535;
 }
+
+// One launch of kernel (Fmt's kernel for Cfg): grid (N / kTileN, E), kThreads threads, Cfg's
+// stages of dynamic shared memory.
+template <class Fmt, class Cfg>
+inline cudaError_t coded_gemm_launch(const typename Fmt::Params& p, cudaStream_t stream,
+                                     void (*kernel)(typename Fmt::Params)) {
+  if (!coded_gemm_fits<Fmt>(p) || (p.x_planes == 3) != (Cfg::kPlanes == 3)) return cudaErrorInvalidValue;
+  constexpr size_t smem = sizeof(typename Fmt::template StageT<Cfg>) * Cfg::kStages;
+  // Per device and cheap; not a stream operation, so allowed inside a CUDA-graph capture.
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(p.n / kTileN), static_cast<unsigned>(p.num_experts));
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace mxw
+
+// Whether the kernel takes p (mxw::coded_gemm_fits: scales 4-byte aligned).
+inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) { return mxw::coded_gemm_fits<mxw::Mxfp8Format>(p); }
 
 // One variant's launch (mxfp8_weights_gemm picks one; moe_ep_gemm_check times them all).
 template <class Cfg>
 inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  if (!mxfp8_weights_gemm_fits(p) || (p.x_planes == 3) != (Cfg::kPlanes == 3)) return cudaErrorInvalidValue;
-  constexpr size_t smem = mxw::smem_bytes<Cfg>();
-  // Per device and cheap; not a stream operation, so allowed inside a CUDA-graph capture.
-  cudaError_t err = cudaFuncSetAttribute(mxw::mxfp8_weights_gemm_kernel<Cfg>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>(p.n / mxw::kTileN), static_cast<unsigned>(p.num_experts));
-  mxw::mxfp8_weights_gemm_kernel<Cfg><<<grid, mxw::kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return mxw::coded_gemm_launch<mxw::Mxfp8Format, Cfg>(p, stream, mxw::mxfp8_weights_gemm_kernel<Cfg>);
 }
 
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream);

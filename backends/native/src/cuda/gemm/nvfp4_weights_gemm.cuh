@@ -87,8 +87,6 @@ struct Stage {
 };
 template <class Cfg>
 using StageOf = Stage<Cfg::kMaxRows, Cfg::kPlanes>;
-template <class Cfg>
-constexpr size_t smem_bytes() { return sizeof(StageOf<Cfg>) * Cfg::kStages; }
 
 // The variants nvfp4_weights_gemm picks (moe_ep_gemm_check --nvfp4-weights-sweep, an H100,
 // the decode's FC1 and FC2 with the routing's spread of 20..42 rows an expert, rounded up to
@@ -228,6 +226,7 @@ __device__ __forceinline__ void stage_half(const Stage<kMaxRows, kPlanes>& st, c
 struct Nvfp4Format {
   using Params = Nvfp4WeightsGemm;
   static constexpr int kStageK = nvw::kStageK;
+  static constexpr uintptr_t kScaleAlign = 8;  // the scales' cp.async of 8 bytes
   template <class Cfg>
   using StageT = nvw::StageOf<Cfg>;
   template <int kRows, class Cfg>
@@ -266,7 +265,8 @@ struct Nvfp4Format {
 
 namespace nvw {
 
-// Grid (N / kTileN, E), kThreads threads, smem_bytes<Cfg>() of dynamic shared memory.
+// Grid (N / kTileN, E), kThreads threads, Cfg::kStages stages of dynamic shared memory
+// (mxw::coded_gemm_launch).
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) nvfp4_weights_gemm_kernel(Nvfp4WeightsGemm p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -275,37 +275,14 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) nvfp4_weights_gemm_
 
 }  // namespace nvw
 
-// Whether the kernel takes an [E, n, k] weight: k a multiple of the stage's 128, n of the
-// block's 128 rows.
-inline bool nvfp4_weights_shape_fits(int64_t n, int64_t k) {
-  return k > 0 && k % nvw::kStageK == 0 && n > 0 && n % nvw::kTileN == 0;
-}
-
-// Whether the kernel takes p: its shape (nvfp4_weights_shape_fits); codes and x 16-byte
-// aligned, scales 8-byte aligned, y 8-byte (y_bf16 4-byte) aligned; no accumulation into
-// bf16 output.
-inline bool nvfp4_weights_gemm_fits(const Nvfp4WeightsGemm& p) {
-  const uintptr_t a16 = reinterpret_cast<uintptr_t>(p.codes) | reinterpret_cast<uintptr_t>(p.x);
-  const bool out_ok = p.y_bf16 != nullptr ? (reinterpret_cast<uintptr_t>(p.y_bf16) % 4 == 0 && !p.accumulate)
-                                          : reinterpret_cast<uintptr_t>(p.y) % 8 == 0;
-  const bool planes_ok = p.x_planes == 0 || p.x_planes == 1 ||
-                         (p.x_planes == 3 && p.y_bf16 == nullptr && p.x_plane_stride % 8 == 0);
-  return nvfp4_weights_shape_fits(p.n, p.k) && a16 % 16 == 0 && planes_ok &&
-         reinterpret_cast<uintptr_t>(p.scales) % 8 == 0 && out_ok && p.num_experts > 0 && p.num_experts <= 65535;
-}
+// Whether the kernel takes p (mxw::coded_gemm_fits: its shape, mxfp8_weights_shape_fits;
+// scales 8-byte aligned).
+inline bool nvfp4_weights_gemm_fits(const Nvfp4WeightsGemm& p) { return mxw::coded_gemm_fits<Nvfp4Format>(p); }
 
 // One variant's launch (nvfp4_weights_gemm picks one; moe_ep_gemm_check times them all).
 template <class Cfg>
 inline cudaError_t nvfp4_weights_gemm_launch(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
-  if (!nvfp4_weights_gemm_fits(p) || (p.x_planes == 3) != (Cfg::kPlanes == 3)) return cudaErrorInvalidValue;
-  constexpr size_t smem = nvw::smem_bytes<Cfg>();
-  // Per device and cheap; not a stream operation, so allowed inside a CUDA-graph capture.
-  cudaError_t err = cudaFuncSetAttribute(nvw::nvfp4_weights_gemm_kernel<Cfg>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>(p.n / nvw::kTileN), static_cast<unsigned>(p.num_experts));
-  nvw::nvfp4_weights_gemm_kernel<Cfg><<<grid, nvw::kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return mxw::coded_gemm_launch<Nvfp4Format, Cfg>(p, stream, nvw::nvfp4_weights_gemm_kernel<Cfg>);
 }
 
 // The launch: DefaultConfig; three x planes in one pass at few rows (total_rows /
