@@ -2,13 +2,13 @@
 // y[r, n] = sum_k x[r, k] * W_e[n, k] for the rows r of expert e (off[e] <= r < off[e + 1]),
 // with W_e[n, k] = E2M1(codes[e, n, k]) * E4M3(scales[e, n, k / 16]) decoded to bf16 in
 // registers and multiplied on the tensor cores (mma.sync m16n8k16, bf16 in, float32
-// accumulation). The weights are read once per pass of up to 48 or 64 rows of an expert,
-// at half a byte an element plus a scale byte per 16 (a quarter of a kept bf16 decode's
-// bytes, 0.28 with the scales): the decode forward's weight read (docs/cuda-nccl.md, "The
-// block-scaled-weights forward"). The layer's nvfp4-weights forward
-// (moe_ep_layer_experts_forward_nvfp4) runs its FC1 and FC2 through it. The pipeline, the
-// passes and the outputs are the mxfp8-weights GEMM's (mxfp8_weights_gemm.cuh: run_block
-// with Nvfp4Format); this file is the nvfp4 side: the stage, its loads and its MMAs.
+// accumulation). The weights are read once per pass of up to 64 rows of an expert (48 with
+// three x planes), at half a byte an element plus a scale byte per 16 (a quarter of a kept
+// bf16 decode's bytes, 0.28 with the scales): the decode forward's weight read
+// (docs/cuda-nccl.md, "The block-scaled-weights forward"). The layer's forward with nvfp4
+// weights (moe_ep_layer_experts_forward_block_scaled) runs its FC1 and FC2 through it. The
+// pipeline, the passes and the outputs are the mxfp8-weights GEMM's (mxfp8_weights_gemm.cuh:
+// run_block with Nvfp4Format); this file is the nvfp4 side: the stage, its loads and its MMAs.
 //
 // Layouts: x [C, K] bf16 row-major, or three such planes summed (x_planes: FC2's exact bf16
 // pieces of a float32 operand); codes [E, N, K / 2] (two codes a byte, element 2 j in the
