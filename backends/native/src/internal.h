@@ -231,10 +231,6 @@ struct TcWeights {
 // Whether the block-scaled-weights GEMMs take the layer's shapes (H and 2I, the N and K of FC1
 // and FC2, multiples of 128).
 bool tc_coded_weights_fit(const moe_ep_expert_desc& d);
-// MOE_EP_FC1_EPILOGUE (where FC1 on block-scaled weights applies its epilogue: "fused", the
-// default, or "pass") checked before a forward on block-scaled weights: any other value is an
-// error with the rule and the value.
-moe_ep_status tc_check_fc1_epilogue_env(const char* op);
 // y: [C, H] float32, or bf16 (bf16_out: combine_format bf16 or nvfp4, whose values are bf16 values: the rows
 // are written as their bf16 bits after the round trip).
 moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, bool bf16_out,

@@ -589,7 +589,6 @@ moe_ep_status forward_block_scaled(const Check& ck, moe_ep_layer* layer, void* s
                           "got tensor_cores " + std::to_string(layer->tensor_cores ? 1 : 0) + ", hidden " +
                               std::to_string(H) + ", intermediate " + std::to_string(I) +
                               " (decode the weights to bf16 and call moe_ep_layer_experts_forward instead)");
-    MOE_EP_TRY(moe_ep::cuda::tc_check_fc1_epilogue_env(ck.op));
 #endif
   }
   const int64_t per_code = nv ? 2 : 1;  // codes a byte

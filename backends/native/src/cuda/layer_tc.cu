@@ -31,10 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
-#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/format_math.cuh"
@@ -104,31 +101,10 @@ __host__ __device__ constexpr int block_of() {
 
 // ------------------------------------------------------------------ forward kernels
 
-// The FC1 epilogue of one block of the intermediate format kFmt (len values from column k0
-// of row r, a row of an expert): the stash fc1_c = bf16(c) of the block's gate values g[j]
-// and up values u[j] (c[r, k0 + j] and c[r, I + k0 + j]), and the FC2 operand R_int(w h or
-// h) as bf16 planes (plane_stride elements apart). fc1_epilogue_kernel's values, and those
-// of FC1's GEMM on block-scaled weights where it applies the epilogue itself (Fc1Store).
-template <int kFmt>
-__device__ __forceinline__ void fc1_block_out(const float* g, const float* u, int len, float wr, int64_t r,
-                                              int64_t k0, uint16_t* __restrict__ stash, uint16_t* __restrict__ op,
-                                              int planes, int64_t plane_stride, const SwigluParams& p) {
-  constexpr int kBlock = block_of<kFmt>();
-  const int64_t I = p.I;
-  float o[kBlock];
-  for (int j = 0; j < len; ++j) {
-    if (stash != nullptr) {
-      stash[r * 2 * I + k0 + j] = bf16_from_float(g[j]);
-      stash[r * 2 * I + I + k0 + j] = bf16_from_float(u[j]);
-    }
-    o[j] = swiglu_operand(g[j], u[j], wr, p);
-  }
-  round_trip_block<kFmt>(o, len);
-  for (int j = 0; j < len; ++j) put_planes(op, plane_stride, r * I + k0 + j, planes, o[j]);
-}
-
 // FC1 epilogue, one thread per (row, block of the intermediate format along I):
-// fc1_block_out. Rows of no expert (r >= off[E]): zero stash and zero operand.
+// the stash fc1_c = bf16(c) (both halves of the block's columns), and the FC2
+// operand R_int(w h or h) as bf16 planes. Rows of no expert (r >= off[E]): zero
+// stash and zero operand.
 template <int kFmt>
 __global__ void fc1_epilogue_kernel(const float* __restrict__ c, const float* __restrict__ w,
                                     const int32_t* __restrict__ off, int num_experts, uint16_t* __restrict__ stash,
@@ -144,17 +120,28 @@ __global__ void fc1_epilogue_kernel(const float* __restrict__ c, const float* __
     const int64_t k0 = b * kBlock;
     const int len = static_cast<int>(I - k0 < kBlock ? I - k0 : kBlock);
     const float* cr = c + r * 2 * I;
+    float o[kBlock];
     if (r < end) {
-      fc1_block_out<kFmt>(cr + k0, cr + I + k0, len, w[r], r, k0, stash, op, planes, plane_stride, p);
-      continue;
-    }
-    for (int j = 0; j < len; ++j) {
-      if (stash != nullptr) {
-        stash[r * 2 * I + k0 + j] = 0;
-        stash[r * 2 * I + I + k0 + j] = 0;
+      const float wr = w[r];
+      for (int j = 0; j < len; ++j) {
+        const float g = cr[k0 + j], u = cr[I + k0 + j];
+        if (stash != nullptr) {
+          stash[r * 2 * I + k0 + j] = bf16_from_float(g);
+          stash[r * 2 * I + I + k0 + j] = bf16_from_float(u);
+        }
+        o[j] = swiglu_operand(g, u, wr, p);
       }
-      put_planes(op, plane_stride, r * I + k0 + j, planes, 0.0f);
+      round_trip_block<kFmt>(o, len);
+    } else {
+      for (int j = 0; j < len; ++j) {
+        if (stash != nullptr) {
+          stash[r * 2 * I + k0 + j] = 0;
+          stash[r * 2 * I + I + k0 + j] = 0;
+        }
+        o[j] = 0.0f;
+      }
     }
+    for (int j = 0; j < len; ++j) put_planes(op, plane_stride, r * I + k0 + j, planes, o[j]);
   }
 }
 
@@ -275,49 +262,6 @@ __global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const flo
 // FC1 epilogue for the element-wise intermediate formats (none, bf16), four columns
 // per thread (I a multiple of 4): the same values as fc1_epilogue_kernel, with 16-byte
 // loads of c and 8-byte stores of the stash and of a one-plane operand.
-// Four columns of FC1's epilogue for the element-wise intermediate formats: the stash's bf16
-// gate and up values (sg, su) and the operand's values o (zero: a row of no expert).
-struct Fc1Vec4 {
-  uint2 sg = make_uint2(0u, 0u), su = make_uint2(0u, 0u);
-  float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-};
-
-// Fc1Vec4 of the gate values g4 and up values u4 of a row of an expert (router weight wr):
-// fc1_block_out's values for the none (kRoundBf16 false) and bf16 formats.
-template <bool kRoundBf16>
-__device__ __forceinline__ Fc1Vec4 fc1_vec4_values(const float4& g4, const float4& u4, float wr,
-                                                   const SwigluParams& p) {
-  const float g[4] = {g4.x, g4.y, g4.z, g4.w}, u[4] = {u4.x, u4.y, u4.z, u4.w};
-  Fc1Vec4 v;
-  uint16_t bg[4], bu[4];
-  for (int j = 0; j < 4; ++j) {
-    bg[j] = bf16_from_float(g[j]);
-    bu[j] = bf16_from_float(u[j]);
-    v.o[j] = swiglu_operand(g[j], u[j], wr, p);
-    if (kRoundBf16) v.o[j] = bf16_round_trip(v.o[j]);
-  }
-  v.sg = bf16x4(bg[0], bg[1], bg[2], bg[3]);
-  v.su = bf16x4(bu[0], bu[1], bu[2], bu[3]);
-  return v;
-}
-
-// v into columns k0 .. k0 + 3 (k0 a multiple of 4; stash and op 8-byte aligned) of row r: the
-// stash's halves (when there is a stash) and the operand's planes.
-__device__ __forceinline__ void fc1_vec4_store(const Fc1Vec4& v, int64_t r, int64_t k0, uint16_t* __restrict__ stash,
-                                               uint16_t* __restrict__ op, int planes, int64_t plane_stride,
-                                               int64_t I) {
-  if (stash != nullptr) {
-    *reinterpret_cast<uint2*>(stash + r * 2 * I + k0) = v.sg;
-    *reinterpret_cast<uint2*>(stash + r * 2 * I + I + k0) = v.su;
-  }
-  if (planes == 1) {
-    // o is a bf16 value (one plane)
-    *reinterpret_cast<uint2*>(op + r * I + k0) = bf16x4_from_float(v.o[0], v.o[1], v.o[2], v.o[3]);
-  } else {
-    for (int j = 0; j < 4; ++j) put_planes(op, plane_stride, r * I + k0 + j, planes, v.o[j]);
-  }
-}
-
 template <bool kRoundBf16>
 __global__ void fc1_epilogue_vec4_kernel(const float* __restrict__ c, const float* __restrict__ w,
                                          const int32_t* __restrict__ off, int num_experts, uint16_t* __restrict__ stash,
@@ -329,90 +273,35 @@ __global__ void fc1_epilogue_vec4_kernel(const float* __restrict__ c, const floa
   const int64_t plane_stride = p.C * I;
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total; t += int64_t{gridDim.x} * blockDim.x) {
     const int64_t r = div_nonneg(t, q), k0 = (t - r * q) * 4;
-    Fc1Vec4 v;
+    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint2 sg = make_uint2(0u, 0u), su = make_uint2(0u, 0u);
     if (r < end) {
       const float4 g4 = *reinterpret_cast<const float4*>(c + r * 2 * I + k0);
       const float4 u4 = *reinterpret_cast<const float4*>(c + r * 2 * I + I + k0);
-      v = fc1_vec4_values<kRoundBf16>(g4, u4, w[r], p);
+      const float g[4] = {g4.x, g4.y, g4.z, g4.w}, u[4] = {u4.x, u4.y, u4.z, u4.w};
+      const float wr = w[r];
+      uint16_t bg[4], bu[4];
+      for (int j = 0; j < 4; ++j) {
+        bg[j] = bf16_from_float(g[j]);
+        bu[j] = bf16_from_float(u[j]);
+        o[j] = swiglu_operand(g[j], u[j], wr, p);
+        if (kRoundBf16) o[j] = bf16_round_trip(o[j]);
+      }
+      sg = bf16x4(bg[0], bg[1], bg[2], bg[3]);
+      su = bf16x4(bu[0], bu[1], bu[2], bu[3]);
     }
-    fc1_vec4_store(v, r, k0, stash, op, planes, plane_stride, I);
+    if (stash != nullptr) {
+      *reinterpret_cast<uint2*>(stash + r * 2 * I + k0) = sg;
+      *reinterpret_cast<uint2*>(stash + r * 2 * I + I + k0) = su;
+    }
+    if (planes == 1) {
+      // o is a bf16 value (one plane)
+      *reinterpret_cast<uint2*>(op + r * I + k0) = bf16x4_from_float(o[0], o[1], o[2], o[3]);
+    } else {
+      for (int j = 0; j < 4; ++j) put_planes(op, plane_stride, r * I + k0 + j, planes, o[j]);
+    }
   }
 }
-
-// FC1's epilogue inside the block-scaled-weights GEMMs (their pass store, see
-// mxw::PlainStore): block bx multiplies the gate rows [64 bx, 64 bx + 64) and the up rows
-// [I + 64 bx, I + 64 bx + 64) of the [2I, H] weights (warps 0, 1 and 2, 3), so a pass's sums
-// hold both halves of 64 columns of c for its rows. They meet in shared memory and go
-// through fc1_vec4_values or fc1_block_out, the functions of fc1_epilogue_vec4_kernel and
-// fc1_epilogue_kernel: the same values bit for bit (the same float32 sums, each rounded by
-// nothing more on the way), without writing c or reading it back. The row of blocks past the
-// experts zeroes the stash and the operand of the rows of no expert (off[E] <= r < C).
-template <int kFmt>
-struct Fc1Store {
-  static constexpr bool kTail = true;
-  static constexpr int kHalf = mxw::kTileN / 2;   // gate (or up) columns a block
-  static constexpr int kStride = mxw::kTileN + 4;  // floats a row of the tile: conflict-free stores of the sums
-  static constexpr int kBlock = block_of<kFmt>();
-  static_assert(kHalf % 4 == 0 && kHalf % kBlock == 0, "a block's columns hold whole format blocks");
-  const float* w;   // [C] router weights
-  uint16_t* stash;  // [C, 2I] bf16, or NULL
-  uint16_t* op;     // [planes, C, I] bf16
-  int planes;
-  SwigluParams sp;  // sp.C: the rows of stash and op
-
-  template <class P>
-  __device__ __forceinline__ mxw::BlockRows block_rows(const P&, unsigned bx) const {
-    return mxw::BlockRows{static_cast<int64_t>(bx) * kHalf, sp.I + static_cast<int64_t>(bx) * kHalf};
-  }
-  template <class Cfg>
-  static constexpr size_t smem_bytes() {
-    return sizeof(float) * Cfg::kMaxRows * kStride;
-  }
-  template <int kNt, class P>
-  __device__ __forceinline__ void pass(const P&, unsigned char* smem, const float (&acc)[2][kNt][4], int64_t m0,
-                                       int64_t r1, const mxw::BlockRows& br, int warp, int g, int q) const {
-    float* tile = reinterpret_cast<float*>(smem);  // [x rows][block rows]: gate columns, then up columns
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          tile[(8 * nt + 2 * q + (c & 1)) * kStride + warp * mxw::kRowsPerWarp + 16 * u + 8 * (c >> 1) + g] =
-              acc[u][nt][c];
-    __syncthreads();
-    epilogue(tile, m0, static_cast<int>(r1 - m0 < 8 * kNt ? r1 - m0 : 8 * kNt), br);
-    __syncthreads();  // the tile read before the next pass's stages land on it
-  }
-  // The epilogue of the tile's first `rows` rows (x rows m0 + rr): one copy of its code for
-  // every pass shape (the kernel's instruction cache).
-  __device__ __noinline__ void epilogue(const float* tile, int64_t m0, int rows, const mxw::BlockRows& br) const {
-    const int64_t plane_stride = sp.C * sp.I;
-    constexpr int kItems = kBlock == 1 ? kHalf / 4 : kHalf / kBlock;  // a row's work items
-    for (int i = static_cast<int>(threadIdx.x); i < rows * kItems; i += mxw::kThreads) {
-      const int rr = i / kItems, col = (kBlock == 1 ? 4 : kBlock) * (i % kItems);
-      const float* t = tile + rr * kStride + col;
-      const int64_t r = m0 + rr;
-      if constexpr (kBlock == 1) {
-        const Fc1Vec4 v = fc1_vec4_values<kFmt == MOE_EP_FORMAT_BF16>(*reinterpret_cast<const float4*>(t),
-                                                                      *reinterpret_cast<const float4*>(t + kHalf),
-                                                                      w[r], sp);
-        fc1_vec4_store(v, r, br.lo + col, stash, op, planes, plane_stride, sp.I);
-      } else {
-        fc1_block_out<kFmt>(t, t + kHalf, kBlock, w[r], r, br.lo + col, stash, op, planes, plane_stride, sp);
-      }
-    }
-  }
-  template <class P>
-  __device__ __forceinline__ void tail(const P& p, unsigned char*, const mxw::BlockRows& br) const {
-    const int64_t end = p.off[p.num_experts];
-    const int64_t plane_stride = sp.C * sp.I;
-    const Fc1Vec4 zero;
-    for (int64_t i = threadIdx.x; i < (sp.C - end) * (kHalf / 4); i += mxw::kThreads)
-      fc1_vec4_store(zero, end + i / (kHalf / 4), br.lo + 4 * (i % (kHalf / 4)), stash, op, planes, plane_stride,
-                     sp.I);
-  }
-};
 
 // ------------------------------------------------------------------ backward kernels
 
@@ -629,32 +518,6 @@ struct Gemm {
                         const uint8_t* codes, const uint8_t* scales, float* out, bool accumulate, const char* what,
                         uint16_t* out_bf16 = nullptr, int a_planes = 1, int64_t a_plane_stride = 0) const {
     if (codes == nullptr) return run(GemmLayout::kNN, 0, n, k, a, b, out, accumulate, what, out_bf16);
-    return coded(n, k, a, wt, codes, scales, out, accumulate, what, out_bf16, a_planes, a_plane_stride,
-                 mxw::PlainStore{});
-  }
-  // FC1 on the block-scaled weights of wt with its epilogue inside the GEMM (Fc1Store of the
-  // intermediate format): the stash and the FC2 operand from x, no c.
-  moe_ep_status fc1_with_epilogue(const uint16_t* x, const TcWeights& wt, const float* w, uint16_t* stash,
-                                  uint16_t* op, int planes, const SwigluParams& sp) const {
-    const int64_t H = d.hidden, I = d.intermediate;
-    auto go = [&](auto store) {
-      return coded(2 * I, H, x, wt, wt.fc1_codes, wt.fc1_scales, nullptr, false, "FC1 with its epilogue", nullptr, 1,
-                   0, store);
-    };
-    switch (d.intermediate_format) {
-      case MOE_EP_FORMAT_BF16: return go(Fc1Store<MOE_EP_FORMAT_BF16>{w, stash, op, planes, sp});
-      case MOE_EP_FORMAT_MXFP8: return go(Fc1Store<MOE_EP_FORMAT_MXFP8>{w, stash, op, planes, sp});
-      case MOE_EP_FORMAT_NVFP4: return go(Fc1Store<MOE_EP_FORMAT_NVFP4>{w, stash, op, planes, sp});
-      default: return go(Fc1Store<MOE_EP_FORMAT_NONE>{w, stash, op, planes, sp});
-    }
-  }
-  // The block-scaled-weights GEMM of wt.codes_format, its sums to store (one launch over
-  // every plane, except three planes at many rows into y: a launch a plane).
-  template <class Store>
-  moe_ep_status coded(int64_t n, int64_t k, const uint16_t* a, const TcWeights& wt, const uint8_t* codes,
-                      const uint8_t* scales, float* out, bool accumulate, const char* what, uint16_t* out_bf16,
-                      int a_planes, int64_t a_plane_stride, const Store& store) const {
-    constexpr bool kPlain = std::is_same_v<Store, mxw::PlainStore>;
     // The fields both formats' parameters share.
     auto fill = [&](auto& p) {
       p.x = a;
@@ -674,27 +537,14 @@ struct Gemm {
     if (wt.codes_format == MOE_EP_FORMAT_NVFP4) {
       Nvfp4WeightsGemm p{};
       fill(p);
-      if constexpr (kPlain) return gemm_status(nvfp4_weights_gemm(p, stream), what);
-      return gemm_status(nvfp4_weights_gemm_one_launch(p, store, stream), what);
+      return gemm_status(nvfp4_weights_gemm(p, stream), what);
     }
     Mxfp8WeightsGemm p{};
     fill(p);
     p.inexact = wt.inexact;
-    if constexpr (kPlain) return gemm_status(mxfp8_weights_gemm(p, stream), what);
-    return gemm_status(mxfp8_weights_gemm_one_launch(p, store, stream), what);
+    return gemm_status(mxfp8_weights_gemm(p, stream), what);
   }
 };
-
-// MOE_EP_FC1_EPILOGUE: where FC1 on block-scaled weights applies its epilogue. Unset, empty or
-// "fused": inside the GEMM (Fc1Store) where the stash is 8-byte aligned; "pass": a pass over
-// the GEMM's float32 c (fc1_epilogue_kernel), the same values (for timing them against each
-// other). tc_check_fc1_epilogue_env rejects any other value.
-constexpr const char* kFc1EpilogueEnv = "MOE_EP_FC1_EPILOGUE";
-
-bool fc1_epilogue_fused() {
-  const char* v = std::getenv(kFc1EpilogueEnv);
-  return v == nullptr || std::strcmp(v, "pass") != 0;
-}
 
 template <int kFmt>
 void launch_fc1_epilogue_as(unsigned blocks, cudaStream_t s, const float* c, const float* w, const int32_t* off, int E,
@@ -875,13 +725,6 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
   return at;
 }
 
-moe_ep_status tc_check_fc1_epilogue_env(const char* op) {
-  const char* v = std::getenv(kFc1EpilogueEnv);
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "fused") == 0 || std::strcmp(v, "pass") == 0) return MOE_EP_OK;
-  return fail(MOE_EP_ERR_INVALID_ARGUMENT, std::string(op) + ": " + kFc1EpilogueEnv +
-                                               " must be unset, 'fused' or 'pass'; got '" + v + "'");
-}
-
 bool tc_coded_weights_fit(const moe_ep_expert_desc& d) {
   static_assert(nvw::kStageK == mxw::kStageK && nvw::kTileN == mxw::kTileN, "one shape rule for both formats");
   return mxfp8_weights_shape_fits(2 * d.intermediate, d.hidden) && mxfp8_weights_shape_fits(d.hidden, d.intermediate) &&
@@ -898,16 +741,13 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   const Gemm gemm{d, ws, s};
   slab_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
   MOE_EP_CUDA_CHECK_LAUNCH("slab_offsets_kernel");
+  MOE_EP_TRY(gemm.forward(2 * I, H, x, wt.fc1, wt, wt.fc1_codes, wt.fc1_scales, ws.c, false, "FC1"));
+
   const SwigluParams p{C, I, d.apply_topk_in_fc1, d.has_clamp, d.gate_up_clamp};
   const int planes = tc_operand_planes(d.intermediate_format);
-  if (wt.fc1_codes != nullptr && aligned_to(fc1_c, 8) && fc1_epilogue_fused()) {
-    MOE_EP_TRY(gemm.fc1_with_epilogue(x, wt, w, fc1_c, ws.left, planes, p));
-  } else {
-    MOE_EP_TRY(gemm.forward(2 * I, H, x, wt.fc1, wt, wt.fc1_codes, wt.fc1_scales, ws.c, false, "FC1"));
-    const unsigned b1 = blocks_for(C * div_up(I, block_of_format(d.intermediate_format)));
-    launch_fc1_epilogue(d.intermediate_format, b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p);
-    MOE_EP_CUDA_CHECK_LAUNCH("fc1_epilogue_kernel");
-  }
+  const unsigned b1 = blocks_for(C * div_up(I, block_of_format(d.intermediate_format)));
+  launch_fc1_epilogue(d.intermediate_format, b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p);
+  MOE_EP_CUDA_CHECK_LAUNCH("fc1_epilogue_kernel");
 
   const bool weight = !d.apply_topk_in_fc1;
   if (bf16_out && fc2_writes_bf16(d, combine_format)) {

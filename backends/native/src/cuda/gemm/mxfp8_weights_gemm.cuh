@@ -130,17 +130,6 @@ template <class Cfg>
 using StageOf = Stage<Cfg::kMaxRows, Cfg::kPlanes>;
 static_assert(kThreads == kTileN, "one thread loads the scales of one weight row");
 
-// A block's kTileN weight rows: its rows [0, 64) from lo, [64, 128) from hi (warps 0 and 1
-// multiply the first half, warps 2 and 3 the second). One run of rows (PlainStore: hi =
-// lo + 64), or two halves apart (a pass store that pairs them: FC1's gate rows j and up
-// rows I + j in one block).
-struct BlockRows {
-  int64_t lo, hi;
-  __device__ __forceinline__ int64_t row(int r) const { return r < kTileN / 2 ? lo + r : hi + (r - kTileN / 2); }
-  // The first of warp w's kRowsPerWarp rows.
-  __device__ __forceinline__ int64_t warp_row(int w) const { return row(w * kRowsPerWarp); }
-};
-
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(fill ? 16 : 0));
@@ -306,20 +295,17 @@ __device__ __forceinline__ void for_each_pass(int64_t r0, int64_t r1, Run&& run)
 // tid / 8 + 16 u at chunk tid % 8: one source pointer, stepped by 16 rows.
 template <int kRows, int kMaxRows, int kPlanes>
 __device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMaxRows, kPlanes>& st, int e,
-                                           const BlockRows& br, int64_t m0, int64_t r1, int64_t ks) {
+                                           int64_t nb, int64_t m0, int64_t r1, int64_t ks) {
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t K = p.k, k0 = ks * kStageK;
   constexpr int kChunks = kStageK / 16;
-  constexpr int kStep = kThreads / kChunks;  // rows apart of a thread's chunks
   const int r = tid / kChunks, c = tid % kChunks;
-  const int64_t e0 = static_cast<int64_t>(e) * p.n;
-  const uint8_t* lo = p.codes + (e0 + br.lo + r) * K + k0 + 16 * c;         // its rows r + kStep u below 64
-  const uint8_t* hi = p.codes + (e0 + br.hi + r - kTileN / 2) * K + k0 + 16 * c;  // and from 64
+  const uint8_t* src = p.codes + (static_cast<int64_t>(e) * p.n + nb + r) * K + k0 + 16 * c;
   const int cs = c ^ ((r & 1) << 2);  // the row parity is the same for rows r + 16 u
 #pragma unroll
   for (int u = 0; u < kTileN * kChunks / kThreads; ++u)
-    cp_async16(&st.w[r + u * kStep][cs], (u * kStep < kTileN / 2 ? lo : hi) + u * kStep * K, true);
-  cp_async4(&st.s[tid], p.scales + (e0 + br.row(tid)) * (K / 32) + k0 / 32);
+    cp_async16(&st.w[r + u * (kThreads / kChunks)][cs], src + u * (kThreads / kChunks) * K, true);
+  cp_async4(&st.s[tid], p.scales + (static_cast<int64_t>(e) * p.n + nb + tid) * (K / 32) + k0 / 32);
   constexpr int kXChunks = kStageK / 8;
   static_assert(kRows * kXChunks % kThreads == 0, "whole rounds of x chunks");
 #pragma unroll
@@ -383,9 +369,9 @@ struct Mxfp8Format {
   template <class Cfg>
   using StageT = StageOf<Cfg>;
   template <int kRows, class Cfg>
-  static __device__ __forceinline__ void load(const Params& p, StageT<Cfg>& st, int e, const BlockRows& br,
-                                              int64_t m0, int64_t r1, int64_t ks) {
-    load_stage<kRows>(p, st, e, br, m0, r1, ks);
+  static __device__ __forceinline__ void load(const Params& p, StageT<Cfg>& st, int e, int64_t nb, int64_t m0,
+                                              int64_t r1, int64_t ks) {
+    load_stage<kRows>(p, st, e, nb, m0, r1, ks);
   }
   template <int kNt, class Cfg>
   static __device__ __forceinline__ void compute(const StageT<Cfg>& st, int warp, int g, int q,
@@ -410,38 +396,13 @@ struct Mxfp8Format {
   }
 };
 
-// Where a pass's sums go: PlainStore writes them to y or y_bf16 (store_pass). A store class
-// has kTail (whether the grid has a row of blocks past the experts, blockIdx.y ==
-// num_experts, for the rows of no expert: tail()), block_rows(p, bx) (the weight rows of
-// block bx), smem_bytes<Cfg>() (the shared memory its pass() needs, reusing the stages'
-// after the pass's last stage) and pass<kNt>(p, smem, acc, m0, r1, br, warp, g, q), which
-// every thread of the block calls with its sums (acc as in run_pass).
-struct PlainStore {
-  static constexpr bool kTail = false;
-  template <class P>
-  __device__ __forceinline__ BlockRows block_rows(const P&, unsigned bx) const {
-    const int64_t nb = static_cast<int64_t>(bx) * kTileN;
-    return BlockRows{nb, nb + kTileN / 2};
-  }
-  template <class Cfg>
-  static constexpr size_t smem_bytes() { return 0; }
-  template <int kNt, class P>
-  __device__ __forceinline__ void pass(const P& p, unsigned char*, const float (&acc)[2][kNt][4], int64_t m0,
-                                       int64_t r1, const BlockRows& br, int warp, int g, int q) const {
-    store_pass<kNt>(p, acc, m0, r1, br.warp_row(warp), g, q);
-  }
-  template <class P>
-  __device__ __forceinline__ void tail(const P&, unsigned char*, const BlockRows&) const {}
-};
-
 // One pass over K for the rows [m0, min(m0 + 8 kNt, r1)) of expert e and the block's
-// weight rows br (this warp's 32 of them from br.warp_row(warp)), Fmt's stages streamed
-// through a cp.async pipeline Cfg::kStages deep, then the sums to store.pass. acc[u][nt]
-// holds y[x row 8 nt + 2 q (+1)] at the warp's weight rows 16 u + g (c0, c1) and
-// 16 u + 8 + g (c2, c3).
-template <int kNt, class Cfg, class Fmt, class Store>
+// weight rows from nb (this warp's 32 of them from nb + 32 warp), Fmt's stages streamed
+// through a cp.async pipeline Cfg::kStages deep. acc[u][nt] holds y[x row 8 nt + 2 q (+1)]
+// at weight rows 16 u + g (c0, c1) and 16 u + 8 + g (c2, c3).
+template <int kNt, class Cfg, class Fmt>
 __device__ __forceinline__ void run_pass(const typename Fmt::Params& p, typename Fmt::template StageT<Cfg>* stages,
-                                         int e, const BlockRows& br, int64_t m0, int64_t r1, const Store& store) {
+                                         int e, int64_t nb, int64_t m0, int64_t r1) {
   constexpr int kStages = Cfg::kStages;
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane >> 2, q = lane & 3;
@@ -455,7 +416,7 @@ __device__ __forceinline__ void run_pass(const typename Fmt::Params& p, typename
       for (int c = 0; c < 4; ++c) acc[u][nt][c] = 0.0f;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nks) Fmt::template load<8 * kNt, Cfg>(p, stages[s], e, br, m0, r1, s);
+    if (s < nks) Fmt::template load<8 * kNt, Cfg>(p, stages[s], e, nb, m0, r1, s);
     cp_async_commit();
   }
   bool bad = false;
@@ -463,45 +424,38 @@ __device__ __forceinline__ void run_pass(const typename Fmt::Params& p, typename
     cp_async_wait<kStages - 2>();
     __syncthreads();  // stage ks landed for every thread; stage ks - 1's buffer is free
     const int64_t next = ks + kStages - 1;
-    if (next < nks) Fmt::template load<8 * kNt, Cfg>(p, stages[next % kStages], e, br, m0, r1, next);
+    if (next < nks) Fmt::template load<8 * kNt, Cfg>(p, stages[next % kStages], e, nb, m0, r1, next);
     cp_async_commit();
     Fmt::template compute<kNt, Cfg>(stages[ks % kStages], warp, g, q, acc, bad);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp done with the buffers before the next pass refills them
   Fmt::report(p, bad);
-  store.template pass<kNt>(p, reinterpret_cast<unsigned char*>(stages), acc, m0, r1, br, warp, g, q);
+  store_pass<kNt>(p, acc, m0, r1, nb + warp * kRowsPerWarp, g, q);
 }
 
-// A block's work: weight rows store.block_rows(p, blockIdx.x) of expert e = blockIdx.y,
-// over the expert's rows in passes of up to Cfg::kMaxNt n8 tiles; the row of blocks past
-// the experts (Store::kTail) does store.tail.
-template <class Cfg, class Fmt, class Store>
-__device__ __forceinline__ void run_block(const typename Fmt::Params& p, unsigned char* smem, const Store& store) {
+// A block's work: weight rows [nb, nb + kTileN) of expert e = blockIdx.y, nb = blockIdx.x
+// kTileN, over the expert's rows in passes of up to Cfg::kMaxNt n8 tiles.
+template <class Cfg, class Fmt>
+__device__ __forceinline__ void run_block(const typename Fmt::Params& p, unsigned char* smem) {
   using StageT = typename Fmt::template StageT<Cfg>;
   StageT* stages = reinterpret_cast<StageT*>(smem);
   const int e = static_cast<int>(blockIdx.y);
-  const BlockRows br = store.block_rows(p, blockIdx.x);
-  if (Store::kTail && e == p.num_experts) {
-    store.tail(p, smem, br);
-    return;
-  }
   const int64_t r0 = p.off[e], r1 = p.off[e + 1];
-  for_each_pass<Cfg::kMaxNt>(r0, r1, [&](auto tiles, int64_t m0) {
-    run_pass<decltype(tiles)::value, Cfg, Fmt>(p, stages, e, br, m0, r1, store);
-  });
+  const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
+  for_each_pass<Cfg::kMaxNt>(
+      r0, r1, [&](auto tiles, int64_t m0) { run_pass<decltype(tiles)::value, Cfg, Fmt>(p, stages, e, nb, m0, r1); });
 }
 
-// Grid (N / kTileN, E, + 1 with Store::kTail), kThreads threads, Cfg::kStages stages of
-// dynamic shared memory (mxw::coded_gemm_launch).
+// Grid (N / kTileN, E), kThreads threads, Cfg::kStages stages of dynamic shared memory
+// (mxw::coded_gemm_launch).
 // Lane = 4 g + q: g picks the row of an n8 tile (or of an m16 tile's halves), q the quad of
 // k. Each pass takes as many n8 tiles as the expert's remaining rows need, up to
 // Cfg::kMaxNt.
-template <class Cfg, class Store>
-__global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
-    mxfp8_weights_gemm_kernel(Mxfp8WeightsGemm p, Store store) {
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) mxfp8_weights_gemm_kernel(Mxfp8WeightsGemm p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  run_block<Cfg, Mxfp8Format>(p, smem, store);
+  run_block<Cfg, Mxfp8Format>(p, smem);
 }
 
 }  // namespace mxw
@@ -529,28 +483,19 @@ inline bool coded_gemm_fits(const typename Fmt::Params& p) {
          p.num_experts <= 65535;
 }
 
-// One launch of kernel (Fmt's kernel for Cfg and Store): grid (N / kTileN, E, + 1 with
-// Store::kTail), kThreads threads, Cfg's stages of dynamic shared memory (or what the store's
-// pass needs, if more).
-template <class Fmt, class Cfg, class Store>
-inline cudaError_t coded_gemm_launch(const typename Fmt::Params& p, const Store& store, cudaStream_t stream,
-                                     void (*kernel)(typename Fmt::Params, Store)) {
+// One launch of kernel (Fmt's kernel for Cfg): grid (N / kTileN, E), kThreads threads, Cfg's
+// stages of dynamic shared memory.
+template <class Fmt, class Cfg>
+inline cudaError_t coded_gemm_launch(const typename Fmt::Params& p, cudaStream_t stream,
+                                     void (*kernel)(typename Fmt::Params)) {
   if (!coded_gemm_fits<Fmt>(p) || (p.x_planes == 3) != (Cfg::kPlanes == 3)) return cudaErrorInvalidValue;
-  constexpr size_t stages = sizeof(typename Fmt::template StageT<Cfg>) * Cfg::kStages;
-  constexpr size_t smem = stages > Store::template smem_bytes<Cfg>() ? stages : Store::template smem_bytes<Cfg>();
+  constexpr size_t smem = sizeof(typename Fmt::template StageT<Cfg>) * Cfg::kStages;
   // Per device and cheap; not a stream operation, so allowed inside a CUDA-graph capture.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>(p.n / kTileN), static_cast<unsigned>(p.num_experts + (Store::kTail ? 1 : 0)));
-  kernel<<<grid, kThreads, smem, stream>>>(p, store);
+  const dim3 grid(static_cast<unsigned>(p.n / kTileN), static_cast<unsigned>(p.num_experts));
+  kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
-}
-
-// Whether p's rows an expert on average (total_rows / num_experts, on the host; unknown
-// counts as many) are few: the launches' FewRowsConfig and one pass over three x planes.
-template <class P>
-inline bool few_rows(const P& p) {
-  return p.total_rows > 0 && p.total_rows <= kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
 }
 
 }  // namespace mxw
@@ -558,32 +503,10 @@ inline bool few_rows(const P& p) {
 // Whether the kernel takes p (mxw::coded_gemm_fits: scales 4-byte aligned).
 inline bool mxfp8_weights_gemm_fits(const Mxfp8WeightsGemm& p) { return mxw::coded_gemm_fits<mxw::Mxfp8Format>(p); }
 
-// One variant's launch with its sums to store (mxw::PlainStore: y or y_bf16).
-template <class Cfg, class Store>
-inline cudaError_t mxfp8_weights_gemm_launch_with(const Mxfp8WeightsGemm& p, const Store& store,
-                                                  cudaStream_t stream) {
-  return mxw::coded_gemm_launch<mxw::Mxfp8Format, Cfg>(p, store, stream, mxw::mxfp8_weights_gemm_kernel<Cfg, Store>);
-}
-
 // One variant's launch (mxfp8_weights_gemm picks one; moe_ep_gemm_check times them all).
 template <class Cfg>
 inline cudaError_t mxfp8_weights_gemm_launch(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  return mxfp8_weights_gemm_launch_with<Cfg>(p, mxw::PlainStore{}, stream);
-}
-
-// One launch over every x plane with the sums to store: the variant for p's rows an expert
-// on average (mxw::few_rows), or passes of 32 rows; three x planes only at few rows
-// (Planes3Config; otherwise cudaErrorInvalidValue: mxfp8_weights_gemm takes them a launch a
-// plane).
-template <class Store>
-inline cudaError_t mxfp8_weights_gemm_one_launch(const Mxfp8WeightsGemm& p, const Store& store, cudaStream_t stream) {
-  const bool few = mxw::few_rows(p);
-  if (p.x_planes == 3)
-    return few && !p.passes_of_32 ? mxfp8_weights_gemm_launch_with<mxw::Planes3Config>(p, store, stream)
-                                  : cudaErrorInvalidValue;
-  if (p.passes_of_32) return mxfp8_weights_gemm_launch_with<mxw::Passes32Config>(p, store, stream);
-  return few ? mxfp8_weights_gemm_launch_with<mxw::FewRowsConfig>(p, store, stream)
-             : mxfp8_weights_gemm_launch_with<mxw::DefaultConfig>(p, store, stream);
+  return mxw::coded_gemm_launch<mxw::Mxfp8Format, Cfg>(p, stream, mxw::mxfp8_weights_gemm_kernel<Cfg>);
 }
 
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream);
@@ -603,14 +526,19 @@ inline cudaError_t mxfp8_weights_gemm_plane_by_plane(const Mxfp8WeightsGemm& p, 
   return cudaSuccess;
 }
 
-// The launch into y or y_bf16: mxfp8_weights_gemm_one_launch, or three x planes at more
-// rows a launch a plane.
+// The launch: the variant for p's rows an expert on average (total_rows / num_experts, on
+// the host; unknown counts as many), or passes of 32 rows; three x planes in one pass at
+// few rows, else a launch a plane.
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  if (p.x_planes == 3 && (!mxw::few_rows(p) || p.passes_of_32)) {
+  const bool few = p.total_rows > 0 && p.total_rows <= mxw::kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
+  if (p.x_planes == 3) {
     if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
+    if (few && !p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Planes3Config>(p, stream);
     return mxfp8_weights_gemm_plane_by_plane(p, stream);
   }
-  return mxfp8_weights_gemm_one_launch(p, mxw::PlainStore{}, stream);
+  if (p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Passes32Config>(p, stream);
+  return few ? mxfp8_weights_gemm_launch<mxw::FewRowsConfig>(p, stream)
+             : mxfp8_weights_gemm_launch<mxw::DefaultConfig>(p, stream);
 }
 
 }  // namespace cuda

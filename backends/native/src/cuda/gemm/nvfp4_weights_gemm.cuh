@@ -108,19 +108,16 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
 // tid / 4 + 32 u at chunk tid % 4.
 template <int kRows, int kMaxRows, int kPlanes>
 __device__ __forceinline__ void load_stage(const Nvfp4WeightsGemm& p, Stage<kMaxRows, kPlanes>& st, int e,
-                                           const mxw::BlockRows& br, int64_t m0, int64_t r1, int64_t ks) {
+                                           int64_t nb, int64_t m0, int64_t r1, int64_t ks) {
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t K = p.k, k0 = ks * kStageK;
   constexpr int kChunks = kStageK / 32;
-  constexpr int kStep = kThreads / kChunks;  // rows apart of a thread's chunks
   const int r = tid / kChunks, c = tid % kChunks;
-  const int64_t e0 = static_cast<int64_t>(e) * p.n;
-  const uint8_t* lo = p.codes + (e0 + br.lo + r) * (K / 2) + k0 / 2 + 16 * c;               // rows below 64
-  const uint8_t* hi = p.codes + (e0 + br.hi + r - kTileN / 2) * (K / 2) + k0 / 2 + 16 * c;  // and from 64
+  const uint8_t* src = p.codes + (static_cast<int64_t>(e) * p.n + nb + r) * (K / 2) + k0 / 2 + 16 * c;
 #pragma unroll
   for (int u = 0; u < kTileN * kChunks / kThreads; ++u)
-    mxw::cp_async16(&st.w[r + u * kStep][c], (u * kStep < kTileN / 2 ? lo : hi) + u * kStep * (K / 2), true);
-  cp_async8(&st.s[tid], p.scales + (e0 + br.row(tid)) * (K / 16) + k0 / 16);
+    mxw::cp_async16(&st.w[r + u * (kThreads / kChunks)][c], src + u * (kThreads / kChunks) * (K / 2), true);
+  cp_async8(&st.s[tid], p.scales + (static_cast<int64_t>(e) * p.n + nb + tid) * (K / 16) + k0 / 16);
   constexpr int kXChunks = kStageK / 8;
   static_assert(kRows * kXChunks % kThreads == 0, "whole rounds of x chunks");
 #pragma unroll
@@ -233,9 +230,9 @@ struct Nvfp4Format {
   template <class Cfg>
   using StageT = nvw::StageOf<Cfg>;
   template <int kRows, class Cfg>
-  static __device__ __forceinline__ void load(const Params& p, StageT<Cfg>& st, int e, const mxw::BlockRows& br,
-                                              int64_t m0, int64_t r1, int64_t ks) {
-    nvw::load_stage<kRows>(p, st, e, br, m0, r1, ks);
+  static __device__ __forceinline__ void load(const Params& p, StageT<Cfg>& st, int e, int64_t nb, int64_t m0,
+                                              int64_t r1, int64_t ks) {
+    nvw::load_stage<kRows>(p, st, e, nb, m0, r1, ks);
   }
   template <int kNt, class Cfg>
   static __device__ __forceinline__ void compute(const StageT<Cfg>& st, int warp, int g, int q,
@@ -268,13 +265,12 @@ struct Nvfp4Format {
 
 namespace nvw {
 
-// Grid (N / kTileN, E, + 1 with Store::kTail), kThreads threads, Cfg::kStages stages of
-// dynamic shared memory (mxw::coded_gemm_launch).
-template <class Cfg, class Store>
-__global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
-    nvfp4_weights_gemm_kernel(Nvfp4WeightsGemm p, Store store) {
+// Grid (N / kTileN, E), kThreads threads, Cfg::kStages stages of dynamic shared memory
+// (mxw::coded_gemm_launch).
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) nvfp4_weights_gemm_kernel(Nvfp4WeightsGemm p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  mxw::run_block<Cfg, Nvfp4Format>(p, smem, store);
+  mxw::run_block<Cfg, Nvfp4Format>(p, smem);
 }
 
 }  // namespace nvw
@@ -283,34 +279,20 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
 // scales 8-byte aligned).
 inline bool nvfp4_weights_gemm_fits(const Nvfp4WeightsGemm& p) { return mxw::coded_gemm_fits<Nvfp4Format>(p); }
 
-// One variant's launch with its sums to store (mxw::PlainStore: y or y_bf16).
-template <class Cfg, class Store>
-inline cudaError_t nvfp4_weights_gemm_launch_with(const Nvfp4WeightsGemm& p, const Store& store,
-                                                  cudaStream_t stream) {
-  return mxw::coded_gemm_launch<Nvfp4Format, Cfg>(p, store, stream, nvw::nvfp4_weights_gemm_kernel<Cfg, Store>);
-}
-
 // One variant's launch (nvfp4_weights_gemm picks one; moe_ep_gemm_check times them all).
 template <class Cfg>
 inline cudaError_t nvfp4_weights_gemm_launch(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
-  return nvfp4_weights_gemm_launch_with<Cfg>(p, mxw::PlainStore{}, stream);
+  return mxw::coded_gemm_launch<Nvfp4Format, Cfg>(p, stream, nvw::nvfp4_weights_gemm_kernel<Cfg>);
 }
 
-// One launch over every x plane with the sums to store: DefaultConfig; three x planes only
-// at few rows (mxw::few_rows: Planes3Config; otherwise cudaErrorInvalidValue).
-template <class Store>
-inline cudaError_t nvfp4_weights_gemm_one_launch(const Nvfp4WeightsGemm& p, const Store& store, cudaStream_t stream) {
-  if (p.x_planes == 3)
-    return mxw::few_rows(p) ? nvfp4_weights_gemm_launch_with<nvw::Planes3Config>(p, store, stream)
-                            : cudaErrorInvalidValue;
-  return nvfp4_weights_gemm_launch_with<nvw::DefaultConfig>(p, store, stream);
-}
-
-// The launch into y or y_bf16: nvfp4_weights_gemm_one_launch, or three x planes at more rows
-// a launch a plane (the later ones accumulating).
+// The launch: DefaultConfig; three x planes in one pass at few rows (total_rows /
+// num_experts on the host at most mxw::kFewRowsPerExpert), else a launch a plane (the later
+// ones accumulating).
 inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
-  if (p.x_planes == 3 && !mxw::few_rows(p)) {
+  const bool few = p.total_rows > 0 && p.total_rows <= mxw::kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
+  if (p.x_planes == 3) {
     if (!nvfp4_weights_gemm_fits(p)) return cudaErrorInvalidValue;
+    if (few) return nvfp4_weights_gemm_launch<nvw::Planes3Config>(p, stream);
     Nvfp4WeightsGemm one = p;
     one.x_planes = 1;
     for (int pl = 0; pl < 3; ++pl) {
@@ -321,7 +303,7 @@ inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t st
     }
     return cudaSuccess;
   }
-  return nvfp4_weights_gemm_one_launch(p, mxw::PlainStore{}, stream);
+  return nvfp4_weights_gemm_launch<nvw::DefaultConfig>(p, stream);
 }
 
 }  // namespace cuda
