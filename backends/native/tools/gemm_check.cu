@@ -744,7 +744,7 @@ struct MxVariant {
 const MxVariant kMxVariants[] = {
     {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
     {"<8,3,2> default", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::DefaultConfig>},
-    {"<6,3,2>", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::Config<6, 3, 2>>},
+    {"<6,3,2> few rows, long K", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsLongKConfig>},
     {"<6,2,3> few rows", &moe_ep::cuda::mxfp8_weights_gemm_launch<moe_ep::cuda::mxw::FewRowsConfig>},
 };
 
