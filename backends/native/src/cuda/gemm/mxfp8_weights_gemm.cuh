@@ -504,6 +504,14 @@ inline cudaError_t coded_gemm_launch(const typename Fmt::Params& p, cudaStream_t
   return cudaGetLastError();
 }
 
+// Whether p's rows an expert on average (total_rows / num_experts, read on the host; unknown
+// counts as many) are at most kFewRowsPerExpert: the launches' few-rows variants, and three x
+// planes in one pass. P: Mxfp8WeightsGemm or Nvfp4WeightsGemm.
+template <class P>
+inline bool few_rows(const P& p) {
+  return p.total_rows > 0 && p.total_rows <= kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
+}
+
 }  // namespace mxw
 
 // Whether the kernel takes p (mxw::coded_gemm_fits: scales 4-byte aligned).
@@ -536,7 +544,7 @@ inline cudaError_t mxfp8_weights_gemm_plane_by_plane(const Mxfp8WeightsGemm& p, 
 // the host; unknown counts as many) and its K, or passes of 32 rows; three x planes in one
 // pass at few rows, else a launch a plane.
 inline cudaError_t mxfp8_weights_gemm(const Mxfp8WeightsGemm& p, cudaStream_t stream) {
-  const bool few = p.total_rows > 0 && p.total_rows <= mxw::kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
+  const bool few = mxw::few_rows(p);
   if (p.x_planes == 3) {
     if (!mxfp8_weights_gemm_fits(p)) return cudaErrorInvalidValue;
     if (few && !p.passes_of_32) return mxfp8_weights_gemm_launch<mxw::Planes3Config>(p, stream);

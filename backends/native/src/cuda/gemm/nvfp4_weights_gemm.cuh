@@ -289,7 +289,7 @@ inline cudaError_t nvfp4_weights_gemm_launch(const Nvfp4WeightsGemm& p, cudaStre
 // num_experts on the host at most mxw::kFewRowsPerExpert), else a launch a plane (the later
 // ones accumulating).
 inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
-  const bool few = p.total_rows > 0 && p.total_rows <= mxw::kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
+  const bool few = mxw::few_rows(p);
   if (p.x_planes == 3) {
     if (!nvfp4_weights_gemm_fits(p)) return cudaErrorInvalidValue;
     if (few) return nvfp4_weights_gemm_launch<nvw::Planes3Config>(p, stream);
