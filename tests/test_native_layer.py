@@ -315,6 +315,68 @@ def test_cuda_bf16_expert_output_rows_equal_the_float32_rows(name, weight_in_fc1
     assert torch.equal(outs[True][1], outs[False][1]), "the stash does not depend on the rows' dtype"
 
 
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device and a native build with CUDA")
+@pytest.mark.parametrize("y_rows", ["bf16", "f32_unrounded", "f32"])
+def test_cuda_exchange_layer_experts_forward_equals_the_plain_layers(y_rows) -> None:
+    """After a one-rank dispatch, the exchange layer's experts forward (its rows past the last
+    slab zeroed by the kernel that finishes the stage, its offsets made by FC1's launch) gives
+    the bits of a layer without an exchange on the same rows: y and the stash, every row past
+    the slabs zero."""
+    import torch
+
+    from moe_ep_native.exchange import ExchangeLayer, with_exchange
+
+    config = CUDA_CONFIGS["wide-fc1-comb_bf16"]  # 3 local experts, H 512, I 256, top-2
+    t, k, e, h, align = 100, config.num_topk, config.num_local_experts, config.hidden, 8
+    cap = t * k + e * align + 61  # rows past the slabs
+    rng = np.random.default_rng(11)
+    idx = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
+    idx[rng.random((t, k)) < 0.1] = -1
+    tw = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
+    tok = (rng.standard_normal((t, h)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    fc1 = ((rng.standard_normal((e, h, 2 * config.intermediate)) / np.sqrt(h)).astype(np.float32)).astype(BF16)
+    fc2 = ((rng.standard_normal((e, config.intermediate, h)) / np.sqrt(h)).astype(np.float32)).astype(BF16)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    put = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16) if a.dtype in (np.uint16, BF16)  # noqa: E731
+                                     else np.ascontiguousarray(a)).to(dev)
+    p = lambda a: a.data_ptr() if a.numel() else None  # noqa: E731
+    base = layer_config(config, max_rows=cap, cuda_device=dev.index, bf16_operands=True, with_backward=False,
+                        bf16_expert_out=y_rows == "bf16")
+    if y_rows == "f32_unrounded":  # the rows as FC2 writes them (the combine's own round trip's layer)
+        base.combine_format = 0
+    ex = ExchangeLayer(with_exchange(base, num_ranks=1, rank=0, num_topk=k, max_tokens=t, token_bytes=2 * h,
+                                     expert_alignment=align))
+    plain = Layer(base)
+    try:
+        ex.set_peers([ex.exchange_info()[1]])
+        x = torch.zeros((cap, h), dtype=torch.int16, device=dev)
+        w_buf = torch.zeros(cap, dtype=torch.float32, device=dev)
+        meta = torch.zeros((cap, 4), dtype=torch.int32, device=dev)
+        gs, tpe, err = (torch.zeros(n, dtype=torch.int32, device=dev) for n in (e, e, 1))
+        ex.dispatch(stream, t, 2 * h, p(put(tok)), p(put(idx)), p(put(tw)), p(x), p(w_buf), p(meta), p(gs), p(tpe),
+                    p(err))
+        f1, f2 = put(fc1), put(fc2)
+        outs = {}
+        for name, layer in (("exchange", ex), ("plain", plain)):
+            y = torch.full((cap, h), float("nan"), device=dev,
+                           dtype=torch.bfloat16 if y_rows == "bf16" else torch.float32)
+            c = torch.full((cap, 2 * config.intermediate), -1, dtype=torch.int16, device=dev)
+            layer.experts_forward(stream, cap, p(x), p(w_buf), p(f1), p(f2), p(gs), p(y), p(c))
+            torch.cuda.synchronize(dev)
+            outs[name] = (y.float().cpu().numpy(), c.cpu().numpy())
+        used = int(gs.sum().item())
+    finally:
+        ex.close()
+        plain.close()
+    assert int(err.item()) == 0 and 0 < used < cap, (int(err.item()), used, cap)
+    (y_ex, c_ex), (y_plain, c_plain) = outs["exchange"], outs["plain"]
+    assert np.all(y_ex[used:] == 0), f"{y_rows}: rows past the slabs ({used} of {cap}) must be zero"
+    assert np.all(np.isfinite(y_ex)), f"{y_rows}: every row of y must be written"
+    np.testing.assert_array_equal(y_ex.view(np.uint32), y_plain.view(np.uint32), err_msg=f"{y_rows}: y")
+    np.testing.assert_array_equal(c_ex, c_plain, err_msg=f"{y_rows}: the stash")
+
+
 @pytest.mark.parametrize("on", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not _cuda_available(), reason="needs a CUDA device and a native build with CUDA"))])
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])

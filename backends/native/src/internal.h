@@ -233,9 +233,12 @@ struct TcWeights {
 bool tc_coded_weights_fit(const moe_ep_expert_desc& d);
 // y: [C, H] float32, or bf16 (bf16_out: combine_format bf16 or nvfp4, whose values are bf16 values: the rows
 // are written as their bf16 bits after the round trip).
+// tail_deferred: NULL, or where tc_forward says (true) that it left y's rows past the last
+// slab (rows >= ws.offsets[E]) unwritten for the caller to zero (finish_forward's tail_off),
+// one launch fewer; false: y is whole.
 moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, bool bf16_out,
                          const uint16_t* x, const float* w, const TcWeights& weights, const int32_t* group_sizes,
-                         void* y, uint16_t* fc1_c, const TcWorkspace& ws);
+                         void* y, uint16_t* fc1_c, const TcWorkspace& ws, bool* tail_deferred = nullptr);
 moe_ep_status tc_backward(void* stream, const moe_ep_expert_desc& d, const uint16_t* x, const float* w,
                           const uint16_t* fc1, const uint16_t* fc2, const uint16_t* fc1_c, const void* dy,
                           int32_t dy_dtype, const int32_t* group_sizes, float* dx, float* dw, void* dfc1, void* dfc2,
@@ -254,9 +257,11 @@ moe_ep_status nan_on_error(void* stream, const int32_t* error, void* p, int64_t 
 // padding rows [min(off[g] + valid[g], off[g + 1]), off[g + 1]) of every g < groups, cut at `rows`,
 // zero (stash [rows, stash_cols] bf16, NULL: none); otherwise y [y_count] of y_dtype and the
 // whole stash NaN (what zeroing the padding and then nan_on_error on both would give).
+// tail_off (device, or NULL): with *error == 0, y's elements from row min(*tail_off, rows) on
+// (rows of y_count / rows elements) zero too (tc_forward's deferred tail).
 moe_ep_status finish_forward(void* stream, const int32_t* error, const int32_t* off, const int32_t* valid,
                              int64_t groups, uint16_t* stash, int64_t rows, int64_t stash_cols, void* y,
-                             int64_t y_count, int32_t y_dtype);
+                             int64_t y_count, int32_t y_dtype, const int32_t* tail_off = nullptr);
 }  // namespace cuda
 #endif
 

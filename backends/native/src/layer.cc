@@ -297,9 +297,18 @@ moe_ep_status guarded(const moe_ep_layer* l, Fn body) {
   }
 }
 
+#ifdef MOE_EP_NATIVE_WITH_CUDA
+// Whether finish_forward runs its kernel after the experts forward (a CUDA layer with an
+// exchange that has dispatched): then it also zeroes y's rows past the last slab.
+bool tail_by_finish(const moe_ep_layer* l) { return is_cuda(l) && l->ex != nullptr && l->ex->last_tokens >= 0; }
+#endif
+
 // The experts' stages on the layer's path (tensor cores or staged), arguments checked.
+// tail_deferred: as cuda::tc_forward's (set false on the other paths).
 moe_ep_status experts_forward(moe_ep_layer* l, void* stream, int64_t C, const void* x, const float* w, const void* fc1,
-                              const void* fc2, const int32_t* group_sizes, void* y, uint16_t* fc1_c) {
+                              const void* fc2, const int32_t* group_sizes, void* y, uint16_t* fc1_c,
+                              bool* tail_deferred) {
+  *tail_deferred = false;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (l->tensor_cores) {
     moe_ep_expert_desc d = l->desc;
@@ -308,7 +317,8 @@ moe_ep_status experts_forward(moe_ep_layer* l, void* stream, int64_t C, const vo
     wt.fc1 = static_cast<const uint16_t*>(fc1);
     wt.fc2 = static_cast<const uint16_t*>(fc2);
     return cuda::tc_forward(stream, d, l->cfg.combine_format, l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16,
-                            static_cast<const uint16_t*>(x), w, wt, group_sizes, y, fc1_c, l->tc);
+                            static_cast<const uint16_t*>(x), w, wt, group_sizes, y, fc1_c, l->tc,
+                            tail_by_finish(l) ? tail_deferred : nullptr);
   }
 #endif
   return staged_forward(l, stream, C, x, w, fc1, fc2, group_sizes, y, fc1_c);
@@ -321,7 +331,9 @@ moe_ep_status experts_forward(moe_ep_layer* l, void* stream, int64_t C, const vo
 moe_ep_status experts_forward_block_scaled(moe_ep_layer* l, void* stream, int32_t fmt, int64_t C, const void* x,
                                            const float* w, const uint8_t* fc1_codes, const uint8_t* fc1_scales,
                                            const uint8_t* fc2_codes, const uint8_t* fc2_scales,
-                                           const int32_t* group_sizes, void* y, uint16_t* fc1_c, int32_t* inexact) {
+                                           const int32_t* group_sizes, void* y, uint16_t* fc1_c, int32_t* inexact,
+                                           bool* tail_deferred) {
+  *tail_deferred = false;
   moe_ep_expert_desc d = l->desc;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (l->tensor_cores) {
@@ -334,7 +346,8 @@ moe_ep_status experts_forward_block_scaled(moe_ep_layer* l, void* stream, int32_
     wt.fc2_scales = fc2_scales;
     wt.inexact = inexact;
     return cuda::tc_forward(stream, d, l->cfg.combine_format, l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16,
-                            static_cast<const uint16_t*>(x), w, wt, group_sizes, y, fc1_c, l->tc);
+                            static_cast<const uint16_t*>(x), w, wt, group_sizes, y, fc1_c, l->tc,
+                            tail_by_finish(l) ? tail_deferred : nullptr);
   }
 #endif
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_local_experts;
@@ -437,15 +450,18 @@ moe_ep_status check_forward_outputs(const Check& ck, const moe_ep_layer* l, int6
 
 // After an experts forward: the stash's padding rows zero and, after a failed dispatch, the
 // outputs NaN (zero_stash_padding, nan_on_dispatch_error).
-moe_ep_status finish_forward(const moe_ep_layer* l, void* stream, int64_t C, void* y, uint16_t* fc1_c) {
+// tail_deferred: the experts forward left y's rows past its last slab to this kernel.
+moe_ep_status finish_forward(const moe_ep_layer* l, void* stream, int64_t C, void* y, uint16_t* fc1_c,
+                             bool tail_deferred) {
   const bool bf16_out = l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
-  if (is_cuda(l)) {  // both in one kernel
+  if (is_cuda(l)) {  // all in one kernel
     if (l->ex == nullptr || l->ex->last_tokens < 0) return MOE_EP_OK;
     return cuda::finish_forward(stream, l->ex->loc.step_err, l->ex->loc.off, l->ex->loc.nloc,
                                 l->desc.num_local_experts, fc1_c, C, 2 * l->desc.intermediate, y,
                                 y != nullptr ? C * l->desc.hidden : 0,
-                                bf16_out ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32);
+                                bf16_out ? MOE_EP_DTYPE_BF16 : MOE_EP_DTYPE_F32,
+                                tail_deferred ? l->tc.offsets + l->desc.num_local_experts : nullptr);
   }
 #endif
   MOE_EP_TRY(zero_stash_padding(l, fc1_c, C));
@@ -552,8 +568,10 @@ moe_ep_status moe_ep_layer_experts_forward(moe_ep_layer* layer, void* stream, in
   MOE_EP_TRY(moe_ep::check_operands(ck, layer, num_rows, x, w, fc1, fc2, group_sizes));
   MOE_EP_TRY(moe_ep::check_forward_outputs(ck, layer, num_rows, y, fc1_c));
   return moe_ep::guarded(layer, [&]() -> moe_ep_status {
-    MOE_EP_TRY(moe_ep::experts_forward(layer, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c));
-    return moe_ep::finish_forward(layer, stream, num_rows, y, fc1_c);
+    bool tail_deferred = false;
+    MOE_EP_TRY(moe_ep::experts_forward(layer, stream, num_rows, x, w, fc1, fc2, group_sizes, y, fc1_c,
+                                       &tail_deferred));
+    return moe_ep::finish_forward(layer, stream, num_rows, y, fc1_c, tail_deferred);
   });
 }
 
@@ -613,10 +631,11 @@ moe_ep_status forward_block_scaled(const Check& ck, moe_ep_layer* layer, void* s
   }
   MOE_EP_TRY(moe_ep::check_forward_outputs(ck, layer, num_rows, y, fc1_c));
   return moe_ep::guarded(layer, [&]() -> moe_ep_status {
+    bool tail_deferred = false;
     MOE_EP_TRY(moe_ep::experts_forward_block_scaled(layer, stream, weight_format, num_rows, x, w, fc1_codes,
                                                     fc1_scales, fc2_codes, fc2_scales, group_sizes, y, fc1_c,
-                                                    inexact));
-    return moe_ep::finish_forward(layer, stream, num_rows, y, fc1_c);
+                                                    inexact, &tail_deferred));
+    return moe_ep::finish_forward(layer, stream, num_rows, y, fc1_c, tail_deferred);
   });
 }
 }  // namespace

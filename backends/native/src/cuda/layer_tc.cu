@@ -493,11 +493,15 @@ struct Gemm {
   // first_group, num_groups: the experts [first_group, first_group + num_groups) only (-1: all).
   moe_ep_status run(GemmLayout layout, int64_t m, int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, float* out,
                     bool accumulate, const char* what, uint16_t* out_bf16 = nullptr, int32_t first_group = 0,
-                    int32_t num_groups = -1) const {
+                    int32_t num_groups = -1, const int32_t* group_sizes = nullptr) const {
     GroupedGemmProblem p;
     p.layout = layout;
     p.num_groups = num_groups < 0 ? static_cast<int32_t>(d.num_local_experts) : num_groups;
     p.offsets = ws.offsets + first_group;
+    if (group_sizes != nullptr) {  // ws.offsets made from the sizes in the GEMM's own launches
+      p.group_sizes = group_sizes;
+      p.offsets_out = ws.offsets;
+    }
     p.total_rows = d.num_rows;
     p.m = m;
     p.n = n;
@@ -514,14 +518,21 @@ struct Gemm {
   // scales [E, n, k / 32] or [E, n, k / 16]) through the block-scaled-weights GEMMs.
   // a_planes > 1 (codes only): a holds that many bf16 planes, a_plane_stride elements apart,
   // summed (the GEMM multiplies them with the weights decoded once).
+  // group_sizes (bf16 weights only): ws.offsets are made from them by the GEMM's launch.
   moe_ep_status forward(int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, const TcWeights& wt,
                         const uint8_t* codes, const uint8_t* scales, float* out, bool accumulate, const char* what,
-                        uint16_t* out_bf16 = nullptr, int a_planes = 1, int64_t a_plane_stride = 0) const {
-    if (codes == nullptr) return run(GemmLayout::kNN, 0, n, k, a, b, out, accumulate, what, out_bf16);
+                        uint16_t* out_bf16 = nullptr, int a_planes = 1, int64_t a_plane_stride = 0,
+                        const int32_t* group_sizes = nullptr) const {
+    if (codes == nullptr)
+      return run(GemmLayout::kNN, 0, n, k, a, b, out, accumulate, what, out_bf16, 0, -1, group_sizes);
     // The fields both formats' parameters share.
     auto fill = [&](auto& p) {
       p.x = a;
       p.off = ws.offsets;
+      if (group_sizes != nullptr && d.num_local_experts <= 1024) {  // made by the GEMM's blocks
+        p.group_sizes = group_sizes;
+        p.off_out = ws.offsets;
+      }
       p.codes = codes;
       p.scales = scales;
       p.num_experts = static_cast<int>(d.num_local_experts);
@@ -733,15 +744,22 @@ bool tc_coded_weights_fit(const moe_ep_expert_desc& d) {
 
 moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t combine_format, bool bf16_out,
                          const uint16_t* x, const float* w, const TcWeights& wt, const int32_t* group_sizes,
-                         void* y_out, uint16_t* fc1_c, const TcWorkspace& ws) {
+                         void* y_out, uint16_t* fc1_c, const TcWorkspace& ws, bool* tail_deferred) {
   const cudaStream_t s = as_stream(stream);
+  if (tail_deferred != nullptr) *tail_deferred = false;
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
   const int E = static_cast<int>(d.num_local_experts);
   if (C == 0) return MOE_EP_OK;
   const Gemm gemm{d, ws, s};
-  slab_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
-  MOE_EP_CUDA_CHECK_LAUNCH("slab_offsets_kernel");
-  MOE_EP_TRY(gemm.forward(2 * I, H, x, wt.fc1, wt, wt.fc1_codes, wt.fc1_scales, ws.c, false, "FC1"));
+  // FC1's launch makes ws.offsets from the sizes (no offsets kernel: one launch fewer) where
+  // it can: the CUTLASS GEMM's argument kernel, or the blocks of the block-scaled-weights GEMM
+  // (at most 1024 experts).
+  if (wt.coded() && E > 1024) {
+    slab_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
+    MOE_EP_CUDA_CHECK_LAUNCH("slab_offsets_kernel");
+  }
+  MOE_EP_TRY(gemm.forward(2 * I, H, x, wt.fc1, wt, wt.fc1_codes, wt.fc1_scales, ws.c, false, "FC1", nullptr, 1, 0,
+                          group_sizes));
 
   const SwigluParams p{C, I, d.apply_topk_in_fc1, d.has_clamp, d.gate_up_clamp};
   const int planes = tc_operand_planes(d.intermediate_format);
@@ -755,6 +773,10 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
     // the GEMM writes the bf16 rows itself; rows of no expert are zeroed (as float pairs).
     MOE_EP_TRY(gemm.forward(H, I, ws.left, wt.fc2, wt, wt.fc2_codes, wt.fc2_scales, nullptr, false, "FC2",
                             static_cast<uint16_t*>(y_out)));
+    if (tail_deferred != nullptr) {
+      *tail_deferred = true;
+      return MOE_EP_OK;
+    }
     zero_tail_rows_kernel<<<tail_blocks(C * H / 2, ws), kThreads, 0, s>>>(static_cast<float*>(y_out), ws.offsets, E,
                                                                            C, H / 2);
     MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel");
@@ -796,6 +818,10 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   if (!bf16_out && combine_format == MOE_EP_FORMAT_NONE && !weight) {
     // Nothing happens to the FC2 output (no router weight, no rounding): the GEMM's rows
     // are y; only the rows of no expert are zeroed (not a pass over all of y).
+    if (tail_deferred != nullptr) {
+      *tail_deferred = true;
+      return MOE_EP_OK;
+    }
     zero_tail_rows_kernel<<<tail_blocks(C * H, ws), kThreads, 0, s>>>(y, ws.offsets, E, C, H);
     MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel");
     return MOE_EP_OK;
@@ -985,11 +1011,24 @@ moe_ep_status nan_on_error(void* stream, const int32_t* error, void* p, int64_t 
 
 __global__ void finish_forward_kernel(const int32_t* __restrict__ error, const int32_t* __restrict__ off,
                                       const int32_t* __restrict__ valid, int64_t groups, uint16_t* __restrict__ stash,
-                                      int64_t rows, int64_t cols, void* __restrict__ y, int64_t y_count, bool y_bf16) {
+                                      int64_t rows, int64_t cols, void* __restrict__ y, int64_t y_count, bool y_bf16,
+                                      const int32_t* __restrict__ tail_off) {
   if (*error != 0) {  // everything NaN, the stash's padding included
     fill_nan(y, y_count, y_bf16);
     fill_nan(stash, stash != nullptr ? rows * cols : 0, true);
     return;
+  }
+  if (tail_off != nullptr && rows > 0) {  // y's rows past the last slab: zero bytes [b0, b1)
+    const int64_t elem = y_bf16 ? 2 : 4, row_bytes = y_count / rows * elem;
+    const int64_t b0 = min(max(static_cast<int64_t>(*tail_off), int64_t{0}), rows) * row_bytes, b1 = rows * row_bytes;
+    const int64_t stride = int64_t{gridDim.x} * blockDim.x, first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+    char* yb = static_cast<char*>(y);
+    if (b0 % 16 == 0 && b1 % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0) {
+      for (int64_t t = b0 / 16 + first; t < b1 / 16; t += stride)
+        reinterpret_cast<uint4*>(yb)[t] = make_uint4(0u, 0u, 0u, 0u);
+    } else {
+      for (int64_t t = b0 + first; t < b1; t += stride) yb[t] = 0;
+    }
   }
   if (stash == nullptr || groups == 0) return;
   // Each group's padding rows (only they are touched) by gridDim.x / groups blocks of their own
@@ -1011,13 +1050,14 @@ __global__ void finish_forward_kernel(const int32_t* __restrict__ error, const i
 
 moe_ep_status finish_forward(void* stream, const int32_t* error, const int32_t* off, const int32_t* valid,
                              int64_t groups, uint16_t* stash, int64_t rows, int64_t stash_cols, void* y,
-                             int64_t y_count, int32_t y_dtype) {
+                             int64_t y_count, int32_t y_dtype, const int32_t* tail_off) {
   const int64_t s_count = stash != nullptr ? rows * stash_cols : 0;
   if (y_count + s_count == 0) return MOE_EP_OK;
   // Enough blocks for the NaN pass (a no-op when there is no error) and the padding's zeros.
   const unsigned blocks = std::min(blocks_for(y_count + s_count), 1024u);
   finish_forward_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(error, off, valid, groups, stash, rows, stash_cols,
-                                                                    y, y_count, y_dtype == MOE_EP_DTYPE_BF16);
+                                                                    y, y_count, y_dtype == MOE_EP_DTYPE_BF16,
+                                                                    y != nullptr ? tail_off : nullptr);
   MOE_EP_CUDA_CHECK_LAUNCH("finish_forward_kernel");
   return MOE_EP_OK;
 }

@@ -134,7 +134,8 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmProblem& p, int sm_count) {
 cudaError_t grouped_gemm_bf16(const GroupedGemmProblem& p, void* workspace, size_t workspace_bytes,
                               cudaStream_t stream, int sm_count) {
   if (!grouped_gemm_supported(p)) return cudaErrorNotSupported;
-  if (p.offsets == nullptr || (p.d == nullptr && p.d_bf16 == nullptr)) return cudaErrorInvalidValue;
+  if (p.group_sizes != nullptr ? p.offsets_out == nullptr : p.offsets == nullptr) return cudaErrorInvalidValue;
+  if (p.d == nullptr && p.d_bf16 == nullptr) return cudaErrorInvalidValue;
   if (p.total_rows > 0 && (p.a == nullptr || p.b == nullptr)) return cudaErrorInvalidValue;
   cudaError_t e = resolve_sm_count(&sm_count);
   if (e != cudaSuccess) return e;

@@ -60,6 +60,13 @@ struct GroupedGemmProblem {
   GemmLayout layout = GemmLayout::kNN;
   int32_t num_groups = 0;
   const int32_t* offsets = nullptr;  // [num_groups + 1] int32, device
+  // Or the offsets made on the device from group_sizes [num_groups] int32 (device):
+  // off[0] = 0, off[g + 1] = min(off[g] + max(group_sizes[g], 0), total_rows), written to
+  // offsets_out [num_groups + 1] int32 (device) by the launch that builds the groups'
+  // arguments, before the GEMM runs (later kernels on the stream may read them there).
+  // offsets is then not read. One launch fewer than a separate offsets kernel.
+  const int32_t* group_sizes = nullptr;
+  int32_t* offsets_out = nullptr;
   int64_t total_rows = 0;            // rows of the ragged operands (an upper bound on off[num_groups])
   int64_t m = 0;
   int64_t n = 0;

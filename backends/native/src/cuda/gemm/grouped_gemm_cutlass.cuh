@@ -186,7 +186,20 @@ __global__ void build_group_args(GroupedGemmProblem p, typename G::Shape* shapes
                                  typename G::StrideD* stride_d) {
   const int g = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= p.num_groups) return;
-  int64_t start = p.offsets[g], end = p.offsets[g + 1];
+  int64_t start, end;
+  if (p.group_sizes != nullptr) {  // the offsets from the sizes (one block: launch below), published
+    // min(prefix sum, total_rows) is the clamped running sum (the sizes are made >= 0).
+    int64_t sum = 0;
+    for (int e = 0; e < g; ++e) sum += p.group_sizes[e] > 0 ? p.group_sizes[e] : 0;
+    const int64_t size = p.group_sizes[g] > 0 ? p.group_sizes[g] : 0;
+    start = sum < p.total_rows ? sum : p.total_rows;
+    end = sum + size < p.total_rows ? sum + size : p.total_rows;
+    if (g == 0) p.offsets_out[0] = 0;
+    p.offsets_out[g + 1] = static_cast<int32_t>(end);
+  } else {
+    start = p.offsets[g];
+    end = p.offsets[g + 1];
+  }
   start = start < 0 ? 0 : (start > p.total_rows ? p.total_rows : start);
   end = end < start ? start : (end > p.total_rows ? p.total_rows : end);
   const int rows = static_cast<int>(end - start);
@@ -273,7 +286,8 @@ cudaError_t launch(const GroupedGemmProblem& p, void* workspace, size_t workspac
       const int64_t elems = p.m * p.n;
       const int64_t blocks = (elems * static_cast<int64_t>(sizeof(typename G::ElementD)) / 16 + 255) / 256;
       dim3 grid(static_cast<unsigned>(blocks < 128 ? blocks : 128), static_cast<unsigned>(p.num_groups));
-      zero_empty_groups<typename G::ElementD><<<grid, 256, 0, stream>>>(p.offsets, p.total_rows, elems, G::d_of(p));
+      zero_empty_groups<typename G::ElementD><<<grid, 256, 0, stream>>>(
+          p.group_sizes != nullptr ? p.offsets_out : p.offsets, p.total_rows, elems, G::d_of(p));
       e = cudaGetLastError();
       if (e != cudaSuccess) return e;
     }

@@ -76,8 +76,14 @@ struct Mxfp8WeightsGemm {
   // At few rows one pass multiplies every plane with the weights decoded once.
   int x_planes;
   int64_t x_plane_stride;
+  // Or the offsets made on the device from group_sizes [E] int32 (device): off[0] = 0,
+  // off[e + 1] = min(off[e] + max(group_sizes[e], 0), total_rows) (total_rows > 0 then, E at
+  // most 1024), each block summing the sizes before its expert's; the blocks of column 0
+  // write them to off_out [E + 1] int32 (device) for the kernels after this launch. off is
+  // then not read. One launch fewer than a separate offsets kernel.
+  const int32_t* group_sizes;
+  int32_t* off_out;
 };
-
 namespace mxw {
 
 constexpr int kWarps = 4;
@@ -447,7 +453,20 @@ __device__ __forceinline__ void run_block(const typename Fmt::Params& p, unsigne
   using StageT = typename Fmt::template StageT<Cfg>;
   StageT* stages = reinterpret_cast<StageT*>(smem);
   const int e = static_cast<int>(blockIdx.y);
-  const int64_t r0 = p.off[e], r1 = p.off[e + 1];
+  int64_t r0, r1;
+  if (p.group_sizes != nullptr) {  // min(prefix sum, total_rows): the clamped running sum
+    int64_t sum = 0;
+    for (int i = 0; i < e; ++i) sum += max(p.group_sizes[i], 0);
+    r0 = min(sum, p.total_rows);
+    r1 = min(sum + max(p.group_sizes[e], 0), p.total_rows);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      if (e == 0) p.off_out[0] = 0;
+      p.off_out[e + 1] = static_cast<int32_t>(r1);
+    }
+  } else {
+    r0 = p.off[e];
+    r1 = p.off[e + 1];
+  }
   const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
   for_each_pass<Cfg::kMaxNt>(
       r0, r1, [&](auto tiles, int64_t m0) { run_pass<decltype(tiles)::value, Cfg, Fmt>(p, stages, e, nb, m0, r1); });
@@ -484,7 +503,9 @@ inline bool coded_gemm_fits(const typename Fmt::Params& p) {
                                           : reinterpret_cast<uintptr_t>(p.y) % 8 == 0;
   const bool planes_ok = p.x_planes == 0 || p.x_planes == 1 ||
                          (p.x_planes == 3 && p.y_bf16 == nullptr && p.x_plane_stride % 8 == 0);
-  return mxfp8_weights_shape_fits(p.n, p.k) && a16 % 16 == 0 && planes_ok &&
+  const bool sizes_ok = p.group_sizes == nullptr ? p.off != nullptr
+                                                  : p.off_out != nullptr && p.total_rows > 0 && p.num_experts <= 1024;
+  return mxfp8_weights_shape_fits(p.n, p.k) && a16 % 16 == 0 && planes_ok && sizes_ok &&
          reinterpret_cast<uintptr_t>(p.scales) % Fmt::kScaleAlign == 0 && out_ok && p.num_experts > 0 &&
          p.num_experts <= 65535;
 }
@@ -536,6 +557,10 @@ inline cudaError_t mxfp8_weights_gemm_plane_by_plane(const Mxfp8WeightsGemm& p, 
     one.accumulate = p.accumulate || pl > 0;
     const cudaError_t err = mxfp8_weights_gemm(one, stream);
     if (err != cudaSuccess) return err;
+    if (one.group_sizes != nullptr) {  // the first launch made the offsets
+      one.off = one.off_out;
+      one.group_sizes = nullptr;
+    }
   }
   return cudaSuccess;
 }

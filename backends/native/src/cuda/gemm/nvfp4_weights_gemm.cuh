@@ -66,8 +66,14 @@ struct Nvfp4WeightsGemm {
   // plane p at x + p * x_plane_stride elements), summed: y = sum_p x_p W (float32 y only).
   int x_planes;
   int64_t x_plane_stride;
+  // Or the offsets made on the device from group_sizes [E] int32 (device): off[0] = 0,
+  // off[e + 1] = min(off[e] + max(group_sizes[e], 0), total_rows) (total_rows > 0 then, E at
+  // most 1024), each block summing the sizes before its expert's; the blocks of column 0
+  // write them to off_out [E + 1] int32 (device) for the kernels after this launch. off is
+  // then not read. One launch fewer than a separate offsets kernel.
+  const int32_t* group_sizes;
+  int32_t* off_out;
 };
-
 namespace nvw {
 
 using mxw::kRowsPerWarp;
@@ -300,6 +306,10 @@ inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t st
       one.accumulate = p.accumulate || pl > 0;
       const cudaError_t err = nvfp4_weights_gemm_launch<nvw::DefaultConfig>(one, stream);
       if (err != cudaSuccess) return err;
+      if (one.group_sizes != nullptr) {  // the first launch made the offsets
+        one.off = one.off_out;
+        one.group_sizes = nullptr;
+      }
     }
     return cudaSuccess;
   }
