@@ -354,8 +354,8 @@ def test_cuda_exchange_layer_experts_forward_equals_the_plain_layers(y_rows) -> 
         w_buf = torch.zeros(cap, dtype=torch.float32, device=dev)
         meta = torch.zeros((cap, 4), dtype=torch.int32, device=dev)
         gs, tpe, err = (torch.zeros(n, dtype=torch.int32, device=dev) for n in (e, e, 1))
-        ex.dispatch(stream, t, 2 * h, p(put(tok)), p(put(idx)), p(put(tw)), p(x), p(w_buf), p(meta), p(gs), p(tpe),
-                    p(err))
+        tok_d, idx_d, tw_d = put(tok), put(idx), put(tw)  # alive until the stream is done with them
+        ex.dispatch(stream, t, 2 * h, p(tok_d), p(idx_d), p(tw_d), p(x), p(w_buf), p(meta), p(gs), p(tpe), p(err))
         f1, f2 = put(fc1), put(fc2)
         outs = {}
         for name, layer in (("exchange", ex), ("plain", plain)):

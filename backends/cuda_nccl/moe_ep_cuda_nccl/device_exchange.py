@@ -56,8 +56,9 @@ from moe_ep_torch.api import _check, _check_group
 
 from . import static
 from .exchange_layers import _GENERATION, _LAYERS, _LOCK, close
-from .prims import (TIMEOUT_ENV, MainGrads, NativePrimitives, coded_weights_forward, coded_weights_path, operands, ptr,
-                    weight_grad_buffers, where)
+from .prims import (TIMEOUT_ENV, BlockScaledOperand, MainGrads, NativePrimitives, _record as _inexact_record,
+                    coded_weights_forward, coded_weights_path, dequantize_bf16, operands, ptr, weight_grad_buffers,
+                    where)
 
 __all__ = ["EXCHANGE_ENV", "COMBINE_ENV", "MODE_ENV", "ROUND_TRIP_ENV", "enabled", "forward", "backward", "backward_and_metadata", "move", "close"]
 
@@ -210,10 +211,20 @@ def move(config: MoeEpConfig, group: Any, activation: Any, idx: torch.Tensor, we
 
     A plain activation with no extra rows moves as it is: its rows are the
     dispatch's input and the received buffer is the experts' operand (no packing,
-    no copy). Otherwise the parts are packed into one byte row per token."""
+    no copy). Otherwise the parts are packed into one byte row per token. On one rank
+    (no transport: the dispatch is a local gather) a block-scaled activation of a bf16
+    layer with no extra rows moves as its bf16 decode: its T rows decoded once (the values
+    the experts' operand decode gives each copy; an mxfp8 value bf16 cannot hold is NaN
+    and lands in :func:`moe_ep_cuda_nccl.prims.inexact_decodes`, as there, here also for
+    a token with no route), instead of packing its codes and scales and decoding the C
+    received rows."""
     t = int(idx.shape[0])
     dev = idx.device
     cap, k = int(config.recv_capacity), config.num_topk
+    if (bf16 and not extra and isinstance(activation, TF.TorchBlockScaled) and dev.type == "cuda"
+            and dist.get_world_size(group) == 1):
+        exact = BlockScaledOperand(activation, False).exact_in_bf16
+        activation = dequantize_bf16(activation, None if exact else _inexact_record(dev))
     plain = isinstance(activation, torch.Tensor) and not extra
     if plain:
         blob = activation.contiguous()

@@ -13,6 +13,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/pdl.cuh"
 #include "internal.h"
 
 namespace moe_ep {
@@ -59,6 +60,14 @@ inline moe_ep_status check_launch(const char* kernel) {
                                      cudaGetErrorString(err));
   return MOE_EP_OK;
 }
+
+// kernel<<<grid, block, 0, stream>>>(...) with programmatic dependent launch (pdl.cuh: the
+// kernel starts with pdl_wait()), then the launch check.
+#define MOE_EP_CUDA_LAUNCH_PDL(kernel_name, kernel, grid, block, stream, ...)         \
+  do {                                                                              \
+    (void)::moe_ep::cuda::launch_pdl(kernel, grid, block, 0, stream, __VA_ARGS__); \
+    MOE_EP_CUDA_CHECK_LAUNCH(kernel_name);                                          \
+  } while (0)
 
 #define MOE_EP_CUDA_CHECK_LAUNCH(kernel_name)                         \
   do {                                                               \

@@ -109,6 +109,7 @@ template <int kFmt>
 __global__ void fc1_epilogue_kernel(const float* __restrict__ c, const float* __restrict__ w,
                                     const int32_t* __restrict__ off, int num_experts, uint16_t* __restrict__ stash,
                                     uint16_t* __restrict__ op, int planes, SwigluParams p) {
+  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
   constexpr int kBlock = block_of<kFmt>();
   const int64_t I = p.I;
   const int64_t nb = div_up(I, kBlock);
@@ -151,6 +152,7 @@ __global__ void fc1_epilogue_kernel(const float* __restrict__ c, const float* __
 template <int kFmt, bool kWeight>
 __global__ void fc2_epilogue_kernel(float* __restrict__ y, const float* __restrict__ w,
                                     const int32_t* __restrict__ off, int num_experts, int64_t C, int64_t H) {
+  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
   constexpr int kBlock = block_of<kFmt>();
   const int64_t nb = div_up(H, kBlock);
   const int64_t total = C * nb;
@@ -184,6 +186,7 @@ template <Vec4Store kStore, bool kWeight>
 __global__ void fc2_epilogue_vec4_kernel(float4* __restrict__ y, const float* __restrict__ w,
                                          const int32_t* __restrict__ off, int num_experts, int64_t C, int64_t H,
                                          uint2* __restrict__ bf16_out = nullptr) {
+  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
   const int64_t q = H / 4;  // float4 per row
   const int64_t total = C * q;
   const int64_t end = off == nullptr ? C : off[num_experts];
@@ -221,6 +224,7 @@ template <int kFmt, bool kWeight, bool kBf16Out = false>
 __global__ void fc2_epilogue_block_vec4_kernel(float4* __restrict__ y, const float* __restrict__ w,
                                                const int32_t* __restrict__ off, int num_experts, int64_t C,
                                                int64_t H, uint2* __restrict__ bf16_out = nullptr) {
+  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
   static_assert(!kBf16Out || kFmt == MOE_EP_FORMAT_NVFP4, "bf16 rows hold nvfp4's values, not always mxfp8's");
   constexpr int kGroup = block_of<kFmt>() / 4;  // lanes of one block
   static_assert(kGroup == 8 || kGroup == 4, "fc2_epilogue_block_vec4_kernel: mxfp8 or nvfp4");
@@ -266,6 +270,7 @@ template <bool kRoundBf16>
 __global__ void fc1_epilogue_vec4_kernel(const float* __restrict__ c, const float* __restrict__ w,
                                          const int32_t* __restrict__ off, int num_experts, uint16_t* __restrict__ stash,
                                          uint16_t* __restrict__ op, int planes, SwigluParams p) {
+  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
   const int64_t I = p.I;
   const int64_t q = I / 4;
   const int64_t total = p.C * q;
@@ -465,6 +470,7 @@ __global__ void bf16_to_float_kernel(const uint16_t* __restrict__ in, int64_t n,
 // Rows r >= off[E] of x [C, n]: zero (the grouped GEMMs write only the experts' rows).
 __global__ void zero_tail_rows_kernel(float* __restrict__ x, const int32_t* __restrict__ off, int num_experts,
                                       int64_t C, int64_t n) {
+  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
   const int64_t start = static_cast<int64_t>(off[num_experts]) * n;
   const int64_t total = C * n;
   for (int64_t t = start + blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total;
@@ -565,11 +571,12 @@ void launch_fc1_epilogue_as(unsigned blocks, cudaStream_t s, const float* c, con
                         reinterpret_cast<uintptr_t>(op);
     if (p.I % 4 == 0 && a % 16 == 0) {
       const unsigned b = blocks_for(p.C * (p.I / 4));
-      fc1_epilogue_vec4_kernel<kFmt == MOE_EP_FORMAT_BF16><<<b, kThreads, 0, s>>>(c, w, off, E, stash, op, planes, p);
+      (void)launch_pdl(fc1_epilogue_vec4_kernel<kFmt == MOE_EP_FORMAT_BF16>, b, kThreads, 0, s, c, w, off, E, stash,
+                       op, planes, p);
       return;
     }
   }
-  fc1_epilogue_kernel<kFmt><<<blocks, kThreads, 0, s>>>(c, w, off, E, stash, op, planes, p);
+  (void)launch_pdl(fc1_epilogue_kernel<kFmt>, blocks, kThreads, 0, s, c, w, off, E, stash, op, planes, p);
 }
 
 template <int kFmt>
@@ -581,7 +588,8 @@ void launch_fc2_epilogue_as(unsigned blocks, cudaStream_t s, float* y, const flo
       const unsigned b = blocks_for(C * (H / 4));
       float4* y4 = reinterpret_cast<float4*>(y);
       with_flag(weight, [&](auto kW) {
-        fc2_epilogue_vec4_kernel<kStore, decltype(kW)::value><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
+        (void)launch_pdl(fc2_epilogue_vec4_kernel<kStore, decltype(kW)::value>, b, kThreads, 0, s, y4, w, off, E, C, H,
+                         static_cast<uint2*>(nullptr));
       });
       return;
     }
@@ -591,13 +599,14 @@ void launch_fc2_epilogue_as(unsigned blocks, cudaStream_t s, float* y, const flo
       const unsigned b = blocks_for(C * (H / 4));
       float4* y4 = reinterpret_cast<float4*>(y);
       with_flag(weight, [&](auto kW) {
-        fc2_epilogue_block_vec4_kernel<kFmt, decltype(kW)::value><<<b, kThreads, 0, s>>>(y4, w, off, E, C, H);
+        (void)launch_pdl(fc2_epilogue_block_vec4_kernel<kFmt, decltype(kW)::value>, b, kThreads, 0, s, y4, w, off, E,
+                         C, H, static_cast<uint2*>(nullptr));
       });
       return;
     }
   }
   with_flag(weight, [&](auto kW) {
-    fc2_epilogue_kernel<kFmt, decltype(kW)::value><<<blocks, kThreads, 0, s>>>(y, w, off, E, C, H);
+    (void)launch_pdl(fc2_epilogue_kernel<kFmt, decltype(kW)::value>, blocks, kThreads, 0, s, y, w, off, E, C, H);
   });
 }
 
@@ -777,8 +786,8 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
       *tail_deferred = true;
       return MOE_EP_OK;
     }
-    zero_tail_rows_kernel<<<tail_blocks(C * H / 2, ws), kThreads, 0, s>>>(static_cast<float*>(y_out), ws.offsets, E,
-                                                                           C, H / 2);
+    (void)launch_pdl(zero_tail_rows_kernel, tail_blocks(C * H / 2, ws), kThreads, 0, s, static_cast<float*>(y_out),
+                     ws.offsets, E, C, H / 2);
     MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel");
     return MOE_EP_OK;
   }
@@ -798,8 +807,8 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
     float4* z4 = reinterpret_cast<float4*>(y);
     uint2* y2 = static_cast<uint2*>(y_out);
     with_flag(weight, [&](auto kW) {
-      fc2_epilogue_block_vec4_kernel<MOE_EP_FORMAT_NVFP4, decltype(kW)::value, true>
-          <<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C, H, y2);
+      (void)launch_pdl(fc2_epilogue_block_vec4_kernel<MOE_EP_FORMAT_NVFP4, decltype(kW)::value, true>, b, kThreads, 0,
+                       s, z4, w, ws.offsets, E, C, H, y2);
     });
     MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_block_vec4_kernel (bf16 rows)");
     return MOE_EP_OK;
@@ -809,8 +818,8 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
     float4* z4 = reinterpret_cast<float4*>(y);
     uint2* y2 = static_cast<uint2*>(y_out);
     with_flag(weight, [&](auto kW) {
-      fc2_epilogue_vec4_kernel<Vec4Store::kBf16Rows, decltype(kW)::value>
-          <<<b, kThreads, 0, s>>>(z4, w, ws.offsets, E, C, H, y2);
+      (void)launch_pdl(fc2_epilogue_vec4_kernel<Vec4Store::kBf16Rows, decltype(kW)::value>, b, kThreads, 0, s, z4, w,
+                       ws.offsets, E, C, H, y2);
     });
     MOE_EP_CUDA_CHECK_LAUNCH("fc2_epilogue_vec4_kernel (bf16 rows)");
     return MOE_EP_OK;
@@ -822,7 +831,7 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
       *tail_deferred = true;
       return MOE_EP_OK;
     }
-    zero_tail_rows_kernel<<<tail_blocks(C * H, ws), kThreads, 0, s>>>(y, ws.offsets, E, C, H);
+    (void)launch_pdl(zero_tail_rows_kernel, tail_blocks(C * H, ws), kThreads, 0, s, y, ws.offsets, E, C, H);
     MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel");
     return MOE_EP_OK;
   }
@@ -1013,6 +1022,7 @@ __global__ void finish_forward_kernel(const int32_t* __restrict__ error, const i
                                       const int32_t* __restrict__ valid, int64_t groups, uint16_t* __restrict__ stash,
                                       int64_t rows, int64_t cols, void* __restrict__ y, int64_t y_count, bool y_bf16,
                                       const int32_t* __restrict__ tail_off) {
+  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
   if (*error != 0) {  // everything NaN, the stash's padding included
     fill_nan(y, y_count, y_bf16);
     fill_nan(stash, stash != nullptr ? rows * cols : 0, true);
@@ -1055,9 +1065,8 @@ moe_ep_status finish_forward(void* stream, const int32_t* error, const int32_t* 
   if (y_count + s_count == 0) return MOE_EP_OK;
   // Enough blocks for the NaN pass (a no-op when there is no error) and the padding's zeros.
   const unsigned blocks = std::min(blocks_for(y_count + s_count), 1024u);
-  finish_forward_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(error, off, valid, groups, stash, rows, stash_cols,
-                                                                    y, y_count, y_dtype == MOE_EP_DTYPE_BF16,
-                                                                    y != nullptr ? tail_off : nullptr);
+  (void)launch_pdl(finish_forward_kernel, blocks, kThreads, 0, as_stream(stream), error, off, valid, groups, stash,
+                   rows, stash_cols, y, y_count, y_dtype == MOE_EP_DTYPE_BF16, y != nullptr ? tail_off : nullptr);
   MOE_EP_CUDA_CHECK_LAUNCH("finish_forward_kernel");
   return MOE_EP_OK;
 }

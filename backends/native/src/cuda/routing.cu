@@ -853,6 +853,7 @@ constexpr int kRecordThreads = 256;
 __global__ void __launch_bounds__(kRecordThreads)
     record_step_kernel(const int32_t* __restrict__ error, const int32_t* __restrict__ tpe, int64_t n,
                        int64_t alignment, int64_t* record) {
+  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh): after a combine's kernel
   __shared__ int64_t s_part[kRecordThreads / 32];
   int64_t rows = 0;
   for (int64_t le = threadIdx.x; le < n; le += blockDim.x) {
@@ -874,8 +875,8 @@ __global__ void __launch_bounds__(kRecordThreads)
 
 moe_ep_status record_step(void* stream, const int32_t* error, const int32_t* tokens_per_expert,
                           int64_t num_local_experts, int64_t alignment, int64_t* record) {
-  record_step_kernel<<<1, kRecordThreads, 0, as_stream(stream)>>>(error, tokens_per_expert, num_local_experts,
-                                                                   alignment, record);
+  (void)launch_pdl(record_step_kernel, 1, kRecordThreads, 0, as_stream(stream), error, tokens_per_expert,
+                   num_local_experts, alignment, record);
   MOE_EP_CUDA_CHECK_LAUNCH("record_step_kernel");
   return MOE_EP_OK;
 }

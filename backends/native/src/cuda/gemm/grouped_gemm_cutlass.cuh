@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/pdl.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -184,6 +185,7 @@ __global__ void build_group_args(GroupedGemmProblem p, typename G::Shape* shapes
                                  const typename G::ElementB** ptr_b, typename G::ElementD** ptr_d,
                                  typename G::StrideA* stride_a, typename G::StrideB* stride_b,
                                  typename G::StrideD* stride_d) {
+  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh): after the stage's previous kernel
   const int g = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= p.num_groups) return;
   int64_t start, end;
@@ -272,8 +274,9 @@ cudaError_t launch(const GroupedGemmProblem& p, void* workspace, size_t workspac
   if (reinterpret_cast<uintptr_t>(workspace) % 128 != 0) return cudaErrorInvalidValue;  // tensor maps: 128-byte aligned
   char* ws = static_cast<char*>(workspace);
 
-  build_group_args<G><<<1, p.num_groups, 0, stream>>>(
-      p, reinterpret_cast<typename G::Shape*>(ws + w.shapes),
+  (void)launch_pdl(
+      build_group_args<G>, 1, static_cast<unsigned>(p.num_groups), 0, stream, p,
+      reinterpret_cast<typename G::Shape*>(ws + w.shapes),
       reinterpret_cast<const typename G::ElementA**>(ws + w.ptr_a),
       reinterpret_cast<const typename G::ElementB**>(ws + w.ptr_b),
       reinterpret_cast<typename G::ElementD**>(ws + w.ptr_d), reinterpret_cast<typename G::StrideA*>(ws + w.stride_a),

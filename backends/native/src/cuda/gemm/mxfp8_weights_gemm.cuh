@@ -52,6 +52,7 @@
 #include <type_traits>
 
 #include "cuda/format_math.cuh"
+#include "cuda/pdl.cuh"
 
 namespace moe_ep {
 namespace cuda {
@@ -452,6 +453,7 @@ template <class Cfg, class Fmt>
 __device__ __forceinline__ void run_block(const typename Fmt::Params& p, unsigned char* smem) {
   using StageT = typename Fmt::template StageT<Cfg>;
   StageT* stages = reinterpret_cast<StageT*>(smem);
+  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
   const int e = static_cast<int>(blockIdx.y);
   int64_t r0, r1;
   if (p.group_sizes != nullptr) {  // min(prefix sum, total_rows): the clamped running sum
@@ -521,8 +523,8 @@ inline cudaError_t coded_gemm_launch(const typename Fmt::Params& p, cudaStream_t
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.n / kTileN), static_cast<unsigned>(p.num_experts));
-  kernel<<<grid, kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  const cudaError_t launched = launch_pdl(kernel, grid, kThreads, smem, stream, p);
+  return launched != cudaSuccess ? launched : cudaGetLastError();
 }
 
 // Whether p's rows an expert on average (total_rows / num_experts, read on the host; unknown
