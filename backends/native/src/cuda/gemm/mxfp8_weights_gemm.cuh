@@ -85,6 +85,7 @@ struct Mxfp8WeightsGemm {
   const int32_t* group_sizes;
   int32_t* off_out;
 };
+
 namespace mxw {
 
 constexpr int kWarps = 4;

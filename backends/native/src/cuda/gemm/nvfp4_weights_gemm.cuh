@@ -74,6 +74,7 @@ struct Nvfp4WeightsGemm {
   const int32_t* group_sizes;
   int32_t* off_out;
 };
+
 namespace nvw {
 
 using mxw::kRowsPerWarp;
