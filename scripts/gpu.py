@@ -18,7 +18,7 @@ Steps (default: all of them, always run in this order whatever order they are na
                rank on the one GPU (--device cuda-shared, the device exchange over CUDA IPC),
                jax-ffi, torch and jax at EP 1; cuda-nccl, torch and jax at EP 2 on two GPUs.
   sanitize     compute-sanitizer memcheck and racecheck on the grouped-GEMM check program
-               and on the device exchange's and the kernels' CUDA tests.
+               and on the device exchange's, the kernels' and the layer's CUDA tests.
   bench        moe-ep bench at the DeepSeek-V3 per-rank shape (EP 1, 32 local experts),
                then moe-ep bench --compare against the card's baseline in bench/baselines/.
 
@@ -488,6 +488,13 @@ def sanitize_commands(ctx: Context) -> List[Command]:
         Command("memcheck-kernels", sanitizer("memcheck", *_pytest(
             ctx, "tests/test_native_cuda.py", "-k", "plan_routes or permute or combine_reduce or experts")),
             needs=needs_sanitizer),
+        # the experts stages on tensor cores: the layer's forward and backward kernels (launched with
+        # programmatic dependent launch), after an exchange's dispatch too, and the block-scaled-weights
+        # forward (the offsets made by FC1's blocks)
+        *(Command(f"{tool}-layer", sanitizer(tool, *_pytest(
+            ctx, "tests/test_native_layer.py", "tests/test_native_mxfp8_weights.py",
+            "tests/test_native_nvfp4_weights.py", "-k", "cuda")), needs=needs_sanitizer)
+          for tool in ("memcheck", "racecheck")),
         # the bf16-operand backward's GEMMs and fused SwiGLU pass (one forward+backward of each case)
         *(Command(f"{tool}-bf16-backward", sanitizer(tool, *_pytest(
             ctx, "tests/test_native_bf16_backward.py", "-k", "test_cuda_bf16_backward_follows_the_formulas and bf16]")),
