@@ -61,14 +61,6 @@ inline moe_ep_status check_launch(const char* kernel) {
   return MOE_EP_OK;
 }
 
-// kernel<<<grid, block, 0, stream>>>(...) with programmatic dependent launch (pdl.cuh: the
-// kernel starts with pdl_wait()), then the launch check.
-#define MOE_EP_CUDA_LAUNCH_PDL(kernel_name, kernel, grid, block, stream, ...)         \
-  do {                                                                              \
-    (void)::moe_ep::cuda::launch_pdl(kernel, grid, block, 0, stream, __VA_ARGS__); \
-    MOE_EP_CUDA_CHECK_LAUNCH(kernel_name);                                          \
-  } while (0)
-
 #define MOE_EP_CUDA_CHECK_LAUNCH(kernel_name)                         \
   do {                                                               \
     const moe_ep_status _st = ::moe_ep::cuda::detail::check_launch(kernel_name); \
