@@ -456,7 +456,7 @@ moe_ep_status finish_forward(const moe_ep_layer* l, void* stream, int64_t C, voi
   const bool bf16_out = l->cfg.expert_out_dtype == MOE_EP_DTYPE_BF16;
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (is_cuda(l)) {  // all in one kernel
-    if (l->ex == nullptr || l->ex->last_tokens < 0) return MOE_EP_OK;
+    if (!tail_by_finish(l)) return MOE_EP_OK;
     return cuda::finish_forward(stream, l->ex->loc.step_err, l->ex->loc.off, l->ex->loc.nloc,
                                 l->desc.num_local_experts, fc1_c, C, 2 * l->desc.intermediate, y,
                                 y != nullptr ? C * l->desc.hidden : 0,
