@@ -74,10 +74,10 @@ def device_matches_static(rank: int, config, world_inputs, grad_outputs, combine
 
 def round_trip_places_agree(rank: int, config, world_inputs, grad_outputs, combine: str, device: str,
                             mode: str = "throughput") -> Dict[str, Any]:
-    """The device exchange's forward and backward with an mxfp8 combine_format's round trip
-    done by the experts stage (MOE_EP_CUDA_NCCL_ROUND_TRIP=experts) and by the combine as it
-    reads the rows (=combine): the outputs of both, and the round-trip setting of every
-    exchange layer this ran on."""
+    """The device exchange's forward and backward with a block-scaled combine_format's round
+    trip done by the experts stage (MOE_EP_CUDA_NCCL_ROUND_TRIP=experts) and by the combine as
+    it reads the rows (=combine, where the front-end takes it): the outputs of both, and
+    whether the combine rounded the rows, for every exchange layer this ran on."""
     import torch
 
     os.environ["MOE_EP_CUDA_NCCL_COMBINE"] = combine
@@ -94,7 +94,7 @@ def round_trip_places_agree(rank: int, config, world_inputs, grad_outputs, combi
     for where in ("experts", "combine"):
         os.environ[D.ROUND_TRIP_ENV] = where
         res[where] = _run(api.DEVICE_OPS, config, group, _inputs(world_inputs, rank, dev, False), g)
-    res["round_trip_in_combine"] = sorted({layer.combine_round_trip for _, layer in D._LAYERS.values()})
+    res["round_trip_in_combine"] = sorted({layer.combine_round_trip is not None for _, layer in D._LAYERS.values()})
     api.check_errors(config)
     api.close_communicators()
     return res

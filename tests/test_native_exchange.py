@@ -29,12 +29,12 @@ import pytest
 
 pytest.importorskip("moe_ep_native")
 
-from moe_ep_native._capi import LayerConfig, call, has_cuda  # noqa: E402
+from moe_ep_native._capi import Format, LayerConfig, call, has_cuda  # noqa: E402
 from moe_ep_native.exchange import (  # noqa: E402
     BAD_EXPERT_ID, LOW_LATENCY, OVERFLOW, RANK_SUMS, SLOT_ORDER, THROUGHPUT, TIMEOUT, ExchangeLayer, with_exchange,
 )
 from moe_ep_native.layer import layer_config  # noqa: E402
-from moe_ep_spec import MoeEpConfig, NativeArgumentError  # noqa: E402
+from moe_ep_spec import DTypeError, MoeEpConfig, NativeArgumentError  # noqa: E402
 
 
 def _ptr(a):
@@ -301,12 +301,16 @@ def test_cpu_twin_combine_checks_the_alignment_of_y_by_its_dtype() -> None:
                         layer.combine(None, 2, base + 2, _ptr(out), y_bf16=False)
                 layer.combine(None, 2, base, _ptr(out), y_bf16=bf16)
             with pytest.raises(NativeArgumentError, match=r"y_dtype must be MOE_EP_DTYPE_F32 \(0\), "
-                                                          r"MOE_EP_DTYPE_BF16 \(1\) or MOE_EP_Y_F32_MXFP8_ROUND_TRIP "
-                                                          r"\(2\); got 7"):
+                                                          r"MOE_EP_DTYPE_BF16 \(1\), MOE_EP_Y_F32_MXFP8_ROUND_TRIP "
+                                                          r"\(2\) or MOE_EP_Y_F32_NVFP4_ROUND_TRIP \(3\); got 7"):
                 call("moe_ep_layer_combine", layer._handle, None, 2, base, 7, _ptr(out), 0, None, None, None)
-            with pytest.raises(NativeArgumentError, match=r"hidden must be a multiple of 128 with y_dtype "
-                                                          r"MOE_EP_Y_F32_MXFP8_ROUND_TRIP .*; got 8"):
-                layer.combine(None, 2, base, _ptr(out), y_round_trip=True)
+            for fmt in (Format.MXFP8, Format.NVFP4):
+                with pytest.raises(NativeArgumentError, match=rf"hidden must be a multiple of 128 with y_dtype "
+                                                              rf"MOE_EP_Y_F32_{fmt.name}_ROUND_TRIP .*; got 8"):
+                    layer.combine(None, 2, base, _ptr(out), y_round_trip=fmt)
+            for bad in (True, Format.BF16):
+                with pytest.raises(DTypeError, match=r"y_round_trip must be None, Format.MXFP8 or Format.NVFP4"):
+                    layer.combine(None, 2, base, _ptr(out), y_round_trip=bad)
             layer.combine(None, 2, base, _ptr(out), y_bf16=bf16)  # the refused calls changed nothing
             with pytest.raises(NativeArgumentError, match=r"out_dtype must be MOE_EP_DTYPE_F32 \(0\) or "
                                                           r"MOE_EP_DTYPE_BF16 \(1\); got 5"):
@@ -438,11 +442,13 @@ def test_front_end_device_exchange_equals_the_static_mode_on_cpu(world_size, tok
     _compare(results, exact_keys=set(results[0]["static"][0]))  # slot order: everything bit for bit
 
 
-def _check_round_trip_places(results) -> None:
+def _check_round_trip_places(results, in_combine=True) -> None:
+    # in_combine: whether the front-end takes the combine's round trip (nvfp4: at one rank only).
+    places = [False, True] if in_combine else [False]
     for rank, res in enumerate(results):
-        assert res["round_trip_in_combine"] == [False, True], (
-            f"rank {rank}: exchange layers with the round trip in the combine {res['round_trip_in_combine']}; "
-            "want one of each (experts, combine)"
+        assert res["round_trip_in_combine"] == places, (
+            f"rank {rank}: whether the exchange layers round in the combine: {res['round_trip_in_combine']}; "
+            f"want {places}"
         )
         for key, want in res["experts"].items():
             assert np.array_equal(res["combine"][key], want, equal_nan=True), (
@@ -450,17 +456,25 @@ def _check_round_trip_places(results) -> None:
             )
 
 
-# An mxfp8 combine format whose blocks the combine reads a warp's 128 columns at a time.
+# A block-scaled combine format whose blocks the combine reads a warp's 128 columns at a time.
 ROUND_TRIP = FRONT.replace(hidden=128, combine_format="mxfp8")
+ROUND_TRIP_FORMATS = pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 
 
+def _round_trip_config(fmt, world_size):
+    return ROUND_TRIP.replace(combine_format=fmt, num_ranks=world_size, num_experts=4 * world_size,
+                              recv_capacity=max(48, 24 * world_size))
+
+
+@ROUND_TRIP_FORMATS
 @pytest.mark.parametrize("world_size,tokens", [(1, (9,)), (2, (12, 5))], ids=["ep1", "ep2"])
 @pytest.mark.parametrize("combine", ["slot", "rank"])
-def test_front_end_round_trip_in_the_combine_is_bit_for_bit_on_cpu(world_size, tokens, combine) -> None:
-    config = ROUND_TRIP.replace(num_ranks=world_size, num_experts=4 * world_size, recv_capacity=max(48, 24 * world_size))
+def test_front_end_round_trip_in_the_combine_is_bit_for_bit_on_cpu(fmt, world_size, tokens, combine) -> None:
+    # nvfp4: the combine rounds at one rank; across ranks the experts stage does (bf16 rows).
+    config = _round_trip_config(fmt, world_size)
     world, grads = _world(config, 31, tokens)
     _check_round_trip_places(_ok(run_ranks(XW.round_trip_places_agree, world_size, config, world, grads, combine,
-                                           "cpu")))
+                                           "cpu")), in_combine=fmt == "mxfp8" or world_size == 1)
 
 
 def test_front_end_rank_sums_stay_close_and_fixed_parts_are_exact_on_cpu() -> None:
@@ -525,15 +539,17 @@ def test_cuda_loopback_device_exchange_on_one_gpu(world_size, tokens, combine, m
 
 
 @cuda
+@ROUND_TRIP_FORMATS
 @pytest.mark.parametrize("world_size,tokens", [(1, (9,)), (2, (12, 5))], ids=["ep1", "ep2"])
 @pytest.mark.parametrize("combine", ["slot", "rank"])
 @EXCHANGE_MODES
-def test_cuda_loopback_round_trip_in_the_combine_is_bit_for_bit(world_size, tokens, combine, mode) -> None:
+def test_cuda_loopback_round_trip_in_the_combine_is_bit_for_bit(fmt, world_size, tokens, combine, mode) -> None:
     # combine_one (EP 1), combine_send (EP 2, throughput), combine_ll (EP 2, low latency); slot: copy_piece.
-    config = ROUND_TRIP.replace(num_ranks=world_size, num_experts=4 * world_size, recv_capacity=max(48, 24 * world_size))
+    # nvfp4: the combine rounds at one rank (combine_one); across ranks the experts stage does.
+    config = _round_trip_config(fmt, world_size)
     world, grads = _world(config, 32, tokens)
     _check_round_trip_places(_ok(run_ranks(XW.round_trip_places_agree, world_size, config, world, grads, combine,
-                                           "cuda", mode, timeout=300)))
+                                           "cuda", mode, timeout=300)), in_combine=fmt == "mxfp8" or world_size == 1)
 
 
 @cuda
@@ -650,7 +666,7 @@ def _one_rank_run(case, device):
         layer.combine(stream, t, ptr(ins["y_f32"]), ptr(outs["f32"]), ptr(ins["values"]), ptr(outs["f32_values"]),
                       ptr(outs["f32_err"]))
         layer.combine(stream, t, ptr(ins["y_f32"]), ptr(outs["rt"]), out_error=ptr(outs["rt_err"]), out_bf16=True,
-                      y_round_trip=True)
+                      y_round_trip=Format.MXFP8)
         if device == "cuda":
             torch.cuda.synchronize(dev)
         got = {name: back(a, marks[name].dtype) for name, a in outs.items()}

@@ -22,9 +22,11 @@ tensors: ``/dev/shm``. On CUDA a stage runs as five kernels chained with
 programmatic dependent launch, or, with ``MOE_EP_CUDA_NCCL_EXCHANGE_MODE=low_latency``,
 as one cooperative kernel (for few tokens; the same results, bit for bit). The NCCL provider's communicator serves only this setup
 and lives as long as the layer. An mxfp8 ``combine_format``'s round trip of the
-expert outputs is done by the forward's combine as it reads each row
-(``MOE_EP_CUDA_NCCL_ROUND_TRIP=combine``, the default when ``hidden`` is a multiple
-of 128; ``experts``: by the experts stage), the same values bit for bit.
+expert outputs, and an nvfp4 one's at one rank, is done by the forward's combine as
+it reads each row (``MOE_EP_CUDA_NCCL_ROUND_TRIP=combine``, the default when
+``hidden`` is a multiple of 128; ``experts``: by the experts stage), the same values
+bit for bit. Across ranks nvfp4's rounded rows travel as bf16 instead (exact: half
+the bytes of the float32 rows the combine would round).
 
 One native layer per (configuration, device, operand dtype, token bytes, combine
 order, exchange mode, round-trip place, group)
@@ -71,10 +73,10 @@ COMBINE_ENV = "MOE_EP_CUDA_NCCL_COMBINE"
 SMS_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE_SMS"
 #: Where the peers' memory comes from: ``auto`` (default), ``nccl`` (NCCL symmetric memory) or ``ipc`` (CUDA IPC).
 PEERS_ENV = "MOE_EP_EXCHANGE_PEERS"
-#: Where an mxfp8 ``combine_format``'s round trip of the expert outputs happens: ``combine`` (default: the
+#: Where a block-scaled ``combine_format``'s round trip of the expert outputs happens: ``combine`` (default: the
 #: combine puts each row through it as it reads it, one pass over the rows fewer; needs ``hidden % 128 == 0``,
-#: otherwise ``experts``) or ``experts`` (the experts stage rounds the rows, the combine sums them). The same
-#: results, bit for bit.
+#: and for nvfp4 one rank, otherwise ``experts``) or ``experts`` (the experts stage rounds the rows, the combine
+#: sums them). The same results, bit for bit.
 ROUND_TRIP_ENV = "MOE_EP_CUDA_NCCL_ROUND_TRIP"
 #: How a stage runs on CUDA: ``throughput`` (default: five kernels chained with programmatic dependent launch)
 #: or ``low_latency`` (one cooperative kernel per stage, for few tokens); the same results, bit for bit.
@@ -117,24 +119,34 @@ def _peers() -> str:
     return value
 
 
-def _combine_round_trip(config: MoeEpConfig) -> bool:
-    """Whether the layer's combine applies an mxfp8 ``combine_format``'s round trip as it reads
-    the expert outputs (``MOE_EP_CUDA_NCCL_ROUND_TRIP``): the layer is then made with
+def _combine_round_trip(config: MoeEpConfig, num_ranks: int) -> Optional[C.Format]:
+    """The block format whose round trip the layer's combine applies to the expert outputs as
+    it reads them (``MOE_EP_CUDA_NCCL_ROUND_TRIP``), or None: the layer is then made with
     ``combine_format`` none, its experts stage leaves the rows unrounded, and the forward's
-    combine reads them as ``Y_F32_MXFP8_ROUND_TRIP``."""
+    combine reads them as ``Y_F32_MXFP8_ROUND_TRIP`` / ``Y_F32_NVFP4_ROUND_TRIP``. mxfp8 at
+    any number of ranks; nvfp4 at one rank only, where no row crosses ranks: across ranks its
+    rows travel as bf16 (:func:`_bf16_rows`), half the bytes of the float32 rows the combine
+    would read. Both need ``hidden % 128 == 0`` (whole blocks in a warp's columns)."""
     value = os.environ.get(ROUND_TRIP_ENV, "combine")
     if value not in ("combine", "experts"):
         raise E.ConfigError(f"{ROUND_TRIP_ENV} must be 'combine' or 'experts'; got {value!r}", field=ROUND_TRIP_ENV,
                             value=value)
-    return value == "combine" and config.combine_format is MoeFormat.MXFP8 and config.hidden % 128 == 0
+    if value != "combine" or config.hidden % 128 != 0:
+        return None
+    if config.combine_format is MoeFormat.MXFP8:
+        return C.Format.MXFP8
+    if config.combine_format is MoeFormat.NVFP4 and num_ranks == 1:
+        return C.Format.NVFP4
+    return None
 
 
-def _bf16_rows(config: MoeEpConfig) -> bool:
-    """Whether the expert-output rows travel as bf16: combine_format bf16, or nvfp4, whose
-    round-tripped values are bf16 values too (E2M1 x E4M3: at most 6 significant bits, 2^-10
-    to 2688): exact, half the bytes of float32 (MoeEpConfig keeps nvfp4's blocks whole in a
-    row, as the layer requires then). mxfp8's are not always (scales below 2^-116)."""
-    return config.combine_format in (MoeFormat.BF16, MoeFormat.NVFP4)
+def _bf16_rows(config: MoeEpConfig, round_trip: Optional[C.Format]) -> bool:
+    """Whether the expert-output rows travel as bf16: combine_format bf16, or nvfp4 rounded by
+    the experts stage (round_trip None), whose round-tripped values are bf16 values too (E2M1 x
+    E4M3: at most 6 significant bits, 2^-10 to 2688): exact, half the bytes of float32
+    (MoeEpConfig keeps nvfp4's blocks whole in a row, as the layer requires then). mxfp8's are
+    not always (scales below 2^-116)."""
+    return config.combine_format is MoeFormat.BF16 or (config.combine_format is MoeFormat.NVFP4 and round_trip is None)
 
 
 def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, token_bytes: int) -> X.ExchangeLayer:
@@ -143,7 +155,8 @@ def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, to
     order = _combine_order()
     peers = _peers()
     mode = _mode()
-    round_trip = _combine_round_trip(config)
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    round_trip = _combine_round_trip(config, n)
     key = (config, cuda_device, bf16, token_bytes, order, mode, round_trip, group.group_name, id(group))
     with _LOCK:
         entry = _LAYERS.get(key)
@@ -156,10 +169,9 @@ def _layer(config: MoeEpConfig, group: Any, device: torch.device, bf16: bool, to
             )
         gen = _GENERATION.get(group.group_name, 0)
         _GENERATION[group.group_name] = gen + 1
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
     base = layer_config(config, max_rows=int(config.recv_capacity), cuda_device=cuda_device, bf16_operands=bf16,
-                        with_backward=True, bf16_expert_out=_bf16_rows(config))
-    if round_trip:  # the combine rounds the rows (see _combine_round_trip)
+                        with_backward=True, bf16_expert_out=_bf16_rows(config, round_trip))
+    if round_trip is not None:  # the combine rounds the rows (see _combine_round_trip)
         base.combine_format = int(C.Format.NONE)
     cfg = X.with_exchange(
         base, num_ranks=n, rank=rank, num_topk=config.num_topk, max_tokens=int(config.max_tokens_per_rank),

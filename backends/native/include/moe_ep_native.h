@@ -52,8 +52,8 @@ extern "C" {
 #endif
 
 /** Bumped on any incompatible change of a signature or a struct below, and when an entry
- *  point, a field or a flag is added (ABI 3, 4, 5, 6, 7, 8, 9, 10): a binding built for N calls the entry points of N. */
-#define MOE_EP_NATIVE_ABI_VERSION 10
+ *  point, a field or a flag is added (ABI 3, 4, 5, 6, 7, 8, 9, 10, 11): a binding built for N calls the entry points of N. */
+#define MOE_EP_NATIVE_ABI_VERSION 11
 
 typedef enum {
   MOE_EP_OK = 0,
@@ -760,13 +760,15 @@ MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream
 
 /*
  * y_dtype of moe_ep_layer_combine: float32 rows of which the combine puts each through mxfp8's
- * round trip (docs/spec.md section 8) as it reads it, the sums then as for the round-tripped
- * rows in float32, bit for bit. An mxfp8 combine_format's rounding done by the combine rather
+ * (MOE_EP_Y_F32_MXFP8_ROUND_TRIP) or nvfp4's (MOE_EP_Y_F32_NVFP4_ROUND_TRIP) round trip
+ * (docs/spec.md section 8) as it reads it, the sums then as for the round-tripped rows in
+ * float32, bit for bit. A block-scaled combine_format's rounding done by the combine rather
  * than by the experts forward: a layer made with combine_format MOE_EP_FORMAT_NONE writes y
  * unrounded, and this combine rounds it, one pass over y fewer. hidden must be a multiple of
- * 128; on CUDA y and out must be 16-byte aligned. Added in ABI 7.
+ * 128; on CUDA y and out must be 16-byte aligned. mxfp8: added in ABI 7; nvfp4: in ABI 11.
  */
 #define MOE_EP_Y_F32_MXFP8_ROUND_TRIP 2
+#define MOE_EP_Y_F32_NVFP4_ROUND_TRIP 3
 
 /**
  * Combine (collective) of the last dispatch: the expert-major rows back to their
@@ -775,8 +777,9 @@ MOE_EP_API moe_ep_status moe_ep_layer_dispatch(moe_ep_layer* layer, void* stream
  *   y:           [C, H] y_dtype: rows as dispatched (padding rows never read).
  *   y_dtype:     MOE_EP_DTYPE_F32, or MOE_EP_DTYPE_BF16 (bf16 bit patterns: e.g. the rows of
  *                experts_forward with expert_out_dtype bf16); sums are float32 either way,
- *                the same numbers for the same values. Or MOE_EP_Y_F32_MXFP8_ROUND_TRIP:
- *                float32 rows each put through mxfp8's round trip as the combine reads them.
+ *                the same numbers for the same values. Or MOE_EP_Y_F32_MXFP8_ROUND_TRIP /
+ *                MOE_EP_Y_F32_NVFP4_ROUND_TRIP: float32 rows each put through mxfp8's /
+ *                nvfp4's round trip as the combine reads them.
  *   out:         [T, H] out_dtype out: the sums (+0 for a token with no route), float32, or
  *                their bf16 encoding (nearest, ties to even: the output encoding for bf16).
  *   out_dtype:   MOE_EP_DTYPE_F32 or MOE_EP_DTYPE_BF16.

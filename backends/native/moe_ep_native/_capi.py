@@ -15,7 +15,7 @@ __all__ = ["ABI_VERSION", "Format", "Status", "DType", "ExpertDesc", "LayerConfi
            "abi_version", "has_cuda", "has_nccl", "build_info"]
 
 #: The ABI this binding was written for (MOE_EP_NATIVE_ABI_VERSION).
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 #: Set to a file path to load that library instead of the installed one.
 LIBRARY_ENV = "MOE_EP_NATIVE_LIBRARY"

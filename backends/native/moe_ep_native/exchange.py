@@ -37,13 +37,13 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from moe_ep_spec.errors import ConfigError, DTypeError, NativeError
 
-from ._capi import DType, LayerConfig, Status, call, has_nccl, load, set_prototypes
+from ._capi import DType, Format, LayerConfig, Status, call, has_nccl, load, set_prototypes
 from .comm import Communicator, unique_id
 from .layer import Layer
 
 __all__ = [
     "BAD_EXPERT_ID", "OVERFLOW", "TIMEOUT", "RANK_SUMS", "SLOT_ORDER", "THROUGHPUT", "LOW_LATENCY", "MODES",
-    "IPC_HANDLE_BYTES", "Y_F32_MXFP8_ROUND_TRIP", "with_exchange",
+    "IPC_HANDLE_BYTES", "Y_F32_MXFP8_ROUND_TRIP", "Y_F32_NVFP4_ROUND_TRIP", "with_exchange",
     "PROVIDERS", "ExchangeLayer", "Loopback", "NcclPeers", "connect_loopback", "connect_nccl", "connect",
 ]
 
@@ -62,6 +62,10 @@ LOW_LATENCY = 1
 MODES = {"throughput": THROUGHPUT, "low_latency": LOW_LATENCY}
 #: y_dtype of moe_ep_layer_combine (ABI 7): float32 rows each put through mxfp8's round trip as they are read.
 Y_F32_MXFP8_ROUND_TRIP = 2
+#: The same with nvfp4's round trip (ABI 11).
+Y_F32_NVFP4_ROUND_TRIP = 3
+#: The y_dtype of each round trip the combine applies, by moe_ep_format.
+_ROUND_TRIP_Y_DTYPE = {int(Format.MXFP8): Y_F32_MXFP8_ROUND_TRIP, int(Format.NVFP4): Y_F32_NVFP4_ROUND_TRIP}
 #: MOE_EP_IPC_HANDLE_BYTES.
 IPC_HANDLE_BYTES = 64
 #: The peer providers :func:`connect` takes.
@@ -179,17 +183,21 @@ class ExchangeLayer(Layer):
              out_tokens, out_weights, out_route_metadata, out_group_sizes, out_tokens_per_expert, out_error)
 
     def combine(self, stream, num_tokens, y, out, row_values=None, out_values=None, out_error=None,
-                y_bf16: bool = False, out_bf16: bool = False, y_round_trip: bool = False) -> None:
+                y_bf16: bool = False, out_bf16: bool = False, y_round_trip: Optional[Format] = None) -> None:
         """``moe_ep_layer_combine``: ``y`` ``[C, H]`` float32 rows, or bf16 bit patterns
         with ``y_bf16`` (e.g. the rows of a layer made with ``bf16_expert_out``), or
-        float32 rows that the combine puts through mxfp8's round trip as it reads them
-        with ``y_round_trip`` (:data:`Y_F32_MXFP8_ROUND_TRIP`: ``hidden % 128 == 0``);
-        ``out`` ``[T, H]`` float32, or bf16 with ``out_bf16``."""
-        if y_bf16 and y_round_trip:
+        float32 rows that the combine puts through a block format's round trip as it reads
+        them with ``y_round_trip`` ``Format.MXFP8`` (:data:`Y_F32_MXFP8_ROUND_TRIP`) or
+        ``Format.NVFP4`` (:data:`Y_F32_NVFP4_ROUND_TRIP`), ``hidden % 128 == 0``; ``out``
+        ``[T, H]`` float32, or bf16 with ``out_bf16``."""
+        if y_round_trip is not None and int(y_round_trip) not in _ROUND_TRIP_Y_DTYPE:
+            raise DTypeError(f"combine: y_round_trip must be None, Format.MXFP8 or Format.NVFP4; got {y_round_trip!r}",
+                             name="y_round_trip", expected="None, Format.MXFP8 or Format.NVFP4", got=repr(y_round_trip))
+        if y_bf16 and y_round_trip is not None:
             raise DTypeError("combine: y_round_trip reads float32 rows; y_bf16 must be False with it",
                              name="y", expected="float32 rows", got="bf16 rows")
         dt = lambda bf16: int(DType.BF16 if bf16 else DType.F32)  # noqa: E731
-        y_dtype = Y_F32_MXFP8_ROUND_TRIP if y_round_trip else dt(y_bf16)
+        y_dtype = dt(y_bf16) if y_round_trip is None else _ROUND_TRIP_Y_DTYPE[int(y_round_trip)]
         call("moe_ep_layer_combine", self._handle, stream, num_tokens, y, y_dtype, out, dt(out_bf16), row_values,
              out_values, out_error)
 

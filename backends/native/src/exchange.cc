@@ -157,11 +157,13 @@ float y_value(const uint16_t* y, int64_t i) { return cpu::bf16_to_float(y[i]); }
 void put_out(float* out, int64_t i, float v) { out[i] = v; }
 void put_out(uint16_t* out, int64_t i, float v) { out[i] = cpu::bf16_from_float(v); }
 
-// round_trip (float32 y only): each route's row through mxfp8's round trip as it is read
-// (MOE_EP_Y_F32_MXFP8_ROUND_TRIP), into a copy of the token's K rows.
+// round_trip (float32 y only; MOE_EP_FORMAT_NONE: none): each route's row through that format's
+// round trip as it is read (MOE_EP_Y_F32_MXFP8_ROUND_TRIP, MOE_EP_Y_F32_NVFP4_ROUND_TRIP), into a
+// copy of the token's K rows.
 template <typename Y, typename O>
 moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, O* out, const float* row_values,
-                          float* out_values, int32_t* out_error, bool round_trip) {
+                          float* out_values, int32_t* out_error, moe_ep_format round_trip_format) {
+  const bool round_trip = round_trip_format != MOE_EP_FORMAT_NONE;
   const ex::Shape& s = x.shape;
   const ex::SymLayout& L = x.sym;
   const ex::Local& l = x.loc;
@@ -170,7 +172,7 @@ moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, O* out, const floa
   const uint64_t seq = ++l.seq[1];
   int32_t err = *l.step_err;
   err |= wait_all(x, L.comb_ack, [&](uint64_t v) { return v >= seq - 1; }, nullptr);
-  // A failed round trip (not possible for mxfp8 rows of a valid shape) stops the sums, but the
+  // A failed round trip (not possible for the rows of a valid shape) stops the sums, but the
   // peers are still signalled below, so that none waits for this rank into its timeout; this
   // rank's outputs are then NaN and the status is returned (the peers' sums lack this rank's
   // part, and the error status is this rank's alone).
@@ -187,7 +189,7 @@ moe_ep_status cpu_combine(Exchange& x, int64_t T, const Y* y, O* out, const floa
             if (rm[k] < 0) continue;
             float* row = rt_rows.data() + k * s.H;
             for (int64_t h = 0; h < s.H; ++h) row[h] = y_value(y, rm[k] * s.H + h);
-            status = cpu::round_trip_row(MOE_EP_FORMAT_MXFP8, row, s.H, &rt_data, &rt_scale);
+            status = cpu::round_trip_row(round_trip_format, row, s.H, &rt_data, &rt_scale);
           }
           if (status != MOE_EP_OK) break;
         }
@@ -542,14 +544,22 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
     return ck.bad("num_tokens must be the last dispatch's T = " + std::to_string(x->last_tokens),
                   std::to_string(num_tokens));
   const moe_ep::ex::Shape& s = x->shape;
-  if (y_dtype != MOE_EP_DTYPE_F32 && y_dtype != MOE_EP_DTYPE_BF16 && y_dtype != MOE_EP_Y_F32_MXFP8_ROUND_TRIP)
-    return ck.bad("y_dtype must be MOE_EP_DTYPE_F32 (0), MOE_EP_DTYPE_BF16 (1) or MOE_EP_Y_F32_MXFP8_ROUND_TRIP (2)",
+  if (y_dtype != MOE_EP_DTYPE_F32 && y_dtype != MOE_EP_DTYPE_BF16 && y_dtype != MOE_EP_Y_F32_MXFP8_ROUND_TRIP &&
+      y_dtype != MOE_EP_Y_F32_NVFP4_ROUND_TRIP)
+    return ck.bad("y_dtype must be MOE_EP_DTYPE_F32 (0), MOE_EP_DTYPE_BF16 (1), MOE_EP_Y_F32_MXFP8_ROUND_TRIP (2) or "
+                  "MOE_EP_Y_F32_NVFP4_ROUND_TRIP (3)",
                   std::to_string(y_dtype));
-  const bool y_bf16 = y_dtype == MOE_EP_DTYPE_BF16, y_rt = y_dtype == MOE_EP_Y_F32_MXFP8_ROUND_TRIP;
+  const bool y_bf16 = y_dtype == MOE_EP_DTYPE_BF16;
+  const moe_ep_format rt_format = y_dtype == MOE_EP_Y_F32_MXFP8_ROUND_TRIP   ? MOE_EP_FORMAT_MXFP8
+                                  : y_dtype == MOE_EP_Y_F32_NVFP4_ROUND_TRIP ? MOE_EP_FORMAT_NVFP4
+                                                                             : MOE_EP_FORMAT_NONE;
+  const bool y_rt = rt_format != MOE_EP_FORMAT_NONE;
+  const char* rt_name = rt_format == MOE_EP_FORMAT_NVFP4 ? "MOE_EP_Y_F32_NVFP4_ROUND_TRIP" : "MOE_EP_Y_F32_MXFP8_ROUND_TRIP";
   MOE_EP_TRY(ck.ptr("y", y_rows, s.C * s.H, y_bf16 ? 2 : 4));
   if (y_rt && s.H % 128 != 0)
-    return ck.bad("hidden must be a multiple of 128 with y_dtype MOE_EP_Y_F32_MXFP8_ROUND_TRIP (whole mxfp8 blocks "
-                  "a warp's 128 columns)", std::to_string(s.H));
+    return ck.bad(std::string("hidden must be a multiple of 128 with y_dtype ") + rt_name +
+                      " (whole blocks in a warp's 128 columns)",
+                  std::to_string(s.H));
   if (out_dtype != MOE_EP_DTYPE_F32 && out_dtype != MOE_EP_DTYPE_BF16)
     return ck.bad("out_dtype must be MOE_EP_DTYPE_F32 (0) or MOE_EP_DTYPE_BF16 (1)", std::to_string(out_dtype));
   const bool out_bf16 = out_dtype == MOE_EP_DTYPE_BF16;
@@ -562,7 +572,7 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
 #ifdef MOE_EP_NATIVE_WITH_CUDA
   if (x->cuda) {
     if (y_rt && (!moe_ep::aligned16(y_rows) || !moe_ep::aligned16(out)))
-      return ck.bad("y and out must be 16-byte aligned with y_dtype MOE_EP_Y_F32_MXFP8_ROUND_TRIP on CUDA",
+      return ck.bad(std::string("y and out must be 16-byte aligned with y_dtype ") + rt_name + " on CUDA",
                     "y at " + std::to_string(reinterpret_cast<uintptr_t>(y_rows) % 16) + ", out at " +
                         std::to_string(reinterpret_cast<uintptr_t>(out) % 16) + " bytes past a multiple of 16");
     return moe_ep::cuda::ex_combine(stream, *x, num_tokens, y_rows, y_dtype, out, out_bf16, row_values, out_values,
@@ -573,9 +583,9 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
   const auto run = [&](auto* typed_out) {
     if (y_bf16)
       return moe_ep::cpu_combine(*x, num_tokens, static_cast<const uint16_t*>(y_rows), typed_out, row_values,
-                                 out_values, out_error, false);
+                                 out_values, out_error, MOE_EP_FORMAT_NONE);
     return moe_ep::cpu_combine(*x, num_tokens, static_cast<const float*>(y_rows), typed_out, row_values, out_values,
-                               out_error, y_rt);
+                               out_error, rt_format);
   };
   if (out_bf16) return run(static_cast<uint16_t*>(out));
   return run(static_cast<float*>(out));

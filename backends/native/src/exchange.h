@@ -62,8 +62,9 @@ moe_ep_status ex_ipc_close(void* p);
 moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t row_bytes, const void* tokens,
                           const int32_t* topk_idx, const float* weights, void* out_tokens, float* out_w,
                           int32_t* out_meta, int32_t* out_gs, int32_t* out_tpe, int32_t* out_error);
-// y: [C, H] of y_dtype (MOE_EP_DTYPE_F32, _BF16, or MOE_EP_Y_F32_MXFP8_ROUND_TRIP: float32 put through
-// mxfp8's round trip as read; H % 128 == 0, y and out 16-byte aligned: moe_ep_layer_combine checks);
+// y: [C, H] of y_dtype (MOE_EP_DTYPE_F32, _BF16, or MOE_EP_Y_F32_MXFP8_ROUND_TRIP / _NVFP4_ROUND_TRIP:
+// float32 put through mxfp8's / nvfp4's round trip as read; H % 128 == 0, y and out 16-byte
+// aligned: moe_ep_layer_combine checks);
 // out: [T, H] float32, or bf16 with out_bf16.
 moe_ep_status ex_combine(void* stream, const Exchange& x, int64_t T, const void* y, int32_t y_dtype, void* out,
                          bool out_bf16, const float* row_values, float* out_values, int32_t* out_error);

@@ -620,16 +620,21 @@ __device__ __forceinline__ void store(uint16_t* p, const float (&v)[V]) {
   }
 }
 
-// kRt: float32 rows of y that still need mxfp8's round trip (MOE_EP_Y_F32_MXFP8_ROUND_TRIP): each
-// lane's four values through it as they are read, the block's maximum agreed by its eight lanes
-// (the FC2 epilogue's round trip, the same values: fc2_epilogue_block_vec4_kernel). Every lane of
-// the warp must take part (H a multiple of 128: ex_combine checks it), and whether a row is read
-// must be the same in all of them (one token a warp).
-template <typename C, bool kRt>
+// kRt: the moe_ep_format whose round trip float32 rows of y still need (MOE_EP_FORMAT_MXFP8:
+// MOE_EP_Y_F32_MXFP8_ROUND_TRIP, MOE_EP_FORMAT_NVFP4: MOE_EP_Y_F32_NVFP4_ROUND_TRIP; NONE: none):
+// each lane's four values through it as they are read, the block's maximum agreed by its eight
+// (mxfp8) or four (nvfp4) lanes (the FC2 epilogue's round trip, the same values:
+// fc2_epilogue_block_vec4_kernel). Every lane of the warp must take part (H a multiple of 128:
+// ex_combine checks it), and whether a row is read must be the same in all of them (one token a
+// warp).
+template <typename C, int kRt>
 __device__ __forceinline__ void round_trip_read(float (&v)[C::V]) {
-  if constexpr (kRt) {
+  static_assert(kRt == MOE_EP_FORMAT_NONE || kRt == MOE_EP_FORMAT_MXFP8 || kRt == MOE_EP_FORMAT_NVFP4,
+                "round_trip_read: mxfp8, nvfp4 or none");
+  if constexpr (kRt != MOE_EP_FORMAT_NONE) {
     static_assert(C::V == 4 && std::is_same<typename C::Elem, float>::value, "the round trip reads float4 rows");
-    detail::mxfp8_round_trip_cvt4(detail::group_block_max<8>(v), v);
+    if constexpr (kRt == MOE_EP_FORMAT_MXFP8) detail::mxfp8_round_trip_cvt4(detail::group_block_max<8>(v), v);
+    else detail::nvfp4_round_trip_with(detail::group_block_max<4>(v), v, 4);
   }
 }
 
@@ -639,7 +644,7 @@ __device__ __forceinline__ void round_trip_read(float (&v)[C::V]) {
 // (the batch changes when loads are issued, not the order of the additions).
 constexpr int kSumBatch = 4;
 
-template <typename C, bool kRt = false, int kBatch = kSumBatch, typename Row>
+template <typename C, int kRt = MOE_EP_FORMAT_NONE, int kBatch = kSumBatch, typename Row>
 __device__ __forceinline__ void sum_rows(int64_t n, Row row, int64_t h, float (&acc)[C::V]) {
 #pragma unroll
   for (int u = 0; u < C::V; ++u) acc[u] = 0.0f;
@@ -665,7 +670,7 @@ __device__ __forceinline__ void sum_rows(int64_t n, Row row, int64_t h, float (&
 }
 
 // The warp's piece [h0, h1) of row `from`, as float32 (kRt: through round_trip_read), into row `to`.
-template <typename C, bool kRt = false>
+template <typename C, int kRt = MOE_EP_FORMAT_NONE>
 __device__ __forceinline__ void copy_piece(float* to, const typename C::Elem* from, int64_t h0, int64_t h1, int lane) {
   typename C::Raw raw[kPieceVecs];
 #pragma unroll
@@ -707,7 +712,7 @@ __global__ void combine_begin(Dev d) {  // <<<1, 32>>>
 // source and the home rank): the sums in slot order go straight into `direct`,
 // every token's row (a token with no route: +0), and nothing at all on an error
 // (combine_finish writes the NaN).
-template <typename Y, bool kVec, typename O, bool kRt = false>
+template <typename Y, bool kVec, typename O, int kRt = MOE_EP_FORMAT_NONE>
 __device__ void combine_send_grid(const Dev& d, const Y* __restrict__ y, const float* __restrict__ row_values,
                                   O* __restrict__ direct) {
   using C = Cols<Y, kVec>;
@@ -753,7 +758,7 @@ __device__ void combine_send_grid(const Dev& d, const Y* __restrict__ y, const f
   }
 }
 
-template <typename Y, bool kVec, typename O, bool kRt = false>
+template <typename Y, bool kVec, typename O, int kRt = MOE_EP_FORMAT_NONE>
 __global__ void __launch_bounds__(kCopyThreads, 2)
     combine_send(Dev d, const Y* __restrict__ y, const float* __restrict__ row_values, O* __restrict__ direct) {
   pdl_begin();
@@ -1240,7 +1245,7 @@ __device__ void combine_one_values(const Dev& d, int64_t T, const float* __restr
   }
 }
 
-template <typename Y, bool kVecY, bool kVecOut, typename O, bool kRt = false>
+template <typename Y, bool kVecY, bool kVecOut, typename O, int kRt = MOE_EP_FORMAT_NONE>
 __global__ void __launch_bounds__(kCopyThreads, 2)
     combine_one(Dev d, int64_t T, const Y* __restrict__ y, const float* __restrict__ row_values, O* __restrict__ out,
                 float* __restrict__ out_values, int32_t* out_error) {
@@ -1260,7 +1265,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
 // every piece, as round_trip_read needs).
 constexpr int kOneSumBatch = 8;
 
-template <typename Y, typename O, bool kRt>
+template <typename Y, typename O, int kRt>
 __device__ void combine_one_sums_fine(const Dev& d, const Y* __restrict__ y, O* __restrict__ out) {
   using C = Cols<Y, true>;
   const ex::Shape& s = d.s;
@@ -1294,7 +1299,7 @@ __device__ void combine_one_sums_fine(const Dev& d, const Y* __restrict__ y, O* 
   }
 }
 
-template <typename Y, typename O, bool kRt = false>
+template <typename Y, typename O, int kRt = MOE_EP_FORMAT_NONE>
 __global__ void __launch_bounds__(kCopyThreads, 2)
     combine_one_fine(Dev d, int64_t T, const Y* __restrict__ y, const float* __restrict__ row_values,
                      O* __restrict__ out, float* __restrict__ out_values, int32_t* out_error) {
@@ -1329,7 +1334,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   if (blockIdx.x == 0 && threadIdx.x < 32) publish(d, d.L.disp_ack, d.l.seq[0]);
 }
 
-template <typename Y, bool kVecY, bool kVecOut, typename O, bool kRt = false>
+template <typename Y, bool kVecY, bool kVecOut, typename O, int kRt = MOE_EP_FORMAT_NONE>
 __global__ void __launch_bounds__(kCopyThreads, 2)
     combine_ll(Dev d, int64_t T, const Y* __restrict__ y, const float* __restrict__ row_values, O* __restrict__ out,
                float* __restrict__ out_values, int32_t* out_error) {
@@ -1395,13 +1400,13 @@ moe_ep_status launch_failed(const char* kernel, cudaError_t err) {
 // combine_send for y of element type Y and output element O (at one rank combine_send
 // writes the output), 16-byte vectors where the rows and `direct` allow (kRt: always; the
 // caller checked y, the output and H).
-template <typename Y, typename O, bool kRt = false>
+template <typename Y, typename O, int kRt = MOE_EP_FORMAT_NONE>
 moe_ep_status launch_combine_send(cudaStream_t st, unsigned blocks, const Dev& d, const void* y,
                                   const float* row_values, O* direct) {
   const Y* rows = static_cast<const Y*>(y);
-  const bool vec = kRt || (d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) &&
+  const bool vec = kRt != MOE_EP_FORMAT_NONE || (d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) &&
                            (direct == nullptr || aligned16(direct)));
-  auto* kernel = kRt ? combine_send<Y, true, O, kRt> : (vec ? combine_send<Y, true, O> : combine_send<Y, false, O>);
+  auto* kernel = kRt != MOE_EP_FORMAT_NONE ? combine_send<Y, true, O, kRt> : (vec ? combine_send<Y, true, O> : combine_send<Y, false, O>);
   MOE_EP_EX_LAUNCH("combine_send", kernel, blocks, kCopyThreads, st, d, rows, row_values, direct);
   return MOE_EP_OK;
 }
@@ -1415,7 +1420,9 @@ moe_ep_status combine_as(cudaStream_t st, const Dev& d, int num_blocks, int64_t 
   MOE_EP_EX_LAUNCH("combine_begin", combine_begin, 1, 32, st, d);
   if (y_dtype == MOE_EP_DTYPE_BF16) MOE_EP_TRY(launch_combine_send<uint16_t>(st, blocks, d, y, row_values, direct));
   else if (y_dtype == MOE_EP_Y_F32_MXFP8_ROUND_TRIP)
-    MOE_EP_TRY((launch_combine_send<float, O, true>(st, blocks, d, y, row_values, direct)));
+    MOE_EP_TRY((launch_combine_send<float, O, MOE_EP_FORMAT_MXFP8>(st, blocks, d, y, row_values, direct)));
+  else if (y_dtype == MOE_EP_Y_F32_NVFP4_ROUND_TRIP)
+    MOE_EP_TRY((launch_combine_send<float, O, MOE_EP_FORMAT_NVFP4>(st, blocks, d, y, row_values, direct)));
   else MOE_EP_TRY(launch_combine_send<float>(st, blocks, d, y, row_values, direct));
   MOE_EP_EX_LAUNCH("combine_sync", combine_sync, 1, 32, st, d);
   auto* finish = d.s.H % 4 == 0 && aligned16(out) ? combine_finish<true, O> : combine_finish<false, O>;
@@ -1427,13 +1434,13 @@ moe_ep_status combine_as(cudaStream_t st, const Dev& d, int num_blocks, int64_t 
 
 // The low-latency combine: combine_ll with 16-byte vectors where the rows of y (combine_send)
 // and the output (combine_finish, and combine_send at one rank) allow.
-template <typename Y, typename O, bool kRt = false>
+template <typename Y, typename O, int kRt = MOE_EP_FORMAT_NONE>
 moe_ep_status combine_ll_as(cudaStream_t st, const Exchange& x, const Dev& d, int64_t T, const void* y, O* out,
                             const float* row_values, float* out_values, int32_t* out_error) {
   const Y* rows = static_cast<const Y*>(y);
   const bool vec_out = d.s.H % 4 == 0 && aligned16(out);
   const bool vec_y = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) && (d.s.N > 1 || vec_out);
-  auto* kernel = kRt ? combine_ll<Y, true, true, O, kRt>  // the caller checked y, the output and H
+  auto* kernel = kRt != MOE_EP_FORMAT_NONE ? combine_ll<Y, true, true, O, kRt>  // the caller checked y, the output and H
                      : vec_y ? (vec_out ? combine_ll<Y, true, true, O> : combine_ll<Y, true, false, O>)
                              : (vec_out ? combine_ll<Y, false, true, O> : combine_ll<Y, false, false, O>);
   const cudaError_t e = launch_cooperative(kernel, x.ll_blocks, st, d, T, rows, row_values, out, out_values,
@@ -1444,7 +1451,7 @@ moe_ep_status combine_ll_as(cudaStream_t st, const Exchange& x, const Dev& d, in
 // The one-rank combine (combine_one) with 16-byte vectors where y and the output allow;
 // combine_one_fine instead when those are vectors and its pieces come to at most two per warp
 // of the grid (few tokens; `fine`: MOE_EP_ONE_RANK_FAST's "combine").
-template <typename Y, typename O, bool kRt = false>
+template <typename Y, typename O, int kRt = MOE_EP_FORMAT_NONE>
 moe_ep_status combine_one_as(cudaStream_t st, const Exchange& x, const Dev& d, int64_t T, const void* y, O* out,
                              const float* row_values, float* out_values, int32_t* out_error, bool fine) {
   const Y* rows = static_cast<const Y*>(y);
@@ -1452,12 +1459,12 @@ moe_ep_status combine_one_as(cudaStream_t st, const Exchange& x, const Dev& d, i
   // Vector rows of y only with a vector output (combine_send writes the sums into it).
   const bool vec_y = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) && vec_out;
   const int64_t fine_pieces = T * detail::div_up(d.s.H, 32 * (16 / static_cast<int64_t>(sizeof(Y))));
-  if (fine && (kRt || vec_y) && fine_pieces <= 2 * static_cast<int64_t>(x.num_blocks) * (kCopyThreads / 32)) {
+  if (fine && (kRt != MOE_EP_FORMAT_NONE || vec_y) && fine_pieces <= 2 * static_cast<int64_t>(x.num_blocks) * (kCopyThreads / 32)) {
     MOE_EP_EX_LAUNCH("combine_one_fine", (combine_one_fine<Y, O, kRt>), static_cast<unsigned>(x.num_blocks),
                      kCopyThreads, st, d, T, rows, row_values, out, out_values, out_error);
     return MOE_EP_OK;
   }
-  auto* kernel = kRt ? combine_one<Y, true, true, O, kRt>  // the caller checked y, the output and H
+  auto* kernel = kRt != MOE_EP_FORMAT_NONE ? combine_one<Y, true, true, O, kRt>  // the caller checked y, the output and H
                      : vec_y ? combine_one<Y, true, true, O>
                              : (vec_out ? combine_one<Y, false, true, O> : combine_one<Y, false, false, O>);
   MOE_EP_EX_LAUNCH("combine_one", kernel, static_cast<unsigned>(x.num_blocks), kCopyThreads, st, d, T, rows,
@@ -1681,24 +1688,32 @@ moe_ep_status ex_dispatch(void* stream, const Exchange& x, int64_t T, int64_t ro
   return MOE_EP_OK;
 }
 
-// The combine of y_dtype rows (MOE_EP_DTYPE_F32, _BF16 or MOE_EP_Y_F32_MXFP8_ROUND_TRIP) into
-// output elements O, in the layer's mode.
+// The combine of y_dtype rows (MOE_EP_DTYPE_F32, _BF16, MOE_EP_Y_F32_MXFP8_ROUND_TRIP or
+// _NVFP4_ROUND_TRIP) into output elements O, in the layer's mode.
 template <typename O>
 moe_ep_status ex_combine_into(cudaStream_t st, const Exchange& x, const Dev& d, int64_t T, const void* y,
                               int32_t y_dtype, O* out, const float* row_values, float* out_values,
                               int32_t* out_error) {
-  const bool bf16 = y_dtype == MOE_EP_DTYPE_BF16, rt = y_dtype == MOE_EP_Y_F32_MXFP8_ROUND_TRIP;
+  const bool bf16 = y_dtype == MOE_EP_DTYPE_BF16, mx = y_dtype == MOE_EP_Y_F32_MXFP8_ROUND_TRIP,
+             nv = y_dtype == MOE_EP_Y_F32_NVFP4_ROUND_TRIP;
   if (d.s.N == 1) {  // one rank: no exchange (either mode)
     MOE_EP_TRY(check_one_rank_env("moe_ep_layer_combine"));
     const bool fine = one_rank_fast("combine");
-    return bf16 ? combine_one_as<uint16_t>(st, x, d, T, y, out, row_values, out_values, out_error, fine)
-           : rt ? combine_one_as<float, O, true>(st, x, d, T, y, out, row_values, out_values, out_error, fine)
-                : combine_one_as<float>(st, x, d, T, y, out, row_values, out_values, out_error, fine);
+    if (bf16) return combine_one_as<uint16_t>(st, x, d, T, y, out, row_values, out_values, out_error, fine);
+    if (mx)
+      return combine_one_as<float, O, MOE_EP_FORMAT_MXFP8>(st, x, d, T, y, out, row_values, out_values, out_error,
+                                                           fine);
+    if (nv)
+      return combine_one_as<float, O, MOE_EP_FORMAT_NVFP4>(st, x, d, T, y, out, row_values, out_values, out_error,
+                                                           fine);
+    return combine_one_as<float>(st, x, d, T, y, out, row_values, out_values, out_error, fine);
   }
-  if (x.mode == MOE_EP_EXCHANGE_LOW_LATENCY)
-    return bf16 ? combine_ll_as<uint16_t>(st, x, d, T, y, out, row_values, out_values, out_error)
-           : rt ? combine_ll_as<float, O, true>(st, x, d, T, y, out, row_values, out_values, out_error)
-                : combine_ll_as<float>(st, x, d, T, y, out, row_values, out_values, out_error);
+  if (x.mode == MOE_EP_EXCHANGE_LOW_LATENCY) {
+    if (bf16) return combine_ll_as<uint16_t>(st, x, d, T, y, out, row_values, out_values, out_error);
+    if (mx) return combine_ll_as<float, O, MOE_EP_FORMAT_MXFP8>(st, x, d, T, y, out, row_values, out_values, out_error);
+    if (nv) return combine_ll_as<float, O, MOE_EP_FORMAT_NVFP4>(st, x, d, T, y, out, row_values, out_values, out_error);
+    return combine_ll_as<float>(st, x, d, T, y, out, row_values, out_values, out_error);
+  }
   return combine_as(st, d, x.num_blocks, x.sym.comb_ack, T, y, y_dtype, out, row_values, out_values, out_error);
 }
 
