@@ -42,6 +42,34 @@ def _run(ops, config, group, args, g):
     return out
 
 
+def inference_skips_the_stash(rank: int, config, world_inputs, device: str) -> Dict[str, Any]:
+    """The static mode and the device exchange without a backward to come: moe_ep on inputs
+    that need no gradient (the ops' forward_inference op) and the forwards with stash=False
+    give the training forward's output bit for bit, and write no stash (fc1_c None)."""
+    import torch
+
+    from moe_ep_cuda_nccl import api, device_exchange, static
+    from moe_ep_cuda_nccl.prims import NATIVE
+    from moe_ep_torch.api import config_to_json
+
+    group = torch.distributed.group.WORLD
+    dev = torch.device("cuda:0") if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    res: Dict[str, Any] = {}
+    for name, ops, forward in (("static", api.STATIC_OPS, static.forward),
+                               ("device", api.DEVICE_OPS, device_exchange.forward)):
+        args = _inputs(world_inputs, rank, torch.device("cpu") if name == "static" else dev, True)
+        trained, _, _ = ops.forward_op(*args, config_to_json(config), group.group_name)
+        plain = ops.moe_ep(*args, config=config, group=group)
+        no_stash = forward(NATIVE, config, group, *args, stash=False)
+        res[name] = {"forward_op": _bits(trained), "moe_ep": _bits(plain), "stash_false": _bits(no_stash["output"]),
+                     "fc1_c_none": no_stash["fc1_c"] is None}
+    api.check_errors(config)
+    api.close_communicators()
+    return res
+
+
 def device_matches_static(rank: int, config, world_inputs, grad_outputs, combine: str, bf16: bool,
                           device: str, mode: str = "throughput") -> Dict[str, Any]:
     """The static mode (NCCL exchange; on CPU tensors: gloo) and the device

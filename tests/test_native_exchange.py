@@ -477,6 +477,21 @@ def test_front_end_round_trip_in_the_combine_is_bit_for_bit_on_cpu(fmt, world_si
                                            "cpu")), in_combine=fmt == "mxfp8" or world_size == 1)
 
 
+def _check_inference(results) -> None:
+    for rank, res in enumerate(results):
+        for name, r in res.items():
+            assert r["fc1_c_none"], f"rank {rank} {name}: forward(stash=False) returned a stash"
+            for key in ("moe_ep", "stash_false"):
+                assert np.array_equal(r[key], r["forward_op"], equal_nan=True), (
+                    f"rank {rank} {name}: the output of {key} (no stash written) differs from the training forward's"
+                )
+
+
+def test_front_end_inference_writes_no_stash_and_gives_the_same_output_on_cpu() -> None:
+    world, _ = _world(FRONT, 41, (12, 7))
+    _check_inference(_ok(run_ranks(XW.inference_skips_the_stash, 2, FRONT, world, "cpu")))
+
+
 def test_front_end_rank_sums_stay_close_and_fixed_parts_are_exact_on_cpu() -> None:
     world, grads = _world(FRONT, 12, (12, 9))
     results = _ok(run_ranks(XW.device_matches_static, 2, FRONT, world, grads, "rank", False, "cpu"))
@@ -550,6 +565,13 @@ def test_cuda_loopback_round_trip_in_the_combine_is_bit_for_bit(fmt, world_size,
     world, grads = _world(config, 32, tokens)
     _check_round_trip_places(_ok(run_ranks(XW.round_trip_places_agree, world_size, config, world, grads, combine,
                                            "cuda", mode, timeout=300)), in_combine=fmt == "mxfp8" or world_size == 1)
+
+
+@cuda
+def test_cuda_inference_writes_no_stash_and_gives_the_same_output() -> None:
+    config = FRONT.replace(num_ranks=1, num_experts=4, recv_capacity=48)
+    world, _ = _world(config, 42, (9,))
+    _check_inference(_ok(run_ranks(XW.inference_skips_the_stash, 1, config, world, "cuda", timeout=300)))
 
 
 @cuda

@@ -121,6 +121,9 @@ def opcheck(rank: int, config, world_inputs) -> str:
     act, fc1, fc2, idx, tw = _torch_inputs(world_inputs, rank)
     args = (act, fc1, fc2, idx, tw, api.config_to_json(config), torch.distributed.group.WORLD.group_name)
     torch.library.opcheck(torch.ops.moe_ep.forward.default, args)
+    # The inference op runs only where no gradient is wanted: inputs that need none.
+    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    torch.library.opcheck(torch.ops.moe_ep.forward_inference.default, plain)
     return "ok"
 
 

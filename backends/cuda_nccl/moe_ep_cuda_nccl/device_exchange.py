@@ -326,12 +326,13 @@ def _record(config: MoeEpConfig, group: Any, err: torch.Tensor, tpe: torch.Tenso
 
 def forward(
     prims: NativePrimitives, config: MoeEpConfig, group: Any, activation: Any, fc1: Any, fc2: Any, idx: torch.Tensor,
-    weights: torch.Tensor,
+    weights: torch.Tensor, stash: bool = True,
 ) -> Dict[str, Any]:
     """The fused forward over the device exchange: ``{"output", "fc1_c", "route_metadata"}`` as
-    :func:`moe_ep_cuda_nccl.static.forward`. Three native stages (dispatch, experts,
-    combine); on an error of any rank the layer itself makes the expert outputs and
-    the stash NaN and the combine makes the output NaN (no host synchronisation)."""
+    :func:`moe_ep_cuda_nccl.static.forward` (``stash`` False: ``fc1_c`` None, not written).
+    Three native stages (dispatch, experts, combine); on an error of any rank the layer
+    itself makes the expert outputs and the stash NaN and the combine makes the output NaN
+    (no host synchronisation)."""
     _check_group(config, group)
     static._require_static(config, dist.get_rank(group))
     _check(config, group, activation, fc1, fc2, idx, weights, group_moves_rows=False)
@@ -342,7 +343,7 @@ def forward(
     device = w_buf.device
     y_dtype = torch.bfloat16 if layer.bf16_expert_out else torch.float32
     y = torch.empty((rows, h), dtype=y_dtype, device=device)
-    c = torch.empty((rows, 2 * i), dtype=torch.bfloat16, device=device)
+    c = torch.empty((rows, 2 * i), dtype=torch.bfloat16, device=device) if stash else None
     _, stream = where(w_buf)
     # Block-scaled weights at few rows: their codes read by the tensor cores (prims.coded_weights_path).
     if not (coded_weights_path(config, x_buf, fc1_d, fc2_d, host_check=False)

@@ -55,9 +55,9 @@ _FORMAT = {MoeFormat.BF16: C.Format.BF16, MoeFormat.MXFP8: C.Format.MXFP8, MoeFo
 _BLOCK = {MoeFormat.MXFP8: 32, MoeFormat.NVFP4: 16}
 
 
-def ptr(t: torch.Tensor) -> Optional[int]:
-    """The address of a contiguous tensor's data; None (NULL) when it is empty."""
-    return t.data_ptr() if t.numel() else None
+def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    """The address of a contiguous tensor's data; None (NULL) when it is empty or None."""
+    return t.data_ptr() if t is not None and t.numel() else None
 
 
 def where(t: torch.Tensor) -> Tuple[int, Optional[int]]:
@@ -757,7 +757,7 @@ def coded_weights_path(config: MoeEpConfig, x: Any, fc1: Any, fc2: Any, *, host_
 
 def coded_weights_forward(
     layer: Layer, config: MoeEpConfig, x: Any, w: torch.Tensor, fc1: BlockScaledOperand, fc2: BlockScaledOperand,
-    group_sizes: torch.Tensor, y: torch.Tensor, fc1_c: torch.Tensor, *, host_check: bool,
+    group_sizes: torch.Tensor, y: torch.Tensor, fc1_c: Optional[torch.Tensor], *, host_check: bool,
 ) -> bool:
     """The layer's experts forward with the block-scaled weights' codes read directly
     (``moe_ep_layer_experts_forward_block_scaled``) into ``y`` and ``fc1_c``, for operands
@@ -795,10 +795,11 @@ def coded_weights_forward(
 
 def expert_forward(
     config: MoeEpConfig, x: torch.Tensor, w: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
-    group_sizes: torch.Tensor, *, host_check: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    group_sizes: torch.Tensor, *, host_check: bool = False, stash: bool = True,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The native layer's experts forward on tensors: ``(y [C, H] float32, fc1_c [C, 2I] bfloat16)``:
-    ``y`` after the combine round trip, the stash of the FC1 output. ``x``, ``fc1``, ``fc2``
+    ``y`` after the combine round trip, the stash of the FC1 output (None with ``stash``
+    False: not written, when no backward follows). ``x``, ``fc1``, ``fc2``
     bf16 (the tensor-core path on CUDA), any float dtype (float32 kernels) or
     :class:`BlockScaledOperand` s (decoded by :func:`operands`, with a host check when
     ``host_check``: the host-synchronised mode; the static mode calls this directly,
@@ -808,7 +809,7 @@ def expert_forward(
         rows = int(x.shape[0])
         layer = layer_for(config, rows, fc1.device, True, backward=False)
         y = torch.empty((rows, config.hidden), dtype=torch.float32, device=fc1.device)
-        c = torch.empty((rows, 2 * config.intermediate), dtype=torch.bfloat16, device=fc1.device)
+        c = torch.empty((rows, 2 * config.intermediate), dtype=torch.bfloat16, device=fc1.device) if stash else None
         if coded_weights_forward(layer, config, x, w, fc1, fc2, group_sizes, y, c, host_check=host_check):
             return y, c
     bf16, x, fc1, fc2 = operands(x, fc1, fc2, host_check=host_check)
@@ -817,7 +818,7 @@ def expert_forward(
     rows, h, i = int(x.shape[0]), config.hidden, config.intermediate
     layer = layer_for(config, rows, x.device, bf16, backward=False)
     y = torch.empty((rows, h), dtype=torch.float32, device=x.device)
-    c = torch.empty((rows, 2 * i), dtype=torch.bfloat16, device=x.device)
+    c = torch.empty((rows, 2 * i), dtype=torch.bfloat16, device=x.device) if stash else None
     _, stream = where(x)
     layer.experts_forward(stream, rows, ptr(x), ptr(w), ptr(fc1), ptr(fc2), ptr(gs), ptr(y), ptr(c))
     return y, c

@@ -317,21 +317,25 @@ def _dispatched(prims, config, group, activation, fc1, fc2, idx, weights, extra,
 
 def forward(
     prims: NativePrimitives, config: MoeEpConfig, group: Any, activation: Any, fc1: Any, fc2: Any, idx: torch.Tensor,
-    weights: torch.Tensor,
+    weights: torch.Tensor, stash: bool = True,
 ) -> Dict[str, Any]:
     """The fused forward in the static mode: ``{"output", "fc1_c" [C, 2I] bf16,
     "route_metadata" [C, 4] int32}``; outputs NaN on every rank when any rank's
-    routing is bad (see :func:`check_errors`)."""
+    routing is bad (see :func:`check_errors`). ``stash`` False (no backward follows):
+    ``fc1_c`` is None, not written."""
     plan, x_buf, (w_buf,), fc1_d, fc2_d = _dispatched(prims, config, group, activation, fc1, fc2, idx, weights, [])
-    y, c = expert_forward(config, x_buf, w_buf, fc1_d, fc2_d, plan.group_sizes)  # y after the combine round trip
-    c = c.masked_fill(plan.route_metadata[:, :1] < 0, 0.0)  # padding rows zero even with non-finite weights
+    # y after the combine round trip
+    y, c = expert_forward(config, x_buf, w_buf, fc1_d, fc2_d, plan.group_sizes, stash=stash)
     (back,) = return_rows(prims, plan, [y], group)
     out = combine_reduce(back, plan.route_pos, plan.num_tokens, config.num_topk)
     bad = plan.error != 0  # a device scalar: masked_fill keeps it there (no host copy, capturable)
     _record(plan, group)
+    if c is not None:
+        c = c.masked_fill(plan.route_metadata[:, :1] < 0, 0.0)  # padding rows zero even with non-finite weights
+        c = c.masked_fill(bad, float("nan")).to(torch.bfloat16)
     return {
         "output": prims.encode_output(config, out.masked_fill(bad, float("nan"))),
-        "fc1_c": c.masked_fill(bad, float("nan")).to(torch.bfloat16),
+        "fc1_c": c,
         "route_metadata": plan.route_metadata,
     }
 

@@ -147,11 +147,14 @@ def _check_group(config: MoeEpConfig, group: Any) -> None:
 
 
 def run_forward(
-    prims: Any, config: MoeEpConfig, group: Any, activation: Any, fc1: Any, fc2: Any, idx: Tensor, weights: Tensor
+    prims: Any, config: MoeEpConfig, group: Any, activation: Any, fc1: Any, fc2: Any, idx: Tensor, weights: Tensor,
+    stash: bool = True,
 ) -> dict:
     """The fused forward of this rank over ``group`` with ``prims`` (a
     :class:`~moe_ep_torch.core.Primitives`): ``{"output", "fc1_c", "route_metadata"}``.
-    Every rank raises the same error class when any rank's input breaks a rule."""
+    Every rank raises the same error class when any rank's input breaks a rule.
+    ``stash`` (False: no backward follows) is a hint a front-end may use to skip writing
+    ``fc1_c``; this one keeps it either way (its FC1 output is that stash)."""
     _check_group(config, group)
     error: Optional[BaseException] = None
     try:
@@ -231,8 +234,10 @@ class LayerOps:
     (``torch.compile`` tracing, ``torch.library.opcheck``).
 
     Every torch front-end shares this layer and brings its own computation:
-    ``run_forward(config, group, activation, fc1, fc2, topk_idx, topk_weights)``
-    returns ``{"output", "fc1_c", "route_metadata"}`` and ``run_backward(config,
+    ``run_forward(config, group, activation, fc1, fc2, topk_idx, topk_weights,
+    stash=True)`` returns ``{"output", "fc1_c", "route_metadata"}`` (with
+    ``stash=False``, when no backward follows, ``fc1_c`` may be None: a front-end
+    need not write the stash) and ``run_backward(config,
     group, grad_output, activation, fc1, fc2, topk_idx, topk_weights, fc1_c)``
     the four float32 gradients (:func:`run_forward` / :func:`run_backward` with
     a :class:`~moe_ep_torch.core.Primitives` are the usual pair).
@@ -269,6 +274,29 @@ class LayerOps:
             fc1_c = activation.new_empty((rows, 2 * config.intermediate), dtype=torch.bfloat16)
             meta = activation.new_empty((rows, 4), dtype=torch.int32)
             return out, fc1_c, meta
+
+        @torch.library.custom_op(f"{namespace}::forward_inference", mutates_args=())
+        def forward_inference_op(
+            activation: Tensor,
+            fc1_weight: Tensor,
+            fc2_weight: Tensor,
+            topk_idx: Tensor,
+            topk_weights: Tensor,
+            config_json: str,
+            group_name: str,
+        ) -> Tensor:
+            """``output [T, H] bf16``: the forward when no backward follows (no autograd
+            formula), which need not write the stash."""
+            config = config_from_json(config_json)
+            out = run_forward(config, _resolve(group_name), activation, fc1_weight, fc2_weight, topk_idx, topk_weights,
+                              stash=False)
+            return out["output"]
+
+        @forward_inference_op.register_fake
+        def _forward_inference_fake(activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config_json,
+                                    group_name):
+            config = config_from_json(config_json)
+            return activation.new_empty((activation.shape[0], config.hidden), dtype=torch.bfloat16)
 
         @torch.library.custom_op(f"{namespace}::backward", mutates_args=())
         def backward_op(
@@ -314,6 +342,7 @@ class LayerOps:
 
         forward_op.register_autograd(autograd_backward, setup_context=setup_context)
         self.forward_op = forward_op
+        self.forward_inference_op = forward_inference_op
         self.backward_op = backward_op
         self._run_forward = run_forward
         self._run_backward = run_backward
@@ -345,15 +374,16 @@ class LayerOps:
         """
         group = _group(group)
         plain = all(isinstance(t, Tensor) for t in (activation, fc1_weight, fc2_weight))
-        if config.output_format is MoeFormat.BF16 and plain:
-            out, _, _ = self.forward_op(
-                activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config_to_json(config), _group_name(group)
-            )
-            return out
-        wants_grad = any(
+        wants_grad = torch.is_grad_enabled() and any(
             isinstance(t, Tensor) and t.requires_grad for t in (activation, fc1_weight, fc2_weight, topk_weights)
         )
-        if wants_grad and torch.is_grad_enabled():
+        if config.output_format is MoeFormat.BF16 and plain:
+            # Without a backward to come, the forward need not write the stash (fc1_c).
+            op = self.forward_op if wants_grad else self.forward_inference_op
+            out = op(activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config_to_json(config),
+                     _group_name(group))
+            return out[0] if wants_grad else out
+        if wants_grad:
             raise E.CapabilityError(
                 "moe_ep is differentiable with plain float inputs and output_format bf16; got "
                 f"output_format {config.output_format.value} / block-scaled inputs with requires_grad "
@@ -361,7 +391,8 @@ class LayerOps:
                 feature="autograd",
             )
         with torch.no_grad():
-            return self._run_forward(config, group, activation, fc1_weight, fc2_weight, topk_idx, topk_weights)["output"]
+            return self._run_forward(config, group, activation, fc1_weight, fc2_weight, topk_idx, topk_weights,
+                                     stash=False)["output"]
 
     def moe_ep_forward_with_stash(self, activation: Any, fc1_weight: Any, fc2_weight: Any, topk_idx: Tensor,
                                   topk_weights: Tensor, *, config: MoeEpConfig,
