@@ -554,7 +554,8 @@ moe_ep_status moe_ep_layer_combine(moe_ep_layer* layer, void* stream, int64_t nu
                                   : y_dtype == MOE_EP_Y_F32_NVFP4_ROUND_TRIP ? MOE_EP_FORMAT_NVFP4
                                                                              : MOE_EP_FORMAT_NONE;
   const bool y_rt = rt_format != MOE_EP_FORMAT_NONE;
-  const char* rt_name = rt_format == MOE_EP_FORMAT_NVFP4 ? "MOE_EP_Y_F32_NVFP4_ROUND_TRIP" : "MOE_EP_Y_F32_MXFP8_ROUND_TRIP";
+  const char* rt_name =
+      rt_format == MOE_EP_FORMAT_NVFP4 ? "MOE_EP_Y_F32_NVFP4_ROUND_TRIP" : "MOE_EP_Y_F32_MXFP8_ROUND_TRIP";
   MOE_EP_TRY(ck.ptr("y", y_rows, s.C * s.H, y_bf16 ? 2 : 4));
   if (y_rt && s.H % 128 != 0)
     return ck.bad(std::string("hidden must be a multiple of 128 with y_dtype ") + rt_name +

@@ -1404,9 +1404,11 @@ template <typename Y, typename O, int kRt = MOE_EP_FORMAT_NONE>
 moe_ep_status launch_combine_send(cudaStream_t st, unsigned blocks, const Dev& d, const void* y,
                                   const float* row_values, O* direct) {
   const Y* rows = static_cast<const Y*>(y);
-  const bool vec = kRt != MOE_EP_FORMAT_NONE || (d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) &&
-                           (direct == nullptr || aligned16(direct)));
-  auto* kernel = kRt != MOE_EP_FORMAT_NONE ? combine_send<Y, true, O, kRt> : (vec ? combine_send<Y, true, O> : combine_send<Y, false, O>);
+  constexpr bool kRound = kRt != MOE_EP_FORMAT_NONE;
+  const bool vec = kRound || (d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) &&
+                              (direct == nullptr || aligned16(direct)));
+  auto* kernel =
+      kRound ? combine_send<Y, true, O, kRt> : (vec ? combine_send<Y, true, O> : combine_send<Y, false, O>);
   MOE_EP_EX_LAUNCH("combine_send", kernel, blocks, kCopyThreads, st, d, rows, row_values, direct);
   return MOE_EP_OK;
 }
@@ -1440,9 +1442,10 @@ moe_ep_status combine_ll_as(cudaStream_t st, const Exchange& x, const Dev& d, in
   const Y* rows = static_cast<const Y*>(y);
   const bool vec_out = d.s.H % 4 == 0 && aligned16(out);
   const bool vec_y = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) && (d.s.N > 1 || vec_out);
-  auto* kernel = kRt != MOE_EP_FORMAT_NONE ? combine_ll<Y, true, true, O, kRt>  // the caller checked y, the output and H
-                     : vec_y ? (vec_out ? combine_ll<Y, true, true, O> : combine_ll<Y, true, false, O>)
-                             : (vec_out ? combine_ll<Y, false, true, O> : combine_ll<Y, false, false, O>);
+  constexpr bool kRound = kRt != MOE_EP_FORMAT_NONE;
+  auto* kernel = kRound ? combine_ll<Y, true, true, O, kRt>  // the caller checked y, the output and H
+                 : vec_y ? (vec_out ? combine_ll<Y, true, true, O> : combine_ll<Y, true, false, O>)
+                         : (vec_out ? combine_ll<Y, false, true, O> : combine_ll<Y, false, false, O>);
   const cudaError_t e = launch_cooperative(kernel, x.ll_blocks, st, d, T, rows, row_values, out, out_values,
                                            out_error);
   return e == cudaSuccess ? MOE_EP_OK : launch_failed("combine_ll", e);
@@ -1459,14 +1462,15 @@ moe_ep_status combine_one_as(cudaStream_t st, const Exchange& x, const Dev& d, i
   // Vector rows of y only with a vector output (combine_send writes the sums into it).
   const bool vec_y = d.s.H % (16 / static_cast<int64_t>(sizeof(Y))) == 0 && aligned16(y) && vec_out;
   const int64_t fine_pieces = T * detail::div_up(d.s.H, 32 * (16 / static_cast<int64_t>(sizeof(Y))));
-  if (fine && (kRt != MOE_EP_FORMAT_NONE || vec_y) && fine_pieces <= 2 * static_cast<int64_t>(x.num_blocks) * (kCopyThreads / 32)) {
+  constexpr bool kRound = kRt != MOE_EP_FORMAT_NONE;
+  if (fine && (kRound || vec_y) && fine_pieces <= 2 * static_cast<int64_t>(x.num_blocks) * (kCopyThreads / 32)) {
     MOE_EP_EX_LAUNCH("combine_one_fine", (combine_one_fine<Y, O, kRt>), static_cast<unsigned>(x.num_blocks),
                      kCopyThreads, st, d, T, rows, row_values, out, out_values, out_error);
     return MOE_EP_OK;
   }
-  auto* kernel = kRt != MOE_EP_FORMAT_NONE ? combine_one<Y, true, true, O, kRt>  // the caller checked y, the output and H
-                     : vec_y ? combine_one<Y, true, true, O>
-                             : (vec_out ? combine_one<Y, false, true, O> : combine_one<Y, false, false, O>);
+  auto* kernel = kRound ? combine_one<Y, true, true, O, kRt>  // the caller checked y, the output and H
+                 : vec_y ? combine_one<Y, true, true, O>
+                         : (vec_out ? combine_one<Y, false, true, O> : combine_one<Y, false, false, O>);
   MOE_EP_EX_LAUNCH("combine_one", kernel, static_cast<unsigned>(x.num_blocks), kCopyThreads, st, d, T, rows,
                    row_values, out, out_values, out_error);
   return MOE_EP_OK;
