@@ -378,11 +378,12 @@ class LayerOps:
             isinstance(t, Tensor) and t.requires_grad for t in (activation, fc1_weight, fc2_weight, topk_weights)
         )
         if config.output_format is MoeFormat.BF16 and plain:
-            # Without a backward to come, the forward need not write the stash (fc1_c).
-            op = self.forward_op if wants_grad else self.forward_inference_op
-            out = op(activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config_to_json(config),
-                     _group_name(group))
-            return out[0] if wants_grad else out
+            args = (activation, fc1_weight, fc2_weight, topk_idx, topk_weights, config_to_json(config),
+                    _group_name(group))
+            if wants_grad:
+                out, _, _ = self.forward_op(*args)
+                return out
+            return self.forward_inference_op(*args)  # no backward to come: the stash need not be written
         if wants_grad:
             raise E.CapabilityError(
                 "moe_ep is differentiable with plain float inputs and output_format bf16; got "
