@@ -575,6 +575,28 @@ def test_cuda_inference_writes_no_stash_and_gives_the_same_output() -> None:
 
 
 @cuda
+@pytest.mark.parametrize("weight_in_fc1,clamp", [(True, None), (False, 6.0)], ids=["weight-in-fc1", "clamp"])
+def test_cuda_fc1_swiglu_in_the_gemm_epilogue_is_bit_for_bit_the_pass(weight_in_fc1, clamp) -> None:
+    # Enough rows an expert (capacity 1024 over 4 experts) and intermediate a multiple of 128: FC1
+    # is the fused GEMM (cuda/gemm/fc1_swiglu_gemm.h) unless MOE_EP_FC1_EPILOGUE=pass.
+    config = MoeEpConfig(num_experts=4, hidden=256, intermediate=128, num_topk=2, num_ranks=1,
+                         max_tokens_per_rank=400, recv_capacity=1024, expert_alignment=8, generate_c=True,
+                         intermediate_format="bf16", apply_topk_in_fc1=weight_in_fc1, gate_up_clamp=clamp)
+    world, grads = _world(config, 43, (400,))
+    res = _ok(run_ranks(XW.fc1_epilogue_fused_matches_pass, 1, config, world, grads, timeout=300))[0]
+    fused_kernels = [k for k in res["fused"]["kernels"] if "MoeEpGatedCollectiveMma" in k]
+    assert fused_kernels, f"the fused FC1 did not run by default; kernels: {res['fused']['kernels']}"
+    assert not any("MoeEpGatedCollectiveMma" in k for k in res["pass"]["kernels"]), "MOE_EP_FC1_EPILOGUE=pass ran it"
+    for key, want in res["pass"].items():
+        if key == "kernels":
+            continue
+        assert np.array_equal(res["fused"][key], want, equal_nan=True), (
+            f"{key}: the fused FC1 epilogue differs from FC1's GEMM and the pass"
+        )
+    assert "MOE_EP_FC1_EPILOGUE must be unset, 'fused' or 'pass'; got 'fast'" in res["bad_value_error"], res
+
+
+@cuda
 @pytest.mark.parametrize("world_size,mutate", [(1, "expert_id"), (2, "expert_id"), (2, "overflow")],
                          ids=["ep1-expert_id", "ep2-expert_id", "ep2-overflow"])
 @EXCHANGE_MODES

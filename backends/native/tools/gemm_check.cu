@@ -16,6 +16,9 @@
 //   moe_ep_gemm_check --nvfp4-weights-sweep
 //                                      configurations of the nvfp4-weights GEMM beyond its variants,
 //                                      timed at the decode shapes: which to pick
+//   moe_ep_gemm_check --fc1-swiglu     FC1 with the SwiGLU in its epilogue (cuda/gemm/fc1_swiglu_gemm.h)
+//                                      against FC1's float32 GEMM and the layer's pass, bit for bit,
+//                                      then (unless --no-time) both timed at the prefill shape
 //   moe_ep_gemm_check --initcheck-probe  (under compute-sanitizer --tool initcheck) whether the tool
 //                                      sees the grouped GEMM's stores
 //
@@ -42,9 +45,11 @@
 #include <vector>
 
 #include "cpu/formats.h"
+#include "cuda/gemm/fc1_swiglu_gemm.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/mxfp8_weights_gemm.cuh"
 #include "cuda/gemm/nvfp4_weights_gemm.cuh"
+#include "cuda/swiglu.cuh"
 
 using moe_ep::cuda::GemmLayout;
 using moe_ep::cuda::GemmKernel;
@@ -1484,6 +1489,188 @@ void nvfp4_weights_sweep() {
   }
 }
 
+// ------------------------------------------------------------------ FC1 with SwiGLU (--fc1-swiglu)
+// The fused FC1 (cuda/gemm/fc1_swiglu_gemm.h) against what the layer runs without it: FC1's
+// float32 grouped GEMM (the kNN kernel grouped_gemm_bf16 picks) and the FC1 pass for a bf16
+// intermediate format (layer_tc.cu's fc1_epilogue_vec4_kernel, as fc1_pass_reference below,
+// compiled like it with --fmad=false). h and the stash must be equal bit for bit on the
+// slabs' rows; rows past the last slab must be untouched (the layer zeroes them).
+
+__global__ void fc1_pass_reference(const float* c, const float* w, const int32_t* off, int groups, int64_t I,
+                                   moe_ep::cuda::detail::SwigluParams p, uint16_t* h, uint16_t* stash) {
+  using namespace moe_ep::cuda::detail;
+  const int64_t end = off[groups];
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < end * I;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = t / I, i = t % I;
+    const float g = c[r * 2 * I + i], u = c[r * 2 * I + I + i];
+    if (stash != nullptr) {
+      stash[r * 2 * I + i] = bf16_from_float(g);
+      stash[r * 2 * I + I + i] = bf16_from_float(u);
+    }
+    h[t] = bf16_from_float(bf16_round_trip(swiglu_operand(g, u, w[r], p)));
+  }
+}
+
+__global__ void fill_u16(uint16_t* p, int64_t n, uint16_t v) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = v;
+}
+
+// Elements of a and b that differ (first n values), and the first one's index (-1: none).
+int64_t count_diff(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, int64_t n, int64_t* first) {
+  int64_t d = 0;
+  *first = -1;
+  for (int64_t i = 0; i < n; ++i)
+    if (a[i] != b[i]) {
+      if (d == 0) *first = i;
+      ++d;
+    }
+  return d;
+}
+
+struct Fc1Case {
+  int64_t H, I;
+  std::vector<int> rows;
+  int64_t extra_rows;
+  bool weight, clamp, stash;
+};
+
+void check_fc1_swiglu(const char* name, const Fc1Case& k, int sm_count, uint64_t seed, bool timing) {
+  using moe_ep::cuda::Fc1SwigluProblem;
+  const int E = static_cast<int>(k.rows.size());
+  std::vector<int32_t> off(E + 1, 0);
+  for (int e = 0; e < E; ++e) off[e + 1] = off[e] + k.rows[e];
+  const int64_t C = off[E] + k.extra_rows, H = k.H, I = k.I;
+  uint16_t* x = device_alloc<uint16_t>(C * H);
+  uint16_t* w1 = device_alloc<uint16_t>(static_cast<int64_t>(E) * H * 2 * I);
+  float* w = device_alloc<float>(C);
+  float* c = device_alloc<float>(C * 2 * I);
+  int32_t* d_off = device_alloc<int32_t>(E + 1);
+  uint16_t* h_ref = device_alloc<uint16_t>(C * I);
+  uint16_t* h_got = device_alloc<uint16_t>(C * I);
+  uint16_t* s_ref = device_alloc<uint16_t>(C * 2 * I);
+  uint16_t* s_got = device_alloc<uint16_t>(C * 2 * I);
+  fill_bf16<<<grid_for(C * H), 256>>>(x, C * H, seed);
+  fill_bf16<<<grid_for(E * H * 2 * I), 256>>>(w1, E * H * 2 * I, seed + 1);
+  fill_float<<<grid_for(C), 256>>>(w, C, seed + 2, 0.0f, true);
+  constexpr uint16_t kSentinel = 0x7FC1;  // a NaN nothing computes
+  for (uint16_t* p : {h_ref, h_got}) fill_u16<<<grid_for(C * I), 256>>>(p, C * I, kSentinel);
+  for (uint16_t* p : {s_ref, s_got}) fill_u16<<<grid_for(C * 2 * I), 256>>>(p, C * 2 * I, kSentinel);
+  CHECK_CUDA(cudaMemcpy(d_off, off.data(), (E + 1) * sizeof(int32_t), cudaMemcpyHostToDevice));
+
+  // The layer without the fused kernel: FC1's float32 c, then the pass.
+  GroupedGemmProblem g;
+  g.layout = GemmLayout::kNN;
+  g.num_groups = E;
+  g.offsets = d_off;
+  g.total_rows = C;
+  g.n = 2 * I;
+  g.k = H;
+  g.a = x;
+  g.b = w1;
+  g.d = c;
+  const size_t g_ws = moe_ep::cuda::grouped_gemm_workspace_bytes(g, sm_count);
+  Fc1SwigluProblem q;
+  q.num_groups = E;
+  q.offsets = d_off;
+  q.total_rows = C;
+  q.hidden = H;
+  q.intermediate = I;
+  q.x = x;
+  q.w1 = w1;
+  q.weight = w;
+  q.h = h_got;
+  q.stash = k.stash ? s_got : nullptr;
+  q.apply_weight = k.weight;
+  q.has_clamp = k.clamp;
+  q.limit = 7.0f;  // c's magnitudes reach tens: the clamp acts on some values
+  if (!moe_ep::cuda::fc1_swiglu_gemm_supported(q)) {
+    std::printf("MISMATCH fc1 swiglu %s: the kernel does not take the case\n", name);
+    ++g_failures;
+    return;
+  }
+  const size_t q_ws = moe_ep::cuda::fc1_swiglu_gemm_workspace_bytes(q, sm_count);
+  void* ws = device_alloc<char>(std::max(g_ws, q_ws));
+  const moe_ep::cuda::detail::SwigluParams sp{C, I, k.weight ? 1 : 0, k.clamp ? 1 : 0, q.limit};
+  auto unfused = [&] {
+    CHECK_CUDA(moe_ep::cuda::grouped_gemm_bf16(g, ws, std::max(g_ws, q_ws), nullptr, sm_count));
+    fc1_pass_reference<<<grid_for(std::max<int64_t>(off[E] * I, 1)), 256>>>(c, w, d_off, E, I, sp, h_ref, k.stash ? s_ref : nullptr);
+    CHECK_CUDA(cudaGetLastError());
+  };
+  auto fused = [&] { CHECK_CUDA(moe_ep::cuda::fc1_swiglu_gemm(q, ws, std::max(g_ws, q_ws), nullptr, sm_count)); };
+  unfused();
+  fused();
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<uint16_t> hr(C * I), hg(C * I), sr(C * 2 * I), sg(C * 2 * I);
+  CHECK_CUDA(cudaMemcpy(hr.data(), h_ref, hr.size() * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(hg.data(), h_got, hg.size() * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(sr.data(), s_ref, sr.size() * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(sg.data(), s_got, sg.size() * 2, cudaMemcpyDeviceToHost));
+  int64_t first_h = -1, first_s = -1;
+  const int64_t dh = count_diff(hr, hg, C * I, &first_h);  // rows past the slabs: both sentinels
+  const int64_t ds = count_diff(sr, sg, C * 2 * I, &first_s);
+  char what[160];
+  std::snprintf(what, sizeof what, "fc1 swiglu %s (H %lld, I %lld, %d groups, %lld rows%s%s%s)", name,
+                static_cast<long long>(H), static_cast<long long>(I), E, static_cast<long long>(C),
+                k.weight ? ", weight" : "", k.clamp ? ", clamp" : "", k.stash ? ", stash" : "");
+  if (dh == 0 && ds == 0) {
+    std::printf("ok        %s: h and the stash equal the GEMM and the pass bit for bit\n", what);
+  } else {
+    ++g_failures;
+    std::printf("MISMATCH  %s: %lld of %lld h values differ, %lld of %lld stash values\n", what,
+                static_cast<long long>(dh), static_cast<long long>(C * I), static_cast<long long>(ds),
+                static_cast<long long>(C * 2 * I));
+    if (first_h >= 0)
+      std::printf("  h[%lld, %lld]: got 0x%04x, want 0x%04x\n", static_cast<long long>(first_h / I),
+                  static_cast<long long>(first_h % I), hg[first_h], hr[first_h]);
+    if (first_s >= 0)
+      std::printf("  stash[%lld, %lld]: got 0x%04x, want 0x%04x\n", static_cast<long long>(first_s / (2 * I)),
+                  static_cast<long long>(first_s % (2 * I)), sg[first_s], sr[first_s]);
+  }
+  if (timing) {
+    cudaEvent_t t0, t1;
+    CHECK_CUDA(cudaEventCreate(&t0));
+    CHECK_CUDA(cudaEventCreate(&t1));
+    auto time_of = [&](auto&& run) {
+      for (int i = 0; i < 3; ++i) run();
+      constexpr int kIters = 20;
+      CHECK_CUDA(cudaEventRecord(t0));
+      for (int i = 0; i < kIters; ++i) run();
+      CHECK_CUDA(cudaEventRecord(t1));
+      CHECK_CUDA(cudaEventSynchronize(t1));
+      float ms = 0.0f;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
+      return ms / kIters;
+    };
+    for (int pass = 0; pass < 2; ++pass) {  // alternating
+      const float tu = time_of(unfused), tf = time_of(fused);
+      std::printf("time  %s: GEMM + pass %.4f ms, fused %.4f ms: the fused kernel takes %.3f of their time\n", what,
+                  tu, tf, tf / tu);
+    }
+    CHECK_CUDA(cudaEventDestroy(t0));
+    CHECK_CUDA(cudaEventDestroy(t1));
+  }
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(w1), static_cast<void*>(w), static_cast<void*>(c),
+                  static_cast<void*>(d_off), static_cast<void*>(h_ref), static_cast<void*>(h_got),
+                  static_cast<void*>(s_ref), static_cast<void*>(s_got), ws})
+    CHECK_CUDA(cudaFree(p));
+}
+
+void fc1_swiglu_checks(bool timing, int sm_count) {
+  // Ragged groups: empty ones, groups off the 128-row tile, one of several tiles; rows past the slabs.
+  const std::vector<int> ragged = {0, 1, 129, 0, 300, 7, 256, 45, 0};
+  for (bool stash : {true, false})
+    for (bool weight : {true, false})
+      check_fc1_swiglu("ragged", {512, 256, ragged, 13, weight, !weight, stash}, sm_count, 31, false);
+  check_fc1_swiglu("ragged, clamp and weight", {384, 384, ragged, 0, true, true, true}, sm_count, 32, false);
+  check_fc1_swiglu("all groups empty", {256, 128, {0, 0, 0}, 5, true, false, true}, sm_count, 33, false);
+  // DeepSeek-V3 per rank at 4096 tokens (hidden 7168, intermediate 2048, 32 experts, the routing's spread).
+  check_fc1_swiglu("prefill, spread", {7168, 2048, spread_rows(32768), 0, false, false, false}, sm_count, 34, timing);
+  check_fc1_swiglu("prefill, spread", {7168, 2048, spread_rows(32768), 0, false, false, true}, sm_count, 35, timing);
+}
+
 // --initcheck-probe (run under compute-sanitizer --tool initcheck): does initcheck see the
 // grouped GEMM's stores into D as initialising writes? D comes fresh from cudaMalloc (never
 // written), the GEMM writes every row of it (no accumulate), then read_after_gemm_kernel
@@ -1542,8 +1729,9 @@ int initcheck_probe(int sm_count) {
 
 int main(int argc, char** argv) {
   bool timing = true, probe = false, mxfp8_only = false, mx_profile = false, nvfp4_only = false, nv_profile = false,
-       nv_sweep = false;
+       nv_sweep = false, fc1 = false;
   for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--fc1-swiglu") == 0) fc1 = true;
     if (std::strcmp(argv[i], "--no-time") == 0) timing = false;
     if (std::strcmp(argv[i], "--initcheck-probe") == 0) probe = true;
     if (std::strcmp(argv[i], "--mxfp8-weights") == 0) mxfp8_only = true;
@@ -1567,6 +1755,11 @@ int main(int argc, char** argv) {
   }
   const int sms = prop.multiProcessorCount;
   if (probe) return initcheck_probe(sms);
+  if (fc1) {
+    fc1_swiglu_checks(timing, sms);
+    std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
+    return g_failures == 0 ? 0 : 1;
+  }
   if (nv_sweep) {
     nvfp4_weights_sweep();
     return g_failures == 0 ? 0 : 1;
@@ -1617,6 +1810,7 @@ int main(int argc, char** argv) {
   check_bf16_out("all groups empty", GemmLayout::kTN, 256, 128, 0, all_empty, 5, GemmKernel::kAuto, sms, 16);
   mxfp8_weights_checks(false, sms);
   nvfp4_weights_checks(false);
+  fc1_swiglu_checks(false, sms);
   std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
 
   if (timing) {

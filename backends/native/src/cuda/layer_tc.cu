@@ -7,6 +7,9 @@
 //            the clamp, SwiGLU, the router weight, R_int, the FC2 operand as bf16
 //            planes -> FC2 (one grouped GEMM per plane, accumulating in float32 y)
 //            -> one kernel: w * z (weight in FC2), R_comb, zero rows of no expert.
+//            With bf16 weights, intermediate_format bf16 and many rows an expert, FC1 and
+//            its kernel are one GEMM whose epilogue does that kernel's work from registers
+//            (cuda/gemm/fc1_swiglu_gemm.h; MOE_EP_FC1_EPILOGUE, fc1_epilogue_fused).
 // Backward:  the cotangent as bf16 planes -> a = (dY or w dY) W2^T -> one kernel:
 //            recompute from the stash, dh, dc (as planes), the FC2 left operand
 //            (w h or h) as planes -> dW2, dW1, dx grouped GEMMs -> dw row sums.
@@ -31,10 +34,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "cuda/common.cuh"
 #include "cuda/format_math.cuh"
+#include "cuda/gemm/fc1_swiglu_gemm.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/mxfp8_weights_gemm.cuh"
 #include "cuda/gemm/nvfp4_weights_gemm.cuh"
@@ -480,6 +486,49 @@ __global__ void zero_tail_rows_kernel(float* __restrict__ x, const int32_t* __re
 
 // ------------------------------------------------------------------ launches
 
+// MOE_EP_FC1_EPILOGUE (read at every forward): unset, empty or "fused" (the default): FC1 with
+// the SwiGLU in its epilogue where fc1_fused_problem says it applies; "pass": FC1's float32 c,
+// then fc1_epilogue_vec4_kernel (the same bits, for timing one against the other). Any other
+// value is an error naming the rule and the value.
+moe_ep_status fc1_epilogue_fused(bool* fused) {
+  const char* v = std::getenv("MOE_EP_FC1_EPILOGUE");
+  *fused = v == nullptr || *v == '\0' || std::strcmp(v, "fused") == 0;
+  if (*fused || std::strcmp(v, "pass") == 0) return MOE_EP_OK;
+  return fail(MOE_EP_ERR_INVALID_ARGUMENT,
+              std::string("forward: MOE_EP_FC1_EPILOGUE must be unset, 'fused' or 'pass'; got '") + v + "'");
+}
+
+// The fused FC1 of d (fc1_swiglu_gemm.h) with the layer's operands, and whether it applies:
+// bf16 weights, intermediate_format bf16 (one bf16 plane: R_bf16), more than 128 rows an
+// expert on average (fewer take the grouped GEMMs' few-rows kernel), and the kernel's shape
+// rules (fc1_swiglu_gemm_supported). Pointers may be stand-ins (sizes only).
+bool fc1_fused_problem(const moe_ep_expert_desc& d, const uint16_t* x, const float* w, const uint16_t* fc1,
+                       const int32_t* offsets, const int32_t* group_sizes, uint16_t* h, uint16_t* stash,
+                       Fc1SwigluProblem* out) {
+  Fc1SwigluProblem q;
+  q.num_groups = static_cast<int32_t>(d.num_local_experts);
+  if (group_sizes != nullptr) {
+    q.group_sizes = group_sizes;
+    q.offsets_out = const_cast<int32_t*>(offsets);
+  } else {
+    q.offsets = offsets;
+  }
+  q.total_rows = d.num_rows;
+  q.hidden = d.hidden;
+  q.intermediate = d.intermediate;
+  q.x = x;
+  q.w1 = fc1;
+  q.weight = w;
+  q.h = h;
+  q.stash = stash;
+  q.apply_weight = d.apply_topk_in_fc1;
+  q.has_clamp = d.has_clamp;
+  q.limit = d.gate_up_clamp;
+  *out = q;
+  return d.intermediate_format == MOE_EP_FORMAT_BF16 && d.num_local_experts > 0 &&
+         d.num_rows > 128 * d.num_local_experts && fc1_swiglu_gemm_supported(q);
+}
+
 // Blocks of a grid-stride kernel that only touches a tail of its `total` elements (the
 // rows past the last expert's slab): a few per SM instead of one per 256 elements.
 unsigned tail_blocks(int64_t total, const TcWorkspace& ws) {
@@ -705,6 +754,14 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
       }
     }
   });
+  {  // FC1 with the SwiGLU in its epilogue (stand-in pointers: sizes only)
+    const auto* a = reinterpret_cast<const uint16_t*>(uintptr_t{256});
+    auto* o = reinterpret_cast<uint16_t*>(uintptr_t{256});
+    Fc1SwigluProblem f1;
+    if (fc1_fused_problem(d, a, reinterpret_cast<const float*>(a), a, reinterpret_cast<const int32_t*>(a), nullptr, o,
+                          o, &f1))
+      gemm_bytes = std::max(gemm_bytes, fc1_swiglu_gemm_workspace_bytes(f1, sm_count));
+  }
   if (!ok) return 0;
   const size_t C = static_cast<size_t>(d.num_rows), H = static_cast<size_t>(d.hidden),
                I = static_cast<size_t>(d.intermediate), E = static_cast<size_t>(d.num_local_experts);
@@ -767,14 +824,32 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
     slab_offsets_kernel<<<1, 1, 0, s>>>(group_sizes, E, C, ws.offsets);
     MOE_EP_CUDA_CHECK_LAUNCH("slab_offsets_kernel");
   }
-  MOE_EP_TRY(gemm.forward(2 * I, H, x, wt.fc1, wt, wt.fc1_codes, wt.fc1_scales, ws.c, false, "FC1", nullptr, 1, 0,
-                          group_sizes));
-
-  const SwigluParams p{C, I, d.apply_topk_in_fc1, d.has_clamp, d.gate_up_clamp};
   const int planes = tc_operand_planes(d.intermediate_format);
-  const unsigned b1 = blocks_for(C * div_up(I, block_of_format(d.intermediate_format)));
-  launch_fc1_epilogue(d.intermediate_format, b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p);
-  MOE_EP_CUDA_CHECK_LAUNCH("fc1_epilogue_kernel");
+  bool fused = false;
+  MOE_EP_TRY(fc1_epilogue_fused(&fused));
+  Fc1SwigluProblem f1;
+  if (fused && !wt.coded() &&
+      fc1_fused_problem(d, x, w, wt.fc1, ws.offsets, group_sizes, ws.left, fc1_c, &f1) &&
+      fc1_swiglu_gemm_workspace_bytes(f1, ws.sm_count) <= ws.gemm_bytes) {
+    // One GEMM: h (the FC2 operand, one bf16 plane) and the stash from FC1's accumulator; the
+    // rows past the slabs are zeroed here, as the pass zeroes them.
+    MOE_EP_TRY(gemm_status(fc1_swiglu_gemm(f1, ws.gemm, ws.gemm_bytes, s, ws.sm_count), "FC1 with SwiGLU"));
+    (void)launch_pdl(zero_tail_rows_kernel, tail_blocks(C * I / 2, ws), kThreads, 0, s,
+                     reinterpret_cast<float*>(ws.left), ws.offsets, E, C, I / 2);
+    MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel (FC2 operand)");
+    if (fc1_c != nullptr) {
+      (void)launch_pdl(zero_tail_rows_kernel, tail_blocks(C * I, ws), kThreads, 0, s, reinterpret_cast<float*>(fc1_c),
+                       ws.offsets, E, C, I);
+      MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel (stash)");
+    }
+  } else {
+    MOE_EP_TRY(gemm.forward(2 * I, H, x, wt.fc1, wt, wt.fc1_codes, wt.fc1_scales, ws.c, false, "FC1", nullptr, 1, 0,
+                            group_sizes));
+    const SwigluParams p{C, I, d.apply_topk_in_fc1, d.has_clamp, d.gate_up_clamp};
+    const unsigned b1 = blocks_for(C * div_up(I, block_of_format(d.intermediate_format)));
+    launch_fc1_epilogue(d.intermediate_format, b1, s, ws.c, w, ws.offsets, E, fc1_c, ws.left, planes, p);
+    MOE_EP_CUDA_CHECK_LAUNCH("fc1_epilogue_kernel");
+  }
 
   const bool weight = !d.apply_topk_in_fc1;
   if (bf16_out && fc2_writes_bf16(d, combine_format)) {

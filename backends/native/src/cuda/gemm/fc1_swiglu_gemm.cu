@@ -1,0 +1,408 @@
+// FC1 with the SwiGLU in its epilogue (fc1_swiglu_gemm.h): one CUTLASS 4.2 instantiation
+// (its own TU, compiled for sm_90a with -DNDEBUG like grouped_gemm_cutlass.cuh's): the
+// ptr-array cooperative kernel, tile 128x256x64, cluster 1x2 (grouped_gemm_nn_coop_n2.cu's
+// shape), with
+//   - the mainloop of gated_mainloop.hpp: B's N mode gated, so a tile's 256 columns are two
+//     blocks of 64 gate columns each followed by its 64 up columns;
+//   - an epilogue with no C and no D, whose fusion callbacks (Fc1SwigluCallbacks) take each
+//     128x128 subtile of the float32 accumulator in registers (reduce(): the whole subtile),
+//     pair every gate value with its up value (the element 64 columns on in the same thread,
+//     found at compile time from the subtile's coordinate layout) and store h and the stash
+//     straight to global memory, two bf16 columns a store.
+// Only the experts' rows are written (the caller zeroes the rest); build_fc1_args clamps
+// malformed offsets to [0, total_rows] as grouped_gemm_cutlass.cuh's build_group_args does.
+#include "cuda/gemm/fc1_swiglu_gemm.h"
+
+#if defined(MOE_EP_NATIVE_WITH_CUTLASS)
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/numeric_types.h"
+#include "cutlass/util/packed_stride.hpp"
+
+#include "cuda/format_math.cuh"
+#include "cuda/gemm/gated_mainloop.hpp"
+#include "cuda/pdl.cuh"
+#include "cuda/swiglu.cuh"
+
+#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#error "the FC1 SwiGLU GEMM needs CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED (CUDA >= 12.3, sm_90a)"
+#endif
+
+namespace moe_ep {
+namespace cuda {
+namespace fc1_detail {
+
+using namespace cute;
+
+constexpr int kGate = 64;  // gate columns of a block (MoeEpGatedCollectiveMma::kGate)
+
+// What the epilogue needs besides the accumulator.
+struct EpilogueArgs {
+  const int32_t* offsets = nullptr;  // [G + 1] the groups' first rows (made before the GEMM runs)
+  int64_t total_rows = 0;
+  const float* weight = nullptr;
+  uint16_t* h = nullptr;
+  uint16_t* stash = nullptr;
+  int64_t I = 0;
+  int apply_weight = 0;
+  int has_clamp = 0;
+  float limit = 0.0f;
+};
+
+// The index of the element of the coordinate layout CL at (m, n) of element k plus (dm, dn), or
+// -1: evaluated at compile time (CL is static: a thread's subtile, relative coordinates).
+template <class CL>
+CUTE_HOST_DEVICE constexpr int element_at(int k, int dm, int dn) {
+  constexpr int n = decltype(size(CL{}))::value;
+  const auto ck = CL{}(k);
+  const int m0 = static_cast<int>(get<0>(ck)) + dm, n0 = static_cast<int>(get<1>(ck)) + dn;
+  for (int j = 0; j < n; ++j) {
+    const auto cj = CL{}(j);
+    if (static_cast<int>(get<0>(cj)) == m0 && static_cast<int>(get<1>(cj)) == n0) return j;
+  }
+  return -1;
+}
+
+__device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+// The fusion callbacks (used as they are, not through an EVT tree): the accumulator passes
+// through visit(); reduce() does the work on the whole subtile.
+struct Fc1SwigluCallbacks {
+  using ElementAux = cutlass::bfloat16_t;  // the collective's stand-in for D's element (D is void)
+  struct SharedStorage {};
+  using Arguments = EpilogueArgs;
+  using Params = EpilogueArgs;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+
+  CUTLASS_HOST_DEVICE Fc1SwigluCallbacks() {}
+  CUTLASS_HOST_DEVICE Fc1SwigluCallbacks(Params const& p, SharedStorage const&) : params(p) {}
+  Params params;
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::detail::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::detail::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class CoordTensor, class Residue>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::detail::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, Residue res, int base_m, int base_n, int rows, int64_t row0,
+                                          Params const& p)
+        : tCcD(c), residue(res), base_m(base_m), base_n(base_n), rows(rows), row0(row0), params(p) {}
+
+    CoordTensor tCcD;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N): coordinates relative to the thread's first element
+    Residue residue;
+    int base_m, base_n;  // the thread's first element in the group's problem (row, gated column)
+    int rows;            // the group's rows (M)
+    int64_t row0;        // the group's first row in x, h and the stash
+    Params const& params;
+
+    template <class ElementAccumulator, int kFrag>
+    CUTLASS_DEVICE cutlass::Array<ElementAccumulator, kFrag> visit(cutlass::Array<ElementAccumulator, kFrag> const& frg_acc,
+                                                                   int, int, int) {
+      return frg_acc;
+    }
+
+    template <class STensor, class SyncFn, class VTensor>
+    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor visit_results) {
+      Tensor cD = tCcD(_, _, _, epi_m, epi_n);  // this subtile's elements of the thread
+      using CL = decltype(cD.layout());
+      static_assert(is_static<CL>::value, "the subtile's coordinate layout is static");
+      constexpr int kN = decltype(size(CL{}))::value;
+      // The values: visit_results holds the subtile's elements in cD's order, kF to a fragment.
+      constexpr int kFrags = decltype(size(visit_results))::value;
+      constexpr int kF = kN / kFrags;
+      static_assert(kF * kFrags == kN, "whole fragments");
+      auto v = [&](int k) { return static_cast<float>(visit_results(k / kF)[k % kF]); };
+      const detail::SwigluParams sp{0, params.I, params.apply_weight, params.has_clamp, params.limit};
+      const int64_t I = params.I;
+      for_each(make_int_sequence<kN>{}, [&](auto K) {
+        constexpr int k = decltype(K)::value;
+        constexpr int ku = element_at<CL>(k, 0, kGate);  // its up value, if k is a gate value
+        constexpr int k1 = element_at<CL>(k, 0, 1);      // the next column
+        constexpr int ku1 = k1 >= 0 ? element_at<CL>(k1, 0, kGate) : -1;
+        constexpr int km1 = element_at<CL>(k, 0, -1);    // the previous column
+        constexpr int kmu = km1 >= 0 ? element_at<CL>(km1, 0, kGate) : -1;
+        if constexpr (ku >= 0) {
+          const auto crd = cD(k);
+          const int m = base_m + static_cast<int>(get<0>(crd));
+          const int n = base_n + static_cast<int>(get<1>(crd));
+          if (m < rows && (n & (2 * kGate - 1)) < kGate) {  // a gate column of a row of the group
+            const int64_t r = row0 + m;
+            const int64_t col = static_cast<int64_t>(n >> 7) * kGate + (n & (kGate - 1));
+            const float w = params.apply_weight ? params.weight[r] : 0.0f;
+            const float g = v(k), u = v(ku);
+            const uint16_t hb = detail::bf16_from_float(detail::swiglu_operand(g, u, w, sp));
+            bool done = false;
+            if constexpr (k1 >= 0 && ku1 >= 0) {
+              if ((n & 1) == 0) {  // with the next column: 4-byte stores
+                const float g1 = v(k1), u1 = v(ku1);
+                const uint16_t hb1 = detail::bf16_from_float(detail::swiglu_operand(g1, u1, w, sp));
+                *reinterpret_cast<uint32_t*>(params.h + r * I + col) = pack2(hb, hb1);
+                if (params.stash != nullptr) {
+                  uint16_t* s = params.stash + r * 2 * I + col;
+                  *reinterpret_cast<uint32_t*>(s) = pack2(detail::bf16_from_float(g), detail::bf16_from_float(g1));
+                  *reinterpret_cast<uint32_t*>(s + I) =
+                      pack2(detail::bf16_from_float(u), detail::bf16_from_float(u1));
+                }
+                done = true;
+              }
+            }
+            if constexpr (km1 >= 0 && kmu >= 0) {
+              if ((n & 1) == 1) done = true;  // stored with the previous column
+            }
+            if (!done) {
+              params.h[r * I + col] = hb;
+              if (params.stash != nullptr) {
+                params.stash[r * 2 * I + col] = detail::bf16_from_float(g);
+                params.stash[r * 2 * I + I + col] = detail::bf16_from_float(u);
+              }
+            }
+          }
+        }
+      });
+    }
+  };
+
+  template <bool RefSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(
+      cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...> const& args) {
+    const auto [M, N, K, L] = args.problem_shape_mnkl;
+    const auto l = get<3>(args.tile_coord_mnkl);
+    const int base_m = static_cast<int>(M) - static_cast<int>(get<0>(args.residue_tCcD));
+    const int base_n = static_cast<int>(N) - static_cast<int>(get<1>(args.residue_tCcD));
+    int64_t row0 = params.offsets[l];
+    row0 = row0 < 0 ? 0 : (row0 > params.total_rows ? params.total_rows : row0);
+    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(
+        args.tCcD, args.residue_tCcD, base_m, base_n, static_cast<int>(M), row0, params);
+  }
+};
+
+// The kernel.
+using TileShape = Shape<_128, _256, _64>;
+using ClusterShape = Shape<_1, _2, _1>;
+using EpilogueTile = Shape<_128, _128>;  // a subtile holds whole gate / up blocks
+using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+using Element = cutlass::bfloat16_t;
+using LayoutA = cutlass::layout::RowMajor;
+using LayoutB = cutlass::layout::RowMajor;
+using LayoutD = cutlass::layout::RowMajor;
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N = 2 I, K) a group
+
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, float, float, void,
+    LayoutD*, 8, void, LayoutD*, 8, EpilogueSchedule, Fc1SwigluCallbacks>::CollectiveOp;
+
+using StdMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, 8, Element, LayoutB*, 8, float, TileShape,
+    ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+    KernelSchedule>::CollectiveOp;
+
+// B (N, K, L): N = (kGate, 2, N / 2 kGate) with strides (1, I, kGate), K with the row stride 2 I.
+using GatedStrideB = Stride<Stride<_1, int64_t, Int<kGate>>, int64_t, _0>;
+static_assert(is_same_v<decltype(get<0>(typename StdMainloop::InternalStrideB{})), _1 const&> ||
+                  is_same_v<cute::remove_cvref_t<decltype(get<0>(typename StdMainloop::InternalStrideB{}))>, _1>,
+              "B is N-major");
+
+using CollectiveMainloop = cutlass::gemm::collective::MoeEpGatedCollectiveMma<
+    StdMainloop::DispatchPolicy::Stages, ClusterShape, KernelSchedule, TileShape, typename StdMainloop::ElementA,
+    typename StdMainloop::StrideA, typename StdMainloop::ElementB, GatedStrideB*, typename StdMainloop::TiledMma,
+    typename StdMainloop::GmemTiledCopyA, typename StdMainloop::SmemLayoutAtomA, typename StdMainloop::SmemCopyAtomA,
+    typename StdMainloop::TransformA, typename StdMainloop::GmemTiledCopyB, typename StdMainloop::SmemLayoutAtomB,
+    typename StdMainloop::SmemCopyAtomB, typename StdMainloop::TransformB>;
+
+using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+using StrideA = typename GemmKernel::InternalStrideA;
+using GroupShape = typename ProblemShape::UnderlyingProblemShape;
+
+struct WorkspaceLayout {
+  size_t shapes = 0, ptr_a = 0, ptr_b = 0, stride_a = 0, stride_b = 0, cutlass = 0, cutlass_bytes = 0, total = 0;
+};
+constexpr size_t kAlign = 256;
+inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+typename Gemm::Arguments make_arguments(const Fc1SwigluProblem& p, char* ws, const WorkspaceLayout& w, int sm_count) {
+  typename Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {p.num_groups, reinterpret_cast<GroupShape*>(ws + w.shapes), nullptr};
+  args.mainloop.ptr_A = reinterpret_cast<const Element**>(ws + w.ptr_a);
+  args.mainloop.dA = reinterpret_cast<StrideA*>(ws + w.stride_a);
+  args.mainloop.ptr_B = reinterpret_cast<const Element**>(ws + w.ptr_b);
+  args.mainloop.dB = reinterpret_cast<GatedStrideB*>(ws + w.stride_b);
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = nullptr;
+  args.epilogue.dD = nullptr;
+  EpilogueArgs& e = args.epilogue.thread;
+  e.offsets = p.group_sizes != nullptr ? p.offsets_out : p.offsets;
+  e.total_rows = p.total_rows;
+  e.weight = p.weight;
+  e.h = p.h;
+  e.stash = p.stash;
+  e.I = p.intermediate;
+  e.apply_weight = p.apply_weight;
+  e.has_clamp = p.has_clamp;
+  e.limit = p.limit;
+  args.hw_info.device_id = 0;  // only read when sm_count <= 0; ours is always set
+  args.hw_info.sm_count = sm_count;
+  return args;
+}
+
+WorkspaceLayout workspace_layout(const Fc1SwigluProblem& p, int sm_count) {
+  const size_t g = static_cast<size_t>(p.num_groups);
+  WorkspaceLayout w;
+  size_t at = 0;
+  w.shapes = at;   at = align_up(at + g * sizeof(GroupShape));
+  w.ptr_a = at;    at = align_up(at + g * sizeof(void*));
+  w.ptr_b = at;    at = align_up(at + g * sizeof(void*));
+  w.stride_a = at; at = align_up(at + g * sizeof(StrideA));
+  w.stride_b = at; at = align_up(at + g * sizeof(GatedStrideB));
+  w.cutlass = at;
+  auto args = make_arguments(p, nullptr, w, sm_count);
+  w.cutlass_bytes = Gemm::get_workspace_size(args);
+  w.total = align_up(at + w.cutlass_bytes);
+  return w;
+}
+
+// One thread per group: offsets (or sizes) -> shapes, pointers, strides; malformed offsets
+// clamped to [0, total_rows]. With group_sizes the offsets are published to offsets_out.
+__global__ void build_fc1_args(Fc1SwigluProblem p, GroupShape* shapes, const Element** ptr_a, const Element** ptr_b,
+                               StrideA* stride_a, GatedStrideB* stride_b) {
+  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
+  const int g = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g >= p.num_groups) return;
+  int64_t start, end;
+  if (p.group_sizes != nullptr) {
+    int64_t sum = 0;
+    for (int e = 0; e < g; ++e) sum += p.group_sizes[e] > 0 ? p.group_sizes[e] : 0;
+    const int64_t size = p.group_sizes[g] > 0 ? p.group_sizes[g] : 0;
+    start = sum < p.total_rows ? sum : p.total_rows;
+    end = sum + size < p.total_rows ? sum + size : p.total_rows;
+    if (g == 0) p.offsets_out[0] = 0;
+    p.offsets_out[g + 1] = static_cast<int32_t>(end);
+  } else {
+    start = p.offsets[g];
+    end = p.offsets[g + 1];
+  }
+  start = start < 0 ? 0 : (start > p.total_rows ? p.total_rows : start);
+  end = end < start ? start : (end > p.total_rows ? p.total_rows : end);
+  const int64_t I = p.intermediate, H = p.hidden;
+  shapes[g] = make_shape(static_cast<int>(end - start), static_cast<int>(2 * I), static_cast<int>(H));
+  ptr_a[g] = reinterpret_cast<const Element*>(p.x) + start * H;
+  ptr_b[g] = reinterpret_cast<const Element*>(p.w1) + static_cast<int64_t>(g) * H * 2 * I;
+  stride_a[g] = cutlass::make_cute_packed_stride(StrideA{}, make_shape(static_cast<int>(H), static_cast<int>(H), 1));
+  GatedStrideB sb{};
+  get<0, 1>(sb) = I;      // gate -> up
+  get<1>(sb) = 2 * I;     // the next k: a row of W1
+  stride_b[g] = sb;
+}
+
+cudaError_t status_to_error(cutlass::Status s) {
+  switch (s) {
+    case cutlass::Status::kSuccess: return cudaSuccess;
+    case cutlass::Status::kErrorMisalignedOperand:
+    case cutlass::Status::kErrorInvalidProblem:
+    case cutlass::Status::kErrorNotSupported: return cudaErrorNotSupported;
+    case cutlass::Status::kErrorWorkspaceNull: return cudaErrorInvalidValue;
+    default: {
+      const cudaError_t e = cudaGetLastError();
+      return e != cudaSuccess ? e : cudaErrorLaunchFailure;
+    }
+  }
+}
+
+}  // namespace fc1_detail
+
+bool fc1_swiglu_gemm_supported(const Fc1SwigluProblem& p) {
+  constexpr int64_t kMaxDim = 2147483647;
+  const uintptr_t a16 = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.w1);
+  const uintptr_t a4 = reinterpret_cast<uintptr_t>(p.h) | reinterpret_cast<uintptr_t>(p.stash);
+  const bool offsets_ok = p.group_sizes != nullptr ? p.offsets_out != nullptr : p.offsets != nullptr;
+  return p.num_groups > 0 && p.num_groups <= 65535 && offsets_ok && p.total_rows >= 0 && p.total_rows < kMaxDim &&
+         p.intermediate > 0 && p.intermediate % (2 * fc1_detail::kGate) == 0 && 2 * p.intermediate < kMaxDim &&
+         p.hidden > 0 && p.hidden % 8 == 0 && p.hidden < kMaxDim && p.x != nullptr && p.w1 != nullptr &&
+         p.h != nullptr && (p.apply_weight == 0 || p.weight != nullptr) && a16 % 16 == 0 && a4 % 4 == 0;
+}
+
+size_t fc1_swiglu_gemm_workspace_bytes(const Fc1SwigluProblem& p, int sm_count) {
+  return fc1_detail::workspace_layout(p, sm_count).total;
+}
+
+cudaError_t fc1_swiglu_gemm(const Fc1SwigluProblem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                            int sm_count) {
+  using namespace fc1_detail;
+  if (!fc1_swiglu_gemm_supported(p) || sm_count <= 0) return cudaErrorNotSupported;
+  const WorkspaceLayout w = workspace_layout(p, sm_count);
+  if (workspace == nullptr || workspace_bytes < w.total || reinterpret_cast<uintptr_t>(workspace) % 128 != 0)
+    return cudaErrorInvalidValue;
+  char* ws = static_cast<char*>(workspace);
+  (void)launch_pdl(build_fc1_args, 1, static_cast<unsigned>(p.num_groups), 0, stream, p,
+                   reinterpret_cast<GroupShape*>(ws + w.shapes), reinterpret_cast<const Element**>(ws + w.ptr_a),
+                   reinterpret_cast<const Element**>(ws + w.ptr_b), reinterpret_cast<StrideA*>(ws + w.stride_a),
+                   reinterpret_cast<GatedStrideB*>(ws + w.stride_b));
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  auto args = make_arguments(p, ws, w, sm_count);
+  Gemm gemm;
+  cutlass::Status s = gemm.can_implement(args);
+  if (s != cutlass::Status::kSuccess) return status_to_error(s);
+  s = gemm.initialize(args, w.cutlass_bytes > 0 ? ws + w.cutlass : nullptr, stream);
+  if (s != cutlass::Status::kSuccess) return status_to_error(s);
+  s = gemm.run(stream);
+  if (s != cutlass::Status::kSuccess) return status_to_error(s);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace moe_ep
+
+#else  // no CUTLASS: the caller runs FC1 and its pass
+
+namespace moe_ep {
+namespace cuda {
+bool fc1_swiglu_gemm_supported(const Fc1SwigluProblem&) { return false; }
+size_t fc1_swiglu_gemm_workspace_bytes(const Fc1SwigluProblem&, int) { return 0; }
+cudaError_t fc1_swiglu_gemm(const Fc1SwigluProblem&, void*, size_t, cudaStream_t, int) {
+  return cudaErrorNotSupported;
+}
+}  // namespace cuda
+}  // namespace moe_ep
+
+#endif
