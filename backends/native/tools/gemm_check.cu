@@ -1599,25 +1599,35 @@ void check_fc1_swiglu(const char* name, const Fc1Case& k, int sm_count, uint64_t
     fc1_pass_reference<<<grid_for(std::max<int64_t>(off[E] * I, 1)), 256>>>(c, w, d_off, E, I, sp, h_ref, k.stash ? s_ref : nullptr);
     CHECK_CUDA(cudaGetLastError());
   };
-  auto fused = [&] { CHECK_CUDA(moe_ep::cuda::fc1_swiglu_gemm(q, ws, std::max(g_ws, q_ws), nullptr, sm_count)); };
+  using moe_ep::cuda::Fc1SwigluKernel;
+  auto fused_with = [&](Fc1SwigluKernel kernel) {
+    q.kernel = kernel;
+    CHECK_CUDA(moe_ep::cuda::fc1_swiglu_gemm(q, ws, std::max(g_ws, q_ws), nullptr, sm_count));
+  };
   unfused();
-  fused();
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<uint16_t> hr(C * I), hg(C * I), sr(C * 2 * I), sg(C * 2 * I);
   CHECK_CUDA(cudaMemcpy(hr.data(), h_ref, hr.size() * 2, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(hg.data(), h_got, hg.size() * 2, cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(sr.data(), s_ref, sr.size() * 2, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(sg.data(), s_got, sg.size() * 2, cudaMemcpyDeviceToHost));
-  int64_t first_h = -1, first_s = -1;
-  const int64_t dh = count_diff(hr, hg, C * I, &first_h);  // rows past the slabs: both sentinels
-  const int64_t ds = count_diff(sr, sg, C * 2 * I, &first_s);
-  char what[160];
-  std::snprintf(what, sizeof what, "fc1 swiglu %s (H %lld, I %lld, %d groups, %lld rows%s%s%s)", name,
-                static_cast<long long>(H), static_cast<long long>(I), E, static_cast<long long>(C),
-                k.weight ? ", weight" : "", k.clamp ? ", clamp" : "", k.stash ? ", stash" : "");
-  if (dh == 0 && ds == 0) {
-    std::printf("ok        %s: h and the stash equal the GEMM and the pass bit for bit\n", what);
-  } else {
+  char what[200];
+  for (Fc1SwigluKernel kernel : {Fc1SwigluKernel::kCooperative, Fc1SwigluKernel::kPingpong}) {
+    fill_u16<<<grid_for(C * I), 256>>>(h_got, C * I, kSentinel);
+    fill_u16<<<grid_for(C * 2 * I), 256>>>(s_got, C * 2 * I, kSentinel);
+    fused_with(kernel);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaMemcpy(hg.data(), h_got, hg.size() * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(sg.data(), s_got, sg.size() * 2, cudaMemcpyDeviceToHost));
+    int64_t first_h = -1, first_s = -1;
+    const int64_t dh = count_diff(hr, hg, C * I, &first_h);  // rows past the slabs: both sentinels
+    const int64_t ds = count_diff(sr, sg, C * 2 * I, &first_s);
+    std::snprintf(what, sizeof what, "fc1 swiglu %s [%s] (H %lld, I %lld, %d groups, %lld rows%s%s%s)", name,
+                  kernel == Fc1SwigluKernel::kPingpong ? "pingpong" : "cooperative", static_cast<long long>(H),
+                  static_cast<long long>(I), E, static_cast<long long>(C), k.weight ? ", weight" : "",
+                  k.clamp ? ", clamp" : "", k.stash ? ", stash" : "");
+    if (dh == 0 && ds == 0) {
+      std::printf("ok        %s: h and the stash equal the GEMM and the pass bit for bit\n", what);
+      continue;
+    }
     ++g_failures;
     std::printf("MISMATCH  %s: %lld of %lld h values differ, %lld of %lld stash values\n", what,
                 static_cast<long long>(dh), static_cast<long long>(C * I), static_cast<long long>(ds),
@@ -1644,10 +1654,15 @@ void check_fc1_swiglu(const char* name, const Fc1Case& k, int sm_count, uint64_t
       CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
       return ms / kIters;
     };
+    std::snprintf(what, sizeof what, "fc1 swiglu %s (H %lld, I %lld, %d groups, %lld rows%s)", name,
+                  static_cast<long long>(H), static_cast<long long>(I), E, static_cast<long long>(C),
+                  k.stash ? ", stash" : "");
     for (int pass = 0; pass < 2; ++pass) {  // alternating
-      const float tu = time_of(unfused), tf = time_of(fused);
-      std::printf("time  %s: GEMM + pass %.4f ms, fused %.4f ms: the fused kernel takes %.3f of their time\n", what,
-                  tu, tf, tf / tu);
+      const float tu = time_of(unfused);
+      const float tc = time_of([&] { fused_with(Fc1SwigluKernel::kCooperative); });
+      const float tp = time_of([&] { fused_with(Fc1SwigluKernel::kPingpong); });
+      std::printf("time  %s: GEMM + pass %.4f ms; fused cooperative %.4f ms (%.3f of it), pingpong %.4f ms (%.3f)\n",
+                  what, tu, tc, tc / tu, tp, tp / tu);
     }
     CHECK_CUDA(cudaEventDestroy(t0));
     CHECK_CUDA(cudaEventDestroy(t1));
@@ -1664,7 +1679,9 @@ void fc1_swiglu_checks(bool timing, int sm_count) {
   for (bool stash : {true, false})
     for (bool weight : {true, false})
       check_fc1_swiglu("ragged", {512, 256, ragged, 13, weight, !weight, stash}, sm_count, 31, false);
-  check_fc1_swiglu("ragged, clamp and weight", {384, 384, ragged, 0, true, true, true}, sm_count, 32, false);
+  check_fc1_swiglu("three column tiles", {384, 384, ragged, 0, true, true, true}, sm_count, 32, false);
+  // 2 I of one and of three 256-column tiles: the cluster's second CTA holds a tile past N.
+  check_fc1_swiglu("one column tile", {256, 128, ragged, 3, true, true, true}, sm_count, 36, false);
   check_fc1_swiglu("all groups empty", {256, 128, {0, 0, 0}, 5, true, false, true}, sm_count, 33, false);
   // DeepSeek-V3 per rank at 4096 tokens (hidden 7168, intermediate 2048, 32 experts, the routing's spread).
   check_fc1_swiglu("prefill, spread", {7168, 2048, spread_rows(32768), 0, false, false, false}, sm_count, 34, timing);

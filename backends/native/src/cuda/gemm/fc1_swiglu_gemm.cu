@@ -1,11 +1,11 @@
-// FC1 with the SwiGLU in its epilogue (fc1_swiglu_gemm.h): one CUTLASS 4.2 instantiation
-// (its own TU, compiled for sm_90a with -DNDEBUG like grouped_gemm_cutlass.cuh's): the
-// ptr-array cooperative kernel, tile 128x256x64, cluster 1x2 (grouped_gemm_nn_coop_n2.cu's
-// shape), with
+// FC1 with the SwiGLU in its epilogue (fc1_swiglu_gemm.h): two CUTLASS 4.2 instantiations
+// (this TU, compiled for sm_90a with -DNDEBUG like grouped_gemm_cutlass.cuh's): the ptr-array
+// cooperative kernel, tile 128x256x64, and the pingpong one, 64x256x64, cluster 1x2
+// (grouped_gemm_nn_coop_n2.cu's reason), with
 //   - the mainloop of gated_mainloop.hpp: B's N mode gated, so a tile's 256 columns are two
 //     blocks of 64 gate columns each followed by its 64 up columns;
 //   - an epilogue with no C and no D, whose fusion callbacks (Fc1SwigluCallbacks) take each
-//     128x128 subtile of the float32 accumulator in registers (reduce(): the whole subtile),
+//     128x128 (64x128) subtile of the float32 accumulator in registers (reduce(): the whole subtile),
 //     pair every gate value with its up value (the element 64 columns on in the same thread,
 //     found at compile time from the subtile's coordinate layout) and store h and the stash
 //     straight to global memory, two bf16 columns a store.
@@ -17,8 +17,10 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -34,6 +36,7 @@
 
 #include "cuda/format_math.cuh"
 #include "cuda/gemm/gated_mainloop.hpp"
+#include "cuda/gemm/group_rows.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/swiglu.cuh"
 
@@ -120,14 +123,14 @@ struct Fc1SwigluCallbacks {
 
   template <class CoordTensor, class Residue>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::detail::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, Residue res, int base_m, int base_n, int rows, int64_t row0,
-                                          Params const& p)
-        : tCcD(c), residue(res), base_m(base_m), base_n(base_n), rows(rows), row0(row0), params(p) {}
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, Residue res, int base_m, int base_n, int rows, int cols,
+                                          int64_t row0, Params const& p)
+        : tCcD(c), residue(res), base_m(base_m), base_n(base_n), rows(rows), cols(cols), row0(row0), params(p) {}
 
     CoordTensor tCcD;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N): coordinates relative to the thread's first element
     Residue residue;
     int base_m, base_n;  // the thread's first element in the group's problem (row, gated column)
-    int rows;            // the group's rows (M)
+    int rows, cols;      // the group's rows (M) and gated columns (N = 2 I)
     int64_t row0;        // the group's first row in x, h and the stash
     Params const& params;
 
@@ -161,7 +164,8 @@ struct Fc1SwigluCallbacks {
           const auto crd = cD(k);
           const int m = base_m + static_cast<int>(get<0>(crd));
           const int n = base_n + static_cast<int>(get<1>(crd));
-          if (m < rows && (n & (2 * kGate - 1)) < kGate) {  // a gate column of a row of the group
+          // A gate column of a row of the group (a cluster's second CTA may hold a tile past N).
+          if (m < rows && n < cols && (n & (2 * kGate - 1)) < kGate) {
             const int64_t r = row0 + m;
             const int64_t col = static_cast<int64_t>(n >> 7) * kGate + (n & (kGate - 1));
             const float w = params.apply_weight ? params.weight[r] : 0.0f;
@@ -208,49 +212,53 @@ struct Fc1SwigluCallbacks {
     int64_t row0 = params.offsets[l];
     row0 = row0 < 0 ? 0 : (row0 > params.total_rows ? params.total_rows : row0);
     return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(
-        args.tCcD, args.residue_tCcD, base_m, base_n, static_cast<int>(M), row0, params);
+        args.tCcD, args.residue_tCcD, base_m, base_n, static_cast<int>(M), static_cast<int>(N), row0, params);
   }
 };
 
-// The kernel.
-using TileShape = Shape<_128, _256, _64>;
-using ClusterShape = Shape<_1, _2, _1>;
-using EpilogueTile = Shape<_128, _128>;  // a subtile holds whole gate / up blocks
-using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+// The kernels: cooperative (both consumer warpgroups on one 128x256 tile, the epilogue after
+// the mainloop) and pingpong (each warpgroup its own 64x256 tile, one's epilogue under the
+// other's mainloop). Cluster 1x2 either way (grouped_gemm_nn_coop_n2.cu's reason).
 using Element = cutlass::bfloat16_t;
 using LayoutA = cutlass::layout::RowMajor;
 using LayoutB = cutlass::layout::RowMajor;
 using LayoutD = cutlass::layout::RowMajor;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N = 2 I, K) a group
-
-using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, float, float, void,
-    LayoutD*, 8, void, LayoutD*, 8, EpilogueSchedule, Fc1SwigluCallbacks>::CollectiveOp;
-
-using StdMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, 8, Element, LayoutB*, 8, float, TileShape,
-    ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-    KernelSchedule>::CollectiveOp;
-
+using GroupShape = typename ProblemShape::UnderlyingProblemShape;
 // B (N, K, L): N = (kGate, 2, N / 2 kGate) with strides (1, I, kGate), K with the row stride 2 I.
 using GatedStrideB = Stride<Stride<_1, int64_t, Int<kGate>>, int64_t, _0>;
-static_assert(is_same_v<decltype(get<0>(typename StdMainloop::InternalStrideB{})), _1 const&> ||
-                  is_same_v<cute::remove_cvref_t<decltype(get<0>(typename StdMainloop::InternalStrideB{}))>, _1>,
-              "B is N-major");
+using ClusterShape = Shape<_1, _2, _1>;
 
-using CollectiveMainloop = cutlass::gemm::collective::MoeEpGatedCollectiveMma<
-    StdMainloop::DispatchPolicy::Stages, ClusterShape, KernelSchedule, TileShape, typename StdMainloop::ElementA,
-    typename StdMainloop::StrideA, typename StdMainloop::ElementB, GatedStrideB*, typename StdMainloop::TiledMma,
-    typename StdMainloop::GmemTiledCopyA, typename StdMainloop::SmemLayoutAtomA, typename StdMainloop::SmemCopyAtomA,
-    typename StdMainloop::TransformA, typename StdMainloop::GmemTiledCopyB, typename StdMainloop::SmemLayoutAtomB,
-    typename StdMainloop::SmemCopyAtomB, typename StdMainloop::TransformB>;
-
-using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-using StrideA = typename GemmKernel::InternalStrideA;
-using GroupShape = typename ProblemShape::UnderlyingProblemShape;
+template <bool kPingpong>
+struct Fc1Kernel {
+  using TileShape = std::conditional_t<kPingpong, Shape<_64, _256, _64>, Shape<_128, _256, _64>>;
+  using EpilogueTile = std::conditional_t<kPingpong, Shape<_64, _128>, Shape<_128, _128>>;  // whole gate / up blocks
+  using KernelSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, float, float, void,
+      LayoutD*, 8, void, LayoutD*, 8, EpilogueSchedule, Fc1SwigluCallbacks>::CollectiveOp;
+  using StdMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, 8, Element, LayoutB*, 8, float, TileShape,
+      ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  static_assert(cute::is_same_v<cute::remove_cvref_t<decltype(get<0>(typename StdMainloop::InternalStrideB{}))>, _1>,
+                "B is N-major");
+  using CollectiveMainloop = cutlass::gemm::collective::MoeEpGatedCollectiveMma<
+      StdMainloop::DispatchPolicy::Stages, ClusterShape, KernelSchedule, TileShape, typename StdMainloop::ElementA,
+      typename StdMainloop::StrideA, typename StdMainloop::ElementB, GatedStrideB*, typename StdMainloop::TiledMma,
+      typename StdMainloop::GmemTiledCopyA, typename StdMainloop::SmemLayoutAtomA, typename StdMainloop::SmemCopyAtomA,
+      typename StdMainloop::TransformA, typename StdMainloop::GmemTiledCopyB, typename StdMainloop::SmemLayoutAtomB,
+      typename StdMainloop::SmemCopyAtomB, typename StdMainloop::TransformB>;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+};
+using StrideA = typename Fc1Kernel<false>::GemmKernel::InternalStrideA;
+static_assert(cute::is_same_v<StrideA, typename Fc1Kernel<true>::GemmKernel::InternalStrideA>, "one A stride");
 
 struct WorkspaceLayout {
   size_t shapes = 0, ptr_a = 0, ptr_b = 0, stride_a = 0, stride_b = 0, cutlass = 0, cutlass_bytes = 0, total = 0;
@@ -258,6 +266,7 @@ struct WorkspaceLayout {
 constexpr size_t kAlign = 256;
 inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
+template <class Gemm>
 typename Gemm::Arguments make_arguments(const Fc1SwigluProblem& p, char* ws, const WorkspaceLayout& w, int sm_count) {
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
@@ -285,6 +294,7 @@ typename Gemm::Arguments make_arguments(const Fc1SwigluProblem& p, char* ws, con
   return args;
 }
 
+template <class Gemm>
 WorkspaceLayout workspace_layout(const Fc1SwigluProblem& p, int sm_count) {
   const size_t g = static_cast<size_t>(p.num_groups);
   WorkspaceLayout w;
@@ -295,34 +305,21 @@ WorkspaceLayout workspace_layout(const Fc1SwigluProblem& p, int sm_count) {
   w.stride_a = at; at = align_up(at + g * sizeof(StrideA));
   w.stride_b = at; at = align_up(at + g * sizeof(GatedStrideB));
   w.cutlass = at;
-  auto args = make_arguments(p, nullptr, w, sm_count);
+  auto args = make_arguments<Gemm>(p, nullptr, w, sm_count);
   w.cutlass_bytes = Gemm::get_workspace_size(args);
   w.total = align_up(at + w.cutlass_bytes);
   return w;
 }
 
-// One thread per group: offsets (or sizes) -> shapes, pointers, strides; malformed offsets
-// clamped to [0, total_rows]. With group_sizes the offsets are published to offsets_out.
+// One thread per group: its rows (group_rows: offsets, or sizes made into published offsets,
+// clamped to [0, total_rows]) -> shapes, pointers, strides.
 __global__ void build_fc1_args(Fc1SwigluProblem p, GroupShape* shapes, const Element** ptr_a, const Element** ptr_b,
                                StrideA* stride_a, GatedStrideB* stride_b) {
   pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
   const int g = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= p.num_groups) return;
-  int64_t start, end;
-  if (p.group_sizes != nullptr) {
-    int64_t sum = 0;
-    for (int e = 0; e < g; ++e) sum += p.group_sizes[e] > 0 ? p.group_sizes[e] : 0;
-    const int64_t size = p.group_sizes[g] > 0 ? p.group_sizes[g] : 0;
-    start = sum < p.total_rows ? sum : p.total_rows;
-    end = sum + size < p.total_rows ? sum + size : p.total_rows;
-    if (g == 0) p.offsets_out[0] = 0;
-    p.offsets_out[g + 1] = static_cast<int32_t>(end);
-  } else {
-    start = p.offsets[g];
-    end = p.offsets[g + 1];
-  }
-  start = start < 0 ? 0 : (start > p.total_rows ? p.total_rows : start);
-  end = end < start ? start : (end > p.total_rows ? p.total_rows : end);
+  const GroupRows gr = group_rows(g, p.offsets, p.group_sizes, p.offsets_out, p.total_rows);
+  const int64_t start = gr.start, end = gr.end;
   const int64_t I = p.intermediate, H = p.hidden;
   shapes[g] = make_shape(static_cast<int>(end - start), static_cast<int>(2 * I), static_cast<int>(H));
   ptr_a[g] = reinterpret_cast<const Element*>(p.x) + start * H;
@@ -355,21 +352,24 @@ bool fc1_swiglu_gemm_supported(const Fc1SwigluProblem& p) {
   const uintptr_t a16 = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.w1);
   const uintptr_t a4 = reinterpret_cast<uintptr_t>(p.h) | reinterpret_cast<uintptr_t>(p.stash);
   const bool offsets_ok = p.group_sizes != nullptr ? p.offsets_out != nullptr : p.offsets != nullptr;
-  return p.num_groups > 0 && p.num_groups <= 65535 && offsets_ok && p.total_rows >= 0 && p.total_rows < kMaxDim &&
+  return p.num_groups > 0 && p.num_groups <= 1024 && offsets_ok && p.total_rows >= 0 && p.total_rows < kMaxDim &&
          p.intermediate > 0 && p.intermediate % (2 * fc1_detail::kGate) == 0 && 2 * p.intermediate < kMaxDim &&
          p.hidden > 0 && p.hidden % 8 == 0 && p.hidden < kMaxDim && p.x != nullptr && p.w1 != nullptr &&
          p.h != nullptr && (p.apply_weight == 0 || p.weight != nullptr) && a16 % 16 == 0 && a4 % 4 == 0;
 }
 
 size_t fc1_swiglu_gemm_workspace_bytes(const Fc1SwigluProblem& p, int sm_count) {
-  return fc1_detail::workspace_layout(p, sm_count).total;
+  using namespace fc1_detail;
+  return std::max(workspace_layout<Fc1Kernel<false>::Gemm>(p, sm_count).total,
+                  workspace_layout<Fc1Kernel<true>::Gemm>(p, sm_count).total);
 }
 
-cudaError_t fc1_swiglu_gemm(const Fc1SwigluProblem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                            int sm_count) {
-  using namespace fc1_detail;
-  if (!fc1_swiglu_gemm_supported(p) || sm_count <= 0) return cudaErrorNotSupported;
-  const WorkspaceLayout w = workspace_layout(p, sm_count);
+namespace fc1_detail {
+
+template <class Gemm>
+cudaError_t launch(const Fc1SwigluProblem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                   int sm_count) {
+  const WorkspaceLayout w = workspace_layout<Gemm>(p, sm_count);
   if (workspace == nullptr || workspace_bytes < w.total || reinterpret_cast<uintptr_t>(workspace) % 128 != 0)
     return cudaErrorInvalidValue;
   char* ws = static_cast<char*>(workspace);
@@ -379,7 +379,7 @@ cudaError_t fc1_swiglu_gemm(const Fc1SwigluProblem& p, void* workspace, size_t w
                    reinterpret_cast<GatedStrideB*>(ws + w.stride_b));
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  auto args = make_arguments(p, ws, w, sm_count);
+  auto args = make_arguments<Gemm>(p, ws, w, sm_count);
   Gemm gemm;
   cutlass::Status s = gemm.can_implement(args);
   if (s != cutlass::Status::kSuccess) return status_to_error(s);
@@ -388,6 +388,17 @@ cudaError_t fc1_swiglu_gemm(const Fc1SwigluProblem& p, void* workspace, size_t w
   s = gemm.run(stream);
   if (s != cutlass::Status::kSuccess) return status_to_error(s);
   return cudaGetLastError();
+}
+
+}  // namespace fc1_detail
+
+cudaError_t fc1_swiglu_gemm(const Fc1SwigluProblem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                            int sm_count) {
+  using namespace fc1_detail;
+  if (!fc1_swiglu_gemm_supported(p) || sm_count <= 0) return cudaErrorNotSupported;
+  if (p.kernel == Fc1SwigluKernel::kCooperative)
+    return launch<Fc1Kernel<false>::Gemm>(p, workspace, workspace_bytes, stream, sm_count);
+  return launch<Fc1Kernel<true>::Gemm>(p, workspace, workspace_bytes, stream, sm_count);
 }
 
 }  // namespace cuda

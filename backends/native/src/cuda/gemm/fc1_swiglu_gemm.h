@@ -24,6 +24,11 @@
 namespace moe_ep {
 namespace cuda {
 
+// Which kernel runs it: cooperative (128x256 tiles, both consumer warpgroups on a tile, the
+// epilogue after its mainloop), pingpong (64x256 tiles, a warpgroup a tile: one's epilogue
+// under the other's mainloop) or kAuto (pingpong).
+enum class Fc1SwigluKernel { kAuto, kCooperative, kPingpong };
+
 struct Fc1SwigluProblem {
   int32_t num_groups = 0;              // experts
   const int32_t* offsets = nullptr;    // [G + 1] row offsets (device), or:
@@ -40,14 +45,15 @@ struct Fc1SwigluProblem {
   int apply_weight = 0;                // the router weight goes into FC1
   int has_clamp = 0;
   float limit = 0.0f;                  // the clamp's L (has_clamp)
+  Fc1SwigluKernel kernel = Fc1SwigluKernel::kAuto;
 };
 
-// Whether this build has the kernel (CUTLASS, sm_90a) and p's shape fits it: I a multiple of
-// 128, H a multiple of 8, 16-byte aligned x and W1, 4-byte aligned h and stash, at most
-// INT_MAX rows and columns.
+// Whether this build has the kernels (CUTLASS, sm_90a) and p's shape fits them: 1 to 1024
+// groups (the argument kernel is one block), I a multiple of 128, H a multiple of 8, 16-byte
+// aligned x and W1, 4-byte aligned h and stash, at most INT_MAX rows and columns.
 bool fc1_swiglu_gemm_supported(const Fc1SwigluProblem& p);
 
-// Workspace bytes for p's number of groups on sm_count SMs (0 without the kernel).
+// Workspace bytes for p's number of groups on sm_count SMs, either kernel (0 without them).
 size_t fc1_swiglu_gemm_workspace_bytes(const Fc1SwigluProblem& p, int sm_count);
 
 // The launch (capturable: no host sync, nothing allocated). cudaErrorNotSupported when

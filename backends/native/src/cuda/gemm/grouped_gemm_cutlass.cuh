@@ -33,6 +33,7 @@
 #include "cutlass/numeric_types.h"
 #include "cutlass/util/packed_stride.hpp"
 
+#include "cuda/gemm/group_rows.cuh"
 #include "cuda/gemm/grouped_gemm.h"
 
 #if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
@@ -188,22 +189,9 @@ __global__ void build_group_args(GroupedGemmProblem p, typename G::Shape* shapes
   pdl_wait();  // launched with programmatic dependent launch (pdl.cuh): after the stage's previous kernel
   const int g = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= p.num_groups) return;
-  int64_t start, end;
-  if (p.group_sizes != nullptr) {  // the offsets from the sizes (one block: launch below), published
-    // min(prefix sum, total_rows) is the clamped running sum (the sizes are made >= 0).
-    int64_t sum = 0;
-    for (int e = 0; e < g; ++e) sum += p.group_sizes[e] > 0 ? p.group_sizes[e] : 0;
-    const int64_t size = p.group_sizes[g] > 0 ? p.group_sizes[g] : 0;
-    start = sum < p.total_rows ? sum : p.total_rows;
-    end = sum + size < p.total_rows ? sum + size : p.total_rows;
-    if (g == 0) p.offsets_out[0] = 0;
-    p.offsets_out[g + 1] = static_cast<int32_t>(end);
-  } else {
-    start = p.offsets[g];
-    end = p.offsets[g + 1];
-  }
-  start = start < 0 ? 0 : (start > p.total_rows ? p.total_rows : start);
-  end = end < start ? start : (end > p.total_rows ? p.total_rows : end);
+  // The offsets, or made from the sizes and published (one block: launch below).
+  const GroupRows gr = group_rows(g, p.offsets, p.group_sizes, p.offsets_out, p.total_rows);
+  const int64_t start = gr.start, end = gr.end;
   const int rows = static_cast<int>(end - start);
   const auto* a = reinterpret_cast<const typename G::ElementA*>(p.a);
   const auto* b = reinterpret_cast<const typename G::ElementB*>(p.b);
