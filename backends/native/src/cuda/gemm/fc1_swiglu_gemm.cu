@@ -396,9 +396,9 @@ cudaError_t fc1_swiglu_gemm(const Fc1SwigluProblem& p, void* workspace, size_t w
                             int sm_count) {
   using namespace fc1_detail;
   if (!fc1_swiglu_gemm_supported(p) || sm_count <= 0) return cudaErrorNotSupported;
-  if (p.kernel == Fc1SwigluKernel::kCooperative)
-    return launch<Fc1Kernel<false>::Gemm>(p, workspace, workspace_bytes, stream, sm_count);
-  return launch<Fc1Kernel<true>::Gemm>(p, workspace, workspace_bytes, stream, sm_count);
+  if (p.kernel == Fc1SwigluKernel::kPingpong)
+    return launch<Fc1Kernel<true>::Gemm>(p, workspace, workspace_bytes, stream, sm_count);
+  return launch<Fc1Kernel<false>::Gemm>(p, workspace, workspace_bytes, stream, sm_count);
 }
 
 }  // namespace cuda

@@ -26,7 +26,8 @@ namespace cuda {
 
 // Which kernel runs it: cooperative (128x256 tiles, both consumer warpgroups on a tile, the
 // epilogue after its mainloop), pingpong (64x256 tiles, a warpgroup a tile: one's epilogue
-// under the other's mainloop) or kAuto (pingpong).
+// under the other's mainloop) or kAuto (cooperative: at DeepSeek-V3's FC1, 4096 tokens, an
+// H100, pingpong took 1.39 times FC1's GEMM and the pass, cooperative 1.05 to 1.10).
 enum class Fc1SwigluKernel { kAuto, kCooperative, kPingpong };
 
 struct Fc1SwigluProblem {
