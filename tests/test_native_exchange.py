@@ -584,9 +584,6 @@ def test_cuda_fc1_swiglu_in_the_gemm_epilogue_is_bit_for_bit_the_pass(weight_in_
                          intermediate_format="bf16", apply_topk_in_fc1=weight_in_fc1, gate_up_clamp=clamp)
     world, grads = _world(config, 43, (400,))
     res = _ok(run_ranks(XW.fc1_epilogue_fused_matches_pass, 1, config, world, grads, timeout=300))[0]
-    fused_kernels = [k for k in res["fused"]["kernels"] if "MoeEpGatedCollectiveMma" in k]
-    assert fused_kernels, f"the fused FC1 did not run by default; kernels: {res['fused']['kernels']}"
-    assert not any("MoeEpGatedCollectiveMma" in k for k in res["pass"]["kernels"]), "MOE_EP_FC1_EPILOGUE=pass ran it"
     for key, want in res["pass"].items():
         if key == "kernels":
             continue
@@ -594,6 +591,10 @@ def test_cuda_fc1_swiglu_in_the_gemm_epilogue_is_bit_for_bit_the_pass(weight_in_
             f"{key}: the fused FC1 epilogue differs from FC1's GEMM and the pass"
         )
     assert "MOE_EP_FC1_EPILOGUE must be unset, 'fused' or 'pass'; got 'fast'" in res["bad_value_error"], res
+    # Last: under compute-sanitizer the profiler (CUPTI) sees no kernel.
+    fused_kernels = [k for k in res["fused"]["kernels"] if "MoeEpGatedCollectiveMma" in k]
+    assert fused_kernels, f"the fused FC1 did not run by default; kernels: {res['fused']['kernels']}"
+    assert not any("MoeEpGatedCollectiveMma" in k for k in res["pass"]["kernels"]), "MOE_EP_FC1_EPILOGUE=pass ran it"
 
 
 @cuda
