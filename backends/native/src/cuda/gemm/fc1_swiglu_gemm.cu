@@ -37,6 +37,7 @@
 #include "cuda/format_math.cuh"
 #include "cuda/gemm/gated_mainloop.hpp"
 #include "cuda/gemm/group_rows.cuh"
+#include "cuda/gemm/grouped_gemm_cutlass.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/swiglu.cuh"
 
@@ -260,11 +261,10 @@ struct Fc1Kernel {
 using StrideA = typename Fc1Kernel<false>::GemmKernel::InternalStrideA;
 static_assert(cute::is_same_v<StrideA, typename Fc1Kernel<true>::GemmKernel::InternalStrideA>, "one A stride");
 
-struct WorkspaceLayout {
-  size_t shapes = 0, ptr_a = 0, ptr_b = 0, stride_a = 0, stride_b = 0, cutlass = 0, cutlass_bytes = 0, total = 0;
-};
-constexpr size_t kAlign = 256;
-inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+// The workspace: grouped_gemm_cutlass.cuh's layout (its ptr_d and stride_d unused: no D).
+using gemm_detail::WorkspaceLayout;
+using gemm_detail::align_up;
+using gemm_detail::status_to_error;
 
 template <class Gemm>
 typename Gemm::Arguments make_arguments(const Fc1SwigluProblem& p, char* ws, const WorkspaceLayout& w, int sm_count) {
@@ -329,20 +329,6 @@ __global__ void build_fc1_args(Fc1SwigluProblem p, GroupShape* shapes, const Ele
   get<0, 1>(sb) = I;      // gate -> up
   get<1>(sb) = 2 * I;     // the next k: a row of W1
   stride_b[g] = sb;
-}
-
-cudaError_t status_to_error(cutlass::Status s) {
-  switch (s) {
-    case cutlass::Status::kSuccess: return cudaSuccess;
-    case cutlass::Status::kErrorMisalignedOperand:
-    case cutlass::Status::kErrorInvalidProblem:
-    case cutlass::Status::kErrorNotSupported: return cudaErrorNotSupported;
-    case cutlass::Status::kErrorWorkspaceNull: return cudaErrorInvalidValue;
-    default: {
-      const cudaError_t e = cudaGetLastError();
-      return e != cudaSuccess ? e : cudaErrorLaunchFailure;
-    }
-  }
 }
 
 }  // namespace fc1_detail
