@@ -1,7 +1,7 @@
 // The CUTLASS 4.2 ptr-array grouped GEMM (sm_90a, bf16 x bf16 -> float32 or bf16, float32
 // accumulate) shared by the per-instantiation TUs grouped_gemm_{nn,nt,tn}{,_pingpong}.cu. Include it
-// only from those TUs (each instantiates ONE kernel: ~100 s and ~3.4 GB of nvcc each),
-// compiled with -DNDEBUG for sm_90a.
+// only from those TUs (each instantiates ONE kernel: ~100 s and ~3.4 GB of nvcc each), compiled
+// with -DNDEBUG for sm_90a, and from fc1_swiglu_gemm.cu, which takes its workspace helpers.
 //
 // How a launch goes (the pattern of PyTorch's torch._grouped_mm):
 //   1. build_group_args<<<1, num_groups>>> reads the device offsets and writes, per group,
