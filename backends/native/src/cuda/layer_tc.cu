@@ -498,6 +498,19 @@ moe_ep_status fc1_epilogue_fused(bool* fused) {
               std::string("forward: MOE_EP_FC1_EPILOGUE must be unset, 'fused' or 'pass'; got '") + v + "'");
 }
 
+// MOE_EP_NVFP4_GEMM (read at every forward with nvfp4 weights): unset, empty or "wgmma" (the
+// default): the block-scaled-weights GEMM for nvfp4 on warpgroup MMAs
+// (nvfp4_weights_wgmma.cuh); "mma": the mma.sync kernel (nvfp4_weights_gemm.cuh; the same
+// bits, for timing one against the other). Any other value is an error naming the rule and
+// the value.
+moe_ep_status nvfp4_gemm_mma_sync(bool* mma_sync) {
+  const char* v = std::getenv("MOE_EP_NVFP4_GEMM");
+  *mma_sync = v != nullptr && std::strcmp(v, "mma") == 0;
+  if (*mma_sync || v == nullptr || *v == '\0' || std::strcmp(v, "wgmma") == 0) return MOE_EP_OK;
+  return fail(MOE_EP_ERR_INVALID_ARGUMENT,
+              std::string("forward: MOE_EP_NVFP4_GEMM must be unset, 'wgmma' or 'mma'; got '") + v + "'");
+}
+
 // The fused FC1 of d (fc1_swiglu_gemm.h) with the layer's operands, and whether it applies:
 // bf16 weights, intermediate_format bf16 (one bf16 plane: R_bf16), more than 128 rows an
 // expert on average (fewer take the grouped GEMMs' few-rows kernel), and the kernel's shape
@@ -603,6 +616,7 @@ struct Gemm {
     if (wt.codes_format == MOE_EP_FORMAT_NVFP4) {
       Nvfp4WeightsGemm p{};
       fill(p);
+      MOE_EP_TRY(nvfp4_gemm_mma_sync(&p.mma_sync));
       return gemm_status(nvfp4_weights_gemm(p, stream), what);
     }
     Mxfp8WeightsGemm p{};

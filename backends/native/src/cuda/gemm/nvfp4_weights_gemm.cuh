@@ -73,6 +73,10 @@ struct Nvfp4WeightsGemm {
   // then not read. One launch fewer than a separate offsets kernel.
   const int32_t* group_sizes;
   int32_t* off_out;
+  // The kernel for one x plane: false, the warpgroup-MMA kernel (nvfp4_weights_wgmma.cuh, the
+  // default); true, this file's mma.sync kernel (MOE_EP_NVFP4_GEMM=mma in the layer, for timing
+  // one against the other). Three x planes always take this file's kernel.
+  bool mma_sync;
 };
 
 namespace nvw {
@@ -292,9 +296,17 @@ inline cudaError_t nvfp4_weights_gemm_launch(const Nvfp4WeightsGemm& p, cudaStre
   return mxw::coded_gemm_launch<Nvfp4Format, Cfg>(p, stream, nvw::nvfp4_weights_gemm_kernel<Cfg>);
 }
 
-// The launch: DefaultConfig; three x planes in one pass at few rows (total_rows /
-// num_experts on the host at most mxw::kFewRowsPerExpert), else a launch a plane (the later
-// ones accumulating).
+}  // namespace cuda
+}  // namespace moe_ep
+
+#include "cuda/gemm/nvfp4_weights_wgmma.cuh"
+
+namespace moe_ep {
+namespace cuda {
+
+// The launch: one x plane, the warpgroup-MMA kernel (nvg::WgDefaultConfig) unless p.mma_sync,
+// then DefaultConfig; three x planes in one pass at few rows (total_rows / num_experts on the
+// host at most mxw::kFewRowsPerExpert), else a launch a plane (the later ones accumulating).
 inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
   const bool few = mxw::few_rows(p);
   if (p.x_planes == 3) {
@@ -314,6 +326,7 @@ inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t st
     }
     return cudaSuccess;
   }
+  if (!p.mma_sync) return nvfp4_weights_wgmma_launch<nvg::WgDefaultConfig>(p, stream);
   return nvfp4_weights_gemm_launch<nvw::DefaultConfig>(p, stream);
 }
 
