@@ -558,6 +558,8 @@ struct Gemm {
   const moe_ep_expert_desc& d;
   const TcWorkspace& ws;
   cudaStream_t stream;
+  // nvfp4 weights: the mma.sync kernel instead of the warpgroup-MMA one (nvfp4_gemm_mma_sync).
+  bool nvfp4_mma_sync = false;
   // first_group, num_groups: the experts [first_group, first_group + num_groups) only (-1: all).
   moe_ep_status run(GemmLayout layout, int64_t m, int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, float* out,
                     bool accumulate, const char* what, uint16_t* out_bf16 = nullptr, int32_t first_group = 0,
@@ -616,7 +618,7 @@ struct Gemm {
     if (wt.codes_format == MOE_EP_FORMAT_NVFP4) {
       Nvfp4WeightsGemm p{};
       fill(p);
-      MOE_EP_TRY(nvfp4_gemm_mma_sync(&p.mma_sync));
+      p.mma_sync = nvfp4_mma_sync;
       return gemm_status(nvfp4_weights_gemm(p, stream), what);
     }
     Mxfp8WeightsGemm p{};
@@ -830,7 +832,9 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
   const int E = static_cast<int>(d.num_local_experts);
   if (C == 0) return MOE_EP_OK;
-  const Gemm gemm{d, ws, s};
+  bool nvfp4_mma_sync = false;
+  if (wt.codes_format == MOE_EP_FORMAT_NVFP4) MOE_EP_TRY(nvfp4_gemm_mma_sync(&nvfp4_mma_sync));
+  const Gemm gemm{d, ws, s, nvfp4_mma_sync};
   // FC1's launch makes ws.offsets from the sizes (no offsets kernel: one launch fewer) where
   // it can: the CUTLASS GEMM's argument kernel, or the blocks of the block-scaled-weights GEMM
   // (at most 1024 experts).
