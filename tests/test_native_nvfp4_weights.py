@@ -173,8 +173,8 @@ def test_cuda_nvfp4_weights_forward_agrees_with_the_bf16_decode_path(name, sizes
     """The tensor cores on the codes against the CPU float32 kernels on the same decoded
     values: float32 accumulation in another order, so within float32 summation's bound;
     NaN in the same places (the planted NaN scales). Both GEMMs (MOE_EP_NVFP4_GEMM): the
-    warpgroup-MMA one (the default) and the mma.sync one; three x planes (intermediate_format
-    none) take the mma.sync one either way."""
+    warpgroup-MMA one and the mma.sync one; three x planes (intermediate_format none) take
+    the mma.sync one either way."""
     import torch
 
     monkeypatch.setenv("MOE_EP_NVFP4_GEMM", kernel)

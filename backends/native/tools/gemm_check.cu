@@ -1001,8 +1001,8 @@ std::string nvfp4_auto_pick(const Nvfp4WeightsGemm& p) {
   const bool few =
       p.total_rows > 0 && p.total_rows <= moe_ep::cuda::mxw::kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
   if (p.x_planes == 3) return few ? "auto: " + config_name<nvw::Planes3Config>() : "auto: 3 x " + config_name<nvw::DefaultConfig>();
-  if (p.mma_sync) return "auto: " + config_name<nvw::DefaultConfig>();
-  return "auto: " + wg_config_name<moe_ep::cuda::nvg::WgDefaultConfig>();
+  if (p.wgmma) return "auto: " + wg_config_name<moe_ep::cuda::nvg::WgDefaultConfig>();
+  return "auto: " + config_name<nvw::DefaultConfig>();
 }
 
 // The kernel variants (nvfp4_weights_gemm_launch<Cfg>), each with the mxfp8-weights kernel's

@@ -498,15 +498,19 @@ moe_ep_status fc1_epilogue_fused(bool* fused) {
               std::string("forward: MOE_EP_FC1_EPILOGUE must be unset, 'fused' or 'pass'; got '") + v + "'");
 }
 
-// MOE_EP_NVFP4_GEMM (read at every forward with nvfp4 weights): unset, empty or "wgmma" (the
-// default): the block-scaled-weights GEMM for nvfp4 on warpgroup MMAs
-// (nvfp4_weights_wgmma.cuh); "mma": the mma.sync kernel (nvfp4_weights_gemm.cuh; the same
-// bits, for timing one against the other). Any other value is an error naming the rule and
-// the value.
-moe_ep_status nvfp4_gemm_mma_sync(bool* mma_sync) {
+// MOE_EP_NVFP4_GEMM (read once a forward with nvfp4 weights): "wgmma", the block-scaled-weights
+// GEMM for nvfp4 on warpgroup MMAs (nvfp4_weights_wgmma.cuh); "mma", the mma.sync kernel
+// (nvfp4_weights_gemm.cuh); unset or empty, kNvfp4WgmmaByDefault. Any other value is an error
+// naming the rule and the value.
+constexpr bool kNvfp4WgmmaByDefault = false;
+moe_ep_status nvfp4_gemm_wgmma(bool* wgmma) {
   const char* v = std::getenv("MOE_EP_NVFP4_GEMM");
-  *mma_sync = v != nullptr && std::strcmp(v, "mma") == 0;
-  if (*mma_sync || v == nullptr || *v == '\0' || std::strcmp(v, "wgmma") == 0) return MOE_EP_OK;
+  if (v == nullptr || *v == '\0') {
+    *wgmma = kNvfp4WgmmaByDefault;
+    return MOE_EP_OK;
+  }
+  *wgmma = std::strcmp(v, "wgmma") == 0;
+  if (*wgmma || std::strcmp(v, "mma") == 0) return MOE_EP_OK;
   return fail(MOE_EP_ERR_INVALID_ARGUMENT,
               std::string("forward: MOE_EP_NVFP4_GEMM must be unset, 'wgmma' or 'mma'; got '") + v + "'");
 }
@@ -558,8 +562,8 @@ struct Gemm {
   const moe_ep_expert_desc& d;
   const TcWorkspace& ws;
   cudaStream_t stream;
-  // nvfp4 weights: the mma.sync kernel instead of the warpgroup-MMA one (nvfp4_gemm_mma_sync).
-  bool nvfp4_mma_sync = false;
+  // nvfp4 weights: the warpgroup-MMA GEMM instead of the mma.sync one (nvfp4_gemm_wgmma).
+  bool nvfp4_wgmma = false;
   // first_group, num_groups: the experts [first_group, first_group + num_groups) only (-1: all).
   moe_ep_status run(GemmLayout layout, int64_t m, int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, float* out,
                     bool accumulate, const char* what, uint16_t* out_bf16 = nullptr, int32_t first_group = 0,
@@ -618,7 +622,7 @@ struct Gemm {
     if (wt.codes_format == MOE_EP_FORMAT_NVFP4) {
       Nvfp4WeightsGemm p{};
       fill(p);
-      p.mma_sync = nvfp4_mma_sync;
+      p.wgmma = nvfp4_wgmma;
       return gemm_status(nvfp4_weights_gemm(p, stream), what);
     }
     Mxfp8WeightsGemm p{};
@@ -832,9 +836,9 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
   const int E = static_cast<int>(d.num_local_experts);
   if (C == 0) return MOE_EP_OK;
-  bool nvfp4_mma_sync = false;
-  if (wt.codes_format == MOE_EP_FORMAT_NVFP4) MOE_EP_TRY(nvfp4_gemm_mma_sync(&nvfp4_mma_sync));
-  const Gemm gemm{d, ws, s, nvfp4_mma_sync};
+  bool nvfp4_wgmma = false;
+  if (wt.codes_format == MOE_EP_FORMAT_NVFP4) MOE_EP_TRY(nvfp4_gemm_wgmma(&nvfp4_wgmma));
+  const Gemm gemm{d, ws, s, nvfp4_wgmma};
   // FC1's launch makes ws.offsets from the sizes (no offsets kernel: one launch fewer) where
   // it can: the CUTLASS GEMM's argument kernel, or the blocks of the block-scaled-weights GEMM
   // (at most 1024 experts).

@@ -73,10 +73,10 @@ struct Nvfp4WeightsGemm {
   // then not read. One launch fewer than a separate offsets kernel.
   const int32_t* group_sizes;
   int32_t* off_out;
-  // The kernel for one x plane: false, the warpgroup-MMA kernel (nvfp4_weights_wgmma.cuh, the
-  // default); true, this file's mma.sync kernel (MOE_EP_NVFP4_GEMM=mma in the layer, for timing
-  // one against the other). Three x planes always take this file's kernel.
-  bool mma_sync;
+  // The kernel for one x plane: true, the warpgroup-MMA kernel (nvfp4_weights_wgmma.cuh);
+  // false, this file's mma.sync kernel (the layer's choice: MOE_EP_NVFP4_GEMM). Three x planes
+  // always take this file's kernel.
+  bool wgmma;
 };
 
 namespace nvw {
@@ -304,8 +304,8 @@ inline cudaError_t nvfp4_weights_gemm_launch(const Nvfp4WeightsGemm& p, cudaStre
 namespace moe_ep {
 namespace cuda {
 
-// The launch: one x plane, the warpgroup-MMA kernel (nvg::WgDefaultConfig) unless p.mma_sync,
-// then DefaultConfig; three x planes in one pass at few rows (total_rows / num_experts on the
+// The launch: one x plane, the warpgroup-MMA kernel (nvg::WgDefaultConfig) if p.wgmma, else
+// DefaultConfig; three x planes in one pass at few rows (total_rows / num_experts on the
 // host at most mxw::kFewRowsPerExpert), else a launch a plane (the later ones accumulating).
 inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
   const bool few = mxw::few_rows(p);
@@ -326,7 +326,7 @@ inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t st
     }
     return cudaSuccess;
   }
-  if (!p.mma_sync) return nvfp4_weights_wgmma_launch<nvg::WgDefaultConfig>(p, stream);
+  if (p.wgmma) return nvfp4_weights_wgmma_launch<nvg::WgDefaultConfig>(p, stream);
   return nvfp4_weights_gemm_launch<nvw::DefaultConfig>(p, stream);
 }
 
