@@ -468,19 +468,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) nvfp4_weights_wgmma
   pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
   const int e = static_cast<int>(blockIdx.y);
   int64_t r0, r1;
-  if (p.group_sizes != nullptr) {  // min(prefix sum, total_rows): the clamped running sum
-    int64_t sum = 0;
-    for (int i = 0; i < e; ++i) sum += max(p.group_sizes[i], 0);
-    r0 = min(sum, p.total_rows);
-    r1 = min(sum + max(p.group_sizes[e], 0), p.total_rows);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      if (e == 0) p.off_out[0] = 0;
-      p.off_out[e + 1] = static_cast<int32_t>(r1);
-    }
-  } else {
-    r0 = p.off[e];
-    r1 = p.off[e + 1];
-  }
+  mxw::expert_rows(p, e, r0, r1);
   const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
   for (int64_t m0 = r0; m0 < r1; m0 += Cfg::kMaxRows) {
     const int64_t rem = r1 - m0;
