@@ -5,8 +5,9 @@
 //   moe_ep_gemm_check --no-time        checks only
 //   moe_ep_gemm_check --mxfp8-weights  the mxfp8-weights GEMM alone (cuda/gemm/mxfp8_weights_gemm.cuh):
 //                                      its checks, then its timings at the decode shape
-//   moe_ep_gemm_check --nvfp4-weights  the nvfp4-weights GEMM alone (cuda/gemm/nvfp4_weights_gemm.cuh):
-//                                      its checks (the default choice, then each variant), then its
+//   moe_ep_gemm_check --nvfp4-weights  the nvfp4-weights GEMMs alone (cuda/gemm/nvfp4_weights_gemm.cuh,
+//                                      and nvfp4_weights_wgmma.cuh's configurations as variants):
+//                                      their checks (the default choice, then each variant), then their
 //                                      timings at the decode shapes against a device copy of its
 //                                      weight bytes and against the mxfp8-weights GEMM
 //                                      (with --mxfp8-weights too: both kernels' checks and timings)
@@ -1023,8 +1024,9 @@ std::vector<NvVariant> nv_variants() {
        config_name<cu::mxw::DefaultConfig>() + " default", &cu::mxfp8_weights_gemm_launch<cu::mxw::DefaultConfig>},
       {config_name<cu::nvw::Planes3Config>() + " 3 planes", &cu::nvfp4_weights_gemm_launch<cu::nvw::Planes3Config>, 3,
        config_name<cu::mxw::Planes3Config>() + " 3 planes", &cu::mxfp8_weights_gemm_launch<cu::mxw::Planes3Config>},
-      // The warpgroup-MMA kernel (nvfp4_weights_wgmma.cuh): the default, and two others.
-      {wg_config_name<cu::nvg::WgDefaultConfig>() + " default", &cu::nvfp4_weights_wgmma_launch<cu::nvg::WgDefaultConfig>,
+      // The warpgroup-MMA kernel (nvfp4_weights_wgmma.cuh): the layer's (MOE_EP_NVFP4_GEMM=wgmma),
+      // and two others.
+      {wg_config_name<cu::nvg::WgDefaultConfig>() + " (layer's)", &cu::nvfp4_weights_wgmma_launch<cu::nvg::WgDefaultConfig>,
        1, config_name<cu::mxw::FewRowsConfig>() + " few rows", &cu::mxfp8_weights_gemm_launch<cu::mxw::FewRowsConfig>},
       {wg_config_name<cu::nvg::WgConfig<8, 3, 1, 2>>(), &cu::nvfp4_weights_wgmma_launch<cu::nvg::WgConfig<8, 3, 1, 2>>, 1,
        config_name<cu::mxw::FewRowsConfig>() + " few rows", &cu::mxfp8_weights_gemm_launch<cu::mxw::FewRowsConfig>},

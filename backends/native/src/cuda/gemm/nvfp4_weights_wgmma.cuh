@@ -31,8 +31,8 @@
 // A buffer is decoded into only after the wgmmas that read it completed.
 //
 // Included by nvfp4_weights_gemm.cuh after its decode helpers (nvw::scale_mults,
-// nvw::stage_all_fast, nvw::kTwo126, nvw::cp_async8), before nvfp4_weights_gemm, which picks
-// this kernel for one x plane.
+// nvw::stage_all_fast, nvw::kTwo126, nvw::cp_async8), before nvfp4_weights_gemm, which runs
+// this kernel for one x plane when Nvfp4WeightsGemm::wgmma is set.
 #ifndef MOE_EP_NATIVE_CUDA_GEMM_NVFP4_WEIGHTS_WGMMA_CUH_
 #define MOE_EP_NATIVE_CUDA_GEMM_NVFP4_WEIGHTS_WGMMA_CUH_
 
@@ -323,6 +323,7 @@ __device__ __forceinline__ void wg_decode(const WgStage<Cfg>& st, const uint32_t
 template <int kNt, class Cfg>
 __device__ __forceinline__ void wg_issue(const WgStage<Cfg>& st, int h, float (&acc)[2][4 * Cfg::kMaxNt],
                                          const uint32_t (&ab)[4][8]) {
+  wg_fence();  // in the branch of this width: the registers' writers before the wgmmas that read them
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const uint64_t desc = wg_desc(&st.x[(4 * h + j) * Cfg::kStepBytes]);
@@ -401,7 +402,6 @@ __device__ __forceinline__ void wg_stage(const Nvfp4WeightsGemm& p, WgStage<Cfg>
     } else {
       wg_decode<false, Cfg>(st, mult, h, warp, g, sel, ab);
     }
-    wg_fence();
     wg_issue_nt<Cfg>(st, h, acc, ab, nt);
     wg_commit();
   }
@@ -477,7 +477,8 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) nvfp4_weights_wgmma
   }
 }
 
-// The variant nvfp4_weights_gemm picks for one x plane (moe_ep_gemm_check times the others).
+// The variant nvfp4_weights_gemm runs with Nvfp4WeightsGemm::wgmma (moe_ep_gemm_check also
+// checks and times <8,3,1,2> and <6,3,1,3>; none has run on a GPU yet).
 using WgDefaultConfig = WgConfig<6, 4, 2, 2>;
 
 }  // namespace nvg
