@@ -7,7 +7,9 @@ with its own few lines (:func:`rne_bf16`, Python's correctly rounded half-even
 from :func:`naive.naive_forward`, the tests' other independent implementation.
 
 Everything is a plain loop over the received rows of every destination rank, in
-float64. ``python tests/golden_backward_bf16.py`` rewrites
+float64, with exactly rounded sums (:func:`_dot`: ``math.fsum``) and ``math.exp``, so
+the file is the same on every machine (a BLAS dot and numpy's vectorised ``exp`` follow
+the CPU's instruction set in their last bits). ``python tests/golden_backward_bf16.py`` rewrites
 ``tests/data/golden_backward_bf16.npz`` (see ``tests/data/golden_backward_bf16.README.md``).
 
 Two of the cases are built so that ``dc`` and ``w * h`` land exactly on bf16
@@ -52,6 +54,17 @@ def _rne_scalar(x: float) -> float:
     q = max(e - 8, -133)  # 8 significant bits; bf16's smallest subnormal is 2^-133
     r = math.ldexp(float(round(math.ldexp(x, -q))), q)  # round(): half to even, exact on the scaled value
     return math.copysign(math.inf if abs(r) >= 2.0**128 else r, x)  # a tiny value keeps its sign at 0
+
+
+def _dot(a, b) -> float:
+    """sum_i a_i b_i, exactly rounded (math.fsum of the float64 products): the same bits on every
+    machine, unlike a BLAS dot whose kernel (and summation order) follows the CPU."""
+    return math.fsum((np.asarray(a, dtype=np.float64) * np.asarray(b, dtype=np.float64)).tolist())
+
+
+def _matvec(m, v) -> np.ndarray:
+    """m @ v, each row by _dot."""
+    return np.array([_dot(row, v) for row in np.asarray(m, dtype=np.float64)], dtype=np.float64)
 
 
 def rne_bf16(values) -> np.ndarray:
@@ -114,18 +127,18 @@ def bf16_backward(
             m_u = np.ones(i_size) if limit is None else ((u >= -limit) & (u <= limit)).astype(np.float64)
             if limit is not None:
                 g, u = np.minimum(g, limit), np.minimum(np.maximum(u, -limit), limit)
-            sig = 1.0 / (1.0 + np.exp(-g))
+            sig = 1.0 / (1.0 + np.array([math.exp(v) for v in (-g).tolist()]))
             s = g * sig
             h = s * u
-            a = w2 @ dy_b  # dY_b W2^T
+            a = _matvec(w2, dy_b)  # dY_b W2^T
             wh = w * h
             out["grad_fc2_weight"][d][le] += np.outer(rne_bf16(wh), dy_b)  # both placements
-            dw = float(a @ h) if config.apply_topk_in_fc1 else float(dy_b @ (h @ w2))
+            dw = _dot(a, h) if config.apply_topk_in_fc1 else _dot(dy_b, _matvec(w2.T, h))
             dh = w * a
             dc = np.concatenate([dh * u * sig * (1.0 + g * (1.0 - sig)) * m_g, dh * s * m_u])
             dc_b = rne_bf16(dc)
             out["grad_fc1_weight"][d][le] += np.outer(x, dc_b)
-            out["grad_activation"][src][t] += w1 @ dc_b
+            out["grad_activation"][src][t] += _matvec(w1, dc_b)
             out["grad_topk_weights"][src][t, k] = dw
             dc_rows[j], wh_rows[j] = dc, wh
         out["dc"].append(dc_rows)
