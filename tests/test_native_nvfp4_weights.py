@@ -166,18 +166,14 @@ CUDA_CONFIGS = {
 
 
 @needs_cuda
-@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
 @pytest.mark.parametrize("sizes", [[33, 0, 70], [300, 1, 200]], ids=["few_rows", "many_rows"])
 @pytest.mark.parametrize("name", sorted(CUDA_CONFIGS))
-def test_cuda_nvfp4_weights_forward_agrees_with_the_bf16_decode_path(name, sizes, kernel, monkeypatch) -> None:
+def test_cuda_nvfp4_weights_forward_agrees_with_the_bf16_decode_path(name, sizes) -> None:
     """The tensor cores on the codes against the CPU float32 kernels on the same decoded
     values: float32 accumulation in another order, so within float32 summation's bound;
-    NaN in the same places (the planted NaN scales). Both GEMMs (MOE_EP_NVFP4_GEMM): the
-    warpgroup-MMA one and the mma.sync one; three x planes (intermediate_format none) take
-    the mma.sync one either way."""
+    NaN in the same places (the planted NaN scales)."""
     import torch
 
-    monkeypatch.setenv("MOE_EP_NVFP4_GEMM", kernel)
     config = CUDA_CONFIGS[name]
     x, w, fc1, fc2, gs = _case(config, sizes, seed=4)
     fc1 = _plant_scales(fc1, expert=2)
@@ -217,36 +213,6 @@ def test_cuda_nvfp4_weights_forward_agrees_with_the_bf16_decode_path(name, sizes
     assert np.all(y_got[sum(sizes):] == 0), "rows of no expert are zero"
     fin = ~np.isnan(y_ref)
     np.testing.assert_allclose(y_got[fin], y_ref[fin], rtol=0.02, atol=0.02, err_msg="y (after the combine round trip)")
-    layer.close()
-
-
-@needs_cuda
-def test_cuda_nvfp4_gemm_choice_rejects_an_unknown_value_and_leaves_the_outputs(monkeypatch) -> None:
-    """MOE_EP_NVFP4_GEMM other than unset, 'wgmma' or 'mma': an error naming the rule and the
-    value, before any kernel writes y or the stash."""
-    import torch
-
-    config = CUDA_CONFIGS["fc1-int_bf16-comb_bf16"]
-    sizes = [5, 0, 9]
-    x, w, fc1, fc2, gs = _case(config, sizes, seed=5)
-    rows = x.shape[0]
-    dev = torch.device("cuda", torch.cuda.current_device())
-    layer = Layer(layer_config(config, max_rows=rows, cuda_device=dev.index, bf16_operands=True, with_backward=False))
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
-    xt, wt, gst = t(x.view(np.uint16)), t(w), t(gs)
-    c1, s1, c2, s2 = t(fc1[0]), t(fc1[1]), t(fc2[0]), t(fc2[1])
-    flag = torch.zeros(1, dtype=torch.int32, device=dev)
-    y = torch.full((rows, config.hidden), 7.0, device=dev)
-    c = torch.full((rows, 2 * config.intermediate), 7, dtype=torch.int16, device=dev)
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    p = lambda a: a.data_ptr()  # noqa: E731
-    monkeypatch.setenv("MOE_EP_NVFP4_GEMM", "tensor-cores")
-    rule = "MOE_EP_NVFP4_GEMM must be unset, 'wgmma' or 'mma'; got 'tensor-cores'"
-    with pytest.raises(NativeArgumentError, match=rule):
-        layer.experts_forward_block_scaled(stream, NVFP4, rows, p(xt), p(wt), p(c1), p(s1), p(c2), p(s2), p(gst),
-                                           p(y), p(c), p(flag))
-    torch.cuda.synchronize()
-    assert bool((y == 7.0).all()) and bool((c == 7).all()), "the rejected forward wrote nothing"
     layer.close()
 
 

@@ -5,9 +5,8 @@
 //   moe_ep_gemm_check --no-time        checks only
 //   moe_ep_gemm_check --mxfp8-weights  the mxfp8-weights GEMM alone (cuda/gemm/mxfp8_weights_gemm.cuh):
 //                                      its checks, then its timings at the decode shape
-//   moe_ep_gemm_check --nvfp4-weights  the nvfp4-weights GEMMs alone (cuda/gemm/nvfp4_weights_gemm.cuh,
-//                                      and nvfp4_weights_wgmma.cuh's configurations as variants):
-//                                      their checks (the default choice, then each variant), then their
+//   moe_ep_gemm_check --nvfp4-weights  the nvfp4-weights GEMM alone (cuda/gemm/nvfp4_weights_gemm.cuh):
+//                                      its checks (the default choice, then each variant), then its
 //                                      timings at the decode shapes against a device copy of its
 //                                      weight bytes and against the mxfp8-weights GEMM
 //                                      (with --mxfp8-weights too: both kernels' checks and timings)
@@ -987,14 +986,6 @@ std::string config_name() {
   return s;
 }
 
-// A wgmma variant's name: "wgmma <kMaxNt,kStages,kAhead,kMinBlocks>".
-template <class Cfg>
-std::string wg_config_name() {
-  char s[48];
-  std::snprintf(s, sizeof(s), "wgmma <%d,%d,%d,%d>", Cfg::kMaxNt, Cfg::kStages, Cfg::kAhead, Cfg::kMinBlocks);
-  return s;
-}
-
 // What nvfp4_weights_gemm runs for p (its choice, restated for the labels): the variant for
 // the rows an expert on average (Nvfp4WeightsGemm::total_rows), or a launch a plane.
 std::string nvfp4_auto_pick(const Nvfp4WeightsGemm& p) {
@@ -1002,7 +993,6 @@ std::string nvfp4_auto_pick(const Nvfp4WeightsGemm& p) {
   const bool few =
       p.total_rows > 0 && p.total_rows <= moe_ep::cuda::mxw::kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
   if (p.x_planes == 3) return few ? "auto: " + config_name<nvw::Planes3Config>() : "auto: 3 x " + config_name<nvw::DefaultConfig>();
-  if (p.wgmma) return "auto: " + wg_config_name<moe_ep::cuda::nvg::WgDefaultConfig>();
   return "auto: " + config_name<nvw::DefaultConfig>();
 }
 
@@ -1024,14 +1014,6 @@ std::vector<NvVariant> nv_variants() {
        config_name<cu::mxw::DefaultConfig>() + " default", &cu::mxfp8_weights_gemm_launch<cu::mxw::DefaultConfig>},
       {config_name<cu::nvw::Planes3Config>() + " 3 planes", &cu::nvfp4_weights_gemm_launch<cu::nvw::Planes3Config>, 3,
        config_name<cu::mxw::Planes3Config>() + " 3 planes", &cu::mxfp8_weights_gemm_launch<cu::mxw::Planes3Config>},
-      // The warpgroup-MMA kernel (nvfp4_weights_wgmma.cuh): the layer's (MOE_EP_NVFP4_GEMM=wgmma),
-      // and two others.
-      {wg_config_name<cu::nvg::WgDefaultConfig>() + " (layer's)", &cu::nvfp4_weights_wgmma_launch<cu::nvg::WgDefaultConfig>,
-       1, config_name<cu::mxw::FewRowsConfig>() + " few rows", &cu::mxfp8_weights_gemm_launch<cu::mxw::FewRowsConfig>},
-      {wg_config_name<cu::nvg::WgConfig<8, 3, 1, 2>>(), &cu::nvfp4_weights_wgmma_launch<cu::nvg::WgConfig<8, 3, 1, 2>>, 1,
-       config_name<cu::mxw::FewRowsConfig>() + " few rows", &cu::mxfp8_weights_gemm_launch<cu::mxw::FewRowsConfig>},
-      {wg_config_name<cu::nvg::WgConfig<6, 3, 1, 3>>(), &cu::nvfp4_weights_wgmma_launch<cu::nvg::WgConfig<6, 3, 1, 3>>, 1,
-       config_name<cu::mxw::FewRowsConfig>() + " few rows", &cu::mxfp8_weights_gemm_launch<cu::mxw::FewRowsConfig>},
   };
 }
 

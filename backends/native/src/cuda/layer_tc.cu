@@ -498,23 +498,6 @@ moe_ep_status fc1_epilogue_fused(bool* fused) {
               std::string("forward: MOE_EP_FC1_EPILOGUE must be unset, 'fused' or 'pass'; got '") + v + "'");
 }
 
-// MOE_EP_NVFP4_GEMM (read once a forward with nvfp4 weights): "wgmma", the block-scaled-weights
-// GEMM for nvfp4 on warpgroup MMAs (nvfp4_weights_wgmma.cuh); "mma", the mma.sync kernel
-// (nvfp4_weights_gemm.cuh); unset or empty, kNvfp4WgmmaByDefault. Any other value is an error
-// naming the rule and the value.
-constexpr bool kNvfp4WgmmaByDefault = false;
-moe_ep_status nvfp4_gemm_wgmma(bool* wgmma) {
-  const char* v = std::getenv("MOE_EP_NVFP4_GEMM");
-  if (v == nullptr || *v == '\0') {
-    *wgmma = kNvfp4WgmmaByDefault;
-    return MOE_EP_OK;
-  }
-  *wgmma = std::strcmp(v, "wgmma") == 0;
-  if (*wgmma || std::strcmp(v, "mma") == 0) return MOE_EP_OK;
-  return fail(MOE_EP_ERR_INVALID_ARGUMENT,
-              std::string("forward: MOE_EP_NVFP4_GEMM must be unset, 'wgmma' or 'mma'; got '") + v + "'");
-}
-
 // The fused FC1 of d (fc1_swiglu_gemm.h) with the layer's operands, and whether it applies:
 // bf16 weights, intermediate_format bf16 (one bf16 plane: R_bf16), more than 128 rows an
 // expert on average (fewer take the grouped GEMMs' few-rows kernel), and the kernel's shape
@@ -562,8 +545,6 @@ struct Gemm {
   const moe_ep_expert_desc& d;
   const TcWorkspace& ws;
   cudaStream_t stream;
-  // nvfp4 weights: the warpgroup-MMA GEMM instead of the mma.sync one (nvfp4_gemm_wgmma).
-  bool nvfp4_wgmma = false;
   // first_group, num_groups: the experts [first_group, first_group + num_groups) only (-1: all).
   moe_ep_status run(GemmLayout layout, int64_t m, int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, float* out,
                     bool accumulate, const char* what, uint16_t* out_bf16 = nullptr, int32_t first_group = 0,
@@ -622,7 +603,6 @@ struct Gemm {
     if (wt.codes_format == MOE_EP_FORMAT_NVFP4) {
       Nvfp4WeightsGemm p{};
       fill(p);
-      p.wgmma = nvfp4_wgmma;
       return gemm_status(nvfp4_weights_gemm(p, stream), what);
     }
     Mxfp8WeightsGemm p{};
@@ -836,9 +816,7 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   const int64_t C = d.num_rows, H = d.hidden, I = d.intermediate;
   const int E = static_cast<int>(d.num_local_experts);
   if (C == 0) return MOE_EP_OK;
-  bool nvfp4_wgmma = false;
-  if (wt.codes_format == MOE_EP_FORMAT_NVFP4) MOE_EP_TRY(nvfp4_gemm_wgmma(&nvfp4_wgmma));
-  const Gemm gemm{d, ws, s, nvfp4_wgmma};
+  const Gemm gemm{d, ws, s};
   // FC1's launch makes ws.offsets from the sizes (no offsets kernel: one launch fewer) where
   // it can: the CUTLASS GEMM's argument kernel, or the blocks of the block-scaled-weights GEMM
   // (at most 1024 experts).

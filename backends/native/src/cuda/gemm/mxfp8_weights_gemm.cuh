@@ -448,12 +448,16 @@ __device__ __forceinline__ void run_pass(const typename Fmt::Params& p, typename
   store_pass<kNt>(p, acc, m0, r1, nb + warp * kRowsPerWarp, g, q);
 }
 
-// The rows [r0, r1) of expert e: from p.off, or from p.group_sizes (min(prefix sum,
-// total_rows): the clamped running sum), which the blocks of column 0 then write to p.off_out.
-// P: Mxfp8WeightsGemm or Nvfp4WeightsGemm.
-template <class P>
-__device__ __forceinline__ void expert_rows(const P& p, int e, int64_t& r0, int64_t& r1) {
-  if (p.group_sizes != nullptr) {
+// A block's work: weight rows [nb, nb + kTileN) of expert e = blockIdx.y, nb = blockIdx.x
+// kTileN, over the expert's rows in passes of up to Cfg::kMaxNt n8 tiles.
+template <class Cfg, class Fmt>
+__device__ __forceinline__ void run_block(const typename Fmt::Params& p, unsigned char* smem) {
+  using StageT = typename Fmt::template StageT<Cfg>;
+  StageT* stages = reinterpret_cast<StageT*>(smem);
+  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
+  const int e = static_cast<int>(blockIdx.y);
+  int64_t r0, r1;
+  if (p.group_sizes != nullptr) {  // min(prefix sum, total_rows): the clamped running sum
     int64_t sum = 0;
     for (int i = 0; i < e; ++i) sum += max(p.group_sizes[i], 0);
     r0 = min(sum, p.total_rows);
@@ -466,18 +470,6 @@ __device__ __forceinline__ void expert_rows(const P& p, int e, int64_t& r0, int6
     r0 = p.off[e];
     r1 = p.off[e + 1];
   }
-}
-
-// A block's work: weight rows [nb, nb + kTileN) of expert e = blockIdx.y, nb = blockIdx.x
-// kTileN, over the expert's rows in passes of up to Cfg::kMaxNt n8 tiles.
-template <class Cfg, class Fmt>
-__device__ __forceinline__ void run_block(const typename Fmt::Params& p, unsigned char* smem) {
-  using StageT = typename Fmt::template StageT<Cfg>;
-  StageT* stages = reinterpret_cast<StageT*>(smem);
-  pdl_wait();  // launched with programmatic dependent launch (pdl.cuh)
-  const int e = static_cast<int>(blockIdx.y);
-  int64_t r0, r1;
-  expert_rows(p, e, r0, r1);
   const int64_t nb = static_cast<int64_t>(blockIdx.x) * kTileN;
   for_each_pass<Cfg::kMaxNt>(
       r0, r1, [&](auto tiles, int64_t m0) { run_pass<decltype(tiles)::value, Cfg, Fmt>(p, stages, e, nb, m0, r1); });

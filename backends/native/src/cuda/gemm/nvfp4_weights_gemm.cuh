@@ -73,10 +73,6 @@ struct Nvfp4WeightsGemm {
   // then not read. One launch fewer than a separate offsets kernel.
   const int32_t* group_sizes;
   int32_t* off_out;
-  // The kernel for one x plane: true, the warpgroup-MMA kernel (nvfp4_weights_wgmma.cuh);
-  // false, this file's mma.sync kernel (the layer's choice: MOE_EP_NVFP4_GEMM). Three x planes
-  // always take this file's kernel.
-  bool wgmma;
 };
 
 namespace nvw {
@@ -296,17 +292,9 @@ inline cudaError_t nvfp4_weights_gemm_launch(const Nvfp4WeightsGemm& p, cudaStre
   return mxw::coded_gemm_launch<Nvfp4Format, Cfg>(p, stream, nvw::nvfp4_weights_gemm_kernel<Cfg>);
 }
 
-}  // namespace cuda
-}  // namespace moe_ep
-
-#include "cuda/gemm/nvfp4_weights_wgmma.cuh"
-
-namespace moe_ep {
-namespace cuda {
-
-// The launch: one x plane, the warpgroup-MMA kernel (nvg::WgDefaultConfig) if p.wgmma, else
-// DefaultConfig; three x planes in one pass at few rows (total_rows / num_experts on the
-// host at most mxw::kFewRowsPerExpert), else a launch a plane (the later ones accumulating).
+// The launch: DefaultConfig; three x planes in one pass at few rows (total_rows /
+// num_experts on the host at most mxw::kFewRowsPerExpert), else a launch a plane (the later
+// ones accumulating).
 inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
   const bool few = mxw::few_rows(p);
   if (p.x_planes == 3) {
@@ -326,7 +314,6 @@ inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t st
     }
     return cudaSuccess;
   }
-  if (p.wgmma) return nvfp4_weights_wgmma_launch<nvg::WgDefaultConfig>(p, stream);
   return nvfp4_weights_gemm_launch<nvw::DefaultConfig>(p, stream);
 }
 
