@@ -993,7 +993,7 @@ std::string nvfp4_auto_pick(const Nvfp4WeightsGemm& p) {
   const bool few =
       p.total_rows > 0 && p.total_rows <= moe_ep::cuda::mxw::kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
   if (p.x_planes == 3) return few ? "auto: " + config_name<nvw::Planes3Config>() : "auto: 3 x " + config_name<nvw::DefaultConfig>();
-  return "auto: " + config_name<nvw::DefaultConfig>();
+  return "auto: " + (few ? config_name<nvw::FewRowsConfig>() : config_name<nvw::DefaultConfig>());
 }
 
 // The kernel variants (nvfp4_weights_gemm_launch<Cfg>), each with the mxfp8-weights kernel's
@@ -1008,7 +1008,7 @@ struct NvVariant {
 std::vector<NvVariant> nv_variants() {
   namespace cu = moe_ep::cuda;
   return {
-      {config_name<cu::mxw::FewRowsConfig>() + " (mxfp8's few rows)", &cu::nvfp4_weights_gemm_launch<cu::mxw::FewRowsConfig>, 1,
+      {config_name<cu::nvw::FewRowsConfig>() + " few rows", &cu::nvfp4_weights_gemm_launch<cu::nvw::FewRowsConfig>, 1,
        config_name<cu::mxw::FewRowsConfig>() + " few rows", &cu::mxfp8_weights_gemm_launch<cu::mxw::FewRowsConfig>},
       {config_name<cu::nvw::DefaultConfig>() + " default", &cu::nvfp4_weights_gemm_launch<cu::nvw::DefaultConfig>, 1,
        config_name<cu::mxw::DefaultConfig>() + " default", &cu::mxfp8_weights_gemm_launch<cu::mxw::DefaultConfig>},
@@ -1478,6 +1478,7 @@ void nvfp4_weights_sweep() {
       const std::vector<int>& rows = a ? spread : aligned;
       const char* name = a ? "spread" : "spread, aligned 16";
       sweep_nvfp4_config<mxw::Config<8, 3, 2>>(role, n, k, rows, name);
+      sweep_nvfp4_config<mxw::Config<6, 2, 3>>(role, n, k, rows, name);
       sweep_nvfp4_config<mxw::Config<6, 3, 3>>(role, n, k, rows, name);
       sweep_nvfp4_config<mxw::Config<6, 3, 2>>(role, n, k, rows, name);
       sweep_nvfp4_config<mxw::Config<6, 4, 2>>(role, n, k, rows, name);

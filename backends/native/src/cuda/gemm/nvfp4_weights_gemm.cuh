@@ -95,12 +95,19 @@ struct Stage {
 template <class Cfg>
 using StageOf = Stage<Cfg::kMaxRows, Cfg::kPlanes>;
 
-// The variants nvfp4_weights_gemm picks (moe_ep_gemm_check --nvfp4-weights-sweep, an H100,
-// the decode's FC1 and FC2 with the routing's spread of 20..42 rows an expert, rounded up to
-// 16 as the layer gets them or not): passes of up to 64 rows, 3 stages, 2 blocks an SM
-// (235 registers) at every row count: FC1 0.370 ms against 0.460 for mxfp8's few-rows
-// shape (passes of 48 rows, 3 blocks an SM, whose 168 registers spill here) and 0.374 to
-// 0.376 for passes of 48 rows at 2 blocks an SM with 2 to 4 stages;
+// The variants nvfp4_weights_gemm picks (moe_ep_gemm_check --nvfp4-weights and
+// --nvfp4-weights-sweep on an H100, the decode's FC1 and FC2 at 32 rows an expert and with the
+// routing's spread of 20..42, rounded up to 16 as the layer gets them or not;
+// docs/results/h100/gemm-check-nvfp4-weights*.txt):
+// - one x plane, at most mxw::kFewRowsPerExpert rows an expert on average: passes of up to 48
+//   rows, 2 stages, 3 blocks an SM (168 registers, no spill; 12 warps an SM against 8, which
+//   hides more of the decode's integer latency: ncu saw about 0.7 eligible warps a scheduler
+//   at 2 blocks). 2026-12-07: FC1 0.329 ms against 0.345 for DefaultConfig at the spread, FC2
+//   0.166 against 0.185;
+using FewRowsConfig = mxw::Config<6, 2, 3>;
+// - more rows: passes of up to 64 rows, 3 stages, 2 blocks an SM (232 registers; 2026-12-06
+//   at the spread rounded up to 16: FC1 0.370 ms against 0.374 to 0.376 for passes of 48 rows
+//   at 2 blocks an SM with 2 to 4 stages).
 using DefaultConfig = mxw::Config<8, 3, 2>;
 // - three x planes at few rows, passes of up to 48 rows. More rows: a plane a launch.
 using Planes3Config = mxw::Config<6, 2, 2, 3>;
@@ -292,9 +299,9 @@ inline cudaError_t nvfp4_weights_gemm_launch(const Nvfp4WeightsGemm& p, cudaStre
   return mxw::coded_gemm_launch<Nvfp4Format, Cfg>(p, stream, nvw::nvfp4_weights_gemm_kernel<Cfg>);
 }
 
-// The launch: DefaultConfig; three x planes in one pass at few rows (total_rows /
-// num_experts on the host at most mxw::kFewRowsPerExpert), else a launch a plane (the later
-// ones accumulating).
+// The launch: one x plane, FewRowsConfig at few rows (total_rows / num_experts on the host at
+// most mxw::kFewRowsPerExpert), else DefaultConfig; three x planes in one pass at few rows,
+// else a launch a plane (DefaultConfig, the later ones accumulating).
 inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
   const bool few = mxw::few_rows(p);
   if (p.x_planes == 3) {
@@ -314,6 +321,7 @@ inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t st
     }
     return cudaSuccess;
   }
+  if (few) return nvfp4_weights_gemm_launch<nvw::FewRowsConfig>(p, stream);
   return nvfp4_weights_gemm_launch<nvw::DefaultConfig>(p, stream);
 }
 
