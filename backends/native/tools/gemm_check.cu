@@ -1010,12 +1010,6 @@ std::vector<NvVariant> nv_variants() {
   return {
       {config_name<cu::nvw::FewRowsConfig>() + " few rows", &cu::nvfp4_weights_gemm_launch<cu::nvw::FewRowsConfig>, 1,
        config_name<cu::mxw::FewRowsConfig>() + " few rows", &cu::mxfp8_weights_gemm_launch<cu::mxw::FewRowsConfig>},
-      {config_name<cu::nvw::FewRowsConfig>() + " few rows, x paired", &cu::nvfp4_weights_gemm_paired_x_launch<cu::nvw::FewRowsConfig>, 1,
-       config_name<cu::mxw::FewRowsConfig>() + " few rows", &cu::mxfp8_weights_gemm_launch<cu::mxw::FewRowsConfig>},
-      {config_name<cu::nvw::DefaultConfig>() + " default, x paired", &cu::nvfp4_weights_gemm_paired_x_launch<cu::nvw::DefaultConfig>, 1,
-       config_name<cu::mxw::DefaultConfig>() + " default", &cu::mxfp8_weights_gemm_launch<cu::mxw::DefaultConfig>},
-      {config_name<cu::nvw::Planes3Config>() + " 3 planes, x paired", &cu::nvfp4_weights_gemm_paired_x_launch<cu::nvw::Planes3Config>, 3,
-       config_name<cu::mxw::Planes3Config>() + " 3 planes", &cu::mxfp8_weights_gemm_launch<cu::mxw::Planes3Config>},
       {config_name<cu::nvw::DefaultConfig>() + " default", &cu::nvfp4_weights_gemm_launch<cu::nvw::DefaultConfig>, 1,
        config_name<cu::mxw::DefaultConfig>() + " default", &cu::mxfp8_weights_gemm_launch<cu::mxw::DefaultConfig>},
       {config_name<cu::nvw::Planes3Config>() + " 3 planes", &cu::nvfp4_weights_gemm_launch<cu::nvw::Planes3Config>, 3,

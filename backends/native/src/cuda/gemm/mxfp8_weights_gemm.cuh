@@ -380,7 +380,6 @@ struct Mxfp8Format {
   using Params = Mxfp8WeightsGemm;
   static constexpr int kStageK = mxw::kStageK;
   static constexpr uintptr_t kScaleAlign = 4;  // the scales' cp.async of 4 bytes
-  static constexpr bool kPreparesStage = false;  // run_pass: no prepare step
   template <class Cfg>
   using StageT = StageOf<Cfg>;
   template <int kRows, class Cfg>
@@ -441,10 +440,6 @@ __device__ __forceinline__ void run_pass(const typename Fmt::Params& p, typename
     const int64_t next = ks + kStages - 1;
     if (next < nks) Fmt::template load<8 * kNt, Cfg>(p, stages[next % kStages], e, nb, m0, r1, next);
     cp_async_commit();
-    if constexpr (Fmt::kPreparesStage) {  // the format rearranges the landed stage first
-      Fmt::template prepare<8 * kNt, Cfg>(stages[ks % kStages]);
-      __syncthreads();
-    }
     Fmt::template compute<kNt, Cfg>(stages[ks % kStages], warp, g, q, acc, bad);
   }
   cp_async_wait<0>();

@@ -199,7 +199,7 @@ __device__ __forceinline__ void decode8(uint32_t w, uint32_t m, uint32_t (&a)[4]
 // stage for one warp: its 32 weight rows decoded into two m16 A tiles a step, multiplied with
 // the pass's kNt n8 B tiles of x rows into acc (tile u: weight rows 16 u + g, 16 u + 8 + g;
 // row t of the lane is 8 t + g). wv[t]: row t's chunk; mult[t][h]: its multiplier for half h.
-template <int kNt, bool kFast, bool kPairedX, int kMaxRows, int kPlanes>
+template <int kNt, bool kFast, int kMaxRows, int kPlanes>
 __device__ __forceinline__ void stage_half(const Stage<kMaxRows, kPlanes>& st, const uint4 (&wv)[4],
                                            const uint32_t (&mult)[4][2], int h, int g, int q,
                                            float (&acc)[2][kNt][4]) {
@@ -220,17 +220,9 @@ __device__ __forceinline__ void stage_half(const Stage<kMaxRows, kPlanes>& st, c
       for (int jp = 0; jp < 2; ++jp) {
 #pragma unroll
         for (int nt = 0; nt < kNt; ++nt) {
-          // B: b0 (x c_{2jp}, x c_{2jp+4}), b1 (x c_{2jp+1}, x c_{2jp+5}): paired in shared
-          // memory already (kPairedX: pair_x_chunk), else from the chunk's natural order.
-          uint32_t b0, b1;
-          if (kPairedX) {
-            b0 = jp ? xb[nt].z : xb[nt].x;
-            b1 = jp ? xb[nt].w : xb[nt].y;
-          } else {
-            const uint32_t lo = jp ? xb[nt].y : xb[nt].x, hi = jp ? xb[nt].w : xb[nt].z;
-            b0 = __byte_perm(lo, hi, 0x5410);
-            b1 = __byte_perm(lo, hi, 0x7632);
-          }
+          // B: b0 (x c_{2jp}, x c_{2jp+4}), b1 (x c_{2jp+1}, x c_{2jp+5}).
+          const uint32_t lo = jp ? xb[nt].y : xb[nt].x, hi = jp ? xb[nt].w : xb[nt].z;
+          const uint32_t b0 = __byte_perm(lo, hi, 0x5410), b1 = __byte_perm(lo, hi, 0x7632);
 #pragma unroll
           for (int u = 0; u < 2; ++u)
             // A: a0 row g, logical k 2q, 2q + 1; a1 row g + 8; a2, a3 logical k 2q + 8, 2q + 9.
@@ -244,29 +236,11 @@ __device__ __forceinline__ void stage_half(const Stage<kMaxRows, kPlanes>& st, c
 
 }  // namespace nvw
 
-// The nvfp4 weights' side of the pipeline (mxw::run_pass, mxw::run_block). kPairedX: each
-// landed stage's x chunks are rearranged in place first (prepare: x0 x4 x1 x5 x2 x6 x3 x7, the
-// pairs the decoded codes' k order needs), once a block, instead of by each warp's lanes at
-// every MMA (two byte permutes an MMA).
-template <bool kPairedX>
-struct Nvfp4FormatT {
+// The nvfp4 weights' side of the pipeline (mxw::run_pass, mxw::run_block).
+struct Nvfp4Format {
   using Params = Nvfp4WeightsGemm;
   static constexpr int kStageK = nvw::kStageK;
   static constexpr uintptr_t kScaleAlign = 8;  // the scales' cp.async of 8 bytes
-  static constexpr bool kPreparesStage = kPairedX;
-  template <int kRows, class Cfg>
-  static __device__ __forceinline__ void prepare(nvw::StageOf<Cfg>& st) {
-    constexpr int kChunks = Cfg::kPlanes * kRows * (kStageK / 8);  // whole rounds (load_stage)
-#pragma unroll
-    for (int u = 0; u < kChunks / nvw::kThreads; ++u) {
-      const int i = static_cast<int>(threadIdx.x) + u * nvw::kThreads;
-      const int pl = i / (kRows * (kStageK / 8)), r = (i / (kStageK / 8)) % kRows, c = i % (kStageK / 8);
-      uint4* chunk = reinterpret_cast<uint4*>(&st.x[pl][r][8 * c]);
-      const uint4 v = *chunk;
-      *chunk = make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632), __byte_perm(v.y, v.w, 0x5410),
-                          __byte_perm(v.y, v.w, 0x7632));
-    }
-  }
   template <class Cfg>
   using StageT = nvw::StageOf<Cfg>;
   template <int kRows, class Cfg>
@@ -292,27 +266,25 @@ struct Nvfp4FormatT {
 #pragma unroll
       for (int t = 0; t < 4; ++t) nvw::scale_mults<true>(sc2[t], mult[t]);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) nvw::stage_half<kNt, true, kPairedX>(st, wv, mult, h, g, q, acc);
+      for (int h = 0; h < 2; ++h) nvw::stage_half<kNt, true>(st, wv, mult, h, g, q, acc);
     } else {
 #pragma unroll
       for (int t = 0; t < 4; ++t) nvw::scale_mults<false>(sc2[t], mult[t]);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) nvw::stage_half<kNt, false, kPairedX>(st, wv, mult, h, g, q, acc);
+      for (int h = 0; h < 2; ++h) nvw::stage_half<kNt, false>(st, wv, mult, h, g, q, acc);
     }
   }
   static __device__ __forceinline__ void report(const Params&, bool) {}
 };
-using Nvfp4Format = Nvfp4FormatT<false>;
-using Nvfp4PairedXFormat = Nvfp4FormatT<true>;
 
 namespace nvw {
 
 // Grid (N / kTileN, E), kThreads threads, Cfg::kStages stages of dynamic shared memory
-// (mxw::coded_gemm_launch). Fmt: Nvfp4Format, or Nvfp4PairedXFormat.
-template <class Cfg, class Fmt = Nvfp4Format>
+// (mxw::coded_gemm_launch).
+template <class Cfg>
 __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks) nvfp4_weights_gemm_kernel(Nvfp4WeightsGemm p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  mxw::run_block<Cfg, Fmt>(p, smem);
+  mxw::run_block<Cfg, Nvfp4Format>(p, smem);
 }
 
 }  // namespace nvw
@@ -325,12 +297,6 @@ inline bool nvfp4_weights_gemm_fits(const Nvfp4WeightsGemm& p) { return mxw::cod
 template <class Cfg>
 inline cudaError_t nvfp4_weights_gemm_launch(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
   return mxw::coded_gemm_launch<Nvfp4Format, Cfg>(p, stream, nvw::nvfp4_weights_gemm_kernel<Cfg>);
-}
-// The same with each stage's x chunks paired in shared memory once a block (Nvfp4PairedXFormat).
-template <class Cfg>
-inline cudaError_t nvfp4_weights_gemm_paired_x_launch(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
-  return mxw::coded_gemm_launch<Nvfp4PairedXFormat, Cfg>(p, stream,
-                                                          nvw::nvfp4_weights_gemm_kernel<Cfg, Nvfp4PairedXFormat>);
 }
 
 // The launch: one x plane, FewRowsConfig at few rows (total_rows / num_experts on the host at
