@@ -1479,6 +1479,8 @@ void nvfp4_weights_sweep() {
       const char* name = a ? "spread" : "spread, aligned 16";
       sweep_nvfp4_config<mxw::Config<8, 3, 2>>(role, n, k, rows, name);
       sweep_nvfp4_config<mxw::Config<6, 2, 3>>(role, n, k, rows, name);
+      sweep_nvfp4_config<mxw::Config<6, 2, 4>>(role, n, k, rows, name);
+      sweep_nvfp4_config<mxw::Config<8, 2, 3>>(role, n, k, rows, name);
       sweep_nvfp4_config<mxw::Config<6, 3, 3>>(role, n, k, rows, name);
       sweep_nvfp4_config<mxw::Config<6, 3, 2>>(role, n, k, rows, name);
       sweep_nvfp4_config<mxw::Config<6, 4, 2>>(role, n, k, rows, name);

@@ -304,35 +304,76 @@ __device__ __forceinline__ void for_each_pass(int64_t r0, int64_t r1, Run&& run)
   }
 }
 
-// Stage ks (k from ks * kStageK) of the block's weight rows and of the pass's kRows x
-// rows from m0 (rows at or past r1 zero-filled) into st. A thread's code chunks are rows
-// tid / 8 + 16 u at chunk tid % 8: one source pointer, stepped by 16 rows.
-template <int kRows, int kMaxRows, int kPlanes>
-__device__ __forceinline__ void load_stage(const Mxfp8WeightsGemm& p, Stage<kMaxRows, kPlanes>& st, int e,
-                                           int64_t nb, int64_t m0, int64_t r1, int64_t ks) {
-  const int tid = static_cast<int>(threadIdx.x);
-  const int64_t K = p.k, k0 = ks * kStageK;
-  constexpr int kChunks = kStageK / 16;
-  const int r = tid / kChunks, c = tid % kChunks;
-  const uint8_t* src = p.codes + (static_cast<int64_t>(e) * p.n + nb + r) * K + k0 + 16 * c;
-  const int cs = c ^ ((r & 1) << 2);  // the row parity is the same for rows r + 16 u
-#pragma unroll
-  for (int u = 0; u < kTileN * kChunks / kThreads; ++u)
-    cp_async16(&st.w[r + u * (kThreads / kChunks)][cs], src + u * (kThreads / kChunks) * K, true);
-  cp_async4(&st.s[tid], p.scales + (static_cast<int64_t>(e) * p.n + nb + tid) * (K / 32) + k0 / 32);
-  constexpr int kXChunks = kStageK / 8;
+// A pass's x rows, stage after stage (k from ks * kStageK, ks = 0, 1, ... in order): kRows
+// rows from m0, those at or past r1 zero-filled, each of kPlanes planes. A thread's chunks
+// are rows tid / 16 + 8 u at chunk tid % 16 (stored at chunk(tid % 16) of the shared row).
+// It keeps its first chunk's source and steps it by a stage a load, so a stage's loads cost
+// the cp.async and a few adds (the index arithmetic, recomputed a stage, was a fifth of the
+// block-scaled-weights kernels' instructions). Shared by both formats' loaders.
+template <int kRows>
+struct XRowsLoader {
+  static constexpr int kXChunks = kStageK / 8;  // 16-byte chunks an x row
+  static constexpr int kRounds = kRows * kXChunks / kThreads;
   static_assert(kRows * kXChunks % kThreads == 0, "whole rounds of x chunks");
-#pragma unroll
-  for (int pl = 0; pl < kPlanes; ++pl) {
-    const uint16_t* x = p.x + pl * p.x_plane_stride;
-#pragma unroll
-    for (int u = 0; u < kRows * kXChunks / kThreads; ++u) {
-      const int i = tid + u * kThreads, xr = i / kXChunks, xc = i % kXChunks;
-      const bool in = m0 + xr < r1;
-      cp_async16(&st.x[pl][xr][8 * xc], x + (in ? m0 + xr : m0) * K + k0 + 8 * xc, in);
-    }
+  const uint16_t* x;  // the first chunk of the next stage (plane 0; row m0 + tid / 16, or m0 past r1)
+  int in_rounds;      // the rounds u whose row m0 + tid / 16 + 8 u is below r1: u < in_rounds
+
+  __device__ __forceinline__ XRowsLoader(const uint16_t* x0, int64_t K, int64_t m0, int64_t r1) {
+    const int tid = static_cast<int>(threadIdx.x);
+    const int64_t xr = m0 + tid / kXChunks, rows_in = r1 - xr;  // rows xr, xr + 8, ... below r1
+    x = x0 + (rows_in > 0 ? xr : m0) * K + 8 * (tid % kXChunks);
+    in_rounds = rows_in <= 0 ? 0 : rows_in >= 8 * kRounds ? kRounds : static_cast<int>((rows_in + 7) / 8);
   }
-}
+
+  template <int kMaxRows, int kPlanes, class Chunk>
+  __device__ __forceinline__ void load(uint16_t (&dst)[kPlanes][kMaxRows][kXStride], int64_t K,
+                                       int64_t plane_stride, Chunk chunk) {
+    const int tid = static_cast<int>(threadIdx.x);
+    const int xr = tid / kXChunks, xc = 8 * chunk(tid % kXChunks);
+#pragma unroll
+    for (int pl = 0; pl < kPlanes; ++pl) {
+      const uint16_t* xu = x + pl * plane_stride;
+#pragma unroll
+      for (int u = 0; u < kRounds; ++u, xu += (kThreads / kXChunks) * K) {
+        const bool in = u < in_rounds;
+        // Past r1: no byte read (src-size 0), the address x's row m0.
+        cp_async16(&dst[pl][xr + u * (kThreads / kXChunks)][xc], in ? xu : x, in);
+      }
+    }
+    x += kStageK;
+  }
+};
+
+// A pass's loads, stage after stage: the block's weight rows (a thread's code chunks rows
+// tid / 8 + 16 u at chunk tid % 8, its scale row tid) and the pass's kRows x rows from m0.
+template <int kRows, int kMaxRows, int kPlanes>
+struct Loader {
+  static constexpr int kChunks = kStageK / 16;  // 16-byte code chunks a weight row
+  const Mxfp8WeightsGemm& p;
+  const uint8_t* w;  // the thread's first code chunk of the next stage
+  const uint8_t* s;  // its scale row's 4 codes of the next stage
+  XRowsLoader<kRows> xl;
+
+  __device__ __forceinline__ Loader(const Mxfp8WeightsGemm& p_, int e, int64_t nb, int64_t m0, int64_t r1)
+      : p(p_), xl(p_.x, p_.k, m0, r1) {
+    const int tid = static_cast<int>(threadIdx.x);
+    w = p.codes + (static_cast<int64_t>(e) * p.n + nb + tid / kChunks) * p.k + 16 * (tid % kChunks);
+    s = p.scales + (static_cast<int64_t>(e) * p.n + nb + tid) * (p.k / 32);
+  }
+
+  __device__ __forceinline__ void load(Stage<kMaxRows, kPlanes>& st) {
+    const int tid = static_cast<int>(threadIdx.x);
+    const int r = tid / kChunks, c = tid % kChunks;
+    const int cs = c ^ ((r & 1) << 2);  // the row parity is the same for rows r + 16 u
+#pragma unroll
+    for (int u = 0; u < kTileN * kChunks / kThreads; ++u)
+      cp_async16(&st.w[r + u * (kThreads / kChunks)][cs], w + u * (kThreads / kChunks) * p.k, true);
+    cp_async4(&st.s[tid], s);
+    xl.load(st.x, p.k, p.x_plane_stride, [](int c) { return c; });
+    w += kStageK;
+    s += kStageK / 32;
+  }
+};
 
 // One 64-slice h of a stage for one warp: its 32 weight rows' codes decoded (decode16<kFast>)
 // into two m16 A tiles, multiplied with the pass's kNt n8 B tiles of x rows into acc. A
@@ -382,11 +423,10 @@ struct Mxfp8Format {
   static constexpr uintptr_t kScaleAlign = 4;  // the scales' cp.async of 4 bytes
   template <class Cfg>
   using StageT = StageOf<Cfg>;
+  // A pass's loads, stage after stage (made once a pass, then load(stage) for ks = 0, 1, ...
+  // in order).
   template <int kRows, class Cfg>
-  static __device__ __forceinline__ void load(const Params& p, StageT<Cfg>& st, int e, int64_t nb, int64_t m0,
-                                              int64_t r1, int64_t ks) {
-    load_stage<kRows>(p, st, e, nb, m0, r1, ks);
-  }
+  using Loader = mxw::Loader<kRows, Cfg::kMaxRows, Cfg::kPlanes>;
   template <int kNt, class Cfg>
   static __device__ __forceinline__ void compute(const StageT<Cfg>& st, int warp, int g, int q,
                                                  float (&acc)[2][kNt][4], bool& bad) {
@@ -428,9 +468,10 @@ __device__ __forceinline__ void run_pass(const typename Fmt::Params& p, typename
     for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[u][nt][c] = 0.0f;
+  typename Fmt::template Loader<8 * kNt, Cfg> loader(p, e, nb, m0, r1);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nks) Fmt::template load<8 * kNt, Cfg>(p, stages[s], e, nb, m0, r1, s);
+    if (s < nks) loader.load(stages[s]);
     cp_async_commit();
   }
   bool bad = false;
@@ -438,7 +479,7 @@ __device__ __forceinline__ void run_pass(const typename Fmt::Params& p, typename
     cp_async_wait<kStages - 2>();
     __syncthreads();  // stage ks landed for every thread; stage ks - 1's buffer is free
     const int64_t next = ks + kStages - 1;
-    if (next < nks) Fmt::template load<8 * kNt, Cfg>(p, stages[next % kStages], e, nb, m0, r1, next);
+    if (next < nks) loader.load(stages[next % kStages]);
     cp_async_commit();
     Fmt::template compute<kNt, Cfg>(stages[ks % kStages], warp, g, q, acc, bad);
   }

@@ -32,10 +32,17 @@
 // quarter warp's x reads fall in distinct banks). The sum over k is permuted alike for both
 // operands: lane quad q holds the 32 codes [32 q, 32 q + 32) of its weight row (one 16-byte
 // shared load: words w = 0..3 of 8 codes, half h of the stage its words 2 h and 2 h + 1, one
-// scale block), and a word's codes c0..c7 make the MMA's logical columns {2 q, 2 q + 1} =
-// (c0, c4) and {2 q + 8, 2 q + 9} = (c1, c5) of one k16 step, (c2, c6) and (c3, c7) of the
-// next: the bf16x2 halves the bit moves give. The x fragments pair the same physical
-// columns (one byte permute each).
+// scale block), and a word's byte j, codes (c_2j, c_2j+1), is one bf16x2 A register: bytes
+// 0, 1 the MMA's logical columns {2 q, 2 q + 1} and {2 q + 8, 2 q + 9} of one k16 step,
+// bytes 2, 3 those of the next. The x fragments are then the x words at the same physical
+// columns as they lie in shared memory (no permute): word j of the row's 16-byte chunk.
+// The bit moves of byte j (raw_pair): one byte permute (with prmt's sign replication), a
+// shift and a mask, then the bf16x2 multiply.
+//
+// The loads: a pass's thread keeps its source pointers (its 4 code chunks' first row, its
+// scale row, its x chunks' first row) and steps them by a stage's bytes a load, so a stage's
+// loads cost the cp.async and a few adds (the index arithmetic was a fifth of the kernel's
+// instructions when recomputed a stage).
 #ifndef MOE_EP_NATIVE_CUDA_GEMM_NVFP4_WEIGHTS_GEMM_CUH_
 #define MOE_EP_NATIVE_CUDA_GEMM_NVFP4_WEIGHTS_GEMM_CUH_
 
@@ -82,6 +89,7 @@ using mxw::kThreads;
 using mxw::kTileN;
 constexpr int kStageK = 128;           // k a stage: 64 bytes of codes a weight row
 constexpr int kXStride = kStageK + 8;  // bf16 a shared x row: 272 bytes (see the header)
+static_assert(kStageK == mxw::kStageK && kXStride == mxw::kXStride, "the x rows load as mxw::XRowsLoader's");
 
 // Where the 16-byte chunk c (0..15) of an x row lies in the stage (see the header).
 __device__ __forceinline__ int x_chunk(int c) { return c ^ (((c >> 3) & 1) << 1); }
@@ -117,34 +125,37 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(d), "l"(src));
 }
 
-// Stage ks (k from ks * kStageK) of the block's weight rows and of the pass's kRows x rows
-// from m0 (rows at or past r1 zero-filled) into st. A thread's code chunks are rows
-// tid / 4 + 32 u at chunk tid % 4.
+// A pass's loads: stage after stage (k from ks * kStageK, ks = 0, 1, ... in order) of the
+// block's weight rows and of the pass's kRows x rows from m0 (rows at or past r1
+// zero-filled). A thread's code chunks are rows tid / 4 + 32 u at chunk tid % 4, its scale
+// row tid, its x chunks rows tid / 16 + 8 u at chunk tid % 16, each plane's.
 template <int kRows, int kMaxRows, int kPlanes>
-__device__ __forceinline__ void load_stage(const Nvfp4WeightsGemm& p, Stage<kMaxRows, kPlanes>& st, int e,
-                                           int64_t nb, int64_t m0, int64_t r1, int64_t ks) {
-  const int tid = static_cast<int>(threadIdx.x);
-  const int64_t K = p.k, k0 = ks * kStageK;
-  constexpr int kChunks = kStageK / 32;
-  const int r = tid / kChunks, c = tid % kChunks;
-  const uint8_t* src = p.codes + (static_cast<int64_t>(e) * p.n + nb + r) * (K / 2) + k0 / 2 + 16 * c;
-#pragma unroll
-  for (int u = 0; u < kTileN * kChunks / kThreads; ++u)
-    mxw::cp_async16(&st.w[r + u * (kThreads / kChunks)][c], src + u * (kThreads / kChunks) * (K / 2), true);
-  cp_async8(&st.s[tid], p.scales + (static_cast<int64_t>(e) * p.n + nb + tid) * (K / 16) + k0 / 16);
-  constexpr int kXChunks = kStageK / 8;
-  static_assert(kRows * kXChunks % kThreads == 0, "whole rounds of x chunks");
-#pragma unroll
-  for (int pl = 0; pl < kPlanes; ++pl) {
-    const uint16_t* x = p.x + pl * p.x_plane_stride;
-#pragma unroll
-    for (int u = 0; u < kRows * kXChunks / kThreads; ++u) {
-      const int i = tid + u * kThreads, xr = i / kXChunks, xc = i % kXChunks;
-      const bool in = m0 + xr < r1;
-      mxw::cp_async16(&st.x[pl][xr][8 * x_chunk(xc)], x + (in ? m0 + xr : m0) * K + k0 + 8 * xc, in);
-    }
+struct Loader {
+  static constexpr int kChunks = kStageK / 32;  // 16-byte code chunks a weight row
+  const Nvfp4WeightsGemm& p;
+  const uint8_t* w;  // the thread's first code chunk of the next stage
+  const uint8_t* s;  // its scale row's 8 codes of the next stage
+  mxw::XRowsLoader<kRows> xl;
+
+  __device__ __forceinline__ Loader(const Nvfp4WeightsGemm& p_, int e, int64_t nb, int64_t m0, int64_t r1)
+      : p(p_), xl(p_.x, p_.k, m0, r1) {
+    const int tid = static_cast<int>(threadIdx.x);
+    w = p.codes + (static_cast<int64_t>(e) * p.n + nb + tid / kChunks) * (p.k / 2) + 16 * (tid % kChunks);
+    s = p.scales + (static_cast<int64_t>(e) * p.n + nb + tid) * (p.k / 16);
   }
-}
+
+  __device__ __forceinline__ void load(Stage<kMaxRows, kPlanes>& st) {
+    const int tid = static_cast<int>(threadIdx.x);
+    const int r = tid / kChunks, c = tid % kChunks;
+#pragma unroll
+    for (int u = 0; u < kTileN * kChunks / kThreads; ++u)
+      mxw::cp_async16(&st.w[r + u * (kThreads / kChunks)][c], w + u * (kThreads / kChunks) * (p.k / 2), true);
+    cp_async8(&st.s[tid], s);
+    xl.load(st.x, p.k, p.x_plane_stride, [](int c) { return x_chunk(c); });
+    w += kStageK / 2;
+    s += kStageK / 16;
+  }
+};
 
 // The bf16x2 multipliers of the two scale codes of sc2 (low byte: m[0]), each in both
 // halves: fast, s 2^126 (|s| < 2: a bf16 value); otherwise s itself (the decode multiplies
@@ -157,8 +168,8 @@ __device__ __forceinline__ void scale_mults(uint32_t sc2, uint32_t (&m)[2]) {
       __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(sc2 & 0xFFFFu), __NV_E4M3)));
   if (kFast) s.x *= 8.507059173023462e37f, s.y *= 8.507059173023462e37f;
   const uint32_t b = mxw::bf16x2_bits(__floats2bfloat162_rn(s.x, s.y));
-  m[0] = (b & 0xFFFFu) * 0x10001u;
-  m[1] = (b >> 16) * 0x10001u;
+  m[0] = __byte_perm(b, 0, 0x1010);
+  m[1] = __byte_perm(b, 0, 0x3232);
 }
 
 // Whether every scale code of the lane's stage (the 2 of each of its 4 weight rows that its
@@ -170,19 +181,26 @@ __device__ __forceinline__ bool stage_all_fast(const uint32_t (&sc2)[4]) {
   return (any & 0x4040u) == 0;
 }
 
-// The codes c_i, c_{i + 4} of the word w (nibbles i and i + 4) as bf16x2 E2M1 * 2^-126:
-// the sign bits to 15 / 31, the magnitude bits to 8..6 / 24..22.
-template <int kI>
-__device__ __forceinline__ uint32_t raw_pair(uint32_t w) {
-  const uint32_t v = w << (12 - 4 * kI);  // the pair's sign bits at 15 and 31, magnitudes at 14..12 and 30..28
-  return (v & 0x80008000u) | ((v & 0x70007000u) >> 6);
+// Byte j of the word w, codes (c_2j, c_2j+1), as bf16x2 E2M1 * 2^-126 (c_2j in the low
+// half), three instructions. w4 = w << 4 holds c_2j in the top nibble of its byte j, w holds
+// c_2j+1 in the top nibble of its byte j. One byte permute makes v: byte 0 w4's byte j,
+// byte 1 its sign bit replicated (prmt's sign mode), bytes 2, 3 the same of w's byte j; then
+// v << 2 has each code's sign at bits 15 / 31 (from the replicated bytes) and its magnitude
+// at 8..6 / 24..22, and the mask keeps those bits alone.
+template <int kJ>
+__device__ __forceinline__ uint32_t raw_pair(uint32_t w, uint32_t w4) {
+  constexpr uint32_t kSel = kJ | ((kJ | 8) << 4) | ((4 + kJ) << 8) | ((12 + kJ) << 12);
+  uint32_t v;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v) : "r"(w4), "r"(w), "n"(kSel));
+  return (v << 2) & 0x81C081C0u;
 }
 
 // The 8 codes of the word w with multiplier m (scale_mults<kFast>) as 4 bf16x2 MMA operands:
-// a[0] = (c0, c4), a[1] = (c1, c5), a[2] = (c2, c6), a[3] = (c3, c7).
+// a[j] = (c_2j, c_2j+1).
 template <bool kFast>
 __device__ __forceinline__ void decode8(uint32_t w, uint32_t m, uint32_t (&a)[4]) {
-  uint32_t raw[4] = {raw_pair<0>(w), raw_pair<1>(w), raw_pair<2>(w), raw_pair<3>(w)};
+  const uint32_t w4 = w << 4;
+  uint32_t raw[4] = {raw_pair<0>(w, w4), raw_pair<1>(w, w4), raw_pair<2>(w, w4), raw_pair<3>(w, w4)};
   const __nv_bfloat162 mult = *reinterpret_cast<const __nv_bfloat162*>(&m);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -206,7 +224,7 @@ __device__ __forceinline__ void stage_half(const Stage<kMaxRows, kPlanes>& st, c
 #pragma unroll
   for (int jw = 0; jw < 2; ++jw) {
     const int w = 2 * h + jw;  // the word of the lane's chunk
-    uint32_t a[4][4];          // row t's (c0, c4), (c1, c5), (c2, c6), (c3, c7)
+    uint32_t a[4][4];          // row t's (c0, c1), (c2, c3), (c4, c5), (c6, c7)
 #pragma unroll
     for (int t = 0; t < 4; ++t) decode8<kFast>(w == 0 ? wv[t].x : w == 1 ? wv[t].y : w == 2 ? wv[t].z : wv[t].w,
                                                mult[t][h], a[t]);
@@ -220,9 +238,8 @@ __device__ __forceinline__ void stage_half(const Stage<kMaxRows, kPlanes>& st, c
       for (int jp = 0; jp < 2; ++jp) {
 #pragma unroll
         for (int nt = 0; nt < kNt; ++nt) {
-          // B: b0 (x c_{2jp}, x c_{2jp+4}), b1 (x c_{2jp+1}, x c_{2jp+5}).
-          const uint32_t lo = jp ? xb[nt].y : xb[nt].x, hi = jp ? xb[nt].w : xb[nt].z;
-          const uint32_t b0 = __byte_perm(lo, hi, 0x5410), b1 = __byte_perm(lo, hi, 0x7632);
+          // B: b0 (x c_4jp, x c_4jp+1), b1 (x c_4jp+2, x c_4jp+3): the chunk's words 2 jp, 2 jp + 1.
+          const uint32_t b0 = jp ? xb[nt].z : xb[nt].x, b1 = jp ? xb[nt].w : xb[nt].y;
 #pragma unroll
           for (int u = 0; u < 2; ++u)
             // A: a0 row g, logical k 2q, 2q + 1; a1 row g + 8; a2, a3 logical k 2q + 8, 2q + 9.
@@ -244,10 +261,7 @@ struct Nvfp4Format {
   template <class Cfg>
   using StageT = nvw::StageOf<Cfg>;
   template <int kRows, class Cfg>
-  static __device__ __forceinline__ void load(const Params& p, StageT<Cfg>& st, int e, int64_t nb, int64_t m0,
-                                              int64_t r1, int64_t ks) {
-    nvw::load_stage<kRows>(p, st, e, nb, m0, r1, ks);
-  }
+  using Loader = nvw::Loader<kRows, Cfg::kMaxRows, Cfg::kPlanes>;
   template <int kNt, class Cfg>
   static __device__ __forceinline__ void compute(const StageT<Cfg>& st, int warp, int g, int q,
                                                  float (&acc)[2][kNt][4], bool&) {
@@ -257,8 +271,8 @@ struct Nvfp4Format {
     for (int t = 0; t < 4; ++t) {
       const int r = warp * mxw::kRowsPerWarp + 8 * t + g;
       wv[t] = st.w[r][q];
-      const uint2 s = st.s[r];  // scale codes 2 q, 2 q + 1 of the row: the lane's chunk
-      sc2[t] = ((q < 2 ? s.x : s.y) >> (16 * (q & 1))) & 0xFFFFu;
+      // Scale codes 2 q, 2 q + 1 of the row: the lane's chunk.
+      sc2[t] = reinterpret_cast<const uint16_t*>(&st.s[r])[q];
     }
     // Warp-uniform (the MMAs are .aligned): the stage's one-multiply copy when every lane may.
     uint32_t mult[4][2];
