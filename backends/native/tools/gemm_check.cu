@@ -987,13 +987,14 @@ std::string config_name() {
 }
 
 // What nvfp4_weights_gemm runs for p (its choice, restated for the labels): the variant for
-// the rows an expert on average (Nvfp4WeightsGemm::total_rows), or a launch a plane.
+// the rows an expert on average (Nvfp4WeightsGemm::total_rows) and K, or a launch a plane.
 std::string nvfp4_auto_pick(const Nvfp4WeightsGemm& p) {
   namespace nvw = moe_ep::cuda::nvw;
   const bool few =
       p.total_rows > 0 && p.total_rows <= moe_ep::cuda::mxw::kFewRowsPerExpert * static_cast<int64_t>(p.num_experts);
   if (p.x_planes == 3) return few ? "auto: " + config_name<nvw::Planes3Config>() : "auto: 3 x " + config_name<nvw::DefaultConfig>();
-  return "auto: " + (few ? config_name<nvw::FewRowsConfig>() : config_name<nvw::DefaultConfig>());
+  return "auto: " + (few && p.k < moe_ep::cuda::mxw::kLongK ? config_name<nvw::FewRowsConfig>()
+                                                             : config_name<nvw::DefaultConfig>());
 }
 
 // The kernel variants (nvfp4_weights_gemm_launch<Cfg>), each with the mxfp8-weights kernel's

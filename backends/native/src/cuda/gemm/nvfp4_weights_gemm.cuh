@@ -107,15 +107,16 @@ using StageOf = Stage<Cfg::kMaxRows, Cfg::kPlanes>;
 // --nvfp4-weights-sweep on an H100, the decode's FC1 and FC2 at 32 rows an expert and with the
 // routing's spread of 20..42, rounded up to 16 as the layer gets them or not;
 // docs/results/h100/gemm-check-nvfp4-weights*.txt):
-// - one x plane, at most mxw::kFewRowsPerExpert rows an expert on average: passes of up to 48
-//   rows, 2 stages, 3 blocks an SM (168 registers, no spill; 12 warps an SM against 8, which
-//   hides more of the decode's integer latency: ncu saw about 0.7 eligible warps a scheduler
-//   at 2 blocks). 2026-12-07: FC1 0.329 ms against 0.345 for DefaultConfig at the spread, FC2
-//   0.166 against 0.185;
+// - one x plane, at most mxw::kFewRowsPerExpert rows an expert on average and a short K (FC2,
+//   below mxw::kLongK): passes of up to 48 rows, 2 stages, 3 blocks an SM (164 registers, no
+//   spill). 2026-12-07 (e19e70c) at the spread rounded up to 16: FC2 0.162 ms, as <6,2,2>,
+//   against 0.168 for DefaultConfig;
 using FewRowsConfig = mxw::Config<6, 2, 3>;
-// - more rows: passes of up to 64 rows, 3 stages, 2 blocks an SM (232 registers; 2026-12-06
-//   at the spread rounded up to 16: FC1 0.370 ms against 0.374 to 0.376 for passes of 48 rows
-//   at 2 blocks an SM with 2 to 4 stages).
+// - more rows, or a long K (FC1) at few rows: passes of up to 64 rows, 3 stages, 2 blocks an
+//   SM (195 registers). 2026-12-07 (e19e70c) at the spread rounded up to 16: FC1 0.310 ms
+//   against 0.319 for <6,4,2> and 0.334 for FewRowsConfig (before its 3-instruction decode,
+//   with 12 warps an SM FewRowsConfig was the fastest at FC1: the issue bound then hid the
+//   pipeline's depth).
 using DefaultConfig = mxw::Config<8, 3, 2>;
 // - three x planes at few rows, passes of up to 48 rows. More rows: a plane a launch.
 using Planes3Config = mxw::Config<6, 2, 2, 3>;
@@ -314,8 +315,8 @@ inline cudaError_t nvfp4_weights_gemm_launch(const Nvfp4WeightsGemm& p, cudaStre
 }
 
 // The launch: one x plane, FewRowsConfig at few rows (total_rows / num_experts on the host at
-// most mxw::kFewRowsPerExpert), else DefaultConfig; three x planes in one pass at few rows,
-// else a launch a plane (DefaultConfig, the later ones accumulating).
+// most mxw::kFewRowsPerExpert) and a K below mxw::kLongK, else DefaultConfig; three x planes
+// in one pass at few rows, else a launch a plane (DefaultConfig, the later ones accumulating).
 inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t stream) {
   const bool few = mxw::few_rows(p);
   if (p.x_planes == 3) {
@@ -335,7 +336,7 @@ inline cudaError_t nvfp4_weights_gemm(const Nvfp4WeightsGemm& p, cudaStream_t st
     }
     return cudaSuccess;
   }
-  if (few) return nvfp4_weights_gemm_launch<nvw::FewRowsConfig>(p, stream);
+  if (few && p.k < mxw::kLongK) return nvfp4_weights_gemm_launch<nvw::FewRowsConfig>(p, stream);
   return nvfp4_weights_gemm_launch<nvw::DefaultConfig>(p, stream);
 }
 
