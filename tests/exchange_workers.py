@@ -70,12 +70,11 @@ def inference_skips_the_stash(rank: int, config, world_inputs, device: str) -> D
     return res
 
 
-def epilogue_fused_matches_pass(rank: int, config, world_inputs, grad_outputs, env: str) -> Dict[str, Any]:
-    """The device exchange's training forward and backward on cuda:0 with a GEMM's epilogue
-    fused (``env``, MOE_EP_FC1_EPILOGUE or MOE_EP_FC2_EPILOGUE, "fused": the default) and with
-    the pass after the GEMM's float32 output ("pass"): the outputs, stashes and gradients of
-    each, and the names of the kernels the forward ran (to see which GEMM ran); then an
-    unknown value's error."""
+def fc1_epilogue_fused_matches_pass(rank: int, config, world_inputs, grad_outputs) -> Dict[str, Any]:
+    """The device exchange's training forward and backward on cuda:0 with FC1's SwiGLU in the
+    GEMM's epilogue (MOE_EP_FC1_EPILOGUE=fused, the default) and with the pass after FC1's
+    float32 GEMM ("pass"): the outputs, stashes and gradients of each, and the names of the
+    kernels the forward ran (to see which FC1 ran); then an unknown value's error."""
     import torch
 
     from moe_ep_cuda_nccl import api
@@ -89,7 +88,7 @@ def epilogue_fused_matches_pass(rank: int, config, world_inputs, grad_outputs, e
     res: Dict[str, Any] = {}
     try:
         for mode in ("fused", "pass"):
-            os.environ[env] = mode
+            os.environ["MOE_EP_FC1_EPILOGUE"] = mode
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 y, fc1_c, _ = api.DEVICE_OPS.forward_op(*args, config_to_json(config), group.group_name)
                 torch.cuda.synchronize()
@@ -97,14 +96,14 @@ def epilogue_fused_matches_pass(rank: int, config, world_inputs, grad_outputs, e
             res[mode] = {"output": _bits(y), "fc1_c": _bits(fc1_c), "kernels": sorted({e.name for e in prof.events()})}
             res[mode].update({n: _bits(t) for n, t in zip(NAMES, grads)})
         api.check_errors(config)
-        os.environ[env] = "fast"
+        os.environ["MOE_EP_FC1_EPILOGUE"] = "fast"
         try:
             api.DEVICE_OPS.forward_op(*args, config_to_json(config), group.group_name)
             res["bad_value_error"] = ""
         except Exception as exc:  # noqa: BLE001
             res["bad_value_error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        os.environ.pop(env, None)
+        os.environ.pop("MOE_EP_FC1_EPILOGUE", None)
     api.close_communicators()
     return res
 

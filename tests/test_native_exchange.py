@@ -574,20 +574,6 @@ def test_cuda_inference_writes_no_stash_and_gives_the_same_output() -> None:
     _check_inference(_ok(run_ranks(XW.inference_skips_the_stash, 1, config, world, "cuda", timeout=300)))
 
 
-def _check_fused_epilogue(res, env, kernel, what) -> None:
-    for key, want in res["pass"].items():
-        if key == "kernels":
-            continue
-        assert np.array_equal(res["fused"][key], want, equal_nan=True), (
-            f"{key}: {what} in the GEMM's epilogue differs from the GEMM and the pass"
-        )
-    assert f"{env} must be unset, 'fused' or 'pass'; got 'fast'" in res["bad_value_error"], res
-    # Last: under compute-sanitizer the profiler (CUPTI) sees no kernel.
-    fused_kernels = [k for k in res["fused"]["kernels"] if kernel in k]
-    assert fused_kernels, f"the fused GEMM ({what}) did not run by default; kernels: {res['fused']['kernels']}"
-    assert not any(kernel in k for k in res["pass"]["kernels"]), f"{env}=pass ran the fused GEMM ({what})"
-
-
 @cuda
 @pytest.mark.parametrize("weight_in_fc1,clamp", [(True, None), (False, 6.0)], ids=["weight-in-fc1", "clamp"])
 def test_cuda_fc1_swiglu_in_the_gemm_epilogue_is_bit_for_bit_the_pass(weight_in_fc1, clamp) -> None:
@@ -597,43 +583,18 @@ def test_cuda_fc1_swiglu_in_the_gemm_epilogue_is_bit_for_bit_the_pass(weight_in_
                          max_tokens_per_rank=400, recv_capacity=1024, expert_alignment=8, generate_c=True,
                          intermediate_format="bf16", apply_topk_in_fc1=weight_in_fc1, gate_up_clamp=clamp)
     world, grads = _world(config, 43, (400,))
-    res = _ok(run_ranks(XW.epilogue_fused_matches_pass, 1, config, world, grads, "MOE_EP_FC1_EPILOGUE",
-                        timeout=300))[0]
-    _check_fused_epilogue(res, "MOE_EP_FC1_EPILOGUE", "MoeEpGatedCollectiveMma", "FC1's SwiGLU")
-
-
-@cuda
-@pytest.mark.parametrize("weight_in_fc1", [True, False], ids=["weight-in-fc1", "weight-in-fc2"])
-def test_cuda_fc2_nvfp4_round_trip_in_the_gemm_epilogue_is_bit_for_bit_the_pass(weight_in_fc1) -> None:
-    # combine_format nvfp4 (its rows rounded by the experts stage, as bf16: the default) and
-    # enough rows an expert: FC2 is the fused GEMM (cuda/gemm/fc2_round_gemm.h) unless
-    # MOE_EP_FC2_EPILOGUE=pass.
-    config = MoeEpConfig(num_experts=4, hidden=256, intermediate=128, num_topk=2, num_ranks=1,
-                         max_tokens_per_rank=400, recv_capacity=1024, expert_alignment=8, generate_c=True,
-                         intermediate_format="bf16", combine_format="nvfp4", apply_topk_in_fc1=weight_in_fc1)
-    world, grads = _world(config, 44, (400,))
-    res = _ok(run_ranks(XW.epilogue_fused_matches_pass, 1, config, world, grads, "MOE_EP_FC2_EPILOGUE",
-                        timeout=300))[0]
-    _check_fused_epilogue(res, "MOE_EP_FC2_EPILOGUE", "Fc2RoundCallbacks", "FC2's nvfp4 round trip")
-
-
-def test_front_end_rounds_nvfp4_rows_in_the_experts_stage_by_default(monkeypatch) -> None:
-    # nvfp4: the experts stage (FC2's epilogue, bf16 rows) unless MOE_EP_CUDA_NCCL_ROUND_TRIP=combine
-    # (one rank); mxfp8: the combine unless =experts. Anything else is a ConfigError naming the value.
-    from moe_ep_cuda_nccl import device_exchange as D
-    from moe_ep_spec import ConfigError
-
-    nv, mx = ROUND_TRIP.replace(combine_format="nvfp4"), ROUND_TRIP
-    monkeypatch.delenv(D.ROUND_TRIP_ENV, raising=False)
-    assert D._combine_round_trip(nv, 1) is None and D._bf16_rows(nv, None)
-    assert D._combine_round_trip(mx, 2) is Format.MXFP8
-    monkeypatch.setenv(D.ROUND_TRIP_ENV, "combine")
-    assert D._combine_round_trip(nv, 1) is Format.NVFP4 and D._combine_round_trip(nv, 2) is None
-    monkeypatch.setenv(D.ROUND_TRIP_ENV, "experts")
-    assert D._combine_round_trip(mx, 1) is None
-    monkeypatch.setenv(D.ROUND_TRIP_ENV, "rows")
-    with pytest.raises(ConfigError, match="MOE_EP_CUDA_NCCL_ROUND_TRIP must be unset, 'combine' or 'experts'; got 'rows'"):
-        D._combine_round_trip(nv, 1)
+    res = _ok(run_ranks(XW.fc1_epilogue_fused_matches_pass, 1, config, world, grads, timeout=300))[0]
+    for key, want in res["pass"].items():
+        if key == "kernels":
+            continue
+        assert np.array_equal(res["fused"][key], want, equal_nan=True), (
+            f"{key}: the fused FC1 epilogue differs from FC1's GEMM and the pass"
+        )
+    assert "MOE_EP_FC1_EPILOGUE must be unset, 'fused' or 'pass'; got 'fast'" in res["bad_value_error"], res
+    # Last: under compute-sanitizer the profiler (CUPTI) sees no kernel.
+    fused_kernels = [k for k in res["fused"]["kernels"] if "MoeEpGatedCollectiveMma" in k]
+    assert fused_kernels, f"the fused FC1 did not run by default; kernels: {res['fused']['kernels']}"
+    assert not any("MoeEpGatedCollectiveMma" in k for k in res["pass"]["kernels"]), "MOE_EP_FC1_EPILOGUE=pass ran it"
 
 
 @cuda

@@ -73,10 +73,10 @@ COMBINE_ENV = "MOE_EP_CUDA_NCCL_COMBINE"
 SMS_ENV = "MOE_EP_CUDA_NCCL_EXCHANGE_SMS"
 #: Where the peers' memory comes from: ``auto`` (default), ``nccl`` (NCCL symmetric memory) or ``ipc`` (CUDA IPC).
 PEERS_ENV = "MOE_EP_EXCHANGE_PEERS"
-#: Where a block-scaled ``combine_format``'s round trip of the expert outputs happens: ``combine`` (the combine
-#: puts each float32 row through it as it reads it; needs ``hidden % 128 == 0``, and for nvfp4 one rank, otherwise
-#: ``experts``) or ``experts`` (the experts stage rounds the rows, nvfp4's in FC2's epilogue, written as bf16; the
-#: combine sums them). Unset: ``combine`` for mxfp8, ``experts`` for nvfp4. The same results, bit for bit.
+#: Where a block-scaled ``combine_format``'s round trip of the expert outputs happens: ``combine`` (default: the
+#: combine puts each row through it as it reads it, one pass over the rows fewer; needs ``hidden % 128 == 0``,
+#: and for nvfp4 one rank, otherwise ``experts``) or ``experts`` (the experts stage rounds the rows, the combine
+#: sums them). The same results, bit for bit.
 ROUND_TRIP_ENV = "MOE_EP_CUDA_NCCL_ROUND_TRIP"
 #: How a stage runs on CUDA: ``throughput`` (default: five kernels chained with programmatic dependent launch)
 #: or ``low_latency`` (one cooperative kernel per stage, for few tokens); the same results, bit for bit.
@@ -123,22 +123,19 @@ def _combine_round_trip(config: MoeEpConfig, num_ranks: int) -> Optional[C.Forma
     """The block format whose round trip the layer's combine applies to the expert outputs as
     it reads them (``MOE_EP_CUDA_NCCL_ROUND_TRIP``), or None: the layer is then made with
     ``combine_format`` none, its experts stage leaves the rows unrounded, and the forward's
-    combine reads them as ``Y_F32_MXFP8_ROUND_TRIP`` / ``Y_F32_NVFP4_ROUND_TRIP``. mxfp8 by
-    default (its rounded values are not always bf16 values, so the experts stage would write
-    float32 rows all the same), at any number of ranks; nvfp4 only when asked
-    (``combine``) and at one rank: by default the experts stage rounds its rows in FC2's
-    epilogue and writes them as bf16 (:func:`_bf16_rows`), half the bytes of the float32
-    rows the combine would read. Both need ``hidden % 128 == 0`` (whole blocks in a warp's
-    columns)."""
-    value = os.environ.get(ROUND_TRIP_ENV, "")
-    if value not in ("", "combine", "experts"):
-        raise E.ConfigError(f"{ROUND_TRIP_ENV} must be unset, 'combine' or 'experts'; got {value!r}",
-                            field=ROUND_TRIP_ENV, value=value)
-    if value == "experts" or config.hidden % 128 != 0:
+    combine reads them as ``Y_F32_MXFP8_ROUND_TRIP`` / ``Y_F32_NVFP4_ROUND_TRIP``. mxfp8 at
+    any number of ranks; nvfp4 at one rank only, where no row crosses ranks: across ranks its
+    rows travel as bf16 (:func:`_bf16_rows`), half the bytes of the float32 rows the combine
+    would read. Both need ``hidden % 128 == 0`` (whole blocks in a warp's columns)."""
+    value = os.environ.get(ROUND_TRIP_ENV, "combine")
+    if value not in ("combine", "experts"):
+        raise E.ConfigError(f"{ROUND_TRIP_ENV} must be 'combine' or 'experts'; got {value!r}", field=ROUND_TRIP_ENV,
+                            value=value)
+    if value != "combine" or config.hidden % 128 != 0:
         return None
     if config.combine_format is MoeFormat.MXFP8:
         return C.Format.MXFP8
-    if config.combine_format is MoeFormat.NVFP4 and num_ranks == 1 and value == "combine":
+    if config.combine_format is MoeFormat.NVFP4 and num_ranks == 1:
         return C.Format.NVFP4
     return None
 

@@ -19,10 +19,6 @@
 //   moe_ep_gemm_check --fc1-swiglu     FC1 with the SwiGLU in its epilogue (cuda/gemm/fc1_swiglu_gemm.h)
 //                                      against FC1's float32 GEMM and the layer's pass, bit for bit,
 //                                      then (unless --no-time) both timed at the prefill shape
-//   moe_ep_gemm_check --fc2-round      FC2 with the nvfp4 round trip in its epilogue (cuda/gemm/fc2_round_gemm.h)
-//                                      and the nvfp4-weights GEMM's nvfp4 store, against the float32 GEMM
-//                                      and the layer's pass, bit for bit, then (unless --no-time) the
-//                                      CUTLASS one timed at the prefill shape
 //   moe_ep_gemm_check --initcheck-probe  (under compute-sanitizer --tool initcheck) whether the tool
 //                                      sees the grouped GEMM's stores
 //
@@ -50,7 +46,6 @@
 
 #include "cpu/formats.h"
 #include "cuda/gemm/fc1_swiglu_gemm.h"
-#include "cuda/gemm/fc2_round_gemm.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/mxfp8_weights_gemm.cuh"
 #include "cuda/gemm/nvfp4_weights_gemm.cuh"
@@ -1697,216 +1692,6 @@ void fc1_swiglu_checks(bool timing, int sm_count) {
   check_fc1_swiglu("prefill, spread", {7168, 2048, spread_rows(32768), 0, false, false, true}, sm_count, 35, timing);
 }
 
-// ------------------------------------------------------------------ FC2 with the nvfp4 round trip (--fc2-round)
-// The fused FC2s (cuda/gemm/fc2_round_gemm.h at many rows; the block-scaled-weights GEMMs'
-// y_nvfp4 store at few) against what the layer runs without them: FC2's float32 output (the
-// kNN kernel grouped_gemm_bf16 picks, or the same coded GEMM into float32 y) and the FC2 pass
-// for nvfp4 rows (layer_tc.cu's fc2_epilogue_block_vec4_kernel<NVFP4, kWeight, true>, as
-// fc2_round_reference below, compiled like it with --fmad=false). y must be equal bit for bit
-// on the slabs' rows; rows past the last slab must be untouched (the layer zeroes them).
-
-// One thread per (row, 16-column block) of the slabs' rows: R_nvfp4(w[r] y[r, block]) or R_nvfp4(y[r, block]), as bf16.
-__global__ void fc2_round_reference(const float* y, const float* w, const int32_t* off, int groups, int64_t H,
-                                    bool weight, uint16_t* out) {
-  using namespace moe_ep::cuda::detail;
-  const int64_t end = off[groups], blocks = H / 16;
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < end * blocks;
-       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = t / blocks, c0 = (t % blocks) * 16;
-    float v[16];
-    for (int j = 0; j < 16; ++j) v[j] = weight ? fmul(w[r], y[r * H + c0 + j]) : y[r * H + c0 + j];
-    nvfp4_round_trip_block(v, 16);
-    for (int j = 0; j < 16; ++j) out[r * H + c0 + j] = bf16_from_float(v[j]);
-  }
-}
-
-// Router weights with the cases the round trip must keep to their rows: a NaN (its row's
-// blocks NaN), an infinity (NaN too: w y is Inf or NaN), a zero (signed zeros) and a subnormal.
-void plant_weights(float* w, int64_t rows) {
-  const float planted[4] = {std::nanf(""), INFINITY, 0.0f, 1e-40f};
-  for (int j = 0; j < 4; ++j)
-    if (3 + 7 * j < rows) CHECK_CUDA(cudaMemcpy(w + 3 + 7 * j, &planted[j], sizeof(float), cudaMemcpyHostToDevice));
-}
-
-// Prints the check's line; counts a failure. got and want over C * H; n the row length.
-bool report_round(const char* what, const std::vector<uint16_t>& got, const std::vector<uint16_t>& want, int64_t n) {
-  int64_t first = -1;
-  const int64_t d = count_diff(want, got, static_cast<int64_t>(want.size()), &first);
-  if (d == 0) {
-    std::printf("ok        %s: y equals the float32 GEMM and the pass bit for bit\n", what);
-    return true;
-  }
-  ++g_failures;
-  std::printf("MISMATCH  %s: %lld of %lld y values differ; y[%lld, %lld]: got 0x%04x, want 0x%04x\n", what,
-              static_cast<long long>(d), static_cast<long long>(want.size()), static_cast<long long>(first / n),
-              static_cast<long long>(first % n), got[first], want[first]);
-  return false;
-}
-
-struct Fc2Case {
-  int64_t H, I;
-  std::vector<int> rows;
-  int64_t extra_rows;
-  bool weight;
-};
-
-void check_fc2_round(const char* name, const Fc2Case& k, int sm_count, uint64_t seed, bool timing) {
-  using moe_ep::cuda::Fc2RoundProblem;
-  const int E = static_cast<int>(k.rows.size());
-  const std::vector<int32_t> off = offsets_of(k.rows);
-  const int64_t C = off[E] + k.extra_rows, H = k.H, I = k.I;
-  uint16_t* h = device_alloc<uint16_t>(C * I);
-  uint16_t* w2 = device_alloc<uint16_t>(static_cast<int64_t>(E) * I * H);
-  float* w = device_alloc<float>(C);
-  float* y32 = device_alloc<float>(C * H);
-  int32_t* d_off = device_alloc<int32_t>(E + 1);
-  uint16_t* y_ref = device_alloc<uint16_t>(C * H);
-  uint16_t* y_got = device_alloc<uint16_t>(C * H);
-  fill_bf16<<<grid_for(C * I), 256>>>(h, C * I, seed);
-  fill_bf16<<<grid_for(static_cast<int64_t>(E) * I * H), 256>>>(w2, static_cast<int64_t>(E) * I * H, seed + 1);
-  fill_float<<<grid_for(C), 256>>>(w, C, seed + 2, 0.0f, true);
-  CHECK_CUDA(cudaGetLastError());
-  plant_weights(w, off[E]);
-  constexpr uint16_t kSentinel = 0x7FC1;  // a NaN nothing computes
-  for (uint16_t* p : {y_ref, y_got}) fill_u16<<<grid_for(C * H), 256>>>(p, C * H, kSentinel);
-  CHECK_CUDA(cudaMemcpy(d_off, off.data(), (E + 1) * sizeof(int32_t), cudaMemcpyHostToDevice));
-  GroupedGemmProblem g;
-  g.layout = GemmLayout::kNN;
-  g.num_groups = E;
-  g.offsets = d_off;
-  g.total_rows = C;
-  g.n = H;
-  g.k = I;
-  g.a = h;
-  g.b = w2;
-  g.d = y32;
-  const size_t g_ws = moe_ep::cuda::grouped_gemm_workspace_bytes(g, sm_count);
-  Fc2RoundProblem q;
-  q.num_groups = E;
-  q.offsets = d_off;
-  q.total_rows = C;
-  q.hidden = H;
-  q.intermediate = I;
-  q.h = h;
-  q.w2 = w2;
-  q.weight = w;
-  q.apply_weight = k.weight;
-  q.y = y_got;
-  char what[200];
-  std::snprintf(what, sizeof what, "fc2 nvfp4 round trip %s (H %lld, I %lld, %d groups, %lld rows%s)", name,
-                static_cast<long long>(H), static_cast<long long>(I), E, static_cast<long long>(C),
-                k.weight ? ", weight" : "");
-  if (!moe_ep::cuda::fc2_round_gemm_supported(q)) {
-    std::printf("MISMATCH  %s: the kernel does not take the case\n", what);
-    ++g_failures;
-    return;
-  }
-  const size_t ws_bytes = std::max(g_ws, moe_ep::cuda::fc2_round_gemm_workspace_bytes(q, sm_count));
-  void* ws = device_alloc<char>(ws_bytes);
-  auto unfused = [&] {
-    CHECK_CUDA(moe_ep::cuda::grouped_gemm_bf16(g, ws, ws_bytes, nullptr, sm_count));
-    fc2_round_reference<<<grid_for(std::max<int64_t>(off[E] * (H / 16), 1)), 256>>>(y32, w, d_off, E, H, k.weight, y_ref);
-    CHECK_CUDA(cudaGetLastError());
-  };
-  auto fused = [&] { CHECK_CUDA(moe_ep::cuda::fc2_round_gemm(q, ws, ws_bytes, nullptr, sm_count)); };
-  unfused();
-  fused();
-  CHECK_CUDA(cudaDeviceSynchronize());
-  std::vector<uint16_t> yr(C * H), yg(C * H);
-  CHECK_CUDA(cudaMemcpy(yr.data(), y_ref, yr.size() * 2, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(yg.data(), y_got, yg.size() * 2, cudaMemcpyDeviceToHost));
-  report_round(what, yg, yr, H);
-  if (timing) {
-    GroupedGemmProblem gb = g;  // the bf16 rows' FC2 (combine_format bf16): the GEMM alone, bf16 D
-    gb.d = nullptr;
-    gb.d_bf16 = y_ref;
-    cudaEvent_t t0, t1;
-    CHECK_CUDA(cudaEventCreate(&t0));
-    CHECK_CUDA(cudaEventCreate(&t1));
-    auto time_of = [&](auto&& run) {
-      for (int i = 0; i < 3; ++i) run();
-      constexpr int kIters = 20;
-      CHECK_CUDA(cudaEventRecord(t0));
-      for (int i = 0; i < kIters; ++i) run();
-      CHECK_CUDA(cudaEventRecord(t1));
-      CHECK_CUDA(cudaEventSynchronize(t1));
-      float ms = 0.0f;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
-      return ms / kIters;
-    };
-    for (int pass = 0; pass < 2; ++pass) {  // alternating
-      const float tu = time_of(unfused);
-      const float tf = time_of(fused);
-      const float tb = time_of([&] { CHECK_CUDA(moe_ep::cuda::grouped_gemm_bf16(gb, ws, ws_bytes, nullptr, sm_count)); });
-      std::printf("time  %s: float32 GEMM + pass %.4f ms; fused %.4f ms (%.3f of it); the bf16-D GEMM %.4f ms (fused at %.3f of it)\n",
-                  what, tu, tf, tf / tu, tb, tf / tb);
-    }
-    CHECK_CUDA(cudaEventDestroy(t0));
-    CHECK_CUDA(cudaEventDestroy(t1));
-  }
-  for (void* p : {static_cast<void*>(h), static_cast<void*>(w2), static_cast<void*>(w), static_cast<void*>(y32),
-                  static_cast<void*>(d_off), static_cast<void*>(y_ref), static_cast<void*>(y_got), ws})
-    CHECK_CUDA(cudaFree(p));
-}
-
-// The nvfp4-weights GEMM's y_nvfp4 store against the same GEMM into float32 y and the pass.
-void check_coded_round(const char* name, int64_t n, int64_t k, const std::vector<int>& rows, int64_t extra_rows,
-                       bool weight, uint64_t seed) {
-  Nvfp4WeightsGemm p{};
-  p.n = n;
-  p.k = k;
-  const std::vector<int32_t> off = offsets_of(rows);
-  const int64_t C = off.back() + extra_rows;
-  const int E = static_cast<int>(rows.size());
-  NvBuffers b = make_nv(p, off, C, seed);
-  float* w = device_alloc<float>(C);
-  uint16_t* y_ref = device_alloc<uint16_t>(C * n);
-  uint16_t* y_got = device_alloc<uint16_t>(C * n);
-  fill_float<<<grid_for(C), 256>>>(w, C, seed + 5, 0.0f, true);
-  CHECK_CUDA(cudaGetLastError());
-  plant_weights(w, off.back());
-  constexpr uint16_t kSentinel = 0x7FC1;
-  for (uint16_t* q : {y_ref, y_got}) fill_u16<<<grid_for(C * n), 256>>>(q, C * n, kSentinel);
-  char what[200];
-  std::snprintf(what, sizeof what, "nvfp4-weights GEMM's nvfp4 round trip %s (n %lld, k %lld, %d experts, %lld rows%s)",
-                name, static_cast<long long>(n), static_cast<long long>(k), E, static_cast<long long>(C),
-                weight ? ", weight" : "");
-  CHECK_CUDA(moe_ep::cuda::nvfp4_weights_gemm(p, 0));  // float32 y
-  fc2_round_reference<<<grid_for(std::max<int64_t>(off.back() * (n / 16), 1)), 256>>>(b.y, w, b.off, E, n, weight, y_ref);
-  CHECK_CUDA(cudaGetLastError());
-  p.y_bf16 = y_got;
-  p.y_nvfp4 = true;
-  p.y_weight = weight ? w : nullptr;
-  if (!moe_ep::cuda::nvfp4_weights_gemm_fits(p)) {
-    std::printf("MISMATCH  %s: nvfp4_weights_gemm_fits is false\n", what);
-    ++g_failures;
-  } else {
-    CHECK_CUDA(moe_ep::cuda::nvfp4_weights_gemm(p, 0));
-    CHECK_CUDA(cudaDeviceSynchronize());
-    std::vector<uint16_t> yr(C * n), yg(C * n);
-    CHECK_CUDA(cudaMemcpy(yr.data(), y_ref, yr.size() * 2, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(yg.data(), y_got, yg.size() * 2, cudaMemcpyDeviceToHost));
-    report_round(what, yg, yr, n);
-  }
-  for (void* q : {static_cast<void*>(w), static_cast<void*>(y_ref), static_cast<void*>(y_got)}) CHECK_CUDA(cudaFree(q));
-  b.release();
-}
-
-void fc2_round_checks(bool timing, int sm_count) {
-  // Ragged groups: empty ones, groups off the 128-row tile, one of several tiles; rows past the slabs.
-  const std::vector<int> ragged = {0, 1, 129, 0, 300, 7, 256, 45, 0};
-  for (bool weight : {true, false}) {
-    check_fc2_round("ragged", {512, 256, ragged, 13, weight}, sm_count, 41, false);
-    check_coded_round("ragged", 256, 512, ragged, 13, weight, 43);
-    check_coded_round("decode", 512, 256, std::vector<int>(8, 32), 0, weight, 44);
-  }
-  // H of one 256-column tile and a half: the cluster's second CTA holds a tile past N.
-  check_fc2_round("one and a half column tiles", {384, 128, ragged, 3, true}, sm_count, 42, false);
-  check_fc2_round("all groups empty", {256, 128, {0, 0, 0}, 5, true}, sm_count, 45, false);
-  // DeepSeek-V3 per rank at 4096 tokens (hidden 7168, intermediate 2048, 32 experts, the routing's spread).
-  check_fc2_round("prefill, spread", {7168, 2048, spread_rows(32768), 0, true}, sm_count, 46, timing);
-}
-
 // --initcheck-probe (run under compute-sanitizer --tool initcheck): does initcheck see the
 // grouped GEMM's stores into D as initialising writes? D comes fresh from cudaMalloc (never
 // written), the GEMM writes every row of it (no accumulate), then read_after_gemm_kernel
@@ -1965,10 +1750,9 @@ int initcheck_probe(int sm_count) {
 
 int main(int argc, char** argv) {
   bool timing = true, probe = false, mxfp8_only = false, mx_profile = false, nvfp4_only = false, nv_profile = false,
-       nv_sweep = false, fc1 = false, fc2 = false;
+       nv_sweep = false, fc1 = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--fc1-swiglu") == 0) fc1 = true;
-    if (std::strcmp(argv[i], "--fc2-round") == 0) fc2 = true;
     if (std::strcmp(argv[i], "--no-time") == 0) timing = false;
     if (std::strcmp(argv[i], "--initcheck-probe") == 0) probe = true;
     if (std::strcmp(argv[i], "--mxfp8-weights") == 0) mxfp8_only = true;
@@ -1992,9 +1776,8 @@ int main(int argc, char** argv) {
   }
   const int sms = prop.multiProcessorCount;
   if (probe) return initcheck_probe(sms);
-  if (fc1 || fc2) {
-    if (fc1) fc1_swiglu_checks(timing, sms);
-    if (fc2) fc2_round_checks(timing, sms);
+  if (fc1) {
+    fc1_swiglu_checks(timing, sms);
     std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
     return g_failures == 0 ? 0 : 1;
   }
@@ -2049,7 +1832,6 @@ int main(int argc, char** argv) {
   mxfp8_weights_checks(false, sms);
   nvfp4_weights_checks(false);
   fc1_swiglu_checks(false, sms);
-  fc2_round_checks(false, sms);
   std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
 
   if (timing) {

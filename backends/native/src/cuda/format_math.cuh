@@ -117,30 +117,22 @@ __device__ __forceinline__ BlockMax block_max(const float* p, int64_t stride, in
   return r;
 }
 
-// The BlockMax of the block of which this lane holds kN of the values v, agreed by the
-// block's kGroup lanes through shuffles: lanes kStride apart (lane, lane ^ kStride,
-// lane ^ 2 kStride, ...; kGroup and kStride powers of two), kGroup-aligned groups for
-// kStride 1. All 32 lanes must call it (full-mask shuffles); a lane with nothing to hold
-// passes zeros, which reach only the lanes of its own (equally absent) block.
-template <int kGroup, int kStride, int kN>
-__device__ __forceinline__ BlockMax lanes_block_max(const float (&v)[kN]) {
-  static_assert(kGroup * kStride <= 32, "a block's lanes lie in one warp");
+// The BlockMax of the block of which this lane holds the kN consecutive values v, agreed
+// by the block's kGroup lanes (kGroup-aligned within the warp) through shuffles. All 32
+// lanes must call it (full-mask shuffles); a lane with nothing to hold passes zeros, which
+// reach only the lanes of its own (equally absent) block.
+template <int kGroup, int kN>
+__device__ __forceinline__ BlockMax group_block_max(const float (&v)[kN]) {
   BlockMax bm = block_max(v, 1, kN);
   uint32_t nonfinite = bm.nonfinite ? 1u : 0u;
 #pragma unroll
-  for (int o = kStride * (kGroup / 2); o >= kStride && o > 0; o >>= 1) {
+  for (int o = kGroup / 2; o > 0; o >>= 1) {
     const uint32_t a = __shfl_xor_sync(0xFFFFFFFFu, bm.amax, o);
     bm.amax = a > bm.amax ? a : bm.amax;
     nonfinite |= __shfl_xor_sync(0xFFFFFFFFu, nonfinite, o);
   }
   bm.nonfinite = nonfinite != 0u;
   return bm;
-}
-// The same for a block whose lanes are kGroup consecutive, kGroup-aligned lanes, this lane
-// holding kN consecutive values of it.
-template <int kGroup, int kN>
-__device__ __forceinline__ BlockMax group_block_max(const float (&v)[kN]) {
-  return lanes_block_max<kGroup, 1>(v);
 }
 
 // ------------------------------------------------------------------ mxfp8

@@ -9,10 +9,7 @@
 //            -> one kernel: w * z (weight in FC2), R_comb, zero rows of no expert.
 //            With bf16 weights, intermediate_format bf16 and many rows an expert, FC1 and
 //            its kernel are one GEMM whose epilogue does that kernel's work from registers
-//            (cuda/gemm/fc1_swiglu_gemm.h; MOE_EP_FC1_EPILOGUE, fused_epilogue). So are FC2
-//            and its kernel for nvfp4 rows (combine_format nvfp4, bf16 rows): the GEMM's
-//            epilogue writes the round-tripped rows (cuda/gemm/fc2_round_gemm.h;
-//            MOE_EP_FC2_EPILOGUE).
+//            (cuda/gemm/fc1_swiglu_gemm.h; MOE_EP_FC1_EPILOGUE, fc1_epilogue_fused).
 // Backward:  the cotangent as bf16 planes -> a = (dY or w dY) W2^T -> one kernel:
 //            recompute from the stash, dh, dc (as planes), the FC2 left operand
 //            (w h or h) as planes -> dW2, dW1, dx grouped GEMMs -> dw row sums.
@@ -44,7 +41,6 @@
 #include "cuda/common.cuh"
 #include "cuda/format_math.cuh"
 #include "cuda/gemm/fc1_swiglu_gemm.h"
-#include "cuda/gemm/fc2_round_gemm.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/mxfp8_weights_gemm.cuh"
 #include "cuda/gemm/nvfp4_weights_gemm.cuh"
@@ -490,18 +486,16 @@ __global__ void zero_tail_rows_kernel(float* __restrict__ x, const int32_t* __re
 
 // ------------------------------------------------------------------ launches
 
-// MOE_EP_FC1_EPILOGUE and MOE_EP_FC2_EPILOGUE (read at every forward): unset, empty or "fused"
-// (the default): FC1 with the SwiGLU in its epilogue where fc1_fused_problem says it applies,
-// FC2 with the nvfp4 round trip in its epilogue where fc2_fused_problem does; "pass": the
-// GEMM's float32 output, then the stage's kernel (fc1_epilogue_vec4_kernel,
-// fc2_epilogue_block_vec4_kernel: the same bits, for timing one against the other). Any other
+// MOE_EP_FC1_EPILOGUE (read at every forward): unset, empty or "fused" (the default): FC1 with
+// the SwiGLU in its epilogue where fc1_fused_problem says it applies; "pass": FC1's float32 c,
+// then fc1_epilogue_vec4_kernel (the same bits, for timing one against the other). Any other
 // value is an error naming the rule and the value.
-moe_ep_status fused_epilogue(const char* env, bool* fused) {
-  const char* v = std::getenv(env);
+moe_ep_status fc1_epilogue_fused(bool* fused) {
+  const char* v = std::getenv("MOE_EP_FC1_EPILOGUE");
   *fused = v == nullptr || *v == '\0' || std::strcmp(v, "fused") == 0;
   if (*fused || std::strcmp(v, "pass") == 0) return MOE_EP_OK;
   return fail(MOE_EP_ERR_INVALID_ARGUMENT,
-              std::string("forward: ") + env + " must be unset, 'fused' or 'pass'; got '" + v + "'");
+              std::string("forward: MOE_EP_FC1_EPILOGUE must be unset, 'fused' or 'pass'; got '") + v + "'");
 }
 
 // The fused FC1 of d (fc1_swiglu_gemm.h) with the layer's operands, and whether it applies:
@@ -533,27 +527,6 @@ bool fc1_fused_problem(const moe_ep_expert_desc& d, const uint16_t* x, const flo
   *out = q;
   return d.intermediate_format == MOE_EP_FORMAT_BF16 && d.num_local_experts > 0 &&
          d.num_rows > 128 * d.num_local_experts && fc1_swiglu_gemm_supported(q);
-}
-
-// The fused FC2 of d (fc2_round_gemm.h) with the layer's operands, and whether it applies:
-// nvfp4 rows written as bf16 (the caller's case), more than 128 rows an expert on average (as
-// fc1_fused_problem), and the kernel's shape rules (fc2_round_gemm_supported). Pointers may
-// be stand-ins (sizes only).
-bool fc2_fused_problem(const moe_ep_expert_desc& d, const uint16_t* h, const float* w, const uint16_t* fc2,
-                       const int32_t* offsets, uint16_t* y, Fc2RoundProblem* out) {
-  Fc2RoundProblem q;
-  q.num_groups = static_cast<int32_t>(d.num_local_experts);
-  q.offsets = offsets;
-  q.total_rows = d.num_rows;
-  q.hidden = d.hidden;
-  q.intermediate = d.intermediate;
-  q.h = h;
-  q.w2 = fc2;
-  q.weight = w;
-  q.apply_weight = d.apply_topk_in_fc1 ? 0 : 1;
-  q.y = y;
-  *out = q;
-  return d.num_local_experts > 0 && d.num_rows > 128 * d.num_local_experts && fc2_round_gemm_supported(q);
 }
 
 // Blocks of a grid-stride kernel that only touches a tail of its `total` elements (the
@@ -601,17 +574,12 @@ struct Gemm {
   // a_planes > 1 (codes only): a holds that many bf16 planes, a_plane_stride elements apart,
   // summed (the GEMM multiplies them with the weights decoded once).
   // group_sizes (bf16 weights only): ws.offsets are made from them by the GEMM's launch.
-  // out_nvfp4 (codes only, into out_bf16): the rows' nvfp4 round trip (times out_weight[r]
-  // first, when set) instead of their bf16 rounding.
   moe_ep_status forward(int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, const TcWeights& wt,
                         const uint8_t* codes, const uint8_t* scales, float* out, bool accumulate, const char* what,
                         uint16_t* out_bf16 = nullptr, int a_planes = 1, int64_t a_plane_stride = 0,
-                        const int32_t* group_sizes = nullptr, bool out_nvfp4 = false,
-                        const float* out_weight = nullptr) const {
-    if (codes == nullptr) {
-      if (out_nvfp4) return fail(MOE_EP_ERR_INTERNAL, std::string(what) + ": the nvfp4 output is the coded GEMMs'");
+                        const int32_t* group_sizes = nullptr) const {
+    if (codes == nullptr)
       return run(GemmLayout::kNN, 0, n, k, a, b, out, accumulate, what, out_bf16, 0, -1, group_sizes);
-    }
     // The fields both formats' parameters share.
     auto fill = [&](auto& p) {
       p.x = a;
@@ -628,8 +596,6 @@ struct Gemm {
       p.y = out;
       p.y_bf16 = out_bf16;
       p.accumulate = accumulate;
-      p.y_nvfp4 = out_nvfp4;
-      p.y_weight = out_weight;
       p.total_rows = d.num_rows;
       p.x_planes = a_planes;
       p.x_plane_stride = a_plane_stride;
@@ -795,10 +761,6 @@ size_t tc_workspace_layout(const moe_ep_expert_desc& d, int sm_count, bool backw
     if (fc1_fused_problem(d, a, reinterpret_cast<const float*>(a), a, reinterpret_cast<const int32_t*>(a), nullptr, o,
                           o, &f1))
       gemm_bytes = std::max(gemm_bytes, fc1_swiglu_gemm_workspace_bytes(f1, sm_count));
-    Fc2RoundProblem f2;
-    if (bf16_out && combine_format == MOE_EP_FORMAT_NVFP4 &&
-        fc2_fused_problem(d, a, reinterpret_cast<const float*>(a), a, reinterpret_cast<const int32_t*>(a), o, &f2))
-      gemm_bytes = std::max(gemm_bytes, fc2_round_gemm_workspace_bytes(f2, sm_count));
   }
   if (!ok) return 0;
   const size_t C = static_cast<size_t>(d.num_rows), H = static_cast<size_t>(d.hidden),
@@ -864,7 +826,7 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
   }
   const int planes = tc_operand_planes(d.intermediate_format);
   bool fused = false;
-  MOE_EP_TRY(fused_epilogue("MOE_EP_FC1_EPILOGUE", &fused));
+  MOE_EP_TRY(fc1_epilogue_fused(&fused));
   Fc1SwigluProblem f1;
   if (fused && !wt.coded() &&
       fc1_fused_problem(d, x, w, wt.fc1, ws.offsets, group_sizes, ws.left, fc1_c, &f1) &&
@@ -903,35 +865,6 @@ moe_ep_status tc_forward(void* stream, const moe_ep_expert_desc& d, int32_t comb
                      ws.offsets, E, C, H / 2);
     MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel");
     return MOE_EP_OK;
-  }
-  if (bf16_out && combine_format == MOE_EP_FORMAT_NVFP4) {
-    // nvfp4 rows from FC2's accumulator in registers (no float32 y), bit for bit the pass below:
-    // the block-scaled-weights GEMM's store (one operand plane), or the CUTLASS GEMM of
-    // fc2_round_gemm.h at many rows.
-    bool fused2 = false;
-    MOE_EP_TRY(fused_epilogue("MOE_EP_FC2_EPILOGUE", &fused2));
-    auto* y16 = static_cast<uint16_t*>(y_out);
-    Fc2RoundProblem f2;
-    bool done = false;
-    if (fused2 && wt.coded() && planes == 1) {
-      MOE_EP_TRY(gemm.forward(H, I, ws.left, wt.fc2, wt, wt.fc2_codes, wt.fc2_scales, nullptr, false,
-                              "FC2 with the nvfp4 round trip", y16, 1, 0, nullptr, true, weight ? w : nullptr));
-      done = true;
-    } else if (fused2 && !wt.coded() && fc2_fused_problem(d, ws.left, w, wt.fc2, ws.offsets, y16, &f2) &&
-               fc2_round_gemm_workspace_bytes(f2, ws.sm_count) <= ws.gemm_bytes) {
-      MOE_EP_TRY(gemm_status(fc2_round_gemm(f2, ws.gemm, ws.gemm_bytes, s, ws.sm_count), "FC2 with the nvfp4 round trip"));
-      done = true;
-    }
-    if (done) {
-      if (tail_deferred != nullptr) {
-        *tail_deferred = true;
-        return MOE_EP_OK;
-      }
-      (void)launch_pdl(zero_tail_rows_kernel, tail_blocks(C * H / 2, ws), kThreads, 0, s, static_cast<float*>(y_out),
-                       ws.offsets, E, C, H / 2);
-      MOE_EP_CUDA_CHECK_LAUNCH("zero_tail_rows_kernel");
-      return MOE_EP_OK;
-    }
   }
   float* y = bf16_out ? ws.y32 : static_cast<float*>(y_out);
   if (wt.fc2_codes != nullptr) {  // every plane in one call: the weights decoded once at few rows

@@ -35,7 +35,6 @@
 #include "cutlass/util/packed_stride.hpp"
 
 #include "cuda/format_math.cuh"
-#include "cuda/gemm/epilogue_coords.hpp"
 #include "cuda/gemm/gated_mainloop.hpp"
 #include "cuda/gemm/group_rows.cuh"
 #include "cuda/gemm/grouped_gemm_cutlass.cuh"
@@ -67,7 +66,19 @@ struct EpilogueArgs {
   float limit = 0.0f;
 };
 
-using epilogue::element_at;
+// The index of the element of the coordinate layout CL at (m, n) of element k plus (dm, dn), or
+// -1: evaluated at compile time (CL is static: a thread's subtile, relative coordinates).
+template <class CL>
+CUTE_HOST_DEVICE constexpr int element_at(int k, int dm, int dn) {
+  constexpr int n = decltype(size(CL{}))::value;
+  const auto ck = CL{}(k);
+  const int m0 = static_cast<int>(get<0>(ck)) + dm, n0 = static_cast<int>(get<1>(ck)) + dn;
+  for (int j = 0; j < n; ++j) {
+    const auto cj = CL{}(j);
+    if (static_cast<int>(get<0>(cj)) == m0 && static_cast<int>(get<1>(cj)) == n0) return j;
+  }
+  return -1;
+}
 
 __device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);

@@ -67,11 +67,6 @@ struct Mxfp8WeightsGemm {
   float* y;             // [C, N] float32 out (when y_bf16 is NULL)
   uint16_t* y_bf16;     // [C, N] bf16 out (the bf16 rounding of the sums), or NULL
   bool accumulate;      // y += instead of y = (float32 output only)
-  // With y_bf16: write R_nvfp4(w[r] * sum) (y_weight [C] float32 set) or R_nvfp4(sum) instead
-  // of the bf16 rounding, R_nvfp4 the nvfp4 round trip of each 16-column block of a row (its
-  // values are bf16 values): layer_tc.cu's FC2 pass for nvfp4 rows, bit for bit.
-  bool y_nvfp4;
-  const float* y_weight;
   int32_t* inexact;     // [1]: 1 ORed in where a weight value is not a bf16 value (NULL: not reported)
   bool passes_of_32;    // every pass 32 rows (the weights read once per 32 rows), instead of up to 64
   // Rows of x (an upper bound on off[E], read on the host, never from the offsets): picks
@@ -258,41 +253,13 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// A pass's sums into y (float32, += with accumulate) or y_bf16 (their bf16 rounding, or with
-// y_nvfp4 their nvfp4 round trip): the rows [m0, min(m0 + 8 kNt, r1)) at the warp's 32 weight
-// rows from nw. acc[u][nt] holds y[x row 8 nt + 2 q (+1)] at weight rows 16 u + g (c0, c1) and
-// 16 u + 8 + g (c2, c3): a row's 16-column block 16 u.. is c0 and c2 (or c1 and c3) of the 8
-// lanes of one q (lanes 4 apart), whose block maximum lanes_block_max agrees.
-// P: Mxfp8WeightsGemm or Nvfp4WeightsGemm (y, y_bf16, accumulate, n, y_nvfp4, y_weight).
+// A pass's sums into y (float32, += with accumulate) or y_bf16 (their bf16 rounding): the
+// rows [m0, min(m0 + 8 kNt, r1)) at the warp's 32 weight rows from nw. acc[u][nt] holds
+// y[x row 8 nt + 2 q (+1)] at weight rows 16 u + g (c0, c1) and 16 u + 8 + g (c2, c3).
+// P: Mxfp8WeightsGemm or Nvfp4WeightsGemm (y, y_bf16, accumulate, n).
 template <int kNt, class P>
 __device__ __forceinline__ void store_pass(const P& p, const float (&acc)[2][kNt][4], int64_t m0, int64_t r1,
                                            int64_t nw, int g, int q) {
-  if (p.y_nvfp4) {  // uniform: every lane takes part in the shuffles
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int64_t r = m0 + 8 * nt + 2 * q + c;
-        const bool here = r < r1;
-        const float w = here && p.y_weight != nullptr ? p.y_weight[r] : 1.0f;
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          float v[2] = {0.0f, 0.0f};
-          if (here) {
-            v[0] = acc[u][nt][c];
-            v[1] = acc[u][nt][c + 2];
-            if (p.y_weight != nullptr) v[0] = detail::fmul(w, v[0]), v[1] = detail::fmul(w, v[1]);
-          }
-          const detail::BlockMax bm = detail::lanes_block_max<8, 4>(v);
-          if (!here) continue;
-          detail::nvfp4_round_trip_with(bm, v, 2);
-          const int64_t at = r * p.n + nw + 16 * u + g;
-          p.y_bf16[at] = detail::bf16_from_float(v[0]);  // exact: the values are bf16 values
-          p.y_bf16[at + 8] = detail::bf16_from_float(v[1]);
-        }
-      }
-    return;
-  }
 #pragma unroll
   for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
@@ -572,13 +539,12 @@ namespace mxw {
 
 // Whether a kernel of format Fmt takes p: its shape (mxfp8_weights_shape_fits); codes and x
 // 16-byte aligned, scales Fmt::kScaleAlign-byte aligned, y 8-byte (y_bf16 4-byte) aligned;
-// no accumulation into bf16 output; the nvfp4 round trip into bf16 output only; three x
-// planes only into float32 y.
+// no accumulation into bf16 output; three x planes only into float32 y.
 template <class Fmt>
 inline bool coded_gemm_fits(const typename Fmt::Params& p) {
   const uintptr_t a16 = reinterpret_cast<uintptr_t>(p.codes) | reinterpret_cast<uintptr_t>(p.x);
   const bool out_ok = p.y_bf16 != nullptr ? (reinterpret_cast<uintptr_t>(p.y_bf16) % 4 == 0 && !p.accumulate)
-                                          : reinterpret_cast<uintptr_t>(p.y) % 8 == 0 && !p.y_nvfp4;
+                                          : reinterpret_cast<uintptr_t>(p.y) % 8 == 0;
   const bool planes_ok = p.x_planes == 0 || p.x_planes == 1 ||
                          (p.x_planes == 3 && p.y_bf16 == nullptr && p.x_plane_stride % 8 == 0);
   const bool sizes_ok = p.group_sizes == nullptr ? p.off != nullptr

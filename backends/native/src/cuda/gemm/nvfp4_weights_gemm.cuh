@@ -66,11 +66,6 @@ struct Nvfp4WeightsGemm {
   float* y;             // [C, N] float32 out (when y_bf16 is NULL)
   uint16_t* y_bf16;     // [C, N] bf16 out (the bf16 rounding of the sums), or NULL
   bool accumulate;      // y += instead of y = (float32 output only)
-  // With y_bf16: write R_nvfp4(w[r] * sum) (y_weight [C] float32 set) or R_nvfp4(sum) instead
-  // of the bf16 rounding, R_nvfp4 the nvfp4 round trip of each 16-column block of a row (its
-  // values are bf16 values): layer_tc.cu's FC2 pass for nvfp4 rows, bit for bit.
-  bool y_nvfp4;
-  const float* y_weight;
   // Rows of x (an upper bound on off[E], read on the host): picks the kernel variant by the
   // rows an expert on average (nvfp4_weights_gemm), as Mxfp8WeightsGemm::total_rows. 0: unknown.
   int64_t total_rows;
