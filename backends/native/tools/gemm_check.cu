@@ -1539,7 +1539,68 @@ struct Fc1Case {
   std::vector<int> rows;
   int64_t extra_rows;
   bool weight, clamp, stash;
+  bool extreme = false;  // x with rows scaled by 2^8, a NaN and infinities (make_extreme_rows)
 };
+
+// Rows of x [C, H] bf16 the SwiGLU's edges come from: every fifth row (from row 2) times
+// 2^8 (exact), so their gate values reach thousands and 1 + exp(-g) overflows or passes
+// 2^64 (the epilogue's divided elements); a NaN in row 3, +inf in row 8, -inf in row 11
+// (rows of NaN and infinite c).
+__global__ void make_extreme_rows(uint16_t* x, int64_t C, int64_t H) {
+  using moe_ep::cuda::detail::bf16_from_float;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < C * H;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / H, c = i % H;
+    if (r % 5 == 2) x[i] = bf16_from_float(bf16_to_float(x[i]) * 256.0f);
+    if (r == 3 && c == 0) x[i] = 0x7FC0;
+    if (r == 8 && c == 1) x[i] = 0x7F80;
+    if (r == 11 && c == 2) x[i] = 0xFF80;
+  }
+}
+
+// recip_rn_fast (swiglu.cuh) against __fdiv_rn(1, d) on every float32 d in [1, 2^64)
+// (recip_rn_fast_ok's range), and recip_rn_fast_ok on both sides of its bounds.
+__global__ void recip_fast_check(unsigned long long* mismatches, uint32_t* first) {
+  using namespace moe_ep::cuda::detail;
+  constexpr uint32_t kLo = 0x3F800000u, kHi = 0x5F800000u;  // 1, 2^64
+  for (uint32_t b = kLo + blockIdx.x * blockDim.x + threadIdx.x; b < kHi; b += gridDim.x * blockDim.x) {
+    const float d = __uint_as_float(b);
+    if (__float_as_uint(recip_rn_fast(d)) != __float_as_uint(__fdiv_rn(1.0f, d)) || !recip_rn_fast_ok(d)) {
+      atomicAdd(mismatches, 1ull);
+      atomicMin(first, b);
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const uint32_t outside[] = {kLo - 1, kHi, 0x7F800000u, 0x7FC00000u, 0xFFC00000u, 0u, 0xBF800000u};
+    for (uint32_t b : outside)
+      if (recip_rn_fast_ok(__uint_as_float(b))) {
+        atomicAdd(mismatches, 1ull);
+        atomicMin(first, b);
+      }
+  }
+}
+
+void check_recip_fast() {
+  unsigned long long* n = device_alloc<unsigned long long>(1);
+  uint32_t* first = device_alloc<uint32_t>(1);
+  CHECK_CUDA(cudaMemset(n, 0, sizeof *n));
+  CHECK_CUDA(cudaMemset(first, 0xFF, sizeof *first));
+  recip_fast_check<<<4096, 256>>>(n, first);
+  CHECK_CUDA(cudaGetLastError());
+  unsigned long long hn = 0;
+  uint32_t hf = 0;
+  CHECK_CUDA(cudaMemcpy(&hn, n, sizeof hn, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(&hf, first, sizeof hf, cudaMemcpyDeviceToHost));
+  if (hn == 0) {
+    std::printf("ok        recip_rn_fast: equals __fdiv_rn(1, d) bit for bit on every float32 d in [1, 2^64), "
+                "and recip_rn_fast_ok holds there only\n");
+  } else {
+    ++g_failures;
+    std::printf("MISMATCH  recip_rn_fast: %llu float32 values wrong, the first 0x%08x\n", hn, hf);
+  }
+  CHECK_CUDA(cudaFree(n));
+  CHECK_CUDA(cudaFree(first));
+}
 
 void check_fc1_swiglu(const char* name, const Fc1Case& k, int sm_count, uint64_t seed, bool timing) {
   using moe_ep::cuda::Fc1SwigluProblem;
@@ -1557,6 +1618,7 @@ void check_fc1_swiglu(const char* name, const Fc1Case& k, int sm_count, uint64_t
   uint16_t* s_ref = device_alloc<uint16_t>(C * 2 * I);
   uint16_t* s_got = device_alloc<uint16_t>(C * 2 * I);
   fill_bf16<<<grid_for(C * H), 256>>>(x, C * H, seed);
+  if (k.extreme) make_extreme_rows<<<grid_for(C * H), 256>>>(x, C, H);
   fill_bf16<<<grid_for(E * H * 2 * I), 256>>>(w1, E * H * 2 * I, seed + 1);
   fill_float<<<grid_for(C), 256>>>(w, C, seed + 2, 0.0f, true);
   constexpr uint16_t kSentinel = 0x7FC1;  // a NaN nothing computes
@@ -1624,10 +1686,10 @@ void check_fc1_swiglu(const char* name, const Fc1Case& k, int sm_count, uint64_t
     int64_t first_h = -1, first_s = -1;
     const int64_t dh = count_diff(hr, hg, C * I, &first_h);  // rows past the slabs: both sentinels
     const int64_t ds = count_diff(sr, sg, C * 2 * I, &first_s);
-    std::snprintf(what, sizeof what, "fc1 swiglu %s [%s] (H %lld, I %lld, %d groups, %lld rows%s%s%s)", name,
+    std::snprintf(what, sizeof what, "fc1 swiglu %s [%s] (H %lld, I %lld, %d groups, %lld rows%s%s%s%s)", name,
                   kernel == Fc1SwigluKernel::kPingpong ? "pingpong" : "cooperative", static_cast<long long>(H),
                   static_cast<long long>(I), E, static_cast<long long>(C), k.weight ? ", weight" : "",
-                  k.clamp ? ", clamp" : "", k.stash ? ", stash" : "");
+                  k.clamp ? ", clamp" : "", k.stash ? ", stash" : "", k.extreme ? ", extreme rows" : "");
     if (dh == 0 && ds == 0) {
       std::printf("ok        %s: h and the stash equal the GEMM and the pass bit for bit\n", what);
       continue;
@@ -1678,6 +1740,7 @@ void check_fc1_swiglu(const char* name, const Fc1Case& k, int sm_count, uint64_t
 }
 
 void fc1_swiglu_checks(bool timing, int sm_count) {
+  check_recip_fast();
   // Ragged groups: empty ones, groups off the 128-row tile, one of several tiles; rows past the slabs.
   const std::vector<int> ragged = {0, 1, 129, 0, 300, 7, 256, 45, 0};
   for (bool stash : {true, false})
@@ -1687,6 +1750,9 @@ void fc1_swiglu_checks(bool timing, int sm_count) {
   // 2 I of one and of three 256-column tiles: the cluster's second CTA holds a tile past N.
   check_fc1_swiglu("one column tile", {256, 128, ragged, 3, true, true, true}, sm_count, 36, false);
   check_fc1_swiglu("all groups empty", {256, 128, {0, 0, 0}, 5, true, false, true}, sm_count, 33, false);
+  // Gate values past the epilogue's branch-free reciprocal (divided), NaN and infinite c.
+  for (bool clamp : {false, true})
+    check_fc1_swiglu("extreme", {512, 256, ragged, 13, true, clamp, true, true}, sm_count, 37, false);
   // DeepSeek-V3 per rank at 4096 tokens (hidden 7168, intermediate 2048, 32 experts, the routing's spread).
   check_fc1_swiglu("prefill, spread", {7168, 2048, spread_rows(32768), 0, false, false, false}, sm_count, 34, timing);
   check_fc1_swiglu("prefill, spread", {7168, 2048, spread_rows(32768), 0, false, false, true}, sm_count, 35, timing);

@@ -22,6 +22,22 @@ struct SwigluParams {
 // sigmoid(g) = 1 / (1 + exp(-g)) in float32 (accurate expf, IEEE division).
 __device__ __forceinline__ float sigmoid(float g) { return __fdiv_rn(1.0f, fadd(1.0f, expf(-g))); }
 
+// The IEEE quotient 1 / d without a branch, for d in [1, 2^64) (recip_rn_fast_ok): ptxas's
+// fast path of __fdiv_rn(1, d), written out (the approximate reciprocal, one Newton step,
+// then the quotient's residual correction), bit for bit equal to the division there
+// (moe_ep_gemm_check --fc1-swiglu checks every such d). __fdiv_rn itself guards its fast
+// path with a branch to a slow path; in an unrolled batch those branches keep the compiler
+// from interleaving the elements' dependent chains (the fused FC1's epilogue), so a batch
+// takes this and divides only the elements outside the range (a NaN d, or d >= 2^64, i.e.
+// a gate below -44.3).
+__device__ __forceinline__ bool recip_rn_fast_ok(float d) { return d >= 1.0f && d < 0x1p64f; }
+__device__ __forceinline__ float recip_rn_fast(float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  const float r1 = __fmaf_rn(r, __fmaf_rn(-d, r, 1.0f), r);
+  return __fmaf_rn(r1, __fmaf_rn(-d, r1, 1.0f), r1);
+}
+
 // The clamp, NaN-propagating like std::min / jnp.minimum: g = min(g, L),
 // u = min(max(u, -L), L).
 __device__ __forceinline__ float clamp_gate(float g, float lim) { return lim < g ? lim : g; }

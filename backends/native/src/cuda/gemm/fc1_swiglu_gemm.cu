@@ -52,6 +52,7 @@ namespace fc1_detail {
 using namespace cute;
 
 constexpr int kGate = 64;  // gate columns of a block (MoeEpGatedCollectiveMma::kGate)
+constexpr int kBatch = 16;  // the epilogue's elements a batch (Fc1SwigluCallbacks::reduce)
 
 // What the epilogue needs besides the accumulator.
 struct EpilogueArgs {
@@ -78,6 +79,16 @@ CUTE_HOST_DEVICE constexpr int element_at(int k, int dm, int dn) {
     if (static_cast<int>(get<0>(cj)) == m0 && static_cast<int>(get<1>(cj)) == n0) return j;
   }
   return -1;
+}
+
+// The index of the first element of the coordinate layout CL in the row of element k
+// (compile time, as element_at).
+template <class CL>
+CUTE_HOST_DEVICE constexpr int first_in_row(int k) {
+  const int m = static_cast<int>(get<0>(CL{}(k)));
+  for (int j = 0; j < k; ++j)
+    if (static_cast<int>(get<0>(CL{}(j))) == m) return j;
+  return k;
 }
 
 __device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
@@ -141,64 +152,115 @@ struct Fc1SwigluCallbacks {
       return frg_acc;
     }
 
+    // The subtile in three passes over the thread's elements, each unrolled straight-line code
+    // the compiler can interleave (a gate value's expf, reciprocal and rounding are a long
+    // dependent chain; per element, with the IEEE division's slow-path branch in it, the
+    // elements ran one after another while the tensor cores waited): the router weight of
+    // each of the thread's rows, loaded once; every gate value's sigmoid (recip_rn_fast, the
+    // rare elements outside its range divided after); then h, rounded and stored with the
+    // stash. The arithmetic is swiglu_operand's, operation for operation (no clamp is the
+    // clamp at +inf: clamp_gate(g, inf) = g and clamp_up(u, inf) = u, NaN included).
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor visit_results) {
       Tensor cD = tCcD(_, _, _, epi_m, epi_n);  // this subtile's elements of the thread
       using CL = decltype(cD.layout());
       static_assert(is_static<CL>::value, "the subtile's coordinate layout is static");
       constexpr int kN = decltype(size(CL{}))::value;
+      static_assert(kN % kBatch == 0, "whole batches");
       // The values: visit_results holds the subtile's elements in cD's order, kF to a fragment.
       constexpr int kFrags = decltype(size(visit_results))::value;
       constexpr int kF = kN / kFrags;
       static_assert(kF * kFrags == kN, "whole fragments");
       auto v = [&](int k) { return static_cast<float>(visit_results(k / kF)[k % kF]); };
-      const detail::SwigluParams sp{0, params.I, params.apply_weight, params.has_clamp, params.limit};
       const int64_t I = params.I;
+      const bool apply_weight = params.apply_weight != 0;
+      const float lim = params.has_clamp ? params.limit : __int_as_float(0x7f800000);
+
+      float w_row[kN];  // at a row's first element: the row's router weight
       for_each(make_int_sequence<kN>{}, [&](auto K) {
         constexpr int k = decltype(K)::value;
-        constexpr int ku = element_at<CL>(k, 0, kGate);  // its up value, if k is a gate value
-        constexpr int k1 = element_at<CL>(k, 0, 1);      // the next column
-        constexpr int ku1 = k1 >= 0 ? element_at<CL>(k1, 0, kGate) : -1;
-        constexpr int km1 = element_at<CL>(k, 0, -1);    // the previous column
-        constexpr int kmu = km1 >= 0 ? element_at<CL>(km1, 0, kGate) : -1;
-        if constexpr (ku >= 0) {
-          const auto crd = cD(k);
-          const int m = base_m + static_cast<int>(get<0>(crd));
-          const int n = base_n + static_cast<int>(get<1>(crd));
-          // A gate column of a row of the group (a cluster's second CTA may hold a tile past N).
-          if (m < rows && n < cols && (n & (2 * kGate - 1)) < kGate) {
-            const int64_t r = row0 + m;
-            const int64_t col = static_cast<int64_t>(n >> 7) * kGate + (n & (kGate - 1));
-            const float w = params.apply_weight ? params.weight[r] : 0.0f;
-            const float g = v(k), u = v(ku);
-            const uint16_t hb = detail::bf16_from_float(detail::swiglu_operand(g, u, w, sp));
-            bool done = false;
-            if constexpr (k1 >= 0 && ku1 >= 0) {
-              if ((n & 1) == 0) {  // with the next column: 4-byte stores
-                const float g1 = v(k1), u1 = v(ku1);
-                const uint16_t hb1 = detail::bf16_from_float(detail::swiglu_operand(g1, u1, w, sp));
-                *reinterpret_cast<uint32_t*>(params.h + r * I + col) = pack2(hb, hb1);
-                if (params.stash != nullptr) {
-                  uint16_t* s = params.stash + r * 2 * I + col;
-                  *reinterpret_cast<uint32_t*>(s) = pack2(detail::bf16_from_float(g), detail::bf16_from_float(g1));
-                  *reinterpret_cast<uint32_t*>(s + I) =
-                      pack2(detail::bf16_from_float(u), detail::bf16_from_float(u1));
+        if constexpr (first_in_row<CL>(k) == k) {
+          const int m = base_m + static_cast<int>(get<0>(cD(k)));
+          w_row[k] = apply_weight && m < rows ? params.weight[row0 + m] : 0.0f;
+        }
+      });
+
+      // In batches of kBatch consecutive elements (a batch's gate values and the columns
+      // stored with them): enough independent chains to interleave, few enough that the
+      // accumulator and the batch's temporaries stay in registers.
+      for_each(make_int_sequence<kN / kBatch>{}, [&](auto B) {
+        constexpr int b0 = decltype(B)::value * kBatch;
+        float sig[kBatch];  // at a gate element: sigmoid of its clamped value
+        uint32_t divide = 0;
+        for_each(make_int_sequence<kBatch>{}, [&](auto J) {
+          constexpr int j = decltype(J)::value;
+          if constexpr (element_at<CL>(b0 + j, 0, kGate) >= 0) {
+            const float d = detail::fadd(1.0f, expf(-detail::clamp_gate(v(b0 + j), lim)));
+            sig[j] = detail::recip_rn_fast(d);
+            divide |= static_cast<uint32_t>(!detail::recip_rn_fast_ok(d)) << j;
+          }
+        });
+        if (divide != 0) {
+          for_each(make_int_sequence<kBatch>{}, [&](auto J) {
+            constexpr int j = decltype(J)::value;
+            if constexpr (element_at<CL>(b0 + j, 0, kGate) >= 0) {
+              if ((divide >> j) & 1) sig[j] = detail::sigmoid(detail::clamp_gate(v(b0 + j), lim));
+            }
+          });
+        }
+        // h of the gate element b0 + j (its up element ku), unrounded.
+        auto h_of = [&](int j, int ku, float w) {
+          const float s = detail::fmul(detail::clamp_gate(v(b0 + j), lim), sig[j]);
+          const float h = detail::fmul(s, detail::clamp_up(v(ku), lim));
+          return apply_weight ? detail::fmul(w, h) : h;
+        };
+        for_each(make_int_sequence<kBatch>{}, [&](auto J) {
+          constexpr int j = decltype(J)::value;
+          constexpr int k = b0 + j;
+          constexpr int ku = element_at<CL>(k, 0, kGate);  // its up value, if k is a gate value
+          constexpr int k1 = element_at<CL>(k, 0, 1);      // the next column
+          constexpr int ku1 = k1 >= 0 ? element_at<CL>(k1, 0, kGate) : -1;
+          constexpr int km1 = element_at<CL>(k, 0, -1);    // the previous column
+          constexpr int kmu = km1 >= 0 ? element_at<CL>(km1, 0, kGate) : -1;
+          if constexpr (ku >= 0) {
+            const auto crd = cD(k);
+            const int m = base_m + static_cast<int>(get<0>(crd));
+            const int n = base_n + static_cast<int>(get<1>(crd));
+            // A gate column of a row of the group (a cluster's second CTA may hold a tile past N).
+            if (m < rows && n < cols && (n & (2 * kGate - 1)) < kGate) {
+              const int64_t r = row0 + m;
+              const int64_t col = static_cast<int64_t>(n >> 7) * kGate + (n & (kGate - 1));
+              const float w = w_row[first_in_row<CL>(k)];
+              const uint16_t hb = detail::bf16_from_float(h_of(j, ku, w));
+              bool done = false;
+              if constexpr (k1 >= 0 && ku1 >= 0) {
+                static_assert(k1 < 0 || (k1 >= b0 && k1 < b0 + kBatch), "a column pair in one batch");
+                if ((n & 1) == 0) {  // with the next column: 4-byte stores
+                  const uint16_t hb1 = detail::bf16_from_float(h_of(k1 - b0, ku1, w));
+                  *reinterpret_cast<uint32_t*>(params.h + r * I + col) = pack2(hb, hb1);
+                  if (params.stash != nullptr) {
+                    uint16_t* s = params.stash + r * 2 * I + col;
+                    *reinterpret_cast<uint32_t*>(s) =
+                        pack2(detail::bf16_from_float(v(k)), detail::bf16_from_float(v(k1)));
+                    *reinterpret_cast<uint32_t*>(s + I) =
+                        pack2(detail::bf16_from_float(v(ku)), detail::bf16_from_float(v(ku1)));
+                  }
+                  done = true;
                 }
-                done = true;
               }
-            }
-            if constexpr (km1 >= 0 && kmu >= 0) {
-              if ((n & 1) == 1) done = true;  // stored with the previous column
-            }
-            if (!done) {
-              params.h[r * I + col] = hb;
-              if (params.stash != nullptr) {
-                params.stash[r * 2 * I + col] = detail::bf16_from_float(g);
-                params.stash[r * 2 * I + I + col] = detail::bf16_from_float(u);
+              if constexpr (km1 >= 0 && kmu >= 0) {
+                if ((n & 1) == 1) done = true;  // stored with the previous column
+              }
+              if (!done) {
+                params.h[r * I + col] = hb;
+                if (params.stash != nullptr) {
+                  params.stash[r * 2 * I + col] = detail::bf16_from_float(v(k));
+                  params.stash[r * 2 * I + I + col] = detail::bf16_from_float(v(ku));
+                }
               }
             }
           }
-        }
+        });
       });
     }
   };
