@@ -19,6 +19,9 @@
 //   moe_ep_gemm_check --fc1-swiglu     FC1 with the SwiGLU in its epilogue (cuda/gemm/fc1_swiglu_gemm.h)
 //                                      against FC1's float32 GEMM and the layer's pass, bit for bit,
 //                                      then (unless --no-time) both timed at the prefill shape
+//   moe_ep_gemm_check --fc1-swiglu-profile
+//                                      the prefill shape's check alone: one launch of each kernel
+//                                      (for ncu -k regex:GemmUniversal)
 //   moe_ep_gemm_check --initcheck-probe  (under compute-sanitizer --tool initcheck) whether the tool
 //                                      sees the grouped GEMM's stores
 //
@@ -1816,9 +1819,10 @@ int initcheck_probe(int sm_count) {
 
 int main(int argc, char** argv) {
   bool timing = true, probe = false, mxfp8_only = false, mx_profile = false, nvfp4_only = false, nv_profile = false,
-       nv_sweep = false, fc1 = false;
+       nv_sweep = false, fc1 = false, fc1_profile = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--fc1-swiglu") == 0) fc1 = true;
+    if (std::strcmp(argv[i], "--fc1-swiglu-profile") == 0) fc1_profile = true;
     if (std::strcmp(argv[i], "--no-time") == 0) timing = false;
     if (std::strcmp(argv[i], "--initcheck-probe") == 0) probe = true;
     if (std::strcmp(argv[i], "--mxfp8-weights") == 0) mxfp8_only = true;
@@ -1842,6 +1846,10 @@ int main(int argc, char** argv) {
   }
   const int sms = prop.multiProcessorCount;
   if (probe) return initcheck_probe(sms);
+  if (fc1_profile) {  // one launch of each kernel at the prefill shape, for a profiler
+    check_fc1_swiglu("prefill, spread", {7168, 2048, spread_rows(32768), 0, false, false, false}, sms, 34, false);
+    return g_failures == 0 ? 0 : 1;
+  }
   if (fc1) {
     fc1_swiglu_checks(timing, sms);
     std::printf("checks: %s (%d failed)\n", g_failures == 0 ? "all ok" : "FAILED", g_failures);
