@@ -1742,6 +1742,11 @@ void check_fc1_swiglu(const char* name, const Fc1Case& k, int sm_count, uint64_t
     CHECK_CUDA(cudaFree(p));
 }
 
+// DeepSeek-V3 per rank at 4096 tokens (hidden 7168, intermediate 2048, 32 experts, the
+// routing's spread), no weight or clamp; with or without the stash. The timed case, and the
+// one --fc1-swiglu-profile launches.
+Fc1Case fc1_prefill_case(bool stash) { return {7168, 2048, spread_rows(32768), 0, false, false, stash}; }
+
 void fc1_swiglu_checks(bool timing, int sm_count) {
   check_recip_fast();
   // Ragged groups: empty ones, groups off the 128-row tile, one of several tiles; rows past the slabs.
@@ -1756,9 +1761,8 @@ void fc1_swiglu_checks(bool timing, int sm_count) {
   // Gate values past the epilogue's branch-free reciprocal (divided), NaN and infinite c.
   for (bool clamp : {false, true})
     check_fc1_swiglu("extreme", {512, 256, ragged, 13, true, clamp, true, true}, sm_count, 37, false);
-  // DeepSeek-V3 per rank at 4096 tokens (hidden 7168, intermediate 2048, 32 experts, the routing's spread).
-  check_fc1_swiglu("prefill, spread", {7168, 2048, spread_rows(32768), 0, false, false, false}, sm_count, 34, timing);
-  check_fc1_swiglu("prefill, spread", {7168, 2048, spread_rows(32768), 0, false, false, true}, sm_count, 35, timing);
+  check_fc1_swiglu("prefill, spread", fc1_prefill_case(false), sm_count, 34, timing);
+  check_fc1_swiglu("prefill, spread", fc1_prefill_case(true), sm_count, 35, timing);
 }
 
 // --initcheck-probe (run under compute-sanitizer --tool initcheck): does initcheck see the
@@ -1847,7 +1851,7 @@ int main(int argc, char** argv) {
   const int sms = prop.multiProcessorCount;
   if (probe) return initcheck_probe(sms);
   if (fc1_profile) {  // one launch of each kernel at the prefill shape, for a profiler
-    check_fc1_swiglu("prefill, spread", {7168, 2048, spread_rows(32768), 0, false, false, false}, sms, 34, false);
+    check_fc1_swiglu("prefill, spread", fc1_prefill_case(false), sms, 34, false);
     return g_failures == 0 ? 0 : 1;
   }
   if (fc1) {
