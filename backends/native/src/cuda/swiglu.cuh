@@ -46,6 +46,15 @@ __device__ __forceinline__ float clamp_up(float u, float lim) {
   return lim < u ? lim : u;
 }
 
+// h = (g * sig) * u, times w when weight: the FC2 operand from the clamped g and u and
+// sig = sigmoid(g). swiglu_operand's arithmetic, and the fused FC1 epilogue's, which computes
+// its sigmoids apart (in batches).
+__device__ __forceinline__ float swiglu_from_sigmoid(float g, float sig, float u, float w, bool weight) {
+  const float s = fmul(g, sig);
+  const float h = fmul(s, u);
+  return weight ? fmul(w, h) : h;
+}
+
 // The unrounded FC2 operand of one element: h = (g * sig) * u from the FC1
 // output c (clamped), times w when the router weight goes into FC1.
 __device__ __forceinline__ float swiglu_operand(float g, float u, float w, const SwigluParams& p) {
@@ -53,9 +62,7 @@ __device__ __forceinline__ float swiglu_operand(float g, float u, float w, const
     g = clamp_gate(g, p.limit);
     u = clamp_up(u, p.limit);
   }
-  const float s = fmul(g, sigmoid(g));
-  const float h = fmul(s, u);
-  return p.apply_topk_in_fc1 ? fmul(w, h) : h;
+  return swiglu_from_sigmoid(g, sigmoid(g), u, w, p.apply_topk_in_fc1 != 0);
 }
 
 // The backward of one element (docs/spec.md 9.2) from the stash's raw g~, u~ and dh:

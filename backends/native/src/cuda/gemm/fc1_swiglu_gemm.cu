@@ -158,7 +158,7 @@ struct Fc1SwigluCallbacks {
     // elements ran one after another while the tensor cores waited): the router weight of
     // each of the thread's rows, loaded once; every gate value's sigmoid (recip_rn_fast, the
     // rare elements outside its range divided after); then h, rounded and stored with the
-    // stash. The arithmetic is swiglu_operand's, operation for operation (no clamp is the
+    // stash. The arithmetic is swiglu_operand's (swiglu_from_sigmoid; no clamp is the
     // clamp at +inf: clamp_gate(g, inf) = g and clamp_up(u, inf) = u, NaN included).
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor visit_results) {
@@ -210,9 +210,8 @@ struct Fc1SwigluCallbacks {
         }
         // h of the gate element b0 + j (its up element ku), unrounded.
         auto h_of = [&](int j, int ku, float w) {
-          const float s = detail::fmul(detail::clamp_gate(v(b0 + j), lim), sig[j]);
-          const float h = detail::fmul(s, detail::clamp_up(v(ku), lim));
-          return apply_weight ? detail::fmul(w, h) : h;
+          return detail::swiglu_from_sigmoid(detail::clamp_gate(v(b0 + j), lim), sig[j], detail::clamp_up(v(ku), lim),
+                                             w, apply_weight);
         };
         for_each(make_int_sequence<kBatch>{}, [&](auto J) {
           constexpr int j = decltype(J)::value;
