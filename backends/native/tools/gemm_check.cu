@@ -1605,6 +1605,45 @@ void check_recip_fast() {
   CHECK_CUDA(cudaFree(first));
 }
 
+// bf16_pair_rn_cvt (format_math.cuh) against bf16_from_float on every float32 bit pattern b:
+// (b, ~b) as a pair, so both halves see every value; NaN inputs are any_nan's and left out.
+__global__ void bf16_cvt_check(unsigned long long* mismatches, uint32_t* first) {
+  using namespace moe_ep::cuda::detail;
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < (uint64_t{1} << 32);
+       i += uint64_t{gridDim.x} * blockDim.x) {
+    const uint32_t b = static_cast<uint32_t>(i);
+    const float a = __uint_as_float(b), c = __uint_as_float(~b);
+    const bool nan = any_nan(a, c);
+    if (nan != (isnan(a) || isnan(c)) ||
+        (!nan && bf16_pair_rn_cvt(a, c) != bf16_pair(bf16_from_float(a), bf16_from_float(c)))) {
+      atomicAdd(mismatches, 1ull);
+      atomicMin(first, b);
+    }
+  }
+}
+
+void check_bf16_cvt() {
+  unsigned long long* n = device_alloc<unsigned long long>(1);
+  uint32_t* first = device_alloc<uint32_t>(1);
+  CHECK_CUDA(cudaMemset(n, 0, sizeof *n));
+  CHECK_CUDA(cudaMemset(first, 0xFF, sizeof *first));
+  bf16_cvt_check<<<4096, 256>>>(n, first);
+  CHECK_CUDA(cudaGetLastError());
+  unsigned long long hn = 0;
+  uint32_t hf = 0;
+  CHECK_CUDA(cudaMemcpy(&hn, n, sizeof hn, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(&hf, first, sizeof hf, cudaMemcpyDeviceToHost));
+  if (hn == 0) {
+    std::printf("ok        bf16_pair_rn_cvt: equals bf16_from_float's pair bit for bit on every float32 that is "
+                "not NaN, and any_nan finds every NaN\n");
+  } else {
+    ++g_failures;
+    std::printf("MISMATCH  bf16_pair_rn_cvt: %llu float32 values wrong, the first 0x%08x\n", hn, hf);
+  }
+  CHECK_CUDA(cudaFree(n));
+  CHECK_CUDA(cudaFree(first));
+}
+
 void check_fc1_swiglu(const char* name, const Fc1Case& k, int sm_count, uint64_t seed, bool timing) {
   using moe_ep::cuda::Fc1SwigluProblem;
   const int E = static_cast<int>(k.rows.size());
@@ -1749,6 +1788,7 @@ Fc1Case fc1_prefill_case(bool stash) { return {7168, 2048, spread_rows(32768), 0
 
 void fc1_swiglu_checks(bool timing, int sm_count) {
   check_recip_fast();
+  check_bf16_cvt();
   // Ragged groups: empty ones, groups off the 128-row tile, one of several tiles; rows past the slabs.
   const std::vector<int> ragged = {0, 1, 129, 0, 300, 7, 256, 45, 0};
   for (bool stash : {true, false})

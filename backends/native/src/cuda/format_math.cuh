@@ -53,6 +53,20 @@ __device__ __forceinline__ uint16_t bf16_from_float(float f) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 __device__ __forceinline__ float bf16_to_float(uint16_t b) { return bitsf(static_cast<uint32_t>(b) << 16); }
+
+// The pair (a, b) as bf16 bits, a in the low half, by the hardware's convert
+// (cvt.rn.bf16x2.f32: one instruction for two values): bf16_pair(bf16_from_float(a),
+// bf16_from_float(b)) for every a and b that is not NaN (nearest, ties to even, overflow to
+// +-Inf, subnormals kept; moe_ep_gemm_check checks every float32). A NaN gives the hardware's
+// NaN, not bf16_from_float's: callers test for NaN apart (any_nan) and round those with
+// bf16_from_float.
+__device__ __forceinline__ uint32_t bf16_pair_rn_cvt(float a, float b) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+  return r;
+}
+// Whether a or b is NaN (the unordered compare: one FSETP.NAN).
+__device__ __forceinline__ bool any_nan(float a, float b) { return (a != a) | (b != b); }
 __device__ __forceinline__ float bf16_round_trip(float f) { return bf16_to_float(bf16_from_float(f)); }
 
 // bf16 bit patterns packed in memory order: a pair as one word (a in the low half), four

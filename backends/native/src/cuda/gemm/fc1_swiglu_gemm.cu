@@ -91,6 +91,58 @@ CUTE_HOST_DEVICE constexpr int first_in_row(int k) {
   return k;
 }
 
+// The column (relative to the thread's first element) and row of element k of CL.
+template <class CL>
+CUTE_HOST_DEVICE constexpr int col_of(int k) {
+  return static_cast<int>(get<1>(CL{}(k)));
+}
+template <class CL>
+CUTE_HOST_DEVICE constexpr int row_of(int k) {
+  return static_cast<int>(get<0>(CL{}(k)));
+}
+// Element k has its up value (the element kGate columns on) in the thread: a gate element.
+template <class CL>
+CUTE_HOST_DEVICE constexpr bool has_up(int k) {
+  return element_at<CL>(k, 0, kGate) >= 0;
+}
+
+// What the epilogue's paired path (Fc1SwigluCallbacks::reduce) needs of a thread's subtile CL,
+// at compile time: every gate element at an even column stored with the next column (itself
+// a gate element, in the same batch), every one at an odd column with the previous one;
+// then the columns' extent, which reduce compares with the thread's first column.
+// (From the elements' coordinates listed once: element_at per element exceeds the compiler's
+// constexpr budget.)
+struct SubtileColumns {
+  bool paired = true;
+  int max_gate = 0;      // the largest column of a gate element
+  int min_up = 1 << 30;  // the smallest column of an element without its up value (an up value)
+  int max = 0;           // the largest column
+};
+template <class CL>
+CUTE_HOST_DEVICE constexpr SubtileColumns subtile_columns() {
+  constexpr int n = decltype(size(CL{}))::value;
+  int row[n] = {}, col[n] = {};
+  for (int k = 0; k < n; ++k) row[k] = row_of<CL>(k), col[k] = col_of<CL>(k);
+  auto at = [&](int k, int dm, int dn) {
+    for (int j = 0; j < n; ++j)
+      if (row[j] == row[k] + dm && col[j] == col[k] + dn) return j;
+    return -1;
+  };
+  SubtileColumns r;
+  for (int k = 0; k < n; ++k) {
+    const int c = col[k];
+    r.max = c > r.max ? c : r.max;
+    if (at(k, 0, kGate) < 0) {
+      r.min_up = c < r.min_up ? c : r.min_up;
+      continue;
+    }
+    r.max_gate = c > r.max_gate ? c : r.max_gate;
+    const int next = at(k, 0, (c & 1) == 0 ? 1 : -1);
+    if (next < 0 || at(next, 0, kGate) < 0 || next / kBatch != k / kBatch) r.paired = false;
+  }
+  return r;
+}
+
 __device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
@@ -152,19 +204,139 @@ struct Fc1SwigluCallbacks {
       return frg_acc;
     }
 
-    // The subtile in three passes over the thread's elements, each unrolled straight-line code
-    // the compiler can interleave (a gate value's expf, reciprocal and rounding are a long
-    // dependent chain; per element, with the IEEE division's slow-path branch in it, the
-    // elements ran one after another while the tensor cores waited): the router weight of
-    // each of the thread's rows, loaded once; every gate value's sigmoid (recip_rn_fast, the
-    // rare elements outside its range divided after); then h, rounded and stored with the
-    // stash. The arithmetic is swiglu_operand's (swiglu_from_sigmoid; no clamp is the
-    // clamp at +inf: clamp_gate(g, inf) = g and clamp_up(u, inf) = u, NaN included).
+    // The subtile. Its layout CL is the accumulator's (compile time): each thread holds two
+    // rows and, of each, the column pairs 8 j + {0, 1} from its first column (wgmma's C layout),
+    // so its columns lie in one block of kGate gate columns and their kGate up columns, each
+    // gate value with its up value and its neighbour column (subtile_columns, asserted here),
+    // and its first column is even and at most 6 into the block (checked: a thread whose
+    // columns do not line up takes reduce_general, element by element). Per row: its pointers,
+    // its router weight and whether it is one of the group's. Per batch of kBatch elements:
+    // every gate value's sigmoid (recip_rn_fast; a batch with a value outside its range
+    // divides); then per pair of gate columns h, the stash's gate and up words, each by one
+    // convert (bf16_pair_rn_cvt; a pair with a NaN among its six values rounds them with
+    // bf16_from_float), stored at compile-time offsets from the row's pointers. The
+    // arithmetic is swiglu_operand's (swiglu_from_sigmoid); without a clamp g and u are the
+    // accumulator's (clamp_gate(g, inf) = g, clamp_up(u, inf) = u, NaN included), so the
+    // kClamp = false instance leaves the compares out.
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor visit_results) {
       Tensor cD = tCcD(_, _, _, epi_m, epi_n);  // this subtile's elements of the thread
       using CL = decltype(cD.layout());
       static_assert(is_static<CL>::value, "the subtile's coordinate layout is static");
+      constexpr SubtileColumns kCols = subtile_columns<CL>();
+      static_assert(kCols.paired, "each gate value has its up value and its neighbour column in the thread");
+      const int m0 = base_m + static_cast<int>(get<0>(cD(0)));  // the thread's first element
+      const int n0 = base_n + static_cast<int>(get<1>(cD(0)));
+      const int lo = n0 & (2 * kGate - 1);  // its column in its block of gate and up columns
+      if ((lo & 1) != 0 || lo + kCols.max_gate >= kGate || lo + kCols.min_up < kGate || lo + kCols.max >= 2 * kGate) {
+        reduce_general(cD, visit_results);
+        return;
+      }
+      // 2 I is a multiple of 2 kGate (fc1_swiglu_gemm_supported): the block lies in the
+      // problem's columns or past them (the cluster's second CTA), nothing to store then.
+      if (n0 - lo >= cols) return;
+      if (params.has_clamp)
+        reduce_paired<CL, true>(m0, n0 - lo, lo, visit_results);
+      else
+        reduce_paired<CL, false>(m0, n0 - lo, lo, visit_results);
+    }
+
+    // reduce's work on a thread's block from column S (lo its first element's column in it).
+    template <class CL, bool kClamp, class VTensor>
+    CUTLASS_DEVICE void reduce_paired(int m0, int S, int lo, VTensor const& visit_results) {
+      constexpr int kN = decltype(size(CL{}))::value;
+      static_assert(kN % kBatch == 0, "whole batches");
+      constexpr int kFrags = decltype(size(visit_results))::value;
+      constexpr int kF = kN / kFrags;
+      static_assert(kF * kFrags == kN, "whole fragments");
+      auto v = [&](int k) { return static_cast<float>(visit_results(k / kF)[k % kF]); };
+      const int64_t I = params.I;
+      const bool apply_weight = params.apply_weight != 0;
+      const bool stash = params.stash != nullptr;
+      const float lim = params.limit;
+      auto gate = [&](int k) { return kClamp ? detail::clamp_gate(v(k), lim) : v(k); };
+      auto up = [&](int k) { return kClamp ? detail::clamp_up(v(k), lim) : v(k); };
+
+      // At a row's first element: the row's router weight, whether the group has it, where
+      // its h and stash columns of the block start.
+      float w_row[kN];
+      bool ok_row[kN];
+      uint16_t* h_row[kN];
+      uint16_t* s_row[kN];
+      for_each(make_int_sequence<kN>{}, [&](auto K) {
+        constexpr int k = decltype(K)::value;
+        if constexpr (first_in_row<CL>(k) == k) {
+          const int m = m0 + row_of<CL>(k);
+          const int64_t r = row0 + m;
+          ok_row[k] = m < rows;
+          w_row[k] = apply_weight && ok_row[k] ? params.weight[r] : 0.0f;
+          const int64_t col = (S >> 1) + lo;  // h's column of the block's first gate column, plus lo
+          h_row[k] = params.h + r * I + col;
+          s_row[k] = stash ? params.stash + r * 2 * I + col : nullptr;
+        }
+      });
+
+      for_each(make_int_sequence<kN / kBatch>{}, [&](auto B) {
+        constexpr int b0 = decltype(B)::value * kBatch;
+        // Every gate value's sigmoid: d = 1 + exp(-g) is at least 1 or NaN, so recip_rn_fast_ok(d)
+        // is d < 2^64; a batch with one outside divides all its gate values (the same quotients
+        // where recip_rn_fast applies).
+        float sig[kBatch];
+        bool divide = false;
+        for_each(make_int_sequence<kBatch>{}, [&](auto J) {
+          constexpr int j = decltype(J)::value;
+          if constexpr (has_up<CL>(b0 + j)) {
+            const float d = detail::fadd(1.0f, expf(-gate(b0 + j)));
+            sig[j] = detail::recip_rn_fast(d);
+            divide |= !(d < 0x1p64f);
+          }
+        });
+        if (divide) {
+          for_each(make_int_sequence<kBatch>{}, [&](auto J) {
+            constexpr int j = decltype(J)::value;
+            if constexpr (has_up<CL>(b0 + j)) sig[j] = detail::sigmoid(gate(b0 + j));
+          });
+        }
+        auto h_of = [&](int k, float w) {  // h of gate element k, unrounded
+          return detail::swiglu_from_sigmoid(gate(k), sig[k - b0], up(element_at<CL>(k, 0, kGate)), w, apply_weight);
+        };
+        // The pairs: j at an even column (k), its neighbour k1; their up elements ku, ku1.
+        for_each(make_int_sequence<kBatch>{}, [&](auto J) {
+          constexpr int j = decltype(J)::value, k = b0 + j;
+          if constexpr (has_up<CL>(k) && (col_of<CL>(k) & 1) == 0) {
+            constexpr int k1 = element_at<CL>(k, 0, 1), ku = element_at<CL>(k, 0, kGate),
+                          ku1 = element_at<CL>(k1, 0, kGate);
+            constexpr int f = first_in_row<CL>(k), c = col_of<CL>(k);
+            const float w = w_row[f];
+            const float h0 = h_of(k, w), h1 = h_of(k1, w);
+            uint32_t ph = detail::bf16_pair_rn_cvt(h0, h1), pg = 0, pu = 0;
+            bool nan = detail::any_nan(h0, h1);
+            if (stash) {
+              pg = detail::bf16_pair_rn_cvt(v(k), v(k1));
+              pu = detail::bf16_pair_rn_cvt(v(ku), v(ku1));
+              nan |= detail::any_nan(v(k), v(k1)) | detail::any_nan(v(ku), v(ku1));
+            }
+            if (nan) {
+              ph = pack2(detail::bf16_from_float(h0), detail::bf16_from_float(h1));
+              pg = pack2(detail::bf16_from_float(v(k)), detail::bf16_from_float(v(k1)));
+              pu = pack2(detail::bf16_from_float(v(ku)), detail::bf16_from_float(v(ku1)));
+            }
+            if (ok_row[f]) {
+              *reinterpret_cast<uint32_t*>(h_row[f] + c) = ph;
+              if (stash) {
+                *reinterpret_cast<uint32_t*>(s_row[f] + c) = pg;
+                *reinterpret_cast<uint32_t*>(s_row[f] + I + c) = pu;
+              }
+            }
+          }
+        });
+      });
+    }
+
+    // The general path (any first column): per element, as the pass.
+    template <class CTensor, class VTensor>
+    CUTLASS_DEVICE void reduce_general(CTensor const& cD, VTensor const& visit_results) {
+      using CL = decltype(cD.layout());
       constexpr int kN = decltype(size(CL{}))::value;
       static_assert(kN % kBatch == 0, "whole batches");
       // The values: visit_results holds the subtile's elements in cD's order, kF to a fragment.
