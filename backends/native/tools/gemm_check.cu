@@ -21,7 +21,7 @@
 //                                      then (unless --no-time) both timed at the prefill shape
 //   moe_ep_gemm_check --fc1-swiglu-profile
 //                                      the prefill shape's check alone: one launch of each kernel
-//                                      (for ncu -k regex:GemmUniversal)
+//                                      (for ncu -k regex:device_kernel: the CUTLASS kernels' function name)
 //   moe_ep_gemm_check --initcheck-probe  (under compute-sanitizer --tool initcheck) whether the tool
 //                                      sees the grouped GEMM's stores
 //
