@@ -1583,26 +1583,35 @@ __global__ void recip_fast_check(unsigned long long* mismatches, uint32_t* first
   }
 }
 
-void check_recip_fast() {
+// Runs an exhaustive check kernel (mismatches, first: its counter and the smallest failing
+// bit pattern) on 4096 blocks of 256 threads and prints its line: ok_line, or "MISMATCH
+// what: ..." (counted in g_failures).
+template <class Kernel>
+void run_exhaustive_check(Kernel kernel, const char* what, const char* ok_line) {
   unsigned long long* n = device_alloc<unsigned long long>(1);
   uint32_t* first = device_alloc<uint32_t>(1);
   CHECK_CUDA(cudaMemset(n, 0, sizeof *n));
   CHECK_CUDA(cudaMemset(first, 0xFF, sizeof *first));
-  recip_fast_check<<<4096, 256>>>(n, first);
+  kernel<<<4096, 256>>>(n, first);
   CHECK_CUDA(cudaGetLastError());
   unsigned long long hn = 0;
   uint32_t hf = 0;
   CHECK_CUDA(cudaMemcpy(&hn, n, sizeof hn, cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(&hf, first, sizeof hf, cudaMemcpyDeviceToHost));
   if (hn == 0) {
-    std::printf("ok        recip_rn_fast: equals __fdiv_rn(1, d) bit for bit on every float32 d in [1, 2^64), "
-                "and recip_rn_fast_ok holds there only\n");
+    std::printf("ok        %s: %s\n", what, ok_line);
   } else {
     ++g_failures;
-    std::printf("MISMATCH  recip_rn_fast: %llu float32 values wrong, the first 0x%08x\n", hn, hf);
+    std::printf("MISMATCH  %s: %llu float32 values wrong, the first 0x%08x\n", what, hn, hf);
   }
   CHECK_CUDA(cudaFree(n));
   CHECK_CUDA(cudaFree(first));
+}
+
+void check_recip_fast() {
+  run_exhaustive_check(recip_fast_check, "recip_rn_fast",
+                       "equals __fdiv_rn(1, d) bit for bit on every float32 d in [1, 2^64), and recip_rn_fast_ok "
+                       "holds there only");
 }
 
 // bf16_pair_rn_cvt (format_math.cuh) against bf16_from_float on every float32 bit pattern b:
@@ -1623,25 +1632,9 @@ __global__ void bf16_cvt_check(unsigned long long* mismatches, uint32_t* first) 
 }
 
 void check_bf16_cvt() {
-  unsigned long long* n = device_alloc<unsigned long long>(1);
-  uint32_t* first = device_alloc<uint32_t>(1);
-  CHECK_CUDA(cudaMemset(n, 0, sizeof *n));
-  CHECK_CUDA(cudaMemset(first, 0xFF, sizeof *first));
-  bf16_cvt_check<<<4096, 256>>>(n, first);
-  CHECK_CUDA(cudaGetLastError());
-  unsigned long long hn = 0;
-  uint32_t hf = 0;
-  CHECK_CUDA(cudaMemcpy(&hn, n, sizeof hn, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(&hf, first, sizeof hf, cudaMemcpyDeviceToHost));
-  if (hn == 0) {
-    std::printf("ok        bf16_pair_rn_cvt: equals bf16_from_float's pair bit for bit on every float32 that is "
-                "not NaN, and any_nan finds every NaN\n");
-  } else {
-    ++g_failures;
-    std::printf("MISMATCH  bf16_pair_rn_cvt: %llu float32 values wrong, the first 0x%08x\n", hn, hf);
-  }
-  CHECK_CUDA(cudaFree(n));
-  CHECK_CUDA(cudaFree(first));
+  run_exhaustive_check(bf16_cvt_check, "bf16_pair_rn_cvt",
+                       "equals bf16_from_float's pair bit for bit on every float32 that is not NaN, and any_nan "
+                       "finds every NaN");
 }
 
 void check_fc1_swiglu(const char* name, const Fc1Case& k, int sm_count, uint64_t seed, bool timing) {

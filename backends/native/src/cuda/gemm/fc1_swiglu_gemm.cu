@@ -143,6 +143,16 @@ CUTE_HOST_DEVICE constexpr SubtileColumns subtile_columns() {
   return r;
 }
 
+// Element k of a thread's subtile of kN elements from the fusion callbacks' visit_results
+// (the elements in the subtile's coordinate-layout order, kN / size(visit_results) a fragment).
+template <int kN, class VTensor>
+CUTLASS_DEVICE float subtile_value(VTensor const& visit_results, int k) {
+  constexpr int kFrags = decltype(size(visit_results))::value;
+  constexpr int kF = kN / kFrags;
+  static_assert(kF * kFrags == kN, "whole fragments");
+  return static_cast<float>(visit_results(k / kF)[k % kF]);
+}
+
 __device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
@@ -246,10 +256,7 @@ struct Fc1SwigluCallbacks {
     CUTLASS_DEVICE void reduce_paired(int m0, int S, int lo, VTensor const& visit_results) {
       constexpr int kN = decltype(size(CL{}))::value;
       static_assert(kN % kBatch == 0, "whole batches");
-      constexpr int kFrags = decltype(size(visit_results))::value;
-      constexpr int kF = kN / kFrags;
-      static_assert(kF * kFrags == kN, "whole fragments");
-      auto v = [&](int k) { return static_cast<float>(visit_results(k / kF)[k % kF]); };
+      auto v = [&](int k) { return subtile_value<kN>(visit_results, k); };
       const int64_t I = params.I;
       const bool apply_weight = params.apply_weight != 0;
       const bool stash = params.stash != nullptr;
@@ -339,11 +346,7 @@ struct Fc1SwigluCallbacks {
       using CL = decltype(cD.layout());
       constexpr int kN = decltype(size(CL{}))::value;
       static_assert(kN % kBatch == 0, "whole batches");
-      // The values: visit_results holds the subtile's elements in cD's order, kF to a fragment.
-      constexpr int kFrags = decltype(size(visit_results))::value;
-      constexpr int kF = kN / kFrags;
-      static_assert(kF * kFrags == kN, "whole fragments");
-      auto v = [&](int k) { return static_cast<float>(visit_results(k / kF)[k % kF]); };
+      auto v = [&](int k) { return subtile_value<kN>(visit_results, k); };
       const int64_t I = params.I;
       const bool apply_weight = params.apply_weight != 0;
       const float lim = params.has_clamp ? params.limit : __int_as_float(0x7f800000);
